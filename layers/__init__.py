@@ -1,0 +1,1 @@
+"""Parallel linears, attention, the dense reference block and the tensor-parallel blocks."""

@@ -1,0 +1,87 @@
+"""Model shapes and the checks that must pass before any collective is issued."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from tp.dist import ConfigError
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+VARIANTS = ("v1", "v2")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A GPT-2-style pre-LN decoder stack. k = n_heads * d_head is the attention width."""
+
+    d_model: int = 512
+    n_heads: int = 8
+    d_head: int = 64
+    d_ffn: int = 2048
+    n_layers: int = 8
+    max_seq_len: int = 1024
+    ln_eps: float = 1e-5
+
+    @property
+    def k(self) -> int:
+        return self.n_heads * self.d_head
+
+    def asdict(self) -> dict:
+        return asdict(self)
+
+
+def valid_tp_sizes(cfg: ModelConfig, up_to: int = 64) -> list[int]:
+    return [p for p in range(1, up_to + 1) if cfg.n_heads % p == 0 and cfg.d_ffn % p == 0 and cfg.d_model % p == 0]
+
+
+def validate_model(cfg: ModelConfig, p: int) -> None:
+    """Raise ConfigError naming the numbers to change. Pure: every rank reaches the same verdict."""
+    for name in ("d_model", "n_heads", "d_head", "d_ffn", "n_layers"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"model.{name}={getattr(cfg, name)} must be a positive integer")
+    if cfg.d_model != cfg.k:
+        raise ConfigError(
+            f"d_model={cfg.d_model} must equal n_heads*d_head={cfg.n_heads}*{cfg.d_head}={cfg.k} "
+            f"(the GPT-2 block adds the attention output back onto the residual stream); "
+            f"set model.d_head={cfg.d_model // cfg.n_heads if cfg.d_model % cfg.n_heads == 0 else '?'}"
+        )
+    valid = ", ".join(map(str, valid_tp_sizes(cfg)))
+    if cfg.n_heads % p:
+        raise ConfigError(
+            f"n_heads={cfg.n_heads} heads cannot be split over p={p} ranks (head-aligned split "
+            f"needs n_heads % p == 0); valid tensor-parallel sizes: {valid}"
+        )
+    if cfg.d_ffn % p:
+        raise ConfigError(
+            f"d_ffn={cfg.d_ffn} is not divisible by p={p} ranks; valid tensor-parallel sizes: {valid}"
+        )
+    if cfg.d_model % p:
+        # v1 column-splits the output projection and FFN-down over d_model.
+        raise ConfigError(
+            f"d_model={cfg.d_model} is not divisible by p={p} ranks; valid tensor-parallel sizes: {valid}"
+        )
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def parse_variants(names) -> list[str]:
+    names = [names] if isinstance(names, str) else list(names)
+    if not names:
+        raise ConfigError(f"variants is empty; choose from {', '.join(VARIANTS)}")
+    for v in names:
+        if v not in VARIANTS:
+            raise ConfigError(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    return names
+
+
+def validate_tokens(cfg: ModelConfig, n_tokens: int) -> None:
+    if n_tokens < 1:
+        raise ConfigError(f"n_tokens={n_tokens} must be at least 1")
+    if n_tokens > cfg.max_seq_len:
+        raise ConfigError(f"n_tokens={n_tokens} exceeds model.max_seq_len={cfg.max_seq_len}")

@@ -1,0 +1,79 @@
+"""The single-device reference: a GPT-2 pre-LN block and a stack of them.
+
+This is the model a user already has. Tensor-parallel modules are built from
+its weights (see layers/shard.py), and the equivalence check compares against it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from layers.attention import causal_attention
+from layers.config import ModelConfig
+
+
+class DenseBlock(nn.Module):
+    """x -> LN1 -> QKV [d x 3k] -> causal MHA -> out proj [k x d] -> +x -> LN2 -> up -> GeLU -> down -> +."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.cfg = cfg
+        self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, **kw)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.k, **kw)  # weight [3k, d], rows [Q | K | V]
+        self.attn_out = nn.Linear(cfg.k, cfg.d_model, **kw)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, **kw)
+        self.mlp_up = nn.Linear(cfg.d_model, cfg.d_ffn, **kw)
+        self.mlp_down = nn.Linear(cfg.d_ffn, cfg.d_model, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [n, d]
+        a = causal_attention(self.qkv(self.ln_1(x)), self.cfg.d_head)  # [n, k]
+        x = x + self.attn_out(a)
+        h = F.gelu(self.mlp_up(self.ln_2(x)), approximate="tanh")  # [n, ffn]
+        return x + self.mlp_down(h)
+
+
+class DenseStack(nn.Module):
+    """L dense blocks. `forward` returns every layer's output, the last one is the stack's output."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.blocks = nn.ModuleList(DenseBlock(cfg, dtype, device) for _ in range(cfg.n_layers))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        outs = []
+        for block in self.blocks:
+            x = block(x)
+            outs.append(x)
+        return outs
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> nn.Module:
+    """Deterministic init, identical on every rank and device (drawn on the CPU).
+
+    Biases and LayerNorm parameters are random too, so a bias added p times or a
+    LayerNorm applied to the wrong slice cannot hide behind zeros and ones.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if ".ln_" in f".{name}":
+            base = 1.0 if name.endswith("weight") else 0.0
+            values = base + 0.1 * torch.randn(param.shape, generator=gen, dtype=torch.float64)
+        else:
+            values = std * torch.randn(param.shape, generator=gen, dtype=torch.float64)
+        param.copy_(values.to(param.dtype))
+    return model
+
+
+def weights_checksum(model: nn.Module) -> torch.Tensor:
+    """Two float64 numbers that differ, with overwhelming likelihood, when any weight differs."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for i, param in enumerate(model.parameters()):
+        flat = param.detach().to("cpu", torch.float64).flatten()
+        ramp = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64)
+        total += torch.stack([flat.sum(), (flat * ramp).sum() * (i + 1)])
+    return total

@@ -1,0 +1,131 @@
+"""Run a function on p gloo ranks inside one test, and report every rank's failure.
+
+Starting p Python processes that import torch costs seconds, so each world size
+gets one pool of ranks that lives for the whole pytest session and runs one task
+after another. A task that fails on any rank, or does not finish in time, tears
+the pool down (a rank may be stuck in a collective); the next task starts a fresh one.
+
+    def check(ctx, n):            # module level, so it can be pickled by name
+        ...                       # ctx: tp.dist.TPContext (group, rank, world_size, device)
+        return something_picklable
+
+    results = run_ranks(4, check, 40)   # [result of rank 0, ..., result of rank 3]
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import queue
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+_POOLS: dict[int, "RankPool"] = {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from tp.dist import context
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}",
+            timeout=datetime.timedelta(seconds=90),
+        )
+        ctx = context(dist.group.WORLD, backend="gloo", device=torch.device("cpu"))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(ctx, *args, **kwargs)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        spawn = mp.get_context("spawn")
+        self.results = spawn.Queue()
+        self.tasks = [spawn.Queue() for _ in range(world_size)]
+        port = _free_port()
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        self.procs = [
+            spawn.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+            for r in range(world_size)
+        ]
+        for proc in self.procs:
+            proc.start()
+
+    def run(self, fn, *args, timeout: float = 300.0, **kwargs) -> list:
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        got: dict[int, tuple[bool, object]] = {}
+        deadline = timeout
+        while len(got) < self.world_size:
+            try:
+                rank, ok, value = self.results.get(timeout=deadline)
+            except queue.Empty:
+                break
+            got[rank] = (ok, value)
+            if not ok:
+                deadline = 15.0  # the others may be blocked in a collective: give them a moment, no more
+        failures = [f"--- rank {r} failed:\n{v}" for r, (ok, v) in sorted(got.items()) if not ok]
+        missing = [r for r in range(self.world_size) if r not in got]
+        if failures or missing:
+            self.close(force=True)
+            lines = [f"{fn.__name__} on {self.world_size} ranks:"] + failures
+            if missing:
+                lines.append(f"--- ranks {missing} did not finish (timeout or stuck in a collective)")
+            raise AssertionError("\n".join(lines))
+        return [got[r][1] for r in range(self.world_size)]
+
+    def alive(self) -> bool:
+        return all(proc.is_alive() for proc in self.procs)
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for q in self.tasks:
+                q.put(None)
+            for proc in self.procs:
+                proc.join(timeout=10)
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        if _POOLS.get(self.world_size) is self:
+            del _POOLS[self.world_size]
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float = 300.0, **kwargs) -> list:
+    """Run fn(ctx, *args, **kwargs) on every rank of a gloo group of `world_size`; return the results by rank."""
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.close(force=True)
+        pool = _POOLS[world_size] = RankPool(world_size)
+    return pool.run(fn, *args, timeout=timeout, **kwargs)
+
+
+@atexit.register
+def close_all() -> None:
+    for pool in list(_POOLS.values()):
+        pool.close()

@@ -1,0 +1,108 @@
+"""Process groups and devices: the one place that decides NCCL/GPU vs gloo/CPU.
+
+Everything else in the project receives a `TPContext` (or just its `group`)
+and never reads the environment or a global process group itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+class ConfigError(ValueError):
+    """A bad setting found before any collective; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class TPContext:
+    """Who this rank is inside one tensor-parallel group, and where its tensors live."""
+
+    group: dist.ProcessGroup
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) as torchrun sets them; a plain `python` run is one rank."""
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return rank, local_rank, world_size
+
+
+def resolve_backend(backend: str, local_world_size: int) -> str:
+    """Pick the backend without touching any collective.
+
+    "auto" means NCCL with one GPU per rank when this node has at least as many
+    GPUs as local ranks, else gloo on CPU. Asking for NCCL without enough GPUs
+    is an error, not a silent fallback.
+    """
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        return "nccl" if n_gpus >= local_world_size else "gloo"
+    if backend == "nccl" and n_gpus < local_world_size:
+        raise ConfigError(
+            f"backend=nccl needs one GPU per rank: {local_world_size} local ranks but "
+            f"{n_gpus} CUDA device(s) visible; use backend=gloo (CPU) or fewer ranks"
+        )
+    return backend
+
+
+def device_for(backend: str, local_rank: int) -> torch.device:
+    if backend == "nccl":
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_from_env(backend: str = "auto", timeout_s: float = 120.0) -> TPContext:
+    """Join the torchrun job (or a one-rank job when run without torchrun).
+
+    The whole world is one tensor-parallel group: tp = WORLD_SIZE.
+    """
+    rank, local_rank, world_size = env_world()
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    backend = resolve_backend(backend, local_world_size)
+    device = device_for(backend, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return context(dist.group.WORLD, backend=backend, device=device)
+
+
+def context(group: dist.ProcessGroup, backend: str, device: torch.device) -> TPContext:
+    return TPContext(
+        group=group,
+        rank=dist.get_rank(group),
+        world_size=dist.get_world_size(group),
+        backend=backend,
+        device=device,
+    )
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
