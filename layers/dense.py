@@ -35,20 +35,27 @@ class DenseBlock(nn.Module):
         return x + self.mlp_down(h)
 
 
-class DenseStack(nn.Module):
-    """L dense blocks. `forward` returns every layer's output, the last one is the stack's output."""
+class Stack(nn.Module):
+    """L blocks in sequence. `forward` returns every layer's output; the last one is the stack's output."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device=None):
+    def __init__(self, cfg: ModelConfig, blocks: list[nn.Module]):
         super().__init__()
         self.cfg = cfg
-        self.blocks = nn.ModuleList(DenseBlock(cfg, dtype, device) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(blocks)
 
-    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outs = []
         for block in self.blocks:
             x = block(x)
             outs.append(x)
-        return outs
+        return tuple(outs)
+
+
+class DenseStack(Stack):
+    """The single-device model: L DenseBlocks."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__(cfg, [DenseBlock(cfg, dtype, device) for _ in range(cfg.n_layers)])
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from layers.attention import causal_attention
 from layers.config import ModelConfig
-from layers.dense import DenseBlock, DenseStack
+from layers.dense import DenseBlock, DenseStack, Stack
 from layers.linear import ColumnParallelLinear, RowParallelLinear
 from layers.shard import column_shard, load_, qkv_head_aligned_shard, row_shard
 from tp.comm import gather_from_region
@@ -98,23 +98,12 @@ class TPBlockV1(_TPBlockBase):
 BLOCKS = {"v1": TPBlockV1, "v2": TPBlockV2}
 
 
-class TPStack(nn.Module):
-    """L tensor-parallel blocks. `forward` returns every layer's output, like DenseStack."""
-
-    def __init__(self, blocks: list[nn.Module]):
-        super().__init__()
-        self.blocks = nn.ModuleList(blocks)
-
-    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        outs = []
-        for block in self.blocks:
-            x = block(x)
-            outs.append(x)
-        return outs
+class TPStack(Stack):
+    """L tensor-parallel blocks of one variant; every rank returns the same full [n, d] outputs."""
 
 
 def shard_stack(dense: DenseStack, variant: str, group: dist.ProcessGroup) -> TPStack:
     """Build the `variant` TP stack holding this rank's slices of `dense`'s weights."""
     param = next(dense.parameters())
     cls = BLOCKS[variant]
-    return TPStack([cls(dense.cfg, group, param.dtype, param.device).load_dense(b) for b in dense.blocks])
+    return TPStack(dense.cfg, [cls(dense.cfg, group, param.dtype, param.device).load_dense(b) for b in dense.blocks])
