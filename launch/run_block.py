@@ -52,19 +52,40 @@ class Settings:
 
 def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> Settings:
     """Every check that needs no communication. Raises ConfigError; identical on every rank."""
+    fields = OmegaConf.to_container(cfg.model, resolve=True)
+    for key, value in fields.items():
+        if key != "ln_eps" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"model.{key}={value!r} must be an integer")
     try:
-        model = ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+        model = ModelConfig(**fields)
     except TypeError as exc:
         raise ConfigError(f"bad model settings: {exc}") from None
     validate_model(model, world_size)
-    validate_tokens(model, int(cfg.n_tokens))
+    n_tokens, seed = _integer(cfg, "n_tokens"), _integer(cfg, "seed")
+    validate_tokens(model, n_tokens)
     dtype = parse_dtype(str(cfg.dtype))
     variants = parse_variants(OmegaConf.to_container(cfg.variants) if OmegaConf.is_list(cfg.variants) else cfg.variants)
     backend = resolve_backend(str(cfg.backend), local_world_size)
-    tolerance = DEFAULT_TOLERANCE[dtype] if cfg.tolerance is None else float(cfg.tolerance)
+    tolerance = DEFAULT_TOLERANCE[dtype] if cfg.tolerance is None else _positive_float(cfg, "tolerance")
     model_name = HydraConfig.get().runtime.choices.get("model", "custom") if HydraConfig.initialized() else "custom"
-    return Settings(model, model_name, int(cfg.n_tokens), dtype, int(cfg.seed), variants, backend, tolerance,
-                    str(cfg.report))
+    return Settings(model, model_name, n_tokens, dtype, seed, variants, backend, tolerance, str(cfg.report))
+
+
+def _integer(cfg: DictConfig, key: str) -> int:
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}={value!r} must be an integer")
+    return value
+
+
+def _positive_float(cfg: DictConfig, key: str) -> float:
+    try:
+        value = float(cfg[key])
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}={cfg[key]!r} must be a number") from None
+    if not value > 0:
+        raise ConfigError(f"{key}={value} must be positive")
+    return value
 
 
 # ---- the check ------------------------------------------------------------------------------

@@ -1,0 +1,39 @@
+# make demo   -- set up (once) and run the block check on NPROC ranks (gloo on CPU unless GPUs are there)
+# make test   -- set up (once) and run the test suite
+VENV    ?= .venv
+PYTHON  ?= python3
+NPROC   ?= 8
+ARGS    ?=
+TORCH_VERSION ?= 2.13.0
+PY      := $(VENV)/bin/python
+
+.PHONY: setup demo test clean
+
+setup: $(VENV)/.installed
+
+# torch goes in first, so that the project's own install finds it and pulls nothing bigger:
+#  - a machine with an NVIDIA driver gets the default (CUDA) build;
+#  - otherwise a CPU wheel already on disk (pip's find-links) if there is one,
+#  - else the CPU build from PyTorch's CPU-only index. A CUDA build is never downloaded without a GPU.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+	  echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(PY) -m pip install -q "torch==$(TORCH_VERSION)"; \
+	elif $(PY) -m pip install --no-index --no-deps "torch==$(TORCH_VERSION)" >/dev/null 2>&1; then \
+	  echo "torch $(TORCH_VERSION): local CPU wheel"; $(PY) -m pip install -q "torch==$(TORCH_VERSION)"; \
+	else \
+	  $(PY) -m pip install "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu; \
+	fi
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: setup
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) launch/run_block.py $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache *.egg-info

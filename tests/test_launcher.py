@@ -1,0 +1,82 @@
+"""The launcher end to end under torchrun, and every bad setting failing fast on every rank."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def torchrun(nproc: int, *overrides: str, run_dir: Path, timeout: float = 240):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "launch" / "run_block.py"), f"hydra.run.dir={run_dir}", *overrides]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"launcher hung for {timeout}s:\n{stdout}\n{stderr}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), time.monotonic() - start
+
+
+def test_two_ranks_end_to_end(tmp_path):
+    proc, _ = torchrun(2, "n_tokens=12", run_dir=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert out.count("tpref: tensor-parallel block check") == 1  # rank 0 prints, rank 1 does not
+    assert "PASS: v1, v2 at tp=2 match the single-device block" in out
+    assert "v1: 4 all_gather per layer; v2: 2 all_reduce per layer" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["world_size"] == 2 and report["equivalent"] is True
+    assert report["config"]["n_tokens"] == 12 and report["config"]["model"]["d_model"] == 512
+    for variant, kind, count in (("v1", "all_gather", 4), ("v2", "all_reduce", 2)):
+        res = report["variants"][variant]
+        assert res["equivalent"] is True
+        assert len(res["layers"]) == 8
+        for layer in res["layers"]:
+            assert layer["collectives"] == {kind: count}
+            assert layer["max_abs_err"] < 1e-4
+        assert [row["heads"] for row in res["shards"]] == [[0, 3], [4, 7]]
+    assert (tmp_path / ".hydra" / "config.yaml").exists()  # rank 0's record, written once
+    assert "report: " in out and str(tmp_path / "report.json") in out
+
+
+def test_failing_check_exits_non_zero(tmp_path):
+    # An impossible tolerance turns rounding into a failure: the verdict must reach the exit code.
+    proc, _ = torchrun(2, "n_tokens=4", "variants=[v2]", "tolerance=1e-30", run_dir=tmp_path)
+    assert proc.returncode != 0
+    assert "FAIL: v2 at tp=2 differ from the single-device block (v2)" in proc.stdout
+
+
+BAD = [
+    (3, [], "n_heads=8 heads cannot be split over p=3 ranks", "valid tensor-parallel sizes: 1, 2, 4, 8"),
+    (2, ["model.d_ffn=2049"], "d_ffn=2049 is not divisible by p=2 ranks", "valid tensor-parallel sizes: 1"),
+    (2, ["model.d_head=32"], "d_model=512 must equal n_heads*d_head=8*32=256", "model.d_head=64"),
+    (2, ["variants=[v1,v3]"], "unknown variant 'v3'", "choose from v1, v2"),
+    (2, ["backend=mpi"], "unknown backend 'mpi'", "auto, nccl, gloo"),
+    (2, ["dtype=float16"], "unknown dtype 'float16'", "float32, float64"),
+    (2, ["n_tokens=0"], "n_tokens=0 must be at least 1", ""),
+]
+if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+    BAD.append((2, ["backend=nccl"], "backend=nccl needs one GPU per rank", "use backend=gloo"))
+
+
+@pytest.mark.parametrize("nproc,overrides,message,advice", BAD, ids=[" ".join(b[1]) or f"nproc={b[0]}" for b in BAD])
+def test_bad_settings_fail_fast_on_every_rank(tmp_path, nproc, overrides, message, advice):
+    proc, elapsed = torchrun(nproc, *overrides, run_dir=tmp_path, timeout=120)
+    assert proc.returncode != 0
+    for rank in range(nproc):
+        assert f"[rank {rank}] error: {message}" in proc.stderr, proc.stderr
+    assert advice in proc.stderr
+    assert not (tmp_path / "report.json").exists()
+    assert elapsed < 60, f"took {elapsed:.0f}s to fail"
