@@ -189,6 +189,10 @@ def format_table(header: list[str], rows: list[list]) -> str:
                      for row in cells)
 
 
+def _span(first: int, last: int) -> str:
+    return str(first) if first == last else f"{first}-{last}"
+
+
 def render(report: dict) -> str:
     c, m = report["config"], report["config"]["model"]
     p = report["world_size"]
@@ -204,7 +208,7 @@ def render(report: dict) -> str:
         out.append(format_table(
             ["rank", "heads"] + [f"{n} ({res['shards'][0][n]['kind'].replace('ParallelLinear', '').lower()})"
                                  for n in LINEARS],
-            [[r["rank"], "{}-{}".format(*r["heads"])] + ["[{}x{}]".format(*r[n]["weight_in_out"]) for n in LINEARS]
+            [[r["rank"], _span(*r["heads"])] + ["[{}x{}]".format(*r[n]["weight_in_out"]) for n in LINEARS]
              for r in res["shards"]]))
         out += ["", f"{v} vs single-device block, tolerance {c['tolerance']:g} "
                     f"(max |tp - dense| / max |dense|):"]
