@@ -9,7 +9,7 @@ import torch
 from tp.dist import ConfigError
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-VARIANTS = ("v1", "v2")
+VARIANTS = ("v1", "v2", "intra_head")
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,15 @@ def parse_variants(names) -> list[str]:
         if v not in VARIANTS:
             raise ConfigError(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
     return names
+
+
+def validate_variants(cfg: ModelConfig, p: int, variants: list[str]) -> None:
+    if "intra_head" in variants and cfg.d_head % p:
+        valid = ", ".join(str(q) for q in valid_tp_sizes(cfg) if cfg.d_head % q == 0)
+        raise ConfigError(
+            f"variant intra_head splits every head's d_head={cfg.d_head} over p={p} ranks, which needs "
+            f"d_head % p == 0; valid tensor-parallel sizes for it: {valid} (or drop intra_head from variants)"
+        )
 
 
 def validate_tokens(cfg: ModelConfig, n_tokens: int) -> None:

@@ -37,19 +37,20 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, *,
-                 bias: bool = True, gather_output: bool = False, dtype=None, device=None):
+                 bias: bool = True, gather_output: bool = False, site: str | None = None, dtype=None, device=None):
         super().__init__()
         self.group = group
         self.gather_output = gather_output
+        self.site = site  # names this layer's collectives in the traffic ledger
         local_out = _per_rank(out_features, dist.get_world_size(group), "out_features")
         self.weight = nn.Parameter(torch.empty(local_out, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(local_out, dtype=dtype, device=device)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_region(x, self.group)
+        x = copy_to_region(x, self.group, self.site)
         y = F.linear(x, self.weight, self.bias)  # [n, out/p]
         if self.gather_output:
-            y = gather_from_region(y, self.group)  # [n, out]
+            y = gather_from_region(y, self.group, self.site)  # [n, out]
         return y
 
 
@@ -61,17 +62,18 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, *,
-                 bias: bool = True, input_is_parallel: bool = True, dtype=None, device=None):
+                 bias: bool = True, input_is_parallel: bool = True, site: str | None = None, dtype=None, device=None):
         super().__init__()
         self.group = group
         self.input_is_parallel = input_is_parallel
+        self.site = site  # names this layer's collectives in the traffic ledger
         local_in = _per_rank(in_features, dist.get_world_size(group), "in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local_in, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = scatter_to_region(x, self.group)  # [n, in/p]
+            x = scatter_to_region(x, self.group, self.site)  # [n, in/p]
         partial = F.linear(x, self.weight)  # [n, out], this rank's share of the sum
-        y = reduce_from_region(partial, self.group)  # all-reduce: [n, out], identical on every rank
+        y = reduce_from_region(partial, self.group, self.site)  # all-reduce: [n, out], identical on every rank
         return y if self.bias is None else y + self.bias

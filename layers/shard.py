@@ -45,6 +45,32 @@ def qkv_head_aligned_shard(weight: torch.Tensor, bias: torch.Tensor | None, n_he
     return take(weight), None if bias is None else take(bias)
 
 
+def qkv_intra_head_shard(weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int, rank: int, p: int):
+    """The counterfactual cut INSIDE heads: rank r keeps dims [r*dh/p, (r+1)*dh/p) of every head of Q, K, V.
+
+    Each rank then holds a partial Q·Kᵀ for every head, which must be all-reduced before softmax.
+    """
+    def take(t: torch.Tensor) -> torch.Tensor:
+        parts = rearrange(t, "(three h dh) ... -> three h dh ...", three=3, h=n_heads)
+        dhp = _per_rank(parts.shape[2], p, "d_head")
+        return rearrange(parts[:, :, rank * dhp:(rank + 1) * dhp], "three h dh ... -> (three h dh) ...").contiguous()
+
+    return take(weight), None if bias is None else take(bias)
+
+
+def out_proj_intra_head_shard(weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int, rank: int, p: int):
+    """Row shard of the output projection [d, k] matching qkv_intra_head_shard: dims r of every head."""
+    cols = rearrange(weight, "o (h dh) -> o h dh", h=n_heads)
+    dhp = _per_rank(cols.shape[2], p, "d_head")
+    return rearrange(cols[:, :, rank * dhp:(rank + 1) * dhp], "o h dh -> o (h dh)").contiguous(), bias
+
+
+def _per_rank(features: int, p: int, what: str) -> int:
+    if features % p:
+        raise ValueError(f"{what}={features} is not divisible by {p} ranks")
+    return features // p
+
+
 def heads_of_rank(n_heads: int, rank: int, p: int) -> range:
     hp = n_heads // p
     return range(rank * hp, (rank + 1) * hp)

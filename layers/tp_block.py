@@ -1,27 +1,36 @@
-"""The transformer block split over p ranks, two ways.
+"""The transformer block split over p ranks, three ways.
 
 v2 (Megatron pattern): column -> row for attention and for the MLP,
     2 all-reduces of [n, d] per block.
 v1 (every matmul column-parallel): 4 all-gathers per block, of [n, k], [n, d],
     [n, ffn] and [n, d]. Kept to measure what pairing column with row saves.
+intra_head (the counterfactual of seeds/03 §6): v2 with the QKV cut falling
+    INSIDE every head; the partial Q·Kᵀ scores [h, n, n] must be all-reduced
+    before softmax, a third collective that grows with n².
 
 Every line of a forward that communicates is marked ★. LayerNorm, GeLU and the
-residual adds run redundantly on every rank that holds the full tensor.
+residual adds run redundantly on every rank that holds the full tensor. The
+`site` strings only name collectives for the traffic ledger (tp/ledger.py);
+"dx" sites are the backward all-reduces of column-parallel input gradients.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from einops import rearrange
 
 from layers.attention import causal_attention
 from layers.config import ModelConfig
 from layers.dense import DenseBlock, DenseStack, Stack
 from layers.linear import ColumnParallelLinear, RowParallelLinear
-from layers.shard import column_shard, load_, qkv_head_aligned_shard, row_shard
-from tp.comm import gather_from_region
+from layers.shard import (column_shard, load_, out_proj_intra_head_shard, qkv_head_aligned_shard,
+                          qkv_intra_head_shard, row_shard)
+from tp.comm import copy_to_region, gather_from_region, reduce_from_region
 
 
 class _TPBlockBase(nn.Module):
@@ -32,9 +41,9 @@ class _TPBlockBase(nn.Module):
         kw = dict(dtype=dtype, device=device)
         self.ln_1 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, **kw)
         # Head-aligned: this rank's heads of Q, K and V, rows [Q_r | K_r | V_r].
-        self.qkv = ColumnParallelLinear(cfg.d_model, 3 * cfg.k, group, **kw)
+        self.qkv = ColumnParallelLinear(cfg.d_model, 3 * cfg.k, group, site="attn/qkv dx", **kw)
         self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, **kw)
-        self.mlp_up = ColumnParallelLinear(cfg.d_model, cfg.d_ffn, group, **kw)
+        self.mlp_up = ColumnParallelLinear(cfg.d_model, cfg.d_ffn, group, site="mlp/mlp_up dx", **kw)
 
     def _load_common(self, dense: DenseBlock, rank: int, p: int) -> None:
         self.ln_1.load_state_dict(dense.ln_1.state_dict())
@@ -49,8 +58,8 @@ class TPBlockV2(_TPBlockBase):
     def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup, dtype=torch.float32, device=None):
         super().__init__(cfg, group, dtype, device)
         kw = dict(dtype=dtype, device=device)
-        self.attn_out = RowParallelLinear(cfg.k, cfg.d_model, group, input_is_parallel=True, **kw)
-        self.mlp_down = RowParallelLinear(cfg.d_ffn, cfg.d_model, group, input_is_parallel=True, **kw)
+        self.attn_out = RowParallelLinear(cfg.k, cfg.d_model, group, site="attn/all-reduce #1", **kw)
+        self.mlp_down = RowParallelLinear(cfg.d_ffn, cfg.d_model, group, site="mlp/all-reduce #2", **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [n, d], identical on every rank
         a = causal_attention(self.qkv(self.ln_1(x)), self.cfg.d_head)  # [n, k/p]: this rank's heads only
@@ -73,18 +82,18 @@ class TPBlockV1(_TPBlockBase):
     def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup, dtype=torch.float32, device=None):
         super().__init__(cfg, group, dtype, device)
         kw = dict(dtype=dtype, device=device)
-        self.attn_out = ColumnParallelLinear(cfg.k, cfg.d_model, group, **kw)
-        self.mlp_down = ColumnParallelLinear(cfg.d_ffn, cfg.d_model, group, **kw)
+        self.attn_out = ColumnParallelLinear(cfg.k, cfg.d_model, group, site="attn/attn_out dx", **kw)
+        self.mlp_down = ColumnParallelLinear(cfg.d_ffn, cfg.d_model, group, site="mlp/mlp_down dx", **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [n, d], identical on every rank
         g = self.group
         a = causal_attention(self.qkv(self.ln_1(x)), self.cfg.d_head)  # [n, k/p]: this rank's heads only
-        a = gather_from_region(a, g)  # ★ gather #1: [n, k], out-proj needs every head
-        o = gather_from_region(self.attn_out(a), g)  # ★ gather #2: [n, d/p] -> [n, d] for the residual
+        a = gather_from_region(a, g, "attn/gather #1")  # ★ gather #1: [n, k], out-proj needs every head
+        o = gather_from_region(self.attn_out(a), g, "attn/gather #2")  # ★ gather #2: [n, d/p] -> [n, d]
         x = x + o
         h = F.gelu(self.mlp_up(self.ln_2(x)), approximate="tanh")  # [n, ffn/p]
-        h = gather_from_region(h, g)  # ★ gather #3: [n, ffn], FFN-down needs the full hidden
-        return x + gather_from_region(self.mlp_down(h), g)  # ★ gather #4: [n, d/p] -> [n, d]
+        h = gather_from_region(h, g, "mlp/gather #3")  # ★ gather #3: [n, ffn], FFN-down needs all of it
+        return x + gather_from_region(self.mlp_down(h), g, "mlp/gather #4")  # ★ gather #4: [n, d/p] -> [n, d]
 
     @torch.no_grad()
     def load_dense(self, dense: DenseBlock) -> "TPBlockV1":
@@ -95,7 +104,32 @@ class TPBlockV1(_TPBlockBase):
         return self
 
 
-BLOCKS = {"v1": TPBlockV1, "v2": TPBlockV2}
+class TPBlockIntraHead(TPBlockV2):
+    """v2 with the QKV cut inside every head: rank r holds dims [r·dh/p, (r+1)·dh/p) of all h heads."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [n, d], identical on every rank
+        g, n = self.group, x.shape[0]
+        q, k, v = rearrange(self.qkv(self.ln_1(x)), "n (three h d) -> three h n d", three=3, h=self.cfg.n_heads)
+        partial = q @ k.transpose(-1, -2) / math.sqrt(self.cfg.d_head)  # [h, n, n]: from this rank's dims only
+        scores = reduce_from_region(partial, g, "attn/scores all-reduce")  # ★ all-reduce of [h, n, n] scores
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+        probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)  # nonlinear: needs full scores
+        probs = copy_to_region(probs, g, "attn/probs dP")  # backward all-reduces dP (forward: nothing)
+        a = rearrange(probs @ v, "h n d -> n (h d)")  # [n, h·dh/p]: this rank's dims of every head
+        x = x + self.attn_out(a)  # ★ all-reduce #1
+        h = F.gelu(self.mlp_up(self.ln_2(x)), approximate="tanh")  # [n, ffn/p]
+        return x + self.mlp_down(h)  # ★ all-reduce #2
+
+    @torch.no_grad()
+    def load_dense(self, dense: DenseBlock) -> "TPBlockIntraHead":
+        super().load_dense(dense)
+        rank, p, h = dist.get_rank(self.group), dist.get_world_size(self.group), self.cfg.n_heads
+        load_(self.qkv, *qkv_intra_head_shard(dense.qkv.weight, dense.qkv.bias, h, rank, p))
+        load_(self.attn_out, *out_proj_intra_head_shard(dense.attn_out.weight, dense.attn_out.bias, h, rank, p))
+        return self
+
+
+BLOCKS = {"v1": TPBlockV1, "v2": TPBlockV2, "intra_head": TPBlockIntraHead}
 
 
 class TPStack(Stack):

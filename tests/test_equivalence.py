@@ -25,7 +25,7 @@ def check_forward(ctx, variant, dtype_name, n):
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "float64"])
-@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("variant", ["v1", "v2", "intra_head"])
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
 def test_stack_forward_matches_dense(p, variant, dtype_name):
     errs = run_ranks(p, check_forward, variant, dtype_name, 24)
@@ -42,17 +42,25 @@ def _all_gather(t: torch.Tensor, ctx) -> list[torch.Tensor]:
     return parts
 
 
-def full_grads(block, variant, ctx, d_head):
+def full_grads(block, variant, ctx, cfg):
     """Rebuild dense-shaped gradients from every rank's shard gradients."""
     g = {}
     qkv_w, qkv_b = (torch.stack(_all_gather(t.grad, ctx)) for t in (block.qkv.weight, block.qkv.bias))
-    g["qkv.weight"] = rearrange(qkv_w, "p (three h dh) i -> (three p h dh) i", three=3, dh=d_head)
-    g["qkv.bias"] = rearrange(qkv_b, "p (three h dh) -> (three p h dh)", three=3, dh=d_head)
+    if variant == "intra_head":  # rank r: dims r of every head
+        g["qkv.weight"] = rearrange(qkv_w, "p (three h dh) i -> (three h p dh) i", three=3, h=cfg.n_heads)
+        g["qkv.bias"] = rearrange(qkv_b, "p (three h dh) -> (three h p dh)", three=3, h=cfg.n_heads)
+    else:  # rank r: heads r
+        g["qkv.weight"] = rearrange(qkv_w, "p (three h dh) i -> (three p h dh) i", three=3, dh=cfg.d_head)
+        g["qkv.bias"] = rearrange(qkv_b, "p (three h dh) -> (three p h dh)", three=3, dh=cfg.d_head)
     g["mlp_up.weight"] = torch.cat(_all_gather(block.mlp_up.weight.grad, ctx), dim=0)
     g["mlp_up.bias"] = torch.cat(_all_gather(block.mlp_up.bias.grad, ctx), dim=0)
     for name in ("attn_out", "mlp_down"):
         lin = getattr(block, name)
-        if variant == "v2":  # row-parallel: input columns split, bias whole
+        if variant == "intra_head" and name == "attn_out":  # rows: dims r of every head
+            parts = torch.stack(_all_gather(lin.weight.grad, ctx))
+            g[f"{name}.weight"] = rearrange(parts, "p o (h dh) -> o (h p dh)", h=cfg.n_heads)
+            g[f"{name}.bias"] = lin.bias.grad
+        elif variant in ("v2", "intra_head"):  # row-parallel: input columns split, bias whole
             g[f"{name}.weight"] = torch.cat(_all_gather(lin.weight.grad, ctx), dim=1)
             g[f"{name}.bias"] = lin.bias.grad
         else:
@@ -79,7 +87,7 @@ def check_backward(ctx, variant, dtype_name):
     assert rel_err(x_tp.grad, x_dense.grad) <= tol, "input gradient"
     worst = rel_err(x_tp.grad, x_dense.grad)
     for i, (blk, dblk) in enumerate(zip(stack.blocks, dense.blocks)):
-        for name, grad in full_grads(blk, variant, ctx, cfg.d_head).items():
+        for name, grad in full_grads(blk, variant, ctx, cfg).items():
             ref = dblk.get_parameter(name).grad
             assert grad.shape == ref.shape, (i, name)
             err = rel_err(grad, ref)
@@ -89,7 +97,7 @@ def check_backward(ctx, variant, dtype_name):
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "float64"])
-@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("variant", ["v1", "v2", "intra_head"])
 @pytest.mark.parametrize("p", [1, 2, 4])
 def test_backward_matches_dense(p, variant, dtype_name):
     run_ranks(p, check_backward, variant, dtype_name)

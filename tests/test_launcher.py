@@ -30,23 +30,35 @@ def torchrun(nproc: int, *overrides: str, run_dir: Path, timeout: float = 240):
 
 
 def test_two_ranks_end_to_end(tmp_path):
-    proc, _ = torchrun(2, "n_tokens=12", run_dir=tmp_path)
+    proc, _ = torchrun(2, "n_tokens=12", "repeats=2", "profile=true", run_dir=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert out.count("tpref: tensor-parallel block check") == 1  # rank 0 prints, rank 1 does not
-    assert "PASS: v1, v2 at tp=2 match the single-device block" in out
-    assert "v1: 4 all_gather per layer; v2: 2 all_reduce per layer" in out
+    assert "PASS: v1, v2, intra_head at tp=2 match the single-device block" in out
+    assert "v1: 4 all_gather per layer; v2: 2 all_reduce per layer; intra_head: 3 all_reduce per layer" in out
+    assert "v2/v1 per forward: collectives 0.500 = 1/2, bytes sent/rank 0.571 = 4/7" in out
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["world_size"] == 2 and report["equivalent"] is True
+    assert report["world_size"] == 2 and report["equivalent"] is True and report["traffic_ok"] is True
     assert report["config"]["n_tokens"] == 12 and report["config"]["model"]["d_model"] == 512
-    for variant, kind, count in (("v1", "all_gather", 4), ("v2", "all_reduce", 2)):
+    # bytes each rank sends per layer at p=2, n=12, float32 (ring: all-reduce 2(p-1)/p·M·4, gather (p-1)/p·M·4)
+    per_layer_bytes = {"v1": 12 * (512 + 512 + 2048 + 512) * 4 / 2, "v2": 2 * 12 * 512 * 4,
+                       "intra_head": 2 * 12 * 512 * 4 + 8 * 12 * 12 * 4}
+    for variant, kind, count in (("v1", "all_gather", 4), ("v2", "all_reduce", 2), ("intra_head", "all_reduce", 3)):
         res = report["variants"][variant]
-        assert res["equivalent"] is True
+        assert res["equivalent"] is True and res["ledger_matches_model"] is True
+        assert res["profile"]["trace_matches_ledger"] is True
+        assert Path(res["profile"]["trace"]).exists()
         assert len(res["layers"]) == 8
         for layer in res["layers"]:
-            assert layer["collectives"] == {kind: count}
+            assert layer["collective_counts"] == {kind: count}  # CommDebugMode
+            assert sum(c["count"] for c in layer["collectives"]) == count  # the ledger
+            assert {c["kind"] for c in layer["collectives"]} == {kind}
+            assert all(c["time_s"] > 0 and c["logical_bytes"] > 0 for c in layer["collectives"])
+            assert layer["bytes_per_rank"] == per_layer_bytes[variant]
+            assert sum(c["bytes_per_rank"] for c in layer["predicted"]) == per_layer_bytes[variant]
             assert layer["max_abs_err"] < 1e-4
-        assert [row["heads"] for row in res["shards"]] == [[0, 3], [4, 7]]
+    assert [row["heads"] for row in report["variants"]["v2"]["shards"]] == [[0, 3], [4, 7]]
+    assert [row["head_dims"] for row in report["variants"]["intra_head"]["shards"]] == [[0, 31], [32, 63]]
     assert (tmp_path / ".hydra" / "config.yaml").exists()  # rank 0's record, written once
     assert "report: " in out and str(tmp_path / "report.json") in out
 
@@ -66,6 +78,8 @@ BAD = [
     (2, ["backend=mpi"], "unknown backend 'mpi'", "auto, nccl, gloo"),
     (2, ["dtype=float16"], "unknown dtype 'float16'", "float32, float64"),
     (2, ["n_tokens=0"], "n_tokens=0 must be at least 1", ""),
+    (2, ["model.d_head=3", "model.d_model=24", "model.d_ffn=96", "variants=[intra_head]"],
+     "variant intra_head splits every head's d_head=3 over p=2 ranks", "drop intra_head"),
 ]
 if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     BAD.append((2, ["backend=nccl"], "backend=nccl needs one GPU per rank", "use backend=gloo"))

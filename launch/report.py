@@ -1,0 +1,125 @@
+"""What rank 0 prints: configuration, shards, per-layer checks and traffic, the v1/v2 comparison."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+DESCRIPTION = {
+    "v1": "all column-parallel",
+    "v2": "Megatron column->row",
+    "intra_head": "v2 with the QKV cut inside heads",
+}
+LINEARS = ("qkv", "attn_out", "mlp_up", "mlp_down")
+
+
+def format_table(header: list[str], rows: list[list]) -> str:
+    cells = [header] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                     for row in cells)
+
+
+def kib(b: float) -> str:
+    return f"{b / 1024:.1f}"
+
+
+def _span(first: int, last: int) -> str:
+    return str(first) if first == last else f"{first}-{last}"
+
+
+def _heads(row: dict) -> str:
+    if "head_dims" in row:
+        return f"all, dims {_span(*row['head_dims'])}"
+    return _span(*row["heads"])
+
+
+def _counts(collectives: dict) -> str:
+    return ", ".join(f"{n} {k}" for k, n in sorted(collectives.items())) or "none"
+
+
+def _ratio(a: float, b: float) -> str:
+    if not b:
+        return "n/a"
+    frac = Fraction(a / b).limit_denominator(16)
+    exact = f" = {frac}" if abs(float(frac) - a / b) < 1e-9 and frac.denominator > 1 else ""
+    return f"{a / b:.3f}{exact}"
+
+
+def render_variant(v: str, res: dict, tolerance: float) -> list[str]:
+    out = ["", f"== {v} ({DESCRIPTION[v]})", "what each rank holds, W as [in x out] with y = x @ W, every layer alike:"]
+    out.append(format_table(
+        ["rank", "heads"] + [f"{n} ({res['shards'][0][n]['kind'].replace('ParallelLinear', '').lower()})"
+                             for n in LINEARS],
+        [[r["rank"], _heads(r)] + ["[{}x{}]".format(*r[n]["weight_in_out"]) for n in LINEARS]
+         for r in res["shards"]]))
+    out.append(f"forward per layer: collectives (ledger; CommDebugMode agrees: "
+               f"{'yes' if res['counts_agree'] else 'NO'}), KiB, time = median of repeats, slowest rank; "
+               f"error vs single-device block, tolerance {tolerance:g} on max|tp-dense|/max|dense|")
+    rows = []
+    for layer in res["layers"]:
+        kinds = {}
+        for c in layer["collectives"]:
+            kinds[c["kind"]] = kinds.get(c["kind"], 0) + c["count"]
+        bw = layer["bytes_per_rank"] / layer["time_s"] / 1e9 if layer["time_s"] else 0.0
+        rows.append([layer["layer"], _counts(kinds), kib(layer["logical_bytes"]), kib(layer["bytes_per_rank"]),
+                     f"{layer['time_s'] * 1e3:.3f}", f"{bw:.2f}", f"{layer['max_abs_err']:.3e}",
+                     f"{layer['max_rel_err']:.3e}", "PASS" if layer["equivalent"] else "FAIL"])
+    t = res["totals"]
+    rows.append(["all", _counts(t["collectives"]), kib(t["logical_bytes"]), kib(t["bytes_per_rank"]),
+                 f"{t['time_s'] * 1e3:.3f}", f"{t['bytes_per_rank'] / t['time_s'] / 1e9 if t['time_s'] else 0:.2f}",
+                 f"{res['max_abs_err']:.3e}", f"{res['max_rel_err']:.3e}", "PASS" if res["equivalent"] else "FAIL"])
+    out.append(format_table(["layer", "collectives", "logical KiB", "sent/rank KiB", "time ms", "GB/s",
+                             "max_abs_err", "max_rel_err", "check"], rows))
+    layer0 = res["layers"][0]
+    if layer0["collectives"]:
+        out.append("layer 0 by call site, ledger vs analytic model (sent/rank KiB):")
+        model = {(c["site"], c["kind"]): c for c in layer0["predicted"]}
+        out.append(format_table(
+            ["site", "kind", "shape", "ledger", "model"],
+            [[f"{c['sublayer']}/{c['site']}", c["kind"], "x".join(map(str, c["shape"])), kib(c["bytes_per_rank"]),
+              kib(model[(c["site"], c["kind"])]["bytes_per_rank"]) if (c["site"], c["kind"]) in model else "-"]
+             for c in layer0["collectives"]]))
+    b = res["backward"]
+    out.append(f"backward: {_counts(b['collectives'])}, {kib(b['bytes_per_rank'])} KiB sent/rank; "
+               f"ledger matches model (forward and backward): {'true' if res['ledger_matches_model'] else 'FALSE'}")
+    if "profile" in res:
+        pr = res["profile"]
+        out.append(f"profiler trace: {pr['trace']} (one per rank); {pr['collectives_in_trace']} collectives "
+                   f"parsed back, per layer and shape equal to the ledger: {'yes' if pr['trace_matches_ledger'] else 'NO'}")
+    return out
+
+
+def render(report: dict) -> str:
+    c, m = report["config"], report["config"]["model"]
+    p = report["world_size"]
+    out = [
+        f"tpref: tensor-parallel block check  (tp = {p}, backend {report['backend']}, device {report['device']})",
+        f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} d_head={m['d_head']} "
+        f"k={m['n_heads'] * m['d_head']} ffn={m['d_ffn']} L={m['n_layers']}; "
+        f"n_tokens={c['n_tokens']} dtype={c['dtype']} seed={c['seed']}",
+    ]
+    variants = report["variants"]
+    for v, res in variants.items():
+        out += render_variant(v, res, c["tolerance"])
+    out.append("")
+    if "v1" in variants and "v2" in variants:
+        a, b = variants["v2"]["totals"], variants["v1"]["totals"]
+        out.append(
+            f"v2/v1 per forward: collectives {_ratio(sum(a['collectives'].values()), sum(b['collectives'].values()))}, "
+            f"bytes sent/rank {_ratio(a['bytes_per_rank'], b['bytes_per_rank'])}, "
+            f"collective time {_ratio(a['time_s'], b['time_s'])}, "
+            f"forward time {_ratio(variants['v2']['forward_time_s'], variants['v1']['forward_time_s'])}")
+    if "intra_head" in variants and "v2" in variants:
+        a, b = variants["intra_head"]["totals"], variants["v2"]["totals"]
+        out.append(f"intra_head/v2 per forward: bytes sent/rank {_ratio(a['bytes_per_rank'], b['bytes_per_rank'])} "
+                   f"(the [h, n, n] scores all-reduce grows with n^2)")
+    per_layer = "; ".join(f"{v}: {_counts(res['layers'][0]['collective_counts'])} per layer"
+                          for v, res in variants.items())
+    failed = [v for v, res in variants.items() if not res["equivalent"]]
+    out.append(("PASS" if report["equivalent"] else "FAIL") + f": {', '.join(variants)} at tp={p} "
+               + ("match the single-device block" if not failed
+                  else f"differ from the single-device block ({', '.join(failed)})")
+               + f" ({per_layer})")
+    if not report["traffic_ok"]:
+        out.append("FAIL: the traffic ledger, CommDebugMode, the model or the profiler trace disagree (see above)")
+    return "\n".join(out)

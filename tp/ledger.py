@@ -1,0 +1,150 @@
+"""The traffic ledger: which layer sent how many bytes, in which collective, and how long it took.
+
+Off by default: every collective in tp/comm.py asks `active()` for the ledger and,
+finding none, does nothing more. Switched on with
+
+    ledger = TrafficLedger(world_size=p, device=device)
+    with ledger.attach(stack):      # records while inside; layer index from the stack's blocks
+        stack(x)
+    ledger.records                  # one CommRecord per collective issued, forward and backward
+
+Bytes follow the ring model (SPEC §4) for the bytes each rank sends:
+all-reduce of M elements 2(p-1)/p·M·e, all-gather to M elements (p-1)/p·M·e.
+Time is wall time around the collective alone: on a GPU the device is
+synchronised before the clock starts, so queued compute is not billed to it.
+It does include waiting for the slowest rank to arrive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+_ACTIVE: contextvars.ContextVar["TrafficLedger | None"] = contextvars.ContextVar("tp_traffic_ledger", default=None)
+
+KINDS = ("all_reduce", "all_gather")
+
+
+def ring_bytes_per_rank(kind: str, elements: int, p: int, elem_bytes: int) -> float:
+    """Bytes one rank sends in a ring collective. `elements`: the reduced tensor, or the gathered output."""
+    if kind == "all_reduce":
+        return 2 * (p - 1) * elements * elem_bytes / p
+    if kind == "all_gather":
+        return (p - 1) * elements * elem_bytes / p
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One collective as the analytic model predicts it (tp/traffic_model.py)."""
+
+    layer: int | None  # index of the block that issued it; None outside any block
+    sublayer: str  # "attn" or "mlp"
+    site: str  # e.g. "all-reduce #1", "gather #3", "qkv dx" (the all-reduce of an input gradient)
+    phase: str  # "forward" or "backward"
+    kind: str  # "all_reduce" or "all_gather"
+    shape: tuple[int, ...]  # the logical tensor: what is reduced, or the gathered output
+    dtype: str
+    logical_bytes: int
+    bytes_per_rank: float
+
+    @classmethod
+    def of(cls, *, layer, sublayer, site, phase, kind, shape, dtype: torch.dtype, p: int) -> "Traffic":
+        elements = math.prod(shape)
+        elem_bytes = torch.empty((), dtype=dtype).element_size()
+        return cls(layer, sublayer, site, phase, kind, tuple(shape), str(dtype).removeprefix("torch."),
+                   elements * elem_bytes, ring_bytes_per_rank(kind, elements, p, elem_bytes))
+
+
+@dataclass(frozen=True)
+class CommRecord(Traffic):
+    """One collective as the ledger saw it: the traffic, and the wall time it took."""
+
+    time_s: float = 0.0
+
+    def traffic(self) -> Traffic:
+        d = asdict(self)
+        d.pop("time_s")
+        return Traffic(**d)
+
+
+def split_site(site: str | None) -> tuple[str, str]:
+    """'attn/all-reduce #1' -> ('attn', 'all-reduce #1')."""
+    if not site:
+        return "", ""
+    sublayer, _, label = site.partition("/")
+    return (sublayer, label) if label else ("", sublayer)
+
+
+class TrafficLedger:
+    def __init__(self, world_size: int, device: torch.device | str = "cpu"):
+        self.world_size = world_size
+        self.device = torch.device(device)
+        self.records: list[CommRecord] = []
+        self.layer: int | None = None
+
+    # -- switching on and off ---------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def recording(self):
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+
+    @contextlib.contextmanager
+    def attach(self, stack: torch.nn.Module):
+        """Record while inside, labelling each collective with the index of the block that issued it."""
+        handles = []
+        for i, block in enumerate(stack.blocks):
+            handles.append(block.register_forward_pre_hook(lambda m, a, i=i: setattr(self, "layer", i)))
+            handles.append(block.register_forward_hook(lambda m, a, o: setattr(self, "layer", None)))
+        try:
+            with self.recording():
+                yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    # -- called by tp/comm.py -------------------------------------------------------------------
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def measure(self, fn, *, kind: str, site: str | None, phase: str, layer: int | None,
+                shape: tuple[int, ...], dtype: torch.dtype):
+        """Run `fn` (the collective) and record it."""
+        self._sync()
+        with torch.profiler.record_function(f"tp {site or kind}"):
+            start = time.perf_counter()
+            out = fn()
+            self._sync()
+            elapsed = time.perf_counter() - start
+        sublayer, label = split_site(site)
+        traffic = Traffic.of(layer=layer, sublayer=sublayer, site=label, phase=phase, kind=kind, shape=shape,
+                             dtype=dtype, p=self.world_size)
+        self.records.append(CommRecord(**asdict(traffic), time_s=elapsed))
+        return out
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def by_layer(self, phase: str = "forward") -> dict[int | None, list[CommRecord]]:
+        out: dict[int | None, list[CommRecord]] = {}
+        for r in self.records:
+            if r.phase == phase:
+                out.setdefault(r.layer, []).append(r)
+        return out
+
+
+def active() -> TrafficLedger | None:
+    return _ACTIVE.get()
