@@ -60,15 +60,15 @@ def render_variant(v: str, res: dict, tolerance: float) -> list[str]:
         kinds = {}
         for c in layer["collectives"]:
             kinds[c["kind"]] = kinds.get(c["kind"], 0) + c["count"]
-        bw = layer["bytes_per_rank"] / layer["time_s"] / 1e9 if layer["time_s"] else 0.0
+        bw = layer["bytes_per_rank"] / layer["time_s"] / 1e6 if layer["time_s"] else 0.0
         rows.append([layer["layer"], _counts(kinds), kib(layer["logical_bytes"]), kib(layer["bytes_per_rank"]),
-                     f"{layer['time_s'] * 1e3:.3f}", f"{bw:.2f}", f"{layer['max_abs_err']:.3e}",
+                     f"{layer['time_s'] * 1e3:.3f}", f"{bw:.1f}", f"{layer['max_abs_err']:.3e}",
                      f"{layer['max_rel_err']:.3e}", "PASS" if layer["equivalent"] else "FAIL"])
     t = res["totals"]
     rows.append(["all", _counts(t["collectives"]), kib(t["logical_bytes"]), kib(t["bytes_per_rank"]),
-                 f"{t['time_s'] * 1e3:.3f}", f"{t['bytes_per_rank'] / t['time_s'] / 1e9 if t['time_s'] else 0:.2f}",
+                 f"{t['time_s'] * 1e3:.3f}", f"{t['bytes_per_rank'] / t['time_s'] / 1e6 if t['time_s'] else 0:.1f}",
                  f"{res['max_abs_err']:.3e}", f"{res['max_rel_err']:.3e}", "PASS" if res["equivalent"] else "FAIL"])
-    out.append(format_table(["layer", "collectives", "logical KiB", "sent/rank KiB", "time ms", "GB/s",
+    out.append(format_table(["layer", "collectives", "logical KiB", "sent/rank KiB", "time ms", "MB/s",
                              "max_abs_err", "max_rel_err", "check"], rows))
     layer0 = res["layers"][0]
     if layer0["collectives"]:

@@ -4,9 +4,12 @@
     torchrun --nproc_per_node=2 launch/run_block.py model=gpt2_small n_tokens=128
 
 tp = WORLD_SIZE. Every rank validates the settings before the first collective,
-builds the same dense stack from `seed`, shards it, runs each variant and
-compares every layer's output. Rank 0 prints and writes report.json; the exit
-code is non-zero when any check fails.
+builds the same dense stack from `seed`, shards it, runs each variant (v1, v2,
+intra_head) and compares every layer's output with the dense stack's. The traffic
+ledger then records every collective of a forward and a backward; it must equal
+the analytic model and CommDebugMode's counts (and, with profile=true, what a
+torch.profiler trace shows). Rank 0 prints and writes report.json; the exit code
+is non-zero when any check fails.
 """
 
 from __future__ import annotations

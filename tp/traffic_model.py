@@ -16,10 +16,14 @@ On one rank nothing is communicated.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from layers.config import ModelConfig
 from tp.ledger import Traffic
+
+if TYPE_CHECKING:  # shapes only; tp/ does not import layers/ at run time
+    from layers.config import ModelConfig
 
 PHASES = ("forward", "backward")
 

@@ -1,0 +1,34 @@
+"""launch/traffic_sweep.py end to end on a small grid."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_sweep_measures_what_the_model_predicts(tmp_path):
+    cmd = [sys.executable, str(ROOT / "launch" / "traffic_sweep.py"), "--p", "2", "--n", "4", "32",
+           "--repeats", "0", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((tmp_path / "sweep.json").read_text())
+    rows = data["measured"]
+    assert {(r["n"], r["variant"]) for r in rows} == {(n, v) for n in (4, 32) for v in ("v1", "v2", "intra_head")}
+    for r in rows:
+        assert r["measured_bytes_per_rank"] == r["model_bytes_per_rank"] > 0
+    by = {(r["n"], r["variant"]): r["measured_bytes_per_rank"] for r in rows}
+    assert by[(32, "v2")] / by[(32, "v1")] == 4 / 7
+    # the scores all-reduce: intra_head - v2 grows 64x when n grows 8x
+    assert (by[(32, "intra_head")] - by[(32, "v2")]) == 64 * (by[(4, "intra_head")] - by[(4, "v2")])
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "sweep.png").stat().st_size > 10_000
+
+
+def test_sweep_rejects_a_bad_p(tmp_path):
+    cmd = [sys.executable, str(ROOT / "launch" / "traffic_sweep.py"), "--p", "3", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "cannot be split over p=3 ranks" in proc.stderr
