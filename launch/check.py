@@ -15,19 +15,12 @@ from layers.config import ModelConfig
 from layers.dense import DenseStack, init_weights, weights_checksum
 from layers.shard import heads_of_rank
 from layers.tp_block import TPStack, shard_stack
-from tp.dist import TPContext
+from tp.dist import TPContext, same_on_every_rank
 from tp.ledger import CommRecord, Traffic, TrafficLedger
 from tp.trace import backend_events, collectives_by_layer, layer_scopes
 from tp.traffic_model import PHASES, predict
 
 LINEARS = ("qkv", "attn_out", "mlp_up", "mlp_down")
-
-
-def same_on_every_rank(values: torch.Tensor, ctx: TPContext) -> bool:
-    """All-gather a small float64 vector and compare every rank's copy with rank 0's."""
-    gathered = [torch.empty_like(values) for _ in range(ctx.world_size)]
-    dist.all_gather(gathered, values, group=ctx.group)
-    return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
 def _max_over_ranks(values: list[float], ctx: TPContext) -> list[float]:
@@ -213,7 +206,7 @@ def run_check(cfg: ModelConfig, *, n_tokens: int, dtype: torch.dtype, seed: int,
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(n_tokens, cfg.d_model, generator=gen, dtype=torch.float64).to(ctx.device, dtype)
     fingerprint = torch.cat([weights_checksum(dense), x.detach().to("cpu", torch.float64).sum().reshape(1)])
-    if not same_on_every_rank(fingerprint.to(ctx.device), ctx):
+    if not same_on_every_rank(fingerprint.to(ctx.device), ctx.group):
         raise RuntimeError("ranks hold different dense weights or inputs (seed or library mismatch); "
                            "every rank must build the same model")
     with torch.no_grad():

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from layers.attention import causal_attention
 from layers.config import ModelConfig
+from layers.varlen import Requests, check_cu_seqlens
 
 
 class DenseBlock(nn.Module):
@@ -28,25 +29,32 @@ class DenseBlock(nn.Module):
         self.mlp_up = nn.Linear(cfg.d_model, cfg.d_ffn, **kw)
         self.mlp_down = nn.Linear(cfg.d_ffn, cfg.d_model, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [n, d]
-        a = causal_attention(self.qkv(self.ln_1(x)), self.cfg.d_head)  # [n, k]
+    def forward(self, x: torch.Tensor, requests: Requests | None = None) -> torch.Tensor:  # x: [n, d]
+        a = causal_attention(self.qkv(self.ln_1(x)), self.cfg.d_head, requests)  # [n, k]
         x = x + self.attn_out(a)
         h = F.gelu(self.mlp_up(self.ln_2(x)), approximate="tanh")  # [n, ffn]
         return x + self.mlp_down(h)
 
 
 class Stack(nn.Module):
-    """L blocks in sequence. `forward` returns every layer's output; the last one is the stack's output."""
+    """L blocks in sequence. `forward` returns every layer's output; the last one is the stack's output.
+
+    x is [T, d]: one sequence, or many requests flattened, with `cu_seqlens` (e.g. [0, 10, 40])
+    marking where each starts; `padded=True` runs the padded-attention baseline instead of varlen.
+    """
 
     def __init__(self, cfg: ModelConfig, blocks: list[nn.Module]):
         super().__init__()
         self.cfg = cfg
         self.blocks = nn.ModuleList(blocks)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, x: torch.Tensor, cu_seqlens=None, padded: bool = False) -> tuple[torch.Tensor, ...]:
+        requests = None
+        if cu_seqlens is not None:
+            requests = Requests(check_cu_seqlens(cu_seqlens, x.shape[0], self.cfg.max_seq_len), padded)
         outs = []
         for block in self.blocks:
-            x = block(x)
+            x = block(x, requests)
             outs.append(x)
         return tuple(outs)
 

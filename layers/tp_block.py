@@ -30,6 +30,7 @@ from layers.dense import DenseBlock, DenseStack, Stack
 from layers.linear import ColumnParallelLinear, RowParallelLinear
 from layers.shard import (column_shard, load_, out_proj_intra_head_shard, qkv_head_aligned_shard,
                           qkv_intra_head_shard, row_shard)
+from layers.varlen import Requests
 from tp.comm import copy_to_region, gather_from_region, reduce_from_region
 
 
@@ -61,8 +62,8 @@ class TPBlockV2(_TPBlockBase):
         self.attn_out = RowParallelLinear(cfg.k, cfg.d_model, group, site="attn/all-reduce #1", **kw)
         self.mlp_down = RowParallelLinear(cfg.d_ffn, cfg.d_model, group, site="mlp/all-reduce #2", **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [n, d], identical on every rank
-        a = causal_attention(self.qkv(self.ln_1(x)), self.cfg.d_head)  # [n, k/p]: this rank's heads only
+    def forward(self, x: torch.Tensor, requests: Requests | None = None) -> torch.Tensor:  # x: [n, d] on every rank
+        a = causal_attention(self.qkv(self.ln_1(x)), self.cfg.d_head, requests)  # [n, k/p]: this rank's heads
         x = x + self.attn_out(a)  # ★ all-reduce #1: partial [n, d] summed over ranks, then + bias
         h = F.gelu(self.mlp_up(self.ln_2(x)), approximate="tanh")  # [n, ffn/p]
         return x + self.mlp_down(h)  # ★ all-reduce #2: partial [n, d] summed over ranks, then + bias
@@ -85,9 +86,9 @@ class TPBlockV1(_TPBlockBase):
         self.attn_out = ColumnParallelLinear(cfg.k, cfg.d_model, group, site="attn/attn_out dx", **kw)
         self.mlp_down = ColumnParallelLinear(cfg.d_ffn, cfg.d_model, group, site="mlp/mlp_down dx", **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [n, d], identical on every rank
+    def forward(self, x: torch.Tensor, requests: Requests | None = None) -> torch.Tensor:  # x: [n, d] on every rank
         g = self.group
-        a = causal_attention(self.qkv(self.ln_1(x)), self.cfg.d_head)  # [n, k/p]: this rank's heads only
+        a = causal_attention(self.qkv(self.ln_1(x)), self.cfg.d_head, requests)  # [n, k/p]: this rank's heads
         a = gather_from_region(a, g, "attn/gather #1")  # ★ gather #1: [n, k], out-proj needs every head
         o = gather_from_region(self.attn_out(a), g, "attn/gather #2")  # ★ gather #2: [n, d/p] -> [n, d]
         x = x + o
@@ -107,18 +108,25 @@ class TPBlockV1(_TPBlockBase):
 class TPBlockIntraHead(TPBlockV2):
     """v2 with the QKV cut inside every head: rank r holds dims [r·dh/p, (r+1)·dh/p) of all h heads."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [n, d], identical on every rank
-        g, n = self.group, x.shape[0]
-        q, k, v = rearrange(self.qkv(self.ln_1(x)), "n (three h d) -> three h n d", three=3, h=self.cfg.n_heads)
-        partial = q @ k.transpose(-1, -2) / math.sqrt(self.cfg.d_head)  # [h, n, n]: from this rank's dims only
-        scores = reduce_from_region(partial, g, "attn/scores all-reduce")  # ★ all-reduce of [h, n, n] scores
-        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
-        probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)  # nonlinear: needs full scores
-        probs = copy_to_region(probs, g, "attn/probs dP")  # backward all-reduces dP (forward: nothing)
-        a = rearrange(probs @ v, "h n d -> n (h d)")  # [n, h·dh/p]: this rank's dims of every head
-        x = x + self.attn_out(a)  # ★ all-reduce #1
-        h = F.gelu(self.mlp_up(self.ln_2(x)), approximate="tanh")  # [n, ffn/p]
-        return x + self.mlp_down(h)  # ★ all-reduce #2
+    def forward(self, x: torch.Tensor, requests: Requests | None = None) -> torch.Tensor:  # x: [n, d] on every rank
+        if requests is not None and requests.padded:
+            raise ValueError("intra_head runs one sequence or varlen requests, not the padded baseline")
+        g, h, spans = self.group, self.cfg.n_heads, requests.spans if requests else [(0, x.shape[0])]
+        q, k, v = rearrange(self.qkv(self.ln_1(x)), "n (three h d) -> three h n d", three=3, h=h)  # d = d_head/p
+        # Every request's [h, L, L] block of partial Q·Kᵀ (from this rank's dims only), flattened side by side.
+        sizes = [(e - s) ** 2 for s, e in spans]
+        partial = torch.cat([(q[:, s:e] @ k[:, s:e].transpose(-1, -2)).flatten(1) for s, e in spans], dim=1)
+        scores = reduce_from_region(partial / math.sqrt(self.cfg.d_head), g, "attn/scores all-reduce")  # ★ [h, Σ L²]
+        probs = []
+        for (s, e), block in zip(spans, scores.split(sizes, dim=1)):  # softmax is nonlinear: needs full scores
+            causal = torch.ones(e - s, e - s, dtype=torch.bool, device=x.device).triu(1)
+            probs.append(torch.softmax(block.view(h, e - s, e - s).masked_fill(causal, float("-inf")), -1).flatten(1))
+        probs = copy_to_region(torch.cat(probs, dim=1), g, "attn/probs dP")  # backward all-reduces dP
+        a = torch.cat([pr.view(h, e - s, e - s) @ v[:, s:e]
+                       for (s, e), pr in zip(spans, probs.split(sizes, dim=1))], dim=1)  # [h, n, d_head/p]
+        x = x + self.attn_out(rearrange(a, "h n d -> n (h d)"))  # ★ all-reduce #1
+        hidden = F.gelu(self.mlp_up(self.ln_2(x)), approximate="tanh")  # [n, ffn/p]
+        return x + self.mlp_down(hidden)  # ★ all-reduce #2
 
     @torch.no_grad()
     def load_dense(self, dense: DenseBlock) -> "TPBlockIntraHead":

@@ -103,6 +103,13 @@ def context(group: dist.ProcessGroup, backend: str, device: torch.device) -> TPC
     )
 
 
+def same_on_every_rank(values: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """All-gather a small vector and compare every rank's copy with rank 0's. Every rank gets the same answer."""
+    gathered = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, values.contiguous(), group=group)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

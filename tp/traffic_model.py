@@ -8,7 +8,10 @@ Per block, with n tokens, d = d_model, k = n_heads·d_head, f = d_ffn:
     variant     forward                                   backward
     v2          all-reduce [n,d] ×2                       all-reduce [n,d] ×2 (dx of qkv, mlp_up)
     v1          all-gather [n,k], [n,d], [n,f], [n,d]     all-reduce [n,d], [n,k], [n,d], [n,f] (dx)
-    intra_head  all-reduce [h,n,n], [n,d] ×2              all-reduce [h,n,n] (dP), [n,d] ×2 (dx)
+    intra_head  all-reduce [h,ΣL²], [n,d] ×2              all-reduce [h,ΣL²] (dP), [n,d] ×2 (dx)
+
+With many requests flattened (lengths Lᵢ, n = Σ Lᵢ) nothing changes but n, except
+intra_head's scores: each request's [h, Lᵢ, Lᵢ] block, side by side, [h, Σ Lᵢ²].
 
 Bytes per rank follow the ring model: all-reduce 2(p-1)/p·M·e, all-gather (p-1)/p·M·e.
 On one rank nothing is communicated.
@@ -28,9 +31,11 @@ if TYPE_CHECKING:  # shapes only; tp/ does not import layers/ at run time
 PHASES = ("forward", "backward")
 
 
-def block_collectives(cfg: ModelConfig, n: int, variant: str, phase: str) -> list[tuple[str, str, str, tuple]]:
-    """(sublayer, site, kind, logical shape) for one block, in issue order."""
+def block_collectives(cfg: ModelConfig, n: int, variant: str, phase: str,
+                      lengths: list[int] | None = None) -> list[tuple[str, str, str, tuple]]:
+    """(sublayer, site, kind, logical shape) for one block, in issue order. lengths: the requests (default [n])."""
     d, k, f, h = cfg.d_model, cfg.k, cfg.d_ffn, cfg.n_heads
+    scores = (h, sum(x * x for x in (lengths or [n])))
     ar, ag = "all_reduce", "all_gather"
     table = {
         ("v2", "forward"): [("attn", "all-reduce #1", ar, (n, d)), ("mlp", "all-reduce #2", ar, (n, d))],
@@ -39,9 +44,9 @@ def block_collectives(cfg: ModelConfig, n: int, variant: str, phase: str) -> lis
                             ("mlp", "gather #3", ag, (n, f)), ("mlp", "gather #4", ag, (n, d))],
         ("v1", "backward"): [("mlp", "mlp_down dx", ar, (n, f)), ("mlp", "mlp_up dx", ar, (n, d)),
                              ("attn", "attn_out dx", ar, (n, k)), ("attn", "qkv dx", ar, (n, d))],
-        ("intra_head", "forward"): [("attn", "scores all-reduce", ar, (h, n, n)),
+        ("intra_head", "forward"): [("attn", "scores all-reduce", ar, scores),
                                     ("attn", "all-reduce #1", ar, (n, d)), ("mlp", "all-reduce #2", ar, (n, d))],
-        ("intra_head", "backward"): [("mlp", "mlp_up dx", ar, (n, d)), ("attn", "probs dP", ar, (h, n, n)),
+        ("intra_head", "backward"): [("mlp", "mlp_up dx", ar, (n, d)), ("attn", "probs dP", ar, scores),
                                      ("attn", "qkv dx", ar, (n, d))],
     }
     if (variant, phase) not in table:
@@ -49,21 +54,22 @@ def block_collectives(cfg: ModelConfig, n: int, variant: str, phase: str) -> lis
     return table[(variant, phase)]
 
 
-def predict(cfg: ModelConfig, p: int, n: int, dtype: torch.dtype, variant: str, phase: str = "forward") -> list[Traffic]:
+def predict(cfg: ModelConfig, p: int, n: int, dtype: torch.dtype, variant: str, phase: str = "forward",
+            lengths: list[int] | None = None) -> list[Traffic]:
     """Every collective of one pass through the whole L-layer stack, layer by layer."""
     if p == 1:
         return []
     return [
         Traffic.of(layer=i, sublayer=sub, site=site, phase=phase, kind=kind, shape=shape, dtype=dtype, p=p)
         for i in range(cfg.n_layers)
-        for sub, site, kind, shape in block_collectives(cfg, n, variant, phase)
+        for sub, site, kind, shape in block_collectives(cfg, n, variant, phase, lengths)
     ]
 
 
 def bytes_per_rank_per_layer(cfg: ModelConfig, p: int, n: int, dtype: torch.dtype, variant: str,
-                             phase: str = "forward") -> float:
+                             phase: str = "forward", lengths: list[int] | None = None) -> float:
     """Closed form, for sweeps and plots."""
     if p == 1:
         return 0.0
     return sum(Traffic.of(layer=0, sublayer=s, site=t, phase=phase, kind=k, shape=sh, dtype=dtype, p=p).bytes_per_rank
-               for s, t, k, sh in block_collectives(cfg, n, variant, phase))
+               for s, t, k, sh in block_collectives(cfg, n, variant, phase, lengths))
