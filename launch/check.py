@@ -15,6 +15,7 @@ from layers.config import ModelConfig
 from layers.dense import DenseStack, init_weights, weights_checksum
 from layers.shard import heads_of_rank
 from layers.tp_block import TPStack, shard_stack
+from layers.varlen import Requests, check_same_on_every_rank
 from tp.dist import TPContext, same_on_every_rank
 from tp.ledger import CommRecord, Traffic, TrafficLedger
 from tp.trace import backend_events, collectives_by_layer, layer_scopes
@@ -48,26 +49,41 @@ def collective_kind(op) -> str:
 # ---- equivalence, with CommDebugMode's count per layer -------------------------------------------
 
 
-def compare_layers(stack: TPStack, x: torch.Tensor, reference: tuple[torch.Tensor, ...], ctx: TPContext,
-                   tol: float) -> list[dict]:
-    layers = []
+def _errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    return torch.stack([(out - ref).abs().max(), ref.abs().max()]).to(torch.float64)
+
+
+def compare_layers(stack: TPStack, x: torch.Tensor, reference: tuple[torch.Tensor, ...], requests: Requests | None,
+                   ctx: TPContext, tol: float) -> tuple[list[dict], list[dict]]:
+    """Per layer: CommDebugMode's counts and the error against the reference (worst over ranks).
+    Per request: the worst error over layers of its own rows, relative to its own reference."""
+    layers, per_request = [], []
+    spans = requests.spans if requests else [(0, x.shape[0])]
     with torch.no_grad():
         for i, block in enumerate(stack.blocks):
             with CommDebugMode() as comm:
-                x = block(x)
+                x = block(x, requests)
             counts = Counter()
             for op, count in comm.get_comm_counts().items():
                 counts[collective_kind(op)] += count
-            err = torch.stack([(x - reference[i]).abs().max(), reference[i].abs().max()]).to(torch.float64)
-            layers.append({"layer": i, "collective_counts": dict(counts), "err": err})
+            layers.append({"layer": i, "collective_counts": dict(counts), "err": _errors(x, reference[i])})
+            per_request.append(torch.stack([_errors(x[s:e], reference[i][s:e]) for s, e in spans]))
     # Worst error over ranks, so that every rank reaches the same verdict.
     errs = torch.stack([layer.pop("err") for layer in layers]).to(ctx.device)
+    req = torch.stack(per_request).to(ctx.device)  # [L, R, 2]
     dist.all_reduce(errs, op=dist.ReduceOp.MAX, group=ctx.group)
+    dist.all_reduce(req, op=dist.ReduceOp.MAX, group=ctx.group)
     for layer, (abs_err, scale) in zip(layers, errs.tolist()):
         layer["max_abs_err"] = abs_err
         layer["max_rel_err"] = abs_err / scale if scale else abs_err
         layer["equivalent"] = layer["max_rel_err"] <= tol
-    return layers
+    rel = req[..., 0] / req[..., 1].clamp_min(torch.finfo(torch.float64).tiny)  # [L, R]
+    requests_out = []
+    for r, (s, e) in enumerate(spans):
+        worst = rel[:, r].max().item()
+        requests_out.append({"request": r, "tokens": e - s, "max_abs_err": req[:, r, 0].max().item(),
+                             "max_rel_err": worst, "equivalent": worst <= tol})
+    return layers, requests_out
 
 
 # ---- traffic: the ledger against the model, and timing -------------------------------------------
@@ -88,44 +104,55 @@ def _group(records: list[Traffic], times: dict | None = None) -> list[dict]:
     return list(rows.values())
 
 
-def measure_traffic(stack: TPStack, x: torch.Tensor, cfg: ModelConfig, variant: str, ctx: TPContext,
+def measure_traffic(stack: TPStack, x: torch.Tensor, cu_seqlens, cfg: ModelConfig, variant: str, ctx: TPContext,
                     repeats: int) -> dict:
-    """Ledger on: one forward+backward checked against the model, then timed forwards."""
+    """Ledger on: one forward+backward checked against the model, then timed forwards
+    (ledger off, ledger on, and with several requests the padded-attention baseline)."""
     ledger = TrafficLedger(ctx.world_size, ctx.device)
     x_grad = x.detach().clone().requires_grad_()
     with ledger.attach(stack):
-        stack(x_grad)[-1].sum().backward()
+        stack(x_grad, cu_seqlens)[-1].sum().backward()
     stack.zero_grad(set_to_none=True)
     n, dtype = x.shape[0], x.dtype
-    predicted = {ph: predict(cfg, ctx.world_size, n, dtype, variant, ph) for ph in PHASES}
+    lengths = None if cu_seqlens is None else [e - s for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    predicted = {ph: predict(cfg, ctx.world_size, n, dtype, variant, ph, lengths) for ph in PHASES}
     observed = {ph: [r.traffic() for r in ledger.records if r.phase == ph] for ph in PHASES}
     matches = {ph: Counter(observed[ph]) == Counter(predicted[ph]) for ph in PHASES}
 
-    # Timed forwards, ledger off and on alternately; the first round warms up.
+    # Timed forwards, alternating; the first round warms up.
+    def off():
+        stack(x, cu_seqlens)
+
+    def on():
+        ledger.clear()
+        with ledger.attach(stack):
+            stack(x, cu_seqlens)
+
+    def padded():
+        stack(x, cu_seqlens, padded=True)
+
+    runs = {"off": off, "on": on}
+    if lengths and len(lengths) > 1 and variant != "intra_head":
+        runs["padded"] = padded
+    times: dict[str, list[float]] = {name: [] for name in runs}
     site_times: dict[tuple, list[float]] = {}
-    fwd_off, fwd_on = [], []
     with torch.no_grad():
         for rep in range(repeats + 1):
-            for on in (False, True):
-                ledger.clear()
+            for name, fn in runs.items():
                 dist.barrier(group=ctx.group)
                 _sync(ctx)
                 start = time.perf_counter()
-                if on:
-                    with ledger.attach(stack):
-                        stack(x)
-                else:
-                    stack(x)
+                fn()
                 _sync(ctx)
                 if rep:
-                    (fwd_on if on else fwd_off).append(time.perf_counter() - start)
+                    times[name].append(time.perf_counter() - start)
             if rep:
                 for r in ledger.records:
                     site_times.setdefault((r.layer, r.site), []).append(r.time_s)
     last: list[CommRecord] = list(ledger.records)
     keys = list(site_times)
     medians = dict(zip(keys, _max_over_ranks([statistics.median(site_times[k]) for k in keys], ctx)))
-    fwd = _max_over_ranks([statistics.median(fwd_off), statistics.median(fwd_on)], ctx) if repeats else [0.0, 0.0]
+    fwd = dict(zip(runs, _max_over_ranks([statistics.median(times[k]) if times[k] else 0.0 for k in runs], ctx)))
 
     layers = []
     for i in range(cfg.n_layers):
@@ -142,8 +169,9 @@ def measure_traffic(stack: TPStack, x: torch.Tensor, cfg: ModelConfig, variant: 
         "layers": layers,
         "ledger_matches_model": all(matches.values()),
         "ledger_matches_model_by_phase": matches,
-        "forward_time_s": fwd[0],
-        "forward_time_with_ledger_s": fwd[1],
+        "forward_time_s": fwd["off"],
+        "forward_time_with_ledger_s": fwd["on"],
+        **({"forward_time_padded_s": fwd["padded"]} if "padded" in fwd else {}),
         "backward": {"collectives": dict(Counter(r.kind for r in backward)),
                      "bytes_per_rank": sum(r.bytes_per_rank for r in backward),
                      "logical_bytes": sum(r.logical_bytes for r in backward)},
@@ -153,7 +181,8 @@ def measure_traffic(stack: TPStack, x: torch.Tensor, cfg: ModelConfig, variant: 
 # ---- profiler -------------------------------------------------------------------------------------
 
 
-def profile_variant(stack: TPStack, x: torch.Tensor, variant: str, ctx: TPContext, out_dir: Path) -> dict:
+def profile_variant(stack: TPStack, x: torch.Tensor, cu_seqlens, variant: str, ctx: TPContext,
+                    out_dir: Path) -> dict:
     """One forward under torch.profiler; the trace, parsed back, must list what the ledger saw."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if ctx.device.type == "cuda":
@@ -161,7 +190,7 @@ def profile_variant(stack: TPStack, x: torch.Tensor, variant: str, ctx: TPContex
     ledger = TrafficLedger(ctx.world_size, ctx.device)
     with torch.no_grad(), layer_scopes(stack), ledger.attach(stack), \
             torch.profiler.profile(activities=activities, record_shapes=True) as prof:
-        stack(x)
+        stack(x, cu_seqlens)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{variant}-rank{ctx.rank}.json"
     prof.export_chrome_trace(str(path))
@@ -200,25 +229,32 @@ def shard_rows(stack: TPStack, variant: str, ctx: TPContext) -> list[dict]:
 # ---- the whole check -----------------------------------------------------------------------------
 
 
-def run_check(cfg: ModelConfig, *, n_tokens: int, dtype: torch.dtype, seed: int, variants: list[str],
+def run_check(cfg: ModelConfig, *, lengths: list[int], dtype: torch.dtype, seed: int, variants: list[str],
               tolerance: float, repeats: int, profile_dir: Path | None, ctx: TPContext) -> dict:
+    """lengths: the requests flattened into one forward; one entry means one plain sequence."""
+    requests = Requests.from_lengths(lengths) if len(lengths) > 1 else None
+    cu_seqlens = requests.cu_seqlens if requests else None
     dense = init_weights(DenseStack(cfg, dtype, ctx.device), seed)
     gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(n_tokens, cfg.d_model, generator=gen, dtype=torch.float64).to(ctx.device, dtype)
+    x = torch.randn(sum(lengths), cfg.d_model, generator=gen, dtype=torch.float64).to(ctx.device, dtype)
     fingerprint = torch.cat([weights_checksum(dense), x.detach().to("cpu", torch.float64).sum().reshape(1)])
     if not same_on_every_rank(fingerprint.to(ctx.device), ctx.group):
         raise RuntimeError("ranks hold different dense weights or inputs (seed or library mismatch); "
                            "every rank must build the same model")
-    with torch.no_grad():
-        reference = dense(x)
+    if cu_seqlens:
+        check_same_on_every_rank(cu_seqlens, ctx.group, ctx.device)
+    with torch.no_grad():  # the reference: each request alone through the single-device stack
+        alone = [dense(x[s:e]) for s, e in (requests.spans if requests else [(0, x.shape[0])])]
+        reference = tuple(torch.cat(outs) for outs in zip(*alone))
     results = {}
     for v in variants:
         stack = shard_stack(dense, v, ctx.group)
-        layers = compare_layers(stack, x, reference, ctx, tolerance)
-        traffic = measure_traffic(stack, x, cfg, v, ctx, repeats)
+        layers, per_request = compare_layers(stack, x, reference, requests, ctx, tolerance)
+        traffic = measure_traffic(stack, x, cu_seqlens, cfg, v, ctx, repeats)
         for layer, t in zip(layers, traffic.pop("layers")):
             layer.update(t)
         results[v] = {
+            "requests": per_request,
             "layers": layers,
             "max_abs_err": max(layer["max_abs_err"] for layer in layers),
             "max_rel_err": max(layer["max_rel_err"] for layer in layers),
@@ -227,6 +263,6 @@ def run_check(cfg: ModelConfig, *, n_tokens: int, dtype: torch.dtype, seed: int,
             "shards": shard_rows(stack, v, ctx),
         }
         if profile_dir is not None:
-            results[v]["profile"] = profile_variant(stack, x, v, ctx, profile_dir)
+            results[v]["profile"] = profile_variant(stack, x, cu_seqlens, v, ctx, profile_dir)
     return results
 

@@ -45,6 +45,17 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.3f}{exact}"
 
 
+def _requests_table(requests: list[dict], limit: int = 12) -> list[str]:
+    shown = requests if len(requests) <= limit else sorted(requests, key=lambda r: -r["max_rel_err"])[:limit]
+    rows = [[r["request"], r["tokens"], f"{r['max_abs_err']:.3e}", f"{r['max_rel_err']:.3e}",
+             "PASS" if r["equivalent"] else "FAIL"] for r in sorted(shown, key=lambda r: r["request"])]
+    out = [format_table(["request", "tokens", "max_abs_err", "max_rel_err", "check"], rows)]
+    if len(requests) > limit:
+        failed = sum(not r["equivalent"] for r in requests)
+        out.append(f"(the {limit} worst of {len(requests)} requests shown; {failed} failed)")
+    return out
+
+
 def render_variant(v: str, res: dict, tolerance: float) -> list[str]:
     out = ["", f"== {v} ({DESCRIPTION[v]})", "what each rank holds, W as [in x out] with y = x @ W, every layer alike:"]
     out.append(format_table(
@@ -79,6 +90,9 @@ def render_variant(v: str, res: dict, tolerance: float) -> list[str]:
             [[f"{c['sublayer']}/{c['site']}", c["kind"], "x".join(map(str, c["shape"])), kib(c["bytes_per_rank"]),
               kib(model[(c["site"], c["kind"])]["bytes_per_rank"]) if (c["site"], c["kind"]) in model else "-"]
              for c in layer0["collectives"]]))
+    if len(res["requests"]) > 1:
+        out.append("each request's rows vs that request run alone through the single-device block (worst layer):")
+        out += _requests_table(res["requests"])
     b = res["backward"]
     out.append(f"backward: {_counts(b['collectives'])}, {kib(b['bytes_per_rank'])} KiB sent/rank; "
                f"ledger matches model (forward and backward): {'true' if res['ledger_matches_model'] else 'FALSE'}")
@@ -96,8 +110,22 @@ def render(report: dict) -> str:
         f"tpref: tensor-parallel block check  (tp = {p}, backend {report['backend']}, device {report['device']})",
         f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} d_head={m['d_head']} "
         f"k={m['n_heads'] * m['d_head']} ffn={m['d_ffn']} L={m['n_layers']}; "
-        f"n_tokens={c['n_tokens']} dtype={c['dtype']} seed={c['seed']}",
+        f"dtype={c['dtype']} seed={c['seed']}",
     ]
+    lengths = c["requests"]
+    if len(lengths) == 1:
+        out.append(f"input: one sequence of n_tokens={lengths[0]}")
+    else:
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        shown = (lambda xs: str(xs) if len(xs) <= 12 else f"[{', '.join(map(str, xs[:10]))}, ...] ({len(xs)})")
+        w = report["attention_work"]
+        out.append(f"input: {len(lengths)} requests {shown(lengths)} flattened to [{cu[-1]} x {m['d_model']}], "
+                   f"cu_seqlens {shown(cu)}")
+        out.append(f"attention score entries per head per layer: varlen {w['varlen']:,}, one [T x T] square with "
+                   f"cross-request blocks masked {w['flat_masked']:,}, padded to the longest {w['padded']:,} "
+                   f"(varlen/padded {_ratio(w['varlen'], w['padded'])})")
     variants = report["variants"]
     for v, res in variants.items():
         out += render_variant(v, res, c["tolerance"])
@@ -109,10 +137,14 @@ def render(report: dict) -> str:
             f"bytes sent/rank {_ratio(a['bytes_per_rank'], b['bytes_per_rank'])}, "
             f"collective time {_ratio(a['time_s'], b['time_s'])}, "
             f"forward time {_ratio(variants['v2']['forward_time_s'], variants['v1']['forward_time_s'])}")
+    timed = {v: res["forward_time_s"] / res["forward_time_padded_s"] for v, res in variants.items()
+             if res.get("forward_time_padded_s")}
+    if timed:
+        out.append("forward time varlen/padded: " + ", ".join(f"{v} {r:.3f}" for v, r in timed.items()))
     if "intra_head" in variants and "v2" in variants:
         a, b = variants["intra_head"]["totals"], variants["v2"]["totals"]
         out.append(f"intra_head/v2 per forward: bytes sent/rank {_ratio(a['bytes_per_rank'], b['bytes_per_rank'])} "
-                   f"(the [h, n, n] scores all-reduce grows with n^2)")
+                   f"(its scores all-reduce [h, sum L^2] grows with the square of request length)")
     per_layer = "; ".join(f"{v}: {_counts(res['layers'][0]['collective_counts'])} per layer"
                           for v, res in variants.items())
     failed = [v for v, res in variants.items() if not res["equivalent"]]

@@ -1,7 +1,8 @@
 """Run the tensor-parallel block on every rank and check it against the single-device block.
 
-    torchrun --nproc_per_node=8 launch/run_block.py
-    torchrun --nproc_per_node=2 launch/run_block.py model=gpt2_small n_tokens=128
+    torchrun --nproc_per_node=8 launch/run_block.py                    # requests [10, 30] (seeds/04)
+    torchrun --nproc_per_node=2 launch/run_block.py model=gpt2_small n_tokens=128   # one sequence
+    torchrun --nproc_per_node=4 launch/run_block.py request_dist=lognormal request_count=16 request_mean=100
 
 tp = WORLD_SIZE. Every rank validates the settings before the first collective,
 builds the same dense stack from `seed`, shards it, runs each variant (v1, v2,
@@ -15,6 +16,7 @@ is non-zero when any check fails.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ from launch.check import run_check
 from launch.report import render
 from layers.config import (ModelConfig, parse_dtype, parse_variants, validate_model, validate_tokens,
                            validate_variants)
+from layers.varlen import score_entries
 from tp.dist import ConfigError, env_world, init_from_env, resolve_backend, shutdown
 
 DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
@@ -41,7 +44,7 @@ DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 class Settings:
     model: ModelConfig
     model_name: str
-    n_tokens: int
+    lengths: list[int]  # the requests; one entry: a single sequence
     dtype: torch.dtype
     seed: int
     variants: list[str]
@@ -63,8 +66,8 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     except TypeError as exc:
         raise ConfigError(f"bad model settings: {exc}") from None
     validate_model(model, world_size)
-    n_tokens, seed = _integer(cfg, "n_tokens"), _integer(cfg, "seed")
-    validate_tokens(model, n_tokens)
+    seed = _integer(cfg, "seed")
+    lengths = request_lengths(cfg, model, seed)
     dtype = parse_dtype(str(cfg.dtype))
     variants = parse_variants(OmegaConf.to_container(cfg.variants) if OmegaConf.is_list(cfg.variants) else cfg.variants)
     validate_variants(model, world_size, variants)
@@ -76,8 +79,53 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     backend = resolve_backend(str(cfg.backend), local_world_size)
     tolerance = DEFAULT_TOLERANCE[dtype] if cfg.tolerance is None else _positive_float(cfg, "tolerance")
     model_name = HydraConfig.get().runtime.choices.get("model", "custom") if HydraConfig.initialized() else "custom"
-    return Settings(model, model_name, n_tokens, dtype, seed, variants, backend, tolerance, repeats, cfg.profile,
+    return Settings(model, model_name, lengths, dtype, seed, variants, backend, tolerance, repeats, cfg.profile,
                     str(cfg.report))
+
+
+def request_lengths(cfg: DictConfig, model: ModelConfig, seed: int) -> list[int]:
+    """The requests of this run: one sequence (n_tokens), generated (request_dist), or listed (requests)."""
+    given = _overridden(("n_tokens", "requests", "request_dist"))
+    if cfg.n_tokens is not None:
+        if {"requests", "request_dist"} & given:
+            raise ConfigError("give either n_tokens (one sequence) or requests/request_dist (many), not both")
+        lengths = [_integer(cfg, "n_tokens")]
+    elif cfg.request_dist is not None:
+        count, mean = _integer(cfg, "request_count"), _integer(cfg, "request_mean")
+        if count < 1 or mean < 1:
+            raise ConfigError(f"request_count={count} and request_mean={mean} must be at least 1")
+        lengths = generate_lengths(str(cfg.request_dist), count, mean, model.max_seq_len, seed)
+    else:
+        if not OmegaConf.is_list(cfg.requests) or len(cfg.requests) == 0:
+            raise ConfigError(f"requests={cfg.requests!r} must be a non-empty list of lengths, e.g. requests=[10,30]")
+        lengths = list(cfg.requests)
+        for i, n in enumerate(lengths):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ConfigError(f"requests[{i}]={n!r}: every request needs a whole number of tokens, at least 1 "
+                                  f"(an empty request is an error)")
+    for i, n in enumerate(lengths):
+        validate_tokens(model, n, "n_tokens" if cfg.n_tokens is not None else f"request {i} length")
+    return lengths
+
+
+def _overridden(keys) -> set[str]:
+    """Which of `keys` the command line set."""
+    if not HydraConfig.initialized():
+        return set()
+    return {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task} & set(keys)
+
+
+def generate_lengths(dist_name: str, count: int, mean: int, max_len: int, seed: int) -> list[int]:
+    """uniform: integers in [1, 2·mean-1]; lognormal: sigma 1, median mean/e^0.5 (so the mean is `mean`)."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    if dist_name == "uniform":
+        values = torch.randint(1, 2 * mean, (count,), generator=gen).double()
+    elif dist_name == "lognormal":
+        sigma = 1.0
+        values = torch.exp(math.log(mean) - sigma**2 / 2 + sigma * torch.randn(count, generator=gen, dtype=torch.float64))
+    else:
+        raise ConfigError(f"unknown request_dist {dist_name!r}; choose uniform or lognormal (or null)")
+    return [int(v) for v in values.round().clamp(1, max_len).tolist()]
 
 
 def _integer(cfg: DictConfig, key: str) -> int:
@@ -112,7 +160,7 @@ def run(cfg: DictConfig) -> int:
     run_dir = Path(HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else ".")
     ctx = init_from_env(settings.backend)
     try:
-        variants = run_check(settings.model, n_tokens=settings.n_tokens, dtype=settings.dtype, seed=settings.seed,
+        variants = run_check(settings.model, lengths=settings.lengths, dtype=settings.dtype, seed=settings.seed,
                              variants=settings.variants, tolerance=settings.tolerance, repeats=settings.repeats,
                              profile_dir=run_dir / "traces" if settings.profile else None, ctx=ctx)
     finally:
@@ -148,11 +196,13 @@ def build_report(s: Settings, ctx, variants: dict) -> dict:
         "world_size": ctx.world_size,
         "backend": ctx.backend,
         "device": str(ctx.device),
-        "config": {"model_name": s.model_name, "model": s.model.asdict(), "n_tokens": s.n_tokens,
+        "config": {"model_name": s.model_name, "model": s.model.asdict(), "n_tokens": sum(s.lengths),
+                   "requests": s.lengths,
                    "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed, "variants": s.variants,
                    "tolerance": s.tolerance, "repeats": s.repeats, "profile": s.profile},
+        "attention_work": {layout: score_entries(s.lengths, layout) for layout in ("varlen", "flat_masked", "padded")},
         "variants": variants,
-        "equivalent": all(v["equivalent"] for v in variants.values()),
+        "equivalent": all(v["equivalent"] and all(r["equivalent"] for r in v["requests"]) for v in variants.values()),
         "traffic_ok": traffic_ok,
     }
 

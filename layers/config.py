@@ -89,8 +89,8 @@ def validate_variants(cfg: ModelConfig, p: int, variants: list[str]) -> None:
         )
 
 
-def validate_tokens(cfg: ModelConfig, n_tokens: int) -> None:
+def validate_tokens(cfg: ModelConfig, n_tokens: int, what: str = "n_tokens") -> None:
     if n_tokens < 1:
-        raise ConfigError(f"n_tokens={n_tokens} must be at least 1")
+        raise ConfigError(f"{what}={n_tokens} must be at least 1")
     if n_tokens > cfg.max_seq_len:
-        raise ConfigError(f"n_tokens={n_tokens} exceeds model.max_seq_len={cfg.max_seq_len}")
+        raise ConfigError(f"{what}={n_tokens} exceeds model.max_seq_len={cfg.max_seq_len}")

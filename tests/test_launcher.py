@@ -63,6 +63,23 @@ def test_two_ranks_end_to_end(tmp_path):
     assert "report: " in out and str(tmp_path / "report.json") in out
 
 
+def test_requests_end_to_end(tmp_path):
+    proc, _ = torchrun(2, "requests=[3,9]", "variants=[v1,v2]", "repeats=1", run_dir=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "input: 2 requests [3, 9] flattened to [12 x 512], cu_seqlens [0, 3, 12]" in out
+    assert "varlen 90, one [T x T] square with cross-request blocks masked 144, padded to the longest 162" in out
+    assert "forward time varlen/padded: v1 " in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["config"]["requests"] == [3, 9]
+    assert report["attention_work"] == {"varlen": 90, "flat_masked": 144, "padded": 162}
+    for variant in ("v1", "v2"):
+        res = report["variants"][variant]
+        assert [(r["request"], r["tokens"], r["equivalent"]) for r in res["requests"]] == [(0, 3, True), (1, 9, True)]
+        assert res["forward_time_padded_s"] > 0
+    assert all(layer["collective_counts"] == {"all_reduce": 2} for layer in report["variants"]["v2"]["layers"])
+
+
 def test_failing_check_exits_non_zero(tmp_path):
     # An impossible tolerance turns rounding into a failure: the verdict must reach the exit code.
     proc, _ = torchrun(2, "n_tokens=4", "variants=[v2]", "tolerance=1e-30", run_dir=tmp_path)
@@ -78,6 +95,10 @@ BAD = [
     (2, ["backend=mpi"], "unknown backend 'mpi'", "auto, nccl, gloo"),
     (2, ["dtype=float16"], "unknown dtype 'float16'", "float32, float64"),
     (2, ["n_tokens=0"], "n_tokens=0 must be at least 1", ""),
+    (2, ["requests=[10,0]"], "requests[1]=0: every request needs a whole number of tokens", "empty request"),
+    (2, ["requests=[10,2000]"], "request 1 length=2000 exceeds model.max_seq_len=1024", ""),
+    (2, ["n_tokens=12", "requests=[3,9]"], "give either n_tokens (one sequence) or requests", ""),
+    (2, ["request_dist=zipf"], "unknown request_dist 'zipf'", "uniform or lognormal"),
     (2, ["model.d_head=3", "model.d_model=24", "model.d_ffn=96", "variants=[intra_head]"],
      "variant intra_head splits every head's d_head=3 over p=2 ranks", "drop intra_head"),
 ]
