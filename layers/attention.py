@@ -25,15 +25,17 @@ def causal_attention(qkv: torch.Tensor, d_head: int, requests: Requests | None =
 
     Returns [T, h*d_head], heads concatenated in the same order.
     """
-    q, k, v = rearrange(qkv, "n (three h d) -> three h n d", three=3, d=d_head)  # each [h, T, d_head]
+    # Each [1, h, T, d_head]: a batch dim of 1, because on CPU PyTorch's SDPA takes its fused kernel
+    # only for 4-D inputs (3-D ones fall back to the math path, ~4x slower here).
+    q, k, v = rearrange(qkv, "n (three h d) -> three 1 h n d", three=3, d=d_head)
     if requests is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     elif requests.padded:
-        out = _padded(q, k, v, requests.lengths)
+        out = _padded(q[0], k[0], v[0], requests.lengths)[None]
     else:  # varlen: one request at a time, cross-request blocks never computed
-        out = torch.cat([F.scaled_dot_product_attention(q[:, s:e], k[:, s:e], v[:, s:e], is_causal=True)
-                         for s, e in requests.spans], dim=1)
-    return rearrange(out, "h n d -> n (h d)")
+        out = torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True)
+                         for s, e in requests.spans], dim=2)
+    return rearrange(out, "1 h n d -> n (h d)")
 
 
 def _padded(q, k, v, lengths: list[int]) -> torch.Tensor:

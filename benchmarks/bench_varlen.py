@@ -1,0 +1,98 @@
+"""Varlen vs padded attention: forward time and attention work for a few request-length mixes.
+
+    torchrun --nproc_per_node=2 benchmarks/bench_varlen.py [--variant v2] [--repeats 10]
+
+Each mix runs the TP stack (article03 shapes) with varlen attention (each request
+alone, Σ Lᵢ² score entries per head) and with the padded baseline (every request
+padded to the longest, R·max² entries), alternating, after a warm-up; medians of
+the slowest rank. Ratios only: this machine is noisy. Writes outputs/bench_varlen.json.
+The baseline pads inside attention only; a fully padded batch would also run the
+linears and the all-reduces on R·max rows instead of T (column "padded rows").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.distributed as dist
+
+from layers.config import ModelConfig
+from layers.dense import DenseStack, init_weights
+from layers.tp_block import shard_stack
+from layers.varlen import Requests, score_entries
+from tp.dist import init_from_env, shutdown
+
+
+def mixes() -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    lognormal = torch.exp(torch.log(torch.tensor(64.0)) - 0.5 + torch.randn(16, generator=gen, dtype=torch.float64))
+    return {
+        "seeds/04 A+B [10, 30]": [10, 30],
+        "10 x 100": [100] * 10,
+        "1 x 1000": [1000],
+        "uniform 16, mean 64": torch.randint(1, 128, (16,), generator=gen).tolist(),
+        "lognormal 16, mean 64": [int(v) for v in lognormal.round().clamp(1, 1024).tolist()],
+        "1 long + 15 short": [512] + [8] * 15,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variant", default="v2", choices=["v1", "v2"])
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--layers", type=int, default=2, help="blocks in the stack (article03 shapes otherwise)")
+    ap.add_argument("--out", default="outputs/bench_varlen.json")
+    args = ap.parse_args()
+    ctx = init_from_env("auto")
+    cfg = ModelConfig(n_layers=args.layers)
+    stack = shard_stack(init_weights(DenseStack(cfg, torch.float32, ctx.device), seed=0), args.variant, ctx.group)
+    rows = []
+    for name, lengths in mixes().items():
+        cu = Requests.from_lengths(lengths).cu_seqlens
+        x = torch.randn(cu[-1], cfg.d_model, generator=torch.Generator().manual_seed(1)).to(ctx.device)
+        times = {"varlen": [], "padded": []}
+        with torch.no_grad():
+            for rep in range(args.repeats + 1):
+                for layout in times:
+                    dist.barrier(group=ctx.group)
+                    start = time.perf_counter()
+                    stack(x, cu, padded=layout == "padded")
+                    if ctx.device.type == "cuda":
+                        torch.cuda.synchronize(ctx.device)
+                    if rep:
+                        times[layout].append(time.perf_counter() - start)
+        med = torch.tensor([statistics.median(times["varlen"]), statistics.median(times["padded"])],
+                           dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(med, op=dist.ReduceOp.MAX, group=ctx.group)
+        work = {layout: score_entries(lengths, layout) for layout in ("varlen", "flat_masked", "padded")}
+        rows.append({"mix": name, "requests": len(lengths), "tokens": cu[-1], "score_entries": work,
+                     "padded_tokens": len(lengths) * max(lengths),
+                     "time_varlen_s": med[0].item(), "time_padded_s": med[1].item()})
+    shutdown()
+    if ctx.is_main:
+        print(f"varlen vs padded, {args.variant}, article03 shapes, L={args.layers}, p={ctx.world_size}, "
+              f"{ctx.backend}; medians of {args.repeats} alternating repeats (slowest rank)")
+        print(f"{'mix':<24} {'R':>3} {'T':>5} {'padded rows':>11} {'varlen entries':>15} {'padded entries':>15} "
+              f"{'work v/p':>8} {'time v/p':>8}")
+        for r in rows:
+            w = r["score_entries"]
+            print(f"{r['mix']:<24} {r['requests']:>3} {r['tokens']:>5} {r['padded_tokens']:>11} {w['varlen']:>15,} "
+                  f"{w['padded']:>15,} {w['varlen'] / w['padded']:>8.3f} {r['time_varlen_s'] / r['time_padded_s']:>8.3f}")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"world_size": ctx.world_size, "variant": args.variant,
+                                              "rows": rows}, indent=2) + "\n")
+        print(f"data: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
