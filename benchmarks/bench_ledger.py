@@ -1,8 +1,8 @@
 """Overhead of the traffic ledger: forward time with the ledger on vs off, as a ratio measured in one run.
 
-    torchrun --nproc_per_node=8 benchmarks/bench_ledger.py [--n 40 512] [--repeats 20]
+    torchrun --nproc_per_node=8 benchmarks/bench_ledger.py [--tokens 40 512] [--repeats 20]
 
-On and off forwards alternate (after warm-up), every forward starts behind a barrier,
+On and off forwards alternate in ABBA order (after warm-up), every forward starts behind a barrier,
 and each rank reports medians; the slowest rank's median is used. Target: ratio <= 1.05.
 Writes outputs/bench_ledger.json on rank 0.
 """
@@ -42,7 +42,7 @@ def timed(fn, ctx) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, nargs="+", default=[40, 512])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[40, 512], help="n_tokens values")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--variants", nargs="+", default=["v1", "v2"])
     ap.add_argument("--out", default="outputs/bench_ledger.json")
@@ -53,7 +53,7 @@ def main() -> int:
     rows = []
     for variant in args.variants:
         stack = shard_stack(dense, variant, ctx.group)
-        for n in args.n:
+        for n in args.tokens:
             x = torch.randn(n, cfg.d_model, generator=torch.Generator().manual_seed(0)).to(ctx.device)
             ledger = TrafficLedger(ctx.world_size, ctx.device)
 
@@ -65,7 +65,10 @@ def main() -> int:
             off, with_ledger = [], []
             with torch.no_grad():
                 for rep in range(args.repeats + 3):
-                    t_off, t_on = timed(lambda: stack(x), ctx), timed(on, ctx)
+                    if rep % 2:  # ABBA order, so that neither side always runs second
+                        t_on, t_off = timed(on, ctx), timed(lambda: stack(x), ctx)
+                    else:
+                        t_off, t_on = timed(lambda: stack(x), ctx), timed(on, ctx)
                     if rep >= 3:
                         off.append(t_off)
                         with_ledger.append(t_on)

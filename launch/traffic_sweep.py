@@ -1,7 +1,7 @@
 """Bytes per rank per layer vs n_tokens and p, measured by the traffic ledger, beside the analytic model.
 
     python launch/traffic_sweep.py                          # n = 16..4096, p = 2, 4, 8, article03
-    python launch/traffic_sweep.py --p 2 4 --n 16 256 --out outputs/sweep
+    python launch/traffic_sweep.py --p 2 4 --tokens 16 256 --out outputs/sweep
 
 Prints a table, writes sweep.json and (with matplotlib installed: pip install -e .[plot])
 sweep.png: one panel per p, measured points on the model's lines, log-log. The
@@ -65,7 +65,7 @@ def measure(ctx: TPContext, cfg: ModelConfig, ns: list[int], intra_head_max_n: i
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--p", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--n", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 1024, 4096], help="n_tokens values")
     ap.add_argument("--intra-head-max-n", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--backend", default="auto")
@@ -75,8 +75,8 @@ def main(argv=None) -> int:
         for p in args.p:
             validate_model(MODEL, p)
             validate_variants(MODEL, p, list(VARIANTS))
-        if min(args.n) < 1:
-            raise ConfigError("--n values must be at least 1")
+        if min(args.tokens) < 1:
+            raise ConfigError("--tokens values must be at least 1")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -84,13 +84,13 @@ def main(argv=None) -> int:
     rows = []
     for p in args.p:
         start = time.perf_counter()
-        rows += spawn_ranks(p, measure, MODEL, args.n, args.intra_head_max_n, args.repeats, backend=args.backend)
+        rows += spawn_ranks(p, measure, MODEL, args.tokens, args.intra_head_max_n, args.repeats, backend=args.backend)
         print(f"p={p}: measured in {time.perf_counter() - start:.0f}s", file=sys.stderr)
     for row in rows:
         row["model_bytes_per_rank"] = bytes_per_rank_per_layer(MODEL, row["p"], row["n"], torch.float32, row["variant"])
     model_only = [{"p": p, "n": n, "variant": v,
                    "model_bytes_per_rank": bytes_per_rank_per_layer(MODEL, p, n, torch.float32, v)}
-                  for p in args.p for n in args.n for v in VARIANTS]
+                  for p in args.p for n in args.tokens for v in VARIANTS]
 
     print(f"bytes sent per rank per layer, forward, article03 shapes (d={MODEL.d_model}, h={MODEL.n_heads}, "
           f"ffn={MODEL.d_ffn}), float32; time = median collective time of one layer")

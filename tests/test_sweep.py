@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_sweep_measures_what_the_model_predicts(tmp_path):
-    cmd = [sys.executable, str(ROOT / "launch" / "traffic_sweep.py"), "--p", "2", "--n", "4", "32",
+    cmd = [sys.executable, str(ROOT / "launch" / "traffic_sweep.py"), "--p", "2", "--tokens", "4", "32",
            "--repeats", "0", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
