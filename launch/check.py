@@ -13,6 +13,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from layers.config import ModelConfig
 from layers.dense import DenseStack, init_weights, weights_checksum
+from layers.hf_gpt2 import load_stack
 from layers.shard import heads_of_rank
 from layers.tp_block import TPStack, shard_stack
 from layers.varlen import Requests, check_same_on_every_rank
@@ -230,11 +231,15 @@ def shard_rows(stack: TPStack, variant: str, ctx: TPContext) -> list[dict]:
 
 
 def run_check(cfg: ModelConfig, *, lengths: list[int], dtype: torch.dtype, seed: int, variants: list[str],
-              tolerance: float, repeats: int, profile_dir: Path | None, ctx: TPContext) -> dict:
-    """lengths: the requests flattened into one forward; one entry means one plain sequence."""
+              tolerance: float, repeats: int, profile_dir: Path | None, ctx: TPContext,
+              weights: dict[str, torch.Tensor] | None = None) -> dict:
+    """lengths: the requests flattened into one forward; one entry means one plain sequence.
+    weights: a GPT-2 state dict to load instead of the seeded random weights."""
     requests = Requests.from_lengths(lengths) if len(lengths) > 1 else None
     cu_seqlens = requests.cu_seqlens if requests else None
     dense = init_weights(DenseStack(cfg, dtype, ctx.device), seed)
+    if weights is not None:
+        load_stack(dense, weights)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(sum(lengths), cfg.d_model, generator=gen, dtype=torch.float64).to(ctx.device, dtype)
     fingerprint = torch.cat([weights_checksum(dense), x.detach().to("cpu", torch.float64).sum().reshape(1)])

@@ -112,6 +112,8 @@ def render(report: dict) -> str:
         f"k={m['n_heads'] * m['d_head']} ffn={m['d_ffn']} L={m['n_layers']}; "
         f"dtype={c['dtype']} seed={c['seed']}",
     ]
+    out.append(f"weights: GPT-2 checkpoint {c['hf_checkpoint']}" if c.get("hf_checkpoint")
+               else f"weights: random (seed {c['seed']}), biases and LayerNorms included")
     lengths = c["requests"]
     if len(lengths) == 1:
         out.append(f"input: one sequence of n_tokens={lengths[0]}")

@@ -34,6 +34,7 @@ from launch.check import run_check
 from launch.report import render
 from layers.config import (ModelConfig, parse_dtype, parse_variants, validate_model, validate_tokens,
                            validate_variants)
+from layers.hf_gpt2 import read_config, read_state
 from layers.varlen import score_entries
 from tp.dist import ConfigError, env_world, init_from_env, resolve_backend, shutdown
 
@@ -44,6 +45,7 @@ DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 class Settings:
     model: ModelConfig
     model_name: str
+    hf_checkpoint: str | None
     lengths: list[int]  # the requests; one entry: a single sequence
     dtype: torch.dtype
     seed: int
@@ -65,6 +67,10 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
         model = ModelConfig(**fields)
     except TypeError as exc:
         raise ConfigError(f"bad model settings: {exc}") from None
+    model_name = HydraConfig.get().runtime.choices.get("model", "custom") if HydraConfig.initialized() else "custom"
+    hf_checkpoint = None if cfg.hf_checkpoint is None else str(cfg.hf_checkpoint)
+    if hf_checkpoint is not None:
+        model, model_name = read_config(hf_checkpoint), "hf"
     validate_model(model, world_size)
     seed = _integer(cfg, "seed")
     lengths = request_lengths(cfg, model, seed)
@@ -78,8 +84,7 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
         raise ConfigError(f"profile={cfg.profile!r} must be true or false")
     backend = resolve_backend(str(cfg.backend), local_world_size)
     tolerance = DEFAULT_TOLERANCE[dtype] if cfg.tolerance is None else _positive_float(cfg, "tolerance")
-    model_name = HydraConfig.get().runtime.choices.get("model", "custom") if HydraConfig.initialized() else "custom"
-    return Settings(model, model_name, lengths, dtype, seed, variants, backend, tolerance, repeats, cfg.profile,
+    return Settings(model, model_name, hf_checkpoint, lengths, dtype, seed, variants, backend, tolerance, repeats, cfg.profile,
                     str(cfg.report))
 
 
@@ -162,6 +167,7 @@ def run(cfg: DictConfig) -> int:
     try:
         variants = run_check(settings.model, lengths=settings.lengths, dtype=settings.dtype, seed=settings.seed,
                              variants=settings.variants, tolerance=settings.tolerance, repeats=settings.repeats,
+                             weights=read_state(settings.hf_checkpoint) if settings.hf_checkpoint else None,
                              profile_dir=run_dir / "traces" if settings.profile else None, ctx=ctx)
     finally:
         shutdown()
@@ -197,7 +203,7 @@ def build_report(s: Settings, ctx, variants: dict) -> dict:
         "backend": ctx.backend,
         "device": str(ctx.device),
         "config": {"model_name": s.model_name, "model": s.model.asdict(), "n_tokens": sum(s.lengths),
-                   "requests": s.lengths,
+                   "requests": s.lengths, "hf_checkpoint": s.hf_checkpoint,
                    "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed, "variants": s.variants,
                    "tolerance": s.tolerance, "repeats": s.repeats, "profile": s.profile},
         "attention_work": {layout: score_entries(s.lengths, layout) for layout in ("varlen", "flat_masked", "padded")},

@@ -1,0 +1,99 @@
+"""Import Hugging Face GPT-2 weights into the dense stack (then shard as usual).
+
+transformers' GPT-2 stores its linears as `Conv1D` with weight [in, out] (y = x·W + b),
+nn.Linear stores [out, in]: every weight is transposed on the way in. The fused
+`attn.c_attn` keeps GPT-2's [Q | K | V] column layout, which is the layout
+layers/shard.py cuts head-aligned. Works on a plain state dict: transformers itself
+is needed only to make one (pip install -e .[hf]); nothing is downloaded here.
+
+    GPT2Block keys        ln_1.weight, attn.c_attn.weight, attn.c_proj.weight, mlp.c_fc.weight, ...
+    GPT2Model keys        h.<i>.<block key>            GPT2LMHeadModel   transformer.h.<i>.<block key>
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from layers.config import ModelConfig
+from layers.dense import DenseBlock, DenseStack
+from tp.dist import ConfigError
+
+# (our parameter, HF key, transpose?)
+_BLOCK_KEYS = [
+    ("ln_1.weight", "ln_1.weight", False), ("ln_1.bias", "ln_1.bias", False),
+    ("qkv.weight", "attn.c_attn.weight", True), ("qkv.bias", "attn.c_attn.bias", False),
+    ("attn_out.weight", "attn.c_proj.weight", True), ("attn_out.bias", "attn.c_proj.bias", False),
+    ("ln_2.weight", "ln_2.weight", False), ("ln_2.bias", "ln_2.bias", False),
+    ("mlp_up.weight", "mlp.c_fc.weight", True), ("mlp_up.bias", "mlp.c_fc.bias", False),
+    ("mlp_down.weight", "mlp.c_proj.weight", True), ("mlp_down.bias", "mlp.c_proj.bias", False),
+]
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """ModelConfig from a GPT-2 config (config.json's dict, or transformers' GPT2Config.to_dict())."""
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ConfigError(f"GPT-2 activation {act!r} is not supported: the block uses the tanh GeLU (gelu_new)")
+    d, h = hf["n_embd"], hf["n_head"]
+    if d % h:
+        raise ConfigError(f"n_embd={d} is not divisible by n_head={h}")
+    return ModelConfig(d_model=d, n_heads=h, d_head=d // h, d_ffn=hf.get("n_inner") or 4 * d,
+                       n_layers=hf["n_layer"], max_seq_len=hf.get("n_positions", 1024),
+                       ln_eps=hf.get("layer_norm_epsilon", 1e-5))
+
+
+@torch.no_grad()
+def load_block(block: DenseBlock, state: dict[str, torch.Tensor], prefix: str = "") -> DenseBlock:
+    """Copy one GPT2Block's weights (keys under `prefix`) into a DenseBlock."""
+    for ours, theirs, transpose in _BLOCK_KEYS:
+        key = prefix + theirs
+        if key not in state:
+            raise KeyError(f"GPT-2 state dict has no {key!r}")
+        value = state[key].t() if transpose else state[key]
+        target = block.get_parameter(ours)
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"{key}: shape {tuple(state[key].shape)} does not fit {ours} {tuple(target.shape)}")
+        target.copy_(value.to(target.dtype))
+    return block
+
+
+def _block_prefix(state: dict[str, torch.Tensor]) -> str:
+    for key in state:
+        m = re.match(r"^(.*?)h\.0\.ln_1\.weight$", key)
+        if m:
+            return m.group(1) + "h."
+    raise KeyError("no GPT-2 blocks found (expected keys like 'h.0.ln_1.weight' or 'transformer.h.0.ln_1.weight')")
+
+
+def load_stack(stack: DenseStack, state: dict[str, torch.Tensor]) -> DenseStack:
+    """Copy a GPT2Model / GPT2LMHeadModel state dict's blocks into a DenseStack of the same shape."""
+    prefix = _block_prefix(state)
+    for i, block in enumerate(stack.blocks):
+        load_block(block, state, f"{prefix}{i}.")
+    return stack
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a directory saved by `save_pretrained` (its config.json)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"hf_checkpoint={path}: expected a directory with config.json (from save_pretrained)")
+    return config_from_hf(json.loads((path / "config.json").read_text()))
+
+
+def read_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """The weights of a directory saved by `save_pretrained`: model.safetensors or pytorch_model.bin."""
+    path = Path(path)
+    if (path / "model.safetensors").is_file():
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise ConfigError("reading model.safetensors needs the safetensors package: pip install -e .[hf]") from None
+        return load_file(str(path / "model.safetensors"))
+    if (path / "pytorch_model.bin").is_file():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise ConfigError(f"hf_checkpoint={path}: no model.safetensors or pytorch_model.bin")

@@ -1,0 +1,91 @@
+"""GPT-2 weights from transformers, imported and sharded, against transformers' own GPT2Block forward."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from layers.dense import DenseStack, init_weights
+from layers.hf_gpt2 import config_from_hf, load_stack
+from layers.tp_block import shard_stack
+from tests.common import rel_err
+from tests.harness import run_ranks
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers", reason="GPT-2 import tests need transformers (pip install -e .[hf])")
+
+ROOT = Path(__file__).resolve().parent.parent
+HF = dict(n_embd=64, n_head=8, n_layer=3, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+          attn_implementation="eager")
+
+
+def random_gpt2(seed: int = 0):
+    from transformers import GPT2Config, GPT2Model
+
+    torch.manual_seed(seed)
+    model = GPT2Model(GPT2Config(**HF)).double().eval()
+    with torch.no_grad():  # random biases and LayerNorms too (GPT-2's own init leaves them at 0 and 1)
+        for name, p in model.named_parameters():
+            if "bias" in name or "ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def check_against_transformers(ctx, variant):
+    model = random_gpt2()
+    cfg = config_from_hf(model.config.to_dict())
+    dense = load_stack(init_weights(DenseStack(cfg, torch.float64), seed=99), model.state_dict())
+    stack = shard_stack(dense, variant, ctx.group)
+    x = torch.randn(1, 11, cfg.d_model, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    with torch.no_grad():
+        ours = stack(x[0])
+        # The oracle: transformers' GPT2Model, which builds its own causal mask for its GPT2Blocks (eager
+        # attention). Position embeddings zeroed, so hidden_states[0] is x itself; hidden_states[i + 1] is
+        # block i's output, except the last, which has the final LayerNorm applied.
+        model.wpe.weight.zero_()
+        hidden = model(inputs_embeds=x, output_hidden_states=True).hidden_states
+        assert torch.equal(hidden[0], x)
+        worst = 0.0
+        for i in range(cfg.n_layers):
+            expected = hidden[i + 1][0]
+            got = model.ln_f(ours[i]) if i == cfg.n_layers - 1 else ours[i]
+            err = rel_err(got, expected)
+            assert err < 1e-12, (variant, i, err)
+            worst = max(worst, err)
+    return worst
+
+
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_imported_gpt2_matches_transformers(p, variant):
+    run_ranks(p, check_against_transformers, variant)
+
+
+def test_conv1d_weights_are_transposed():
+    model = random_gpt2()
+    dense = load_stack(DenseStack(config_from_hf(model.config.to_dict()), torch.float64), model.state_dict())
+    hf_w = model.state_dict()["h.1.mlp.c_fc.weight"]  # [in=64, out=256]
+    assert hf_w.shape == (64, 256) and torch.equal(dense.blocks[1].mlp_up.weight, hf_w.t())
+
+
+def test_unsupported_activation_is_refused():
+    with pytest.raises(ValueError, match="activation 'relu' is not supported"):
+        config_from_hf(dict(HF, activation_function="relu"))
+
+
+def test_launcher_runs_a_saved_checkpoint(tmp_path):
+    model = random_gpt2().float()
+    model.save_pretrained(tmp_path / "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["n_layer"] == 3
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "launch" / "run_block.py"), f"hydra.run.dir={tmp_path / 'run'}",
+           f"hf_checkpoint={tmp_path / 'ckpt'}", "requests=[5,9]", "variants=[v2]", "repeats=1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "weights: GPT-2 checkpoint" in proc.stdout
+    assert "model hf: d=64 h=8 d_head=8 k=64 ffn=256 L=3" in proc.stdout
+    assert "PASS: v2 at tp=2 match the single-device block" in proc.stdout
