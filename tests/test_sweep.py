@@ -32,3 +32,16 @@ def test_sweep_rejects_a_bad_p(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "cannot be split over p=3 ranks" in proc.stderr
+
+
+def test_dtensor_benchmark_agrees_with_dtensor(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_tp.py"), "--p", "2", "--tokens", "8",
+           "--repeats", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["max_rel_diff_vs_dtensor"] < 1e-5  # DTensor's plan and ours compute the same thing
+    assert row["collectives_per_forward"] == 16  # 8 layers x 2 all-reduces, seen by the skipping ledger
+    for key in ("ours_over_dtensor", "v1_over_v2", "distance_to_limit"):
+        assert row[key] > 0

@@ -1,0 +1,155 @@
+"""Our v2 block against PyTorch's DTensor tensor parallelism, and against the limit of compute + communication.
+
+    python benchmarks/bench_tp.py                      # p = 2, 4, 8; n_tokens = 40, 1024; writes outputs/bench_tp.json
+    python benchmarks/bench_tp.py --p 2 --tokens 40 --repeats 5
+
+For each (p, n), on p fresh ranks (gloo on CPU, NCCL with one GPU per rank when there are enough):
+  * DTensor: the same dense article03 stack, parallelized with parallelize_module and
+    ColwiseParallel (qkv, mlp_up) / RowwiseParallel (attn_out, mlp_down). DTensor cuts a fused
+    weight contiguously, so the fused QKV rows are first reordered rank-major ([Q_r|K_r|V_r] per
+    rank): the same head-aligned split as ours. Both outputs are compared (max rel. error).
+  * ours: TPBlockV2 stack from the same weights (and v1, for the v1/v2 ratio).
+  * the limit: our v2 forward with every collective skipped (local compute only) plus the same
+    collectives, same shapes, issued back to back alone; distance = v2 time / (compute + comm).
+Forwards alternate in ABBA order after a warm-up; medians; the slowest rank's median counts.
+Ratios only: this machine is noisy and 8 ranks share 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.distributed as dist
+
+from launch.spawn import spawn_ranks
+from layers.config import ModelConfig
+from layers.dense import DenseStack, init_weights
+from layers.shard import qkv_head_aligned_shard
+from layers.tp_block import shard_stack
+from tp.dist import TPContext
+from tp.ledger import TrafficLedger
+
+CFG = ModelConfig()  # article03: d=512, h=8, ffn=2048, L=8
+
+
+class SkipCollectives(TrafficLedger):
+    """A ledger that records every collective but does not issue it: the forward's local compute alone."""
+
+    def measure(self, fn, *, kind, site, phase, layer, shape, dtype):
+        self.records.append((kind, tuple(shape), dtype))
+        return None
+
+
+def dtensor_stack(dense: DenseStack, ctx: TPContext) -> DenseStack:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    p = ctx.world_size
+    model = init_weights(DenseStack(CFG, torch.float32, ctx.device), 0)
+    model.load_state_dict(dense.state_dict())
+    with torch.no_grad():
+        for blk in model.blocks:  # rank-major fused QKV rows: DTensor's contiguous shard r = rank r's heads
+            w, b = zip(*(qkv_head_aligned_shard(blk.qkv.weight, blk.qkv.bias, CFG.n_heads, r, p) for r in range(p)))
+            blk.qkv.weight.copy_(torch.cat(w))
+            blk.qkv.bias.copy_(torch.cat(b))
+    mesh = init_device_mesh(ctx.device.type, (p,))
+    plan = {"qkv": ColwiseParallel(), "attn_out": RowwiseParallel(),
+            "mlp_up": ColwiseParallel(), "mlp_down": RowwiseParallel()}
+    for blk in model.blocks:
+        parallelize_module(blk, mesh, plan)
+    return model
+
+
+def _timed(fn, ctx: TPContext) -> float:
+    dist.barrier(group=ctx.group)
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    start = time.perf_counter()
+    fn()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    return time.perf_counter() - start
+
+
+def _medians(runs: dict, repeats: int, ctx: TPContext) -> dict[str, float]:
+    times = {name: [] for name in runs}
+    names = list(runs)
+    with torch.no_grad():
+        for rep in range(repeats + 1):
+            for name in (names if rep % 2 else names[::-1]):  # ABBA
+                t = _timed(runs[name], ctx)
+                if rep:
+                    times[name].append(t)
+    med = torch.tensor([statistics.median(times[n]) for n in names], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=ctx.group)
+    return dict(zip(names, med.tolist()))
+
+
+def measure(ctx: TPContext, tokens: list[int], repeats: int) -> list[dict]:
+    torch.manual_seed(0)
+    dense = init_weights(DenseStack(CFG, torch.float32, ctx.device), seed=0)
+    ours, v1, theirs = shard_stack(dense, "v2", ctx.group), shard_stack(dense, "v1", ctx.group), dtensor_stack(dense, ctx)
+    rows = []
+    for n in tokens:
+        x = torch.randn(n, CFG.d_model, generator=torch.Generator().manual_seed(n)).to(ctx.device)
+        with torch.no_grad():
+            a, b = ours(x)[-1], theirs(x)[-1]
+        agree = ((a - b).abs().max() / b.abs().max()).item()
+
+        skip = SkipCollectives(ctx.world_size, ctx.device)
+        with torch.no_grad(), skip.recording():
+            ours(x)
+        buffers = [torch.zeros(shape, dtype=dtype, device=ctx.device) for _, shape, dtype in skip.records]
+
+        def compute_only():
+            with skip.recording():
+                ours(x)
+
+        def comm_only():  # the v2 forward's all-reduces, same shapes, nothing else
+            for buf in buffers:
+                dist.all_reduce(buf, group=ctx.group)
+
+        t = _medians({"v2": lambda: ours(x), "dtensor": lambda: theirs(x), "v1": lambda: v1(x),
+                      "compute_only": compute_only, "comm_only": comm_only}, repeats, ctx)
+        rows.append({"p": ctx.world_size, "n": n, "backend": ctx.backend, "max_rel_diff_vs_dtensor": agree,
+                     "collectives_per_forward": len(skip.records), **{f"{k}_s": v for k, v in t.items()},
+                     "ours_over_dtensor": t["v2"] / t["dtensor"], "v1_over_v2": t["v1"] / t["v2"],
+                     "distance_to_limit": t["v2"] / (t["compute_only"] + t["comm_only"])})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--p", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[40, 1024])
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--out", default="outputs/bench_tp.json")
+    args = ap.parse_args(argv)
+    rows = []
+    for p in args.p:
+        rows += spawn_ranks(p, measure, args.tokens, args.repeats, backend=args.backend)
+    print(f"article03 (d=512, h=8, ffn=2048, L=8), float32, forward only; medians of {args.repeats} "
+          f"alternating repeats, slowest rank")
+    print(f"{'p':>2} {'n':>5} {'ours/DTensor':>12} {'v1/v2':>6} {'distance':>8} {'rel diff':>9}   "
+          f"(distance = v2 / (compute alone + its collectives alone))")
+    for r in rows:
+        print(f"{r['p']:>2} {r['n']:>5} {r['ours_over_dtensor']:>12.3f} {r['v1_over_v2']:>6.3f} "
+              f"{r['distance_to_limit']:>8.3f} {r['max_rel_diff_vs_dtensor']:>9.1e}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"config": CFG.asdict(), "rows": rows}, indent=2) + "\n")
+    print(f"data: {args.out}")
+    return 0 if all(r["max_rel_diff_vs_dtensor"] < 1e-5 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
