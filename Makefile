@@ -1,5 +1,6 @@
 # make demo   -- set up (once) and run the block check on NPROC ranks (gloo on CPU unless GPUs are there)
 # make test   -- set up (once) and run the test suite
+# make bench  -- every benchmark, then docs/benchmarks.md
 VENV    ?= .venv
 PYTHON  ?= python3
 NPROC   ?= 8
@@ -7,7 +8,7 @@ ARGS    ?=
 TORCH_VERSION ?= 2.13.0
 PY      := $(VENV)/bin/python
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test bench clean
 
 setup: $(VENV)/.installed
 
@@ -34,6 +35,15 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# Every benchmark (about 15 minutes on 2 cores), then docs/benchmarks.md from their JSON.
+bench: setup
+	$(PY) -m pip install -q -e ".[plot]"
+	$(PY) benchmarks/bench_tp.py
+	for p in 2 8; do $(VENV)/bin/torchrun --standalone --nproc_per_node=$$p benchmarks/bench_ledger.py --out outputs/bench_ledger_p$$p.json; done
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 benchmarks/bench_varlen.py
+	$(PY) launch/traffic_sweep.py
+	$(PY) benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache *.egg-info

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -30,6 +28,7 @@ if __package__ in (None, ""):
 import torch
 import torch.distributed as dist
 
+from benchmarks.timing import medians
 from launch.spawn import spawn_ranks
 from layers.config import ModelConfig
 from layers.dense import DenseStack, init_weights
@@ -69,31 +68,6 @@ def dtensor_stack(dense: DenseStack, ctx: TPContext) -> DenseStack:
     return model
 
 
-def _timed(fn, ctx: TPContext) -> float:
-    dist.barrier(group=ctx.group)
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)
-    start = time.perf_counter()
-    fn()
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)
-    return time.perf_counter() - start
-
-
-def _medians(runs: dict, repeats: int, ctx: TPContext) -> dict[str, float]:
-    times = {name: [] for name in runs}
-    names = list(runs)
-    with torch.no_grad():
-        for rep in range(repeats + 1):
-            for name in (names if rep % 2 else names[::-1]):  # ABBA
-                t = _timed(runs[name], ctx)
-                if rep:
-                    times[name].append(t)
-    med = torch.tensor([statistics.median(times[n]) for n in names], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=ctx.group)
-    return dict(zip(names, med.tolist()))
-
-
 def measure(ctx: TPContext, tokens: list[int], repeats: int) -> list[dict]:
     torch.manual_seed(0)
     dense = init_weights(DenseStack(CFG, torch.float32, ctx.device), seed=0)
@@ -118,7 +92,7 @@ def measure(ctx: TPContext, tokens: list[int], repeats: int) -> list[dict]:
             for buf in buffers:
                 dist.all_reduce(buf, group=ctx.group)
 
-        t = _medians({"v2": lambda: ours(x), "dtensor": lambda: theirs(x), "v1": lambda: v1(x),
+        t = medians({"v2": lambda: ours(x), "dtensor": lambda: theirs(x), "v1": lambda: v1(x),
                       "compute_only": compute_only, "comm_only": comm_only}, repeats, ctx)
         rows.append({"p": ctx.world_size, "n": n, "backend": ctx.backend, "max_rel_diff_vs_dtensor": agree,
                      "collectives_per_forward": len(skip.records), **{f"{k}_s": v for k, v in t.items()},

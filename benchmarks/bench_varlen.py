@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
-import torch.distributed as dist
 
+from benchmarks.timing import medians
 from layers.config import ModelConfig
 from layers.dense import DenseStack, init_weights
 from layers.tp_block import shard_stack
@@ -59,24 +57,11 @@ def main() -> int:
     for name, lengths in mixes().items():
         cu = Requests.from_lengths(lengths).cu_seqlens
         x = torch.randn(cu[-1], cfg.d_model, generator=torch.Generator().manual_seed(1)).to(ctx.device)
-        times = {"varlen": [], "padded": []}
-        with torch.no_grad():
-            for rep in range(args.repeats + 1):
-                for layout in times:
-                    dist.barrier(group=ctx.group)
-                    start = time.perf_counter()
-                    stack(x, cu, padded=layout == "padded")
-                    if ctx.device.type == "cuda":
-                        torch.cuda.synchronize(ctx.device)
-                    if rep:
-                        times[layout].append(time.perf_counter() - start)
-        med = torch.tensor([statistics.median(times["varlen"]), statistics.median(times["padded"])],
-                           dtype=torch.float64, device=ctx.device)
-        dist.all_reduce(med, op=dist.ReduceOp.MAX, group=ctx.group)
+        t = medians({"varlen": lambda: stack(x, cu), "padded": lambda: stack(x, cu, padded=True)}, args.repeats, ctx)
         work = {layout: score_entries(lengths, layout) for layout in ("varlen", "flat_masked", "padded")}
         rows.append({"mix": name, "requests": len(lengths), "tokens": cu[-1], "score_entries": work,
                      "padded_tokens": len(lengths) * max(lengths),
-                     "time_varlen_s": med[0].item(), "time_padded_s": med[1].item()})
+                     "time_varlen_s": t["varlen"], "time_padded_s": t["padded"]})
     shutdown()
     if ctx.is_main:
         print(f"varlen vs padded, {args.variant}, article03 shapes, L={args.layers}, p={ctx.world_size}, "

@@ -1,4 +1,4 @@
-"""launch/traffic_sweep.py end to end on a small grid."""
+"""The sweep and the DTensor benchmark, end to end on small grids."""
 
 import importlib.util
 import json

@@ -1,0 +1,48 @@
+"""Timing shared by the benchmarks: every forward behind a barrier, ABBA order, medians of the slowest rank."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from tp.dist import TPContext
+
+
+def timed(fn, ctx: TPContext) -> float:
+    """Wall time of fn() on this rank, started together with the other ranks, device work included."""
+    dist.barrier(group=ctx.group)
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    start = time.perf_counter()
+    fn()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    return time.perf_counter() - start
+
+
+def sample(runs: dict, repeats: int, ctx: TPContext) -> dict[str, list[float]]:
+    """`repeats` timings of each run after one warm-up round, alternating in ABBA order under no_grad."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    with torch.no_grad():
+        for rep in range(repeats + 1):
+            for name in (names if rep % 2 else names[::-1]):
+                t = timed(runs[name], ctx)
+                if rep:
+                    times[name].append(t)
+    return times
+
+
+def slowest(values: list[float], ctx: TPContext) -> list[float]:
+    """Element-wise maximum over ranks."""
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
+    return t.tolist()
+
+
+def medians(runs: dict, repeats: int, ctx: TPContext) -> dict[str, float]:
+    times = sample(runs, repeats, ctx)
+    return dict(zip(runs, slowest([statistics.median(times[n]) for n in runs], ctx)))
