@@ -42,6 +42,7 @@ bench: setup
 	$(PY) benchmarks/bench_tp.py
 	for p in 2 8; do $(VENV)/bin/torchrun --standalone --nproc_per_node=$$p benchmarks/bench_ledger.py --out outputs/bench_ledger_p$$p.json; done
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 benchmarks/bench_varlen.py
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 benchmarks/profile_forward.py
 	$(PY) launch/traffic_sweep.py
 	$(PY) benchmarks/report.py
 

@@ -55,6 +55,12 @@ def main() -> int:
             lines.append(f"| {r['backend']} | {r['p']} | {r['n']} | {r['ours_over_dtensor']:.3f} | "
                          f"{r['v1_over_v2']:.3f} | {r['distance_to_limit']:.3f} | {r['max_rel_diff_vs_dtensor']:.1e} |")
         lines.append("")
+    prof = OUT / "profile_forward.txt"
+    if prof.exists():
+        lines += ["## Where a forward spends its time", "",
+                  "`torchrun --nproc_per_node=2 benchmarks/profile_forward.py` (torch.profiler's operator table;",
+                  "attention's share fell when SDPA got 4-D inputs, which keep PyTorch on its fused CPU kernel):", "",
+                  "```", prof.read_text().rstrip(), "```", ""]
     ledger = [(p, _load(f"bench_ledger_p{p}.json")) for p in (2, 8)]
     if any(d for _, d in ledger):
         lines += ["## Traffic ledger overhead", "",
