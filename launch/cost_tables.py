@@ -14,8 +14,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tp.cost_model import FABRICS, H100, LLAMA2_7B, crossover_context_x_batch, decode_intensity, \
-    kv_transfer_time, prefill_intensity
+from tp.cost_model import DEEPSEEK_V3, FABRICS, H100, HARDWARE, LLAMA2_7B, crossover_context_x_batch, decode_intensity, \
+    ep_alltoall_elems_per_gpu, iteration, kv_transfer_time, mha_kv_elems_per_token_per_gpu, \
+    mla_kv_elems_per_token_per_gpu, pp_send_elems, prefill_intensity, tp_allreduce_elems_per_gpu
 
 KI = 1024
 
@@ -33,7 +34,8 @@ def main() -> int:
           f"K_tok = {s.kv_bytes_per_token:,} B = {s.kv_bytes_per_token // KI} KiB; "
           f"{hw.name}: ridge R = {hw.ridge:.1f} FLOPs/byte (seed ~150)")
     print(f"crossover L·B = w·Π / K_tok = {crossover_context_x_batch(s):,.0f} (seed ~27k); "
-          f"at B = 32: L = {crossover_context_x_batch(s) / 32:,.0f} (seed ~850)\n")
+          f"at B = 32: L = {crossover_context_x_batch(s) / 32:,.0f} (seed ~850)")
+    print("ridge points: " + "; ".join(f"{h.name} {h.ridge:.0f}" for h in HARDWARE.values()) + " FLOPs/byte\n")
 
     rows = []
     for label, ctx, seed in (("1k", 1 * KI, 15), ("4k", 4 * KI, 5.7), ("16k", 16 * KI, 1.7), ("64k", 64 * KI, 0.4)):
@@ -60,8 +62,71 @@ def main() -> int:
     print(table(f"KV transfer of a 4k prompt ({tokens * s.kv_bytes_per_token / 1e9:.2f} GB) (seeds/06 §6): ms",
                 ["fabric", "seed", "computed", "computed/seed"], rows))
     print("  reason: 4096 x 512 KiB is 2 GiB = 2.15 GB; the seed divides \"2 GB\" (and rounds 2.4 ms to 2,\n"
-          "  5.4 to 5): every computed time is 7-20% longer")
+          "  5.4 to 5): every computed time is 7-20% longer\n")
+
+    rows = []
+    seeds = ((0, "none", 115e9, 6e-3), (1024, "1k", 14e12, 30e-3), (4096, "4k", 61e12, 120e-3),
+             (16 * KI, "16k", 290e12, 580e-3), (100_000, "100k", 4e15, 8.0))
+    for prefill, label, seed_flops, seed_time in seeds:
+        it = iteration(s, [KI] * 8, prefill)
+        rows.append((label, f"{it.linear_flops:.3g}", f"{it.attention_flops:.3g}", seed_flops, it.flops,
+                     seed_time * 1e3, it.time(hw) * 1e3, it.time(hw) / seed_time))
+    print(table("iteration: 8 decoders at 1k context + one prefill (seeds/05 §3): FLOPs and roofline ms on H100",
+                ["prefill", "linear", "attention", "seed FLOPs", "FLOPs", "seed ms", "ms", "ms/seed"], rows))
+    print("  no prefill: bandwidth-bound (14 GB weights + 4.3 GB of KV at 3.35 TB/s); the rest compute-bound.\n"
+          "  16k: 16,384 tokens give 70 TF of attention where the seed's 67 TF is 16,000 (within 10%)\n")
+
+    v3, B, S, TP, EP = DEEPSEEK_V3, 16, 4096, 8, 64
+    d, k = v3["d"], v3["top_k"]
+    rows = []
+    for phase, n in (("prefill", B * S), ("decode", B)):
+        rows.append((f"TP={TP} {phase}", 1.75, tp_allreduce_elems_per_gpu(n, d, TP) / (n * d)))
+        rows.append((f"EP={EP} {phase}", 4 / EP * (EP - 1) / EP * k, ep_alltoall_elems_per_gpu(n, d, k, EP) / (n * d)))
+        rows.append((f"PP {phase}", 1.0, pp_send_elems(n, d) / (n * d)))
+    print(table(f"communication per GPU per layer, in units of N·d elements (comm-model doc; B={B}, S={S}, "
+                f"d={d}, k={k})", ["strategy", "doc formula", "model code"], rows))
+    print(f"  N = B·S = {B * S:,} tokens in prefill, B = {B} in decode: every volume shrinks S-fold in decode\n")
+
+    rows = []
+    for tp in (1, 8, 16, 28, 32):
+        mha = mha_kv_elems_per_token_per_gpu(d, tp)
+        rows.append((tp, mha, mla_kv_elems_per_token_per_gpu(v3["d_latent_kv"]),
+                     mla_kv_elems_per_token_per_gpu(v3["d_latent_kv"], v3["d_rope"]),
+                     mha / mla_kv_elems_per_token_per_gpu(v3["d_latent_kv"])))
+    print(table("KV cache per token per layer per GPU, elements: MHA (2d/TP) vs MLA (latent, copied on every TP rank)",
+                ["TP", "MHA", "MLA 512", "MLA 512+64", "MHA/MLA"], rows))
+    print("  MLA's advantage shrinks as TP grows and is gone at TP = 28 (the doc's formula counts 512, not the\n"
+          "  64-dim RoPE key that every rank stores too)")
+    plot_roofline()
     return 0
+
+
+def plot_roofline(path: str = "outputs/roofline.png") -> None:
+    """Intensity vs context length for decode (B = 32) and prefill (C = 2048), with the H100 ridge."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("\nroofline plot skipped: matplotlib is not installed (pip install -e .[plot])")
+        return
+    s, hw = LLAMA2_7B, H100
+    ctx = [2 ** e for e in range(8, 21)]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(ctx, [decode_intensity(s, 32, c) for c in ctx], "o-", label="decode, B = 32")
+    ax.plot(ctx, [prefill_intensity(s, 2048, c) for c in ctx], "s-", label="prefill chunk, C = 2048, after L cached")
+    ax.axhline(hw.ridge, color="k", ls="--", label=f"{hw.name} ridge {hw.ridge:.0f} FLOPs/byte")
+    ax.axvline(crossover_context_x_batch(s) / 32, color="gray", ls=":", label="decode crossover L = 2Π/(K_tok·B)")
+    ax.set(xscale="log", yscale="log", xlabel="context length L (tokens)", ylabel="intensity (FLOPs / byte)",
+           title="Llama-2-7B fp16 on H100: one iteration's intensity")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"\nroofline plot: {path}")
 
 
 if __name__ == "__main__":

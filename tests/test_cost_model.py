@@ -52,3 +52,68 @@ def test_cost_tables_script_prints_every_table():
     for title in ("decode, B = 32", "prefill, C = 2048", "KV transfer of a 4k prompt"):
         assert title in proc.stdout
     assert "K_tok = 524,288 B" in proc.stdout and "26,703" in proc.stdout
+
+
+def test_block_flops_match_torch_flop_counter():
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from layers.config import ModelConfig
+    from layers.dense import DenseBlock
+    from tp.cost_model import block_flops
+
+    cfg, n = ModelConfig(), 40
+    # The math SDPA backend computes the full [n, n] square with matmuls the counter sees.
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        DenseBlock(cfg)(torch.randn(n, cfg.d_model))
+    linear, attention = block_flops(cfg.d_model, cfg.k, cfg.d_ffn, n, pairs=n * n)
+    assert counter.get_total_flops() == linear + attention
+    assert attention == 4 * n * n * cfg.k and linear == 2 * n * 3_145_728
+
+
+def test_iteration_table_by_hand():
+    from tp.cost_model import attention_flops_per_pair, iteration
+
+    assert attention_flops_per_pair(LLAMA2_7B) == 4 * 128 * 32 * 32  # ≈ 0.52 MFLOP per pair
+    it = iteration(LLAMA2_7B, [1024] * 8, 100_000)
+    assert it.linear_flops == 2 * 7e9 * 100_008
+    assert it.attention_flops == 524_288 * (8 * 1024 + 100_000 ** 2 / 2)
+    assert it.time(H100) == pytest.approx(it.flops / 500e12)  # compute-bound: ~8 s
+    assert iteration(LLAMA2_7B, [1024] * 8).time(H100) == pytest.approx((14e9 + 8 * 1024 * 524_288) / 3.35e12)
+
+
+def _ledger_bytes(ctx, n):
+    import torch
+
+    from layers.tp_block import shard_stack
+    from tests.common import ARTICLE03, dense_and_input
+    from tp.ledger import TrafficLedger
+
+    dense, x = dense_and_input(ARTICLE03, torch.float32, n)
+    stack = shard_stack(dense, "v2", ctx.group)
+    ledger = TrafficLedger(ctx.world_size)
+    with torch.no_grad(), ledger.attach(stack):
+        stack(x)
+    return [sum(r.bytes_per_rank for r in ledger.records if r.layer == i) for i in range(ARTICLE03.n_layers)]
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_tp_allreduce_volume_equals_the_ledger(p):
+    from tests.harness import run_ranks
+    from tp.cost_model import tp_allreduce_elems_per_gpu
+
+    n = 40
+    measured = run_ranks(p, _ledger_bytes, n)[0]
+    assert measured == [2 * tp_allreduce_elems_per_gpu(n, 512, p) * 4] * 8  # 2 all-reduces/layer, float32
+
+
+def test_presets_and_shapes():
+    from layers.config import ModelConfig
+    from tp.cost_model import A100, H200, regime, shape_of
+
+    assert H200.ridge == pytest.approx(989e12 / 4.8e12) and A100.ridge == pytest.approx(312e12 / 2.039e12)
+    assert regime(2000, H100) == "compute-bound" and regime(15, H100) == "bandwidth-bound"
+    gpt2 = shape_of(ModelConfig(d_model=768, n_heads=12, d_head=64, d_ffn=3072, n_layers=12))
+    assert gpt2.n_params == 12 * 7_087_872  # GPT-2 small's blocks (124M with embeddings)
+    assert gpt2.kv_bytes_per_token == 2 * 12 * 12 * 64 * 2

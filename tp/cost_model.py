@@ -52,8 +52,22 @@ class Hardware:
 
 # Llama-2-7B as seeds/06 §3 uses it: Π ≈ 7·10⁹, 32 layers, 32 heads of 128, fp16.
 LLAMA2_7B = Shape("llama2_7b", 7e9, 32, 32, 128)
-# H100 SXM as the seeds use it (dense fp16 GEMM they call sustained; HBM3 bandwidth from NVIDIA's spec sheet).
+
+# H100 SXM as the seeds use it: a sustained fp16 GEMM rate, not the datasheet peak.
 H100 = Hardware("H100", 500e12, 3.35e12, "seeds/06 §2: ~500 TFLOP/s fp16 sustained, 3.35 TB/s HBM3")
+# Datasheet peaks (dense, no sparsity), for comparison; a sustained rate is lower, as the H100 line shows.
+H100_PEAK = Hardware("H100 SXM peak", 989e12, 3.35e12, "NVIDIA H100 datasheet: 989 TFLOPS dense BF16/FP16, 3.35 TB/s")
+H200 = Hardware("H200 SXM peak", 989e12, 4.8e12, "NVIDIA H200 datasheet: 989 TFLOPS dense BF16/FP16, 4.8 TB/s HBM3e")
+A100 = Hardware("A100 SXM 80GB peak", 312e12, 2.039e12, "NVIDIA A100 datasheet: 312 TFLOPS dense FP16, 2,039 GB/s")
+HARDWARE = {hw.name: hw for hw in (H100, H100_PEAK, H200, A100)}
+
+
+def shape_of(cfg, bytes_per_elem: int = 2) -> Shape:
+    """A Shape from a layers.config.ModelConfig (article03, gpt2_small): parameters of the blocks only."""
+    d, k, f = cfg.d_model, cfg.k, cfg.d_ffn
+    per_block = d * 3 * k + 3 * k + k * d + d + d * f + f + f * d + d + 4 * d
+    return Shape(f"blocks d={d} L={cfg.n_layers}", float(per_block * cfg.n_layers), cfg.n_layers, cfg.n_heads,
+                 cfg.d_head, bytes_per_elem)
 # Fabric bandwidths as seeds/06 §6 gives them, bytes/s.
 FABRICS = {"NVLink (in node)": 900e9, "NVSwitch fabric": 400e9, "InfiniBand HDR": 50e9, "PCIe Gen5": 64e9}
 
@@ -73,6 +87,10 @@ def prefill_intensity(s: Shape, chunk: int, prefix: float) -> float:
     return intensity(s, chunk, prefix, 1)
 
 
+def regime(intensity_value: float, hw: Hardware) -> str:
+    return "compute-bound" if intensity_value >= hw.ridge else "bandwidth-bound"
+
+
 def crossover_context_x_batch(s: Shape) -> float:
     """L·B at which KV reads weigh as much as the weights: w·Π / K_tok."""
     return s.weight_bytes / s.kv_bytes_per_token
@@ -85,3 +103,78 @@ def roofline_time(flops: float, bytes_loaded: float, hw: Hardware) -> float:
 def kv_transfer_time(s: Shape, tokens: int, bandwidth: float) -> float:
     """Seconds to move `tokens` tokens' KV cache over a link of `bandwidth` bytes/s."""
     return tokens * s.kv_bytes_per_token / bandwidth
+
+
+# ---- FLOPs of one iteration (seeds/05 §3) --------------------------------------------------------
+
+
+def attention_flops_per_pair(s: Shape) -> float:
+    """One (query, key) pair through the whole network: QKᵀ and PV, 2 FLOPs each per dim, every head and layer."""
+    return 4 * s.d_head * s.n_kv_heads * s.n_layers
+
+
+def block_flops(d: int, k: int, d_ffn: int, tokens: int, pairs: float) -> tuple[float, float]:
+    """(linear, attention) FLOPs of one GPT-2 block: 2 per weight per token; 4·k per (query, key) pair."""
+    return 2 * tokens * (d * 3 * k + k * d + d * d_ffn + d_ffn * d), 4 * k * pairs
+
+
+@dataclass(frozen=True)
+class Iteration:
+    linear_flops: float
+    attention_flops: float
+    bytes_loaded: float
+
+    @property
+    def flops(self) -> float:
+        return self.linear_flops + self.attention_flops
+
+    def time(self, hw: Hardware) -> float:
+        return roofline_time(self.flops, self.bytes_loaded, hw)
+
+
+def iteration(s: Shape, decode_contexts: list[int], prefill_tokens: int = 0) -> Iteration:
+    """Decoders (one new token each, against its cached context) plus one causal prefill, in one forward.
+
+    Linears: 2Π per token. Attention: a decoder's token meets its M cached keys (M pairs); a prefill of
+    P tokens has P²/2 causal pairs. Bytes: the weights once, every decoder's KV cache, the prefill's KV written.
+    """
+    tokens = len(decode_contexts) + prefill_tokens
+    pairs = sum(decode_contexts) + prefill_tokens * prefill_tokens / 2
+    kv = s.kv_bytes_per_token * (sum(decode_contexts) + prefill_tokens)
+    return Iteration(2 * s.n_params * tokens, attention_flops_per_pair(s) * pairs, s.weight_bytes + kv)
+
+
+# ---- communication per GPU per layer, by parallelism (serving-compute-comm-model.md) -------------
+
+
+def tp_allreduce_elems_per_gpu(tokens: float, d: int, tp: int) -> float:
+    """Ring all-reduce of [tokens, d] over TP ranks: 2·(TP-1)/TP·N·d elements sent per GPU."""
+    return 2 * (tp - 1) / tp * tokens * d
+
+
+def ep_alltoall_elems_per_gpu(tokens: float, d: int, top_k: int, ep: int) -> float:
+    """MoE dispatch + combine: two all-to-alls of N·k·d elements, 1/EP of it per GPU, none to itself."""
+    return 4 * tokens * top_k * d / ep * (ep - 1) / ep
+
+
+def pp_send_elems(tokens: float, d: int) -> float:
+    """A pipeline stage boundary: the activations [tokens, d], sent one way."""
+    return tokens * d
+
+
+# ---- KV cache per GPU: MHA vs MLA under TP (serving-compute-comm-model.md) -----------------------
+
+
+def mha_kv_elems_per_token_per_gpu(d: int, tp: int) -> float:
+    """MHA caches K and V for its own heads only: 2·d/TP elements per token per layer."""
+    return 2 * d / tp
+
+
+def mla_kv_elems_per_token_per_gpu(d_latent: int, d_rope: int = 0) -> float:
+    """MLA caches one latent vector (plus the shared RoPE key) that every TP rank must hold whole."""
+    return d_latent + d_rope
+
+
+# DeepSeek-V3's attention dims as the comm-model document gives them.
+DEEPSEEK_V3 = dict(d=7168, n_layers=61, n_heads=128, d_head=128, d_latent_kv=512, d_latent_q=1536, d_rope=64,
+                   top_k=8)
