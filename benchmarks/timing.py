@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tp.dist import TPContext
+from tp.dist import TPContext, max_over_ranks
 
 
 def timed(fn, ctx: TPContext) -> float:
@@ -38,9 +38,7 @@ def sample(runs: dict, repeats: int, ctx: TPContext) -> dict[str, list[float]]:
 
 def slowest(values: list[float], ctx: TPContext) -> list[float]:
     """Element-wise maximum over ranks."""
-    t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
-    return t.tolist()
+    return max_over_ranks(values, ctx.group, ctx.device)
 
 
 def medians(runs: dict, repeats: int, ctx: TPContext) -> dict[str, float]:

@@ -17,20 +17,12 @@ from layers.hf_gpt2 import load_stack
 from layers.shard import heads_of_rank
 from layers.tp_block import TPStack, shard_stack
 from layers.varlen import Requests, check_same_on_every_rank
-from tp.dist import TPContext, same_on_every_rank
+from tp.dist import TPContext, max_over_ranks, same_on_every_rank
 from tp.ledger import CommRecord, Traffic, TrafficLedger
 from tp.trace import backend_events, collectives_by_layer, layer_scopes
 from tp.traffic_model import PHASES, predict
 
 LINEARS = ("qkv", "attn_out", "mlp_up", "mlp_down")
-
-
-def _max_over_ranks(values: list[float], ctx: TPContext) -> list[float]:
-    if not values:
-        return []
-    t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
-    return t.tolist()
 
 
 def _sync(ctx: TPContext) -> None:
@@ -152,8 +144,8 @@ def measure_traffic(stack: TPStack, x: torch.Tensor, cu_seqlens, cfg: ModelConfi
                     site_times.setdefault((r.layer, r.site), []).append(r.time_s)
     last: list[CommRecord] = list(ledger.records)
     keys = list(site_times)
-    medians = dict(zip(keys, _max_over_ranks([statistics.median(site_times[k]) for k in keys], ctx)))
-    fwd = dict(zip(runs, _max_over_ranks([statistics.median(times[k]) if times[k] else 0.0 for k in runs], ctx)))
+    medians = dict(zip(keys, max_over_ranks([statistics.median(site_times[k]) for k in keys], ctx.group, ctx.device)))
+    fwd = dict(zip(runs, max_over_ranks([statistics.median(times[k]) if times[k] else 0.0 for k in runs], ctx.group, ctx.device)))
 
     layers = []
     for i in range(cfg.n_layers):

@@ -20,13 +20,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from layers.shard import per_rank
 from tp.comm import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
-
-
-def _per_rank(features: int, p: int, what: str) -> int:
-    if features % p:
-        raise ValueError(f"{what}={features} is not divisible by {p} ranks")
-    return features // p
 
 
 class ColumnParallelLinear(nn.Module):
@@ -42,7 +37,7 @@ class ColumnParallelLinear(nn.Module):
         self.group = group
         self.gather_output = gather_output
         self.site = site  # names this layer's collectives in the traffic ledger
-        local_out = _per_rank(out_features, dist.get_world_size(group), "out_features")
+        local_out = per_rank(out_features, dist.get_world_size(group), "out_features")
         self.weight = nn.Parameter(torch.empty(local_out, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(local_out, dtype=dtype, device=device)) if bias else None
 
@@ -67,7 +62,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
         self.input_is_parallel = input_is_parallel
         self.site = site  # names this layer's collectives in the traffic ledger
-        local_in = _per_rank(in_features, dist.get_world_size(group), "in_features")
+        local_in = per_rank(in_features, dist.get_world_size(group), "in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local_in, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
 

@@ -52,7 +52,7 @@ def qkv_intra_head_shard(weight: torch.Tensor, bias: torch.Tensor | None, n_head
     """
     def take(t: torch.Tensor) -> torch.Tensor:
         parts = rearrange(t, "(three h dh) ... -> three h dh ...", three=3, h=n_heads)
-        dhp = _per_rank(parts.shape[2], p, "d_head")
+        dhp = per_rank(parts.shape[2], p, "d_head")
         return rearrange(parts[:, :, rank * dhp:(rank + 1) * dhp], "three h dh ... -> (three h dh) ...").contiguous()
 
     return take(weight), None if bias is None else take(bias)
@@ -61,11 +61,12 @@ def qkv_intra_head_shard(weight: torch.Tensor, bias: torch.Tensor | None, n_head
 def out_proj_intra_head_shard(weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int, rank: int, p: int):
     """Row shard of the output projection [d, k] matching qkv_intra_head_shard: dims r of every head."""
     cols = rearrange(weight, "o (h dh) -> o h dh", h=n_heads)
-    dhp = _per_rank(cols.shape[2], p, "d_head")
+    dhp = per_rank(cols.shape[2], p, "d_head")
     return rearrange(cols[:, :, rank * dhp:(rank + 1) * dhp], "o h dh -> o (h dh)").contiguous(), bias
 
 
-def _per_rank(features: int, p: int, what: str) -> int:
+def per_rank(features: int, p: int, what: str) -> int:
+    """features / p, or a ValueError naming the numbers."""
     if features % p:
         raise ValueError(f"{what}={features} is not divisible by {p} ranks")
     return features // p

@@ -110,6 +110,15 @@ def same_on_every_rank(values: torch.Tensor, group: dist.ProcessGroup) -> bool:
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
+def max_over_ranks(values: list[float], group: dist.ProcessGroup, device=None) -> list[float]:
+    """Element-wise maximum over the group's ranks (e.g. the slowest rank's timings)."""
+    if not values:
+        return []
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -140,15 +140,6 @@ class TrafficLedger:
             elements * dtype.itemsize, ring_bytes_per_rank(kind, elements, self.world_size, dtype.itemsize), elapsed))
         return out
 
-    # -- reading ----------------------------------------------------------------------------------
-
-    def by_layer(self, phase: str = "forward") -> dict[int | None, list[CommRecord]]:
-        out: dict[int | None, list[CommRecord]] = {}
-        for r in self.records:
-            if r.phase == phase:
-                out.setdefault(r.layer, []).append(r)
-        return out
-
 
 def active() -> TrafficLedger | None:
     return _ACTIVE.get()
