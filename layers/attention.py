@@ -8,9 +8,22 @@ With `requests` (many requests flattened into one [T, ...] tensor, see
 layers/varlen.py) each request attends causally within itself only, and only
 its own [Lᵢ × Lᵢ] block of scores is computed: the work is Σ Lᵢ², not (Σ Lᵢ)².
 `requests.padded` selects the baseline: pad every request to the longest, mask.
+
+With `CachedRequests` (serving, SPEC §6) each request brings only its new rows,
+positions [q_start, q_end); their K,V are written into the request's cache at
+[q_start, q_end) and the queries attend to keys [0, kv_length = q_end):
+
+                 keys 0 .. q_start-1 (cached prefix)   keys q_start .. q_end-1 (this chunk)
+    query i      all visible                            visible iff key <= q_start + i
+
+A fresh prompt (q_start = 0) is the plain causal square; a decode (one row) sees everything.
+SDPA's `is_causal` puts the triangle at the top-left when q_rows != kv_length, which is
+wrong here, so a chunk after a cached prefix gets an explicit mask.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,11 +33,33 @@ from torch.nn.utils.rnn import pad_sequence
 from layers.varlen import Requests
 
 
-def causal_attention(qkv: torch.Tensor, d_head: int, requests: Requests | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class CachedRequests:
+    """One layer of one serving iteration: where each request's new rows lie and where its K,V go.
+
+    spans[i]    rows [s, e) of the flat [T, ...] tensor that belong to request i
+    q_starts[i] the position of its first new row (its cached prefix length)
+    caches[i]   its cache for this layer, [2, heads on this rank, capacity, d_head] (K then V)
+    """
+
+    spans: tuple[tuple[int, int], ...]
+    q_starts: tuple[int, ...]
+    caches: tuple[torch.Tensor, ...]
+
+
+def prefix_causal_mask(q_start: int, q_rows: int, kv_length: int, device=None) -> torch.Tensor:
+    """[q_rows, kv_length] booleans: query i (position q_start + i) sees key j iff j <= q_start + i."""
+    keys = torch.arange(kv_length, device=device)
+    return keys[None, :] <= (q_start + torch.arange(q_rows, device=device))[:, None]
+
+
+def causal_attention(qkv: torch.Tensor, d_head: int, requests: Requests | CachedRequests | None = None) -> torch.Tensor:
     """qkv: [T, 3*h*d_head] laid out [Q | K | V], heads contiguous inside each part.
 
     Returns [T, h*d_head], heads concatenated in the same order.
     """
+    if isinstance(requests, CachedRequests):
+        return cached_attention(qkv, d_head, requests)
     # Each [1, h, T, d_head]: a batch dim of 1, because on CPU PyTorch's SDPA takes its fused kernel
     # only for 4-D inputs (3-D ones fall back to the math path, ~4x slower here).
     q, k, v = rearrange(qkv, "n (three h d) -> three 1 h n d", three=3, d=d_head)
@@ -50,3 +85,22 @@ def _padded(q, k, v, lengths: list[int]) -> torch.Tensor:
     mask = causal[None, None] & real_key[:, None, None, :]  # [R, 1, max_len, max_len]
     out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=mask)
     return torch.cat([out[r, :, :n] for r, n in enumerate(lengths)], dim=1)  # [h, T, d]
+
+
+def cached_attention(qkv: torch.Tensor, d_head: int, batch: CachedRequests) -> torch.Tensor:
+    """Write each request's new K,V into its cache, then attend over its whole context (module docstring)."""
+    q, k, v = rearrange(qkv, "n (three h d) -> three h n d", three=3, d=d_head)  # each [h, T, d_head]
+    outs = []
+    for (s, e), q_start, cache in zip(batch.spans, batch.q_starts, batch.caches):
+        q_rows, kv_length = e - s, q_start + e - s
+        cache[0, :, q_start:kv_length] = k[:, s:e]  # [h, q_rows, d_head] into positions [q_start, q_end)
+        cache[1, :, q_start:kv_length] = v[:, s:e]
+        keys, values = cache[:, None, :, :kv_length]  # each [1, h, kv_length, d_head]
+        if q_rows == 1:  # decode: the one new query sees every key
+            mask, causal = None, False
+        elif q_start == 0:  # a whole prompt, or its first chunk: the plain causal square
+            mask, causal = None, True
+        else:  # a chunk after a cached prefix: full on the prefix, causal on the chunk
+            mask, causal = prefix_causal_mask(q_start, q_rows, kv_length, qkv.device), False
+        outs.append(F.scaled_dot_product_attention(q[None, :, s:e], keys, values, attn_mask=mask, is_causal=causal))
+    return rearrange(torch.cat(outs, dim=2), "1 h n d -> n (h d)")

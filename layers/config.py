@@ -23,6 +23,7 @@ class ModelConfig:
     n_layers: int = 8
     max_seq_len: int = 1024
     ln_eps: float = 1e-5
+    vocab_size: int = 50257  # GPT-2's BPE vocabulary; only the language model (layers/lm.py) uses it
 
     @property
     def k(self) -> int:
@@ -38,7 +39,7 @@ def valid_tp_sizes(cfg: ModelConfig, up_to: int = 64) -> list[int]:
 
 def validate_model(cfg: ModelConfig, p: int) -> None:
     """Raise ConfigError naming the numbers to change. Pure: every rank reaches the same verdict."""
-    for name in ("d_model", "n_heads", "d_head", "d_ffn", "n_layers"):
+    for name in ("d_model", "n_heads", "d_head", "d_ffn", "n_layers", "max_seq_len", "vocab_size"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"model.{name}={getattr(cfg, name)} must be a positive integer")
     if cfg.d_model != cfg.k:

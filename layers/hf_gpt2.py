@@ -7,7 +7,8 @@ layers/shard.py cuts head-aligned. Works on a plain state dict: transformers its
 is needed only to make one (pip install -e .[hf]); nothing is downloaded here.
 
     GPT2Block keys        ln_1.weight, attn.c_attn.weight, attn.c_proj.weight, mlp.c_fc.weight, ...
-    GPT2Model keys        h.<i>.<block key>            GPT2LMHeadModel   transformer.h.<i>.<block key>
+    GPT2Model keys        h.<i>.<block key>, wte.weight, wpe.weight, ln_f.weight, ln_f.bias
+    GPT2LMHeadModel       transformer.<GPT2Model key>, lm_head.weight (tied to wte: the same tensor)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from layers.config import ModelConfig
 from layers.dense import DenseBlock, DenseStack
+from layers.lm import DenseLM
 from tp.dist import ConfigError
 
 # (our parameter, HF key, transpose?)
@@ -43,7 +45,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise ConfigError(f"n_embd={d} is not divisible by n_head={h}")
     return ModelConfig(d_model=d, n_heads=h, d_head=d // h, d_ffn=hf.get("n_inner") or 4 * d,
                        n_layers=hf["n_layer"], max_seq_len=hf.get("n_positions", 1024),
-                       ln_eps=hf.get("layer_norm_epsilon", 1e-5))
+                       ln_eps=hf.get("layer_norm_epsilon", 1e-5), vocab_size=hf.get("vocab_size", 50257))
 
 
 @torch.no_grad()
@@ -75,6 +77,25 @@ def load_stack(stack: DenseStack, state: dict[str, torch.Tensor]) -> DenseStack:
     for i, block in enumerate(stack.blocks):
         load_block(block, state, f"{prefix}{i}.")
     return stack
+
+
+@torch.no_grad()
+def load_lm(lm: DenseLM, state: dict[str, torch.Tensor]) -> DenseLM:
+    """Copy a GPT2LMHeadModel (or GPT2Model) state dict into a DenseLM: blocks, embeddings, final LayerNorm."""
+    load_stack(lm.stack, state)
+    prefix = _block_prefix(state).removesuffix("h.")
+    for name in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"):
+        key = prefix + name
+        if key not in state:
+            raise KeyError(f"GPT-2 state dict has no {key!r}")
+        target = lm.get_parameter(name)
+        if tuple(state[key].shape) != tuple(target.shape):
+            raise ValueError(f"{key}: shape {tuple(state[key].shape)} does not fit {name} {tuple(target.shape)}")
+        target.copy_(state[key].to(target.dtype))
+    head = state.get("lm_head.weight")
+    if head is not None and not torch.equal(head, state[prefix + "wte.weight"]):
+        raise ValueError("lm_head.weight differs from wte.weight: only GPT-2's tied LM head is supported")
+    return lm
 
 
 def read_config(path: str | Path) -> ModelConfig:

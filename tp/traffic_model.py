@@ -13,6 +13,12 @@ Per block, with n tokens, d = d_model, k = n_heads·d_head, f = d_ffn:
 With many requests flattened (lengths Lᵢ, n = Σ Lᵢ) nothing changes but n, except
 intra_head's scores: each request's [h, Lᵢ, Lᵢ] block, side by side, [h, Σ Lᵢ²].
 
+A serving iteration (SPEC §6; layers/lm.py) of T rows, S of them sampled, adds to the stack's
+collectives, outside any block: an all-gather of every rank's plan fingerprint (the engine
+checks that all ranks scheduled the same rows), and with the vocab-parallel embedding one
+all-reduce of [T, d] after the lookup and one all-gather of (max, argmax) pairs [S, 2] float64
+per rank in the LM head. A replicated embedding and head communicate nothing.
+
 Bytes per rank follow the ring model: all-reduce 2(p-1)/p·M·e, all-gather (p-1)/p·M·e.
 On one rank nothing is communicated.
 """
@@ -73,3 +79,22 @@ def bytes_per_rank_per_layer(cfg: ModelConfig, p: int, n: int, dtype: torch.dtyp
         return 0.0
     return sum(Traffic.of(layer=0, sublayer=s, site=t, phase=phase, kind=k, shape=sh, dtype=dtype, p=p).bytes_per_rank
                for s, t, k, sh in block_collectives(cfg, n, variant, phase, lengths))
+
+
+def predict_iteration(cfg: ModelConfig, p: int, rows: int, sampled: int, dtype: torch.dtype, variant: str,
+                      vocab_parallel: bool, plan_check: int) -> list[Traffic]:
+    """Every collective of one serving iteration, in issue order. plan_check: fingerprint elements per rank."""
+    if p == 1:
+        return []
+
+    def extra(sublayer, site, kind, shape, dt):
+        return Traffic.of(layer=None, sublayer=sublayer, site=site, phase="forward", kind=kind, shape=shape,
+                          dtype=dt, p=p)
+
+    out = [extra("engine", "plan check", "all_gather", (1, plan_check * p), torch.float64)] if plan_check else []
+    if vocab_parallel:
+        out.append(extra("embed", "all-reduce", "all_reduce", (rows, cfg.d_model), dtype))
+    out += predict(cfg, p, rows, dtype, variant, "forward")
+    if vocab_parallel and sampled:
+        out.append(extra("head", "argmax all-gather", "all_gather", (sampled, 2 * p), torch.float64))
+    return out

@@ -1,0 +1,110 @@
+"""The whole GPT-2 language model: token + position embedding, L blocks, final LayerNorm, tied LM head.
+
+    ids [T] -> wte[ids] + wpe[positions] -> L blocks -> ln_f -> x @ wteᵀ -> logits [T, V]
+
+DenseLM   the single-device model, and the serving oracle: `logits` recomputes a whole
+          sequence without any cache; `greedy_reference` generates by recomputing every step.
+TPLM      the same weights on p ranks: vocab-parallel (or replicated) embedding and head
+          (layers/vocab.py), the v1 or v2 stack, and per-request K,V caches handed in by the
+          engine. `step` runs one serving iteration of flat rows and returns greedy tokens for
+          the rows asked for; the full logits are never formed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from layers.attention import CachedRequests
+from layers.config import ModelConfig
+from layers.dense import DenseStack
+from layers.tp_block import TPStack, shard_stack
+from layers.vocab import ReplicatedEmbedding, VocabParallelEmbedding
+
+
+class DenseLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model, **kw)
+        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model, **kw)
+        self.stack = DenseStack(cfg, dtype, device)
+        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, **kw)
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, V]
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[0], device=ids.device))
+        x = self.stack(x)[-1]
+        return F.linear(self.ln_f(x), self.wte.weight)  # the head is tied to the token embedding
+
+
+@dataclass
+class Greedy:
+    """What the oracle generated: ids, the logit of each, and its margin over the runner-up."""
+
+    ids: list[int]
+    logits: list[float]
+    margins: list[float]  # top-1 minus top-2 logit: a near-tie if this is within rounding
+
+
+@torch.no_grad()
+def greedy_reference(lm: DenseLM, prompt: list[int], max_new_tokens: int, eos_id: int | None = None) -> Greedy:
+    """Greedy decoding with no cache at all: every step runs the whole sequence so far through the model."""
+    device = lm.wte.weight.device
+    tokens, out = list(prompt), Greedy([], [], [])
+    for _ in range(max_new_tokens):
+        last = lm.logits(torch.tensor(tokens, device=device))[-1]  # [V]
+        top = last.topk(2).values
+        token = int(last.argmax())
+        out.ids.append(token)
+        out.logits.append(float(last[token]))
+        out.margins.append(float(top[0] - top[1]))
+        tokens.append(token)
+        if token == eos_id:
+            break
+    return out
+
+
+class TPLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, embed: nn.Module, wpe: nn.Embedding, stack: TPStack, ln_f: nn.LayerNorm):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = embed  # VocabParallelEmbedding or ReplicatedEmbedding, also the LM head
+        self.wpe = wpe  # positions: small, replicated
+        self.stack = stack
+        self.ln_f = ln_f
+
+    @property
+    def vocab_parallel(self) -> bool:
+        return isinstance(self.embed, VocabParallelEmbedding)
+
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, layers: list[CachedRequests],
+             sample_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One iteration. ids, positions: [T]; returns (token ids, their logits) for sample_rows, on every rank."""
+        x = self.embed(ids) + self.wpe(positions)  # ★ vocab-parallel: all-reduce [T, d]
+        x = self.stack.forward_cached(x, layers)  # ★ v2: 2 all-reduces [T, d] per layer; v1: 4 all-gathers
+        if not sample_rows:  # only prompt chunks that do not finish their prompt: nothing to sample
+            return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.float64)
+        last = self.ln_f(x[sample_rows])  # [S, d]: LayerNorm is per row, so only the sampled rows need it
+        return self.embed.greedy(last)  # ★ vocab-parallel: all-gather of (max, argmax) pairs [S, 2] per rank
+
+
+@torch.no_grad()
+def shard_lm(dense: DenseLM, variant: str, group: dist.ProcessGroup, vocab_parallel: bool = True) -> TPLM:
+    """Load dense, then shard: this rank's TPLM, holding its slices of `dense`'s weights."""
+    if variant not in ("v1", "v2"):
+        raise ValueError(f"serving runs variant v1 or v2, not {variant!r}")
+    cfg, w = dense.cfg, dense.wte.weight
+    if vocab_parallel:
+        embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group, w.dtype, w.device).load_dense(w)
+    else:
+        embed = ReplicatedEmbedding(cfg.vocab_size, cfg.d_model, w.dtype, w.device).load_dense(w)
+    wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model, dtype=w.dtype, device=w.device)
+    wpe.load_state_dict(dense.wpe.state_dict())
+    ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, dtype=w.dtype, device=w.device)
+    ln_f.load_state_dict(dense.ln_f.state_dict())
+    return TPLM(cfg, embed, wpe, shard_stack(dense.stack, variant, group), ln_f)

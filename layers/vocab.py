@@ -1,0 +1,95 @@
+"""The token embedding and the LM head tied to it: vocab-parallel (Megatron) or replicated.
+
+Vocab-parallel: the vocabulary V is padded up to V' (a multiple of p) and rank r
+holds embedding rows [r·V'/p, (r+1)·V'/p):
+
+    wte [V' x d]      rank 0: ids 0 .. V'/p-1      rank 1: ids V'/p .. 2V'/p-1   ...   (padding rows at the end)
+
+  lookup   ids outside this rank's slice give zero rows; ★ one all-reduce of [T, d] sums the p slices.
+  LM head  x [S, d] @ wte_rᵀ -> local logits [S, V'/p] (padded ids set to -inf, so they never win);
+           each rank keeps only its (max, argmax) per row; ★ one all-gather of those pairs, [S, 2] per
+           rank, and every rank picks the same winner: the largest value, ties to the lowest rank and
+           so to the lowest token id, exactly as torch.argmax over the full row. The full [S, V]
+           logits never exist anywhere.
+
+Replicated (the baseline for bytes and memory): every rank holds all of wte; lookup and
+head are local, no collective, V·d weights per rank instead of V'·d/p.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from tp.comm import gather_from_region, reduce_from_region
+
+# The (max, argmax) pairs travel as float64: exact for any float32/float64 logit and any id < 2**53.
+PAIR_DTYPE = torch.float64
+
+
+def padded_vocab(vocab_size: int, p: int) -> int:
+    """V' = V rounded up to a multiple of p (GPT-2: 50257 -> 50258 at p = 2, 50264 at p = 8)."""
+    return -(-vocab_size // p) * p
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the token embedding; also the tied LM head (`greedy`)."""
+
+    def __init__(self, vocab_size: int, d_model: int, group: dist.ProcessGroup, dtype=None, device=None):
+        super().__init__()
+        self.group = group
+        p, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.vocab_size = vocab_size
+        self.per_rank = padded_vocab(vocab_size, p) // p
+        self.start = rank * self.per_rank  # first token id this rank holds
+        self.n_real = max(0, min(self.per_rank, vocab_size - self.start))  # the rest of the slice is padding
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, d_model, dtype=dtype, device=device))
+
+    @torch.no_grad()
+    def load_dense(self, weight: torch.Tensor) -> "VocabParallelEmbedding":
+        """weight: the dense [V, d] embedding; padding rows stay zero."""
+        self.weight[: self.n_real].copy_(weight[self.start: self.start + self.n_real])
+        return self
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [T]
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.n_real)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0)  # [T, d]
+        return reduce_from_region(rows, self.group, "embed/all-reduce")  # ★ all-reduce: [T, d], every rank
+
+    def greedy(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [S, d] final hidden rows -> (token ids [S], their logits [S]), the same on every rank."""
+        logits = F.linear(x, self.weight)  # [S, V'/p]: this rank's slice of the vocabulary
+        logits[:, self.n_real:] = float("-inf")  # padded ids never win
+        best = logits.argmax(dim=-1)  # first maximum: the lowest id within the slice
+        pairs = torch.stack([logits.gather(1, best[:, None])[:, 0].to(PAIR_DTYPE),
+                             (best + self.start).to(PAIR_DTYPE)], dim=-1)  # [S, 2]
+        pairs = gather_from_region(pairs, self.group, "head/argmax all-gather")  # ★ all-gather: [S, 2p]
+        values, ids = rearrange(pairs, "s (p two) -> two s p", two=2)
+        winner = values.argmax(dim=-1, keepdim=True)  # first maximum: the lowest rank, so the lowest id
+        return ids.gather(1, winner)[:, 0].long(), values.gather(1, winner)[:, 0]
+
+
+class ReplicatedEmbedding(nn.Module):
+    """Every rank holds the whole [V, d] embedding: lookup and LM head without communication."""
+
+    def __init__(self, vocab_size: int, d_model: int, dtype=None, device=None):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.weight = nn.Parameter(torch.zeros(vocab_size, d_model, dtype=dtype, device=device))
+
+    @torch.no_grad()
+    def load_dense(self, weight: torch.Tensor) -> "ReplicatedEmbedding":
+        self.weight.copy_(weight)
+        return self
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, d]
+        return F.embedding(ids, self.weight)
+
+    def greedy(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)  # [S, V]
+        best = logits.argmax(dim=-1)
+        return best, logits.gather(1, best[:, None])[:, 0].to(PAIR_DTYPE)

@@ -1,0 +1,86 @@
+"""One iteration's plan: which rows of which requests go through the model (SPEC §6).
+
+Every request in an iteration is a triple (q_start, q_end, kv_length = q_end):
+
+    fresh prompt of N        (0, N, N)
+    chunk k of size C        (kC, kC + C, kC + C)      after a cached prefix of kC rows
+    decode                   (t, t + 1, t + 1)         one new row: chunked prefill with C = 1
+
+The rows are laid end to end in one flat [T, d] tensor, decodes first. A row is sampled
+only where a request's prompt is complete: a decode, or the chunk that ends a prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Chunk:
+    request: int  # request id
+    q_start: int
+    q_end: int
+    decode: bool  # the prompt was complete before this iteration (one row, one new token)
+    sample: bool  # this chunk's last row yields the request's next token
+
+    @property
+    def q_rows(self) -> int:
+        return self.q_end - self.q_start
+
+    @property
+    def kv_length(self) -> int:
+        return self.q_end
+
+    @property
+    def triple(self) -> tuple[int, int, int]:
+        return (self.q_start, self.q_end, self.kv_length)
+
+
+@dataclass(frozen=True)
+class IterationPlan:
+    index: int
+    chunks: tuple[Chunk, ...]
+    admitted: tuple[int, ...] = ()  # requests that joined the running set at this iteration
+
+    @property
+    def rows(self) -> int:
+        return sum(c.q_rows for c in self.chunks)
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """Each chunk's rows in the flat tensor."""
+        out, start = [], 0
+        for c in self.chunks:
+            out.append((start, start + c.q_rows))
+            start += c.q_rows
+        return out
+
+    @property
+    def sample_rows(self) -> list[int]:
+        return [e - 1 for c, (_, e) in zip(self.chunks, self.spans) if c.sample]
+
+    @property
+    def decodes(self) -> int:
+        return sum(c.decode for c in self.chunks)
+
+    @property
+    def prefill_chunks(self) -> int:
+        return sum(not c.decode for c in self.chunks)
+
+    def score_entries(self) -> int:
+        """Q·Kᵀ entries one head computes in one layer: q_rows × kv_length per request."""
+        return sum(c.q_rows * c.kv_length for c in self.chunks)
+
+    def cache_rows_read(self) -> int:
+        """Cached rows re-read (the prefix written by earlier iterations): q_start per request."""
+        return sum(c.q_start for c in self.chunks)
+
+    def fingerprint(self) -> list[float]:
+        """Four numbers that differ, with overwhelming likelihood, when two ranks planned differently."""
+        n = len(self.chunks)
+        return [float(self.index * 1_000_003 + n), float(sum((i + 1) * c.request for i, c in enumerate(self.chunks))),
+                float(sum((i + 1) * c.q_start + c.sample for i, c in enumerate(self.chunks))),
+                float(sum((i + 7) * c.q_end + 3 * c.decode for i, c in enumerate(self.chunks)))]
+
+
+FINGERPRINT_SIZE = 4
