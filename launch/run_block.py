@@ -16,7 +16,6 @@ is non-zero when any check fails.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from dataclasses import dataclass
@@ -32,9 +31,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from launch.check import run_check
 from launch.report import render
-from layers.config import (ModelConfig, parse_dtype, parse_variants, validate_model, validate_tokens,
-                           validate_variants)
-from layers.hf_gpt2 import read_config, read_state
+from launch.settings import generate_lengths, integer, overridden, parse_model, positive_float
+from layers.config import ModelConfig, parse_dtype, parse_variants, validate_tokens, validate_variants
+from layers.hf_gpt2 import read_state
 from layers.varlen import score_entries
 from tp.dist import ConfigError, env_world, init_from_env, resolve_backend, shutdown
 
@@ -59,44 +58,32 @@ class Settings:
 
 def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> Settings:
     """Every check that needs no communication. Raises ConfigError; identical on every rank."""
-    fields = OmegaConf.to_container(cfg.model, resolve=True)
-    for key, value in fields.items():
-        if key != "ln_eps" and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ConfigError(f"model.{key}={value!r} must be an integer")
-    try:
-        model = ModelConfig(**fields)
-    except TypeError as exc:
-        raise ConfigError(f"bad model settings: {exc}") from None
-    model_name = HydraConfig.get().runtime.choices.get("model", "custom") if HydraConfig.initialized() else "custom"
-    hf_checkpoint = None if cfg.hf_checkpoint is None else str(cfg.hf_checkpoint)
-    if hf_checkpoint is not None:
-        model, model_name = read_config(hf_checkpoint), "hf"
-    validate_model(model, world_size)
-    seed = _integer(cfg, "seed")
+    model, model_name, hf_checkpoint = parse_model(cfg, world_size)
+    seed = integer(cfg, "seed")
     lengths = request_lengths(cfg, model, seed)
     dtype = parse_dtype(str(cfg.dtype))
     variants = parse_variants(OmegaConf.to_container(cfg.variants) if OmegaConf.is_list(cfg.variants) else cfg.variants)
     validate_variants(model, world_size, variants)
-    repeats = _integer(cfg, "repeats")
+    repeats = integer(cfg, "repeats")
     if repeats < 0:
         raise ConfigError(f"repeats={repeats} must be 0 or more")
     if not isinstance(cfg.profile, bool):
         raise ConfigError(f"profile={cfg.profile!r} must be true or false")
     backend = resolve_backend(str(cfg.backend), local_world_size)
-    tolerance = DEFAULT_TOLERANCE[dtype] if cfg.tolerance is None else _positive_float(cfg, "tolerance")
+    tolerance = DEFAULT_TOLERANCE[dtype] if cfg.tolerance is None else positive_float(cfg, "tolerance")
     return Settings(model, model_name, hf_checkpoint, lengths, dtype, seed, variants, backend, tolerance, repeats, cfg.profile,
                     str(cfg.report))
 
 
 def request_lengths(cfg: DictConfig, model: ModelConfig, seed: int) -> list[int]:
     """The requests of this run: one sequence (n_tokens), generated (request_dist), or listed (requests)."""
-    given = _overridden(("n_tokens", "requests", "request_dist"))
+    given = overridden(("n_tokens", "requests", "request_dist"))
     if cfg.n_tokens is not None:
         if {"requests", "request_dist"} & given:
             raise ConfigError("give either n_tokens (one sequence) or requests/request_dist (many), not both")
-        lengths = [_integer(cfg, "n_tokens")]
+        lengths = [integer(cfg, "n_tokens")]
     elif cfg.request_dist is not None:
-        count, mean = _integer(cfg, "request_count"), _integer(cfg, "request_mean")
+        count, mean = integer(cfg, "request_count"), integer(cfg, "request_mean")
         if count < 1 or mean < 1:
             raise ConfigError(f"request_count={count} and request_mean={mean} must be at least 1")
         lengths = generate_lengths(str(cfg.request_dist), count, mean, model.max_seq_len, seed)
@@ -111,43 +98,6 @@ def request_lengths(cfg: DictConfig, model: ModelConfig, seed: int) -> list[int]
     for i, n in enumerate(lengths):
         validate_tokens(model, n, "n_tokens" if cfg.n_tokens is not None else f"request {i} length")
     return lengths
-
-
-def _overridden(keys) -> set[str]:
-    """Which of `keys` the command line set."""
-    if not HydraConfig.initialized():
-        return set()
-    return {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task} & set(keys)
-
-
-def generate_lengths(dist_name: str, count: int, mean: int, max_len: int, seed: int) -> list[int]:
-    """uniform: integers in [1, 2·mean-1]; lognormal: sigma 1, median mean/e^0.5 (so the mean is `mean`)."""
-    gen = torch.Generator().manual_seed(seed + 2)
-    if dist_name == "uniform":
-        values = torch.randint(1, 2 * mean, (count,), generator=gen).double()
-    elif dist_name == "lognormal":
-        sigma = 1.0
-        values = torch.exp(math.log(mean) - sigma**2 / 2 + sigma * torch.randn(count, generator=gen, dtype=torch.float64))
-    else:
-        raise ConfigError(f"unknown request_dist {dist_name!r}; choose uniform or lognormal (or null)")
-    return [int(v) for v in values.round().clamp(1, max_len).tolist()]
-
-
-def _integer(cfg: DictConfig, key: str) -> int:
-    value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{key}={value!r} must be an integer")
-    return value
-
-
-def _positive_float(cfg: DictConfig, key: str) -> float:
-    try:
-        value = float(cfg[key])
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key}={cfg[key]!r} must be a number") from None
-    if not value > 0:
-        raise ConfigError(f"{key}={value} must be positive")
-    return value
 
 
 # ---- entry point ------------------------------------------------------------------------------

@@ -1,0 +1,313 @@
+"""Serve requests on the TP stack and check every token against a dense, cache-free oracle.
+
+    torchrun --nproc_per_node=4 launch/serve.py                      # 8 random prompts, staggered arrivals
+    torchrun --nproc_per_node=2 launch/serve.py prompts=[[464,3290,318],[40]] max_new_tokens=8
+    torchrun --nproc_per_node=4 launch/serve.py chunk_size=1000 max_batched_tokens=2048   # unchunked prefill
+    torchrun --nproc_per_node=2 launch/serve.py hf_checkpoint=DIR    # a GPT2LMHeadModel from save_pretrained
+
+tp = WORLD_SIZE. Every rank validates the settings (and reads a checkpoint) before the first
+collective, builds the same GPT-2 LM from `seed`, shards it (vocab-parallel embedding and head,
+v1 or v2 blocks, per-rank KV caches) and serves the requests with iteration-level batching and
+chunked prefill (serve/). Every iteration's collectives are compared with the analytic model;
+with `check`, every request's tokens are compared with the dense oracle. Rank 0 prints the
+per-iteration and per-request tables and writes report.json; the exit code is non-zero when a
+check fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script by torchrun: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import hydra
+import torch
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from launch.serve_report import render
+from launch.settings import boolean, generate_lengths, integer, parse_model
+from layers.config import ModelConfig, parse_dtype
+from layers.dense import init_weights, weights_checksum
+from layers.hf_gpt2 import load_lm, read_state
+from layers.lm import DenseLM, greedy_reference, shard_lm
+from serve.engine import Engine, ServeResult
+from serve.scheduler import Request, Scheduler, SchedulerError
+from tp.dist import ConfigError, env_world, init_from_env, resolve_backend, same_on_every_rank, shutdown
+
+ORACLE_AUTO_ROWS = 200_000  # check=auto runs the oracle when it recomputes at most this many rows in all
+NEAR_TIE = {torch.float32: 1e-4, torch.float64: 1e-9}  # a top-1/top-2 margin this small (relative) is a near-tie
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: ModelConfig
+    model_name: str
+    hf_checkpoint: str | None
+    requests: list[Request]
+    chunk_size: int
+    max_batched_tokens: int
+    max_running: int | None
+    eos_id: int | None
+    variant: str
+    vocab_parallel: bool
+    dtype: torch.dtype
+    seed: int
+    backend: str
+    check: bool
+    report: str
+    weights: dict | None  # the checkpoint's state dict, read before any collective
+
+
+def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> Settings:
+    """Every check that needs no communication. Raises ConfigError; identical on every rank."""
+    model, model_name, hf_checkpoint = parse_model(cfg, world_size)
+    variant = str(cfg.variant)
+    if variant not in ("v1", "v2"):
+        raise ConfigError(f"unknown variant {variant!r} for serving; choose v2 or v1 "
+                          f"(intra_head is a one-forward counterfactual, see run_block)")
+    seed = integer(cfg, "seed")
+    requests = parse_requests(cfg, model, seed)
+    chunk_size, budget = integer(cfg, "chunk_size"), integer(cfg, "max_batched_tokens")
+    max_running = None if cfg.max_running is None else integer(cfg, "max_running")
+    try:  # the scheduler's own checks: chunk_size >= 1, a budget that fits a full decode batch
+        Scheduler([], chunk_size, budget, max_running)
+    except SchedulerError as exc:
+        raise ConfigError(str(exc)) from None
+    eos_id = None if cfg.eos_id is None else integer(cfg, "eos_id")
+    if eos_id is not None and not 0 <= eos_id < model.vocab_size:
+        raise ConfigError(f"eos_id={eos_id} is not a token id of the vocabulary [0, {model.vocab_size})")
+    dtype = parse_dtype(str(cfg.dtype))
+    backend = resolve_backend(str(cfg.backend), local_world_size)
+    check = str(cfg.check).lower()
+    if check not in ("auto", "true", "false"):
+        raise ConfigError(f"check={cfg.check!r} must be auto, true or false")
+    if check == "auto":
+        check = "true" if oracle_rows(requests) <= ORACLE_AUTO_ROWS else "false"
+    weights = read_checkpoint(hf_checkpoint) if hf_checkpoint else None
+    return Settings(model, model_name, hf_checkpoint, requests, chunk_size, budget, max_running, eos_id, variant,
+                    boolean(cfg, "vocab_parallel"), dtype, seed, backend, check == "true", str(cfg.report), weights)
+
+
+def parse_requests(cfg: DictConfig, model: ModelConfig, seed: int) -> list[Request]:
+    """The prompts (listed, or random), each with its max_new_tokens and arrival iteration."""
+    V, longest = model.vocab_size, model.max_seq_len
+    if cfg.prompts is not None:
+        if not OmegaConf.is_list(cfg.prompts) or len(cfg.prompts) == 0:
+            raise ConfigError(f"prompts={cfg.prompts!r} must be a non-empty list of token-id lists, e.g. [[464,3290],[40]]")
+        prompts = []
+        for i, prompt in enumerate(OmegaConf.to_container(cfg.prompts)):
+            if not isinstance(prompt, list) or len(prompt) == 0:
+                raise ConfigError(f"prompts[{i}]={prompt!r}: every prompt needs at least one token id "
+                                  f"(an empty prompt is an error)")
+            for t in prompt:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V:
+                    raise ConfigError(f"prompts[{i}] holds {t!r}, not a token id of the vocabulary [0, {V})")
+            prompts.append(prompt)
+    else:
+        count, mean = integer(cfg, "prompt_count"), integer(cfg, "prompt_mean")
+        if count < 1 or mean < 1:
+            raise ConfigError(f"prompt_count={count} and prompt_mean={mean} must be at least 1")
+        lengths = generate_lengths(str(cfg.prompt_dist), count, mean, longest, seed)
+        gen = torch.Generator().manual_seed(seed + 3)
+        prompts = [torch.randint(0, V, (n,), generator=gen).tolist() for n in lengths]
+    n = len(prompts)
+    new = per_request(cfg, "max_new_tokens", n)
+    arrivals = per_request(cfg, "arrivals", n, spacing=True)
+    requests = []
+    for i, (prompt, m, a) in enumerate(zip(prompts, new, arrivals)):
+        if m < 1:
+            raise ConfigError(f"max_new_tokens={m} (request {i}) must be at least 1")
+        if a < 0:
+            raise ConfigError(f"arrivals: request {i} arrives at iteration {a}; iterations start at 0")
+        if len(prompt) > longest:
+            raise ConfigError(f"prompt {i} has {len(prompt)} tokens, more than model.max_seq_len={longest}")
+        if len(prompt) + m - 1 > longest:
+            raise ConfigError(f"prompt {i} ({len(prompt)} tokens) + max_new_tokens={m} needs {len(prompt) + m - 1} "
+                              f"positions, more than model.max_seq_len={longest}; lower max_new_tokens")
+        requests.append(Request(i, prompt, m, a))
+    return requests
+
+
+def per_request(cfg: DictConfig, key: str, n: int, spacing: bool = False) -> list[int]:
+    """One integer per request: a list of n, or one number (for arrivals: request i at i * number)."""
+    value = cfg[key]
+    if OmegaConf.is_list(value):
+        values = list(value)
+        if len(values) != n:
+            raise ConfigError(f"{key} lists {len(values)} values for {n} requests")
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"{key}={values} must hold integers")
+        return values
+    number = integer(cfg, key)
+    return [i * number for i in range(n)] if spacing else [number] * n
+
+
+def oracle_rows(requests: list[Request]) -> int:
+    """Rows the cache-free oracle pushes through the model: the whole sequence, every step."""
+    return sum(sum(len(r.prompt) + t for t in range(r.max_new_tokens)) for r in requests)
+
+
+def read_checkpoint(path: str) -> dict:
+    """The weights, read now so that a missing or unreadable file is a setting error, not a crash later."""
+    try:
+        return read_state(path)
+    except ConfigError:
+        raise
+    except Exception as exc:  # a truncated or corrupt file: the reader's own message says what is wrong
+        raise ConfigError(f"hf_checkpoint={path}: cannot read the weights ({type(exc).__name__}: {exc})") from None
+
+
+# ---- what every rank does ---------------------------------------------------------------------
+
+
+def build(s: Settings, ctx) -> DenseLM:
+    dense = DenseLM(s.model, s.dtype, ctx.device)
+    if s.weights is not None:
+        try:
+            load_lm(dense, s.weights)
+        except (KeyError, ValueError) as exc:
+            raise ConfigError(f"hf_checkpoint={s.hf_checkpoint}: {exc}") from None
+    else:
+        init_weights(dense, s.seed)
+    prompts = torch.tensor([float(sum((j + 1) * t for j, t in enumerate(r.prompt))) for r in s.requests],
+                           dtype=torch.float64)
+    fingerprint = torch.cat([weights_checksum(dense), prompts.sum()[None], (prompts * 1.5).cumsum(0).sum()[None]])
+    if not same_on_every_rank(fingerprint.to(ctx.device), ctx.group):
+        raise ConfigError("ranks built different weights or prompts: every rank needs the same settings and files")
+    return dense
+
+
+def oracle_check(dense: DenseLM, s: Settings, result: ServeResult, ctx) -> list[dict]:
+    """Each rank checks every p-th request against the dense oracle; every rank gets all verdicts."""
+    mine = {}
+    for r, served in zip(s.requests, result.requests):
+        if r.id % ctx.world_size != ctx.rank:
+            continue
+        ref = greedy_reference(dense, r.prompt, r.max_new_tokens, s.eos_id)
+        mine[r.id] = compare(served, ref, NEAR_TIE[s.dtype])
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, mine, group=ctx.group)
+    return [next(g[r.id] for g in gathered if r.id in g) for r in s.requests]
+
+
+def compare(served: dict, ref, near_tie: float) -> dict:
+    got, want = served["output_ids"], ref.ids
+    same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    upto = len(got) if same is None else same
+    rel = [abs(a - b) / max(abs(b), 1e-300) for a, b in zip(served["logits"][:upto], ref.logits[:upto])]
+    out = {"request": served["request"], "oracle_ids": want, "max_logit_rel_err": max(rel, default=0.0)}
+    if same is None and len(got) == len(want):
+        out["verdict"] = "match"
+    elif same is not None and ref.margins[same] <= near_tie * max(1.0, abs(ref.logits[same])):
+        out["verdict"], out["first_difference"] = "near-tie", same  # rounding picked the other of two equal logits
+    else:
+        out["verdict"], out["first_difference"] = "MISMATCH", upto
+    out["ok"] = out["verdict"] != "MISMATCH"
+    return out
+
+
+def run(cfg: DictConfig) -> int:
+    rank, _, world_size = env_world()
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    try:
+        s = parse_settings(cfg, world_size, local_world_size)
+    except ConfigError as exc:
+        print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
+    run_dir = Path(HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else ".")
+    ctx = init_from_env(s.backend)
+    try:
+        try:
+            dense = build(s, ctx)
+        except ConfigError as exc:
+            print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)
+            return 2
+        lm = shard_lm(dense, s.variant, ctx.group, s.vocab_parallel)
+        if not s.check:
+            del dense
+        engine = Engine(lm, ctx, chunk_size=s.chunk_size, max_batched_tokens=s.max_batched_tokens,
+                        max_running=s.max_running, eos_id=s.eos_id, variant=s.variant,
+                        on_iteration=Progress(len(s.requests)) if ctx.is_main else None)
+        result = engine.run(s.requests)
+        checks = oracle_check(dense, s, result, ctx) if s.check else None
+    finally:
+        shutdown()
+    report = build_report(s, ctx, result, checks)
+    if ctx.is_main:
+        print(render(report))
+        path = run_dir / s.report
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"report: {path}")
+    return 0 if report["ledger_matches_model"] and report["check"]["ok"] in (True, None) else 1
+
+
+class Progress:
+    """A line every 10 s on long runs (rank 0 only)."""
+
+    def __init__(self, n_requests: int):
+        self.n, self.last = n_requests, time.monotonic()
+
+    def __call__(self, record: dict, sched) -> None:
+        if time.monotonic() - self.last >= 10:
+            self.last = time.monotonic()
+            done = sum(r.finished for r in sched.by_id.values())
+            tokens = sum(len(r.output) for r in sched.by_id.values())
+            print(f"progress: iteration {record['iteration']}, {done}/{self.n} requests finished, "
+                  f"{tokens} tokens generated", flush=True)
+
+
+def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | None) -> dict:
+    p, m = ctx.world_size, s.model
+    dense_per_token = 2 * m.n_layers * m.n_heads * m.d_head * s.dtype.itemsize
+    requests = result.requests
+    if checks is not None:
+        for req, chk in zip(requests, checks):
+            req["match"] = chk["verdict"]
+            req["check"] = chk
+    generated = sum(r["generated"] for r in requests)
+    its = result.iterations
+    return {
+        "world_size": p, "backend": ctx.backend, "device": str(ctx.device),
+        "config": {"model_name": s.model_name, "model": m.asdict(), "hf_checkpoint": s.hf_checkpoint,
+                   "requests": len(s.requests), "chunk_size": s.chunk_size,
+                   "max_batched_tokens": s.max_batched_tokens, "max_running": s.max_running, "eos_id": s.eos_id,
+                   "variant": s.variant, "vocab_parallel": s.vocab_parallel,
+                   "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed, "check": s.check},
+        "iterations": its,
+        "requests": requests,
+        "totals": {"iterations": len(its), "generated_tokens": generated, "time_s": result.time_s,
+                   "tokens_per_s": generated / result.time_s if result.time_s else None,
+                   "mixed_iterations": sum(1 for it in its if it["decodes"] and it["prefill_chunks"]),
+                   "collectives": sum(sum(it["collectives"].values()) for it in its),
+                   "bytes_per_rank": sum(it["bytes_per_rank"] for it in its)},
+        "kv_cache": {"bytes_per_token_per_rank": result.kv_bytes_per_token_per_rank,
+                     "bytes_per_token_dense": dense_per_token,
+                     "ratio_to_dense": result.kv_bytes_per_token_per_rank / dense_per_token,
+                     "peak_bytes_per_rank": result.kv_peak_bytes_per_rank},
+        "ledger_matches_model": result.ledger_matches_model,
+        "check": {"ok": None if checks is None else all(c["ok"] for c in checks),
+                  "verdicts": None if checks is None else {v: sum(c["verdict"] == v for c in checks)
+                                                           for v in ("match", "near-tie", "MISMATCH")},
+                  "max_logit_rel_err": None if checks is None else max(c["max_logit_rel_err"] for c in checks)},
+    }
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="serve")
+def main(cfg: DictConfig) -> None:
+    sys.exit(run(cfg))
+
+
+if __name__ == "__main__":
+    if env_world()[0] != 0:
+        sys.argv.append("hydra.output_subdir=null")  # only rank 0 writes Hydra's .hydra/ record
+    main()

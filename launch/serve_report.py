@@ -1,0 +1,68 @@
+"""What rank 0 of launch/serve.py prints: the iteration table, the request table, the verdicts."""
+
+from __future__ import annotations
+
+from launch.report import format_table, kib
+
+SHOW_FIRST, SHOW_LAST = 30, 10  # longer runs print these iterations; report.json keeps all of them
+
+
+def _ms(seconds) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _ids(ids: list[int]) -> str:
+    return ",".join(map(str, ids)) or "-"
+
+
+def render(r: dict) -> str:
+    c, m, t, kv = r["config"], r["config"]["model"], r["totals"], r["kv_cache"]
+    lines = [
+        f"tpref: serving on the TP stack  (tp = {r['world_size']}, backend {r['backend']}, device {r['device']})",
+        f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} d_head={m['d_head']} ffn={m['d_ffn']} "
+        f"L={m['n_layers']} vocab={m['vocab_size']}; variant {c['variant']}, "
+        f"{'vocab-parallel' if c['vocab_parallel'] else 'replicated'} embedding and LM head; dtype={c['dtype']}",
+        f"{c['requests']} requests; chunk_size={c['chunk_size']} max_batched_tokens={c['max_batched_tokens']} "
+        f"max_running={c['max_running'] if c['max_running'] is not None else c['max_batched_tokens']}",
+        "",
+        "per iteration (collectives and bytes from the traffic ledger; model: the analytic prediction agrees):",
+    ]
+    rows = []
+    for it in r["iterations"]:
+        rows.append([it["iteration"], it["rows"], it["prefill_chunks"], it["decodes"], _ids(it["evicted"]),
+                     _ids(it["admitted"]),
+                     ", ".join(f"{n} {k}" for k, n in sorted(it["collectives"].items())) or "none",
+                     kib(it["bytes_per_rank"]), _ms(it["time_s"]), "yes" if it["ledger_matches_model"] else "NO"])
+    if len(rows) > SHOW_FIRST + SHOW_LAST:
+        rows = rows[:SHOW_FIRST] + [["..."] + [""] * 9] + rows[-SHOW_LAST:]
+    lines.append(format_table(["iter", "rows", "prefill chunks", "decodes", "evicted", "admitted", "collectives",
+                               "sent/rank KiB", "time ms", "model"], rows))
+    lines += ["", "per request (times from arrival; match: tokens vs the dense oracle):"]
+    rows = [[q["request"], q["arrival"], q["prompt_length"], q["generated"], _ms(q["ttft_s"]),
+             _ms(q["mean_tbt_s"]), q.get("match", "not checked")] for q in r["requests"]]
+    lines.append(format_table(["request", "arrives at iter", "prompt", "generated", "TTFT ms", "mean TBT ms",
+                               "match"], rows))
+    lines += [
+        "",
+        f"generated {t['generated_tokens']} tokens in {t['iterations']} iterations, {t['time_s']:.2f} s "
+        f"({t['tokens_per_s']:.1f} tokens/s); {t['mixed_iterations']} iterations mixed prompt chunks and decodes",
+        f"KV cache per rank: {kv['bytes_per_token_per_rank']} bytes per token (dense {kv['bytes_per_token_dense']}, "
+        f"ratio {kv['ratio_to_dense']:.4f} = 1/{round(1 / kv['ratio_to_dense'])}); "
+        f"peak {kib(kv['peak_bytes_per_rank'])} KiB",
+        f"traffic: {t['collectives']} collectives, {kib(t['bytes_per_rank'])} KiB sent per rank; "
+        f"ledger matches model in every iteration: {str(r['ledger_matches_model']).lower()}",
+    ]
+    chk = r["check"]
+    if chk["ok"] is None:
+        lines.append("check: off (check=true to compare with the dense oracle)")
+    else:
+        v = chk["verdicts"]
+        lines.append(f"check vs dense oracle (whole-prefix recompute, no cache): {v['match']} match, "
+                     f"{v['near-tie']} near-tie, {v['MISMATCH']} mismatch; max logit rel err "
+                     f"{chk['max_logit_rel_err']:.2e}")
+    ok = r["ledger_matches_model"] and chk["ok"] in (True, None)
+    lines.append(f"{'PASS' if ok else 'FAIL'}: served {c['requests']} requests at tp={r['world_size']}"
+                 + ("" if chk["ok"] is None else ", tokens equal to the dense oracle" if chk["ok"]
+                    else ", tokens DIFFER from the dense oracle")
+                 + ("" if r["ledger_matches_model"] else "; ledger DIFFERS from the model"))
+    return "\n".join(lines)

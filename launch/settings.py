@@ -1,0 +1,78 @@
+"""Reading Hydra settings, shared by the launchers: typed fields, the model, generated lengths.
+
+Every function here is pure and raises tp.dist.ConfigError naming the setting to change, so
+every rank reaches the same verdict before any process group exists.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from layers.config import ModelConfig, validate_model
+from layers.hf_gpt2 import read_config
+from tp.dist import ConfigError
+
+
+def parse_model(cfg: DictConfig, world_size: int) -> tuple[ModelConfig, str, str | None]:
+    """(model, its preset name, hf_checkpoint): `model.*` settings, or a GPT-2 checkpoint's config.json."""
+    fields = OmegaConf.to_container(cfg.model, resolve=True)
+    for key, value in fields.items():
+        if key != "ln_eps" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"model.{key}={value!r} must be an integer")
+    try:
+        model = ModelConfig(**fields)
+    except TypeError as exc:
+        raise ConfigError(f"bad model settings: {exc}") from None
+    model_name = HydraConfig.get().runtime.choices.get("model", "custom") if HydraConfig.initialized() else "custom"
+    hf_checkpoint = None if cfg.hf_checkpoint is None else str(cfg.hf_checkpoint)
+    if hf_checkpoint is not None:
+        model, model_name = read_config(hf_checkpoint), "hf"
+    validate_model(model, world_size)
+    return model, model_name, hf_checkpoint
+
+
+def overridden(keys) -> set[str]:
+    """Which of `keys` the command line set."""
+    if not HydraConfig.initialized():
+        return set()
+    return {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task} & set(keys)
+
+
+def generate_lengths(dist_name: str, count: int, mean: int, max_len: int, seed: int) -> list[int]:
+    """uniform: integers in [1, 2·mean-1]; lognormal: sigma 1, median mean/e^0.5 (so the mean is `mean`)."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    if dist_name == "uniform":
+        values = torch.randint(1, 2 * mean, (count,), generator=gen).double()
+    elif dist_name == "lognormal":
+        sigma = 1.0
+        values = torch.exp(math.log(mean) - sigma**2 / 2 + sigma * torch.randn(count, generator=gen, dtype=torch.float64))
+    else:
+        raise ConfigError(f"unknown request_dist {dist_name!r}; choose uniform or lognormal (or null)")
+    return [int(v) for v in values.round().clamp(1, max_len).tolist()]
+
+
+def integer(cfg: DictConfig, key: str) -> int:
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}={value!r} must be an integer")
+    return value
+
+
+def positive_float(cfg: DictConfig, key: str) -> float:
+    try:
+        value = float(cfg[key])
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}={cfg[key]!r} must be a number") from None
+    if not value > 0:
+        raise ConfigError(f"{key}={value} must be positive")
+    return value
+
+
+def boolean(cfg: DictConfig, key: str) -> bool:
+    if not isinstance(cfg[key], bool):
+        raise ConfigError(f"{key}={cfg[key]!r} must be true or false")
+    return cfg[key]
