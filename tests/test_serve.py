@@ -1,0 +1,191 @@
+"""The serving engine against its oracles: a cache-free dense recompute, schedule invariance, the traffic model."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from layers.attention import CachedRequests, causal_attention, prefix_causal_mask
+from layers.config import ModelConfig
+from layers.dense import init_weights
+from layers.lm import DenseLM, greedy_reference, shard_lm
+from serve.engine import Engine, PlanMismatch
+from serve.scheduler import Request
+from tests.harness import run_ranks
+
+CFG = ModelConfig(d_model=64, n_heads=8, d_head=8, d_ffn=256, n_layers=3, max_seq_len=96, vocab_size=1001)
+# (prompt length, max_new_tokens, arrival iteration)
+WORKLOAD = [(9, 6, 0), (17, 4, 0), (3, 8, 2), (25, 5, 3), (1, 3, 3), (12, 7, 6)]
+
+
+def make_requests(workload=WORKLOAD, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    return [Request(i, torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist(), new, arrival)
+            for i, (n, new, arrival) in enumerate(workload)]
+
+
+def dense_lm(dtype=torch.float64):
+    return init_weights(DenseLM(CFG, dtype), seed=0)
+
+
+# ---- attention with a cache, single device ---------------------------------------------------
+
+
+def test_prefix_causal_mask():
+    mask = prefix_causal_mask(q_start=3, q_rows=2, kv_length=5)
+    assert mask.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+    assert torch.equal(prefix_causal_mask(0, 4, 4), torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("chunks", [[10], [1] * 10, [3, 3, 3, 1], [4, 6], [7, 1, 1, 1]])
+def test_chunked_attention_with_cache_equals_causal_attention(chunks):
+    h, dh, n = 4, 8, sum(chunks)
+    qkv = torch.randn(n, 3 * h * dh, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    full = causal_attention(qkv, dh)  # [n, h*dh], no cache
+    cache = torch.zeros(2, h, n + 2, dh, dtype=torch.float64)
+    out, start = [], 0
+    for c in chunks:
+        out.append(causal_attention(qkv[start:start + c], dh, CachedRequests(((0, c),), (start,), (cache,))))
+        start += c
+    torch.testing.assert_close(torch.cat(out), full, rtol=1e-12, atol=1e-14)
+    assert cache[:, :, n:].abs().sum() == 0  # nothing written past q_end
+
+
+def test_top_left_causal_is_wrong_for_a_chunk_after_a_prefix():
+    # The reason for the explicit mask: SDPA's is_causal on a [2 x 5] block hides cached keys.
+    q, k, v = torch.randn(3, 1, 1, 5, 4, dtype=torch.float64)
+    right = F.scaled_dot_product_attention(q[:, :, 3:], k, v, attn_mask=prefix_causal_mask(3, 2, 5))
+    wrong = F.scaled_dot_product_attention(q[:, :, 3:], k, v, is_causal=True)
+    assert not torch.allclose(right, wrong)
+
+
+# ---- the engine on p ranks ---------------------------------------------------------------------
+
+
+def serve(ctx, variant="v2", vocab_parallel=True, chunk_size=5, budget=12, max_running=None, requests=None,
+          dtype=torch.float64):
+    dense = dense_lm(dtype)
+    lm = shard_lm(dense, variant, ctx.group, vocab_parallel)
+    reqs = requests if requests is not None else make_requests()
+    engine = Engine(lm, ctx, chunk_size=chunk_size, max_batched_tokens=budget, max_running=max_running,
+                    variant=variant)
+    return dense, reqs, engine.run(reqs)
+
+
+def against_dense_oracle(ctx, variant):
+    dense, reqs, res = serve(ctx, variant)
+    out = []
+    for r, served in zip(reqs, res.requests):
+        ref = greedy_reference(dense, r.prompt, r.max_new_tokens)
+        assert min(ref.margins) > 1e-9, "near-tie in the oracle: pick another seed"
+        rel = max(abs(a - b) / abs(b) for a, b in zip(served["logits"], ref.logits))
+        out.append((served["output_ids"], ref.ids, rel))
+    iterations = [(it["ledger_matches_model"], it["collectives"], it["sampled"], it["decodes"], it["prefill_chunks"])
+                  for it in res.iterations]
+    return out, iterations, res.kv_bytes_per_token_per_rank, res.kv_peak_bytes_per_rank
+
+
+@pytest.mark.parametrize("variant", ["v2", "v1"])
+@pytest.mark.parametrize("p", [1, 2, 4, 8])
+def test_tokens_equal_dense_oracle_and_ledger_equals_model(p, variant):
+    results = run_ranks(p, against_dense_oracle, variant)
+    out, iterations, kv_per_token, kv_peak = results[0]
+    assert all(r[0] == out for r in results)  # every rank emitted the same tokens
+    for got, want, rel in out:
+        assert got == want
+        assert rel < 1e-12
+    assert all(ok for ok, *_ in iterations)
+    L = CFG.n_layers
+    for ok, counts, sampled, decodes, chunks in iterations:
+        if p == 1:
+            assert counts == {}
+        elif variant == "v2":  # embedding all-reduce + 2L; plan check + the head's pairs gather (when sampling)
+            assert counts == {"all_reduce": 2 * L + 1, "all_gather": 1 + (sampled > 0)}
+        else:
+            assert counts == {"all_reduce": 1, "all_gather": 4 * L + 1 + (sampled > 0)}
+    assert any(d and c for _, _, _, d, c in iterations)  # some iteration mixed decodes and prompt chunks
+    # KV cache bytes per rank: exactly 1/p of the dense cache (h/p heads of K and V per layer per token)
+    dense_per_token = CFG.n_layers * 2 * CFG.n_heads * CFG.d_head * 8
+    assert kv_per_token * p == dense_per_token
+    capacity = sum(n + new - 1 for n, new, _ in WORKLOAD)  # an upper bound on rows held at once
+    assert 0 < kv_peak <= capacity * dense_per_token // p
+
+
+def peak_kv(ctx):
+    return serve(ctx, chunk_size=64, budget=64, requests=make_requests([(10, 3, 0), (20, 2, 0)]))[2].kv_peak_bytes_per_rank
+
+
+def test_kv_bytes_per_rank_are_dense_over_p():
+    dense_peak = run_ranks(1, peak_kv)[0]
+    assert dense_peak == (10 + 2 + 20 + 1) * CFG.n_layers * 2 * CFG.n_heads * CFG.d_head * 8
+    for p in (2, 4, 8):
+        assert run_ranks(p, peak_kv)[0] * p == dense_peak
+
+
+def replicated(ctx):
+    _, _, vp = serve(ctx, vocab_parallel=True)
+    _, _, rep = serve(ctx, vocab_parallel=False)
+    return ([r["output_ids"] for r in vp.requests], [r["output_ids"] for r in rep.requests],
+            rep.ledger_matches_model, [it["collectives"] for it in rep.iterations])
+
+
+def test_replicated_embedding_gives_the_same_tokens_without_vocab_collectives():
+    vp, rep, ok, counts = run_ranks(2, replicated)[0]
+    assert vp == rep and ok
+    assert all(c == {"all_reduce": 2 * CFG.n_layers, "all_gather": 1} for c in counts)  # blocks + plan check only
+
+
+# ---- schedule invariance -----------------------------------------------------------------------
+
+
+def invariance(ctx):
+    """The same token streams under every chunk size, budget, arrival pattern and request order."""
+    dense = dense_lm()
+    lm = shard_lm(dense, "v2", ctx.group)
+    base = make_requests()
+    streams, paths = {}, {"mixed": False, "chunk_after_prefix": False, "evict_then_admit": False}
+    longest = max(len(r.prompt) for r in base)
+    settings = [(c, b, arr, perm) for c, b in [(1, 6), (3, 8), (7, 10), (16, 24), (longest, 64)]
+                for arr, perm in [("staggered", False), ("together", True)]]
+    for chunk, budget, arrivals, permute in settings:
+        order = list(range(len(base)))
+        if permute:
+            random.Random(chunk).shuffle(order)
+        reqs = [Request(i, base[j].prompt, base[j].max_new_tokens, base[j].arrival if arrivals == "staggered" else 0)
+                for i, j in enumerate(order)]
+        res = Engine(lm, ctx, chunk_size=chunk, max_batched_tokens=budget, max_running=min(budget, 4)).run(reqs)
+        assert res.ledger_matches_model
+        streams[(chunk, budget, arrivals, permute)] = {tuple(base[j].prompt): r["output_ids"]
+                                                       for j, r in zip(order, res.requests)}
+        evicted_so_far = False
+        for it in res.iterations:
+            paths["mixed"] |= it["decodes"] > 0 and it["prefill_chunks"] > 0
+            paths["chunk_after_prefix"] |= any(kv > qe - qs > 1 for _, qs, qe, kv in it["triples"])
+            paths["evict_then_admit"] |= evicted_so_far and bool(it["admitted"])
+            evicted_so_far |= bool(it["evicted"])
+    return streams, paths
+
+
+def test_schedule_invariance():
+    streams, paths = run_ranks(2, invariance)[0]
+    first = next(iter(streams.values()))
+    for key, stream in streams.items():
+        assert stream == first, key
+    assert paths == {"mixed": True, "chunk_after_prefix": True, "evict_then_admit": True}
+
+
+# ---- ranks that disagree -------------------------------------------------------------------------
+
+
+def disagree(ctx):
+    try:
+        serve(ctx, chunk_size=5 + ctx.rank)  # a different schedule on every rank
+    except PlanMismatch as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_with_different_plans_stop_with_a_clear_error():
+    messages = run_ranks(2, disagree, timeout=60)
+    assert all(m is not None and "ranks scheduled different rows" in m for m in messages)
