@@ -31,9 +31,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from launch.check import run_check
 from launch.report import render
-from launch.settings import generate_lengths, integer, overridden, parse_model, positive_float
+from launch.settings import (exit_on_unknown_preset, generate_lengths, integer, overridden, parse_model,
+                             positive_float, read_checkpoint)
 from layers.config import ModelConfig, parse_dtype, parse_variants, validate_tokens, validate_variants
-from layers.hf_gpt2 import read_state
 from layers.varlen import score_entries
 from tp.dist import ConfigError, env_world, init_from_env, resolve_backend, shutdown
 
@@ -54,6 +54,7 @@ class Settings:
     repeats: int
     profile: bool
     report: str
+    weights: dict | None  # the checkpoint's state dict, read before any collective
 
 
 def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> Settings:
@@ -65,14 +66,14 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     variants = parse_variants(OmegaConf.to_container(cfg.variants) if OmegaConf.is_list(cfg.variants) else cfg.variants)
     validate_variants(model, world_size, variants)
     repeats = integer(cfg, "repeats")
-    if repeats < 0:
-        raise ConfigError(f"repeats={repeats} must be 0 or more")
+    if repeats < 1:  # the report's per-collective times are medians over the timed repeats
+        raise ConfigError(f"repeats={repeats} must be at least 1 (timed forwards per variant)")
     if not isinstance(cfg.profile, bool):
         raise ConfigError(f"profile={cfg.profile!r} must be true or false")
     backend = resolve_backend(str(cfg.backend), local_world_size)
     tolerance = DEFAULT_TOLERANCE[dtype] if cfg.tolerance is None else positive_float(cfg, "tolerance")
     return Settings(model, model_name, hf_checkpoint, lengths, dtype, seed, variants, backend, tolerance, repeats, cfg.profile,
-                    str(cfg.report))
+                    str(cfg.report), read_checkpoint(hf_checkpoint) if hf_checkpoint else None)
 
 
 def request_lengths(cfg: DictConfig, model: ModelConfig, seed: int) -> list[int]:
@@ -117,7 +118,7 @@ def run(cfg: DictConfig) -> int:
     try:
         variants = run_check(settings.model, lengths=settings.lengths, dtype=settings.dtype, seed=settings.seed,
                              variants=settings.variants, tolerance=settings.tolerance, repeats=settings.repeats,
-                             weights=read_state(settings.hf_checkpoint) if settings.hf_checkpoint else None,
+                             weights=settings.weights,
                              profile_dir=run_dir / "traces" if settings.profile else None, ctx=ctx)
     finally:
         shutdown()
@@ -169,6 +170,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_unknown_preset(sys.argv, env_world()[0])
     if env_world()[0] != 0:
         # Only rank 0 writes Hydra's .hydra/ record into the shared run directory.
         sys.argv.append("hydra.output_subdir=null")

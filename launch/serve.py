@@ -33,10 +33,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from launch.serve_report import render
-from launch.settings import boolean, generate_lengths, integer, parse_model
+from launch.settings import boolean, exit_on_unknown_preset, generate_lengths, integer, parse_model, read_checkpoint
 from layers.config import ModelConfig, parse_dtype
 from layers.dense import init_weights, weights_checksum
-from layers.hf_gpt2 import load_lm, read_state
+from layers.hf_gpt2 import load_lm
 from layers.lm import DenseLM, greedy_reference, shard_lm
 from serve.engine import Engine, ServeResult
 from serve.scheduler import Request, Scheduler, SchedulerError
@@ -154,16 +154,6 @@ def per_request(cfg: DictConfig, key: str, n: int, spacing: bool = False) -> lis
 def oracle_rows(requests: list[Request]) -> int:
     """Rows the cache-free oracle pushes through the model: the whole sequence, every step."""
     return sum(sum(len(r.prompt) + t for t in range(r.max_new_tokens)) for r in requests)
-
-
-def read_checkpoint(path: str) -> dict:
-    """The weights, read now so that a missing or unreadable file is a setting error, not a crash later."""
-    try:
-        return read_state(path)
-    except ConfigError:
-        raise
-    except Exception as exc:  # a truncated or corrupt file: the reader's own message says what is wrong
-        raise ConfigError(f"hf_checkpoint={path}: cannot read the weights ({type(exc).__name__}: {exc})") from None
 
 
 # ---- what every rank does ---------------------------------------------------------------------
@@ -308,6 +298,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_unknown_preset(sys.argv, env_world()[0])
     if env_world()[0] != 0:
         sys.argv.append("hydra.output_subdir=null")  # only rank 0 writes Hydra's .hydra/ record
     main()

@@ -7,13 +7,15 @@ every rank reaches the same verdict before any process group exists.
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from layers.config import ModelConfig, validate_model
-from layers.hf_gpt2 import read_config
+from layers.hf_gpt2 import read_config, read_state
 from tp.dist import ConfigError
 
 
@@ -76,3 +78,23 @@ def boolean(cfg: DictConfig, key: str) -> bool:
     if not isinstance(cfg[key], bool):
         raise ConfigError(f"{key}={cfg[key]!r} must be true or false")
     return cfg[key]
+
+
+def exit_on_unknown_preset(argv: list[str], rank: int) -> None:
+    """Hydra reports a missing config group option with its own traceback and exit code 1; say it our way."""
+    presets = sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "model").glob("*.yaml"))
+    for arg in argv[1:]:
+        if arg.startswith("model=") and arg.split("=", 1)[1] not in presets:
+            print(f"[rank {rank}] error: unknown model preset {arg.split('=', 1)[1]!r}; choose one of "
+                  f"{', '.join(presets)} (or set model.* fields, or hf_checkpoint=DIR)", file=sys.stderr, flush=True)
+            sys.exit(2)
+
+
+def read_checkpoint(path: str) -> dict:
+    """The weights, read in the settings phase: a missing or corrupt file is a setting error, not a crash later."""
+    try:
+        return read_state(path)
+    except ConfigError:
+        raise
+    except Exception as exc:  # a truncated or corrupt file: the reader's own message says what is wrong
+        raise ConfigError(f"hf_checkpoint={path}: cannot read the weights ({type(exc).__name__}: {exc})") from None

@@ -37,6 +37,13 @@ _BLOCK_KEYS = [
 
 def config_from_hf(hf: dict) -> ModelConfig:
     """ModelConfig from a GPT-2 config (config.json's dict, or transformers' GPT2Config.to_dict())."""
+    if not isinstance(hf, dict):
+        raise ConfigError(f"a GPT-2 config must be a JSON object, got {type(hf).__name__}")
+    kind = hf.get("model_type", "gpt2")
+    missing = [k for k in ("n_embd", "n_head", "n_layer") if k not in hf]
+    if kind != "gpt2" or missing:
+        raise ConfigError(f"not a GPT-2 config (model_type={kind!r}"
+                          + (f", no {', '.join(missing)}" if missing else "") + "): only GPT-2 checkpoints are supported")
     act = hf.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ConfigError(f"GPT-2 activation {act!r} is not supported: the block uses the tanh GeLU (gelu_new)")
@@ -103,7 +110,14 @@ def read_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"hf_checkpoint={path}: expected a directory with config.json (from save_pretrained)")
-    return config_from_hf(json.loads((path / "config.json").read_text()))
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"hf_checkpoint={path}: config.json is not valid JSON ({exc})") from None
+    try:
+        return config_from_hf(hf)
+    except ConfigError as exc:
+        raise ConfigError(f"hf_checkpoint={path}: {exc}") from None
 
 
 def read_state(path: str | Path) -> dict[str, torch.Tensor]:

@@ -14,9 +14,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def torchrun(nproc: int, *overrides: str, run_dir: Path, timeout: float = 240):
+def torchrun(nproc: int, *overrides: str, run_dir: Path, timeout: float = 240, script: str = "run_block.py"):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "launch" / "run_block.py"), f"hydra.run.dir={run_dir}", *overrides]
+           str(ROOT / "launch" / script), f"hydra.run.dir={run_dir}", *overrides]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

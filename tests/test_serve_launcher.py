@@ -1,0 +1,82 @@
+"""launch/serve.py under torchrun: the tables and report.json, a GPT-2 checkpoint, and bad settings failing fast."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_launcher import ROOT, torchrun
+
+SMALL = ["model.n_layers=2", "model.vocab_size=5003", "prompt_count=5", "prompt_mean=12", "max_new_tokens=5",
+         "chunk_size=4", "max_batched_tokens=12", "arrivals=1", "dtype=float64"]
+
+
+def test_serve_end_to_end(tmp_path):
+    proc, _ = torchrun(2, *SMALL, run_dir=tmp_path, script="serve.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert out.count("tpref: serving on the TP stack") == 1  # rank 0 prints, rank 1 does not
+    assert "per iteration" in out and "per request" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["world_size"] == 2 and report["ledger_matches_model"] is True
+    assert report["check"]["ok"] is True and report["check"]["verdicts"]["match"] == 5
+    assert report["check"]["max_logit_rel_err"] < 1e-12
+    assert report["kv_cache"]["ratio_to_dense"] == 0.5
+    assert report["totals"]["generated_tokens"] == 25 and report["totals"]["mixed_iterations"] > 0
+    for req in report["requests"]:
+        assert len(req["output_ids"]) == 5 and req["output_ids"] == req["check"]["oracle_ids"]
+        assert req["ttft_s"] > 0 and req["mean_tbt_s"] > 0
+    for it in report["iterations"]:
+        assert it["rows"] == sum(qe - qs for _, qs, qe, _ in it["triples"]) <= 12
+        assert all(kv == qe for _, _, qe, kv in it["triples"])
+        assert it["ledger_matches_model"] and it["bytes_per_rank"] == it["predicted_bytes_per_rank"]
+    assert (tmp_path / ".hydra" / "config.yaml").exists()
+
+
+def test_serve_a_saved_gpt2(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_head=4, n_layer=2, n_positions=32))
+    model.save_pretrained(tmp_path / "ckpt")
+    proc, _ = torchrun(2, f"hf_checkpoint={tmp_path / 'ckpt'}", "prompts=[[464,3290,318],[40,50256]]",
+                       "max_new_tokens=4", "dtype=float64", run_dir=tmp_path / "run", script="serve.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["config"]["model"]["vocab_size"] == 50257 and report["check"]["ok"] is True
+    assert [len(r["output_ids"]) for r in report["requests"]] == [4, 4]
+
+
+BAD = [
+    (["prompts=[[1,2,3],[]]"], "prompts[1]=[]: every prompt needs at least one token id"),
+    (["prompts=[[1,50257]]"], "prompts[0] holds 50257, not a token id of the vocabulary [0, 50257)"),
+    (["prompts=[[1,2,3,4,5]]", "model.max_seq_len=4"], "prompt 0 has 5 tokens, more than model.max_seq_len=4"),
+    (["chunk_size=0"], "chunk_size=0 must be at least 1"),
+    (["max_batched_tokens=4", "max_running=8"], "max_batched_tokens=4 is smaller than a full decode batch"),
+    (["model=gpt9"], "unknown model preset 'gpt9'; choose one of article03, gpt2_small"),
+    (["hf_checkpoint=CORRUPT"], "cannot read the weights"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_settings_fail_fast_on_every_rank(tmp_path, overrides, message):
+    if overrides == ["hf_checkpoint=CORRUPT"]:
+        (tmp_path / "ckpt").mkdir()
+        (tmp_path / "ckpt" / "config.json").write_text(json.dumps(dict(n_embd=32, n_head=4, n_layer=2)))
+        (tmp_path / "ckpt" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{truncated")
+        overrides = [f"hf_checkpoint={tmp_path / 'ckpt'}"]
+    proc, elapsed = torchrun(2, *overrides, run_dir=tmp_path / "run", timeout=120, script="serve.py")
+    assert proc.returncode != 0
+    printed = [line for line in proc.stderr.splitlines() if "] error: " in line]
+    assert printed and all(message in line for line in printed), proc.stderr
+    # no rank raised (torchrun's own ChildFailedError traceback is expected), no Hydra error page
+    assert "Error executing job" not in proc.stderr and 'serve.py", line' not in proc.stderr
+    assert not (tmp_path / "run" / "report.json").exists()
+    assert elapsed < 60, f"took {elapsed:.0f}s to fail"
+    # The last rank alone, with nobody to meet, fails the same way: validation comes before any collective.
+    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    alone = subprocess.run([sys.executable, str(ROOT / "launch" / "serve.py"), f"hydra.run.dir={tmp_path / 'run'}",
+                            *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 2, alone.stdout + alone.stderr
+    assert "[rank 1] error: " in alone.stderr and message in alone.stderr
