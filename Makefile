@@ -1,14 +1,16 @@
 # make demo   -- set up (once) and run the block check on NPROC ranks (gloo on CPU unless GPUs are there)
 # make test   -- set up (once) and run the test suite
+# make serve  -- set up (once) and serve requests on SERVE_NPROC ranks, checked against the dense oracle
 # make bench  -- every benchmark, then docs/benchmarks.md
 VENV    ?= .venv
 PYTHON  ?= python3
 NPROC   ?= 8
+SERVE_NPROC ?= 4
 ARGS    ?=
 TORCH_VERSION ?= 2.13.0
 PY      := $(VENV)/bin/python
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo serve test bench clean
 
 setup: $(VENV)/.installed
 
@@ -32,6 +34,9 @@ $(VENV)/.installed: pyproject.toml
 
 demo: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) launch/run_block.py $(ARGS)
+
+serve: setup
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(SERVE_NPROC) launch/serve.py $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q

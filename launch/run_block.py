@@ -16,7 +16,6 @@ is non-zero when any check fails.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,54 +25,41 @@ if __package__ in (None, ""):  # run as a script by torchrun: make the repositor
 
 import hydra
 import torch
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from launch.check import run_check
 from launch.report import render
-from launch.settings import (exit_on_unknown_preset, generate_lengths, integer, overridden, parse_model,
-                             positive_float, read_checkpoint)
-from layers.config import ModelConfig, parse_dtype, parse_variants, validate_tokens, validate_variants
+from launch.settings import (LaunchSettings, boolean, common_settings, exit_on_unknown_preset, generate_lengths, integer,
+                             overridden, positive_float, start)
+from layers.config import ModelConfig, parse_variants, validate_tokens, validate_variants
 from layers.varlen import score_entries
-from tp.dist import ConfigError, env_world, init_from_env, resolve_backend, shutdown
+from tp.dist import ConfigError, env_world, shutdown
 
 DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 
 
 @dataclass(frozen=True)
-class Settings:
-    model: ModelConfig
-    model_name: str
-    hf_checkpoint: str | None
+class Settings(LaunchSettings):
     lengths: list[int]  # the requests; one entry: a single sequence
-    dtype: torch.dtype
-    seed: int
     variants: list[str]
-    backend: str
     tolerance: float
     repeats: int
     profile: bool
-    report: str
-    weights: dict | None  # the checkpoint's state dict, read before any collective
 
 
 def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> Settings:
     """Every check that needs no communication. Raises ConfigError; identical on every rank."""
-    model, model_name, hf_checkpoint = parse_model(cfg, world_size)
-    seed = integer(cfg, "seed")
-    lengths = request_lengths(cfg, model, seed)
-    dtype = parse_dtype(str(cfg.dtype))
+    common = common_settings(cfg, world_size, local_world_size)
+    model, dtype = common["model"], common["dtype"]
+    lengths = request_lengths(cfg, model, common["seed"])
     variants = parse_variants(OmegaConf.to_container(cfg.variants) if OmegaConf.is_list(cfg.variants) else cfg.variants)
     validate_variants(model, world_size, variants)
     repeats = integer(cfg, "repeats")
     if repeats < 1:  # the report's per-collective times are medians over the timed repeats
         raise ConfigError(f"repeats={repeats} must be at least 1 (timed forwards per variant)")
-    if not isinstance(cfg.profile, bool):
-        raise ConfigError(f"profile={cfg.profile!r} must be true or false")
-    backend = resolve_backend(str(cfg.backend), local_world_size)
     tolerance = DEFAULT_TOLERANCE[dtype] if cfg.tolerance is None else positive_float(cfg, "tolerance")
-    return Settings(model, model_name, hf_checkpoint, lengths, dtype, seed, variants, backend, tolerance, repeats, cfg.profile,
-                    str(cfg.report), read_checkpoint(hf_checkpoint) if hf_checkpoint else None)
+    return Settings(**common, lengths=lengths, variants=variants, tolerance=tolerance, repeats=repeats,
+                    profile=boolean(cfg, "profile"))
 
 
 def request_lengths(cfg: DictConfig, model: ModelConfig, seed: int) -> list[int]:
@@ -105,27 +91,21 @@ def request_lengths(cfg: DictConfig, model: ModelConfig, seed: int) -> list[int]
 
 
 def run(cfg: DictConfig) -> int:
-    rank, _, world_size = env_world()
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    try:
-        settings = parse_settings(cfg, world_size, local_world_size)
-    except ConfigError as exc:
-        print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)
+    started = start(cfg, parse_settings)
+    if started is None:
         return 2
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
-    run_dir = Path(HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else ".")
-    ctx = init_from_env(settings.backend)
+    settings, out_dir, ctx = started
     try:
         variants = run_check(settings.model, lengths=settings.lengths, dtype=settings.dtype, seed=settings.seed,
                              variants=settings.variants, tolerance=settings.tolerance, repeats=settings.repeats,
                              weights=settings.weights,
-                             profile_dir=run_dir / "traces" if settings.profile else None, ctx=ctx)
+                             profile_dir=out_dir / "traces" if settings.profile else None, ctx=ctx)
     finally:
         shutdown()
     report = build_report(settings, ctx, variants)
     if ctx.is_main:
         print(render(report))
-        path = run_dir / settings.report
+        path = out_dir / settings.report
         path.write_text(json.dumps(report, indent=2) + "\n")
         print(f"report: {path}")
     return 0 if report["equivalent"] and report["traffic_ok"] else 1

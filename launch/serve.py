@@ -17,7 +17,6 @@ check fails.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -29,28 +28,25 @@ if __package__ in (None, ""):  # run as a script by torchrun: make the repositor
 import hydra
 import torch
 import torch.distributed as dist
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from launch.serve_report import render
-from launch.settings import boolean, exit_on_unknown_preset, generate_lengths, integer, parse_model, read_checkpoint
-from layers.config import ModelConfig, parse_dtype
+from launch.settings import (LaunchSettings, boolean, common_settings, exit_on_unknown_preset, generate_lengths, integer,
+                             print_error, start)
+from layers.config import ModelConfig
 from layers.dense import init_weights, weights_checksum
 from layers.hf_gpt2 import load_lm
 from layers.lm import DenseLM, greedy_reference, shard_lm
 from serve.engine import Engine, ServeResult
 from serve.scheduler import Request, Scheduler, SchedulerError
-from tp.dist import ConfigError, env_world, init_from_env, resolve_backend, same_on_every_rank, shutdown
+from tp.dist import ConfigError, env_world, same_on_every_rank, shutdown
 
 ORACLE_AUTO_ROWS = 200_000  # check=auto runs the oracle when it recomputes at most this many rows in all
 NEAR_TIE = {torch.float32: 1e-4, torch.float64: 1e-9}  # a top-1/top-2 margin this small (relative) is a near-tie
 
 
 @dataclass(frozen=True)
-class Settings:
-    model: ModelConfig
-    model_name: str
-    hf_checkpoint: str | None
+class Settings(LaunchSettings):
     requests: list[Request]
     chunk_size: int
     max_batched_tokens: int
@@ -58,23 +54,18 @@ class Settings:
     eos_id: int | None
     variant: str
     vocab_parallel: bool
-    dtype: torch.dtype
-    seed: int
-    backend: str
     check: bool
-    report: str
-    weights: dict | None  # the checkpoint's state dict, read before any collective
 
 
 def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> Settings:
     """Every check that needs no communication. Raises ConfigError; identical on every rank."""
-    model, model_name, hf_checkpoint = parse_model(cfg, world_size)
+    common = common_settings(cfg, world_size, local_world_size)
+    model = common["model"]
     variant = str(cfg.variant)
     if variant not in ("v1", "v2"):
         raise ConfigError(f"unknown variant {variant!r} for serving; choose v2 or v1 "
                           f"(intra_head is a one-forward counterfactual, see run_block)")
-    seed = integer(cfg, "seed")
-    requests = parse_requests(cfg, model, seed)
+    requests = parse_requests(cfg, model, common["seed"])
     chunk_size, budget = integer(cfg, "chunk_size"), integer(cfg, "max_batched_tokens")
     max_running = None if cfg.max_running is None else integer(cfg, "max_running")
     try:  # the scheduler's own checks: chunk_size >= 1, a budget that fits a full decode batch
@@ -84,16 +75,14 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     eos_id = None if cfg.eos_id is None else integer(cfg, "eos_id")
     if eos_id is not None and not 0 <= eos_id < model.vocab_size:
         raise ConfigError(f"eos_id={eos_id} is not a token id of the vocabulary [0, {model.vocab_size})")
-    dtype = parse_dtype(str(cfg.dtype))
-    backend = resolve_backend(str(cfg.backend), local_world_size)
     check = str(cfg.check).lower()
     if check not in ("auto", "true", "false"):
         raise ConfigError(f"check={cfg.check!r} must be auto, true or false")
     if check == "auto":
         check = "true" if oracle_rows(requests) <= ORACLE_AUTO_ROWS else "false"
-    weights = read_checkpoint(hf_checkpoint) if hf_checkpoint else None
-    return Settings(model, model_name, hf_checkpoint, requests, chunk_size, budget, max_running, eos_id, variant,
-                    boolean(cfg, "vocab_parallel"), dtype, seed, backend, check == "true", str(cfg.report), weights)
+    return Settings(**common, requests=requests, chunk_size=chunk_size, max_batched_tokens=budget,
+                    max_running=max_running, eos_id=eos_id, variant=variant,
+                    vocab_parallel=boolean(cfg, "vocab_parallel"), check=check == "true")
 
 
 def parse_requests(cfg: DictConfig, model: ModelConfig, seed: int) -> list[Request]:
@@ -206,21 +195,15 @@ def compare(served: dict, ref, near_tie: float) -> dict:
 
 
 def run(cfg: DictConfig) -> int:
-    rank, _, world_size = env_world()
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    try:
-        s = parse_settings(cfg, world_size, local_world_size)
-    except ConfigError as exc:
-        print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)
+    started = start(cfg, parse_settings)
+    if started is None:
         return 2
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
-    run_dir = Path(HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else ".")
-    ctx = init_from_env(s.backend)
+    s, out_dir, ctx = started
     try:
         try:
             dense = build(s, ctx)
         except ConfigError as exc:
-            print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)
+            print_error(exc)
             return 2
         lm = shard_lm(dense, s.variant, ctx.group, s.vocab_parallel)
         if not s.check:
@@ -233,9 +216,10 @@ def run(cfg: DictConfig) -> int:
     finally:
         shutdown()
     report = build_report(s, ctx, result, checks)
+    report["embedding_bytes_per_rank"] = lm.embed.weight.numel() * lm.embed.weight.element_size()
     if ctx.is_main:
         print(render(report))
-        path = run_dir / s.report
+        path = out_dir / s.report
         path.write_text(json.dumps(report, indent=2) + "\n")
         print(f"report: {path}")
     return 0 if report["ledger_matches_model"] and report["check"]["ok"] in (True, None) else 1

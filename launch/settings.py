@@ -7,6 +7,8 @@ every rank reaches the same verdict before any process group exists.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+import os
 import sys
 from pathlib import Path
 
@@ -14,9 +16,32 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from layers.config import ModelConfig, validate_model
+from layers.config import ModelConfig, parse_dtype, validate_model
 from layers.hf_gpt2 import read_config, read_state
-from tp.dist import ConfigError
+from tp.dist import ConfigError, env_world, init_from_env, resolve_backend
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """What every launcher reads: the model and where its weights come from, dtype, seed, backend, report."""
+
+    model: ModelConfig
+    model_name: str
+    hf_checkpoint: str | None
+    weights: dict | None  # the checkpoint's state dict, read before any collective; None: random from seed
+    dtype: torch.dtype
+    seed: int
+    backend: str
+    report: str
+
+
+def common_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> dict:
+    """The LaunchSettings fields, as keywords for a launcher's own Settings."""
+    model, model_name, hf_checkpoint = parse_model(cfg, world_size)
+    return dict(model=model, model_name=model_name, hf_checkpoint=hf_checkpoint,
+                weights=read_checkpoint(hf_checkpoint) if hf_checkpoint else None,
+                dtype=parse_dtype(str(cfg.dtype)), seed=integer(cfg, "seed"),
+                backend=resolve_backend(str(cfg.backend), local_world_size), report=str(cfg.report))
 
 
 def parse_model(cfg: DictConfig, world_size: int) -> tuple[ModelConfig, str, str | None]:
@@ -98,3 +123,29 @@ def read_checkpoint(path: str) -> dict:
         raise
     except Exception as exc:  # a truncated or corrupt file: the reader's own message says what is wrong
         raise ConfigError(f"hf_checkpoint={path}: cannot read the weights ({type(exc).__name__}: {exc})") from None
+
+
+def start(cfg: DictConfig, parse):
+    """Validate on this rank (before any process group exists), then join the group.
+
+    Returns (settings, run directory, TPContext), or None after printing the one-line
+    `[rank r] error: ...` of a bad setting (the caller exits 2).
+    """
+    rank, _, world_size = env_world()
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    try:
+        settings = parse(cfg, world_size, local_world_size)
+    except ConfigError as exc:
+        print_error(exc)
+        return None
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
+    return settings, run_dir(), init_from_env(settings.backend)
+
+
+def print_error(exc: Exception) -> None:
+    print(f"[rank {env_world()[0]}] error: {exc}", file=sys.stderr, flush=True)
+
+
+def run_dir() -> Path:
+    """The one run directory every rank shares (hydra.run.dir)."""
+    return Path(HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else ".")
