@@ -8,18 +8,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from tp.dist import TPContext, max_over_ranks
+from tp.dist import TPContext, max_over_ranks, synchronize
 
 
 def timed(fn, ctx: TPContext) -> float:
     """Wall time of fn() on this rank, started together with the other ranks, device work included."""
     dist.barrier(group=ctx.group)
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)
+    synchronize(ctx.device)
     start = time.perf_counter()
     fn()
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)
+    synchronize(ctx.device)
     return time.perf_counter() - start
 
 
@@ -38,7 +36,7 @@ def sample(runs: dict, repeats: int, ctx: TPContext) -> dict[str, list[float]]:
 
 def slowest(values: list[float], ctx: TPContext) -> list[float]:
     """Element-wise maximum over ranks."""
-    return max_over_ranks(values, ctx.group, ctx.device)
+    return max_over_ranks(values, ctx.group)
 
 
 def medians(runs: dict, repeats: int, ctx: TPContext) -> dict[str, float]:

@@ -17,17 +17,12 @@ from layers.hf_gpt2 import load_stack
 from layers.shard import heads_of_rank
 from layers.tp_block import TPStack, shard_stack
 from layers.varlen import Requests, check_same_on_every_rank
-from tp.dist import TPContext, max_over_ranks, same_on_every_rank
+from tp.dist import TPContext, max_over_ranks, same_on_every_rank, synchronize
 from tp.ledger import CommRecord, Traffic, TrafficLedger
 from tp.trace import backend_events, collectives_by_layer, layer_scopes
 from tp.traffic_model import PHASES, predict
 
 LINEARS = ("qkv", "attn_out", "mlp_up", "mlp_down")
-
-
-def _sync(ctx: TPContext) -> None:
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)
 
 
 def collective_kind(op) -> str:
@@ -133,10 +128,10 @@ def measure_traffic(stack: TPStack, x: torch.Tensor, cu_seqlens, cfg: ModelConfi
         for rep in range(repeats + 1):
             for name, fn in runs.items():
                 dist.barrier(group=ctx.group)
-                _sync(ctx)
+                synchronize(ctx.device)
                 start = time.perf_counter()
                 fn()
-                _sync(ctx)
+                synchronize(ctx.device)
                 if rep:
                     times[name].append(time.perf_counter() - start)
             if rep:
@@ -144,8 +139,8 @@ def measure_traffic(stack: TPStack, x: torch.Tensor, cu_seqlens, cfg: ModelConfi
                     site_times.setdefault((r.layer, r.site), []).append(r.time_s)
     last: list[CommRecord] = list(ledger.records)
     keys = list(site_times)
-    medians = dict(zip(keys, max_over_ranks([statistics.median(site_times[k]) for k in keys], ctx.group, ctx.device)))
-    fwd = dict(zip(runs, max_over_ranks([statistics.median(times[k]) if times[k] else 0.0 for k in runs], ctx.group, ctx.device)))
+    medians = dict(zip(keys, max_over_ranks([statistics.median(site_times[k]) for k in keys], ctx.group)))
+    fwd = dict(zip(runs, max_over_ranks([statistics.median(times[k]) if times[k] else 0.0 for k in runs], ctx.group)))
 
     layers = []
     for i in range(cfg.n_layers):
@@ -239,7 +234,7 @@ def run_check(cfg: ModelConfig, *, lengths: list[int], dtype: torch.dtype, seed:
         raise RuntimeError("ranks hold different dense weights or inputs (seed or library mismatch); "
                            "every rank must build the same model")
     if cu_seqlens:
-        check_same_on_every_rank(cu_seqlens, ctx.group, ctx.device)
+        check_same_on_every_rank(cu_seqlens, ctx.group)
     with torch.no_grad():  # the reference: each request alone through the single-device stack
         alone = [dense(x[s:e]) for s, e in (requests.spans if requests else [(0, x.shape[0])])]
         reference = tuple(torch.cat(outs) for outs in zip(*alone))

@@ -31,11 +31,10 @@ from launch.check import run_check
 from launch.report import render
 from launch.settings import (LaunchSettings, boolean, common_settings, exit_on_unknown_preset, generate_lengths, integer,
                              overridden, positive_float, start)
-from layers.config import ModelConfig, parse_variants, validate_tokens, validate_variants
+from layers.config import DEFAULT_TOLERANCE, ModelConfig, parse_variants, validate_tokens, validate_variants
 from layers.varlen import score_entries
 from tp.dist import ConfigError, env_world, shutdown
 
-DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 
 
 @dataclass(frozen=True)
@@ -133,6 +132,7 @@ def build_report(s: Settings, ctx, variants: dict) -> dict:
         "world_size": ctx.world_size,
         "backend": ctx.backend,
         "device": str(ctx.device),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "config": {"model_name": s.model_name, "model": s.model.asdict(), "n_tokens": sum(s.lengths),
                    "requests": s.lengths, "hf_checkpoint": s.hf_checkpoint,
                    "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed, "variants": s.variants,

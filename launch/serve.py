@@ -42,7 +42,7 @@ from serve.scheduler import Request, Scheduler, SchedulerError
 from tp.dist import ConfigError, env_world, same_on_every_rank, shutdown
 
 ORACLE_AUTO_ROWS = 200_000  # check=auto runs the oracle when it recomputes at most this many rows in all
-NEAR_TIE = {torch.float32: 1e-4, torch.float64: 1e-9}  # a top-1/top-2 margin this small (relative) is a near-tie
+NEAR_TIE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 3e-2, torch.float16: 4e-3}  # a top-1/top-2 margin this small (relative) is a near-tie
 
 
 @dataclass(frozen=True)
@@ -252,6 +252,7 @@ def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | Non
     its = result.iterations
     return {
         "world_size": p, "backend": ctx.backend, "device": str(ctx.device),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "config": {"model_name": s.model_name, "model": m.asdict(), "hf_checkpoint": s.hf_checkpoint,
                    "requests": len(s.requests), "chunk_size": s.chunk_size,
                    "max_batched_tokens": s.max_batched_tokens, "max_running": s.max_running, "eos_id": s.eos_id,

@@ -139,6 +139,8 @@ def start(cfg: DictConfig, parse):
         print_error(exc)
         return None
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
+    # The checks compare float32 against float32: no TF32 matmuls on GPUs (reported as float32_matmul_precision).
+    torch.set_float32_matmul_precision("highest")
     return settings, run_dir(), init_from_env(settings.backend)
 
 

@@ -78,7 +78,7 @@ def check_cu_seqlens(cu_seqlens, n_tokens: int, max_seq_len: int) -> tuple[int, 
     return tuple(values)
 
 
-def check_same_on_every_rank(cu_seqlens: tuple[int, ...], group, device=None) -> None:
+def check_same_on_every_rank(cu_seqlens: tuple[int, ...], group) -> None:
     """Raise ConfigError on every rank unless all ranks hold the same boundaries (one small all-gather).
 
     Call it before the first block: ranks that disagree would still issue matching
@@ -86,7 +86,7 @@ def check_same_on_every_rank(cu_seqlens: tuple[int, ...], group, device=None) ->
     """
     cu = torch.tensor(cu_seqlens, dtype=torch.float64)
     ramp = torch.arange(1, len(cu) + 1, dtype=torch.float64)
-    fingerprint = torch.stack([torch.tensor(float(len(cu))), cu.sum(), (cu * ramp).sum()]).to(device)
+    fingerprint = torch.stack([torch.tensor(float(len(cu))), cu.sum(), (cu * ramp).sum()])  # moved to the group's device
     if not same_on_every_rank(fingerprint, group):
         raise ConfigError("cu_seqlens differ between ranks: every rank must pass the same request boundaries")
 

@@ -20,7 +20,7 @@ from serve.kv_cache import KVCache, kv_bytes_per_token
 from serve.plan import FINGERPRINT_SIZE, IterationPlan
 from serve.scheduler import Request, Scheduler
 from tp.comm import gather_from_region
-from tp.dist import TPContext
+from tp.dist import TPContext, synchronize
 from tp.ledger import TrafficLedger
 from tp.traffic_model import predict_iteration
 
@@ -55,10 +55,6 @@ class Engine:
         self.dtype = param.dtype
         self.cache = KVCache(cfg.n_layers, cfg.n_heads // p, cfg.d_head, self.dtype, ctx.device)
 
-    def _sync(self) -> None:
-        if self.ctx.device.type == "cuda":
-            torch.cuda.synchronize(self.ctx.device)
-
     @torch.no_grad()
     def run(self, requests: list[Request]) -> ServeResult:
         sched = Scheduler(requests, **self.sched_args)
@@ -70,7 +66,7 @@ class Engine:
         token_times: dict[int, list[float]] = {r.id: [] for r in requests}
         logits: dict[int, list[float]] = {r.id: [] for r in requests}
         ledger = TrafficLedger(self.ctx.world_size, self.ctx.device)
-        self._sync()
+        synchronize(self.ctx.device)
         start = time.perf_counter()
         index = 0
         while sched.has_work():
@@ -88,7 +84,7 @@ class Engine:
             with ledger.attach(self.lm.stack):
                 self._check_plan(plan)
                 tokens, token_logits = self._forward(plan, sched)
-            self._sync()
+            synchronize(self.ctx.device)
             t1 = time.perf_counter()
             sampled_ids = [c.request for c in plan.chunks if c.sample]
             for rid, tok, lg in zip(sampled_ids, tokens.tolist(), token_logits.tolist()):
@@ -103,7 +99,7 @@ class Engine:
             if self.on_iteration is not None:
                 self.on_iteration(record, sched)
             index += 1
-        self._sync()
+        synchronize(self.ctx.device)
         result.time_s = time.perf_counter() - start
         result.kv_peak_bytes_per_rank = self.cache.peak_bytes
         for r in requests:

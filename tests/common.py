@@ -2,14 +2,14 @@
 
 import torch
 
-from layers.config import ModelConfig
+from layers.config import DEFAULT_TOLERANCE, ModelConfig
 from layers.dense import DenseStack, init_weights
 
 ARTICLE03 = ModelConfig()  # d=512, h=8, d_head=64, ffn=2048, L=8
 SMALL = ModelConfig(d_model=64, n_heads=8, d_head=8, d_ffn=256, n_layers=3)
 
 # max |tp - dense| / max |dense| allowed, per dtype (measured: ~3e-7 and ~1e-15 at article03, p <= 8)
-REL_TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
+REL_TOL = DEFAULT_TOLERANCE
 
 
 def dense_and_input(cfg: ModelConfig, dtype: torch.dtype, n: int, seed: int = 0):

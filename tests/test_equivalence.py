@@ -6,10 +6,10 @@ import torch.distributed as dist
 from einops import rearrange
 
 from layers.tp_block import shard_stack
+from layers.config import DTYPES
 from tests.common import ARTICLE03, REL_TOL, SMALL, dense_and_input, rel_err
 from tests.harness import run_ranks
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def check_forward(ctx, variant, dtype_name, n):
@@ -31,6 +31,14 @@ def test_stack_forward_matches_dense(p, variant, dtype_name):
     errs = run_ranks(p, check_forward, variant, dtype_name, 24)
     if dtype_name == "float64":
         assert max(errs) < 1e-12
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+@pytest.mark.parametrize("p", [2, 8])
+def test_half_precision_within_default_tolerance(p, dtype_name):
+    # gloo reduces bfloat16 and float16 on the CPU; the default tolerance is about twice the measured error
+    errs = run_ranks(p, check_forward, "v2", dtype_name, 24)
+    assert 0 < max(errs) <= REL_TOL[DTYPES[dtype_name]] / 1.5
 
 
 # ---- backward -----------------------------------------------------------------------------------

@@ -89,3 +89,31 @@ def test_launcher_runs_a_saved_checkpoint(tmp_path):
     assert "weights: GPT-2 checkpoint" in proc.stdout
     assert "model hf: d=64 h=8 d_head=8 k=64 ffn=256 L=3" in proc.stdout
     assert "PASS: v2 at tp=2 match the single-device block" in proc.stdout
+
+
+BROKEN = {
+    "truncated weights": ({"n_embd": 64, "n_head": 8, "n_layer": 3}, b"\x10\x00\x00\x00\x00\x00\x00\x00{trunc",
+                          "cannot read the weights (SafetensorError"),
+    "config not JSON": ("{not json", None, "config.json is not valid JSON"),
+    "a Llama config": ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 8}, None,
+                       "not a GPT-2 config (model_type='llama', no n_embd, n_head, n_layer)"),
+}
+
+
+@pytest.mark.parametrize("launcher", ["run_block.py", "serve.py"])
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_checkpoint_is_a_one_line_setting_error(tmp_path, case, launcher):
+    config, weights, message = BROKEN[case]
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    if weights is not None:
+        (tmp_path / "ckpt" / "model.safetensors").write_bytes(weights)
+    # rank 1 of 2 with nobody to meet: the error must come before any process group exists
+    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / launcher), f"hydra.run.dir={tmp_path / 'run'}",
+                           f"hf_checkpoint={tmp_path / 'ckpt'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[rank 1] error: hf_checkpoint=") and message in lines[0], lines

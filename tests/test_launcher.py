@@ -80,6 +80,17 @@ def test_requests_end_to_end(tmp_path):
     assert all(layer["collective_counts"] == {"all_reduce": 2} for layer in report["variants"]["v2"]["layers"])
 
 
+def test_bfloat16_end_to_end(tmp_path):
+    proc, _ = torchrun(2, "dtype=bfloat16", "variants=[v2]", "repeats=1", run_dir=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["config"]["dtype"] == "bfloat16" and report["config"]["tolerance"] == 3e-2
+    assert report["equivalent"] is True and report["traffic_ok"] is True
+    first = report["variants"]["v2"]["layers"][0]
+    assert 0 < first["max_rel_err"] <= 3e-2
+    assert first["collectives"][0]["logical_bytes"] == 40 * 512 * 2  # [10 + 30 tokens, d] of 2-byte elements
+
+
 def test_failing_check_exits_non_zero(tmp_path):
     # An impossible tolerance turns rounding into a failure: the verdict must reach the exit code.
     proc, _ = torchrun(2, "n_tokens=4", "variants=[v2]", "tolerance=1e-30", run_dir=tmp_path)
@@ -93,7 +104,8 @@ BAD = [
     (2, ["model.d_head=32"], "d_model=512 must equal n_heads*d_head=8*32=256", "model.d_head=64"),
     (2, ["variants=[v1,v3]"], "unknown variant 'v3'", "choose from v1, v2"),
     (2, ["backend=mpi"], "unknown backend 'mpi'", "auto, nccl, gloo"),
-    (2, ["dtype=float16"], "unknown dtype 'float16'", "float32, float64"),
+    (2, ["dtype=int8"], "unknown dtype 'int8'", "float32, float64, bfloat16, float16"),
+    (2, ["repeats=0"], "repeats=0 must be at least 1", ""),
     (2, ["n_tokens=0"], "n_tokens=0 must be at least 1", ""),
     (2, ["requests=[10,0]"], "requests[1]=0: every request needs a whole number of tokens", "empty request"),
     (2, ["requests=[10,2000]"], "request 1 length=2000 exceeds model.max_seq_len=1024", ""),

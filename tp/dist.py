@@ -69,10 +69,24 @@ def device_for(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def group_device(group: dist.ProcessGroup) -> torch.device:
+    """Where a group's collectives want their tensors: this rank's GPU under NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work (before reading a clock); nothing to wait for on the CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def init_from_env(backend: str = "auto", timeout_s: float = 120.0) -> TPContext:
     """Join the torchrun job (or a one-rank job when run without torchrun).
 
-    The whole world is one tensor-parallel group: tp = WORLD_SIZE.
+    The whole world is one tensor-parallel group: tp = WORLD_SIZE. If a process group
+    already exists, the context reports that group's backend and device, not `backend`.
     """
     rank, local_rank, world_size = env_world()
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
@@ -90,6 +104,9 @@ def init_from_env(backend: str = "auto", timeout_s: float = 120.0) -> TPContext:
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
+    else:  # somebody else created the group: describe it as it is
+        backend = dist.get_backend()
+        device = group_device(dist.group.WORLD)
     return context(dist.group.WORLD, backend=backend, device=device)
 
 
@@ -105,16 +122,17 @@ def context(group: dist.ProcessGroup, backend: str, device: torch.device) -> TPC
 
 def same_on_every_rank(values: torch.Tensor, group: dist.ProcessGroup) -> bool:
     """All-gather a small vector and compare every rank's copy with rank 0's. Every rank gets the same answer."""
+    values = values.to(group_device(group)).contiguous()
     gathered = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, values.contiguous(), group=group)
+    dist.all_gather(gathered, values, group=group)
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
-def max_over_ranks(values: list[float], group: dist.ProcessGroup, device=None) -> list[float]:
+def max_over_ranks(values: list[float], group: dist.ProcessGroup) -> list[float]:
     """Element-wise maximum over the group's ranks (e.g. the slowest rank's timings)."""
     if not values:
         return []
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+    t = torch.tensor(values, dtype=torch.float64, device=group_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch.autograd.profiler import record_function
 
+from tp.dist import synchronize
+
 _profiling = torch._C._autograd._profiler_enabled
 
 _ACTIVE: contextvars.ContextVar["TrafficLedger | None"] = contextvars.ContextVar("tp_traffic_ledger", default=None)
@@ -118,20 +120,16 @@ class TrafficLedger:
 
     # -- called by tp/comm.py -------------------------------------------------------------------
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def measure(self, fn, *, kind: str, site: str | None, phase: str, layer: int | None,
                 shape: tuple[int, ...], dtype: torch.dtype):
         """Run `fn` (the collective) and record it."""
-        self._sync()
+        synchronize(self.device)
         # A named scope in profiler traces ("tp attn/all-reduce #1"); opened only while profiling (~10 us).
         scope = record_function(f"tp {site or kind}") if _profiling() else contextlib.nullcontext()
         with scope:
             start = time.perf_counter()
             out = fn()
-            self._sync()
+            synchronize(self.device)
             elapsed = time.perf_counter() - start
         sublayer, label = split_site(site)
         elements = math.prod(shape)
