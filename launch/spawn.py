@@ -8,29 +8,21 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 from pathlib import Path
 
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world_size: int, port: int, backend: str, fn, args, out: str) -> None:
+def _entry(rank: int, world_size: int, store: str, backend: str, fn, args, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS="1")
+                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     import torch
 
     from tp.dist import init_from_env, shutdown
 
     torch.set_num_threads(1)
-    ctx = init_from_env(backend)
+    ctx = init_from_env(backend, init_method=f"file://{store}")
     try:
         result = fn(ctx, *args)
     finally:
@@ -43,6 +35,7 @@ def spawn_ranks(world_size: int, fn, *args, backend: str = "auto"):
     """Run fn(ctx, *args) on `world_size` fresh ranks; return rank 0's result. fn must be importable."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rank0.pkl")
-        mp.start_processes(_entry, args=(world_size, _free_port(), backend, fn, args, out),
+        # The ranks meet in a file store: no port to pick, so nothing to collide with.
+        mp.start_processes(_entry, args=(world_size, str(Path(tmp) / "store"), backend, fn, args, out),
                            nprocs=world_size, start_method="spawn")
         return pickle.loads(Path(out).read_bytes())

@@ -18,7 +18,8 @@ import atexit
 import datetime
 import os
 import queue
-import socket
+import shutil
+import tempfile
 import traceback
 
 import torch.multiprocessing as mp
@@ -26,13 +27,7 @@ import torch.multiprocessing as mp
 _POOLS: dict[int, "RankPool"] = {}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world_size: int, store: str, tasks, results) -> None:
     import torch
     import torch.distributed as dist
 
@@ -41,7 +36,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}",
+            "gloo", rank=rank, world_size=world_size, init_method=f"file://{store}",
             timeout=datetime.timedelta(seconds=90),
         )
         ctx = context(dist.group.WORLD, backend="gloo", device=torch.device("cpu"))
@@ -66,10 +61,12 @@ class RankPool:
         spawn = mp.get_context("spawn")
         self.results = spawn.Queue()
         self.tasks = [spawn.Queue() for _ in range(world_size)]
-        port = _free_port()
+        # The ranks meet in a file store (a fresh file per pool): no free port to pick and lose to another job.
+        self.store_dir = tempfile.mkdtemp(prefix="tpref-pool-")
+        store = os.path.join(self.store_dir, "store")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         self.procs = [
-            spawn.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+            spawn.Process(target=_worker, args=(r, world_size, store, self.tasks[r], self.results), daemon=True)
             for r in range(world_size)
         ]
         for proc in self.procs:
@@ -111,6 +108,7 @@ class RankPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        shutil.rmtree(self.store_dir, ignore_errors=True)
         if _POOLS.get(self.world_size) is self:
             del _POOLS[self.world_size]
 

@@ -82,11 +82,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def init_from_env(backend: str = "auto", timeout_s: float = 120.0) -> TPContext:
+def init_from_env(backend: str = "auto", timeout_s: float = 120.0, init_method: str | None = None) -> TPContext:
     """Join the torchrun job (or a one-rank job when run without torchrun).
 
     The whole world is one tensor-parallel group: tp = WORLD_SIZE. If a process group
     already exists, the context reports that group's backend and device, not `backend`.
+    init_method: where ranks meet (default: torchrun's MASTER_ADDR/MASTER_PORT); a
+    "file://..." path cannot collide with another job's port.
     """
     rank, local_rank, world_size = env_world()
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
@@ -95,10 +97,12 @@ def init_from_env(backend: str = "auto", timeout_s: float = 120.0) -> TPContext:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        if init_method is None:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
         dist.init_process_group(
             backend=backend,
+            init_method=init_method,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
