@@ -2,6 +2,7 @@
 # make test   -- set up (once) and run the test suite
 # make serve  -- set up (once) and serve requests on SERVE_NPROC ranks, checked against the dense oracle
 # make bench  -- every benchmark, then docs/benchmarks.md
+# make gpu-check -- on a GPU node: NCCL runs, GPU-marked tests, bench_tp; one summary (skips without GPUs)
 VENV    ?= .venv
 PYTHON  ?= python3
 NPROC   ?= 8
@@ -10,7 +11,7 @@ ARGS    ?=
 TORCH_VERSION ?= 2.13.0
 PY      := $(VENV)/bin/python
 
-.PHONY: setup demo serve test bench clean
+.PHONY: setup demo serve test bench gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -50,6 +51,9 @@ bench: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 benchmarks/profile_forward.py
 	$(PY) launch/traffic_sweep.py
 	$(PY) benchmarks/report.py
+
+gpu-check: setup
+	$(PY) launch/gpu_check.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache *.egg-info

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from layers.config import ModelConfig, parse_dtype, validate_model
 from layers.hf_gpt2 import read_config, read_state
-from tp.dist import ConfigError, env_world, init_from_env, resolve_backend
+from tp.dist import ConfigError, env_world, init_from_env, resolve_backend, resolve_device
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class LaunchSettings:
     dtype: torch.dtype
     seed: int
     backend: str
+    device: str  # cpu or cuda (with gloo: ranks share the GPUs)
     report: str
 
 
@@ -41,7 +42,12 @@ def common_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> 
     return dict(model=model, model_name=model_name, hf_checkpoint=hf_checkpoint,
                 weights=read_checkpoint(hf_checkpoint) if hf_checkpoint else None,
                 dtype=parse_dtype(str(cfg.dtype)), seed=integer(cfg, "seed"),
-                backend=resolve_backend(str(cfg.backend), local_world_size), report=str(cfg.report))
+                **placement(cfg, local_world_size), report=str(cfg.report))
+
+
+def placement(cfg: DictConfig, local_world_size: int) -> dict:
+    backend = resolve_backend(str(cfg.backend), local_world_size)
+    return dict(backend=backend, device=resolve_device(str(cfg.get("device", "auto")), backend))
 
 
 def parse_model(cfg: DictConfig, world_size: int) -> tuple[ModelConfig, str, str | None]:
@@ -141,7 +147,7 @@ def start(cfg: DictConfig, parse):
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
     # The checks compare float32 against float32: no TF32 matmuls on GPUs (reported as float32_matmul_precision).
     torch.set_float32_matmul_precision("highest")
-    return settings, run_dir(), init_from_env(settings.backend)
+    return settings, run_dir(), init_from_env(settings.backend, device=settings.device)
 
 
 def print_error(exc: Exception) -> None:

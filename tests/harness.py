@@ -24,10 +24,15 @@ import traceback
 
 import torch.multiprocessing as mp
 
-_POOLS: dict[int, "RankPool"] = {}
+_POOLS: dict[tuple[int, str], "RankPool"] = {}
 
 
-def _worker(rank: int, world_size: int, store: str, tasks, results) -> None:
+def default_backend() -> str:
+    """gloo on the CPU; TPREF_TEST_BACKEND=nccl runs the pools on GPUs, one per rank (tests marked nccl)."""
+    return os.environ.get("TPREF_TEST_BACKEND", "gloo")
+
+
+def _worker(rank: int, world_size: int, store: str, backend: str, tasks, results) -> None:
     import torch
     import torch.distributed as dist
 
@@ -35,11 +40,15 @@ def _worker(rank: int, world_size: int, store: str, tasks, results) -> None:
 
     torch.set_num_threads(1)
     try:
+        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            torch.set_float32_matmul_precision("highest")  # no TF32: the checks are float32 against float32
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, init_method=f"file://{store}",
-            timeout=datetime.timedelta(seconds=90),
+            backend, rank=rank, world_size=world_size, init_method=f"file://{store}",
+            timeout=datetime.timedelta(seconds=90), device_id=device if backend == "nccl" else None,
         )
-        ctx = context(dist.group.WORLD, backend="gloo", device=torch.device("cpu"))
+        ctx = context(dist.group.WORLD, backend=backend, device=device)
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         return
@@ -56,8 +65,8 @@ def _worker(rank: int, world_size: int, store: str, tasks, results) -> None:
 
 
 class RankPool:
-    def __init__(self, world_size: int):
-        self.world_size = world_size
+    def __init__(self, world_size: int, backend: str = "gloo"):
+        self.world_size, self.backend = world_size, backend
         spawn = mp.get_context("spawn")
         self.results = spawn.Queue()
         self.tasks = [spawn.Queue() for _ in range(world_size)]
@@ -66,7 +75,7 @@ class RankPool:
         store = os.path.join(self.store_dir, "store")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         self.procs = [
-            spawn.Process(target=_worker, args=(r, world_size, store, self.tasks[r], self.results), daemon=True)
+            spawn.Process(target=_worker, args=(r, world_size, store, backend, self.tasks[r], self.results), daemon=True)
             for r in range(world_size)
         ]
         for proc in self.procs:
@@ -109,17 +118,27 @@ class RankPool:
                 proc.kill()
                 proc.join()
         shutil.rmtree(self.store_dir, ignore_errors=True)
-        if _POOLS.get(self.world_size) is self:
-            del _POOLS[self.world_size]
+        if _POOLS.get((self.world_size, self.backend)) is self:
+            del _POOLS[(self.world_size, self.backend)]
 
 
-def run_ranks(world_size: int, fn, *args, timeout: float = 300.0, **kwargs) -> list:
-    """Run fn(ctx, *args, **kwargs) on every rank of a gloo group of `world_size`; return the results by rank."""
-    pool = _POOLS.get(world_size)
+def run_ranks(world_size: int, fn, *args, timeout: float = 300.0, backend: str | None = None, **kwargs) -> list:
+    """Run fn(ctx, *args, **kwargs) on every rank of a group of `world_size`; return the results by rank.
+
+    backend: gloo (CPU) by default, or TPREF_TEST_BACKEND; with nccl, a test needing more GPUs than there are skips.
+    """
+    backend = backend or default_backend()
+    if backend == "nccl":
+        import pytest
+        import torch
+
+        if torch.cuda.device_count() < world_size:
+            pytest.skip(f"{world_size} ranks on NCCL need {world_size} GPUs, {torch.cuda.device_count()} visible")
+    pool = _POOLS.get((world_size, backend))
     if pool is None or not pool.alive():
         if pool is not None:
             pool.close(force=True)
-        pool = _POOLS[world_size] = RankPool(world_size)
+        pool = _POOLS[(world_size, backend)] = RankPool(world_size, backend)
     return pool.run(fn, *args, timeout=timeout, **kwargs)
 
 

@@ -15,6 +15,7 @@ from tests.harness import run_ranks
 def check_forward(ctx, variant, dtype_name, n):
     dtype = DTYPES[dtype_name]
     dense, x = dense_and_input(ARTICLE03, dtype, n)
+    dense, x = dense.to(ctx.device), x.to(ctx.device)
     stack = shard_stack(dense, variant, ctx.group)
     with torch.no_grad():
         ref, out = dense(x), stack(x)
@@ -24,6 +25,7 @@ def check_forward(ctx, variant, dtype_name, n):
     return max(errs)
 
 
+@pytest.mark.nccl
 @pytest.mark.parametrize("dtype_name", ["float32", "float64"])
 @pytest.mark.parametrize("variant", ["v1", "v2", "intra_head"])
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
@@ -33,6 +35,7 @@ def test_stack_forward_matches_dense(p, variant, dtype_name):
         assert max(errs) < 1e-12
 
 
+@pytest.mark.nccl
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
 @pytest.mark.parametrize("p", [2, 8])
 def test_half_precision_within_default_tolerance(p, dtype_name):
@@ -104,6 +107,7 @@ def check_backward(ctx, variant, dtype_name):
     return worst
 
 
+@pytest.mark.nccl
 @pytest.mark.parametrize("dtype_name", ["float32", "float64"])
 @pytest.mark.parametrize("variant", ["v1", "v2", "intra_head"])
 @pytest.mark.parametrize("p", [1, 2, 4])

@@ -138,3 +138,27 @@ def test_bad_settings_fail_fast_on_every_rank(tmp_path, nproc, overrides, messag
                             *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert alone.returncode == 2, alone.stdout + alone.stderr
     assert f"[rank {last}] error: {message}" in alone.stderr
+
+
+def test_gpu_check_skips_cleanly_without_gpus():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: make gpu-check runs for real here")
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "gpu_check.py")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no CUDA device visible, nothing to check here; skipping" in proc.stdout
+    summary = (ROOT / "outputs" / "gpu_check" / "summary.md").read_text()
+    assert summary.startswith("# gpu-check: 0 CUDA device(s)") and "skipped: no CUDA device visible" in summary
+
+
+def test_gpu_check_plans_every_valid_p():
+    from launch.gpu_check import steps
+
+    one = [name for name, *_ in steps(1)]
+    assert one[:2] == ["run_block nccl p=1 float32", "run_block nccl p=1 bfloat16"]
+    assert [n for n in one if "gloo+cuda" in n] == [f"run_block gloo+cuda p={p} bfloat16 (ranks share one GPU)"
+                                                   for p in (2, 4, 8)]
+    eight = [name for name, *_ in steps(8)]
+    assert [n for n in eight if n.startswith("run_block nccl")] == [
+        f"run_block nccl p={p} {dt}" for p in (1, 2, 4, 8) for dt in ("float32", "bfloat16")]
+    assert "serve nccl p=8" in eight and "pytest -m nccl" in eight and "bench_tp" in eight

@@ -25,8 +25,8 @@ def make_requests(workload=WORKLOAD, seed=5):
             for i, (n, new, arrival) in enumerate(workload)]
 
 
-def dense_lm(dtype=torch.float64):
-    return init_weights(DenseLM(CFG, dtype), seed=0)
+def dense_lm(dtype=torch.float64, device=None):
+    return init_weights(DenseLM(CFG, dtype), seed=0).to(device)
 
 
 # ---- attention with a cache, single device ---------------------------------------------------
@@ -65,7 +65,7 @@ def test_top_left_causal_is_wrong_for_a_chunk_after_a_prefix():
 
 def serve(ctx, variant="v2", vocab_parallel=True, chunk_size=5, budget=12, max_running=None, requests=None,
           dtype=torch.float64):
-    dense = dense_lm(dtype)
+    dense = dense_lm(dtype, ctx.device)
     lm = shard_lm(dense, variant, ctx.group, vocab_parallel)
     reqs = requests if requests is not None else make_requests()
     engine = Engine(lm, ctx, chunk_size=chunk_size, max_batched_tokens=budget, max_running=max_running,
@@ -86,6 +86,7 @@ def against_dense_oracle(ctx, variant):
     return out, iterations, res.kv_bytes_per_token_per_rank, res.kv_peak_bytes_per_rank
 
 
+@pytest.mark.nccl
 @pytest.mark.parametrize("variant", ["v2", "v1"])
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
 def test_tokens_equal_dense_oracle_and_ledger_equals_model(p, variant):

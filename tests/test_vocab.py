@@ -14,13 +14,13 @@ def dense_table():
 
 
 def check_lookup_and_greedy(ctx):
-    w = dense_table()
-    emb = VocabParallelEmbedding(V, D, ctx.group, torch.float64).load_dense(w)
+    w = dense_table().to(ctx.device)
+    emb = VocabParallelEmbedding(V, D, ctx.group, torch.float64, ctx.device).load_dense(w)
     assert emb.weight.shape == (padded_vocab(V, ctx.world_size) // ctx.world_size, D)
-    ids = torch.tensor([0, 36, 5, 18, 19, 36, 0, 9])
+    ids = torch.tensor([0, 36, 5, 18, 19, 36, 0, 9], device=ctx.device)
     with torch.no_grad():
         assert torch.equal(emb(ids), w[ids])  # zero rows elsewhere, summed once: exact
-        x = torch.randn(6, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        x = torch.randn(6, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(ctx.device)
         tokens, logits = emb.greedy(x)
         full = x @ w.t()  # [6, V]
         assert torch.equal(tokens, full.argmax(-1))
@@ -29,6 +29,7 @@ def check_lookup_and_greedy(ctx):
     return tokens.tolist()
 
 
+@pytest.mark.nccl
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
 def test_vocab_parallel_matches_dense(p):
     results = run_ranks(p, check_lookup_and_greedy)
@@ -37,21 +38,22 @@ def test_vocab_parallel_matches_dense(p):
 
 def check_ties_and_padding(ctx):
     """Ties across rank boundaries go to the lowest id; padded ids (logit 0 if unmasked) never win."""
-    w = dense_table()
+    w = dense_table().to(ctx.device)
     w[30] = w[3]  # ids 3 and 30 (different ranks at p >= 2) give equal logits
     w[31] = w[3]
-    emb = VocabParallelEmbedding(V, D, ctx.group, torch.float64).load_dense(w)
+    emb = VocabParallelEmbedding(V, D, ctx.group, torch.float64, ctx.device).load_dense(w)
     x = w[3][None].clone()  # the row whose best logit is the tied one
     # Every real logit negative: an unmasked padding id (a zero row, logit 0) would win.
-    w2 = dense_table()
+    w2 = dense_table().to(ctx.device)
     w2[:, 0] = -(w2[:, 0].abs() + 0.1)
-    neg = torch.zeros(1, D, dtype=torch.float64)
+    neg = torch.zeros(1, D, dtype=torch.float64, device=ctx.device)
     neg[0, 0] = 1.0
-    emb2 = VocabParallelEmbedding(V, D, ctx.group, torch.float64).load_dense(w2)
+    emb2 = VocabParallelEmbedding(V, D, ctx.group, torch.float64, ctx.device).load_dense(w2)
     with torch.no_grad():
         return emb.greedy(x)[0].item(), emb2.greedy(neg)[0].item(), int(w2[:, 0].argmax())
 
 
+@pytest.mark.nccl
 @pytest.mark.parametrize("p", [2, 8])
 def test_ties_go_to_the_lowest_id_and_padding_never_wins(p):
     assert padded_vocab(V, p) > V

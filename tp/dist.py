@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 BACKENDS = ("auto", "nccl", "gloo")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 class ConfigError(ValueError):
@@ -63,9 +64,25 @@ def resolve_backend(backend: str, local_world_size: int) -> str:
     return backend
 
 
-def device_for(backend: str, local_rank: int) -> torch.device:
+def resolve_device(device: str, backend: str) -> str:
+    """"auto": the GPU under NCCL, the CPU under gloo. device=cuda with gloo puts every rank's tensors on
+    a GPU (ranks share the GPUs there are, round robin): CUDA kernels and bf16 on a single-GPU machine."""
+    if device not in DEVICES:
+        raise ConfigError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
     if backend == "nccl":
-        return torch.device("cuda", local_rank)
+        if device == "cpu":
+            raise ConfigError("backend=nccl reduces GPU tensors: use device=auto or device=cuda (or backend=gloo)")
+        return "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA device is visible; use device=auto or cpu")
+    return "cuda" if device == "cuda" else "cpu"
+
+
+def device_for(backend: str, local_rank: int, device: str = "auto") -> torch.device:
+    if backend == "nccl":
+        return torch.device("cuda", local_rank)  # one GPU per rank
+    if resolve_device(device, backend) == "cuda":
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
 
 
@@ -82,7 +99,8 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def init_from_env(backend: str = "auto", timeout_s: float = 120.0, init_method: str | None = None) -> TPContext:
+def init_from_env(backend: str = "auto", timeout_s: float = 120.0, init_method: str | None = None,
+                  device: str = "auto") -> TPContext:
     """Join the torchrun job (or a one-rank job when run without torchrun).
 
     The whole world is one tensor-parallel group: tp = WORLD_SIZE. If a process group
@@ -93,7 +111,7 @@ def init_from_env(backend: str = "auto", timeout_s: float = 120.0, init_method: 
     rank, local_rank, world_size = env_world()
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     backend = resolve_backend(backend, local_world_size)
-    device = device_for(backend, local_rank)
+    device = device_for(backend, local_rank, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -106,7 +124,7 @@ def init_from_env(backend: str = "auto", timeout_s: float = 120.0, init_method: 
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=device if device.type == "cuda" else None,
+            device_id=device if backend == "nccl" else None,
         )
     else:  # somebody else created the group: describe it as it is
         backend = dist.get_backend()

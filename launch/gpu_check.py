@@ -1,0 +1,112 @@
+"""One prepared check for a GPU node: `make gpu-check` (or python launch/gpu_check.py).
+
+It adapts to the GPUs it finds and writes one summary, outputs/gpu_check/summary.md:
+
+    every valid p <= GPUs    run_block on NCCL, float32 and bfloat16, profiler traces on (CUDA activity)
+    one GPU only             p = 2, 4, 8 ranks sharing it over gloo with CUDA tensors (device=cuda), bfloat16:
+                             device placement, CUDA sync in the ledger, CUDA traces, bf16 kernels
+    the largest p            serve on NCCL (v2, float32, checked against the dense oracle)
+    tests marked nccl        pytest -m nccl with the rank pools on NCCL (TPREF_TEST_BACKEND=nccl)
+    bench_tp                 v2 vs DTensor at the valid p, 40 and 1024 tokens, 3 repeats
+
+Without a GPU it says so, writes the summary as skipped, and exits 0. Each step has a time limit;
+a failing step is recorded with the end of its output and the others still run. Exit code 1
+when any step failed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "outputs" / "gpu_check"
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def steps(n_gpus: int) -> list[tuple[str, list[str], dict, float]]:
+    """(name, argv, extra environment, time limit in seconds)."""
+    py = sys.executable
+    torchrun = [py, "-m", "torch.distributed.run", "--standalone"]
+    valid = [p for p in (1, 2, 4, 8) if p <= n_gpus]
+    out = []
+    for p in valid:
+        for dtype in ("float32", "bfloat16"):
+            out.append((f"run_block nccl p={p} {dtype}",
+                        torchrun + [f"--nproc_per_node={p}", "launch/run_block.py", "backend=nccl", f"dtype={dtype}",
+                                    "profile=true", "repeats=3", f"hydra.run.dir={OUT}/run_block_nccl_p{p}_{dtype}"],
+                        {}, 300))
+    if n_gpus == 1:
+        for p in (2, 4, 8):
+            out.append((f"run_block gloo+cuda p={p} bfloat16 (ranks share one GPU)",
+                        torchrun + [f"--nproc_per_node={p}", "launch/run_block.py", "backend=gloo", "device=cuda",
+                                    "dtype=bfloat16", "profile=true", "repeats=3",
+                                    f"hydra.run.dir={OUT}/run_block_gloo_cuda_p{p}"], {}, 300))
+    out.append((f"serve nccl p={valid[-1]}",
+                torchrun + [f"--nproc_per_node={valid[-1]}", "launch/serve.py", "backend=nccl",
+                            f"hydra.run.dir={OUT}/serve_nccl_p{valid[-1]}"], {}, 300))
+    out.append(("pytest -m nccl", [py, "-m", "pytest", "-q", "-m", "nccl", "-p", "no:cacheprovider"],
+                {"TPREF_TEST_BACKEND": "nccl"}, 600))
+    out.append(("bench_tp", [py, "benchmarks/bench_tp.py", "--p", *map(str, valid), "--repeats", "3",
+                             "--out", str(OUT / "bench_tp.json")], {}, 600))
+    return out
+
+
+def run_step(name: str, argv: list[str], env: dict, limit: float) -> dict:
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(argv, cwd=ROOT, env=dict(os.environ, **env), capture_output=True, text=True,
+                              timeout=limit)
+        rc, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, output = "timeout", f"{exc.stdout or ''}{exc.stderr or ''}"
+        output = output.decode() if isinstance(output, bytes) else output
+    keep = [line for line in output.splitlines()
+            if line.startswith(("PASS", "FAIL", "all ", "check", "traffic", "v2/v1", "generated", "[rank"))
+            or " passed" in line or " failed" in line or "Error" in line]
+    return {"name": name, "ok": rc == 0, "rc": rc, "seconds": time.monotonic() - start,
+            "lines": keep[-12:] if rc == 0 else output.splitlines()[-25:]}
+
+
+def summary(n_gpus: int, results: list[dict]) -> str:
+    import torch
+
+    head = [f"# gpu-check: {n_gpus} CUDA device(s)", "",
+            f"torch {torch.__version__}, CUDA {torch.version.cuda}",
+            *(f"- cuda:{i}: {torch.cuda.get_device_name(i)}" for i in range(n_gpus)), ""]
+    if not results:
+        return "\n".join(head + ["skipped: no CUDA device visible; run `make gpu-check` on a GPU node", ""])
+    body = []
+    for r in results:
+        body += [f"## {'PASS' if r['ok'] else 'FAIL'}: {r['name']} (rc {r['rc']}, {r['seconds']:.0f} s)", "", "```",
+                 *r["lines"], "```", ""]
+    verdict = f"{sum(r['ok'] for r in results)}/{len(results)} steps passed"
+    return "\n".join(head + [verdict, ""] + body)
+
+
+def main() -> int:
+    n = gpu_count()
+    OUT.mkdir(parents=True, exist_ok=True)
+    results = []
+    if n == 0:
+        print("gpu-check: no CUDA device visible, nothing to check here; skipping (run it on a GPU node)")
+    for name, argv, env, limit in steps(n) if n else []:
+        print(f"gpu-check: {name} ...", flush=True)
+        results.append(run_step(name, argv, env, limit))
+        print(f"gpu-check: {name}: {'PASS' if results[-1]['ok'] else 'FAIL'} ({results[-1]['seconds']:.0f} s)",
+              flush=True)
+    (OUT / "summary.md").write_text(summary(n, results))
+    print(f"summary: {OUT / 'summary.md'}")
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
