@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=4 launch/serve.py                      # 8 random prompts, staggered arrivals
     torchrun --nproc_per_node=2 launch/serve.py prompts=[[464,3290,318],[40]] max_new_tokens=8
-    torchrun --nproc_per_node=4 launch/serve.py chunk_size=1000 max_batched_tokens=2048   # unchunked prefill
+    torchrun --nproc_per_node=4 launch/serve.py chunk_size=1024 max_batched_tokens=2048   # whole prompts
     torchrun --nproc_per_node=2 launch/serve.py hf_checkpoint=DIR    # a GPT2LMHeadModel from save_pretrained
 
 tp = WORLD_SIZE. Every rank validates the settings (and reads a checkpoint) before the first
@@ -93,23 +93,29 @@ def parse_requests(cfg: DictConfig, model: ModelConfig, seed: int) -> list[Reque
             raise ConfigError(f"prompts={cfg.prompts!r} must be a non-empty list of token-id lists, e.g. [[464,3290],[40]]")
         prompts = []
         for i, prompt in enumerate(OmegaConf.to_container(cfg.prompts)):
-            if not isinstance(prompt, list) or len(prompt) == 0:
-                raise ConfigError(f"prompts[{i}]={prompt!r}: every prompt needs at least one token id "
+            if not isinstance(prompt, list):
+                raise ConfigError(f"prompts[{i}]={prompt!r} is not a list of token ids: prompts is a list of lists, "
+                                  f"e.g. prompts=[[464,3290]] for one prompt")
+            if len(prompt) == 0:
+                raise ConfigError(f"prompts[{i}]=[]: every prompt needs at least one token id "
                                   f"(an empty prompt is an error)")
             for t in prompt:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V:
                     raise ConfigError(f"prompts[{i}] holds {t!r}, not a token id of the vocabulary [0, {V})")
             prompts.append(prompt)
+        new = per_request(cfg, "max_new_tokens", len(prompts))
     else:
         count, mean = integer(cfg, "prompt_count"), integer(cfg, "prompt_mean")
         if count < 1 or mean < 1:
             raise ConfigError(f"prompt_count={count} and prompt_mean={mean} must be at least 1")
-        lengths = generate_lengths(str(cfg.prompt_dist), count, mean, longest, seed)
+        new = per_request(cfg, "max_new_tokens", count)
+        room = longest - max(new) + 1  # random prompts are clipped so that every request fits max_seq_len
+        if room < 1:
+            raise ConfigError(f"max_new_tokens={max(new)} leaves no room for a prompt in model.max_seq_len={longest}")
+        lengths = generate_lengths(str(cfg.prompt_dist), count, mean, room, seed, setting="prompt_dist")
         gen = torch.Generator().manual_seed(seed + 3)
         prompts = [torch.randint(0, V, (n,), generator=gen).tolist() for n in lengths]
-    n = len(prompts)
-    new = per_request(cfg, "max_new_tokens", n)
-    arrivals = per_request(cfg, "arrivals", n, spacing=True)
+    arrivals = per_request(cfg, "arrivals", len(prompts), spacing=True)
     requests = []
     for i, (prompt, m, a) in enumerate(zip(prompts, new, arrivals)):
         if m < 1:

@@ -75,7 +75,8 @@ def overridden(keys) -> set[str]:
     return {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task} & set(keys)
 
 
-def generate_lengths(dist_name: str, count: int, mean: int, max_len: int, seed: int) -> list[int]:
+def generate_lengths(dist_name: str, count: int, mean: int, max_len: int, seed: int,
+                     setting: str = "request_dist") -> list[int]:
     """uniform: integers in [1, 2·mean-1]; lognormal: sigma 1, median mean/e^0.5 (so the mean is `mean`)."""
     gen = torch.Generator().manual_seed(seed + 2)
     if dist_name == "uniform":
@@ -84,7 +85,8 @@ def generate_lengths(dist_name: str, count: int, mean: int, max_len: int, seed: 
         sigma = 1.0
         values = torch.exp(math.log(mean) - sigma**2 / 2 + sigma * torch.randn(count, generator=gen, dtype=torch.float64))
     else:
-        raise ConfigError(f"unknown request_dist {dist_name!r}; choose uniform or lognormal (or null)")
+        raise ConfigError(f"unknown {setting} {dist_name!r}; choose uniform or lognormal"
+                          + (" (or null)" if setting == "request_dist" else ""))
     return [int(v) for v in values.round().clamp(1, max_len).tolist()]
 
 

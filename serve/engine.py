@@ -1,8 +1,11 @@
 """The serving loop on the TP stack: plan -> tensors -> one forward -> greedy tokens -> evict/admit.
 
 Every rank runs this loop with the same requests and settings, so every rank's scheduler
-makes the same plan; the engine checks that cheaply before each forward (one all-gather of a
-four-number fingerprint per iteration) and stops every rank with a clear error if not. The
+makes the same plan; the engine checks that cheaply: once at the start (a fingerprint of the
+requests and scheduler settings), before each forward (one all-gather of a four-number plan
+fingerprint, in the iteration's ledger), and once when its loop ends (so a rank that thinks it
+is done meets a rank that still plans in the same all-gather). Any difference raises
+PlanMismatch on every rank. The
 traffic ledger records every collective of every iteration, and each iteration is compared
 with the analytic model (tp/traffic_model.py: predict_iteration).
 """
@@ -66,6 +69,7 @@ class Engine:
         token_times: dict[int, list[float]] = {r.id: [] for r in requests}
         logits: dict[int, list[float]] = {r.id: [] for r in requests}
         ledger = TrafficLedger(self.ctx.world_size, self.ctx.device)
+        self._agree(self._settings_fingerprint(requests), "requests or scheduler settings differ")
         synchronize(self.ctx.device)
         start = time.perf_counter()
         index = 0
@@ -99,6 +103,7 @@ class Engine:
             if self.on_iteration is not None:
                 self.on_iteration(record, sched)
             index += 1
+        self._check_plan(IterationPlan(index, ()))  # "done": differs from any plan a rank still running makes
         synchronize(self.ctx.device)
         result.time_s = time.perf_counter() - start
         result.kv_peak_bytes_per_rank = self.cache.peak_bytes
@@ -116,11 +121,23 @@ class Engine:
 
     def _check_plan(self, plan: IterationPlan) -> None:
         """★ all-gather of every rank's plan fingerprint [1, 4] -> [1, 4p]; all ranks reach the same verdict."""
-        mine = torch.tensor([plan.fingerprint()], dtype=torch.float64, device=self.ctx.device)
+        self._agree(plan.fingerprint(), f"iteration {plan.index}: ranks scheduled different rows")
+
+    def _agree(self, fingerprint: list[float], what: str) -> None:
+        mine = torch.tensor([fingerprint], dtype=torch.float64, device=self.ctx.device)
         every = gather_from_region(mine, self.ctx.group, "engine/plan check").view(-1, FINGERPRINT_SIZE)
         if not bool((every == every[0]).all()):
-            raise PlanMismatch(f"iteration {plan.index}: ranks scheduled different rows "
-                               f"(fingerprints {every.tolist()}); every rank must get the same requests and settings")
+            raise PlanMismatch(f"{what} (fingerprints {every.tolist()}); every rank must get the same requests "
+                               f"and settings")
+
+    def _settings_fingerprint(self, requests: list[Request]) -> list[float]:
+        a = self.sched_args
+        knobs = [a["chunk_size"], a["max_batched_tokens"], a["max_running"] or -1,
+                 -1 if a["eos_id"] is None else a["eos_id"]]
+        per_request = [(r.id, len(r.prompt), sum(r.prompt), r.max_new_tokens, r.arrival, r.computed) for r in requests]
+        return [float(len(requests)), float(sum((i + 1) * k for i, k in enumerate(knobs))),
+                float(sum((i + 1) * sum(x) for i, x in enumerate(per_request))),
+                float(sum((i + 1) * (j + 1) * v for i, x in enumerate(per_request) for j, v in enumerate(x)))]
 
     def _forward(self, plan: IterationPlan, sched: Scheduler) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.ctx.device

@@ -68,8 +68,10 @@ class IterationPlan:
         return sum(not c.decode for c in self.chunks)
 
     def score_entries(self) -> int:
-        """Q·Kᵀ entries one head computes in one layer: q_rows × kv_length per request."""
-        return sum(c.q_rows * c.kv_length for c in self.chunks)
+        """Visible Q·Kᵀ entries, one head, one layer: per request q_rows·q_start (the cached prefix) plus the
+        chunk's own causal triangle q_rows(q_rows+1)/2 (SDPA with a mask computes the whole rectangle,
+        q_rows·kv_length, and discards the rest)."""
+        return sum(c.q_rows * c.q_start + c.q_rows * (c.q_rows + 1) // 2 for c in self.chunks)
 
     def cache_rows_read(self) -> int:
         """Cached rows re-read (the prefix written by earlier iterations): q_start per request."""

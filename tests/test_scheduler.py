@@ -35,6 +35,7 @@ def test_seed05_fresh_prefill_beside_two_decodes():
                                                              (0, (0, 4096, 4096))]
     # score blocks: 1x1500, 1x1700, and the 4096² square (lower-triangular inside)
     assert [c.q_rows * c.kv_length for c in plan.chunks] == [1500, 1700, 4096 * 4096]
+    assert plan.score_entries() == 1500 + 1700 + 4096 * 4097 // 2
     assert plan.decodes == 2 and plan.prefill_chunks == 1 and plan.admitted == (0,)
     assert plan.sample_rows == [0, 1, 4097]  # both decodes, and the prompt's last row
 
@@ -57,8 +58,8 @@ def test_chunked_prompt_score_entries_and_cache_rereads(chunk):
     plans = drive([Request(0, [1] * n, 1)], chunk, budget=4096)
     prefill = [c for plan in plans for c in plan.chunks]
     assert len(prefill) == -(-n // chunk)  # ⌈N/C⌉ iterations
-    # Chunking saves no attention work: the triangle entries sum to N(N+1)/2 for every C (causal, counted exactly).
-    assert sum(c.q_start * c.q_rows + c.q_rows * (c.q_rows + 1) // 2 for c in prefill) == n * (n + 1) // 2
+    # Chunking saves no attention work: the visible score entries sum to N(N+1)/2 for every C.
+    assert sum(plan.score_entries() for plan in plans) == n * (n + 1) // 2
     # ...but re-reads the cache: chunk k reads kC cached rows, Σ = C·k(k-1)/2 ≈ N²/(2C).
     k = -(-n // chunk)
     assert sum(c.q_start for c in prefill) == sum(i * chunk for i in range(k))

@@ -16,7 +16,7 @@ from tests.harness import run_ranks
 
 CFG = ModelConfig(d_model=64, n_heads=8, d_head=8, d_ffn=256, n_layers=3, max_seq_len=96, vocab_size=1001)
 # (prompt length, max_new_tokens, arrival iteration)
-WORKLOAD = [(9, 6, 0), (17, 4, 0), (3, 8, 2), (25, 5, 3), (1, 3, 3), (12, 7, 6)]
+WORKLOAD = [(9, 6, 0), (17, 4, 0), (3, 8, 2), (25, 5, 3), (1, 3, 3), (12, 7, 6), (4, 1, 60)]  # the last: long idle
 
 
 def make_requests(workload=WORKLOAD, seed=5):
@@ -109,7 +109,7 @@ def test_tokens_equal_dense_oracle_and_ledger_equals_model(p, variant):
     # KV cache bytes per rank: exactly 1/p of the dense cache (h/p heads of K and V per layer per token)
     dense_per_token = CFG.n_layers * 2 * CFG.n_heads * CFG.d_head * 8
     assert kv_per_token * p == dense_per_token
-    capacity = sum(n + new - 1 for n, new, _ in WORKLOAD)  # an upper bound on rows held at once
+    capacity = sum(n + new - 1 for n, new, _ in WORKLOAD[:-1])  # the last arrives after all others left  # an upper bound on rows held at once
     assert 0 < kv_peak <= capacity * dense_per_token // p
 
 
@@ -179,14 +179,44 @@ def test_schedule_invariance():
 # ---- ranks that disagree -------------------------------------------------------------------------
 
 
-def disagree(ctx):
+def disagree(ctx, how):
     try:
-        serve(ctx, chunk_size=5 + ctx.rank)  # a different schedule on every rank
+        if how == "chunk_size":  # a different schedule on every rank
+            serve(ctx, chunk_size=5 + ctx.rank)
+        else:  # the same plans until one rank's request is done and the other's is not
+            lm = shard_lm(dense_lm(), "v2", ctx.group)
+            engine = Engine(lm, ctx, chunk_size=4, max_batched_tokens=8)
+            engine._agree = lambda *a: None if a[1].startswith("requests") else Engine._agree(engine, *a)
+            engine.run([Request(0, [1, 2, 3], 2 + ctx.rank)])
     except PlanMismatch as exc:
         return str(exc)
     return None
 
 
-def test_ranks_with_different_plans_stop_with_a_clear_error():
-    messages = run_ranks(2, disagree, timeout=60)
-    assert all(m is not None and "ranks scheduled different rows" in m for m in messages)
+@pytest.mark.parametrize("how,message", [("chunk_size", "requests or scheduler settings differ"),
+                                         ("stop", "ranks scheduled different rows")])
+def test_ranks_that_disagree_stop_with_a_clear_error(how, message):
+    messages = run_ranks(2, disagree, how, timeout=60)
+    assert all(m is not None and message in m for m in messages), messages
+
+
+def test_idle_ranks_skip_ahead_without_forwards():
+    _, iterations, _, _ = run_ranks(1, against_dense_oracle, "v2")[0]
+    assert len(iterations) < 60  # the last request arrives at iteration 60: the idle stretch costs no forward
+
+
+def with_eos(ctx):
+    dense = dense_lm(device=ctx.device)
+    lm = shard_lm(dense, "v2", ctx.group)
+    prompt = make_requests()[0].prompt
+    free = Engine(lm, ctx, chunk_size=4, max_batched_tokens=8).run([Request(0, prompt, 6)]).requests[0]["output_ids"]
+    eos = free[2]  # a token the model does produce, third
+    stopped = Engine(lm, ctx, chunk_size=4, max_batched_tokens=8, eos_id=eos).run([Request(0, prompt, 6)])
+    ref = greedy_reference(dense, prompt, 6, eos_id=eos)
+    return free, stopped.requests[0]["output_ids"], ref.ids, stopped.kv_peak_bytes_per_rank > 0
+
+
+def test_eos_stops_a_request_as_the_oracle_does():
+    for free, stopped, ref, _ in run_ranks(2, with_eos):
+        assert stopped == ref == free[:free.index(free[2]) + 1]
+        assert len(stopped) < len(free)

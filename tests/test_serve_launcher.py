@@ -80,3 +80,24 @@ def test_bad_settings_fail_fast_on_every_rank(tmp_path, overrides, message):
                             *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert alone.returncode == 2, alone.stdout + alone.stderr
     assert "[rank 1] error: " in alone.stderr and message in alone.stderr
+
+
+MORE_BAD = [
+    (["max_new_tokens=0"], "max_new_tokens=0 (request 0) must be at least 1"),
+    (["prompts=[[1,2,3]]", "max_new_tokens=1023"], "needs 1025 positions, more than model.max_seq_len=1024"),
+    (["arrivals=[0,-1]", "prompts=[[1],[2]]"], "request 1 arrives at iteration -1"),
+    (["eos_id=50257"], "eos_id=50257 is not a token id"),
+    (["prompts=[1,2]"], "prompts[0]=1 is not a list of token ids"),
+    (["variant=intra_head"], "unknown variant 'intra_head' for serving"),
+    (["prompt_dist=zipf"], "unknown prompt_dist 'zipf'"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", MORE_BAD, ids=[" ".join(b[0]) for b in MORE_BAD])
+def test_more_bad_settings_on_a_lone_rank(tmp_path, overrides, message):
+    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    alone = subprocess.run([sys.executable, str(ROOT / "launch" / "serve.py"), f"hydra.run.dir={tmp_path}", *overrides],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 2, alone.stdout + alone.stderr
+    assert alone.stderr.startswith("[rank 1] error: ") and message in alone.stderr, alone.stderr

@@ -62,6 +62,23 @@ def test_ties_go_to_the_lowest_id_and_padding_never_wins(p):
         assert padded_winner == reference
 
 
+def only_padding(ctx):
+    """V = 5 on 4 ranks: V' = 8, rank 2 holds id 4 and a padding row, rank 3 holds nothing but padding."""
+    w = torch.randn(5, D, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(ctx.device)
+    emb = VocabParallelEmbedding(5, D, ctx.group, torch.float64, ctx.device).load_dense(w)
+    x = -w.sum(0, keepdim=True)  # mostly negative logits: an unmasked padding row (logit 0) would win
+    with torch.no_grad():
+        ids = torch.arange(5, device=ctx.device)
+        return emb.n_real, torch.equal(emb(ids), w), emb.greedy(x)[0].item(), int((x @ w.t()).argmax())
+
+
+def test_a_rank_holding_only_padding():
+    results = run_ranks(4, only_padding)
+    assert [r[0] for r in results] == [2, 2, 1, 0]
+    for _, lookup_ok, got, want in results:
+        assert lookup_ok and got == want
+
+
 def test_replicated_matches_dense():
     w = dense_table()
     emb = ReplicatedEmbedding(V, D, torch.float64).load_dense(w)
