@@ -19,7 +19,7 @@ from layers.tp_block import TPStack, shard_stack
 from layers.varlen import Requests, check_same_on_every_rank
 from tp.dist import TPContext, max_over_ranks, same_on_every_rank, synchronize
 from tp.ledger import CommRecord, Traffic, TrafficLedger
-from tp.trace import backend_events, collectives_by_layer, layer_scopes
+from tp.trace import backend_witness, collectives_by_layer, layer_scopes
 from tp.traffic_model import PHASES, predict
 
 LINEARS = ("qkv", "attn_out", "mlp_up", "mlp_down")
@@ -186,11 +186,11 @@ def profile_variant(stack: TPStack, x: torch.Tensor, cu_seqlens, variant: str, c
     seen: dict[int, list] = {}
     for r in ledger.records:
         seen.setdefault(r.layer, []).append((r.kind, r.shape))
-    agree = torch.tensor([float(parsed == seen and backend_events(path) == len(ledger.records))],
-                         device=ctx.device)
+    witness, per_op = backend_witness(path, len(ledger.records))
+    agree = torch.tensor([float(parsed == seen and witness)], device=ctx.device)
     dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=ctx.group)
     return {"trace": str(path), "trace_matches_ledger": bool(agree.item()),
-            "collectives_in_trace": sum(len(v) for v in parsed.values())}
+            "collectives_in_trace": sum(len(v) for v in parsed.values()), "backend_events_per_collective": per_op}
 
 
 # ---- shards --------------------------------------------------------------------------------------

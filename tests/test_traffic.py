@@ -1,6 +1,7 @@
 """The traffic ledger checked three ways: against CommDebugMode, against the analytic model, and
 against a torch.profiler trace parsed back. Plus the model against hand-computed numbers."""
 
+import json
 from collections import Counter
 from fractions import Fraction
 
@@ -13,7 +14,7 @@ from layers.tp_block import shard_stack
 from tests.common import ARTICLE03, SMALL, collective_counts, dense_and_input
 from tests.harness import run_ranks
 from tp.ledger import TrafficLedger, active, ring_bytes_per_rank
-from tp.trace import backend_events, collectives_by_layer, layer_scopes
+from tp.trace import backend_events, backend_witness, collectives_by_layer, layer_scopes
 from tp.traffic_model import bytes_per_rank_per_layer, predict
 
 VARIANTS = ["v1", "v2", "intra_head"]
@@ -163,3 +164,29 @@ def test_intra_head_grows_with_n_squared():
 def test_one_rank_moves_nothing():
     for v in VARIANTS:
         assert predict(ARTICLE03, 1, 40, torch.float32, v) == []
+
+
+def test_trace_parser_counts_host_events_once_with_cuda_activity(tmp_path):
+    """A CUDA trace repeats `layer i` on the GPU timeline and adds kernels; each collective still counts once."""
+    def ev(name, cat, ts, dur, dims=None):
+        e = {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
+        if dims is not None:
+            e["args"] = {"Input Dims": dims}
+        return e
+
+    events = [
+        ev("layer 1", "gpu_user_annotation", 0, 400),  # GPU time runs late: its copy of layer 1 covers layer 0
+        ev("layer 0", "user_annotation", 0, 100), ev("layer 0", "gpu_user_annotation", 5, 120),
+        ev("c10d::allreduce_", "cpu_op", 10, 5, [[[40, 512]], []]),
+        ev("record_param_comms", "cpu_op", 10, 5), ev("record_param_comms", "cpu_op", 11, 3),  # NCCL logs two
+        ev("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 12, 30),
+        ev("layer 1", "user_annotation", 200, 100),
+        ev("c10d::allreduce_", "cpu_op", 210, 5, [[[40, 512]], []]),
+        ev("record_param_comms", "cpu_op", 210, 5), ev("record_param_comms", "cpu_op", 211, 3),
+        ev("record_param_comms", "kernel", 212, 3),  # not a host event
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert collectives_by_layer(path) == {0: [("all_reduce", (40, 512))], 1: [("all_reduce", (40, 512))]}
+    assert backend_witness(path, 2) == (True, 2.0)
+    assert backend_witness(path, 3) == (False, 4 / 3)

@@ -10,6 +10,10 @@ The parser reads what the profiler itself recorded, not the traffic ledger: the
 shapes are recorded), placed in a layer by the `layer <i>` scope enclosing them
 in time. The backend's own events (`gloo:*` on gloo, `record_param_comms` on
 NCCL) are counted beside them as a second witness.
+
+Only CPU-side events count: with CUDA activity recorded, the profiler also copies each
+`layer <i>` annotation onto the GPU timeline (category `gpu_user_annotation`) and adds
+kernels for the collectives; counting those would place or count a collective twice.
 """
 
 from __future__ import annotations
@@ -61,12 +65,18 @@ def _c10d_collective(name: str, dims) -> tuple[str, tuple[int, ...]] | None:
     return None
 
 
+def _cpu_events(trace: str | Path) -> list[dict]:
+    """Complete events recorded on the host: operators and user annotations, not GPU copies or kernels."""
+    return [e for e in json.loads(Path(trace).read_text())["traceEvents"]
+            if e.get("ph") == "X" and e.get("cat", "cpu_op") in ("cpu_op", "user_annotation")]
+
+
 def collectives_by_layer(trace: str | Path) -> dict[int, list[tuple[str, tuple[int, ...]]]]:
-    events = [e for e in json.loads(Path(trace).read_text())["traceEvents"] if e.get("ph") == "X"]
+    events = _cpu_events(trace)
     layers = []
     for e in events:
         m = _LAYER.match(e.get("name", ""))
-        if m:
+        if m and e.get("cat", "user_annotation") == "user_annotation":
             layers.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), int(m.group(1))))
     found: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
     for e in sorted(events, key=lambda e: float(e["ts"])):
@@ -80,7 +90,17 @@ def collectives_by_layer(trace: str | Path) -> dict[int, list[tuple[str, tuple[i
 
 
 def backend_events(trace: str | Path) -> int:
-    """How many collective events the backend itself logged (gloo:* or NCCL's record_param_comms)."""
-    events = json.loads(Path(trace).read_text())["traceEvents"]
-    return sum(1 for e in events if e.get("ph") == "X"
-               and (e.get("name", "").startswith("gloo:") or e.get("name") == "record_param_comms"))
+    """How many host-side collective events the backend itself logged (gloo:* or NCCL's record_param_comms).
+
+    One per collective on gloo here; NCCL may log more than one per op, so callers check for a
+    whole multiple of the collectives they issued (see `backend_witness`), not equality."""
+    return sum(1 for e in _cpu_events(trace)
+               if e.get("name", "").startswith("gloo:") or e.get("name") == "record_param_comms")
+
+
+def backend_witness(trace: str | Path, n_collectives: int) -> tuple[bool, float]:
+    """(agrees, events per collective): the backend logged a positive whole number of events per collective."""
+    n = backend_events(trace)
+    if n_collectives == 0:
+        return n == 0, 0.0
+    return n > 0 and n % n_collectives == 0, n / n_collectives
