@@ -11,6 +11,10 @@ With Y = X·A and A of shape [in × out] split over p ranks:
 A column-parallel output is exactly a row-parallel input: column -> row needs
 no communication in between. (nn.Linear stores Aᵀ, so `weight` is [out/p, in]
 for a column shard and [out, in/p] for a row shard.)
+
+Megatron's versions also take gather_output= and input_is_parallel=; here the
+block does any gather itself, on a line of its forward marked ★, so that every
+collective of a block can be counted by reading one function (layers/tp_block.py).
 """
 
 from __future__ import annotations
@@ -21,54 +25,50 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from layers.shard import per_rank
-from tp.comm import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
+from tp.comm import copy_to_region, reduce_from_region
 
 
-class ColumnParallelLinear(nn.Module):
+class _ShardedLinear(nn.Module):
+    """A linear layer's slice: weight [out', in'] and bias [bias_features] (uninitialised; load a shard into it)."""
+
+    def __init__(self, weight_shape: tuple[int, int], bias_features: int, group: dist.ProcessGroup,
+                 bias: bool, site: str | None, dtype, device):
+        super().__init__()
+        self.group = group
+        self.site = site  # names this layer's collectives in the traffic ledger
+        self.weight = nn.Parameter(torch.empty(weight_shape, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(bias_features, dtype=dtype, device=device)) if bias else None
+
+
+class ColumnParallelLinear(_ShardedLinear):
     """Y = X·A + b with A's output columns split over ranks.
 
     forward: copy_to_region(X) (backward all-reduces dX) -> X·A_r + b_r: [n, out/p]
-             -> all-gather to [n, out] only when gather_output=True.
     """
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, *,
-                 bias: bool = True, gather_output: bool = False, site: str | None = None, dtype=None, device=None):
-        super().__init__()
-        self.group = group
-        self.gather_output = gather_output
-        self.site = site  # names this layer's collectives in the traffic ledger
+                 bias: bool = True, site: str | None = None, dtype=None, device=None):
         local_out = per_rank(out_features, dist.get_world_size(group), "out_features")
-        self.weight = nn.Parameter(torch.empty(local_out, in_features, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.empty(local_out, dtype=dtype, device=device)) if bias else None
+        super().__init__((local_out, in_features), local_out, group, bias, site, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_region(x, self.group, self.site)
-        y = F.linear(x, self.weight, self.bias)  # [n, out/p]
-        if self.gather_output:
-            y = gather_from_region(y, self.group, self.site)  # [n, out]
-        return y
+        return F.linear(x, self.weight, self.bias)  # [n, out/p]
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """Y = X·A + b with A's input rows split over ranks.
 
-    forward: (split X to X_r unless input_is_parallel) -> X_r·A_r: [n, out] partial sum
+    forward: X_r (a column-parallel output) -> X_r·A_r: [n, out] partial sum
              -> all-reduce -> + b, added once after the reduction (not p times).
     """
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, *,
-                 bias: bool = True, input_is_parallel: bool = True, site: str | None = None, dtype=None, device=None):
-        super().__init__()
-        self.group = group
-        self.input_is_parallel = input_is_parallel
-        self.site = site  # names this layer's collectives in the traffic ledger
+                 bias: bool = True, site: str | None = None, dtype=None, device=None):
         local_in = per_rank(in_features, dist.get_world_size(group), "in_features")
-        self.weight = nn.Parameter(torch.empty(out_features, local_in, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        super().__init__((out_features, local_in), out_features, group, bias, site, dtype, device)  # bias: whole
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_is_parallel:
-            x = scatter_to_region(x, self.group, self.site)  # [n, in/p]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [n, in/p]
         partial = F.linear(x, self.weight)  # [n, out], this rank's share of the sum
         y = reduce_from_region(partial, self.group, self.site)  # all-reduce: [n, out], identical on every rank
         return y if self.bias is None else y + self.bias
