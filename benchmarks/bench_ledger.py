@@ -20,8 +20,8 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.timing import sample, slowest
-from layers.config import ModelConfig
+from launch.timing import sample, slowest
+from layers.config import ARTICLE03
 from layers.dense import DenseStack, init_weights
 from layers.tp_block import shard_stack
 from tp.dist import init_from_env, shutdown
@@ -36,7 +36,7 @@ def main() -> int:
     ap.add_argument("--out", default="outputs/bench_ledger.json")
     args = ap.parse_args()
     ctx = init_from_env("auto")
-    cfg = ModelConfig()
+    cfg = ARTICLE03
     dense = init_weights(DenseStack(cfg, torch.float32, ctx.device), seed=0)
     rows = []
     for variant in args.variants:

@@ -28,16 +28,16 @@ if __package__ in (None, ""):
 import torch
 import torch.distributed as dist
 
-from benchmarks.timing import medians
+from launch.timing import medians
 from launch.spawn import spawn_ranks
-from layers.config import ModelConfig
+from layers.config import ARTICLE03
 from layers.dense import DenseStack, init_weights
 from layers.shard import qkv_head_aligned_shard
 from layers.tp_block import shard_stack
 from tp.dist import TPContext
 from tp.ledger import TrafficLedger
 
-CFG = ModelConfig()  # article03: d=512, h=8, ffn=2048, L=8
+CFG = ARTICLE03  # d=512, h=8, ffn=2048, L=8
 
 
 class SkipCollectives(TrafficLedger):

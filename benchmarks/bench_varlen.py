@@ -22,23 +22,22 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.timing import medians
+from launch.timing import medians
 from layers.config import ModelConfig
 from layers.dense import DenseStack, init_weights
+from launch.settings import generate_lengths
 from layers.tp_block import shard_stack
 from layers.varlen import Requests, score_entries
 from tp.dist import init_from_env, shutdown
 
 
 def mixes() -> dict[str, list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    lognormal = torch.exp(torch.log(torch.tensor(64.0)) - 0.5 + torch.randn(16, generator=gen, dtype=torch.float64))
     return {
         "seeds/04 A+B [10, 30]": [10, 30],
         "10 x 100": [100] * 10,
         "1 x 1000": [1000],
-        "uniform 16, mean 64": torch.randint(1, 128, (16,), generator=gen).tolist(),
-        "lognormal 16, mean 64": [int(v) for v in lognormal.round().clamp(1, 1024).tolist()],
+        "uniform 16, mean 64": generate_lengths("uniform", 16, 64, 1024, seed=0),
+        "lognormal 16, mean 64": generate_lengths("lognormal", 16, 64, 1024, seed=0),
         "1 long + 15 short": [512] + [8] * 15,
     }
 

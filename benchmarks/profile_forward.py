@@ -17,7 +17,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from layers.config import ModelConfig
+from layers.config import ARTICLE03
 from layers.dense import DenseStack, init_weights
 from layers.tp_block import shard_stack
 from tp.dist import init_from_env, shutdown
@@ -30,7 +30,7 @@ def main() -> int:
     ap.add_argument("--out", default="outputs/profile_forward.txt")
     args = ap.parse_args()
     ctx = init_from_env("auto")
-    cfg = ModelConfig()
+    cfg = ARTICLE03
     stack = shard_stack(init_weights(DenseStack(cfg, torch.float32, ctx.device), 0), args.variant, ctx.group)
     x = torch.randn(args.tokens, cfg.d_model, generator=torch.Generator().manual_seed(0)).to(ctx.device)
     with torch.no_grad():

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from launch.shards import LINEARS
+
 DESCRIPTION = {
     "v1": "all column-parallel",
     "v2": "Megatron column->row",
     "intra_head": "v2 with the QKV cut inside heads",
 }
-LINEARS = ("qkv", "attn_out", "mlp_up", "mlp_down")
 
 
 def format_table(header: list[str], rows: list[list]) -> str:

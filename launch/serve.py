@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from launch.serve_report import render
 from launch.settings import (LaunchSettings, boolean, common_settings, exit_on_unknown_preset, generate_lengths, integer,
                              print_error, start)
-from layers.config import ModelConfig
+from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.dense import init_weights, weights_checksum
 from layers.hf_gpt2 import load_lm
 from layers.lm import DenseLM, greedy_reference, shard_lm
@@ -62,7 +62,7 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     common = common_settings(cfg, world_size, local_world_size)
     model = common["model"]
     variant = str(cfg.variant)
-    if variant not in ("v1", "v2"):
+    if variant not in SERVING_VARIANTS:
         raise ConfigError(f"unknown variant {variant!r} for serving; choose v2 or v1 "
                           f"(intra_head is a one-forward counterfactual, see run_block)")
     requests = parse_requests(cfg, model, common["seed"])

@@ -13,6 +13,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 # half-precision bounds are measured rounding of p partial sums (README, "Precision").
 DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 VARIANTS = ("v1", "v2", "intra_head")
+SERVING_VARIANTS = ("v1", "v2")  # intra_head is a counterfactual of one forward, not served
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,10 @@ class ModelConfig:
 
     def asdict(self) -> dict:
         return asdict(self)
+
+
+# seeds/03's model, the default everywhere (conf/model/article03.yaml gives Hydra the same numbers; a test checks it).
+ARTICLE03 = ModelConfig()
 
 
 def valid_tp_sizes(cfg: ModelConfig, up_to: int = 64) -> list[int]:

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from layers.attention import CachedRequests
-from layers.config import ModelConfig
+from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.dense import DenseStack
 from layers.tp_block import TPStack, shard_stack
 from layers.vocab import ReplicatedEmbedding, VocabParallelEmbedding
@@ -96,7 +96,7 @@ class TPLM(nn.Module):
 @torch.no_grad()
 def shard_lm(dense: DenseLM, variant: str, group: dist.ProcessGroup, vocab_parallel: bool = True) -> TPLM:
     """Load dense, then shard: this rank's TPLM, holding its slices of `dense`'s weights."""
-    if variant not in ("v1", "v2"):
+    if variant not in SERVING_VARIANTS:
         raise ValueError(f"serving runs variant v1 or v2, not {variant!r}")
     cfg, w = dense.cfg, dense.wte.weight
     if vocab_parallel:

@@ -2,10 +2,12 @@
 
 import torch
 
-from layers.config import DEFAULT_TOLERANCE, ModelConfig
-from layers.dense import DenseStack, init_weights
+from layers.config import ARTICLE03, DEFAULT_TOLERANCE, ModelConfig
 
-ARTICLE03 = ModelConfig()  # d=512, h=8, d_head=64, ffn=2048, L=8
+__all__ = ["ARTICLE03", "REL_TOL", "SMALL", "collective_counts", "dense_and_input", "rel_err"]
+from layers.dense import DenseStack, init_weights
+from tp.ledger import collective_kind
+
 SMALL = ModelConfig(d_model=64, n_heads=8, d_head=8, d_ffn=256, n_layers=3)
 
 # max |tp - dense| / max |dense| allowed, per dtype (measured: ~3e-7 and ~1e-15 at article03, p <= 8)
@@ -26,9 +28,7 @@ def collective_counts(counts: dict) -> dict[str, int]:
     """CommDebugMode's {op: count} as {"all_reduce": n, "all_gather": m}."""
     out: dict[str, int] = {}
     for op, n in counts.items():
-        name = str(op)
-        kind = "all_reduce" if "allreduce" in name or "all_reduce" in name else (
-            "all_gather" if "allgather" in name or "all_gather" in name else name)
         if n:
+            kind = collective_kind(op)
             out[kind] = out.get(kind, 0) + n
     return out

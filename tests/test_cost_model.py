@@ -59,11 +59,11 @@ def test_block_flops_match_torch_flop_counter():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from layers.config import ModelConfig
+    from layers.config import ARTICLE03
     from layers.dense import DenseBlock
     from tp.cost_model import block_flops
 
-    cfg, n = ModelConfig(), 40
+    cfg, n = ARTICLE03, 40
     # The math SDPA backend computes the full [n, n] square with matmuls the counter sees.
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         DenseBlock(cfg)(torch.randn(n, cfg.d_model))

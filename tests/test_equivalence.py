@@ -6,7 +6,7 @@ import torch.distributed as dist
 from einops import rearrange
 
 from layers.tp_block import shard_stack
-from layers.config import DTYPES
+from layers.config import DTYPES, VARIANTS
 from tests.common import ARTICLE03, REL_TOL, SMALL, dense_and_input, rel_err
 from tests.harness import run_ranks
 
@@ -27,7 +27,7 @@ def check_forward(ctx, variant, dtype_name, n):
 
 @pytest.mark.nccl
 @pytest.mark.parametrize("dtype_name", ["float32", "float64"])
-@pytest.mark.parametrize("variant", ["v1", "v2", "intra_head"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
 def test_stack_forward_matches_dense(p, variant, dtype_name):
     errs = run_ranks(p, check_forward, variant, dtype_name, 24)
@@ -109,7 +109,7 @@ def check_backward(ctx, variant, dtype_name):
 
 @pytest.mark.nccl
 @pytest.mark.parametrize("dtype_name", ["float32", "float64"])
-@pytest.mark.parametrize("variant", ["v1", "v2", "intra_head"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("p", [1, 2, 4])
 def test_backward_matches_dense(p, variant, dtype_name):
     run_ranks(p, check_backward, variant, dtype_name)

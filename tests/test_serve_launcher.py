@@ -101,3 +101,13 @@ def test_more_bad_settings_on_a_lone_rank(tmp_path, overrides, message):
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert alone.returncode == 2, alone.stdout + alone.stderr
     assert alone.stderr.startswith("[rank 1] error: ") and message in alone.stderr, alone.stderr
+
+
+def test_article03_preset_is_the_default_model():
+    import yaml
+
+    from layers.config import ARTICLE03
+
+    preset = yaml.safe_load((ROOT / "conf" / "model" / "article03.yaml").read_text())
+    assert preset == {k: v for k, v in ARTICLE03.asdict().items() if k in preset}
+    assert set(ARTICLE03.asdict()) - set(preset) == {"ln_eps"}

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from layers.config import VARIANTS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -16,7 +17,7 @@ def test_sweep_measures_what_the_model_predicts(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((tmp_path / "sweep.json").read_text())
     rows = data["measured"]
-    assert {(r["n"], r["variant"]) for r in rows} == {(n, v) for n in (4, 32) for v in ("v1", "v2", "intra_head")}
+    assert {(r["n"], r["variant"]) for r in rows} == {(n, v) for n in (4, 32) for v in VARIANTS}
     for r in rows:
         assert r["measured_bytes_per_rank"] == r["model_bytes_per_rank"] > 0
     by = {(r["n"], r["variant"]): r["measured_bytes_per_rank"] for r in rows}

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
-from layers.config import ModelConfig
+from layers.config import VARIANTS, ModelConfig
 from layers.tp_block import shard_stack
 from tests.common import ARTICLE03, SMALL, collective_counts, dense_and_input
 from tests.harness import run_ranks
@@ -17,7 +17,6 @@ from tp.ledger import TrafficLedger, active, ring_bytes_per_rank
 from tp.trace import backend_events, backend_witness, collectives_by_layer, layer_scopes
 from tp.traffic_model import bytes_per_rank_per_layer, predict
 
-VARIANTS = ["v1", "v2", "intra_head"]
 # A second shape: ffn = 1.5d, 8 heads of 16 (d_head divisible by 8 for intra_head).
 OTHER = ModelConfig(d_model=128, n_heads=8, d_head=16, d_ffn=192, n_layers=2)
 

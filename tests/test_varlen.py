@@ -13,6 +13,7 @@ from tests.harness import run_ranks
 from tp.dist import ConfigError
 from tp.ledger import TrafficLedger
 from tp.traffic_model import predict
+from layers.config import VARIANTS
 
 
 def random_lengths(seed: int, count: int, longest: int) -> list[int]:
@@ -41,7 +42,7 @@ def check_per_request(ctx, variant, lengths, dtype=torch.float64):
     return worst
 
 
-@pytest.mark.parametrize("variant", ["v1", "v2", "intra_head"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("p", [1, 2, 4])
 def test_each_request_matches_running_it_alone(p, variant):
     run_ranks(p, check_per_request, variant, [10, 30])
@@ -75,7 +76,7 @@ def check_no_leakage(ctx, variant):
         assert not torch.allclose(out_x[7:19], out_y[7:19])
 
 
-@pytest.mark.parametrize("variant", ["v1", "v2", "intra_head"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_no_cross_request_leakage(variant):
     run_ranks(2, check_no_leakage, variant)
 

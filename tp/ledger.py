@@ -35,6 +35,16 @@ _ACTIVE: contextvars.ContextVar["TrafficLedger | None"] = contextvars.ContextVar
 KINDS = ("all_reduce", "all_gather")
 
 
+def collective_kind(op) -> str:
+    """Our name for a collective operator as PyTorch reports it (CommDebugMode's c10d ops): all_reduce, all_gather."""
+    name = str(op)
+    if "allreduce" in name or "all_reduce" in name:
+        return "all_reduce"
+    if "allgather" in name or "all_gather" in name:
+        return "all_gather"
+    return name.rsplit(".", 1)[-1].strip("_")
+
+
 def ring_bytes_per_rank(kind: str, elements: int, p: int, elem_bytes: int) -> float:
     """Bytes one rank sends in a ring collective. `elements`: the reduced tensor, or the gathered output."""
     if kind == "all_reduce":

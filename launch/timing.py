@@ -1,4 +1,4 @@
-"""Timing shared by the benchmarks: every forward behind a barrier, ABBA order, medians of the slowest rank."""
+"""Timing shared by the benchmarks and run_block: every forward behind a barrier, ABBA order, medians of the slowest rank."""
 
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ def timed(fn, ctx: TPContext) -> float:
     return time.perf_counter() - start
 
 
-def sample(runs: dict, repeats: int, ctx: TPContext) -> dict[str, list[float]]:
-    """`repeats` timings of each run after one warm-up round, alternating in ABBA order under no_grad."""
+def sample(runs: dict, repeats: int, ctx: TPContext, after_round=None) -> dict[str, list[float]]:
+    """`repeats` timings of each run after one warm-up round, alternating in ABBA order under no_grad.
+
+    after_round(): called after every timed round (not the warm-up), e.g. to collect what a ledger saw."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
     with torch.no_grad():
@@ -31,6 +33,8 @@ def sample(runs: dict, repeats: int, ctx: TPContext) -> dict[str, list[float]]:
                 t = timed(runs[name], ctx)
                 if rep:
                     times[name].append(t)
+            if rep and after_round is not None:
+                after_round()
     return times
 
 

@@ -1,0 +1,29 @@
+"""run_block's fourth job: what each rank holds in one block, read off the modules themselves."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from layers.shard import heads_of_rank
+from layers.tp_block import TPStack
+from tp.dist import TPContext
+
+LINEARS = ("qkv", "attn_out", "mlp_up", "mlp_down")
+
+
+def shard_rows(stack: TPStack, variant: str, ctx: TPContext) -> list[dict]:
+    """What each rank holds in one block, read off the modules themselves (all-gathered)."""
+    block, cfg, r, p = stack.blocks[0], stack.cfg, ctx.rank, ctx.world_size
+    if variant == "intra_head":  # every head, a 1/p slice of each head's dims
+        dhp = cfg.d_head // p
+        mine = {"rank": r, "heads": [0, cfg.n_heads - 1], "head_dims": [r * dhp, (r + 1) * dhp - 1]}
+    else:
+        heads = heads_of_rank(cfg.n_heads, r, p)
+        mine = {"rank": r, "heads": [heads.start, heads.stop - 1]}
+    for name in LINEARS:
+        linear = getattr(block, name)
+        out_f, in_f = linear.weight.shape
+        mine[name] = {"kind": type(linear).__name__, "weight_in_out": [in_f, out_f]}
+    rows: list = [None] * ctx.world_size
+    dist.all_gather_object(rows, mine, group=ctx.group)
+    return rows
