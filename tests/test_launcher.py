@@ -34,10 +34,10 @@ def test_two_ranks_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert out.count("tpref: tensor-parallel block check") == 1  # rank 0 prints, rank 1 does not
-    assert "PASS: v1, v2, intra_head at tp=2 match the single-device block" in out
-    assert "v1: 4 all_gather per layer; v2: 2 all_reduce per layer; intra_head: 3 all_reduce per layer" in out
-    assert "v2/v1 per forward: collectives 0.500 = 1/2, bytes sent/rank 0.571 = 4/7" in out
     report = json.loads((tmp_path / "report.json").read_text())
+    v1, v2 = report["variants"]["v1"]["totals"], report["variants"]["v2"]["totals"]
+    assert sum(v2["collectives"].values()) / sum(v1["collectives"].values()) == 1 / 2
+    assert v2["bytes_per_rank"] / v1["bytes_per_rank"] == pytest.approx(4 / 7)  # k = d, ffn = 4d
     assert report["world_size"] == 2 and report["equivalent"] is True and report["traffic_ok"] is True
     assert report["config"]["n_tokens"] == 12 and report["config"]["model"]["d_model"] == 512
     # bytes each rank sends per layer at p=2, n=12, float32 (ring: all-reduce 2(p-1)/p·M·4, gather (p-1)/p·M·4)
@@ -67,9 +67,7 @@ def test_requests_end_to_end(tmp_path):
     proc, _ = torchrun(2, "requests=[3,9]", "variants=[v1,v2]", "repeats=1", run_dir=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    assert "input: 2 requests [3, 9] flattened to [12 x 512], cu_seqlens [0, 3, 12]" in out
-    assert "varlen 90, one [T x T] square with cross-request blocks masked 144, padded to the longest 162" in out
-    assert "forward time varlen/padded: v1 " in out
+    assert "cu_seqlens [0, 3, 12]" in out
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["config"]["requests"] == [3, 9]
     assert report["attention_work"] == {"varlen": 90, "flat_masked": 144, "padded": 162}
@@ -95,7 +93,9 @@ def test_failing_check_exits_non_zero(tmp_path):
     # An impossible tolerance turns rounding into a failure: the verdict must reach the exit code.
     proc, _ = torchrun(2, "n_tokens=4", "variants=[v2]", "tolerance=1e-30", run_dir=tmp_path)
     assert proc.returncode != 0
-    assert "FAIL: v2 at tp=2 differ from the single-device block (v2)" in proc.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["equivalent"] is False and report["variants"]["v2"]["equivalent"] is False
+    assert "FAIL: v2 at tp=2" in proc.stdout
 
 
 BAD = [

@@ -54,7 +54,7 @@ class Hardware:
 LLAMA2_7B = Shape("llama2_7b", 7e9, 32, 32, 128)
 
 # H100 SXM as the seeds use it: a sustained fp16 GEMM rate, not the datasheet peak.
-H100 = Hardware("H100", 500e12, 3.35e12, "seeds/06 §2: ~500 TFLOP/s fp16 sustained, 3.35 TB/s HBM3")
+H100 = Hardware("H100", 500e12, 3.35e12, "seeds/06 §1: ~500 TFLOP/s fp16 sustained, 3.35 TB/s HBM3")
 # Datasheet peaks (dense, no sparsity), for comparison; a sustained rate is lower, as the H100 line shows.
 H100_PEAK = Hardware("H100 SXM peak", 989e12, 3.35e12, "NVIDIA H100 datasheet: 989 TFLOPS dense BF16/FP16, 3.35 TB/s")
 H200 = Hardware("H200 SXM peak", 989e12, 4.8e12, "NVIDIA H200 datasheet: 989 TFLOPS dense BF16/FP16, 4.8 TB/s HBM3e")
