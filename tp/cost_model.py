@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tp.ledger import ring_bytes_per_rank
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -149,7 +151,7 @@ def iteration(s: Shape, decode_contexts: list[int], prefill_tokens: int = 0) -> 
 
 def tp_allreduce_elems_per_gpu(tokens: float, d: int, tp: int) -> float:
     """Ring all-reduce of [tokens, d] over TP ranks: 2·(TP-1)/TP·N·d elements sent per GPU."""
-    return 2 * (tp - 1) / tp * tokens * d
+    return ring_bytes_per_rank("all_reduce", tokens * d, tp, elem_bytes=1)  # in elements: one "byte" each
 
 
 def ep_alltoall_elems_per_gpu(tokens: float, d: int, top_k: int, ep: int) -> float:
