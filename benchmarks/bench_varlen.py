@@ -26,6 +26,7 @@ from launch.timing import medians
 from layers.config import ModelConfig
 from layers.dense import DenseStack, init_weights
 from launch.settings import generate_lengths
+from layers.config import SERVING_VARIANTS
 from layers.tp_block import shard_stack
 from layers.varlen import Requests, score_entries
 from tp.dist import init_from_env, shutdown
@@ -44,7 +45,7 @@ def mixes() -> dict[str, list[int]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variant", default="v2", choices=["v1", "v2"])
+    ap.add_argument("--variant", default="v2", choices=SERVING_VARIANTS)  # the ones with a padded baseline
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--layers", type=int, default=2, help="blocks in the stack (article03 shapes otherwise)")
     ap.add_argument("--out", default="outputs/bench_varlen.json")

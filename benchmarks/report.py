@@ -13,6 +13,10 @@ from pathlib import Path
 
 import torch
 
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from layers.config import VARIANTS  # noqa: E402
+
 OUT = Path("outputs")
 
 
@@ -91,7 +95,7 @@ def main() -> int:
                   "|---|---|" + "---|" * len({r['n'] for r in sweep["measured"]})]
         ns = sorted({r["n"] for r in sweep["measured"]})
         for p in sorted({r["p"] for r in sweep["measured"]}):
-            for v in ("v1", "v2", "intra_head"):
+            for v in VARIANTS:
                 by = {r["n"]: r for r in sweep["measured"] if r["p"] == p and r["variant"] == v}
                 base = by.get(ns[0])
                 cells = [f"{by[n]['measured_bytes_per_rank'] / 1024:,.0f} KiB, t×{by[n]['time_s'] / base['time_s']:.1f}"

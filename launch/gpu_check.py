@@ -17,6 +17,8 @@ when any step failed.
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -62,13 +64,22 @@ def steps(n_gpus: int) -> list[tuple[str, list[str], dict, float]]:
 
 def run_step(name: str, argv: list[str], env: dict, limit: float) -> dict:
     start = time.monotonic()
+    # A session of its own, so that a step past its limit is stopped with every rank it started
+    # (torchrun tears its workers down on SIGTERM; whatever is left gets SIGKILL).
+    proc = subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ, **env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        proc = subprocess.run(argv, cwd=ROOT, env=dict(os.environ, **env), capture_output=True, text=True,
-                              timeout=limit)
-        rc, output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc, output = "timeout", f"{exc.stdout or ''}{exc.stderr or ''}"
-        output = output.decode() if isinstance(output, bytes) else output
+        output, _ = proc.communicate(timeout=limit)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            output, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        rc = "timeout"
+    output = output or ""
     keep = [line for line in output.splitlines()
             if line.startswith(("PASS", "FAIL", "all ", "check", "traffic", "v2/v1", "generated", "[rank"))
             or " passed" in line or " failed" in line or "Error" in line]
@@ -95,6 +106,12 @@ def summary(n_gpus: int, results: list[dict]) -> str:
 def main() -> int:
     n = gpu_count()
     OUT.mkdir(parents=True, exist_ok=True)
+    if n == 0 and (shutil.which("nvidia-smi") or Path("/dev/nvidia0").exists()):
+        import torch
+
+        print(f"gpu-check: this machine has an NVIDIA driver but torch {torch.__version__} sees no CUDA device "
+              f"(a CPU build?); install a CUDA build of torch (make clean && make setup) and run again", file=sys.stderr)
+        return 1
     results = []
     if n == 0:
         print("gpu-check: no CUDA device visible, nothing to check here; skipping (run it on a GPU node)")

@@ -59,7 +59,7 @@ class Settings(LaunchSettings):
 
 def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> Settings:
     """Every check that needs no communication. Raises ConfigError; identical on every rank."""
-    common = common_settings(cfg, world_size, local_world_size)
+    common = common_settings(cfg, world_size, local_world_size, lm=True)
     model = common["model"]
     variant = str(cfg.variant)
     if variant not in SERVING_VARIANTS:

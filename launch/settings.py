@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from layers.config import ModelConfig, parse_dtype, validate_model
-from layers.hf_gpt2 import read_config, read_state
+from layers.hf_gpt2 import check_state, read_config, read_state
 from tp.dist import ConfigError, env_world, init_from_env, resolve_backend, resolve_device
 
 
@@ -36,11 +36,17 @@ class LaunchSettings:
     report: str
 
 
-def common_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> dict:
-    """The LaunchSettings fields, as keywords for a launcher's own Settings."""
+def common_settings(cfg: DictConfig, world_size: int, local_world_size: int, lm: bool = False) -> dict:
+    """The LaunchSettings fields, as keywords for a launcher's own Settings. lm: the launcher needs the whole LM."""
     model, model_name, hf_checkpoint = parse_model(cfg, world_size)
-    return dict(model=model, model_name=model_name, hf_checkpoint=hf_checkpoint,
-                weights=read_checkpoint(hf_checkpoint) if hf_checkpoint else None,
+    weights = None
+    if hf_checkpoint:
+        weights = read_checkpoint(hf_checkpoint)
+        try:
+            check_state(model, weights, lm)
+        except ConfigError as exc:
+            raise ConfigError(f"hf_checkpoint={hf_checkpoint}: {exc}") from None
+    return dict(model=model, model_name=model_name, hf_checkpoint=hf_checkpoint, weights=weights,
                 dtype=parse_dtype(str(cfg.dtype)), seed=integer(cfg, "seed"),
                 **placement(cfg, local_world_size), report=str(cfg.report))
 

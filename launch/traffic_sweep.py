@@ -24,14 +24,13 @@ if __package__ in (None, ""):
 import torch
 
 from launch.spawn import spawn_ranks
-from layers.config import ModelConfig, validate_model, validate_variants
+from layers.config import VARIANTS, ModelConfig, validate_model, validate_variants
 from layers.dense import DenseStack, init_weights
 from layers.tp_block import shard_stack
 from tp.dist import ConfigError, TPContext
 from tp.ledger import TrafficLedger
 from tp.traffic_model import bytes_per_rank_per_layer
 
-VARIANTS = ("v1", "v2", "intra_head")
 MODEL = ModelConfig(n_layers=2)  # article03 shapes; bytes per layer do not depend on L
 
 

@@ -44,6 +44,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if kind != "gpt2" or missing:
         raise ConfigError(f"not a GPT-2 config (model_type={kind!r}"
                           + (f", no {', '.join(missing)}" if missing else "") + "): only GPT-2 checkpoints are supported")
+    for key in ("n_embd", "n_head", "n_layer", "n_positions", "vocab_size", "n_inner"):
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{key}={value!r} in config.json must be a positive integer")
     act = hf.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ConfigError(f"GPT-2 activation {act!r} is not supported: the block uses the tanh GeLU (gelu_new)")
@@ -103,6 +107,28 @@ def load_lm(lm: DenseLM, state: dict[str, torch.Tensor]) -> DenseLM:
     if head is not None and not torch.equal(head, state[prefix + "wte.weight"]):
         raise ValueError("lm_head.weight differs from wte.weight: only GPT-2's tied LM head is supported")
     return lm
+
+
+def check_state(cfg: ModelConfig, state: dict[str, torch.Tensor], lm: bool = False) -> None:
+    """ConfigError naming the first weight the config expects but the state dict lacks or shapes differently.
+
+    Shapes come from meta-device modules (no memory); lm=True also checks wte, wpe and ln_f."""
+    try:
+        prefix = _block_prefix(state)
+    except KeyError as exc:
+        raise ConfigError(str(exc).strip("'\"")) from None
+    block = DenseBlock(cfg, device="meta")
+    expected = {f"{prefix}{i}.{theirs}": tuple(block.get_parameter(ours).shape)[::-1 if transpose else 1]
+                for i in range(cfg.n_layers) for ours, theirs, transpose in _BLOCK_KEYS}
+    if lm:
+        model = DenseLM(cfg, device="meta")
+        expected.update({prefix.removesuffix("h.") + name: tuple(model.get_parameter(name).shape)
+                         for name in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias")})
+    for key, shape in expected.items():
+        if key not in state:
+            raise ConfigError(f"the weights have no {key!r}, which config.json's model needs")
+        if tuple(state[key].shape) != shape:
+            raise ConfigError(f"{key} has shape {tuple(state[key].shape)}, config.json's model needs {shape}")
 
 
 def read_config(path: str | Path) -> ModelConfig:

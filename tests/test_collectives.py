@@ -122,3 +122,18 @@ def test_harness_reports_the_failing_rank():
     with pytest.raises(AssertionError, match=r"rank 1 failed:[\s\S]*boom on rank 1"):
         run_ranks(2, _fails_on_rank_1)
     assert run_ranks(2, _rank) == [0, 1]  # a fresh pool replaces the torn-down one
+
+
+def describe_existing_group(ctx):
+    from tp.dist import group_device, init_from_env
+
+    again = init_from_env("nccl")  # a group exists: describe it, do not resolve (or refuse) the request
+    return again.backend, str(again.device), str(group_device(ctx.group)), again.world_size
+
+
+def test_init_from_env_reports_an_existing_group():
+    from tests.harness import default_backend
+
+    for backend, device, group_dev, p in run_ranks(2, describe_existing_group):
+        assert (backend, p) == (default_backend(), 2)  # the harness's gloo group, not the "nccl" asked for
+        assert device == group_dev and (backend != "gloo" or device == "cpu")

@@ -39,9 +39,9 @@ def test_stack_forward_matches_dense(p, variant, dtype_name):
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
 @pytest.mark.parametrize("p", [2, 8])
 def test_half_precision_within_default_tolerance(p, dtype_name):
-    # gloo reduces bfloat16 and float16 on the CPU; the default tolerance is about twice the measured error
+    # gloo reduces bfloat16 and float16 on the CPU; the default tolerance is about twice the error measured there
     errs = run_ranks(p, check_forward, "v2", dtype_name, 24)
-    assert 0 < max(errs) <= REL_TOL[DTYPES[dtype_name]] / 1.5
+    assert 0 < max(errs) <= REL_TOL[DTYPES[dtype_name]]
 
 
 # ---- backward -----------------------------------------------------------------------------------
@@ -87,10 +87,12 @@ def check_backward(ctx, variant, dtype_name):
     dtype = DTYPES[dtype_name]
     cfg = SMALL
     dense, x = dense_and_input(cfg, dtype, 11)
+    dense, x = dense.to(ctx.device), x.to(ctx.device)
     stack = shard_stack(dense, variant, ctx.group)
     # The same loss on every rank: a fixed random projection of every layer's output.
     gen = torch.Generator().manual_seed(7)
-    weights = [torch.randn(11, cfg.d_model, generator=gen, dtype=torch.float64).to(dtype) for _ in range(cfg.n_layers)]
+    weights = [torch.randn(11, cfg.d_model, generator=gen, dtype=torch.float64).to(ctx.device, dtype)
+               for _ in range(cfg.n_layers)]
     x_dense, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
     sum((o * w).sum() for o, w in zip(dense(x_dense), weights)).backward()
     sum((o * w).sum() for o, w in zip(stack(x_tp), weights)).backward()

@@ -100,6 +100,9 @@ BROKEN = {
     "config not JSON": ("{not json", None, "config.json is not valid JSON"),
     "a Llama config": ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 8}, None,
                        "not a GPT-2 config (model_type='llama', no n_embd, n_head, n_layer)"),
+    "n_embd a string": ({"n_embd": "64", "n_head": 8, "n_layer": 3}, None, "n_embd='64' in config.json must be"),
+    "weights of another model": ({"n_embd": 64, "n_head": 8, "n_layer": 3, "n_positions": 64}, "OTHER",
+                                 "transformer.h.0.ln_1.weight has shape (32,), config.json's model needs (64,)"),
 }
 
 
@@ -109,7 +112,12 @@ def test_broken_checkpoint_is_a_one_line_setting_error(tmp_path, case, launcher)
     config, weights, message = BROKEN[case]
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
-    if weights is not None:
+    if weights == "OTHER":  # a valid file, saved from a smaller GPT-2
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        GPT2LMHeadModel(GPT2Config(n_embd=32, n_head=4, n_layer=3, n_positions=64)).save_pretrained(tmp_path / "other")
+        (tmp_path / "ckpt" / "model.safetensors").write_bytes((tmp_path / "other" / "model.safetensors").read_bytes())
+    elif weights is not None:
         (tmp_path / "ckpt" / "model.safetensors").write_bytes(weights)
     # rank 1 of 2 with nobody to meet: the error must come before any process group exists
     env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",

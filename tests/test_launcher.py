@@ -39,6 +39,7 @@ def test_two_ranks_end_to_end(tmp_path):
     assert sum(v2["collectives"].values()) / sum(v1["collectives"].values()) == 1 / 2
     assert v2["bytes_per_rank"] / v1["bytes_per_rank"] == pytest.approx(4 / 7)  # k = d, ffn = 4d
     assert report["world_size"] == 2 and report["equivalent"] is True and report["traffic_ok"] is True
+    assert report["float32_matmul_precision"] == "highest"  # no TF32 in the checks
     assert report["config"]["n_tokens"] == 12 and report["config"]["model"]["d_model"] == 512
     # bytes each rank sends per layer at p=2, n=12, float32 (ring: all-reduce 2(p-1)/p·M·4, gather (p-1)/p·M·4)
     per_layer_bytes = {"v1": 12 * (512 + 512 + 2048 + 512) * 4 / 2, "v2": 2 * 12 * 512 * 4,
@@ -116,6 +117,8 @@ BAD = [
 ]
 if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     BAD.append((2, ["backend=nccl"], "backend=nccl needs one GPU per rank", "use backend=gloo"))
+if not torch.cuda.is_available():
+    BAD.append((2, ["device=cuda"], "device=cuda but no CUDA device is visible", "use device=auto or cpu"))
 
 
 @pytest.mark.parametrize("nproc,overrides,message,advice", BAD, ids=[" ".join(b[1]) or f"nproc={b[0]}" for b in BAD])
@@ -162,3 +165,14 @@ def test_gpu_check_plans_every_valid_p():
     assert [n for n in eight if n.startswith("run_block nccl")] == [
         f"run_block nccl p={p} {dt}" for p in (1, 2, 4, 8) for dt in ("float32", "bfloat16")]
     assert "serve nccl p=8" in eight and "pytest -m nccl" in eight and "bench_tp" in eight
+
+
+def test_gpu_check_stops_a_step_past_its_limit():
+    from launch.gpu_check import run_step
+
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); " \
+           "print('started', flush=True); time.sleep(60)"
+    start = time.monotonic()
+    result = run_step("sleeper", [sys.executable, "-c", code], {}, 2)
+    assert result["rc"] == "timeout" and not result["ok"] and time.monotonic() - start < 40
+    assert "started" in "\n".join(result["lines"])

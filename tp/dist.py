@@ -88,8 +88,9 @@ def device_for(backend: str, local_rank: int, device: str = "auto") -> torch.dev
 
 def group_device(group: dist.ProcessGroup) -> torch.device:
     """Where a group's collectives want their tensors: this rank's GPU under NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+    if "nccl" in str(dist.get_backend(group)):  # "nccl", or a multi-backend "cpu:gloo,cuda:nccl"
+        bound = getattr(group, "bound_device_id", None)
+        return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
@@ -108,27 +109,25 @@ def init_from_env(backend: str = "auto", timeout_s: float = 120.0, init_method: 
     init_method: where ranks meet (default: torchrun's MASTER_ADDR/MASTER_PORT); a
     "file://..." path cannot collide with another job's port.
     """
+    if dist.is_initialized():  # somebody else created the group: describe it as it is, change nothing
+        return context(dist.group.WORLD, backend=str(dist.get_backend()), device=group_device(dist.group.WORLD))
     rank, local_rank, world_size = env_world()
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     backend = resolve_backend(backend, local_world_size)
     device = device_for(backend, local_rank, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        if init_method is None:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(
-            backend=backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=device if backend == "nccl" else None,
-        )
-    else:  # somebody else created the group: describe it as it is
-        backend = dist.get_backend()
-        device = group_device(dist.group.WORLD)
+    if init_method is None:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if backend == "nccl" else None,
+    )
     return context(dist.group.WORLD, backend=backend, device=device)
 
 
