@@ -15,7 +15,6 @@ is non-zero when any check fails.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,10 +29,10 @@ from omegaconf import DictConfig, OmegaConf
 from launch.check import run_check
 from launch.report import render
 from launch.settings import (LaunchSettings, boolean, common_settings, exit_on_unknown_preset, generate_lengths, integer,
-                             overridden, positive_float, start)
+                             launch, overridden, positive_float, publish)
 from layers.config import DEFAULT_TOLERANCE, ModelConfig, parse_variants, validate_tokens, validate_variants
 from layers.varlen import score_entries
-from tp.dist import ConfigError, env_world, shutdown
+from tp.dist import ConfigError, env_world
 
 
 
@@ -90,23 +89,16 @@ def request_lengths(cfg: DictConfig, model: ModelConfig, seed: int) -> list[int]
 
 
 def run(cfg: DictConfig) -> int:
-    started = start(cfg, parse_settings)
-    if started is None:
-        return 2
-    settings, out_dir, ctx = started
-    try:
-        variants = run_check(settings.model, lengths=settings.lengths, dtype=settings.dtype, seed=settings.seed,
-                             variants=settings.variants, tolerance=settings.tolerance, repeats=settings.repeats,
-                             weights=settings.weights,
-                             profile_dir=out_dir / "traces" if settings.profile else None, ctx=ctx)
-    finally:
-        shutdown()
+    return launch(cfg, parse_settings, check_and_report)
+
+
+def check_and_report(settings: Settings, out_dir: Path, ctx) -> int:
+    variants = run_check(settings.model, lengths=settings.lengths, dtype=settings.dtype, seed=settings.seed,
+                         variants=settings.variants, tolerance=settings.tolerance, repeats=settings.repeats,
+                         weights=settings.weights,
+                         profile_dir=out_dir / "traces" if settings.profile else None, ctx=ctx)
     report = build_report(settings, ctx, variants)
-    if ctx.is_main:
-        print(render(report))
-        path = out_dir / settings.report
-        path.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"report: {path}")
+    publish(report, render, out_dir / settings.report, ctx)
     return 0 if report["equivalent"] and report["traffic_ok"] else 1
 
 

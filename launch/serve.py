@@ -16,7 +16,6 @@ check fails.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -32,14 +31,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from launch.serve_report import render
 from launch.settings import (LaunchSettings, boolean, common_settings, exit_on_unknown_preset, generate_lengths, integer,
-                             print_error, start)
+                             launch, publish)
 from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.dense import init_weights, weights_checksum
 from layers.hf_gpt2 import load_lm
 from layers.lm import DenseLM, greedy_reference, shard_lm
 from serve.engine import Engine, ServeResult
+from serve.kv_cache import kv_bytes_per_token
 from serve.scheduler import Request, Scheduler, SchedulerError
-from tp.dist import ConfigError, env_world, same_on_every_rank, shutdown
+from tp.dist import ConfigError, env_world, same_on_every_rank
 
 ORACLE_AUTO_ROWS = 200_000  # check=auto runs the oracle when it recomputes at most this many rows in all
 NEAR_TIE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 3e-2, torch.float16: 4e-3}  # a top-1/top-2 margin this small (relative) is a near-tie
@@ -201,33 +201,22 @@ def compare(served: dict, ref, near_tie: float) -> dict:
 
 
 def run(cfg: DictConfig) -> int:
-    started = start(cfg, parse_settings)
-    if started is None:
-        return 2
-    s, out_dir, ctx = started
-    try:
-        try:
-            dense = build(s, ctx)
-        except ConfigError as exc:
-            print_error(exc)
-            return 2
-        lm = shard_lm(dense, s.variant, ctx.group, s.vocab_parallel)
-        if not s.check:
-            del dense
-        engine = Engine(lm, ctx, chunk_size=s.chunk_size, max_batched_tokens=s.max_batched_tokens,
-                        max_running=s.max_running, eos_id=s.eos_id, variant=s.variant,
-                        on_iteration=Progress(len(s.requests)) if ctx.is_main else None)
-        result = engine.run(s.requests)
-        checks = oracle_check(dense, s, result, ctx) if s.check else None
-    finally:
-        shutdown()
+    return launch(cfg, parse_settings, serve_and_report)
+
+
+def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
+    dense = build(s, ctx)
+    lm = shard_lm(dense, s.variant, ctx.group, s.vocab_parallel)
+    if not s.check:
+        del dense
+    engine = Engine(lm, ctx, chunk_size=s.chunk_size, max_batched_tokens=s.max_batched_tokens,
+                    max_running=s.max_running, eos_id=s.eos_id,
+                    on_iteration=Progress(len(s.requests)) if ctx.is_main else None)
+    result = engine.run(s.requests)
+    checks = oracle_check(dense, s, result, ctx) if s.check else None
     report = build_report(s, ctx, result, checks)
     report["embedding_bytes_per_rank"] = lm.embed.weight.numel() * lm.embed.weight.element_size()
-    if ctx.is_main:
-        print(render(report))
-        path = out_dir / s.report
-        path.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"report: {path}")
+    publish(report, render, out_dir / s.report, ctx)
     return 0 if report["ledger_matches_model"] and report["check"]["ok"] in (True, None) else 1
 
 
@@ -248,7 +237,7 @@ class Progress:
 
 def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | None) -> dict:
     p, m = ctx.world_size, s.model
-    dense_per_token = 2 * m.n_layers * m.n_heads * m.d_head * s.dtype.itemsize
+    dense_per_token = kv_bytes_per_token(m.n_layers, m.n_heads, m.d_head, s.dtype)
     requests = result.requests
     if checks is not None:
         for req, chk in zip(requests, checks):

@@ -6,6 +6,7 @@ every rank reaches the same verdict before any process group exists.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 import os
@@ -18,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from layers.config import ModelConfig, parse_dtype, validate_model
 from layers.hf_gpt2 import check_state, read_config, read_state
-from tp.dist import ConfigError, env_world, init_from_env, resolve_backend, resolve_device
+from tp.dist import ConfigError, env_world, init_from_env, resolve_backend, resolve_device, shutdown
 
 
 @dataclass(frozen=True)
@@ -165,3 +166,27 @@ def print_error(exc: Exception) -> None:
 def run_dir() -> Path:
     """The one run directory every rank shares (hydra.run.dir)."""
     return Path(HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else ".")
+
+
+def publish(report: dict, render, path: Path, ctx) -> None:
+    """Rank 0 prints the rendered report and writes it as JSON; the other ranks stay quiet."""
+    if ctx.is_main:
+        print(render(report))
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"report: {path}")
+
+
+def launch(cfg: DictConfig, parse, work) -> int:
+    """A launcher's whole life: validate on every rank (exit 2 on a bad setting, before any collective), join the
+    group, return work(settings, run directory, ctx)'s exit code, leave the group. A ConfigError that only the ranks
+    together can find (e.g. ranks holding different weights) exits 2 as well."""
+    started = start(cfg, parse)
+    if started is None:
+        return 2
+    try:
+        return work(*started)
+    except ConfigError as exc:
+        print_error(exc)
+        return 2
+    finally:
+        shutdown()

@@ -70,9 +70,10 @@ def greedy_reference(lm: DenseLM, prompt: list[int], max_new_tokens: int, eos_id
 
 
 class TPLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, embed: nn.Module, wpe: nn.Embedding, stack: TPStack, ln_f: nn.LayerNorm):
+    def __init__(self, cfg: ModelConfig, variant: str, embed: nn.Module, wpe: nn.Embedding, stack: TPStack,
+                 ln_f: nn.LayerNorm):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.variant = cfg, variant  # variant: "v1" or "v2", the blocks of `stack`
         self.embed = embed  # VocabParallelEmbedding or ReplicatedEmbedding, also the LM head
         self.wpe = wpe  # positions: small, replicated
         self.stack = stack
@@ -107,4 +108,4 @@ def shard_lm(dense: DenseLM, variant: str, group: dist.ProcessGroup, vocab_paral
     wpe.load_state_dict(dense.wpe.state_dict())
     ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, dtype=w.dtype, device=w.device)
     ln_f.load_state_dict(dense.ln_f.state_dict())
-    return TPLM(cfg, embed, wpe, shard_stack(dense.stack, variant, group), ln_f)
+    return TPLM(cfg, variant, embed, wpe, shard_stack(dense.stack, variant, group), ln_f)

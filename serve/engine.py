@@ -5,9 +5,8 @@ makes the same plan; the engine checks that cheaply: once at the start (a finger
 requests and scheduler settings), before each forward (one all-gather of a four-number plan
 fingerprint, in the iteration's ledger), and once when its loop ends (so a rank that thinks it
 is done meets a rank that still plans in the same all-gather). Any difference raises
-PlanMismatch on every rank. The
-traffic ledger records every collective of every iteration, and each iteration is compared
-with the analytic model (tp/traffic_model.py: predict_iteration).
+PlanMismatch on every rank. The traffic ledger records every collective of every iteration,
+and each iteration is compared with the analytic model (tp/traffic_model.py: predict_iteration).
 """
 
 from __future__ import annotations
@@ -47,9 +46,8 @@ class ServeResult:
 
 class Engine:
     def __init__(self, lm: TPLM, ctx: TPContext, *, chunk_size: int, max_batched_tokens: int,
-                 max_running: int | None = None, eos_id: int | None = None, variant: str = "v2",
-                 on_iteration=None):
-        self.lm, self.ctx, self.variant = lm, ctx, variant
+                 max_running: int | None = None, eos_id: int | None = None, on_iteration=None):
+        self.lm, self.ctx = lm, ctx
         self.sched_args = dict(chunk_size=chunk_size, max_batched_tokens=max_batched_tokens,
                                max_running=max_running, eos_id=eos_id)
         self.on_iteration = on_iteration  # called with each iteration's record (progress lines)
@@ -153,7 +151,7 @@ class Engine:
                 kv_bytes: int) -> dict:
         seen = [r.traffic() for r in ledger.records]
         predicted = predict_iteration(self.lm.cfg, self.ctx.world_size, plan.rows, len(plan.sample_rows), self.dtype,
-                                      self.variant, self.lm.vocab_parallel, FINGERPRINT_SIZE)
+                                      self.lm.variant, self.lm.vocab_parallel, FINGERPRINT_SIZE)
         return {
             "iteration": plan.index, "rows": plan.rows, "prefill_chunks": plan.prefill_chunks,
             "decodes": plan.decodes, "admitted": list(plan.admitted), "evicted": evicted,

@@ -68,8 +68,7 @@ def serve(ctx, variant="v2", vocab_parallel=True, chunk_size=5, budget=12, max_r
     dense = dense_lm(dtype, ctx.device)
     lm = shard_lm(dense, variant, ctx.group, vocab_parallel)
     reqs = requests if requests is not None else make_requests()
-    engine = Engine(lm, ctx, chunk_size=chunk_size, max_batched_tokens=budget, max_running=max_running,
-                    variant=variant)
+    engine = Engine(lm, ctx, chunk_size=chunk_size, max_batched_tokens=budget, max_running=max_running)
     return dense, reqs, engine.run(reqs)
 
 
