@@ -15,6 +15,7 @@ import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.report_serve import plot_timeline, section as serving_section  # noqa: E402
 from layers.config import VARIANTS  # noqa: E402
 
 OUT = Path("outputs")
@@ -41,7 +42,7 @@ def machine() -> str:
 
 def main() -> int:
     lines = ["# Benchmarks", "",
-             "Reproduce everything on this page with `make bench` (about 15 minutes on 2 cores); it runs the",
+             "Reproduce everything on this page with `make bench` (about 22 minutes on 2 cores); it runs the",
              "scripts below and rewrites this file from their JSON output. Every figure is a ratio of two",
              "timings taken in the same run (medians, slowest rank), never a lone absolute time.", "",
              f"Machine: {machine()}.", ""]
@@ -106,6 +107,8 @@ def main() -> int:
                   "a collective among processes sharing 2 cores costs milliseconds of scheduling before it moves",
                   "a byte.", ""]
     Path("docs").mkdir(exist_ok=True)
+    print(plot_timeline(OUT))
+    lines += serving_section(OUT)
     Path("docs/benchmarks.md").write_text("\n".join(lines) + "\n")
     print("wrote docs/benchmarks.md")
     return 0

@@ -89,12 +89,12 @@ def _padded(q, k, v, lengths: list[int]) -> torch.Tensor:
 
 def cached_attention(qkv: torch.Tensor, d_head: int, batch: CachedRequests) -> torch.Tensor:
     """Write each request's new K,V into its cache, then attend over its whole context (module docstring)."""
-    q, k, v = rearrange(qkv, "n (three h d) -> three h n d", three=3, d=d_head)  # each [h, T, d_head]
+    qkv = rearrange(qkv, "n (three h d) -> three h n d", three=3, d=d_head)  # [3, h, T, d_head]
+    q, kv = qkv[0], qkv[1:]  # kv: [2, h, T, d_head], K then V, as in the cache
     outs = []
     for (s, e), q_start, cache in zip(batch.spans, batch.q_starts, batch.caches):
         q_rows, kv_length = e - s, q_start + e - s
-        cache[0, :, q_start:kv_length] = k[:, s:e]  # [h, q_rows, d_head] into positions [q_start, q_end)
-        cache[1, :, q_start:kv_length] = v[:, s:e]
+        cache[:, :, q_start:kv_length] = kv[:, :, s:e]  # [2, h, q_rows, d_head] into positions [q_start, q_end)
         keys, values = cache[:, None, :, :kv_length]  # each [1, h, kv_length, d_head]
         if q_rows == 1:  # decode: the one new query sees every key
             mask, causal = None, False

@@ -97,6 +97,7 @@ class Engine:
             for rid in evicted:
                 self.cache.free(rid)
             record = self._record(plan, evicted, ledger, t1 - t0, kv_bytes)
+            record["start_s"] = t0 - start  # when this iteration began, from the run's start (timelines)
             result.iterations.append(record)
             if self.on_iteration is not None:
                 self.on_iteration(record, sched)
@@ -114,6 +115,7 @@ class Engine:
                 "ttft_s": times[0] - arrived_at[r.id] if times else None,
                 "mean_tbt_s": sum(gaps) / len(gaps) if gaps else None,
                 "max_tbt_s": max(gaps) if gaps else None,
+                "token_times_s": [t - start for t in times],  # when each token was ready, from the run's start
             })
         return result
 

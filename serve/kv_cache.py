@@ -31,7 +31,8 @@ class KVCache:
     def allocate(self, request: int, capacity: int) -> None:
         if request in self.regions:
             raise ValueError(f"request {request} already has a cache region")
-        self.regions[request] = torch.zeros(self.n_layers, 2, self.heads, capacity, self.d_head,
+        # empty, not zeros: attention reads positions [0, kv_length) only, every one written before it is read
+        self.regions[request] = torch.empty(self.n_layers, 2, self.heads, capacity, self.d_head,
                                             dtype=self.dtype, device=self.device)
         self.peak_bytes = max(self.peak_bytes, self.bytes())
 

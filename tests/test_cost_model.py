@@ -117,3 +117,62 @@ def test_presets_and_shapes():
     gpt2 = shape_of(ModelConfig(d_model=768, n_heads=12, d_head=64, d_ffn=3072, n_layers=12))
     assert gpt2.n_params == 12 * 7_087_872  # GPT-2 small's blocks (124M with embeddings)
     assert gpt2.kv_bytes_per_token == 2 * 12 * 12 * 64 * 2
+
+
+def _serving_counts(ctx):
+    """One engine-shaped iteration on this rank, counted by FlopCounterMode: a decode and a chunk after a prefix."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from layers.dense import init_weights
+    from layers.lm import DenseLM, shard_lm
+    from serve.kv_cache import KVCache, kv_bytes_per_token
+    from tests.test_serve import CFG
+    from tp.cost_model import serving_iteration
+
+    lm = shard_lm(init_weights(DenseLM(CFG), seed=0), "v2", ctx.group)
+    p, heads = ctx.world_size, CFG.n_heads // ctx.world_size
+    cache = KVCache(CFG.n_layers, heads, CFG.d_head, torch.float32)
+    chunks = [(20, 21), (8, 13)]  # request 0 decodes its 21st token; request 1 prefills rows 8..12 after 8 cached
+    for rid, (_, q_end) in enumerate(chunks):
+        cache.allocate(rid, 32)
+        cache.regions[rid].zero_()
+    spans, start = [], 0
+    for q_start, q_end in chunks:
+        spans.append((start, start + q_end - q_start))
+        start += q_end - q_start
+    ids = torch.arange(start) % CFG.vocab_size
+    positions = torch.cat([torch.arange(a, b) for a, b in chunks])
+    layers = cache.layers(spans, [a for a, _ in chunks], [0, 1])
+    # The math backend computes SDPA with matmuls the counter sees: the whole q_rows x kv_length rectangle.
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        lm.step(ids, positions, layers, [0, start - 1])
+    model = serving_iteration(CFG, p, chunks, 2, 4)
+    matmul_weights = sum(getattr(b, name).weight.numel() for b in lm.stack.blocks
+                         for name in ("qkv", "attn_out", "mlp_up", "mlp_down"))
+    held = (matmul_weights + lm.embed.weight.numel()) * 4 + sum(e for _, e in chunks) * kv_bytes_per_token(
+        CFG.n_layers, heads, CFG.d_head, torch.float32)
+    return counter.get_total_flops(), model.flops, held, model.bytes_loaded
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_serving_iteration_matches_the_flop_counter_and_the_rank_s_weights(p):
+    from tests.harness import run_ranks
+
+    for counted, modelled, held, loaded in run_ranks(p, _serving_counts):
+        assert counted == modelled  # linears, the head on the sampled rows, attention over every visible key
+        assert held == loaded  # the matmul weights and head slice this rank holds, and its K,V over each context
+
+
+def test_serving_iteration_by_hand():
+    from layers.config import ARTICLE03
+    from tp.cost_model import serving_iteration
+
+    # a fresh 100-token prompt, sampled at its end, at p=2: the causal triangle, the head padded to V' = 50258
+    it = serving_iteration(ARTICLE03, 2, [(0, 100)], 1, 4)
+    assert it.linear_flops == 2 * 100 * 8 * 3_145_728 / 2 + 2 * 50258 / 2 * 512
+    assert it.attention_flops == 4 * 256 * 8 * 5050
+    assert serving_iteration(ARTICLE03, 2, [(0, 100)], 0, 4).linear_flops == 2 * 100 * 8 * 3_145_728 / 2
+    assert serving_iteration(ARTICLE03, 2, [(0, 100)], 1, 4, vocab_parallel=False).linear_flops == \
+        2 * 100 * 8 * 3_145_728 / 2 + 2 * 50257 * 512

@@ -219,3 +219,22 @@ def test_eos_stops_a_request_as_the_oracle_does():
     for free, stopped, ref, _ in run_ranks(2, with_eos):
         assert stopped == ref == free[:free.index(free[2]) + 1]
         assert len(stopped) < len(free)
+
+
+def timeline(ctx):
+    _, reqs, res = serve(ctx)
+    return [(it["start_s"], it["time_s"], it["iteration"], [t[0] for t in it["triples"]]) for it in res.iterations], \
+        [(r["generated"], r["token_times_s"], r["ttft_s"], r["max_tbt_s"]) for r in res.requests], res.time_s
+
+
+def test_timeline_fields_are_consistent():
+    """start_s and token_times_s (what the serving benchmarks plot and compute TBT from) agree with each other."""
+    iterations, requests, total = run_ranks(1, timeline)[0]
+    starts = [s for s, _, _, _ in iterations]
+    assert starts == sorted(starts) and starts[0] >= 0 and starts[-1] < total
+    ends = {i: s + t for s, t, i, _ in iterations}
+    for generated, times, ttft, max_tbt in requests:
+        assert len(times) == generated and times == sorted(times)
+        assert all(any(abs(t - e) < 1e-9 for e in ends.values()) for t in times)  # a token is ready when its iteration ends
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert max_tbt == (max(gaps) if gaps else None) and ttft is not None and ttft > 0

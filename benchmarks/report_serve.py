@@ -1,0 +1,256 @@
+"""The serving section of docs/benchmarks.md, from outputs/bench_serve_p{1,2}.json (benchmarks/bench_serve.py).
+
+Every target of the serving benchmarks gets one sentence here, met or not, with the figure it rests on.
+The timeline PNG (iteration time against iteration index, one line per chunk size) goes to docs/.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+TIMELINE = Path("docs/serve_timeline.png")
+WITHIN = (0.75, 1.25)  # the cost model's target band, predicted/measured
+
+
+def load(out: Path) -> dict[int, dict]:
+    runs = {}
+    for p in (1, 2):
+        path = out / f"bench_serve_p{p}.json"
+        if path.exists():
+            runs[p] = json.loads(path.read_text())
+    return runs
+
+
+def met(ok: bool) -> str:
+    return "**met**" if ok else "**not met**"
+
+
+def best_chunk(stall: dict) -> dict:
+    """The chunked run with the smallest spread (max/median iteration time)."""
+    return min((r for r in stall["rows"] if r["config"] != "unchunked"), key=lambda r: r["max_over_median"])
+
+
+def ratios(its: list[dict]) -> list[float]:
+    return [i["predicted_s"] / i["measured_s"] for i in its]
+
+
+def cost_groups(its: list[dict]) -> list[tuple[str, list[dict]]]:
+    kinds = [(k, [i for i in its if i["kind"] == k]) for k in ("decode-only", "mixed", "prefill-only")]
+    return kinds + [("≥ 256 rows (any kind)", [i for i in its if i["rows"] >= 256])]
+
+
+def within(rs: list[float]) -> int:
+    return sum(WITHIN[0] <= r <= WITHIN[1] for r in rs)
+
+
+def section(out: Path) -> list[str]:
+    runs = load(out)
+    if not runs:
+        return []
+    lines = ["## Serving: chunked prefill, transformers, the cost model, the engine's overhead", "",
+             "`torchrun --nproc_per_node=P benchmarks/bench_serve.py` (P = 1 and 2): the article03 GPT-2 LM",
+             "(d=512, h=8, L=8, vocab 50257), float32, greedy, v2 with the vocab-parallel head. Times are rank 0's;",
+             "iteration times are the engine's own (plan, forward, tokens); medians over the repeats.", ""]
+    lines += stall_section(runs) + hf_section(runs) + cost_section(runs) + overhead_section(runs)
+    lines += targets(runs)
+    return lines
+
+
+def stall_section(runs: dict[int, dict]) -> list[str]:
+    if not any("stall" in r for r in runs.values()):
+        return []
+    any_run = next(r for r in runs.values() if "stall" in r)
+    lines = ["### Spread and stall (seeds/05 §3-§6)", "",
+             "8 decoders (32-token prompts, 64 new tokens each) are running when a 1000-token prompt arrives at",
+             "iteration 8; unchunked (one 1000-row prefill) against chunk sizes C with a budget of C + 8 rows.",
+             "Time between tokens (TBT) is over all 8 decoders; the long prompt's TTFT counts from its arrival.",
+             "Cache rows re-read: the long prompt's chunks re-reading its own cached prefix, Σ q_start, against",
+             f"N²/(2C) with N = 1000. {any_run['stall']['repeats']} repeats per configuration, alternating.", "",
+             "| p | config | iterations | max / median iteration | decoders' worst TBT ÷ unchunked | p99 TBT ÷ unchunked | "
+             "long TTFT ÷ unchunked | tokens/s ÷ unchunked | cache rows re-read | N²/(2C) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for p, run in runs.items():
+        if "stall" not in run:
+            continue
+        base = run["stall"]["rows"][0]
+        for r in run["stall"]["rows"]:
+            lines.append(f"| {p} | {r['config']} | {r['iterations']:.0f} | {r['max_over_median']:.1f} | "
+                         f"{r['decoder_worst_tbt_s'] / base['decoder_worst_tbt_s']:.3f} | "
+                         f"{r['decoder_p99_tbt_s'] / base['decoder_p99_tbt_s']:.3f} | "
+                         f"{r['long_ttft_s'] / base['long_ttft_s']:.2f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f} | "
+                         f"{r['cache_rows_reread']:,.0f} | {r['reread_formula']:,.0f} |")
+    lines += ["", "The p99 equals the worst: the 8 decoders stall in the same iterations, so the top 1% of their",
+              "gaps are the same stall seen 8 times. Chunking trades the stall for the long prompt's TTFT",
+              "(more iterations, each re-reading its prefix); throughput barely moves.", ""]
+    if TIMELINE.exists():
+        lines += [f"![iteration time per iteration, one line per chunk size]({TIMELINE.name})", ""]
+    return lines
+
+
+def hf_section(runs: dict[int, dict]) -> list[str]:
+    if not any("hf" in r for r in runs.values()):
+        return []
+    any_run = next(r for r in runs.values() if "hf" in r)["hf"]
+    lines = ["### Against transformers' `generate`", "",
+             f"{any_run['requests']} requests, lognormal prompt lengths (mean 64, {min(any_run['prompt_lengths'])} to "
+             f"{max(any_run['prompt_lengths'])} tokens), max_new_tokens uniform in "
+             f"[{min(any_run['max_new_tokens'])}, {max(any_run['max_new_tokens'])}], all arriving at once; the same random",
+             "GPT-2 weights in both. Ours: the engine, chunk_size "
+             f"{any_run['chunk_size']}, max_batched_tokens {any_run['max_batched_tokens']}. transformers: "
+             "`GPT2LMHeadModel.generate` (greedy,",
+             "SDPA attention, EOS off) over static batches in request order, left-padded with an attention mask, each",
+             "batch run to its largest max_new_tokens; on rank 0 with as many threads as the engine has ranks.",
+             "Tokens/s counts the tokens asked for (Σ max_new_tokens); rows computed count every row a forward",
+             "pushes through the blocks, padding and finished requests included.", "",
+             "| p | run | tokens/s ÷ transformers' best | forwards | rows computed ÷ useful rows | time per forward ÷ engine's | "
+             "same ids as the engine |", "|---|---|---|---|---|---|---|"]
+    for p, run in runs.items():
+        if "hf" not in run:
+            continue
+        h = run["hf"]
+        e, best = h["engine"], max(h["hf"], key=lambda b: b["tokens_per_s"])
+        per_forward = e["time_s"] / e["forwards"]
+        lines.append(f"| {p} | engine | {e['tokens_per_s'] / best['tokens_per_s']:.2f} | {e['forwards']} | "
+                     f"{e['rows'] / h['useful_rows']:.2f} | 1.00 | - |")
+        for b in h["hf"]:
+            lines.append(f"| {p} | transformers, batch {b['batch']}{' (best)' if b is best else ''} | "
+                         f"{b['tokens_per_s'] / best['tokens_per_s']:.2f} | {b['forwards']} | "
+                         f"{b['rows'] / h['useful_rows']:.2f} | {b['time_s'] / b['forwards'] / per_forward:.2f} | "
+                         f"{b['same_ids']}/{h['requests']} |")
+    diffs = [(p, b["batch"], d) for p, run in runs.items() if "hf" in run for b in run["hf"]["hf"] for d in b["differences"]]
+    if diffs:
+        lines += ["", "Where the ids differ (first differing step, the oracle's top-1 − top-2 margin there):"]
+        lines += [f"- p={p}, batch {bs}, request {d['request']}: step {d['at']}, margin {d['margin']:.2e}"
+                  f"{' (a float32 near-tie)' if d['near_tie'] else ''}" for p, bs, d in diffs]
+    lines += ["", "Where the time goes: a forward costs about the same whatever it carries at these sizes (reading",
+              "the weights dominates small batches), so what counts is how many forwards run and how many",
+              "rows each wastes. Static batching runs every batch to its longest request and pads every prompt to",
+              "the batch's longest; the engine runs one forward per iteration for all requests, each row useful.", ""]
+    return lines
+
+
+def cost_section(runs: dict[int, dict]) -> list[str]:
+    lines = ["### The cost model against every measured iteration", "",
+             "Calibrated once per run (mean of the start and the end of the run): a 1024³ matmul for FLOP/s, a",
+             "128 MiB copy for bytes/s (every rank at once, as in the engine), and a fixed per-iteration cost =",
+             "the median 1-row decode iteration less its roofline time. Each iteration of the spread/stall and",
+             "transformers workloads is then predicted as fixed + max(FLOPs / FLOP/s, bytes / bytes/s) from its",
+             "triples (`tp/cost_model.serving_iteration`: one rank's linear, head and attention FLOPs, weights",
+             "and K,V bytes).", "",
+             "| p | matmul GFLOP/s (start → end) | copy GB/s (start → end) | fixed ms per iteration |", "|---|---|---|---|"]
+    for p, run in runs.items():
+        c = run["calibration"]
+        lines.append(f"| {p} | {c['matmul_flops_per_s_first'] / 1e9:.0f} → {c['matmul_flops_per_s_last'] / 1e9:.0f} | "
+                     f"{c['copy_bytes_per_s_first'] / 1e9:.1f} → {c['copy_bytes_per_s_last'] / 1e9:.1f} | "
+                     f"{run['cost_model']['fixed_s'] * 1e3:.1f} |")
+    lines += ["", "| p | iterations | n | predicted / measured, median | range | within ±25% | in collectives, median |",
+              "|---|---|---|---|---|---|---|"]
+    for p, run in runs.items():
+        for name, its in cost_groups(run["cost_model"]["iterations"]):
+            if its:
+                rs = ratios(its)
+                comm = statistics.median(i["collectives_s"] / i["measured_s"] for i in its)
+                lines.append(f"| {p} | {name} | {len(its)} | {statistics.median(rs):.2f} | {min(rs):.2f} – {max(rs):.2f} | "
+                             f"{within(rs)}/{len(its)} | {comm:.0%} |")
+    lines += ["", "Where it fails. Decode-only iterations (8 to 32 rows) run slower than the roofline says: a GEMM of",
+              "8 rows reaches well under the big-GEMM rate the calibration measured and is not yet bandwidth-bound,",
+              "and each request's attention is its own small kernel in every layer, a cost per request that a",
+              "fixed per-iteration constant cannot carry. At p = 2 the large iterations spend a share of their",
+              "time inside collectives (last column: the ledger's time in all-reduces and all-gathers) that grows",
+              "with the rows, two processes on two cores waiting for each other; the model has no term for it.",
+              "Iterations that admit many requests also pay for first touches of their new cache regions.", ""]
+    return lines
+
+
+def overhead_section(runs: dict[int, dict]) -> list[str]:
+    if not any("overhead" in r for r in runs.values()):
+        return []
+    lines = ["### Engine overhead", "",
+             "B requests with 16-token prompts decode 15 tokens each; the engine's decode iterations (the whole",
+             "loop: scheduling, plan check, cache writes, attention over the cached context, bookkeeping, the",
+             "ledger's comparison with the model) against the same B rows through the bare TP forward (embedding,",
+             "blocks with each row its own request and no cache, greedy head), medians.", "",
+             "| p | decode batch | engine loop ÷ bare forward | engine forward path ÷ bare forward |", "|---|---|---|---|"]
+    for p, run in runs.items():
+        for r in run.get("overhead", []):
+            lines.append(f"| {p} | {r['batch']} | {r['loop_over_bare']:.2f} | {r['iteration_over_bare']:.2f} |")
+    return lines + [""]
+
+
+def targets(runs: dict[int, dict]) -> list[str]:
+    lines = ["### Targets", ""]
+    run = runs.get(1) or next(iter(runs.values()))
+    p = run["world_size"]
+    if "stall" in run:
+        base, best = run["stall"]["rows"][0], best_chunk(run["stall"])
+        stall_gain = base["decoder_worst_tbt_s"] / best["decoder_worst_tbt_s"]
+        lines.append(f"- Spread, p={p}: chunked at the best C ({best['config']}) the longest iteration is "
+                     f"{best['max_over_median']:.1f}× the median (target ≤ 3×: {met(best['max_over_median'] <= 3)}); "
+                     f"unchunked it is {base['max_over_median']:.1f}× (expected ≥ 10×: "
+                     f"{'as expected' if base['max_over_median'] >= 10 else 'below it'}).")
+        lines.append(f"- Stall, p={p}: the decoders' worst time between tokens is {stall_gain:.1f}× lower at "
+                     f"{best['config']} than unchunked (target ≥ 5×: {met(stall_gain >= 5)}).")
+    if "hf" in run:
+        e, hf = run["hf"]["engine"], run["hf"]["hf"]
+        best = max(hf, key=lambda b: b["tokens_per_s"])
+        ratio = e["tokens_per_s"] / best["tokens_per_s"]
+        text = (f"- Throughput, p={p}: the engine makes {ratio:.2f}× the tokens/s of transformers' best static batch "
+                f"(batch {best['batch']}) (target ≥ 1.5×: {met(ratio >= 1.5)})")
+        two = runs.get(2, {}).get("hf")
+        if p == 1 and two:
+            b2 = max(two["hf"], key=lambda b: b["tokens_per_s"])
+            text += (f"; at p=2, {two['engine']['tokens_per_s'] / b2['tokens_per_s']:.2f}× (transformers on 2 threads, "
+                     f"batch {b2['batch']})")
+        lines.append(text + ".")
+    big = [i for i in run["cost_model"]["iterations"] if i["rows"] >= 256]
+    if big:
+        rs = ratios(big)
+        text = (f"- Cost model, p={p}: {within(rs)} of {len(big)} iterations of ≥ 256 rows are predicted within ±25% "
+                f"(median predicted/measured {statistics.median(rs):.2f}) (target: {met(within(rs) == len(big))}")
+        text += ")" if within(rs) == len(big) else f", for {len(big) - within(rs)} of them)"
+        two = [i for i in runs.get(2, {}).get("cost_model", {}).get("iterations", []) if i["rows"] >= 256]
+        if p == 1 and two:
+            text += (f"; at p=2, {within(ratios(two))} of {len(two)} (median {statistics.median(ratios(two)):.2f}): "
+                     f"collectives on 2 shared cores are outside the model")
+        lines.append(text + ".")
+    if "overhead" in run:
+        ge8 = [r for r in run["overhead"] if r["batch"] >= 8]
+        worst = max(ge8, key=lambda r: r["loop_over_bare"])
+        lines.append(f"- Overhead, p={p}: an engine iteration costs " + ", ".join(
+            f"{r['loop_over_bare']:.2f}× at batch {r['batch']}" for r in run["overhead"])
+            + f" the bare forward (target ≤ 1.10× for batches ≥ 8: {met(worst['loop_over_bare'] <= 1.10)}"
+            + ("" if worst["loop_over_bare"] <= 1.10 else
+               f", {worst['loop_over_bare']:.2f}× at batch {worst['batch']}: each request's cache write and attention "
+               f"over its context are separate small kernels in every layer") + ").")
+    return lines + [""]
+
+
+def plot_timeline(out: Path) -> str:
+    """Iteration time against iteration index, one line per configuration, from the p=1 run (else p=2)."""
+    runs = load(out)
+    run = runs.get(1) or runs.get(2)
+    if not run or "stall" not in run:
+        return "timeline skipped: no bench_serve JSON with the stall part"
+    try:
+        import matplotlib
+    except ImportError:
+        return "timeline skipped: matplotlib is not installed (pip install -e .[plot])"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for name, times in run["stall"]["timeline"].items():
+        ax.plot(range(len(times)), [t * 1e3 for t in times], marker=".", linewidth=1, label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("iteration time (ms)")
+    ax.set_title(f"8 decoders + one 1000-token prompt arriving at iteration 8, p={run['world_size']}")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    TIMELINE.parent.mkdir(exist_ok=True)
+    fig.savefig(TIMELINE, dpi=110)
+    plt.close(fig)
+    return f"wrote {TIMELINE}"
