@@ -11,8 +11,8 @@ vocab-parallel, on P ranks:
              the long prompt's time to first token, throughput, cache rows re-read against N²/(2C)
   hf         32 requests (lognormal prompts, mixed max_new_tokens): the engine (the median of --repeats
              runs) against transformers' GPT2LMHeadModel.generate on the same weights, one run per static
-             batch size (left padding, attention mask), on rank 0 with as many threads as the engine has
-             ranks; every request's ids checked against the engine's, near-ties told apart by the oracle
+             batch size (left padding, attention mask), on rank 0 with as many threads as all the engine's
+             ranks together; every request's ids checked against the engine's, near-ties told apart by the oracle
   overhead   decode batches of 1, 8, 32 requests: one engine iteration (scheduling, plan check, cache
              writes, attention over the context, bookkeeping) against the same rows through the bare TP
              forward (embedding, blocks with varlen attention, no cache, greedy head)
@@ -197,7 +197,7 @@ def bench_hf(dense: DenseLM, lm: TPLM, ctx: TPContext, model, repeats: int) -> t
     batches = []
     if ctx.rank == 0:  # the other ranks wait at the barrier below
         threads = torch.get_num_threads()
-        torch.set_num_threads(ctx.world_size)  # the cores the engine used
+        torch.set_num_threads(ctx.world_size * threads)  # the cores the engine used
         hf_generate(model, prompts[:2], [2, 2], 2)  # warm-up
         for batch in HF_BATCHES:
             ids, stats = hf_generate(model, prompts, new, batch)
@@ -216,7 +216,7 @@ def bench_hf(dense: DenseLM, lm: TPLM, ctx: TPContext, model, repeats: int) -> t
     return {"requests": HF_REQUESTS, "prompt_lengths": [len(p) for p in prompts], "max_new_tokens": new,
             "useful_tokens": useful, "useful_rows": sum(len(p) + m - 1 for p, m in zip(prompts, new)),
             "chunk_size": HF_CHUNK, "max_batched_tokens": HF_BUDGET, "engine": engine, "hf": batches,
-            "hf_threads": ctx.world_size}, records
+            "hf_threads": ctx.world_size * torch.get_num_threads()}, records
 
 
 # ---- 4. engine overhead ----------------------------------------------------------------------------
@@ -277,17 +277,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="stall,hf,overhead", help="comma-separated: stall, hf, overhead")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (transformers gets P times this)")
     ap.add_argument("--out", default=None, help="default outputs/bench_serve_p{P}.json")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    if not parts <= {"stall", "hf", "overhead"} or args.repeats < 1:
-        print(f"error: --parts {args.parts!r} must name stall, hf, overhead; --repeats >= 1", file=sys.stderr)
+    if not parts <= {"stall", "hf", "overhead"} or args.repeats < 1 or args.threads < 1:
+        print(f"error: --parts {args.parts!r} must name stall, hf, overhead; --repeats and --threads >= 1",
+              file=sys.stderr)
         return 2
+    torch.set_num_threads(args.threads)  # torchrun sets OMP_NUM_THREADS=1 only for P > 1: the same at every P
     ctx = init_from_env("auto", timeout_s=1800.0)  # rank 0 runs transformers alone while the others wait
     cfg = ARTICLE03
     dense = init_weights(DenseLM(cfg, DTYPE, ctx.device), seed=0)
     lm = shard_lm(dense, "v2", ctx.group)
-    out: dict = {"world_size": ctx.world_size, "backend": ctx.backend, "model": cfg.asdict(), "dtype": "float32"}
+    out: dict = {"world_size": ctx.world_size, "threads_per_rank": args.threads, "backend": ctx.backend,
+                 "model": cfg.asdict(), "dtype": "float32"}
     first = calibrate(ctx)
     records: list[dict] = []
     if "stall" in parts:

@@ -101,7 +101,8 @@ def hf_section(runs: dict[int, dict]) -> list[str]:
              f"{any_run['chunk_size']}, max_batched_tokens {any_run['max_batched_tokens']}. transformers: "
              "`GPT2LMHeadModel.generate` (greedy,",
              "SDPA attention, EOS off) over static batches in request order, left-padded with an attention mask, each",
-             "batch run to its largest max_new_tokens; on rank 0 with as many threads as the engine has ranks.",
+             "batch run to its largest max_new_tokens; on rank 0 with as many threads as all the engine's ranks",
+             "together (each rank runs one thread).",
              "Tokens/s counts the tokens asked for (Σ max_new_tokens); rows computed count every row a forward",
              "pushes through the blocks, padding and finished requests included.", "",
              "| p | run | tokens/s ÷ transformers' best | forwards | rows computed ÷ useful rows | time per forward ÷ engine's | "
@@ -201,7 +202,7 @@ def targets(runs: dict[int, dict]) -> list[str]:
         two = runs.get(2, {}).get("hf")
         if p == 1 and two:
             b2 = max(two["hf"], key=lambda b: b["tokens_per_s"])
-            text += (f"; at p=2, {two['engine']['tokens_per_s'] / b2['tokens_per_s']:.2f}× (transformers on 2 threads, "
+            text += (f"; at p=2, {two['engine']['tokens_per_s'] / b2['tokens_per_s']:.2f}× (transformers on {two.get('hf_threads', 2)} threads, "
                      f"batch {b2['batch']})")
         lines.append(text + ".")
     big = [i for i in run["cost_model"]["iterations"] if i["rows"] >= 256]
