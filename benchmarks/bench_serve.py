@@ -17,8 +17,8 @@ vocab-parallel, on P ranks:
              writes, attention over the context, bookkeeping) against the same rows through the bare TP
              forward (embedding, blocks with varlen attention, no cache, greedy head)
   cost model always: this CPU calibrated at the start and the end, averaged (a 1024³ matmul for FLOP/s,
-             a 128 MiB copy for bytes/s), and the fixed per-iteration cost = a 1-row decode iteration's time less its roofline time),
-             then every measured engine iteration of stall and hf predicted by tp/cost_model.py
+             a 128 MiB copy for bytes/s), the fixed per-iteration cost = a 1-row decode iteration's time
+             less its roofline time; then every measured engine iteration of stall and hf predicted by tp/cost_model.py
              (serving_iteration: the iteration's FLOPs and bytes on one rank, roofline time) + the fixed cost
 
 Times are rank 0's clock (the engine's collectives keep ranks within one collective of each other);
