@@ -51,6 +51,7 @@ bench: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 benchmarks/profile_forward.py
 	$(PY) launch/traffic_sweep.py
 	for p in 1 2; do $(VENV)/bin/torchrun --standalone --nproc_per_node=$$p benchmarks/bench_serve.py; done
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=4 benchmarks/bench_pd.py
 	$(PY) benchmarks/report.py
 
 gpu-check: setup

@@ -15,7 +15,7 @@ import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.report_serve import plot_timeline, section as serving_section  # noqa: E402
+from benchmarks.report_serve import pd_section, plot_timeline, section as serving_section  # noqa: E402
 from layers.config import VARIANTS  # noqa: E402
 
 OUT = Path("outputs")
@@ -108,7 +108,7 @@ def main() -> int:
                   "a byte.", ""]
     Path("docs").mkdir(exist_ok=True)
     print(plot_timeline(OUT))
-    lines += serving_section(OUT)
+    lines += serving_section(OUT) + pd_section(OUT)
     Path("docs/benchmarks.md").write_text("\n".join(lines) + "\n")
     print("wrote docs/benchmarks.md")
     return 0

@@ -160,8 +160,7 @@ def cost_section(runs: dict[int, dict]) -> list[str]:
               "and each request's attention is its own small kernel in every layer, a cost per request that a",
               "fixed per-iteration constant cannot carry. At p = 2 the large iterations spend a share of their",
               "time inside collectives (last column: the ledger's time in all-reduces and all-gathers) that grows",
-              "with the rows, two processes on two cores waiting for each other; the model has no term for it.",
-              "Iterations that admit many requests also pay for first touches of their new cache regions.", ""]
+              "with the rows, two processes on two cores waiting for each other; the model has no term for it.", ""]
     return lines
 
 
@@ -177,7 +176,34 @@ def overhead_section(runs: dict[int, dict]) -> list[str]:
     for p, run in runs.items():
         for r in run.get("overhead", []):
             lines.append(f"| {p} | {r['batch']} | {r['loop_over_bare']:.2f} | {r['iteration_over_bare']:.2f} |")
-    return lines + [""]
+    return lines + ["", "The bare forward is timed call by call behind a barrier (launch/timing.py), the engine's iterations",
+                    "back to back; at p = 2, two processes on two cores, the ratios scatter by ±0.1 from run to run.", ""]
+
+
+def pd_section(out: Path) -> list[str]:
+    path = out / "bench_pd.json"
+    if not path.exists():
+        return []
+    d = json.loads(path.read_text())
+    p_p, p_d = d["layout"]
+    lines = ["## Prefill/decode disaggregation: the time to token 2 in parts", "",
+             f"`torchrun --nproc_per_node={p_p + p_d} benchmarks/bench_pd.py`: article03 (L=8), float32, v2; prefill on "
+             f"{p_p} ranks, decode on {p_d}; {d['requests']} prompts of {d['prompt_length']} tokens (whole-prompt prefill), "
+             f"{d['max_new_tokens']} new tokens each, {d['kv_bytes_per_request'] / 2**20:.0f} MiB of K,V per request.",
+             "The prefill group emits token 1; token 2 needs the hand-over and one decode iteration. Transfer counts",
+             "from the prefill's end to the K,V and token 1 placed on the decode ranks, including any wait for the",
+             "decode group's next iteration. Medians over requests and "
+             f"{d['repeats']} alternating runs per mode; as shares of the send-after-prefill time to token 2:", "",
+             "| K,V | prefill (= TTFT) | transfer | first decode | time to token 2 |", "|---|---|---|---|---|"]
+    base = d["modes"]["after prefill"]["to_token2_s"]
+    for mode, m in d["modes"].items():
+        lines.append(f"| {mode} | {m['prefill_s'] / base:.3f} | {m['transfer_s'] / base:.3f} | "
+                     f"{m['first_decode_s'] / base:.3f} | {m['to_token2_s'] / base:.3f} |")
+    s_, a = d["modes"]["streaming"], d["modes"]["after prefill"]
+    lines += ["", f"Streaming / send-after-prefill, time to token 2: {s_['to_token2_s'] / a['to_token2_s']:.2f} "
+                  f"(transfer part {s_['transfer_s'] / a['transfer_s']:.2f}); the same tokens in both modes: "
+                  f"{'yes' if d['same_tokens'] else 'NO'}.", ""]
+    return lines
 
 
 def targets(runs: dict[int, dict]) -> list[str]:

@@ -16,6 +16,7 @@ check fails.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -29,17 +30,18 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from launch.serve_report import render
+from launch.serve_report import render, render_pd
 from launch.settings import (LaunchSettings, boolean, common_settings, exit_on_unknown_preset, generate_lengths, integer,
                              launch, publish)
 from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.dense import init_weights, weights_checksum
 from layers.hf_gpt2 import load_lm
 from layers.lm import DenseLM, greedy_reference, shard_lm
+from serve.disagg import Layout, new_groups, serve_pd
 from serve.engine import Engine, ServeResult
 from serve.kv_cache import kv_bytes_per_token
 from serve.scheduler import Request, Scheduler, SchedulerError
-from tp.dist import ConfigError, env_world, same_on_every_rank
+from tp.dist import ConfigError, context, env_world, same_on_every_rank
 
 ORACLE_AUTO_ROWS = 200_000  # check=auto runs the oracle when it recomputes at most this many rows in all
 NEAR_TIE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 3e-2, torch.float16: 4e-3}  # a top-1/top-2 margin this small (relative) is a near-tie
@@ -55,11 +57,37 @@ class Settings(LaunchSettings):
     variant: str
     vocab_parallel: bool
     check: bool
+    pd: Layout | None = None  # prefill/decode disaggregation: the two groups' sizes
+    streaming: bool = True
+
+
+def parse_pd(cfg: DictConfig, world_size: int) -> tuple[Layout | None, bool]:
+    """pd.prefill_ranks / pd.decode_ranks (both or neither) and pd.streaming."""
+    pd = cfg.get("pd") or {}
+    sizes = [pd.get("prefill_ranks"), pd.get("decode_ranks")]
+    if sizes == [None, None]:
+        return None, True
+    if None in sizes:
+        raise ConfigError(f"pd.prefill_ranks={sizes[0]} and pd.decode_ranks={sizes[1]}: set both (or neither)")
+    for name, v in zip(("pd.prefill_ranks", "pd.decode_ranks"), sizes):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name}={v!r} must be a positive integer")
+    layout = Layout(*sizes)
+    if layout.world_size != world_size:
+        raise ConfigError(f"pd.prefill_ranks={sizes[0]} + pd.decode_ranks={sizes[1]} = {layout.world_size} must equal "
+                          f"the world size {world_size} (torchrun --nproc_per_node)")
+    streaming = pd.get("streaming", True)
+    if not isinstance(streaming, bool):
+        raise ConfigError(f"pd.streaming={streaming!r} must be true or false")
+    return layout, streaming
 
 
 def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> Settings:
     """Every check that needs no communication. Raises ConfigError; identical on every rank."""
-    common = common_settings(cfg, world_size, local_world_size, lm=True)
+    layout, streaming = parse_pd(cfg, world_size)
+    tp_sizes = None if layout is None else {"pd.prefill_ranks": layout.prefill_ranks,
+                                            "pd.decode_ranks": layout.decode_ranks}
+    common = common_settings(cfg, world_size, local_world_size, lm=True, tp_sizes=tp_sizes)
     model = common["model"]
     variant = str(cfg.variant)
     if variant not in SERVING_VARIANTS:
@@ -82,7 +110,8 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
         check = "true" if oracle_rows(requests) <= ORACLE_AUTO_ROWS else "false"
     return Settings(**common, requests=requests, chunk_size=chunk_size, max_batched_tokens=budget,
                     max_running=max_running, eos_id=eos_id, variant=variant,
-                    vocab_parallel=boolean(cfg, "vocab_parallel"), check=check == "true")
+                    vocab_parallel=boolean(cfg, "vocab_parallel"), check=check == "true", pd=layout,
+                    streaming=streaming)
 
 
 def parse_requests(cfg: DictConfig, model: ModelConfig, seed: int) -> list[Request]:
@@ -205,6 +234,8 @@ def run(cfg: DictConfig) -> int:
 
 
 def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
+    if s.pd is not None:
+        return serve_disaggregated(s, out_dir, ctx)
     dense = build(s, ctx)
     lm = shard_lm(dense, s.variant, ctx.group, s.vocab_parallel)
     if not s.check:
@@ -218,6 +249,88 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     report["embedding_bytes_per_rank"] = lm.embed.weight.numel() * lm.embed.weight.element_size()
     publish(report, render, out_dir / s.report, ctx)
     return 0 if report["ledger_matches_model"] and report["check"]["ok"] in (True, None) else 1
+
+
+def serve_disaggregated(s: Settings, out_dir: Path, ctx) -> int:
+    """P/D: prefill on ranks [0, p_P), decode on the rest; then the same requests through the colocated engine
+    on the decode group, and (with check) the dense oracle. Rank 0 prints the TTFT parts and the transfer table."""
+    dense = build(s, ctx)
+    groups = new_groups(s.pd)
+    requests = lambda: [Request(r.id, list(r.prompt), r.max_new_tokens, r.arrival) for r in s.requests]  # noqa: E731
+    result = serve_pd(dense, ctx, s.pd, requests(), chunk_size=s.chunk_size, max_batched_tokens=s.max_batched_tokens,
+                      max_running=s.max_running, eos_id=s.eos_id, variant=s.variant, vocab_parallel=s.vocab_parallel,
+                      streaming=s.streaming, groups=groups)
+    colocated = None
+    if ctx.rank >= s.pd.prefill_ranks:  # the colocated engine on the decode group's p_D ranks
+        dctx = context(groups[1], ctx.backend, ctx.device)
+        lm = shard_lm(dense, s.variant, dctx.group, s.vocab_parallel)
+        colocated = Engine(lm, dctx, chunk_size=s.chunk_size, max_batched_tokens=s.max_batched_tokens,
+                           max_running=s.max_running, eos_id=s.eos_id).run(requests())
+        colocated = [r["output_ids"] for r in colocated.requests]
+    every = [None] * ctx.world_size
+    dist.all_gather_object(every, colocated, group=ctx.group)
+    colocated = every[s.pd.prefill_ranks]
+    checks = oracle_check(dense, s, result, ctx) if s.check else None
+    report = build_pd_report(s, ctx, result, colocated, checks)
+    publish(report, render_pd, out_dir / s.report, ctx)
+    ok = report["ledger_matches_model"] and report["same_as_colocated"] and report["check"]["ok"] in (True, None)
+    return 0 if ok else 1
+
+
+def build_pd_report(s: Settings, ctx, result, colocated: list[list[int]], checks: list[dict] | None) -> dict:
+    m, layout = s.model, s.pd
+    elem = s.dtype.itemsize
+    k_tok = 2 * m.n_layers * m.n_heads * m.d_head * elem
+    requests = result.requests
+    for req, ids in zip(requests, colocated):
+        req["same_as_colocated"] = req["output_ids"] == ids
+    if checks is not None:
+        for req, chk in zip(requests, checks):
+            req["match"] = chk["verdict"]
+    sends = [t for t in result.transfers if t["kind"] == "send" and t["site"] == "pd/kv"]
+    recvs = [t for t in result.transfers if t["kind"] == "recv" and t["site"] == "pd/kv"]
+    pairs: dict[tuple[int, int], dict] = {}
+    for t in sends:
+        pair = pairs.setdefault((t["rank"], t["peer"]), {"prefill_rank": t["rank"], "decode_rank": t["peer"],
+                                                         "heads": t["heads"], "messages": 0, "bytes": 0})
+        pair["messages"] += 1
+        pair["bytes"] += t["bytes"]
+    handed_tokens = sum(r["prompt_length"] for r in requests if r["transfer_s"] is not None)
+    total = sum(t["bytes"] for t in sends)
+    per_decode = {rank: sum(t["bytes"] for t in recvs if t["rank"] == rank)
+                  for rank in range(layout.prefill_ranks, layout.world_size)}
+    return {
+        "world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device),
+        "pd": {"prefill_ranks": layout.prefill_ranks, "decode_ranks": layout.decode_ranks, "streaming": s.streaming},
+        "config": {"model_name": s.model_name, "model": m.asdict(), "requests": len(s.requests),
+                   "chunk_size": s.chunk_size, "max_batched_tokens": s.max_batched_tokens, "variant": s.variant,
+                   "vocab_parallel": s.vocab_parallel, "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed},
+        "requests": requests,
+        "transfer": {"pairs": sorted(pairs.values(), key=lambda x: (x["prefill_rank"], x["decode_rank"])),
+                     "pair_count": len(pairs),
+                     "pair_count_formula": layout.prefill_ranks + layout.decode_ranks
+                     - math.gcd(layout.prefill_ranks, layout.decode_ranks),
+                     "handed_over_tokens": handed_tokens, "kv_bytes_per_token": k_tok,
+                     "total_bytes": total, "total_formula": handed_tokens * k_tok,
+                     "received_per_decode_rank": per_decode, "messages": len(result.transfers)},
+        "llama2_7b": llama_table(),
+        "prefill_iterations": len(result.prefill_iterations), "decode_iterations": len(result.decode_iterations),
+        "time_s": result.time_s,
+        "ledger_matches_model": result.ledger_matches_model,
+        "same_as_colocated": all(r["same_as_colocated"] for r in requests),
+        "check": {"ok": None if checks is None else all(c["ok"] for c in checks),
+                  "verdicts": None if checks is None else {v: sum(c["verdict"] == v for c in checks)
+                                                           for v in ("match", "near-tie", "MISMATCH")}},
+    }
+
+
+def llama_table(prompt_tokens: int = 4096) -> dict:
+    """seeds/06's transfer table from the same formula: Llama-2-7B's K_tok, a 4k prompt, the seeds' fabrics."""
+    from tp.cost_model import FABRICS, LLAMA2_7B, kv_transfer_time
+
+    return {"kv_bytes_per_token": LLAMA2_7B.kv_bytes_per_token, "prompt_tokens": prompt_tokens,
+            "bytes": prompt_tokens * LLAMA2_7B.kv_bytes_per_token,
+            "ms": {name: kv_transfer_time(LLAMA2_7B, prompt_tokens, bw) * 1e3 for name, bw in FABRICS.items()}}
 
 
 class Progress:

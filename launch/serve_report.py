@@ -67,3 +67,57 @@ def render(r: dict) -> str:
                     else ", tokens DIFFER from the dense oracle")
                  + ("" if r["ledger_matches_model"] else "; ledger DIFFERS from the model"))
     return "\n".join(lines)
+
+
+def render_pd(r: dict) -> str:
+    """Prefill/decode disaggregation: per-request time to token 1 and 2 in parts, the transfer table, verdicts."""
+    c, m, pd, t = r["config"], r["config"]["model"], r["pd"], r["transfer"]
+    lines = [
+        f"tpref: prefill/decode disaggregation  (prefill ranks 0-{pd['prefill_ranks'] - 1}, decode ranks "
+        f"{pd['prefill_ranks']}-{r['world_size'] - 1}; backend {r['backend']}, device {r['device']})",
+        f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} d_head={m['d_head']} L={m['n_layers']} "
+        f"vocab={m['vocab_size']}; variant {c['variant']}; dtype={c['dtype']}; K,V "
+        f"{'streamed layer by layer' if pd['streaming'] else 'sent after prefill'}",
+        f"{c['requests']} requests; chunk_size={c['chunk_size']} max_batched_tokens={c['max_batched_tokens']}; "
+        f"{r['prefill_iterations']} prefill iterations, {r['decode_iterations']} decode iterations",
+        "",
+        "per request: the prefill group emits token 1 (TTFT = prefill, from arrival); token 2 comes after the",
+        "K,V hand-over (prefill done -> K,V and token 1 placed on the decode ranks) and the first decode iteration:",
+    ]
+    rows = []
+    for q in r["requests"]:
+        to2 = None if q["first_decode_s"] is None else q["prefill_s"] + q["transfer_s"] + q["first_decode_s"]
+        rows.append([q["request"], q["prompt_length"], len(q["output_ids"]), _ms(q["prefill_s"]), _ms(q["transfer_s"]),
+                     _ms(q["first_decode_s"]), _ms(to2), kib(q["kv_bytes"]),
+                     "yes" if q["same_as_colocated"] else "NO", q.get("match", "not checked")])
+    lines.append(format_table(["request", "prompt", "generated", "prefill (TTFT) ms", "transfer ms", "first decode ms",
+                               "to token 2 ms", "K,V sent KiB", "= colocated", "oracle"], rows))
+    lines += ["", f"K,V transfer (point-to-point; ledger vs tp/traffic_model.predict_transfers: "
+                  f"{'equal' if r['ledger_matches_model'] else 'DIFFERENT'}):"]
+    rows = [[p["prefill_rank"], p["decode_rank"], f"{p['heads'][0]}-{p['heads'][1] - 1}", p["messages"],
+             kib(p["bytes"])] for p in t["pairs"]]
+    lines.append(format_table(["prefill rank", "decode rank", "heads", "messages", "KiB"], rows))
+    per_decode = ", ".join(f"rank {k}: {kib(v)} KiB" for k, v in t["received_per_decode_rank"].items())
+    lines += [
+        f"pairs: {t['pair_count']} = p_P + p_D - gcd(p_P, p_D) = {t['pair_count_formula']}; "
+        f"total {kib(t['total_bytes'])} KiB = L_p * K_tok = {t['handed_over_tokens']} tokens x {t['kv_bytes_per_token']} B "
+        f"= {kib(t['total_formula'])} KiB ({'equal' if t['total_bytes'] == t['total_formula'] else 'DIFFERENT'}); "
+        f"received per decode rank: {per_decode}",
+    ]
+    ll = r["llama2_7b"]
+    lines += ["", f"the same formula at Llama-2-7B (K_tok = {ll['kv_bytes_per_token']:,} B/token, fp16), a "
+                  f"{ll['prompt_tokens']}-token prompt = {ll['bytes'] / 1e9:.2f} GB; at the seeds' bandwidths: "
+              + ", ".join(f"{name} {ms:.1f} ms" for name, ms in ll["ms"].items())]
+    chk = r["check"]
+    if chk["ok"] is None:
+        lines.append("check: off (check=true to compare with the dense oracle)")
+    else:
+        v = chk["verdicts"]
+        lines.append(f"check vs dense oracle: {v['match']} match, {v['near-tie']} near-tie, {v['MISMATCH']} mismatch")
+    ok = r["ledger_matches_model"] and r["same_as_colocated"] and chk["ok"] in (True, None)
+    lines.append(f"{'PASS' if ok else 'FAIL'}: P/D served {c['requests']} requests"
+                 + (", tokens equal to the colocated engine" if r["same_as_colocated"]
+                    else ", tokens DIFFER from the colocated engine")
+                 + ("" if chk["ok"] is None else " and the dense oracle" if chk["ok"] else "; oracle check FAILED")
+                 + ("" if r["ledger_matches_model"] else "; transfer ledger DIFFERS from the model"))
+    return "\n".join(lines)

@@ -37,9 +37,11 @@ class LaunchSettings:
     report: str
 
 
-def common_settings(cfg: DictConfig, world_size: int, local_world_size: int, lm: bool = False) -> dict:
-    """The LaunchSettings fields, as keywords for a launcher's own Settings. lm: the launcher needs the whole LM."""
-    model, model_name, hf_checkpoint = parse_model(cfg, world_size)
+def common_settings(cfg: DictConfig, world_size: int, local_world_size: int, lm: bool = False,
+                    tp_sizes: dict[str, int] | None = None) -> dict:
+    """The LaunchSettings fields, as keywords for a launcher's own Settings. lm: the launcher needs the whole LM.
+    tp_sizes: the tensor-parallel groups the model must split over, by setting name (default: the whole world)."""
+    model, model_name, hf_checkpoint = parse_model(cfg, world_size, tp_sizes)
     weights = None
     if hf_checkpoint:
         weights = read_checkpoint(hf_checkpoint)
@@ -57,7 +59,8 @@ def placement(cfg: DictConfig, local_world_size: int) -> dict:
     return dict(backend=backend, device=resolve_device(str(cfg.get("device", "auto")), backend))
 
 
-def parse_model(cfg: DictConfig, world_size: int) -> tuple[ModelConfig, str, str | None]:
+def parse_model(cfg: DictConfig, world_size: int,
+                tp_sizes: dict[str, int] | None = None) -> tuple[ModelConfig, str, str | None]:
     """(model, its preset name, hf_checkpoint): `model.*` settings, or a GPT-2 checkpoint's config.json."""
     fields = OmegaConf.to_container(cfg.model, resolve=True)
     for key, value in fields.items():
@@ -71,7 +74,13 @@ def parse_model(cfg: DictConfig, world_size: int) -> tuple[ModelConfig, str, str
     hf_checkpoint = None if cfg.hf_checkpoint is None else str(cfg.hf_checkpoint)
     if hf_checkpoint is not None:
         model, model_name = read_config(hf_checkpoint), "hf"
-    validate_model(model, world_size)
+    if tp_sizes is None:
+        validate_model(model, world_size)
+    for name, p in (tp_sizes or {}).items():
+        try:
+            validate_model(model, p)
+        except ConfigError as exc:
+            raise ConfigError(f"{name}={p}: {exc}") from None
     return model, model_name, hf_checkpoint
 
 

@@ -38,19 +38,36 @@ class ServeResult:
     kv_peak_bytes_per_rank: int = 0
     kv_bytes_per_token_per_rank: int = 0
     time_s: float = 0.0
+    started_at: float = 0.0  # time.perf_counter() when the loop started: start_s and token_times_s count from it
 
     @property
     def ledger_matches_model(self) -> bool:
         return all(it["ledger_matches_model"] for it in self.iterations)
 
 
+class EngineHooks:
+    """Steps a caller can add to the loop; each does nothing here. serve/disagg.py's prefill and decode
+    sides use them to hand requests and their K,V from one group of ranks to another."""
+
+    def before_schedule(self, index: int, sched: Scheduler, cache: KVCache) -> None:
+        """Before iteration `index` is planned (a decode side receives the requests arriving now)."""
+
+    def before_forward(self, plan: IterationPlan) -> None:
+        """The plan about to run (a prefill side streaming K,V layer by layer needs to know it)."""
+
+    def after_update(self, plan: IterationPlan, evicted: list[int], sched: Scheduler, cache: KVCache) -> None:
+        """After the tokens are applied, before the evicted requests' cache regions are freed."""
+
+
 class Engine:
     def __init__(self, lm: TPLM, ctx: TPContext, *, chunk_size: int, max_batched_tokens: int,
-                 max_running: int | None = None, eos_id: int | None = None, on_iteration=None):
+                 max_running: int | None = None, eos_id: int | None = None, on_iteration=None,
+                 hooks: EngineHooks | None = None):
         self.lm, self.ctx = lm, ctx
         self.sched_args = dict(chunk_size=chunk_size, max_batched_tokens=max_batched_tokens,
                                max_running=max_running, eos_id=eos_id)
         self.on_iteration = on_iteration  # called with each iteration's record (progress lines)
+        self.hooks = hooks or EngineHooks()
         cfg, p = lm.cfg, ctx.world_size
         param = next(lm.parameters())
         self.dtype = param.dtype
@@ -69,22 +86,25 @@ class Engine:
         ledger = TrafficLedger(self.ctx.world_size, self.ctx.device)
         self._agree(self._settings_fingerprint(requests), "requests or scheduler settings differ")
         synchronize(self.ctx.device)
-        start = time.perf_counter()
+        start = result.started_at = time.perf_counter()
         index = 0
         while sched.has_work():
             t0 = time.perf_counter()
             for r in requests:
                 if r.arrival <= index and r.id not in arrived_at:
                     arrived_at[r.id] = t0
+            self.hooks.before_schedule(index, sched, self.cache)
             plan = sched.schedule(index)
             if plan is None:  # nothing running, the next request arrives later: skip ahead, no forward
-                index = sched.next_arrival()
+                index = sched.next_arrival() if sched.next_arrival() is not None else index  # None: all finished
                 continue
             for rid in plan.admitted:
-                self.cache.allocate(rid, sched.by_id[rid].capacity)
+                if rid not in self.cache.regions:  # a request handed over with its K,V already has its region
+                    self.cache.allocate(rid, sched.by_id[rid].capacity)
             ledger.clear()
             with ledger.attach(self.lm.stack):
                 self._check_plan(plan)
+                self.hooks.before_forward(plan)
                 tokens, token_logits = self._forward(plan, sched)
             synchronize(self.ctx.device)
             t1 = time.perf_counter()
@@ -94,6 +114,7 @@ class Engine:
                 logits[rid].append(lg)
             evicted = sched.update(plan, dict(zip(sampled_ids, tokens.tolist())))
             kv_bytes = self.cache.bytes()  # before this iteration's evictions free anything
+            self.hooks.after_update(plan, evicted, sched, self.cache)
             for rid in evicted:
                 self.cache.free(rid)
             record = self._record(plan, evicted, ledger, t1 - t0, kv_bytes)

@@ -10,7 +10,8 @@ Between two iterations, and identically on every rank:
             and never more than the budget max_batched_tokens has left this iteration
     admit   waiting requests (arrived, not yet running) join, oldest first, while budget and
             the running limit (max_running, at most max_batched_tokens) allow; each brings its
-            first chunk in the same iteration
+            first chunk in the same iteration (or its first decode row, if it arrives with its
+            prompt already in the cache: a decode side taking over prefilled requests, serve/disagg.py)
 
 A request's state is how many of its tokens have K,V in the cache (`computed`): the next
 iteration gives it rows [computed, min(len(tokens), computed + chunk)). There is no prefill
@@ -72,11 +73,13 @@ class Scheduler:
         self.budget = max_batched_tokens
         self.max_running = max_running
         self.eos_id = eos_id
-        # Requests that already hold cache (built mid-stream, e.g. to replay a trace) start running.
-        self.running = [r for r in requests if r.computed > 0 and not r.finished]
+        # Requests that already hold cache at iteration 0 (built mid-stream, e.g. to replay a trace) start
+        # running; one that holds cache but arrives later (handed over by a prefill group) waits for its arrival.
+        self.running = [r for r in requests if r.computed > 0 and r.arrival <= 0 and not r.finished]
         if len(self.running) > max_running:
             raise SchedulerError(f"{len(self.running)} requests start mid-stream, more than max_running={max_running}")
-        self.pending = deque(sorted((r for r in requests if r.computed == 0 and not r.finished),
+        started = {r.id for r in self.running}
+        self.pending = deque(sorted((r for r in requests if r.id not in started and not r.finished),
                                     key=lambda r: (r.arrival, r.id)))
         self.waiting: deque[Request] = deque()
         self.by_id = {r.id: r for r in requests}
@@ -90,7 +93,9 @@ class Scheduler:
     def schedule(self, index: int) -> IterationPlan | None:
         """The plan of iteration `index`; None when nothing has arrived yet and nothing runs."""
         while self.pending and self.pending[0].arrival <= index:
-            self.waiting.append(self.pending.popleft())
+            r = self.pending.popleft()
+            if not r.finished:  # a handed-over request can finish on arrival (its first token was eos_id)
+                self.waiting.append(r)
         budget, chunks, admitted = self.budget, [], []
         for r in self.running:  # decodes first: one row each
             if r.prompt_done:
@@ -103,7 +108,11 @@ class Scheduler:
             r = self.waiting.popleft()
             self.running.append(r)
             admitted.append(r.id)
-            budget -= self._chunk(r, budget, chunks)
+            if r.prompt_done:  # arrived with its prompt cached: a decode row at once
+                chunks.append(Chunk(r.id, r.computed, r.computed + 1, decode=True, sample=True))
+                budget -= 1
+            else:
+                budget -= self._chunk(r, budget, chunks)
         if not chunks:
             return None
         return IterationPlan(index, tuple(chunks), tuple(admitted))

@@ -111,3 +111,86 @@ def test_article03_preset_is_the_default_model():
     preset = yaml.safe_load((ROOT / "conf" / "model" / "article03.yaml").read_text())
     assert preset == {k: v for k, v in ARTICLE03.asdict().items() if k in preset}
     assert set(ARTICLE03.asdict()) - set(preset) == {"ln_eps"}
+
+
+# ---- prefill/decode disaggregation --------------------------------------------------------------------------
+
+
+def test_serve_pd_end_to_end(tmp_path):
+    proc, _ = torchrun(4, *SMALL, "pd.prefill_ranks=2", "pd.decode_ranks=2", run_dir=tmp_path, script="serve.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("tpref: prefill/decode disaggregation") == 1
+    assert "Llama-2-7B" in proc.stdout and "PASS: P/D served 5 requests" in proc.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    t = report["transfer"]
+    assert report["pd"] == {"prefill_ranks": 2, "decode_ranks": 2, "streaming": True}
+    assert t["pair_count"] == t["pair_count_formula"] == 2
+    assert t["total_bytes"] == t["total_formula"] == sum(r["prompt_length"] for r in report["requests"]) * 2 * 2 * 512 * 8
+    assert set(t["received_per_decode_rank"].values()) == {t["total_bytes"] // 2}
+    assert report["ledger_matches_model"] and report["same_as_colocated"] and report["check"]["ok"]
+    for r in report["requests"]:
+        assert len(r["output_ids"]) == 5 and r["prefill_s"] > 0 and r["transfer_s"] > 0 and r["first_decode_s"] > 0
+
+
+PD_BAD = [
+    (4, ["pd.prefill_ranks=2"], "set both (or neither)"),
+    (4, ["pd.prefill_ranks=1", "pd.decode_ranks=2"], "= 3 must equal the world size 4"),
+    (4, ["pd.prefill_ranks=3", "pd.decode_ranks=1"], "pd.prefill_ranks=3: n_heads=8 heads cannot be split over p=3"),
+    (2, ["pd.prefill_ranks=0", "pd.decode_ranks=2"], "pd.prefill_ranks=0 must be a positive integer"),
+    (2, ["pd.prefill_ranks=1", "pd.decode_ranks=1", "pd.streaming=maybe"], "pd.streaming='maybe' must be true or false"),
+]
+
+
+@pytest.mark.parametrize("world,overrides,message", PD_BAD, ids=[" ".join(b[1]) for b in PD_BAD])
+def test_bad_pd_settings_on_a_lone_rank(tmp_path, world, overrides, message):
+    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    alone = subprocess.run([sys.executable, str(ROOT / "launch" / "serve.py"), f"hydra.run.dir={tmp_path}", *overrides],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 2, alone.stdout + alone.stderr
+    assert alone.stderr.startswith("[rank 1] error: ") and message in alone.stderr, alone.stderr
+
+
+def _rank_pids(run_dir, rank: int) -> list[int]:
+    """The pids of this run's rank-`rank` processes (found by their command line and environment)."""
+    pids = []
+    for proc in os.listdir("/proc"):
+        if not proc.isdigit():
+            continue
+        try:
+            cmdline = open(f"/proc/{proc}/cmdline", "rb").read()
+            env = open(f"/proc/{proc}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if str(run_dir).encode() in cmdline and f"RANK={rank}".encode() in env:
+            pids.append(int(proc))
+    return pids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank's process through /proc")
+def test_a_decode_rank_dying_ends_the_whole_job_fast(tmp_path):
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           str(ROOT / "launch" / "serve.py"), f"hydra.run.dir={tmp_path}", "model.n_layers=2", "prompt_count=8",
+           "prompt_mean=12", "max_new_tokens=500", "check=false", "pd.prefill_ranks=2", "pd.decode_ranks=2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids := _rank_pids(tmp_path, 3)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pids, "rank 3 never started"
+        time.sleep(6)  # into the serving loop: the model is small, the requests long
+        assert proc.poll() is None, "the job ended before the decode rank could be killed"
+        os.kill(pids[0], signal.SIGKILL)
+        killed = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert elapsed < 30, f"{elapsed:.0f}s from the decode rank's death to the job's end"
+    assert "SIGKILL" in stderr or "Signal 9" in stderr, stderr[-3000:]

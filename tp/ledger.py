@@ -86,6 +86,36 @@ class CommRecord(Traffic):
         return Traffic(*(getattr(self, f.name) for f in fields(Traffic)))
 
 
+@dataclass(frozen=True)
+class Transfer:
+    """One point-to-point message (prefill/decode hand-over, serve/disagg.py) as the model predicts it.
+
+    rank and peer are global ranks; heads is the global range [lo, hi) of attention heads whose K,V the
+    message carries ((0, 0) for the first-token message); layer is None when one message carries every layer."""
+
+    kind: str  # "send" or "recv"
+    site: str  # "pd/kv" or "pd/first token"
+    request: int
+    layer: int | None
+    rank: int
+    peer: int
+    heads: tuple[int, int]
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class TransferRecord(Transfer):
+    """One message as the ledger saw it: from posting it to seeing it complete (on the sender, completion is
+    checked lazily, so a send's time is an upper bound)."""
+
+    time_s: float = 0.0
+
+    def transfer(self) -> Transfer:
+        return Transfer(*(getattr(self, f.name) for f in fields(Transfer)))
+
+
 def split_site(site: str | None) -> tuple[str, str]:
     """'attn/all-reduce #1' -> ('attn', 'all-reduce #1')."""
     if not site:
@@ -99,6 +129,7 @@ class TrafficLedger:
         self.world_size = world_size
         self.device = torch.device(device)
         self.records: list[CommRecord] = []
+        self.transfers: list[TransferRecord] = []  # point-to-point messages (serve/disagg.py)
         self.layer: int | None = None
 
     # -- switching on and off ---------------------------------------------------------------------
@@ -127,6 +158,9 @@ class TrafficLedger:
 
     def clear(self) -> None:
         self.records.clear()
+
+    def transfer(self, record: TransferRecord) -> None:
+        self.transfers.append(record)
 
     # -- called by tp/comm.py -------------------------------------------------------------------
 

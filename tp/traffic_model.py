@@ -25,11 +25,12 @@ On one rank nothing is communicated.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
 
-from tp.ledger import Traffic
+from tp.ledger import Traffic, Transfer
 
 if TYPE_CHECKING:  # shapes only; tp/ does not import layers/ at run time
     from layers.config import ModelConfig
@@ -97,4 +98,55 @@ def predict_iteration(cfg: ModelConfig, p: int, rows: int, sampled: int, dtype: 
     out += predict(cfg, p, rows, dtype, variant, "forward")
     if vocab_parallel and sampled:
         out.append(extra("head", "argmax all-gather", "all_gather", (sampled, 2 * p), torch.float64))
+    return out
+
+
+# ---- prefill/decode disaggregation: K,V moved between two TP groups (SPEC §8, serve/disagg.py) ----------------
+
+
+def head_overlaps(n_heads: int, p_src: int, p_dst: int) -> list[tuple[int, int, int, int]]:
+    """(source rank, destination rank, lo, hi) for every pair whose head ranges [r·h/p, (r+1)·h/p) overlap.
+
+    With p_src and p_dst both dividing h there are p_src + p_dst − gcd(p_src, p_dst) such pairs."""
+    out = []
+    for r in range(p_src):
+        a0, a1 = r * n_heads // p_src, (r + 1) * n_heads // p_src
+        for s in range(p_dst):
+            lo, hi = max(a0, s * n_heads // p_dst), min(a1, (s + 1) * n_heads // p_dst)
+            if lo < hi:
+                out.append((r, s, lo, hi))
+    return out
+
+
+def predict_transfers(cfg: ModelConfig, p_prefill: int, p_decode: int, handovers: list[tuple[int, int]],
+                      dtype: torch.dtype, streaming: bool, rank: int) -> list[Transfer]:
+    """The messages global rank `rank` sends (a prefill rank, 0 .. p_P−1) or receives (a decode rank, p_P ..)
+    when the requests `handovers` [(request id, prompt length N)] move from the prefill to the decode group.
+
+    Per request and overlapping pair: the K,V of heads [lo, hi) for positions [0, N) of every layer, one
+    message [L, 2, hi−lo, N, d_head] (sent after prefill) or L messages [2, hi−lo, N, d_head] (streamed layer
+    by layer); and to each decode rank its first token, [1] int64, from the lowest prefill rank overlapping it.
+    Summed over pairs: L_p · K_tok bytes per request, K_tok = 2·L·h·d_head·e; each decode rank receives 1/p_D."""
+    L, dh, e = cfg.n_layers, cfg.d_head, dtype.itemsize
+    name = str(dtype).removeprefix("torch.")
+    pairs = head_overlaps(cfg.n_heads, p_prefill, p_decode)
+    first = {}
+    for r, s, _, _ in pairs:
+        first.setdefault(s, r)
+    out = []
+    for rid, n in handovers:
+        for r, s, lo, hi in pairs:
+            side = "send" if rank == r else "recv" if rank == p_prefill + s else None
+            if side is None:
+                continue
+            peer = p_prefill + s if side == "send" else r
+            shapes = [(layer, (2, hi - lo, n, dh)) for layer in range(L)] if streaming else [(None, (L, 2, hi - lo, n, dh))]
+            for layer, shape in shapes:
+                out.append(Transfer(side, "pd/kv", rid, layer, rank, peer, (lo, hi), shape, name,
+                                    math.prod(shape) * e))
+        for s, r in sorted(first.items()):
+            if rank in (r, p_prefill + s):
+                side = "send" if rank == r else "recv"
+                peer = p_prefill + s if side == "send" else r
+                out.append(Transfer(side, "pd/first token", rid, None, rank, peer, (0, 0), (1,), "int64", 8))
     return out

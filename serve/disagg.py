@@ -1,0 +1,357 @@
+"""Prefill/decode disaggregation (SPEC §8, seeds/06): a prefill group and a decode group of TP ranks, one world.
+
+    global ranks 0 .. p_P−1: the prefill group;  p_P .. p_P+p_D−1: the decode group
+
+Each group runs the TP stack sharded over itself (its own TPLM) and the engine of serve/engine.py:
+
+    prefill side   every request as if max_new_tokens were 1: (chunked) prefill, and the chunk that
+                   completes a prompt samples the request's first token. The prefill side emits token 1,
+                   as in seeds/06's flow (time to first token = the prefill; the hand-over and the first
+                   decode iteration come before token 2).
+    hand-over      the request's K,V for positions [0, N) of every layer go to the decode group by
+                   point-to-point messages. Prefill rank r holds heads [r·h/p_P, (r+1)·h/p_P), decode rank s
+                   needs [s·h/p_D, (s+1)·h/p_D): every overlapping (r, s) pair moves the heads they share
+                   (tp/traffic_model.head_overlaps: p_P + p_D − gcd pairs, L_p·K_tok bytes in all, 1/p_D of
+                   it to each decode rank), re-sharding heads in flight when p_P ≠ p_D. Token 1 goes to each
+                   decode rank from the lowest prefill rank overlapping it. Either sent after the prefill (one
+                   message per pair) or streamed: layer ℓ leaves as soon as the prompt's last chunk has passed
+                   layer ℓ, while the later layers still compute.
+    decode side    each handed-over request arrives with its prompt in the cache and token 1 in its output,
+                   and joins the continuous batch as a decode row.
+
+No control messages. Which requests complete their prefill in which prefill iteration depends only on the
+requests and the scheduler settings, so every rank computes it (`prefill_schedule`); a request completed in
+prefill iteration i arrives at decode iteration i + 1. The decode side's receive at that iteration blocks
+until the prefill side has sent: that is what ties the two groups' clocks together. Every message goes
+through the traffic ledger (`TrafficLedger.transfers`) and equals tp/traffic_model.predict_transfers.
+Times across the two groups compare time.perf_counter() of processes on one host (CLOCK_MONOTONIC).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from layers.config import validate_model
+from layers.lm import DenseLM, shard_lm
+from serve.engine import Engine, EngineHooks, PlanMismatch
+from serve.kv_cache import KVCache
+from serve.plan import IterationPlan
+from serve.scheduler import Request, Scheduler
+from tp.dist import ConfigError, TPContext, context, same_on_every_rank
+from tp.ledger import TrafficLedger, TransferRecord
+from tp.traffic_model import head_overlaps, predict_transfers
+
+
+@dataclass(frozen=True)
+class Layout:
+    prefill_ranks: int
+    decode_ranks: int
+
+    @property
+    def world_size(self) -> int:
+        return self.prefill_ranks + self.decode_ranks
+
+
+def validate_layout(cfg, layout: Layout, world_size: int) -> None:
+    """ConfigError unless the two groups fill the world and each can split the model's heads. Pure."""
+    p_p, p_d = layout.prefill_ranks, layout.decode_ranks
+    if p_p < 1 or p_d < 1:
+        raise ConfigError(f"pd.prefill_ranks={p_p} and pd.decode_ranks={p_d} must both be at least 1")
+    if p_p + p_d != world_size:
+        raise ConfigError(f"pd.prefill_ranks={p_p} + pd.decode_ranks={p_d} = {p_p + p_d} must equal the world size "
+                          f"{world_size} (torchrun --nproc_per_node)")
+    for name, p in (("pd.prefill_ranks", p_p), ("pd.decode_ranks", p_d)):
+        try:
+            validate_model(cfg, p)
+        except ConfigError as exc:
+            raise ConfigError(f"{name}={p}: {exc}") from None
+
+
+def prefill_schedule(requests: list[Request], chunk_size: int, max_batched_tokens: int,
+                     max_running: int | None = None) -> list[tuple[int, list[int]]]:
+    """[(prefill iteration, ids of the requests whose prompt completes in it, in plan order)]: exactly what the
+    prefill side's engine will do, computed on every rank from the requests and settings alone."""
+    sched = Scheduler([Request(r.id, list(r.prompt), 1, r.arrival) for r in requests], chunk_size,
+                      max_batched_tokens, max_running)
+    index, out = 0, []
+    while sched.has_work():
+        plan = sched.schedule(index)
+        if plan is None:
+            index = sched.next_arrival()
+            continue
+        done = [c.request for c in plan.chunks if c.sample]
+        if done:
+            out.append((index, done))
+        sched.update(plan, {rid: 0 for rid in done})  # max_new_tokens = 1: the token's value changes nothing
+        index += 1
+    return out
+
+
+def _tag(request: int, layer: int | None, n_layers: int) -> int:
+    """gloo matches messages by (peer, tag): one tag per request and message (NCCL keeps them in order)."""
+    return request * (n_layers + 2) + (n_layers if layer is None else layer)
+
+
+def _token_tag(request: int, n_layers: int) -> int:
+    return request * (n_layers + 2) + n_layers + 1
+
+
+class PrefillSide(EngineHooks):
+    """Sends each completed prompt's K,V (its own heads' share to each overlapping decode rank) and token 1."""
+
+    def __init__(self, lm, layout: Layout, rank: int, streaming: bool, ledger: TrafficLedger, handed: set[int]):
+        cfg = lm.cfg
+        self.cfg, self.layout, self.rank, self.streaming, self.ledger, self.handed = \
+            cfg, layout, rank, streaming, ledger, handed
+        pairs = head_overlaps(cfg.n_heads, layout.prefill_ranks, layout.decode_ranks)
+        self.peers = [(layout.prefill_ranks + s, lo, hi) for r, s, lo, hi in pairs if r == rank]
+        first = {}
+        for r, s, _, _ in pairs:
+            first.setdefault(s, r)
+        self.token_peers = [layout.prefill_ranks + s for s, r in sorted(first.items()) if r == rank]
+        self.first_head = rank * cfg.n_heads // layout.prefill_ranks
+        self.cache: KVCache | None = None
+        self.sched: Scheduler | None = None
+        self.finishing: list[int] = []
+        self.pending: list[tuple] = []  # (work, buffer, record fields, posted at)
+        self.done_at: dict[int, float] = {}
+        self.hooks = [block.register_forward_hook(lambda m, a, o, i=i: self._layer_done(i))
+                      for i, block in enumerate(lm.stack.blocks)] if streaming else []
+
+    def before_schedule(self, index: int, sched: Scheduler, cache: KVCache) -> None:
+        self.sched, self.cache = sched, cache
+
+    def before_forward(self, plan: IterationPlan) -> None:
+        self.finishing = [c.request for c in plan.chunks if c.sample and c.request in self.handed]
+
+    def _layer_done(self, layer: int) -> None:
+        """Streaming: the prompt's last chunk has passed `layer`, so that layer's K,V of positions [0, N) are whole."""
+        for rid in self.finishing:
+            n = len(self.sched.by_id[rid].prompt)
+            for peer, lo, hi in self.peers:
+                heads = slice(lo - self.first_head, hi - self.first_head)
+                self._send(self.cache.regions[rid][layer, :, heads, :n], peer, rid, layer, (lo, hi), "pd/kv")
+
+    def after_update(self, plan: IterationPlan, evicted: list[int], sched: Scheduler, cache: KVCache) -> None:
+        now = time.perf_counter()
+        for rid in [c.request for c in plan.chunks if c.sample]:
+            self.done_at[rid] = now
+        for rid in self.finishing:
+            n = len(sched.by_id[rid].prompt)
+            if not self.streaming:
+                for peer, lo, hi in self.peers:
+                    heads = slice(lo - self.first_head, hi - self.first_head)
+                    self._send(cache.regions[rid][:, :, heads, :n], peer, rid, None, (lo, hi), "pd/kv")
+            token = torch.tensor([sched.by_id[rid].output[0]], dtype=torch.int64, device=cache.device)
+            for peer in self.token_peers:
+                self._send(token, peer, rid, None, (0, 0), "pd/first token")
+        self.finishing = []
+        self._reap(block=False)
+
+    def _send(self, tensor: torch.Tensor, peer: int, rid: int, layer: int | None, heads, site: str) -> None:
+        buf = tensor.contiguous()  # a copy: the request's cache region may be freed before the send completes
+        tag = _token_tag(rid, self.cfg.n_layers) if site == "pd/first token" else _tag(rid, layer, self.cfg.n_layers)
+        posted = time.perf_counter()
+        work = dist.isend(buf, dst=peer, tag=tag)
+        self.pending.append((work, buf, ("send", site, rid, layer, self.rank, peer, heads), posted))
+
+    def _reap(self, block: bool) -> None:
+        keep = []
+        for work, buf, fields, posted in self.pending:
+            if block:
+                work.wait()
+            if block or work.is_completed():
+                self.ledger.transfer(_record(fields, buf, time.perf_counter() - posted))
+            else:
+                keep.append((work, buf, fields, posted))
+        self.pending = keep
+
+    def finish(self) -> None:
+        self._reap(block=True)
+        for h in self.hooks:
+            h.remove()
+
+
+class DecodeSide(EngineHooks):
+    """Receives each handed-over request at its arrival iteration: a cache region filled with its K,V, token 1."""
+
+    def __init__(self, cfg, layout: Layout, rank: int, streaming: bool, ledger: TrafficLedger,
+                 arrivals: list[tuple[int, list[int]]], eos_id: int | None, keep_kv: bool = False):
+        self.cfg, self.layout, self.rank, self.streaming, self.ledger, self.eos_id = \
+            cfg, layout, rank, streaming, ledger, eos_id
+        self.kept: dict[int, torch.Tensor] | None = {} if keep_kv else None  # what was placed, for tests
+        s = rank - layout.prefill_ranks
+        pairs = head_overlaps(cfg.n_heads, layout.prefill_ranks, layout.decode_ranks)
+        self.peers = [(r, lo, hi) for r, s2, lo, hi in pairs if s2 == s]
+        self.token_peer = min(r for r, _, _ in self.peers)
+        self.first_head = s * cfg.n_heads // layout.decode_ranks
+        self.due = sorted(arrivals)  # [(decode iteration, request ids in the prefill side's order)]
+        self.received_at: dict[int, float] = {}
+
+    def before_schedule(self, index: int, sched: Scheduler, cache: KVCache) -> None:
+        while self.due and self.due[0][0] <= index:
+            _, rids = self.due.pop(0)
+            self._receive([sched.by_id[rid] for rid in rids], cache)
+
+    def _receive(self, requests: list[Request], cache: KVCache) -> None:
+        """Post every receive in the order the prefill side sends (per pair), wait, place, record."""
+        L, dh = self.cfg.n_layers, self.cfg.d_head
+        posts = []  # (work, buffer, request, layer, lo, hi, fields, posted)
+
+        def post(buf, src, tag, fields):
+            posts.append((dist.irecv(buf, src=src, tag=tag), buf, fields, time.perf_counter()))
+
+        for r in requests:
+            cache.allocate(r.id, r.capacity)
+        layers = range(L) if self.streaming else [None]
+        order = [(layer, r) for layer in layers for r in requests] if self.streaming else [(None, r) for r in requests]
+        for layer, r in order:
+            n = len(r.prompt)
+            for src, lo, hi in self.peers:
+                shape = (2, hi - lo, n, dh) if self.streaming else (L, 2, hi - lo, n, dh)
+                buf = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+                post(buf, src, _tag(r.id, layer, L), ("recv", "pd/kv", r.id, layer, self.rank, src, (lo, hi)))
+            if not self.streaming:
+                self._post_token(r, post)
+        if self.streaming:
+            for r in requests:
+                self._post_token(r, post)
+        for work, buf, fields, posted in posts:
+            work.wait()
+            self.ledger.transfer(_record(fields, buf, time.perf_counter() - posted))
+            _, site, rid, layer, _, _, (lo, hi) = fields
+            if site == "pd/first token":
+                continue
+            heads, n = slice(lo - self.first_head, hi - self.first_head), buf.shape[-2]
+            if layer is None:
+                cache.regions[rid][:, :, heads, :n] = buf
+            else:
+                cache.regions[rid][layer, :, heads, :n] = buf
+        now = time.perf_counter()
+        if self.kept is not None:
+            for r in requests:
+                self.kept[r.id] = cache.regions[r.id][:, :, :, :len(r.prompt)].clone()
+        for work, buf, fields, _ in posts:
+            if fields[1] == "pd/first token":
+                r = next(q for q in requests if q.id == fields[2])
+                r.output = [int(buf[0])]
+                self.received_at[r.id] = now
+                if r.output[0] == self.eos_id or r.max_new_tokens <= 1:
+                    r.finished = True  # token 1 ended it: nothing to decode
+                    cache.free(r.id)
+
+    def _post_token(self, r: Request, post) -> None:
+        buf = torch.empty(1, dtype=torch.int64, device=self.ledger.device)
+        post(buf, self.token_peer, _token_tag(r.id, self.cfg.n_layers),
+             ("recv", "pd/first token", r.id, None, self.rank, self.token_peer, (0, 0)))
+
+
+def _record(fields: tuple, buf: torch.Tensor, elapsed: float) -> TransferRecord:
+    kind, site, rid, layer, rank, peer, heads = fields
+    return TransferRecord(kind, site, rid, layer, rank, peer, heads, tuple(buf.shape),
+                          str(buf.dtype).removeprefix("torch."), buf.numel() * buf.element_size(), elapsed)
+
+
+@dataclass
+class PDResult:
+    requests: list[dict] = field(default_factory=list)  # per request: ids, and time to token 1 / token 2 in parts
+    transfers: list[dict] = field(default_factory=list)  # every message, from every rank
+    prefill_iterations: list[dict] = field(default_factory=list)
+    decode_iterations: list[dict] = field(default_factory=list)
+    ledger_matches_model: bool = False  # every rank's transfers == predict_transfers, and each side's collectives
+    time_s: float = 0.0
+    kv: dict[int, torch.Tensor] = field(default_factory=dict)  # keep_kv: this decode rank's received K,V
+
+
+def new_groups(layout: Layout) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """The prefill and decode groups; every rank of the world must call this, in the same order."""
+    return (dist.new_group(list(range(layout.prefill_ranks))),
+            dist.new_group(list(range(layout.prefill_ranks, layout.world_size))))
+
+
+@torch.no_grad()
+def serve_pd(dense: DenseLM, world: TPContext, layout: Layout, requests: list[Request], *, chunk_size: int,
+             max_batched_tokens: int, max_running: int | None = None, eos_id: int | None = None, variant: str = "v2",
+             vocab_parallel: bool = True, streaming: bool = True, groups=None, keep_kv: bool = False) -> PDResult:
+    """Serve `requests` with prefill on ranks [0, p_P) and decode on [p_P, p_P + p_D). Every rank of the world
+    calls this with the same arguments (checked first: a mismatch raises PlanMismatch on every rank)."""
+    validate_layout(dense.cfg, layout, world.world_size)
+    settings = [layout.prefill_ranks, layout.decode_ranks, int(streaming), chunk_size, max_batched_tokens,
+                max_running or -1, -1 if eos_id is None else eos_id, len(requests),
+                sum((i + 1) * (r.id + len(r.prompt) * 3 + r.max_new_tokens * 5 + r.arrival * 7 + sum(r.prompt))
+                    for i, r in enumerate(requests))]
+    if not same_on_every_rank(torch.tensor(settings, dtype=torch.float64), world.group):
+        raise PlanMismatch("the prefill and decode ranks got different requests or settings (pd.*, chunk_size, "
+                           "max_batched_tokens, max_running, eos_id): every rank needs the same")
+    prefill_group, decode_group = groups or new_groups(layout)
+    is_prefill = world.rank < layout.prefill_ranks
+    ctx = context(prefill_group if is_prefill else decode_group, world.backend, world.device)
+    lm = shard_lm(dense, variant, ctx.group, vocab_parallel)
+    by_id = {r.id: r for r in requests}
+    schedule = prefill_schedule(requests, chunk_size, max_batched_tokens, max_running)
+    handed = [(index + 1, [rid for rid in done if by_id[rid].max_new_tokens > 1]) for index, done in schedule]
+    handed = [(i, rids) for i, rids in handed if rids]
+    ledger = TrafficLedger(world.world_size, world.device)
+    start = time.perf_counter()
+    if is_prefill:
+        side = PrefillSide(lm, layout, world.rank, streaming, ledger, {rid for _, rids in handed for rid in rids})
+        mine = [Request(r.id, list(r.prompt), 1, r.arrival) for r in requests]
+        engine = Engine(lm, ctx, chunk_size=chunk_size, max_batched_tokens=max_batched_tokens,
+                        max_running=max_running, hooks=side)
+        try:
+            res = engine.run(mine)
+        finally:
+            side.finish()
+        times = {"done_at": side.done_at}
+    else:
+        mine = [Request(rid, list(by_id[rid].prompt), by_id[rid].max_new_tokens, arrival,
+                        computed=len(by_id[rid].prompt)) for arrival, rids in handed for rid in rids]
+        side = DecodeSide(dense.cfg, layout, world.rank, streaming, ledger, handed, eos_id, keep_kv)
+        engine = Engine(lm, ctx, chunk_size=chunk_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
+                        eos_id=eos_id, hooks=side)
+        res = engine.run(mine)
+        times = {"received_at": side.received_at}
+    elapsed = time.perf_counter() - start
+    predicted = predict_transfers(dense.cfg, layout.prefill_ranks, layout.decode_ranks,
+                                  [(rid, len(by_id[rid].prompt)) for _, rids in handed for rid in rids],
+                                  next(lm.parameters()).dtype, streaming, world.rank)
+    seen = [t.transfer() for t in ledger.transfers]
+    local = {"rank": world.rank, "prefill": is_prefill, "started_at": res.started_at, "requests": res.requests,
+             "iterations": res.iterations, "times": times, "transfers": [asdict(t) for t in ledger.transfers],
+             "ok": Counter(seen) == Counter(predicted) and res.ledger_matches_model, "time_s": elapsed}
+    every = [None] * world.world_size
+    dist.all_gather_object(every, local, group=world.group)
+    result = _combine(every, layout, requests)
+    if keep_kv and not is_prefill:
+        result.kv = side.kept
+    return result
+
+
+def _combine(every: list[dict], layout: Layout, requests: list[Request]) -> PDResult:
+    pre, dec = every[0], every[layout.prefill_ranks]
+    pre_req = {r["request"]: r for r in pre["requests"]}
+    dec_req = {r["request"]: r for r in dec["requests"]}
+    out = PDResult(transfers=[t for e in every for t in e["transfers"]], prefill_iterations=pre["iterations"],
+                   decode_iterations=dec["iterations"], ledger_matches_model=all(e["ok"] for e in every),
+                   time_s=max(e["time_s"] for e in every))
+    for r in requests:
+        p = pre_req[r.id]
+        row = {"request": r.id, "prompt_length": len(r.prompt), "max_new_tokens": r.max_new_tokens,
+               "output_ids": p["output_ids"], "logits": p["logits"], "prefill_s": p["ttft_s"], "transfer_s": None,
+               "first_decode_s": None,
+               "kv_bytes": sum(t["bytes"] for t in out.transfers if t["request"] == r.id and t["kind"] == "send"
+                               and t["site"] == "pd/kv")}
+        d = dec_req.get(r.id)
+        if d is not None:
+            row["output_ids"], row["logits"] = d["output_ids"], p["logits"] + d["logits"]
+            received = dec["times"]["received_at"][r.id]
+            row["transfer_s"] = received - pre["times"]["done_at"][r.id]
+            if d["token_times_s"]:
+                row["first_decode_s"] = dec["started_at"] + d["token_times_s"][0] - received
+        out.requests.append(row)
+    return out
