@@ -42,6 +42,7 @@ from serve.engine import Engine, ServeResult
 from serve.kv_cache import kv_bytes_per_token
 from serve.scheduler import Request, Scheduler, SchedulerError
 from tp.dist import ConfigError, context, env_world, same_on_every_rank
+from tp.ledger import ring_bytes_per_rank
 
 ORACLE_AUTO_ROWS = 200_000  # check=auto runs the oracle when it recomputes at most this many rows in all
 NEAR_TIE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 3e-2, torch.float16: 4e-3}  # a top-1/top-2 margin this small (relative) is a near-tie
@@ -312,7 +313,10 @@ def build_pd_report(s: Settings, ctx, result, colocated: list[list[int]], checks
                      - math.gcd(layout.prefill_ranks, layout.decode_ranks),
                      "handed_over_tokens": handed_tokens, "kv_bytes_per_token": k_tok,
                      "total_bytes": total, "total_formula": handed_tokens * k_tok,
-                     "received_per_decode_rank": per_decode, "messages": len(result.transfers)},
+                     "received_per_decode_rank": per_decode, "messages": len(result.transfers),
+                     "agreements": result.agreements,
+                     "agreement_bytes_per_rank": result.agreements * ring_bytes_per_rank(
+                         "all_reduce", 1, layout.decode_ranks, 8)},
         "llama2_7b": llama_table(),
         "prefill_iterations": len(result.prefill_iterations), "decode_iterations": len(result.decode_iterations),
         "time_s": result.time_s,

@@ -82,7 +82,8 @@ def render_pd(r: dict) -> str:
         f"{r['prefill_iterations']} prefill iterations, {r['decode_iterations']} decode iterations",
         "",
         "per request: the prefill group emits token 1 (TTFT = prefill, from arrival); token 2 comes after the",
-        "K,V hand-over (prefill done -> K,V and token 1 placed on the decode ranks) and the first decode iteration:",
+        "hand-over (prefill done -> taken in by the decode group: K,V landed on every decode rank, at its next",
+        "iteration boundary) and the first decode iteration:",
     ]
     rows = []
     for q in r["requests"]:
@@ -103,6 +104,8 @@ def render_pd(r: dict) -> str:
         f"total {kib(t['total_bytes'])} KiB = L_p * K_tok = {t['handed_over_tokens']} tokens x {t['kv_bytes_per_token']} B "
         f"= {kib(t['total_formula'])} KiB ({'equal' if t['total_bytes'] == t['total_formula'] else 'DIFFERENT'}); "
         f"received per decode rank: {per_decode}",
+        f"the decode group agreed on which requests to take in at {t['agreements']} iteration boundaries: as many "
+        f"all-reduces of one int64 count, {t['agreement_bytes_per_rank']:.0f} bytes per decode rank in all",
     ]
     ll = r["llama2_7b"]
     lines += ["", f"the same formula at Llama-2-7B (K_tok = {ll['kv_bytes_per_token']:,} B/token, fp16), a "

@@ -19,18 +19,21 @@ Each group runs the TP stack sharded over itself (its own TPLM) and the engine o
     decode side    each handed-over request arrives with its prompt in the cache and token 1 in its output,
                    and joins the continuous batch as a decode row.
 
-No control messages. Which requests complete their prefill in which prefill iteration depends only on the
-requests and the scheduler settings, so every rank computes it (`prefill_schedule`); a request completed in
-prefill iteration i arrives at decode iteration i + 1. The decode side's receive at that iteration blocks
-until the prefill side has sent: that is what ties the two groups' clocks together. Every message goes
+No control messages cross the groups. Which requests complete their prefill in which prefill iteration depends
+only on the requests and the scheduler settings, so every rank computes it (`prefill_schedule`): the decode ranks
+know what will come, from whom and in which order, and post their receives ahead. A request joins the decode
+batch at the first iteration boundary at which its K,V have landed on every decode rank (★ one all-reduce of a
+count over the decode group per boundary: every decode rank takes in the same requests). Every message goes
 through the traffic ledger (`TrafficLedger.transfers`) and equals tp/traffic_model.predict_transfers.
 Times across the two groups compare time.perf_counter() of processes on one host (CLOCK_MONOTONIC).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -90,6 +93,9 @@ def prefill_schedule(requests: list[Request], chunk_size: int, max_batched_token
         sched.update(plan, {rid: 0 for rid in done})  # max_new_tokens = 1: the token's value changes nothing
         index += 1
     return out
+
+
+HANDOVER = 2**40  # a decode-side request's arrival until the hand-over sets it (Scheduler.arrive)
 
 
 def _tag(request: int, layer: int | None, n_layers: int) -> int:
@@ -177,53 +183,118 @@ class PrefillSide(EngineHooks):
             h.remove()
 
 
-class DecodeSide(EngineHooks):
-    """Receives each handed-over request at its arrival iteration: a cache region filled with its K,V, token 1."""
+@dataclass(eq=False)
+class _Posted:
+    """One prefill iteration's hand-overs, as a decode rank awaits them."""
 
-    def __init__(self, cfg, layout: Layout, rank: int, streaming: bool, ledger: TrafficLedger,
-                 arrivals: list[tuple[int, list[int]]], eos_id: int | None, keep_kv: bool = False):
-        self.cfg, self.layout, self.rank, self.streaming, self.ledger, self.eos_id = \
-            cfg, layout, rank, streaming, ledger, eos_id
+    requests: list[Request]
+    posts: list[tuple]  # (work, buffer, record fields, posted at)
+    landed: threading.Event = field(default_factory=threading.Event)
+    landed_at: float = 0.0
+    error: Exception | None = None
+
+
+class DecodeSide(EngineHooks):
+    """Takes each handed-over request in at an iteration boundary: a cache region filled with its K,V, and token 1.
+
+    Receives are posted ahead (the next `window` groups of requests, a group being those whose prompts complete in
+    one prefill iteration), so K,V land while the decode group computes; a receiver thread waits for them in order.
+    At every iteration boundary each decode rank counts the groups whose messages have all landed here; ★ one all-reduce (min) of that count over the
+    decode group makes every decode rank take in the same groups. With nothing to decode, the ranks first wait
+    for the next group. Nothing depends on timing but *when* a request joins, and all decode ranks agree on that."""
+
+    def __init__(self, cfg, layout: Layout, rank: int, streaming: bool, ledger: TrafficLedger, group,
+                 groups: list[list[int]], eos_id: int | None, keep_kv: bool = False, window: int = 4):
+        self.cfg, self.layout, self.rank, self.streaming, self.ledger, self.group, self.eos_id = \
+            cfg, layout, rank, streaming, ledger, group, eos_id
         self.kept: dict[int, torch.Tensor] | None = {} if keep_kv else None  # what was placed, for tests
         s = rank - layout.prefill_ranks
         pairs = head_overlaps(cfg.n_heads, layout.prefill_ranks, layout.decode_ranks)
         self.peers = [(r, lo, hi) for r, s2, lo, hi in pairs if s2 == s]
         self.token_peer = min(r for r, _, _ in self.peers)
         self.first_head = s * cfg.n_heads // layout.decode_ranks
-        self.due = sorted(arrivals)  # [(decode iteration, request ids in the prefill side's order)]
+        self.upcoming = deque(groups)  # request ids in the prefill side's order, one list per prefill iteration
+        self.posted: deque[_Posted] = deque()
+        self.window = window
+        self.queue: queue.Queue[_Posted | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._wait_in_order, name="pd-receiver", daemon=True)
+        self.thread.start()
         self.received_at: dict[int, float] = {}
+        self.agreements = 0  # all-reduces over the decode group (one per iteration boundary)
 
     def before_schedule(self, index: int, sched: Scheduler, cache: KVCache) -> None:
-        while self.due and self.due[0][0] <= index:
-            _, rids = self.due.pop(0)
-            self._receive([sched.by_id[rid] for rid in rids], cache)
+        self._post_ahead(sched, cache)
+        landed = 0
+        for group in self.posted:
+            if not group.landed.is_set():
+                break
+            landed += 1
+        if landed == 0 and self.posted and not sched.running and not sched.waiting:  # idle: wait for the next group
+            self.posted[0].landed.wait()
+            landed = 1
+        if self.posted:
+            count = torch.tensor([landed], dtype=torch.int64, device=cache.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.group)  # ★ every decode rank takes the same
+            self.agreements += 1
+            for _ in range(int(count)):
+                self._place(self.posted.popleft(), cache, sched, index)
+        self._post_ahead(sched, cache)
 
-    def _receive(self, requests: list[Request], cache: KVCache) -> None:
-        """Post every receive in the order the prefill side sends (per pair), wait, place, record."""
+    def _wait_in_order(self) -> None:
+        """The receiver thread: waits for each posted group's messages in turn and marks the group landed (a
+        gloo work reports completion only to wait(), so the main thread cannot poll it)."""
+        while (group := self.queue.get()) is not None:
+            try:
+                for work, *_ in group.posts:
+                    work.wait()
+            except Exception as exc:  # the peer died, or the process group timed out: re-raised in the main thread
+                group.error = exc
+            group.landed_at = time.perf_counter()
+            group.landed.set()
+
+    def finish(self, join: bool = True) -> None:
+        """Stop the receiver thread; join=False after a failure (it may wait for messages that never come: it is
+        a daemon thread and dies with the process)."""
+        self.queue.put(None)
+        if join:
+            self.thread.join()
+
+    def _post_ahead(self, sched: Scheduler, cache: KVCache) -> None:
+        """Post the receives of the next groups, in the order the prefill side sends them (per pair)."""
         L, dh = self.cfg.n_layers, self.cfg.d_head
-        posts = []  # (work, buffer, request, layer, lo, hi, fields, posted)
+        while self.upcoming and len(self.posted) < self.window:
+            requests = [sched.by_id[rid] for rid in self.upcoming.popleft()]
+            posts = []
 
-        def post(buf, src, tag, fields):
-            posts.append((dist.irecv(buf, src=src, tag=tag), buf, fields, time.perf_counter()))
+            def post(buf, src, tag, fields):
+                posts.append((dist.irecv(buf, src=src, tag=tag), buf, fields, time.perf_counter()))
 
-        for r in requests:
-            cache.allocate(r.id, r.capacity)
-        layers = range(L) if self.streaming else [None]
-        order = [(layer, r) for layer in layers for r in requests] if self.streaming else [(None, r) for r in requests]
-        for layer, r in order:
-            n = len(r.prompt)
-            for src, lo, hi in self.peers:
-                shape = (2, hi - lo, n, dh) if self.streaming else (L, 2, hi - lo, n, dh)
-                buf = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-                post(buf, src, _tag(r.id, layer, L), ("recv", "pd/kv", r.id, layer, self.rank, src, (lo, hi)))
-            if not self.streaming:
-                self._post_token(r, post)
-        if self.streaming:
             for r in requests:
-                self._post_token(r, post)
+                cache.allocate(r.id, r.capacity)
+            layers = range(L) if self.streaming else [None]
+            order = [(layer, r) for layer in layers for r in requests] if self.streaming else [(None, r) for r in requests]
+            for layer, r in order:
+                n = len(r.prompt)
+                for src, lo, hi in self.peers:
+                    shape = (2, hi - lo, n, dh) if self.streaming else (L, 2, hi - lo, n, dh)
+                    buf = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+                    post(buf, src, _tag(r.id, layer, L), ("recv", "pd/kv", r.id, layer, self.rank, src, (lo, hi)))
+                if not self.streaming:
+                    self._post_token(r, post, cache.device)
+            if self.streaming:
+                for r in requests:
+                    self._post_token(r, post, cache.device)
+            group = _Posted(requests, posts)
+            self.posted.append(group)
+            self.queue.put(group)
+
+    def _place(self, group: "_Posted", cache: KVCache, sched: Scheduler, index: int) -> None:
+        if group.error is not None:
+            raise RuntimeError(f"receiving requests {[r.id for r in group.requests]} from the prefill group failed: "
+                               f"{group.error}") from group.error
+        requests, posts = group.requests, group.posts
         for work, buf, fields, posted in posts:
-            work.wait()
-            self.ledger.transfer(_record(fields, buf, time.perf_counter() - posted))
+            self.ledger.transfer(_record(fields, buf, group.landed_at - posted))
             _, site, rid, layer, _, _, (lo, hi) = fields
             if site == "pd/first token":
                 continue
@@ -233,20 +304,21 @@ class DecodeSide(EngineHooks):
             else:
                 cache.regions[rid][layer, :, heads, :n] = buf
         now = time.perf_counter()
-        if self.kept is not None:
-            for r in requests:
-                self.kept[r.id] = cache.regions[r.id][:, :, :, :len(r.prompt)].clone()
         for work, buf, fields, _ in posts:
-            if fields[1] == "pd/first token":
-                r = next(q for q in requests if q.id == fields[2])
-                r.output = [int(buf[0])]
-                self.received_at[r.id] = now
-                if r.output[0] == self.eos_id or r.max_new_tokens <= 1:
-                    r.finished = True  # token 1 ended it: nothing to decode
-                    cache.free(r.id)
+            if fields[1] != "pd/first token":
+                continue
+            r = next(q for q in requests if q.id == fields[2])
+            if self.kept is not None:
+                self.kept[r.id] = cache.regions[r.id][:, :, :, :len(r.prompt)].clone()
+            r.output = [int(buf[0])]
+            self.received_at[r.id] = now
+            if r.output[0] == self.eos_id or r.max_new_tokens <= 1:
+                r.finished = True  # token 1 ended it: nothing to decode
+                cache.free(r.id)
+            sched.arrive(r.id, index)
 
-    def _post_token(self, r: Request, post) -> None:
-        buf = torch.empty(1, dtype=torch.int64, device=self.ledger.device)
+    def _post_token(self, r: Request, post, device) -> None:
+        buf = torch.empty(1, dtype=torch.int64, device=device)
         post(buf, self.token_peer, _token_tag(r.id, self.cfg.n_layers),
              ("recv", "pd/first token", r.id, None, self.rank, self.token_peer, (0, 0)))
 
@@ -266,6 +338,7 @@ class PDResult:
     ledger_matches_model: bool = False  # every rank's transfers == predict_transfers, and each side's collectives
     time_s: float = 0.0
     kv: dict[int, torch.Tensor] = field(default_factory=dict)  # keep_kv: this decode rank's received K,V
+    agreements: int = 0  # the decode group's all-reduces of one int64 count, one per iteration boundary
 
 
 def new_groups(layout: Layout) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -294,12 +367,11 @@ def serve_pd(dense: DenseLM, world: TPContext, layout: Layout, requests: list[Re
     lm = shard_lm(dense, variant, ctx.group, vocab_parallel)
     by_id = {r.id: r for r in requests}
     schedule = prefill_schedule(requests, chunk_size, max_batched_tokens, max_running)
-    handed = [(index + 1, [rid for rid in done if by_id[rid].max_new_tokens > 1]) for index, done in schedule]
-    handed = [(i, rids) for i, rids in handed if rids]
+    handed = [rids for rids in ([rid for rid in done if by_id[rid].max_new_tokens > 1] for _, done in schedule) if rids]
     ledger = TrafficLedger(world.world_size, world.device)
     start = time.perf_counter()
     if is_prefill:
-        side = PrefillSide(lm, layout, world.rank, streaming, ledger, {rid for _, rids in handed for rid in rids})
+        side = PrefillSide(lm, layout, world.rank, streaming, ledger, {rid for rids in handed for rid in rids})
         mine = [Request(r.id, list(r.prompt), 1, r.arrival) for r in requests]
         engine = Engine(lm, ctx, chunk_size=chunk_size, max_batched_tokens=max_batched_tokens,
                         max_running=max_running, hooks=side)
@@ -309,16 +381,21 @@ def serve_pd(dense: DenseLM, world: TPContext, layout: Layout, requests: list[Re
             side.finish()
         times = {"done_at": side.done_at}
     else:
-        mine = [Request(rid, list(by_id[rid].prompt), by_id[rid].max_new_tokens, arrival,
-                        computed=len(by_id[rid].prompt)) for arrival, rids in handed for rid in rids]
-        side = DecodeSide(dense.cfg, layout, world.rank, streaming, ledger, handed, eos_id, keep_kv)
+        mine = [Request(rid, list(by_id[rid].prompt), by_id[rid].max_new_tokens, HANDOVER,
+                        computed=len(by_id[rid].prompt)) for rids in handed for rid in rids]
+        side = DecodeSide(dense.cfg, layout, world.rank, streaming, ledger, ctx.group, handed, eos_id, keep_kv)
         engine = Engine(lm, ctx, chunk_size=chunk_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
                         eos_id=eos_id, hooks=side)
-        res = engine.run(mine)
-        times = {"received_at": side.received_at}
+        try:
+            res = engine.run(mine)
+        except BaseException:
+            side.finish(join=False)
+            raise
+        side.finish()
+        times = {"received_at": side.received_at, "agreements": side.agreements}
     elapsed = time.perf_counter() - start
     predicted = predict_transfers(dense.cfg, layout.prefill_ranks, layout.decode_ranks,
-                                  [(rid, len(by_id[rid].prompt)) for _, rids in handed for rid in rids],
+                                  [(rid, len(by_id[rid].prompt)) for rids in handed for rid in rids],
                                   next(lm.parameters()).dtype, streaming, world.rank)
     seen = [t.transfer() for t in ledger.transfers]
     local = {"rank": world.rank, "prefill": is_prefill, "started_at": res.started_at, "requests": res.requests,
@@ -338,7 +415,7 @@ def _combine(every: list[dict], layout: Layout, requests: list[Request]) -> PDRe
     dec_req = {r["request"]: r for r in dec["requests"]}
     out = PDResult(transfers=[t for e in every for t in e["transfers"]], prefill_iterations=pre["iterations"],
                    decode_iterations=dec["iterations"], ledger_matches_model=all(e["ok"] for e in every),
-                   time_s=max(e["time_s"] for e in every))
+                   time_s=max(e["time_s"] for e in every), agreements=dec["times"]["agreements"])
     for r in requests:
         p = pre_req[r.id]
         row = {"request": r.id, "prompt_length": len(r.prompt), "max_new_tokens": r.max_new_tokens,

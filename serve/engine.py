@@ -90,10 +90,10 @@ class Engine:
         index = 0
         while sched.has_work():
             t0 = time.perf_counter()
+            self.hooks.before_schedule(index, sched, self.cache)
             for r in requests:
                 if r.arrival <= index and r.id not in arrived_at:
                     arrived_at[r.id] = t0
-            self.hooks.before_schedule(index, sched, self.cache)
             plan = sched.schedule(index)
             if plan is None:  # nothing running, the next request arrives later: skip ahead, no forward
                 index = sched.next_arrival() if sched.next_arrival() is not None else index  # None: all finished

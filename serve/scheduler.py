@@ -90,6 +90,15 @@ class Scheduler:
     def next_arrival(self) -> int | None:
         return self.pending[0].arrival if self.pending else None
 
+    def arrive(self, request_id: int, index: int) -> None:
+        """A pending request arrives now, at iteration `index`, whatever its planned arrival was (a decode side
+        takes a request in when its hand-over completes); a finished one just leaves the pending queue."""
+        r = self.by_id[request_id]
+        self.pending.remove(r)
+        r.arrival = index
+        if not r.finished:
+            self.waiting.append(r)
+
     def schedule(self, index: int) -> IterationPlan | None:
         """The plan of iteration `index`; None when nothing has arrived yet and nothing runs."""
         while self.pending and self.pending[0].arrival <= index:
