@@ -80,7 +80,8 @@ def stall_section(runs: dict[int, dict]) -> list[str]:
                          f"{r['decoder_worst_tbt_s'] / base['decoder_worst_tbt_s']:.3f} | "
                          f"{r['decoder_p99_tbt_s'] / base['decoder_p99_tbt_s']:.3f} | "
                          f"{r['long_ttft_s'] / base['long_ttft_s']:.2f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f} | "
-                         f"{r['cache_rows_reread']:,.0f} | {r['reread_formula']:,.0f} |")
+                         f"{r['cache_rows_reread']:,.0f} | "
+                         f"{'-' if r['config'] == 'unchunked' else format(r['reread_formula'], ',.0f')} |")
     lines += ["", "The p99 equals the worst: the 8 decoders stall in the same iterations, so the top 1% of their",
               "gaps are the same stall seen 8 times. Chunking trades the stall for the long prompt's TTFT",
               "(more iterations, each re-reading its prefix); throughput barely moves.", ""]
@@ -102,7 +103,8 @@ def hf_section(runs: dict[int, dict]) -> list[str]:
              "`GPT2LMHeadModel.generate` (greedy,",
              "SDPA attention, EOS off) over static batches in request order, left-padded with an attention mask, each",
              "batch run to its largest max_new_tokens; on rank 0 with as many threads as all the engine's ranks",
-             "together (each rank runs one thread).",
+             f"together (each rank runs {next(r for r in runs.values() if 'hf' in r).get('threads_per_rank', 1)} "
+             "thread(s)).",
              "Tokens/s counts the tokens asked for (Σ max_new_tokens); rows computed count every row a forward",
              "pushes through the blocks, padding and finished requests included.", "",
              "| p | run | tokens/s ÷ transformers' best | forwards | rows computed ÷ useful rows | time per forward ÷ engine's | "

@@ -89,6 +89,9 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     tp_sizes = None if layout is None else {"pd.prefill_ranks": layout.prefill_ranks,
                                             "pd.decode_ranks": layout.decode_ranks}
     common = common_settings(cfg, world_size, local_world_size, lm=True, tp_sizes=tp_sizes)
+    if layout is not None and common["backend"] == "gloo" and common["device"] == "cuda":
+        raise ConfigError("pd with backend gloo needs device=cpu: gloo's point-to-point messages take CPU tensors "
+                          "(on GPUs use backend=nccl)")
     model = common["model"]
     variant = str(cfg.variant)
     if variant not in SERVING_VARIANTS:

@@ -30,6 +30,7 @@ Times across the two groups compare time.perf_counter() of processes on one host
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -107,6 +108,46 @@ def _token_tag(request: int, n_layers: int) -> int:
     return request * (n_layers + 2) + n_layers + 1
 
 
+class _Waiter:
+    """A thread that waits for point-to-point works in the order they were posted, then calls done(error).
+
+    The serving loop cannot poll them itself: a gloo work reports completion only to wait(), and NCCL's wait()
+    only makes the calling thread's current CUDA stream wait, so on a GPU this thread waits on a stream of its
+    own and synchronizes it. A daemon thread: after a failure nobody joins it, and it dies with the process."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="pd-waiter", daemon=True)
+        self.thread.start()
+
+    def submit(self, works: list, done) -> None:
+        self.queue.put((works, done))
+
+    def _run(self) -> None:
+        stream = None
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            stream = torch.cuda.Stream()
+        while (item := self.queue.get()) is not None:
+            works, done = item
+            error = None
+            try:
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    for work in works:
+                        work.wait()
+                if stream is not None:
+                    stream.synchronize()
+            except Exception as exc:  # the peer died, or the process group timed out
+                error = exc
+            done(error)
+
+    def close(self, join: bool = True) -> None:
+        self.queue.put(None)
+        if join:
+            self.thread.join()
+
+
 class PrefillSide(EngineHooks):
     """Sends each completed prompt's K,V (its own heads' share to each overlapping decode rank) and token 1."""
 
@@ -124,7 +165,8 @@ class PrefillSide(EngineHooks):
         self.cache: KVCache | None = None
         self.sched: Scheduler | None = None
         self.finishing: list[int] = []
-        self.pending: list[tuple] = []  # (work, buffer, record fields, posted at)
+        self.waiter = _Waiter(next(lm.parameters()).device)  # records each send once it completes
+        self.error: Exception | None = None
         self.done_at: dict[int, float] = {}
         self.hooks = [block.register_forward_hook(lambda m, a, o, i=i: self._layer_done(i))
                       for i, block in enumerate(lm.stack.blocks)] if streaming else []
@@ -157,30 +199,29 @@ class PrefillSide(EngineHooks):
             for peer in self.token_peers:
                 self._send(token, peer, rid, None, (0, 0), "pd/first token")
         self.finishing = []
-        self._reap(block=False)
 
     def _send(self, tensor: torch.Tensor, peer: int, rid: int, layer: int | None, heads, site: str) -> None:
-        buf = tensor.contiguous()  # a copy: the request's cache region may be freed before the send completes
+        buf = tensor.contiguous()  # the message's own memory (a view when already contiguous): held until it is sent
         tag = _token_tag(rid, self.cfg.n_layers) if site == "pd/first token" else _tag(rid, layer, self.cfg.n_layers)
+        fields = ("send", site, rid, layer, self.rank, peer, heads)
         posted = time.perf_counter()
         work = dist.isend(buf, dst=peer, tag=tag)
-        self.pending.append((work, buf, ("send", site, rid, layer, self.rank, peer, heads), posted))
 
-    def _reap(self, block: bool) -> None:
-        keep = []
-        for work, buf, fields, posted in self.pending:
-            if block:
-                work.wait()
-            if block or work.is_completed():
-                self.ledger.transfer(_record(fields, buf, time.perf_counter() - posted))
+        def done(error):
+            if error is not None:
+                self.error = self.error or error
             else:
-                keep.append((work, buf, fields, posted))
-        self.pending = keep
+                self.ledger.transfer(_record(fields, buf, time.perf_counter() - posted))
 
-    def finish(self) -> None:
-        self._reap(block=True)
+        self.waiter.submit([work], done)
+
+    def finish(self, join: bool = True) -> None:
+        """Wait for every send (join=False after a failure: return at once, the error that stopped us stands)."""
+        self.waiter.close(join)
         for h in self.hooks:
             h.remove()
+        if join and self.error is not None:
+            raise RuntimeError(f"sending K,V to the decode group failed: {self.error}") from self.error
 
 
 @dataclass(eq=False)
@@ -193,12 +234,17 @@ class _Posted:
     landed_at: float = 0.0
     error: Exception | None = None
 
+    def done(self, error: Exception | None) -> None:  # called by the receiver thread
+        self.error, self.landed_at = error, time.perf_counter()
+        self.landed.set()
+
 
 class DecodeSide(EngineHooks):
     """Takes each handed-over request in at an iteration boundary: a cache region filled with its K,V, and token 1.
 
     Receives are posted ahead (the next `window` groups of requests, a group being those whose prompts complete in
     one prefill iteration), so K,V land while the decode group computes; a receiver thread waits for them in order.
+    A request's cache region is allocated when its receives are posted: the KV peak counts the groups ahead.
     At every iteration boundary each decode rank counts the groups whose messages have all landed here; ★ one all-reduce (min) of that count over the
     decode group makes every decode rank take in the same groups. With nothing to decode, the ranks first wait
     for the next group. Nothing depends on timing but *when* a request joins, and all decode ranks agree on that."""
@@ -216,48 +262,37 @@ class DecodeSide(EngineHooks):
         self.upcoming = deque(groups)  # request ids in the prefill side's order, one list per prefill iteration
         self.posted: deque[_Posted] = deque()
         self.window = window
-        self.queue: queue.Queue[_Posted | None] = queue.Queue()
-        self.thread = threading.Thread(target=self._wait_in_order, name="pd-receiver", daemon=True)
-        self.thread.start()
+        self.waiter: _Waiter | None = None  # started with the first receives, on the cache's device
         self.received_at: dict[int, float] = {}
         self.agreements = 0  # all-reduces over the decode group (one per iteration boundary)
 
     def before_schedule(self, index: int, sched: Scheduler, cache: KVCache) -> None:
-        self._post_ahead(sched, cache)
-        landed = 0
-        for group in self.posted:
-            if not group.landed.is_set():
-                break
-            landed += 1
-        if landed == 0 and self.posted and not sched.running and not sched.waiting:  # idle: wait for the next group
-            self.posted[0].landed.wait()
-            landed = 1
-        if self.posted:
+        while True:
+            self._post_ahead(sched, cache)
+            if not self.posted:
+                return  # everything handed over has been taken in
+            idle = not sched.running and not sched.waiting
+            landed = 0
+            for group in self.posted:
+                if not group.landed.is_set():
+                    break
+                landed += 1
+            if landed == 0 and idle:  # nothing to decode: wait for the next group
+                self.posted[0].landed.wait()
+                landed = 1
             count = torch.tensor([landed], dtype=torch.int64, device=cache.device)
             dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.group)  # ★ every decode rank takes the same
             self.agreements += 1
             for _ in range(int(count)):
                 self._place(self.posted.popleft(), cache, sched, index)
-        self._post_ahead(sched, cache)
-
-    def _wait_in_order(self) -> None:
-        """The receiver thread: waits for each posted group's messages in turn and marks the group landed (a
-        gloo work reports completion only to wait(), so the main thread cannot poll it)."""
-        while (group := self.queue.get()) is not None:
-            try:
-                for work, *_ in group.posts:
-                    work.wait()
-            except Exception as exc:  # the peer died, or the process group timed out: re-raised in the main thread
-                group.error = exc
-            group.landed_at = time.perf_counter()
-            group.landed.set()
+            if sched.running or sched.waiting:
+                return
+            # still idle: everything just taken in ended at token 1 (eos_id); the ranks agree on that too
 
     def finish(self, join: bool = True) -> None:
-        """Stop the receiver thread; join=False after a failure (it may wait for messages that never come: it is
-        a daemon thread and dies with the process)."""
-        self.queue.put(None)
-        if join:
-            self.thread.join()
+        """Stop the receiver thread (join=False after a failure: it may wait for messages that never come)."""
+        if self.waiter is not None:
+            self.waiter.close(join)
 
     def _post_ahead(self, sched: Scheduler, cache: KVCache) -> None:
         """Post the receives of the next groups, in the order the prefill side sends them (per pair)."""
@@ -286,7 +321,9 @@ class DecodeSide(EngineHooks):
                     self._post_token(r, post, cache.device)
             group = _Posted(requests, posts)
             self.posted.append(group)
-            self.queue.put(group)
+            if self.waiter is None:
+                self.waiter = _Waiter(cache.device)
+            self.waiter.submit([work for work, *_ in posts], group.done)
 
     def _place(self, group: "_Posted", cache: KVCache, sched: Scheduler, index: int) -> None:
         if group.error is not None:
@@ -303,7 +340,6 @@ class DecodeSide(EngineHooks):
                 cache.regions[rid][:, :, heads, :n] = buf
             else:
                 cache.regions[rid][layer, :, heads, :n] = buf
-        now = time.perf_counter()
         for work, buf, fields, _ in posts:
             if fields[1] != "pd/first token":
                 continue
@@ -311,7 +347,7 @@ class DecodeSide(EngineHooks):
             if self.kept is not None:
                 self.kept[r.id] = cache.regions[r.id][:, :, :, :len(r.prompt)].clone()
             r.output = [int(buf[0])]
-            self.received_at[r.id] = now
+            self.received_at[r.id] = time.perf_counter()
             if r.output[0] == self.eos_id or r.max_new_tokens <= 1:
                 r.finished = True  # token 1 ended it: nothing to decode
                 cache.free(r.id)
@@ -377,8 +413,10 @@ def serve_pd(dense: DenseLM, world: TPContext, layout: Layout, requests: list[Re
                         max_running=max_running, hooks=side)
         try:
             res = engine.run(mine)
-        finally:
-            side.finish()
+        except BaseException:
+            side.finish(join=False)
+            raise
+        side.finish()
         times = {"done_at": side.done_at}
     else:
         mine = [Request(rid, list(by_id[rid].prompt), by_id[rid].max_new_tokens, HANDOVER,

@@ -156,3 +156,21 @@ def test_requests_arriving_with_their_prompt_cached_join_as_decodes():
     assert sched.schedule(0) is None and sched.next_arrival() == 2
     plan = sched.schedule(2)
     assert plan.admitted == (0,) and [(c.triple, c.decode, c.sample) for c in plan.chunks] == [((3, 4, 4), True, True)]
+
+
+def eos_groups(ctx):
+    """The decode group is idle when a group arrives whose every request ends at token 1: it must wait for the
+    next group (not treat every pending request as arrived)."""
+    dense = dense_lm()
+    gen = torch.Generator().manual_seed(11)
+    p, q = (torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in (7, 9))
+    eos = greedy_reference(dense, p, 1).ids[0]
+    reqs = [Request(0, p, 5, 0), Request(1, p, 5, 1), Request(2, q, 5, 2), Request(3, p, 4, 3)]
+    res = serve_pd(dense, ctx, Layout(1, 1), reqs, chunk_size=16, max_batched_tokens=16, eos_id=eos)
+    want = [greedy_reference(dense, r.prompt, r.max_new_tokens, eos).ids for r in reqs]
+    return [r["output_ids"] for r in res.requests], want, eos
+
+
+def test_groups_that_end_at_token_one_leave_the_decode_group_waiting_for_the_next():
+    got, want, eos = run_ranks(2, eos_groups)[0]
+    assert got == want and got[0] == [eos] and got[1] == [eos] and len(got[2]) == 5
