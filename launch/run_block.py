@@ -49,6 +49,9 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     """Every check that needs no communication. Raises ConfigError; identical on every rank."""
     common = common_settings(cfg, world_size, local_world_size)
     model, dtype = common["model"], common["dtype"]
+    if not isinstance(model, ModelConfig):
+        raise ConfigError("run_block checks GPT-2 blocks; Llama-family models (model.family=llama) are served by "
+                          "launch/serve.py, and their TP blocks are checked by tests/test_llama.py")
     lengths = request_lengths(cfg, model, common["seed"])
     variants = parse_variants(OmegaConf.to_container(cfg.variants) if OmegaConf.is_list(cfg.variants) else cfg.variants)
     validate_variants(model, world_size, variants)

@@ -36,6 +36,7 @@ from launch.settings import (LaunchSettings, boolean, common_settings, exit_on_u
 from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.dense import init_weights, weights_checksum
 from layers.hf_gpt2 import load_lm
+from layers.llama import DenseLlamaLM, LlamaConfig, shard_llama_lm
 from layers.lm import DenseLM, greedy_reference, shard_lm
 from serve.disagg import Layout, new_groups, serve_pd
 from serve.engine import Engine, ServeResult
@@ -94,6 +95,12 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
                           "(on GPUs use backend=nccl)")
     model = common["model"]
     variant = str(cfg.variant)
+    if isinstance(model, LlamaConfig):
+        if variant != "v2" or not boolean(cfg, "vocab_parallel") or layout is not None:
+            raise ConfigError("Llama-family models are served with variant=v2, vocab_parallel=true and without pd.* "
+                              "so far")
+        if cfg.hf_checkpoint is not None:
+            raise ConfigError("hf_checkpoint reads GPT-2 checkpoints only so far")
     if variant not in SERVING_VARIANTS:
         raise ConfigError(f"unknown variant {variant!r} for serving; choose v2 or v1 "
                           f"(intra_head is a one-forward counterfactual, see run_block)")
@@ -187,8 +194,9 @@ def oracle_rows(requests: list[Request]) -> int:
 # ---- what every rank does ---------------------------------------------------------------------
 
 
-def build(s: Settings, ctx) -> DenseLM:
-    dense = DenseLM(s.model, s.dtype, ctx.device)
+def build(s: Settings, ctx) -> DenseLM | DenseLlamaLM:
+    llama = isinstance(s.model, LlamaConfig)
+    dense = (DenseLlamaLM if llama else DenseLM)(s.model, s.dtype, ctx.device)
     if s.weights is not None:
         try:
             load_lm(dense, s.weights)
@@ -241,7 +249,10 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     if s.pd is not None:
         return serve_disaggregated(s, out_dir, ctx)
     dense = build(s, ctx)
-    lm = shard_lm(dense, s.variant, ctx.group, s.vocab_parallel)
+    if isinstance(s.model, LlamaConfig):
+        lm = shard_llama_lm(dense, ctx.group)
+    else:
+        lm = shard_lm(dense, s.variant, ctx.group, s.vocab_parallel)
     if not s.check:
         del dense
     engine = Engine(lm, ctx, chunk_size=s.chunk_size, max_batched_tokens=s.max_batched_tokens,
@@ -251,6 +262,7 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     checks = oracle_check(dense, s, result, ctx) if s.check else None
     report = build_report(s, ctx, result, checks)
     report["embedding_bytes_per_rank"] = lm.embed.weight.numel() * lm.embed.weight.element_size()
+    report["lm_head_tied"] = not isinstance(s.model, LlamaConfig)  # Llama: a separate head of the same size
     publish(report, render, out_dir / s.report, ctx)
     return 0 if report["ledger_matches_model"] and report["check"]["ok"] in (True, None) else 1
 
@@ -357,7 +369,7 @@ class Progress:
 
 def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | None) -> dict:
     p, m = ctx.world_size, s.model
-    dense_per_token = kv_bytes_per_token(m.n_layers, m.n_heads, m.d_head, s.dtype)
+    dense_per_token = kv_bytes_per_token(m.n_layers, getattr(m, "n_kv_heads", m.n_heads), m.d_head, s.dtype)
     requests = result.requests
     if checks is not None:
         for req, chk in zip(requests, checks):

@@ -48,8 +48,10 @@ def render(r: dict) -> str:
         f"({t['tokens_per_s']:.1f} tokens/s); {t['mixed_iterations']} iterations mixed prompt chunks and decodes",
         f"KV cache per rank: {kv['bytes_per_token_per_rank']} bytes per token (dense {kv['bytes_per_token_dense']}, "
         f"ratio {kv['ratio_to_dense']:.4f} = 1/{round(1 / kv['ratio_to_dense'])}); "
-        f"peak {kib(kv['peak_bytes_per_rank'])} KiB; token embedding = LM head: "
-        f"{kib(r['embedding_bytes_per_rank'])} KiB per rank ({'vocab-parallel' if c['vocab_parallel'] else 'replicated'})",
+        f"peak {kib(kv['peak_bytes_per_rank'])} KiB; token embedding "
+        f"{'= LM head' if r.get('lm_head_tied', True) else 'and the (untied) LM head'}: "
+        f"{kib(r['embedding_bytes_per_rank'])} KiB per rank{'' if r.get('lm_head_tied', True) else ' each'} "
+        f"({'vocab-parallel' if c['vocab_parallel'] else 'replicated'})",
         f"traffic: {t['collectives']} collectives, {kib(t['bytes_per_rank'])} KiB sent per rank; "
         f"ledger matches model in every iteration: {str(r['ledger_matches_model']).lower()}",
     ]

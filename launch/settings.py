@@ -18,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from layers.config import ModelConfig, parse_dtype, validate_model
+from layers.llama import LlamaConfig, validate_llama
 from layers.hf_gpt2 import check_state, read_config, read_state
 from tp.dist import ConfigError, env_world, init_from_env, resolve_backend, resolve_device, shutdown
 
@@ -63,22 +64,26 @@ def parse_model(cfg: DictConfig, world_size: int,
                 tp_sizes: dict[str, int] | None = None) -> tuple[ModelConfig, str, str | None]:
     """(model, its preset name, hf_checkpoint): `model.*` settings, or a GPT-2 checkpoint's config.json."""
     fields = OmegaConf.to_container(cfg.model, resolve=True)
+    family = fields.pop("family", "gpt2")
+    if family not in ("gpt2", "llama"):
+        raise ConfigError(f"model.family={family!r}: choose gpt2 or llama")
     for key, value in fields.items():
-        if key != "ln_eps" and (isinstance(value, bool) or not isinstance(value, int)):
+        if key not in ("ln_eps", "norm_eps", "rope_theta") and (isinstance(value, bool) or not isinstance(value, int)):
             raise ConfigError(f"model.{key}={value!r} must be an integer")
     try:
-        model = ModelConfig(**fields)
+        model = (LlamaConfig if family == "llama" else ModelConfig)(**fields)
     except TypeError as exc:
         raise ConfigError(f"bad model settings: {exc}") from None
     model_name = HydraConfig.get().runtime.choices.get("model", "custom") if HydraConfig.initialized() else "custom"
     hf_checkpoint = None if cfg.hf_checkpoint is None else str(cfg.hf_checkpoint)
     if hf_checkpoint is not None:
         model, model_name = read_config(hf_checkpoint), "hf"
+    validate = validate_llama if isinstance(model, LlamaConfig) else validate_model
     if tp_sizes is None:
-        validate_model(model, world_size)
+        validate(model, world_size)
     for name, p in (tp_sizes or {}).items():
         try:
-            validate_model(model, p)
+            validate(model, p)
         except ConfigError as exc:
             raise ConfigError(f"{name}={p}: {exc}") from None
     return model, model_name, hf_checkpoint

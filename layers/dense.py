@@ -83,7 +83,7 @@ def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> nn.Module:
     """
     gen = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
-        if ".ln_" in f".{name}":
+        if ".ln_" in f".{name}" or "norm." in name:  # GPT-2's LayerNorms, Llama's RMSNorms (layers/llama.py)
             base = 1.0 if name.endswith("weight") else 0.0
             values = base + 0.1 * torch.randn(param.shape, generator=gen, dtype=torch.float64)
         else:

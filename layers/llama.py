@@ -143,7 +143,7 @@ class DenseLlamaBlock(nn.Module):
         q = rope(rearrange(self.q(h), "n (h d) -> n h d", d=c.d_head), positions, c.rope_theta)
         k = rope(rearrange(self.k(h), "n (h d) -> n h d", d=c.d_head), positions, c.rope_theta)
         v = rearrange(self.v(h), "n (h d) -> n h d", d=c.d_head)
-        x = x + self.o(gqa_attention(q, k, v, spans))
+        x = x + self.o(_attend(q, k, v, spans))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
@@ -175,7 +175,7 @@ class TPLlamaBlock(nn.Module):
         q = rope(rearrange(q, "n (h d) -> n h d", d=c.d_head), positions, c.rope_theta)
         k = rope(rearrange(k, "n (h d) -> n h d", d=c.d_head), positions, c.rope_theta)
         v = rearrange(v, "n (h d) -> n h d", d=c.d_head)
-        x = x + self.o(gqa_attention(q, k, v, spans))  # ★ all-reduce #1: partial [n, d] summed over ranks
+        x = x + self.o(_attend(q, k, v, spans))  # ★ all-reduce #1: partial [n, d] summed over ranks
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)  # this rank's f/p columns of each
         return x + self.down(F.silu(gate) * up)  # ★ all-reduce #2: partial [n, d] summed over ranks
 
@@ -211,3 +211,110 @@ def load_hf_llama_block(block: DenseLlamaBlock, state: dict[str, torch.Tensor], 
         block.gate_up.weight.copy_(torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]))
         block.down.weight.copy_(g("mlp.down_proj.weight"))
     return block
+
+
+# ---- serving: cached attention, the language model (dense oracle and TP) ----------------------------------------
+
+
+def cached_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch) -> torch.Tensor:
+    """Serving (layers/attention.CachedRequests): write each request's new K,V [rows, hkv, dh] into its cache
+    [2, hkv, capacity, dh] at [q_start, q_end), then attend over keys [0, q_end) with the prefix-causal mask."""
+    from layers.attention import prefix_causal_mask
+
+    group = q.shape[1] // k.shape[1]
+    outs = []
+    for (s, e), q_start, cache in zip(batch.spans, batch.q_starts, batch.caches):
+        kv_length = q_start + e - s
+        cache[0, :, q_start:kv_length] = rearrange(k[s:e], "n h d -> h n d")
+        cache[1, :, q_start:kv_length] = rearrange(v[s:e], "n h d -> h n d")
+        keys, values = (t.repeat_interleave(group, dim=0)[None] for t in cache[:, :, :kv_length])  # [1, hq, kv, dh]
+        mask = None if e - s == 1 else prefix_causal_mask(q_start, e - s, kv_length, q.device)
+        outs.append(F.scaled_dot_product_attention(rearrange(q[s:e], "n h d -> 1 h n d"), keys, values, attn_mask=mask))
+    return rearrange(torch.cat(outs, dim=2), "1 h n d -> n (h d)")
+
+
+def _attend(q, k, v, requests):
+    from layers.attention import CachedRequests
+
+    return cached_gqa_attention(q, k, v, requests) if isinstance(requests, CachedRequests) else gqa_attention(q, k, v, requests)
+
+
+class LlamaStack(nn.Module):
+    """L blocks (dense or TP); `blocks` is what the traffic ledger labels layers by."""
+
+    def __init__(self, cfg: LlamaConfig, blocks: list[nn.Module]):
+        super().__init__()
+        self.cfg = cfg
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x, positions, requests):  # requests: spans [(s, e)], or one CachedRequests per layer
+        layers = requests if isinstance(requests, list) and requests and not isinstance(requests[0], tuple) \
+            else [requests] * len(self.blocks)
+        for block, r in zip(self.blocks, layers):
+            x = block(x, positions, r)
+        return x
+
+
+class DenseLlamaLM(nn.Module):
+    """The single-device Llama LM: embed -> L blocks -> RMSNorm -> lm_head (untied). The serving oracle."""
+
+    def __init__(self, cfg: LlamaConfig, dtype=torch.float32, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, dtype=dtype, device=device)
+        self.stack = LlamaStack(cfg, [DenseLlamaBlock(cfg, dtype, device) for _ in range(cfg.n_layers)])
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, device)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, V], no cache
+        n = ids.shape[0]
+        x = self.stack(self.embed(ids), torch.arange(n, device=ids.device), [(0, n)])
+        return self.lm_head(self.norm(x))
+
+
+class TPLlamaLM(nn.Module):
+    """The Llama LM on p ranks: vocab-parallel embedding and LM head (layers/vocab.py), TP blocks, per-rank caches
+    of this rank's K,V heads. `step` is one serving iteration, as layers/lm.TPLM.step."""
+
+    variant = "v2"
+    vocab_parallel = True
+
+    def __init__(self, cfg: LlamaConfig, embed, stack: LlamaStack, norm: RMSNorm, head):
+        super().__init__()
+        self.cfg, self.embed, self.stack, self.norm, self.head = cfg, embed, stack, norm, head
+
+    @property
+    def cache_heads(self) -> int:
+        return self.stack.blocks[0].kv_heads
+
+    def step(self, ids, positions, layers, sample_rows):
+        x = self.embed(ids)  # ★ all-reduce [T, d]
+        x = self.stack(x, positions, layers)  # ★ 2 all-reduces [T, d] per layer
+        if not sample_rows:
+            return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.float64)
+        return self.head.greedy(self.norm(x[sample_rows]))  # ★ all-gather of (max, argmax) pairs [S, 2] per rank
+
+
+@torch.no_grad()
+def shard_llama_lm(dense: DenseLlamaLM, group: dist.ProcessGroup) -> TPLlamaLM:
+    from layers.vocab import VocabParallelEmbedding
+
+    cfg, w = dense.cfg, dense.embed.weight
+    embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group, w.dtype, w.device).load_dense(w)
+    head = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group, w.dtype, w.device).load_dense(
+        dense.lm_head.weight)  # only its greedy() is used: the untied head, vocab-parallel
+    stack = LlamaStack(cfg, [TPLlamaBlock(cfg, group, w.dtype, w.device).load_dense(b) for b in dense.stack.blocks])
+    norm = RMSNorm(cfg.d_model, cfg.norm_eps, w.dtype, w.device)
+    norm.load_state_dict(dense.norm.state_dict())
+    return TPLlamaLM(cfg, embed, stack, norm, head)
+
+
+def load_hf_llama_lm(lm: DenseLlamaLM, state: dict[str, torch.Tensor]) -> DenseLlamaLM:
+    """transformers' LlamaForCausalLM state dict into a DenseLlamaLM."""
+    with torch.no_grad():
+        lm.embed.weight.copy_(state["model.embed_tokens.weight"])
+        lm.norm.weight.copy_(state["model.norm.weight"])
+        lm.lm_head.weight.copy_(state.get("lm_head.weight", state["model.embed_tokens.weight"]))
+    for i, block in enumerate(lm.stack.blocks):
+        load_hf_llama_block(block, state, f"model.layers.{i}.")
+    return lm

@@ -54,7 +54,7 @@ class Greedy:
 @torch.no_grad()
 def greedy_reference(lm: DenseLM, prompt: list[int], max_new_tokens: int, eos_id: int | None = None) -> Greedy:
     """Greedy decoding with no cache at all: every step runs the whole sequence so far through the model."""
-    device = lm.wte.weight.device
+    device = next(lm.parameters()).device
     tokens, out = list(prompt), Greedy([], [], [])
     for _ in range(max_new_tokens):
         last = lm.logits(torch.tensor(tokens, device=device))[-1]  # [V]

@@ -71,7 +71,8 @@ class Engine:
         cfg, p = lm.cfg, ctx.world_size
         param = next(lm.parameters())
         self.dtype = param.dtype
-        self.cache = KVCache(cfg.n_layers, cfg.n_heads // p, cfg.d_head, self.dtype, ctx.device)
+        heads = getattr(lm, "cache_heads", cfg.n_heads // p)  # K,V heads this rank caches (GQA: h_kv/p, at least 1)
+        self.cache = KVCache(cfg.n_layers, heads, cfg.d_head, self.dtype, ctx.device)
 
     @torch.no_grad()
     def run(self, requests: list[Request]) -> ServeResult:

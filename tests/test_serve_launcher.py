@@ -194,3 +194,42 @@ def test_a_decode_rank_dying_ends_the_whole_job_fast(tmp_path):
     assert proc.returncode != 0
     assert elapsed < 30, f"{elapsed:.0f}s from the decode rank's death to the job's end"
     assert "SIGKILL" in stderr or "Signal 9" in stderr, stderr[-3000:]
+
+
+# ---- Llama-family models ------------------------------------------------------------------------------------
+
+
+def test_serve_llama_tiny(tmp_path):
+    proc, _ = torchrun(2, "model=llama_tiny", "model.n_layers=2", "prompt_count=3", "prompt_mean=8", "max_new_tokens=4",
+                       "chunk_size=4", "max_batched_tokens=12", "dtype=float64", run_dir=tmp_path, script="serve.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["config"]["model"]["n_kv_heads"] == 2 and report["check"]["verdicts"]["match"] == 3
+    assert report["kv_cache"]["ratio_to_dense"] == 0.5 and report["ledger_matches_model"]
+    assert report["kv_cache"]["bytes_per_token_per_rank"] == 2 * 2 * 1 * 32 * 8  # 2·L·(h_kv/p)·d_head·e
+    assert "untied" in proc.stdout
+
+
+LLAMA_BAD = [
+    (["model=llama_tiny", "variant=v1"], "served with variant=v2"),
+    (["model=llama_tiny", "model.n_kv_heads=3"], "n_heads=8 must be a multiple of n_kv_heads=3"),
+    (["model=llama_tiny", "model.family=mamba"], "model.family='mamba': choose gpt2 or llama"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", LLAMA_BAD, ids=[" ".join(b[0]) for b in LLAMA_BAD])
+def test_bad_llama_settings_on_a_lone_rank(tmp_path, overrides, message):
+    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    alone = subprocess.run([sys.executable, str(ROOT / "launch" / "serve.py"), f"hydra.run.dir={tmp_path}", *overrides],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 2, alone.stdout + alone.stderr
+    assert message in alone.stderr, alone.stderr
+
+
+def test_run_block_refuses_a_llama_model_with_a_clear_error(tmp_path):
+    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    alone = subprocess.run([sys.executable, str(ROOT / "launch" / "run_block.py"), f"hydra.run.dir={tmp_path}",
+                            "model=llama_tiny"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 2 and "run_block checks GPT-2 blocks" in alone.stderr, alone.stderr
