@@ -82,6 +82,14 @@ def test_bad_settings_fail_fast_on_every_rank(tmp_path, overrides, message):
     assert "[rank 1] error: " in alone.stderr and message in alone.stderr
 
 
+def lone_rank(run_dir, overrides, world: int = 2, script: str = "serve.py") -> subprocess.CompletedProcess:
+    """The last rank of a `world`-rank job started alone: settings are validated before anyone is met."""
+    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    return subprocess.run([sys.executable, str(ROOT / "launch" / script), f"hydra.run.dir={run_dir}", *overrides],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
 MORE_BAD = [
     (["max_new_tokens=0"], "max_new_tokens=0 (request 0) must be at least 1"),
     (["prompts=[[1,2,3]]", "max_new_tokens=1023"], "needs 1025 positions, more than model.max_seq_len=1024"),
@@ -95,10 +103,7 @@ MORE_BAD = [
 
 @pytest.mark.parametrize("overrides,message", MORE_BAD, ids=[" ".join(b[0]) for b in MORE_BAD])
 def test_more_bad_settings_on_a_lone_rank(tmp_path, overrides, message):
-    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
-    alone = subprocess.run([sys.executable, str(ROOT / "launch" / "serve.py"), f"hydra.run.dir={tmp_path}", *overrides],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    alone = lone_rank(tmp_path, overrides)
     assert alone.returncode == 2, alone.stdout + alone.stderr
     assert alone.stderr.startswith("[rank 1] error: ") and message in alone.stderr, alone.stderr
 
@@ -143,10 +148,7 @@ PD_BAD = [
 
 @pytest.mark.parametrize("world,overrides,message", PD_BAD, ids=[" ".join(b[1]) for b in PD_BAD])
 def test_bad_pd_settings_on_a_lone_rank(tmp_path, world, overrides, message):
-    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
-    alone = subprocess.run([sys.executable, str(ROOT / "launch" / "serve.py"), f"hydra.run.dir={tmp_path}", *overrides],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    alone = lone_rank(tmp_path, overrides, world)
     assert alone.returncode == 2, alone.stdout + alone.stderr
     assert alone.stderr.startswith("[rank 1] error: ") and message in alone.stderr, alone.stderr
 
@@ -219,17 +221,11 @@ LLAMA_BAD = [
 
 @pytest.mark.parametrize("overrides,message", LLAMA_BAD, ids=[" ".join(b[0]) for b in LLAMA_BAD])
 def test_bad_llama_settings_on_a_lone_rank(tmp_path, overrides, message):
-    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
-    alone = subprocess.run([sys.executable, str(ROOT / "launch" / "serve.py"), f"hydra.run.dir={tmp_path}", *overrides],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    alone = lone_rank(tmp_path, overrides)
     assert alone.returncode == 2, alone.stdout + alone.stderr
     assert message in alone.stderr, alone.stderr
 
 
 def test_run_block_refuses_a_llama_model_with_a_clear_error(tmp_path):
-    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
-    alone = subprocess.run([sys.executable, str(ROOT / "launch" / "run_block.py"), f"hydra.run.dir={tmp_path}",
-                            "model=llama_tiny"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    alone = lone_rank(tmp_path, ["model=llama_tiny"], script="run_block.py")
     assert alone.returncode == 2 and "run_block checks GPT-2 blocks" in alone.stderr, alone.stderr
