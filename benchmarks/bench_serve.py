@@ -84,7 +84,7 @@ def calibrate(ctx: TPContext) -> dict:
     return {"matmul_flops_per_s": 2 * 1024**3 / t["matmul"], "copy_bytes_per_s": 2 * src.nbytes / t["copy"]}
 
 
-def iteration_cost(lm: TPLM, ctx: TPContext, record: dict, hw: Hardware):
+def iteration_cost(lm: TPLM, ctx: TPContext, record: dict):
     chunks = [(qs, qe) for _, qs, qe, _ in record["triples"]]
     return serving_iteration(lm.cfg, ctx.world_size, chunks, record["sampled"], DTYPE.itemsize, lm.vocab_parallel)
 
@@ -261,10 +261,10 @@ def predict(lm: TPLM, ctx: TPContext, calibration: dict, one_row: list[dict], re
     hw = Hardware("this CPU", calibration["matmul_flops_per_s"], calibration["copy_bytes_per_s"],
                   "calibrated: 1024³ matmul, 128 MiB copy")
     single = statistics.median(it["time_s"] for it in one_row)
-    fixed = single - iteration_cost(lm, ctx, one_row[0], hw).time(hw)
+    fixed = single - iteration_cost(lm, ctx, one_row[0]).time(hw)
     out = []
     for it in records:
-        cost = iteration_cost(lm, ctx, it, hw)
+        cost = iteration_cost(lm, ctx, it)
         t = fixed + cost.time(hw)
         out.append({"run": it["run"], "iteration": it["iteration"], "kind": kind(it), "rows": it["rows"],
                     "flops": cost.flops, "bytes": cost.bytes_loaded, "measured_s": it["time_s"], "predicted_s": t,

@@ -406,31 +406,25 @@ def serve_pd(dense: DenseLM, world: TPContext, layout: Layout, requests: list[Re
     handed = [rids for rids in ([rid for rid in done if by_id[rid].max_new_tokens > 1] for _, done in schedule) if rids]
     ledger = TrafficLedger(world.world_size, world.device)
     start = time.perf_counter()
-    if is_prefill:
+    if is_prefill:  # every request as if max_new_tokens were 1; no eos_id: each ends at its first token anyway
         side = PrefillSide(lm, layout, world.rank, streaming, ledger, {rid for rids in handed for rid in rids})
         mine = [Request(r.id, list(r.prompt), 1, r.arrival) for r in requests]
-        engine = Engine(lm, ctx, chunk_size=chunk_size, max_batched_tokens=max_batched_tokens,
-                        max_running=max_running, hooks=side)
-        try:
-            res = engine.run(mine)
-        except BaseException:
-            side.finish(join=False)
-            raise
-        side.finish()
-        times = {"done_at": side.done_at}
-    else:
+        engine_eos = None
+    else:  # the handed-over requests, arriving with their prompts cached
+        side = DecodeSide(dense.cfg, layout, world.rank, streaming, ledger, ctx.group, handed, eos_id, keep_kv)
         mine = [Request(rid, list(by_id[rid].prompt), by_id[rid].max_new_tokens, HANDOVER,
                         computed=len(by_id[rid].prompt)) for rids in handed for rid in rids]
-        side = DecodeSide(dense.cfg, layout, world.rank, streaming, ledger, ctx.group, handed, eos_id, keep_kv)
-        engine = Engine(lm, ctx, chunk_size=chunk_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
-                        eos_id=eos_id, hooks=side)
-        try:
-            res = engine.run(mine)
-        except BaseException:
-            side.finish(join=False)
-            raise
-        side.finish()
-        times = {"received_at": side.received_at, "agreements": side.agreements}
+        engine_eos = eos_id
+    engine = Engine(lm, ctx, chunk_size=chunk_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
+                    eos_id=engine_eos, hooks=side)
+    try:
+        res = engine.run(mine)
+    except BaseException:
+        side.finish(join=False)  # do not wait on messages a failed peer will never complete
+        raise
+    side.finish()
+    times = ({"done_at": side.done_at} if is_prefill
+             else {"received_at": side.received_at, "agreements": side.agreements})
     elapsed = time.perf_counter() - start
     predicted = predict_transfers(dense.cfg, layout.prefill_ranks, layout.decode_ranks,
                                   [(rid, len(by_id[rid].prompt)) for rids in handed for rid in rids],

@@ -97,7 +97,7 @@ class Engine:
                     arrived_at[r.id] = t0
             plan = sched.schedule(index)
             if plan is None:  # nothing running, the next request arrives later: skip ahead, no forward
-                index = sched.next_arrival() if sched.next_arrival() is not None else index  # None: all finished
+                index = sched.next_arrival() or index  # None: all finished, the loop ends
                 continue
             for rid in plan.admitted:
                 if rid not in self.cache.regions:  # a request handed over with its K,V already has its region
