@@ -52,6 +52,7 @@ bench: setup
 	$(PY) launch/traffic_sweep.py
 	for p in 1 2; do $(VENV)/bin/torchrun --standalone --nproc_per_node=$$p benchmarks/bench_serve.py; done
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=4 benchmarks/bench_pd.py
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=8 benchmarks/bench_kv.py
 	$(PY) benchmarks/report.py
 
 gpu-check: setup

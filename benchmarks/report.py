@@ -109,9 +109,56 @@ def main() -> int:
     Path("docs").mkdir(exist_ok=True)
     print(plot_timeline(OUT))
     lines += serving_section(OUT) + pd_section(OUT)
+    kv = _load("bench_kv.json")
+    if kv:
+        lines += kv_section(kv)
     Path("docs/benchmarks.md").write_text("\n".join(lines) + "\n")
     print("wrote docs/benchmarks.md")
     return 0
+
+
+def _kib(b: float) -> str:
+    return f"{b / 1024:g} KiB"
+
+
+def kv_section(kv: dict) -> list[str]:
+    """KV cache per token per rank: measured in the engine's cache beside 2·L·max(h_kv/p, 1)·d_head·e."""
+    m, sizes = kv["model"], sorted({r["p"] for r in kv["rows"]})
+    lines = ["## KV cache per token per rank: MHA vs GQA vs p", "",
+             f"`torchrun --nproc_per_node={kv['world_size']} benchmarks/bench_kv.py`: the serving engine on "
+             f"llama_tiny's shape (h = {m['n_heads']} query heads of d_head = {m['d_head']}, L = {m['n_layers']}, "
+             f"{kv['dtype']}), {len(kv['requests'])} requests, each run's tokens checked against the "
+             "single-device oracle. Measured: the bytes the rank's cache tensors held per token position at their "
+             "peak (every rank of the group agrees); formula: 2·L·max(h_kv/p, 1)·d_head·e.", "",
+             "| attention | h_kv | " + " | ".join(f"p = {p}" for p in sizes) + " |",
+             "|---|---|" + "---|" * len(sizes)]
+    for name in dict.fromkeys(r["attention"] for r in kv["rows"]):
+        rows = {r["p"]: r for r in kv["rows"] if r["attention"] == name}
+        h_kv = next(iter(rows.values()))["n_kv_heads"]
+        cells = []
+        for p in sizes:
+            r = rows.get(p)
+            if r is None:
+                cells.append("-")
+                continue
+            got = ", ".join(f"{b:,}" for b in r["measured_per_rank"])
+            mark = "" if r["ok"] else " **≠**"
+            cells.append(f"{got} B ({r['formula']:,}){mark}, {r['cache_heads'][0]} head"
+                         + ("s" if r["cache_heads"][0] > 1 else ""))
+        lines.append(f"| {name} | {h_kv} | " + " | ".join(cells) + " |")
+    lines += ["", "Each cell: measured bytes (formula), K,V heads per rank. MHA halves with every doubling of p; "
+              "GQA stops at p = h_kv = 2 and MQA never shrinks: from there on each K,V head is replicated on "
+              "p/h_kv ranks. " + ("Every measurement equals the formula and every run's tokens equal the oracle's."
+                                  if kv["ok"] else "**Some measurement or token check failed (≠ above).**"), ""]
+    ps = sorted({int(p) for r in kv["real_sizes_fp16"] for p in r["per_rank"]})
+    lines += ["The same formula at real sizes, fp16 (formula only):", "",
+              "| model | " + " | ".join(f"p = {p}" for p in ps) + " |", "|---|" + "---|" * len(ps)]
+    for r in kv["real_sizes_fp16"]:
+        per = {int(p): b for p, b in r["per_rank"].items()}
+        lines.append(f"| {r['model']} | " + " | ".join(_kib(per[p]) if p in per else "-" for p in ps) + " |")
+    lines += ["", "MLA caches one latent vector per token that every TP rank holds whole, so its per-rank cache "
+              "does not shrink with p at all; GQA's stops shrinking at p = h_kv.", ""]
+    return lines
 
 
 if __name__ == "__main__":

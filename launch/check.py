@@ -19,7 +19,7 @@ from launch.shards import shard_rows
 from launch.traffic import measure_traffic
 from layers.config import ModelConfig
 from layers.dense import DenseStack, init_weights, weights_checksum
-from layers.hf_gpt2 import load_stack
+from layers.hf import load_stack
 from layers.tp_block import shard_stack
 from layers.varlen import Requests, check_same_on_every_rank
 from tp.dist import TPContext, same_on_every_rank

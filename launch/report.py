@@ -57,13 +57,14 @@ def _requests_table(requests: list[dict], limit: int = 12) -> list[str]:
     return out
 
 
-def render_variant(v: str, res: dict, tolerance: float) -> list[str]:
+def render_variant(v: str, res: dict, tolerance: float, family: str = "gpt2") -> list[str]:
     out = ["", f"== {v} ({DESCRIPTION[v]})", "what each rank holds, W as [in x out] with y = x @ W, every layer alike:"]
+    linears, kv = LINEARS[family], "kv_heads" in res["shards"][0]
     out.append(format_table(
-        ["rank", "heads"] + [f"{n} ({res['shards'][0][n]['kind'].replace('ParallelLinear', '').lower()})"
-                             for n in LINEARS],
-        [[r["rank"], _heads(r)] + ["[{}x{}]".format(*r[n]["weight_in_out"]) for n in LINEARS]
-         for r in res["shards"]]))
+        ["rank", "heads"] + ["K,V heads"] * kv
+        + [f"{n} ({res['shards'][0][n]['kind'].replace('ParallelLinear', '').lower()})" for n in linears],
+        [[r["rank"], _heads(r)] + ([_span(*r["kv_heads"])] if kv else [])
+         + ["[{}x{}]".format(*r[n]["weight_in_out"]) for n in linears] for r in res["shards"]]))
     out.append(f"forward per layer: collectives (ledger; CommDebugMode agrees: "
                f"{'yes' if res['counts_agree'] else 'NO'}), KiB, time = median of repeats, slowest rank; "
                f"error vs single-device block, tolerance {tolerance:g} on max|tp-dense|/max|dense|")
@@ -107,14 +108,18 @@ def render_variant(v: str, res: dict, tolerance: float) -> list[str]:
 def render(report: dict) -> str:
     c, m = report["config"], report["config"]["model"]
     p = report["world_size"]
+    family = c.get("family", "gpt2")
+    llama = family == "llama"
     out = [
         f"tpref: tensor-parallel block check  (tp = {p}, backend {report['backend']}, device {report['device']})",
-        f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} d_head={m['d_head']} "
-        f"k={m['n_heads'] * m['d_head']} ffn={m['d_ffn']} L={m['n_layers']}; "
+        f"model {c['model_name']} ({'Llama' if llama else 'GPT-2'} blocks): d={m['d_model']} h={m['n_heads']} "
+        + (f"h_kv={m['n_kv_heads']} " if llama else "")
+        + f"d_head={m['d_head']} k={m['n_heads'] * m['d_head']} ffn={m['d_ffn']} L={m['n_layers']}; "
         f"dtype={c['dtype']} seed={c['seed']}",
     ]
-    out.append(f"weights: GPT-2 checkpoint {c['hf_checkpoint']}" if c.get("hf_checkpoint")
-               else f"weights: random (seed {c['seed']}), biases and LayerNorms included")
+    out.append(f"weights: {'Llama' if llama else 'GPT-2'} checkpoint {c['hf_checkpoint']}" if c.get("hf_checkpoint")
+               else f"weights: random (seed {c['seed']}), " + ("RMSNorm weights included (no biases)" if llama
+                                                             else "biases and LayerNorms included"))
     lengths = c["requests"]
     if len(lengths) == 1:
         out.append(f"input: one sequence of n_tokens={lengths[0]}")
@@ -131,7 +136,7 @@ def render(report: dict) -> str:
                    f"(varlen/padded {_ratio(w['varlen'], w['padded'])})")
     variants = report["variants"]
     for v, res in variants.items():
-        out += render_variant(v, res, c["tolerance"])
+        out += render_variant(v, res, c["tolerance"], family)
     out.append("")
     if "v1" in variants and "v2" in variants:
         a, b = variants["v2"]["totals"], variants["v1"]["totals"]

@@ -4,9 +4,12 @@
     torchrun --nproc_per_node=2 launch/run_block.py model=gpt2_small n_tokens=128   # one sequence
     torchrun --nproc_per_node=4 launch/run_block.py request_dist=lognormal request_count=16 request_mean=100
 
+    torchrun --nproc_per_node=4 launch/run_block.py model=llama_tiny                 # Llama blocks, GQA (v2)
+
 tp = WORLD_SIZE. Every rank validates the settings before the first collective,
-builds the same dense stack from `seed`, shards it, runs each variant (v1, v2,
-intra_head) and compares every layer's output with the dense stack's. The traffic
+builds the same dense stack from `seed` (or hf_checkpoint), shards it, runs each
+variant (v1, v2, intra_head; Llama-family blocks: v2) and compares every layer's
+output with the dense stack's. The traffic
 ledger then records every collective of a forward and a backward; it must equal
 the analytic model and CommDebugMode's counts (and, with profile=true, what a
 torch.profiler trace shows). Rank 0 prints and writes report.json; the exit code
@@ -31,6 +34,7 @@ from launch.report import render
 from launch.settings import (LaunchSettings, boolean, common_settings, exit_on_unknown_preset, generate_lengths, integer,
                              launch, overridden, positive_float, publish)
 from layers.config import DEFAULT_TOLERANCE, ModelConfig, parse_variants, validate_tokens, validate_variants
+from layers.llama import LlamaConfig
 from layers.varlen import score_entries
 from tp.dist import ConfigError, env_world
 
@@ -49,11 +53,13 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     """Every check that needs no communication. Raises ConfigError; identical on every rank."""
     common = common_settings(cfg, world_size, local_world_size)
     model, dtype = common["model"], common["dtype"]
-    if not isinstance(model, ModelConfig):
-        raise ConfigError("run_block checks GPT-2 blocks; Llama-family models (model.family=llama) are served by "
-                          "launch/serve.py, and their TP blocks are checked by tests/test_llama.py")
     lengths = request_lengths(cfg, model, common["seed"])
     variants = parse_variants(OmegaConf.to_container(cfg.variants) if OmegaConf.is_list(cfg.variants) else cfg.variants)
+    if model.family == "llama":  # Llama blocks are built as v2 (the Megatron pattern) only
+        if "variants" in overridden(("variants",)) and variants != ["v2"]:
+            raise ConfigError(f"variants={variants}: Llama-family blocks are built as v2 only (column -> row, "
+                              f"2 all-reduces per layer); drop variants= or set variants=[v2]")
+        variants = ["v2"]
     validate_variants(model, world_size, variants)
     repeats = integer(cfg, "repeats")
     if repeats < 1:  # the report's per-collective times are medians over the timed repeats
@@ -63,7 +69,7 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
                     profile=boolean(cfg, "profile"))
 
 
-def request_lengths(cfg: DictConfig, model: ModelConfig, seed: int) -> list[int]:
+def request_lengths(cfg: DictConfig, model: ModelConfig | LlamaConfig, seed: int) -> list[int]:
     """The requests of this run: one sequence (n_tokens), generated (request_dist), or listed (requests)."""
     given = overridden(("n_tokens", "requests", "request_dist"))
     if cfg.n_tokens is not None:
@@ -128,7 +134,8 @@ def build_report(s: Settings, ctx, variants: dict) -> dict:
         "backend": ctx.backend,
         "device": str(ctx.device),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "config": {"model_name": s.model_name, "model": s.model.asdict(), "n_tokens": sum(s.lengths),
+        "config": {"model_name": s.model_name, "family": s.model.family, "model": s.model.asdict(),
+                   "n_tokens": sum(s.lengths),
                    "requests": s.lengths, "hf_checkpoint": s.hf_checkpoint,
                    "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed, "variants": s.variants,
                    "tolerance": s.tolerance, "repeats": s.repeats, "profile": s.profile},

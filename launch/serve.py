@@ -35,9 +35,8 @@ from launch.settings import (LaunchSettings, boolean, common_settings, exit_on_u
                              launch, publish)
 from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.dense import init_weights, weights_checksum
-from layers.hf_gpt2 import load_lm
-from layers.llama import DenseLlamaLM, LlamaConfig, shard_llama_lm
-from layers.lm import DenseLM, greedy_reference, shard_lm
+from layers.hf import load_lm
+from layers.lm import DenseLlamaLM, DenseLM, dense_lm, greedy_reference, shard_lm
 from serve.disagg import Layout, new_groups, serve_pd
 from serve.engine import Engine, ServeResult
 from serve.kv_cache import kv_bytes_per_token
@@ -95,12 +94,10 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
                           "(on GPUs use backend=nccl)")
     model = common["model"]
     variant = str(cfg.variant)
-    if isinstance(model, LlamaConfig):
+    if model.family == "llama":
         if variant != "v2" or not boolean(cfg, "vocab_parallel") or layout is not None:
             raise ConfigError("Llama-family models are served with variant=v2, vocab_parallel=true and without pd.* "
                               "so far")
-        if cfg.hf_checkpoint is not None:
-            raise ConfigError("hf_checkpoint reads GPT-2 checkpoints only so far")
     if variant not in SERVING_VARIANTS:
         raise ConfigError(f"unknown variant {variant!r} for serving; choose v2 or v1 "
                           f"(intra_head is a one-forward counterfactual, see run_block)")
@@ -195,8 +192,7 @@ def oracle_rows(requests: list[Request]) -> int:
 
 
 def build(s: Settings, ctx) -> DenseLM | DenseLlamaLM:
-    llama = isinstance(s.model, LlamaConfig)
-    dense = (DenseLlamaLM if llama else DenseLM)(s.model, s.dtype, ctx.device)
+    dense = dense_lm(s.model, s.dtype, ctx.device)
     if s.weights is not None:
         try:
             load_lm(dense, s.weights)
@@ -249,10 +245,7 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     if s.pd is not None:
         return serve_disaggregated(s, out_dir, ctx)
     dense = build(s, ctx)
-    if isinstance(s.model, LlamaConfig):
-        lm = shard_llama_lm(dense, ctx.group)
-    else:
-        lm = shard_lm(dense, s.variant, ctx.group, s.vocab_parallel)
+    lm = shard_lm(dense, s.variant, ctx.group, s.vocab_parallel)
     if not s.check:
         del dense
     engine = Engine(lm, ctx, chunk_size=s.chunk_size, max_batched_tokens=s.max_batched_tokens,
@@ -262,7 +255,7 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     checks = oracle_check(dense, s, result, ctx) if s.check else None
     report = build_report(s, ctx, result, checks)
     report["embedding_bytes_per_rank"] = lm.embed.weight.numel() * lm.embed.weight.element_size()
-    report["lm_head_tied"] = not isinstance(s.model, LlamaConfig)  # Llama: a separate head of the same size
+    report["lm_head_tied"] = s.model.family == "gpt2"  # Llama: a separate head of the same size
     publish(report, render, out_dir / s.report, ctx)
     return 0 if report["ledger_matches_model"] and report["check"]["ok"] in (True, None) else 1
 

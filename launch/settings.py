@@ -18,8 +18,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from layers.config import ModelConfig, parse_dtype, validate_model
+from layers.dense import DenseStack
+from layers.lm import dense_lm
 from layers.llama import LlamaConfig, validate_llama
-from layers.hf_gpt2 import check_state, read_config, read_state
+from layers.hf import check_state, read_config, read_state
 from tp.dist import ConfigError, env_world, init_from_env, resolve_backend, resolve_device, shutdown
 
 
@@ -27,7 +29,7 @@ from tp.dist import ConfigError, env_world, init_from_env, resolve_backend, reso
 class LaunchSettings:
     """What every launcher reads: the model and where its weights come from, dtype, seed, backend, report."""
 
-    model: ModelConfig
+    model: ModelConfig | LlamaConfig  # cfg.family: gpt2 or llama
     model_name: str
     hf_checkpoint: str | None
     weights: dict | None  # the checkpoint's state dict, read before any collective; None: random from seed
@@ -43,6 +45,8 @@ def common_settings(cfg: DictConfig, world_size: int, local_world_size: int, lm:
     """The LaunchSettings fields, as keywords for a launcher's own Settings. lm: the launcher needs the whole LM.
     tp_sizes: the tensor-parallel groups the model must split over, by setting name (default: the whole world)."""
     model, model_name, hf_checkpoint = parse_model(cfg, world_size, tp_sizes)
+    dtype, where = parse_dtype(str(cfg.dtype)), placement(cfg, local_world_size)
+    check_memory(model, dtype, min((tp_sizes or {"tp": world_size}).values()), local_world_size, lm, where["device"])
     weights = None
     if hf_checkpoint:
         weights = read_checkpoint(hf_checkpoint)
@@ -51,8 +55,39 @@ def common_settings(cfg: DictConfig, world_size: int, local_world_size: int, lm:
         except ConfigError as exc:
             raise ConfigError(f"hf_checkpoint={hf_checkpoint}: {exc}") from None
     return dict(model=model, model_name=model_name, hf_checkpoint=hf_checkpoint, weights=weights,
-                dtype=parse_dtype(str(cfg.dtype)), seed=integer(cfg, "seed"),
-                **placement(cfg, local_world_size), report=str(cfg.report))
+                dtype=dtype, seed=integer(cfg, "seed"), **where, report=str(cfg.report))
+
+
+def check_memory(model, dtype: torch.dtype, p: int, local_world_size: int, lm: bool, device: str) -> None:
+    """Every rank holds the whole dense model (the reference it is checked against) and its 1/p shard: refuse,
+    before any collective, a model whose weights cannot fit (llama2_7b in full, say) instead of being killed."""
+    n = sum(t.numel() for t in (dense_lm if lm else DenseStack)(model, dtype, "meta").parameters())
+    per_rank = n * dtype.itemsize * (1 + 1 / p)
+    if device == "cuda":
+        gpus = torch.cuda.device_count()
+        have, sharing = torch.cuda.get_device_properties(0).total_memory, max(1, -(-local_world_size // gpus))
+        where = f"GPU 0 ({sharing} rank(s) per GPU)"
+    else:
+        have, sharing, where = available_host_memory(), local_world_size, f"this machine ({local_world_size} ranks)"
+    if have is None or per_rank * sharing <= 0.9 * have:
+        return
+    gib = 2 ** 30
+    raise ConfigError(f"model.n_layers={model.n_layers} at d_model={model.d_model}: {n / 1e9:.2f}B parameters; every "
+                      f"rank holds the dense model and its 1/{p} shard, {per_rank / gib:.1f} GiB in "
+                      f"{str(dtype).removeprefix('torch.')}, {per_rank * sharing / gib:.1f} GiB on {where}, more than "
+                      f"the {have / gib:.1f} GiB available; lower model.n_layers (e.g. model.n_layers=1), run fewer "
+                      f"ranks, or a smaller dtype")
+
+
+def available_host_memory() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes; None where there is no such file."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def placement(cfg: DictConfig, local_world_size: int) -> dict:
@@ -78,14 +113,13 @@ def parse_model(cfg: DictConfig, world_size: int,
     hf_checkpoint = None if cfg.hf_checkpoint is None else str(cfg.hf_checkpoint)
     if hf_checkpoint is not None:
         model, model_name = read_config(hf_checkpoint), "hf"
-    validate = validate_llama if isinstance(model, LlamaConfig) else validate_model
-    if tp_sizes is None:
-        validate(model, world_size)
-    for name, p in (tp_sizes or {}).items():
+    validate = validate_llama if model.family == "llama" else validate_model
+    source = f"hf_checkpoint={hf_checkpoint}: " if hf_checkpoint else ""  # the numbers came from its config.json
+    for name, p in (tp_sizes or {"": world_size}).items():
         try:
             validate(model, p)
         except ConfigError as exc:
-            raise ConfigError(f"{name}={p}: {exc}") from None
+            raise ConfigError(source + (f"{name}={p}: " if name else "") + str(exc)) from None
     return model, model_name, hf_checkpoint
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from layers.llama import kv_heads_of_rank
 from layers.shard import heads_of_rank
 from layers.tp_block import TPStack
 from tp.dist import TPContext
 
-LINEARS = ("qkv", "attn_out", "mlp_up", "mlp_down")
+LINEARS = {"gpt2": ("qkv", "attn_out", "mlp_up", "mlp_down"), "llama": ("qkv", "o", "gate_up", "down")}
 
 
 def shard_rows(stack: TPStack, variant: str, ctx: TPContext) -> list[dict]:
@@ -20,7 +21,10 @@ def shard_rows(stack: TPStack, variant: str, ctx: TPContext) -> list[dict]:
     else:
         heads = heads_of_rank(cfg.n_heads, r, p)
         mine = {"rank": r, "heads": [heads.start, heads.stop - 1]}
-    for name in LINEARS:
+    if cfg.family == "llama":  # its K,V heads: shared with p/h_kv − 1 other ranks once p > h_kv
+        kv = kv_heads_of_rank(cfg, r, p)
+        mine["kv_heads"] = [kv.start, kv.stop - 1]
+    for name in LINEARS[cfg.family]:
         linear = getattr(block, name)
         out_f, in_f = linear.weight.shape
         mine[name] = {"kind": type(linear).__name__, "weight_in_out": [in_f, out_f]}

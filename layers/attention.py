@@ -1,4 +1,4 @@
-"""Causal multi-head attention on whichever heads this rank holds.
+"""Causal multi-head (and grouped-query) attention on whichever heads this rank holds.
 
 The same function serves the dense block (all h heads) and a tensor-parallel
 rank (its h/p heads): heads never talk to each other, which is why a
@@ -53,16 +53,34 @@ def prefix_causal_mask(q_start: int, q_rows: int, kv_length: int, device=None) -
     return keys[None, :] <= (q_start + torch.arange(q_rows, device=device))[:, None]
 
 
+def positions_of(requests: Requests | CachedRequests | None, n_rows: int, device=None) -> torch.Tensor:
+    """[T] the position of every row: 0.. within each request (Requests), q_start.. (CachedRequests), or 0..T-1."""
+    if requests is None:
+        return torch.arange(n_rows, device=device)
+    if isinstance(requests, CachedRequests):
+        return torch.cat([torch.arange(q, q + e - s, device=device) for (s, e), q in zip(requests.spans, requests.q_starts)])
+    return torch.cat([torch.arange(e - s, device=device) for s, e in requests.spans])
+
+
 def causal_attention(qkv: torch.Tensor, d_head: int, requests: Requests | CachedRequests | None = None) -> torch.Tensor:
     """qkv: [T, 3*h*d_head] laid out [Q | K | V], heads contiguous inside each part.
 
     Returns [T, h*d_head], heads concatenated in the same order.
     """
+    qkv = rearrange(qkv, "n (three h d) -> three h n d", three=3, d=d_head)  # views: K,V stay one tensor
+    return attention(qkv[0], qkv[1:], requests)
+
+
+def attention(q: torch.Tensor, kv: torch.Tensor, requests: Requests | CachedRequests | None = None) -> torch.Tensor:
+    """q [h, T, d_head]; kv [2, h_kv, T, d_head], K then V, h a multiple of h_kv: query head j reads K,V head
+    j // (h/h_kv) (grouped-query attention; h_kv = h is plain multi-head). Returns [T, h*d_head]."""
     if isinstance(requests, CachedRequests):
-        return cached_attention(qkv, d_head, requests)
+        return cached_attention(q, kv, requests)
+    group = q.shape[0] // kv.shape[1]
+    k, v = (t.repeat_interleave(group, dim=0) if group > 1 else t for t in kv)
     # Each [1, h, T, d_head]: a batch dim of 1, because on CPU PyTorch's SDPA takes its fused kernel
     # only for 4-D inputs (3-D ones fall back to the math path, ~4x slower here).
-    q, k, v = rearrange(qkv, "n (three h d) -> three 1 h n d", three=3, d=d_head)
+    q, k, v = q[None], k[None], v[None]
     if requests is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     elif requests.padded:
@@ -87,20 +105,23 @@ def _padded(q, k, v, lengths: list[int]) -> torch.Tensor:
     return torch.cat([out[r, :, :n] for r, n in enumerate(lengths)], dim=1)  # [h, T, d]
 
 
-def cached_attention(qkv: torch.Tensor, d_head: int, batch: CachedRequests) -> torch.Tensor:
-    """Write each request's new K,V into its cache, then attend over its whole context (module docstring)."""
-    qkv = rearrange(qkv, "n (three h d) -> three h n d", three=3, d=d_head)  # [3, h, T, d_head]
-    q, kv = qkv[0], qkv[1:]  # kv: [2, h, T, d_head], K then V, as in the cache
+def cached_attention(q: torch.Tensor, kv: torch.Tensor, batch: CachedRequests) -> torch.Tensor:
+    """Write each request's new K,V into its cache, then attend over its whole context (module docstring).
+    q [h, T, d_head], kv [2, h_kv, T, d_head]: the cache holds the h_kv K,V heads only."""
+    group = q.shape[0] // kv.shape[1]
     outs = []
     for (s, e), q_start, cache in zip(batch.spans, batch.q_starts, batch.caches):
         q_rows, kv_length = e - s, q_start + e - s
-        cache[:, :, q_start:kv_length] = kv[:, :, s:e]  # [2, h, q_rows, d_head] into positions [q_start, q_end)
-        keys, values = cache[:, None, :, :kv_length]  # each [1, h, kv_length, d_head]
+        cache[:, :, q_start:kv_length] = kv[:, :, s:e]  # [2, h_kv, q_rows, d_head] into positions [q_start, q_end)
+        context = cache[:, :, :kv_length]
+        if group > 1:  # query head j reads K,V head j // group
+            context = context.repeat_interleave(group, dim=1)
+        keys, values = context[:, None]  # each [1, h, kv_length, d_head]
         if q_rows == 1:  # decode: the one new query sees every key
             mask, causal = None, False
         elif q_start == 0:  # a whole prompt, or its first chunk: the plain causal square
             mask, causal = None, True
         else:  # a chunk after a cached prefix: full on the prefix, causal on the chunk
-            mask, causal = prefix_causal_mask(q_start, q_rows, kv_length, qkv.device), False
+            mask, causal = prefix_causal_mask(q_start, q_rows, kv_length, q.device), False
         outs.append(F.scaled_dot_product_attention(q[None, :, s:e], keys, values, attn_mask=mask, is_causal=causal))
     return rearrange(torch.cat(outs, dim=2), "1 h n d -> n (h d)")

@@ -29,9 +29,15 @@ class ModelConfig:
     ln_eps: float = 1e-5
     vocab_size: int = 50257  # GPT-2's BPE vocabulary; only the language model (layers/lm.py) uses it
 
+    family = "gpt2"  # the block family (layers/llama.LlamaConfig is "llama"); not a dataclass field
+
     @property
     def k(self) -> int:
         return self.n_heads * self.d_head
+
+    @property
+    def n_kv_heads(self) -> int:  # multi-head attention: every query head has its own K,V head
+        return self.n_heads
 
     def asdict(self) -> dict:
         return asdict(self)

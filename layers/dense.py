@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from layers.attention import CachedRequests, causal_attention
 from layers.config import ModelConfig
+from layers.llama import DenseLlamaBlock, LlamaConfig
 from layers.varlen import Requests, check_cu_seqlens
 
 
@@ -68,10 +69,11 @@ class Stack(nn.Module):
 
 
 class DenseStack(Stack):
-    """The single-device model: L DenseBlocks."""
+    """The single-device model: L DenseBlocks, or L DenseLlamaBlocks for a LlamaConfig (cfg.family == "llama")."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device=None):
-        super().__init__(cfg, [DenseBlock(cfg, dtype, device) for _ in range(cfg.n_layers)])
+    def __init__(self, cfg: ModelConfig | LlamaConfig, dtype: torch.dtype = torch.float32, device=None):
+        block = DenseLlamaBlock if cfg.family == "llama" else DenseBlock
+        super().__init__(cfg, [block(cfg, dtype, device) for _ in range(cfg.n_layers)])
 
 
 @torch.no_grad()

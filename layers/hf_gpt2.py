@@ -4,7 +4,8 @@ transformers' GPT-2 stores its linears as `Conv1D` with weight [in, out] (y = xÂ
 nn.Linear stores [out, in]: every weight is transposed on the way in. The fused
 `attn.c_attn` keeps GPT-2's [Q | K | V] column layout, which is the layout
 layers/shard.py cuts head-aligned. Works on a plain state dict: transformers itself
-is needed only to make one (pip install -e .[hf]); nothing is downloaded here.
+is needed only to make one (pip install -e .[hf]); nothing is downloaded here. A directory from
+`save_pretrained` is read by layers/hf.py, which also imports Llama checkpoints (layers/hf_llama.py).
 
     GPT2Block keys        ln_1.weight, attn.c_attn.weight, attn.c_proj.weight, mlp.c_fc.weight, ...
     GPT2Model keys        h.<i>.<block key>, wte.weight, wpe.weight, ln_f.weight, ln_f.bias
@@ -13,9 +14,7 @@ is needed only to make one (pip install -e .[hf]); nothing is downloaded here.
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 import torch
 
@@ -129,32 +128,3 @@ def check_state(cfg: ModelConfig, state: dict[str, torch.Tensor], lm: bool = Fal
             raise ConfigError(f"the weights have no {key!r}, which config.json's model needs")
         if tuple(state[key].shape) != shape:
             raise ConfigError(f"{key} has shape {tuple(state[key].shape)}, config.json's model needs {shape}")
-
-
-def read_config(path: str | Path) -> ModelConfig:
-    """The ModelConfig of a directory saved by `save_pretrained` (its config.json)."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"hf_checkpoint={path}: expected a directory with config.json (from save_pretrained)")
-    try:
-        hf = json.loads((path / "config.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"hf_checkpoint={path}: config.json is not valid JSON ({exc})") from None
-    try:
-        return config_from_hf(hf)
-    except ConfigError as exc:
-        raise ConfigError(f"hf_checkpoint={path}: {exc}") from None
-
-
-def read_state(path: str | Path) -> dict[str, torch.Tensor]:
-    """The weights of a directory saved by `save_pretrained`: model.safetensors or pytorch_model.bin."""
-    path = Path(path)
-    if (path / "model.safetensors").is_file():
-        try:
-            from safetensors.torch import load_file
-        except ImportError:
-            raise ConfigError("reading model.safetensors needs the safetensors package: pip install -e .[hf]") from None
-        return load_file(str(path / "model.safetensors"))
-    if (path / "pytorch_model.bin").is_file():
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise ConfigError(f"hf_checkpoint={path}: no model.safetensors or pytorch_model.bin")

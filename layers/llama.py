@@ -13,6 +13,12 @@ of [n, d] per block. Head alignment keeps each query head with its K,V head: ran
 Valid p: h % p == 0, d_ffn % p == 0, and h_kv % p == 0 or p % h_kv == 0 (SPEC §9).
 gate and up are one column-parallel matmul (rank r's rows of gate, then of up, so silu(gate)·up is local);
 down is row-parallel.
+
+The block family is a choice inside one design, not a second code path: Llama blocks take the same
+`requests` (None, varlen Requests, or serving's CachedRequests) as GPT-2's, attend through the same
+layers/attention.attention (which handles h_kv < h), stack in the same layers/dense.Stack, shard through
+layers/tp_block.shard_stack and are served by the same engine (layers/lm.TPLlamaLM). Checkpoints:
+layers/hf_llama.py.
 """
 
 from __future__ import annotations
@@ -25,8 +31,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from layers.attention import CachedRequests, attention, positions_of
 from layers.linear import ColumnParallelLinear, RowParallelLinear
 from layers.shard import load_
+from layers.varlen import Requests
 from tp.dist import ConfigError
 
 
@@ -42,6 +50,8 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     vocab_size: int = 32000
+
+    family = "llama"  # the block family (layers/config.ModelConfig is "gpt2"); not a dataclass field
 
     @property
     def k(self) -> int:
@@ -67,7 +77,12 @@ def valid_llama_tp_sizes(cfg: LlamaConfig, up_to: int = 64) -> list[int]:
 
 def validate_llama(cfg: LlamaConfig, p: int) -> None:
     """ConfigError naming the numbers to change, with the valid p. Pure: every rank reaches the same verdict."""
-    if cfg.n_kv_heads < 1 or cfg.n_heads % cfg.n_kv_heads:
+    for name in ("d_model", "n_heads", "n_kv_heads", "d_head", "d_ffn", "n_layers", "max_seq_len", "vocab_size"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"model.{name}={getattr(cfg, name)} must be a positive integer")
+    if not (cfg.norm_eps > 0 and cfg.rope_theta > 0):
+        raise ConfigError(f"model.norm_eps={cfg.norm_eps} and model.rope_theta={cfg.rope_theta} must be positive")
+    if cfg.n_heads % cfg.n_kv_heads:
         raise ConfigError(f"n_heads={cfg.n_heads} must be a multiple of n_kv_heads={cfg.n_kv_heads} "
                           f"(each K,V head serves n_heads/n_kv_heads query heads)")
     if cfg.d_head % 2:
@@ -100,25 +115,24 @@ class RMSNorm(nn.Module):
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary positions on x [T, heads, dh] at `positions` [T] (each row's own position: a request's q_start
+    """Rotary positions on x [heads, T, dh] at `positions` [T] (each row's own position: a request's q_start
     onwards). Dimension i pairs with i + dh/2 (the rotate-half layout of Llama checkpoints)."""
     dh = x.shape[-1]
     inv_freq = 1.0 / theta ** (torch.arange(0, dh, 2, dtype=x.dtype, device=x.device) / dh)  # [dh/2]
     angles = positions.to(x.dtype)[:, None] * inv_freq[None, :]  # [T, dh/2]
-    cos, sin = (torch.cat([f, f], dim=-1)[:, None, :] for f in (angles.cos(), angles.sin()))  # [T, 1, dh]
+    cos, sin = (torch.cat([f, f], dim=-1) for f in (angles.cos(), angles.sin()))  # [T, dh], broadcast over heads
     x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
-    """q [T, hq, dh], k, v [T, hkv, dh], hq a multiple of hkv; causal within each span of rows. Returns [T, hq·dh]."""
-    group = q.shape[1] // k.shape[1]
-    k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))  # query head j reads K,V head j // group
-    outs = []
-    for s, e in spans:
-        qs, ks, vs = (rearrange(t[s:e], "n h d -> 1 h n d") for t in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
-    return rearrange(torch.cat(outs, dim=2), "1 h n d -> n (h d)")
+def rotary_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: LlamaConfig,
+                     requests: Requests | CachedRequests | None) -> torch.Tensor:
+    """q [T, h·dh], k, v [T, h_kv·dh] (this rank's heads): RoPE on q and k at each row's position, then causal
+    grouped-query attention (layers/attention.py, which also keeps the cache). Returns [T, h·dh]."""
+    positions = positions_of(requests, q.shape[0], q.device)
+    q, k, v = (rearrange(t, "n (h d) -> h n d", d=cfg.d_head) for t in (q, k, v))
+    kv = torch.stack([rope(k, positions, cfg.rope_theta), v])  # [2, h_kv, T, dh]
+    return attention(rope(q, positions, cfg.rope_theta), kv, requests)
 
 
 # ---- the single-device block and its TP counterpart -------------------------------------------------------------
@@ -138,12 +152,9 @@ class DenseLlamaBlock(nn.Module):
         self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ffn, **kw)  # rows [gate | up]
         self.down = nn.Linear(cfg.d_ffn, cfg.d_model, **kw)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
-        c, h = self.cfg, self.attn_norm(x)
-        q = rope(rearrange(self.q(h), "n (h d) -> n h d", d=c.d_head), positions, c.rope_theta)
-        k = rope(rearrange(self.k(h), "n (h d) -> n h d", d=c.d_head), positions, c.rope_theta)
-        v = rearrange(self.v(h), "n (h d) -> n h d", d=c.d_head)
-        x = x + self.o(_attend(q, k, v, spans))
+    def forward(self, x: torch.Tensor, requests: Requests | CachedRequests | None = None) -> torch.Tensor:
+        h = self.attn_norm(x)
+        x = x + self.o(rotary_attention(self.q(h), self.k(h), self.v(h), self.cfg, requests))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
@@ -168,14 +179,10 @@ class TPLlamaBlock(nn.Module):
         self.gate_up = ColumnParallelLinear(cfg.d_model, 2 * cfg.d_ffn, group, site="mlp/gate_up dx", **kw)
         self.down = RowParallelLinear(cfg.d_ffn, cfg.d_model, group, site="mlp/all-reduce #2", **kw)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
-        c = self.cfg
-        q, k, v = self.qkv(self.attn_norm(x)).split(
-            [self.q_heads * c.d_head, self.kv_heads * c.d_head, self.kv_heads * c.d_head], dim=-1)
-        q = rope(rearrange(q, "n (h d) -> n h d", d=c.d_head), positions, c.rope_theta)
-        k = rope(rearrange(k, "n (h d) -> n h d", d=c.d_head), positions, c.rope_theta)
-        v = rearrange(v, "n (h d) -> n h d", d=c.d_head)
-        x = x + self.o(_attend(q, k, v, spans))  # ★ all-reduce #1: partial [n, d] summed over ranks
+    def forward(self, x: torch.Tensor, requests: Requests | CachedRequests | None = None) -> torch.Tensor:
+        q, k, v = self.qkv(self.attn_norm(x)).split(  # this rank's query heads, then its K,V heads
+            [self.q_heads * self.cfg.d_head, self.kv_heads * self.cfg.d_head, self.kv_heads * self.cfg.d_head], dim=-1)
+        x = x + self.o(rotary_attention(q, k, v, self.cfg, requests))  # ★ all-reduce #1: partial [n, d] summed
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)  # this rank's f/p columns of each
         return x + self.down(F.silu(gate) * up)  # ★ all-reduce #2: partial [n, d] summed over ranks
 
@@ -196,125 +203,3 @@ class TPLlamaBlock(nn.Module):
         self.attn_norm.load_state_dict(dense.attn_norm.state_dict())
         self.mlp_norm.load_state_dict(dense.mlp_norm.state_dict())
         return self
-
-
-def load_hf_llama_block(block: DenseLlamaBlock, state: dict[str, torch.Tensor], prefix: str) -> DenseLlamaBlock:
-    """transformers' LlamaDecoderLayer weights (nn.Linear [out, in], like ours) into a DenseLlamaBlock."""
-    g = lambda name: state[prefix + name]  # noqa: E731
-    with torch.no_grad():
-        block.attn_norm.weight.copy_(g("input_layernorm.weight"))
-        block.q.weight.copy_(g("self_attn.q_proj.weight"))
-        block.k.weight.copy_(g("self_attn.k_proj.weight"))
-        block.v.weight.copy_(g("self_attn.v_proj.weight"))
-        block.o.weight.copy_(g("self_attn.o_proj.weight"))
-        block.mlp_norm.weight.copy_(g("post_attention_layernorm.weight"))
-        block.gate_up.weight.copy_(torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]))
-        block.down.weight.copy_(g("mlp.down_proj.weight"))
-    return block
-
-
-# ---- serving: cached attention, the language model (dense oracle and TP) ----------------------------------------
-
-
-def cached_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch) -> torch.Tensor:
-    """Serving (layers/attention.CachedRequests): write each request's new K,V [rows, hkv, dh] into its cache
-    [2, hkv, capacity, dh] at [q_start, q_end), then attend over keys [0, q_end) with the prefix-causal mask."""
-    from layers.attention import prefix_causal_mask
-
-    group = q.shape[1] // k.shape[1]
-    outs = []
-    for (s, e), q_start, cache in zip(batch.spans, batch.q_starts, batch.caches):
-        kv_length = q_start + e - s
-        cache[0, :, q_start:kv_length] = rearrange(k[s:e], "n h d -> h n d")
-        cache[1, :, q_start:kv_length] = rearrange(v[s:e], "n h d -> h n d")
-        keys, values = (t.repeat_interleave(group, dim=0)[None] for t in cache[:, :, :kv_length])  # [1, hq, kv, dh]
-        mask = None if e - s == 1 else prefix_causal_mask(q_start, e - s, kv_length, q.device)
-        outs.append(F.scaled_dot_product_attention(rearrange(q[s:e], "n h d -> 1 h n d"), keys, values, attn_mask=mask))
-    return rearrange(torch.cat(outs, dim=2), "1 h n d -> n (h d)")
-
-
-def _attend(q, k, v, requests):
-    from layers.attention import CachedRequests
-
-    return cached_gqa_attention(q, k, v, requests) if isinstance(requests, CachedRequests) else gqa_attention(q, k, v, requests)
-
-
-class LlamaStack(nn.Module):
-    """L blocks (dense or TP); `blocks` is what the traffic ledger labels layers by."""
-
-    def __init__(self, cfg: LlamaConfig, blocks: list[nn.Module]):
-        super().__init__()
-        self.cfg = cfg
-        self.blocks = nn.ModuleList(blocks)
-
-    def forward(self, x, positions, requests):  # requests: spans [(s, e)], or one CachedRequests per layer
-        layers = requests if isinstance(requests, list) and requests and not isinstance(requests[0], tuple) \
-            else [requests] * len(self.blocks)
-        for block, r in zip(self.blocks, layers):
-            x = block(x, positions, r)
-        return x
-
-
-class DenseLlamaLM(nn.Module):
-    """The single-device Llama LM: embed -> L blocks -> RMSNorm -> lm_head (untied). The serving oracle."""
-
-    def __init__(self, cfg: LlamaConfig, dtype=torch.float32, device=None):
-        super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, dtype=dtype, device=device)
-        self.stack = LlamaStack(cfg, [DenseLlamaBlock(cfg, dtype, device) for _ in range(cfg.n_layers)])
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, device)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, dtype=dtype, device=device)
-
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, V], no cache
-        n = ids.shape[0]
-        x = self.stack(self.embed(ids), torch.arange(n, device=ids.device), [(0, n)])
-        return self.lm_head(self.norm(x))
-
-
-class TPLlamaLM(nn.Module):
-    """The Llama LM on p ranks: vocab-parallel embedding and LM head (layers/vocab.py), TP blocks, per-rank caches
-    of this rank's K,V heads. `step` is one serving iteration, as layers/lm.TPLM.step."""
-
-    variant = "v2"
-    vocab_parallel = True
-
-    def __init__(self, cfg: LlamaConfig, embed, stack: LlamaStack, norm: RMSNorm, head):
-        super().__init__()
-        self.cfg, self.embed, self.stack, self.norm, self.head = cfg, embed, stack, norm, head
-
-    @property
-    def cache_heads(self) -> int:
-        return self.stack.blocks[0].kv_heads
-
-    def step(self, ids, positions, layers, sample_rows):
-        x = self.embed(ids)  # ★ all-reduce [T, d]
-        x = self.stack(x, positions, layers)  # ★ 2 all-reduces [T, d] per layer
-        if not sample_rows:
-            return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.float64)
-        return self.head.greedy(self.norm(x[sample_rows]))  # ★ all-gather of (max, argmax) pairs [S, 2] per rank
-
-
-@torch.no_grad()
-def shard_llama_lm(dense: DenseLlamaLM, group: dist.ProcessGroup) -> TPLlamaLM:
-    from layers.vocab import VocabParallelEmbedding
-
-    cfg, w = dense.cfg, dense.embed.weight
-    embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group, w.dtype, w.device).load_dense(w)
-    head = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group, w.dtype, w.device).load_dense(
-        dense.lm_head.weight)  # only its greedy() is used: the untied head, vocab-parallel
-    stack = LlamaStack(cfg, [TPLlamaBlock(cfg, group, w.dtype, w.device).load_dense(b) for b in dense.stack.blocks])
-    norm = RMSNorm(cfg.d_model, cfg.norm_eps, w.dtype, w.device)
-    norm.load_state_dict(dense.norm.state_dict())
-    return TPLlamaLM(cfg, embed, stack, norm, head)
-
-
-def load_hf_llama_lm(lm: DenseLlamaLM, state: dict[str, torch.Tensor]) -> DenseLlamaLM:
-    """transformers' LlamaForCausalLM state dict into a DenseLlamaLM."""
-    with torch.no_grad():
-        lm.embed.weight.copy_(state["model.embed_tokens.weight"])
-        lm.norm.weight.copy_(state["model.norm.weight"])
-        lm.lm_head.weight.copy_(state.get("lm_head.weight", state["model.embed_tokens.weight"]))
-    for i, block in enumerate(lm.stack.blocks):
-        load_hf_llama_block(block, state, f"model.layers.{i}.")
-    return lm

@@ -1,6 +1,7 @@
-"""The whole GPT-2 language model: token + position embedding, L blocks, final LayerNorm, tied LM head.
+"""The whole language model, of either block family.
 
-    ids [T] -> wte[ids] + wpe[positions] -> L blocks -> ln_f -> x @ wteᵀ -> logits [T, V]
+    GPT-2   ids [T] -> wte[ids] + wpe[positions] -> L blocks -> ln_f -> x @ wteᵀ -> logits [T, V]   (tied head)
+    Llama   ids [T] -> embed[ids] -> L blocks (RoPE inside) -> RMSNorm -> x @ lm_headᵀ -> logits     (untied head)
 
 DenseLM   the single-device model, and the serving oracle: `logits` recomputes a whole
           sequence without any cache; `greedy_reference` generates by recomputing every step.
@@ -8,6 +9,9 @@ TPLM      the same weights on p ranks: vocab-parallel (or replicated) embedding 
           (layers/vocab.py), the v1 or v2 stack, and per-request K,V caches handed in by the
           engine. `step` runs one serving iteration of flat rows and returns greedy tokens for
           the rows asked for; the full logits are never formed.
+DenseLlamaLM, TPLlamaLM   the same for Llama-family models (layers/llama.py): v2 blocks, the embedding and the
+          separate head both vocab-parallel, caches of this rank's K,V heads only (`cache_heads`).
+`shard_lm` shards either.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch.nn.functional as F
 from layers.attention import CachedRequests
 from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.dense import DenseStack
+from layers.llama import LlamaConfig, RMSNorm
 from layers.tp_block import TPStack, shard_stack
 from layers.vocab import ReplicatedEmbedding, VocabParallelEmbedding
 
@@ -49,6 +54,26 @@ class Greedy:
     ids: list[int]
     logits: list[float]
     margins: list[float]  # top-1 minus top-2 logit: a near-tie if this is within rounding
+
+
+class DenseLlamaLM(nn.Module):
+    """The single-device Llama LM: embed -> L blocks -> RMSNorm -> lm_head (untied). The serving oracle."""
+
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, dtype=dtype, device=device)
+        self.stack = DenseStack(cfg, dtype, device)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, device)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, V], no cache; positions 0 .. n-1
+        return self.lm_head(self.norm(self.stack(self.embed(ids))[-1]))
+
+
+def dense_lm(cfg: ModelConfig | LlamaConfig, dtype: torch.dtype = torch.float32, device=None) -> nn.Module:
+    """The single-device LM of cfg's block family."""
+    return (DenseLlamaLM if cfg.family == "llama" else DenseLM)(cfg, dtype, device)
 
 
 @torch.no_grad()
@@ -94,11 +119,43 @@ class TPLM(nn.Module):
         return self.embed.greedy(last)  # ★ vocab-parallel: all-gather of (max, argmax) pairs [S, 2] per rank
 
 
+class TPLlamaLM(nn.Module):
+    """The Llama LM on p ranks: vocab-parallel embedding and LM head, v2 Llama blocks, per-rank caches of this
+    rank's K,V heads (replicated on p/h_kv ranks once p > h_kv). `step` is one serving iteration, as TPLM's."""
+
+    variant = "v2"
+    vocab_parallel = True
+
+    def __init__(self, cfg: LlamaConfig, embed: VocabParallelEmbedding, stack: TPStack, norm: RMSNorm,
+                 head: VocabParallelEmbedding):
+        super().__init__()
+        self.cfg, self.embed, self.stack, self.norm, self.head = cfg, embed, stack, norm, head
+
+    @property
+    def cache_heads(self) -> int:
+        """K,V heads per layer in this rank's cache: max(h_kv/p, 1)."""
+        return self.stack.blocks[0].kv_heads
+
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, layers: list[CachedRequests],
+             sample_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """As TPLM.step; `positions` is not needed: every block reads its rows' positions off `layers` (q_start)."""
+        x = self.embed(ids)  # ★ all-reduce [T, d]
+        x = self.stack.forward_cached(x, layers)  # ★ 2 all-reduces [T, d] per layer
+        if not sample_rows:
+            return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.float64)
+        return self.head.greedy(self.norm(x[sample_rows]))  # ★ all-gather of (max, argmax) pairs [S, 2] per rank
+
+
 @torch.no_grad()
-def shard_lm(dense: DenseLM, variant: str, group: dist.ProcessGroup, vocab_parallel: bool = True) -> TPLM:
-    """Load dense, then shard: this rank's TPLM, holding its slices of `dense`'s weights."""
+def shard_lm(dense: DenseLM | DenseLlamaLM, variant: str, group: dist.ProcessGroup,
+             vocab_parallel: bool = True) -> TPLM | TPLlamaLM:
+    """Load dense, then shard: this rank's TPLM (or TPLlamaLM), holding its slices of `dense`'s weights."""
     if variant not in SERVING_VARIANTS:
         raise ValueError(f"serving runs variant v1 or v2, not {variant!r}")
+    if isinstance(dense, DenseLlamaLM):
+        if variant != "v2" or not vocab_parallel:
+            raise ValueError("Llama-family models are served with variant v2 and a vocab-parallel embedding and head")
+        return _shard_llama_lm(dense, group)
     cfg, w = dense.cfg, dense.wte.weight
     if vocab_parallel:
         embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group, w.dtype, w.device).load_dense(w)
@@ -109,3 +166,13 @@ def shard_lm(dense: DenseLM, variant: str, group: dist.ProcessGroup, vocab_paral
     ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, dtype=w.dtype, device=w.device)
     ln_f.load_state_dict(dense.ln_f.state_dict())
     return TPLM(cfg, variant, embed, wpe, shard_stack(dense.stack, variant, group), ln_f)
+
+
+def _shard_llama_lm(dense: DenseLlamaLM, group: dist.ProcessGroup) -> TPLlamaLM:
+    cfg, w = dense.cfg, dense.embed.weight
+    embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group, w.dtype, w.device).load_dense(w)
+    head = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group, w.dtype, w.device).load_dense(
+        dense.lm_head.weight)  # only its greedy() is used: the untied head, vocab-parallel like the embedding
+    norm = RMSNorm(cfg.d_model, cfg.norm_eps, w.dtype, w.device)
+    norm.load_state_dict(dense.norm.state_dict())
+    return TPLlamaLM(cfg, embed, shard_stack(dense.stack, "v2", group), norm, head)

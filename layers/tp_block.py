@@ -28,6 +28,7 @@ from layers.attention import CachedRequests, causal_attention
 from layers.config import ModelConfig
 from layers.dense import DenseBlock, DenseStack, Stack
 from layers.linear import ColumnParallelLinear, RowParallelLinear
+from layers.llama import TPLlamaBlock
 from layers.shard import (column_shard, load_, out_proj_intra_head_shard, qkv_head_aligned_shard,
                           qkv_intra_head_shard, row_shard)
 from layers.varlen import Requests
@@ -139,7 +140,8 @@ class TPBlockIntraHead(TPBlockV2):
         return self
 
 
-BLOCKS = {"v1": TPBlockV1, "v2": TPBlockV2, "intra_head": TPBlockIntraHead}
+BLOCKS = {("gpt2", "v1"): TPBlockV1, ("gpt2", "v2"): TPBlockV2, ("gpt2", "intra_head"): TPBlockIntraHead,
+          ("llama", "v2"): TPLlamaBlock}  # layers/llama.py: the Megatron pattern with GQA, RoPE, SwiGLU
 
 
 class TPStack(Stack):
@@ -147,7 +149,11 @@ class TPStack(Stack):
 
 
 def shard_stack(dense: DenseStack, variant: str, group: dist.ProcessGroup) -> TPStack:
-    """Build the `variant` TP stack holding this rank's slices of `dense`'s weights."""
+    """Build the `variant` TP stack holding this rank's slices of `dense`'s weights (of either block family)."""
     param = next(dense.parameters())
-    cls = BLOCKS[variant]
+    family = dense.cfg.family
+    if (family, variant) not in BLOCKS:
+        raise ValueError(f"no {variant!r} TP block for the {family} family; it has "
+                         f"{', '.join(v for f, v in BLOCKS if f == family)}")
+    cls = BLOCKS[(family, variant)]
     return TPStack(dense.cfg, [cls(dense.cfg, group, param.dtype, param.device).load_dense(b) for b in dense.blocks])

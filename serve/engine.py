@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from layers.lm import TPLM
-from serve.kv_cache import KVCache, kv_bytes_per_token
+from serve.kv_cache import KVCache
 from serve.plan import FINGERPRINT_SIZE, IterationPlan
 from serve.scheduler import Request, Scheduler
 from tp.comm import gather_from_region
@@ -36,7 +36,7 @@ class ServeResult:
     iterations: list[dict] = field(default_factory=list)
     requests: list[dict] = field(default_factory=list)
     kv_peak_bytes_per_rank: int = 0
-    kv_bytes_per_token_per_rank: int = 0
+    kv_bytes_per_token_per_rank: int | float = 0  # peak bytes / peak token capacity of this rank's cache
     time_s: float = 0.0
     started_at: float = 0.0  # time.perf_counter() when the loop started: start_s and token_times_s count from it
 
@@ -79,8 +79,7 @@ class Engine:
         sched = Scheduler(requests, **self.sched_args)
         for r in sched.running:  # requests resumed mid-stream keep their cache rows
             self.cache.allocate(r.id, r.capacity)
-        result = ServeResult(kv_bytes_per_token_per_rank=kv_bytes_per_token(
-            self.lm.cfg.n_layers, self.cache.heads, self.lm.cfg.d_head, self.dtype))
+        result = ServeResult()
         arrived_at: dict[int, float] = {}
         token_times: dict[int, list[float]] = {r.id: [] for r in requests}
         logits: dict[int, list[float]] = {r.id: [] for r in requests}
@@ -128,6 +127,9 @@ class Engine:
         synchronize(self.ctx.device)
         result.time_s = time.perf_counter() - start
         result.kv_peak_bytes_per_rank = self.cache.peak_bytes
+        # measured, not computed: the bytes the cache's tensors held per token position at their peak
+        per_token = self.cache.measured_bytes_per_token()
+        result.kv_bytes_per_token_per_rank = int(per_token) if per_token == int(per_token) else per_token
         for r in requests:
             times = token_times[r.id]
             gaps = [b - a for a, b in zip(times[:-1], times[1:])]

@@ -94,12 +94,23 @@ def test_launcher_runs_a_saved_checkpoint(tmp_path):
     assert "weights: GPT-2 checkpoint" in proc.stdout
 
 
+LLAMA = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 2,
+         "num_hidden_layers": 2, "intermediate_size": 96, "hidden_act": "silu"}
 BROKEN = {
     "truncated weights": ({"n_embd": 64, "n_head": 8, "n_layer": 3}, b"\x10\x00\x00\x00\x00\x00\x00\x00{trunc",
                           "cannot read the weights (SafetensorError"),
     "config not JSON": ("{not json", None, "config.json is not valid JSON"),
-    "a Llama config": ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 8}, None,
-                       "not a GPT-2 config (model_type='llama', no n_embd, n_head, n_layer)"),
+    "another model type": ({"model_type": "mistral", "hidden_size": 64}, None,
+                           "model_type='mistral' is not supported: GPT-2 (gpt2) and Llama (llama) checkpoints are"),
+    "a Llama config missing fields": ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 8}, None,
+                                      "not a Llama config (no num_hidden_layers, intermediate_size)"),
+    "a Llama activation": (dict(LLAMA, hidden_act="gelu"), None, "hidden_act='gelu' is not supported"),
+    "Llama rope scaling (4.x)": (dict(LLAMA, rope_scaling={"type": "linear", "factor": 2.0}), None,
+                                 "rope scaling is not supported"),
+    "Llama rope scaling (5.x)": (dict(LLAMA, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}), None,
+                                 "rope scaling is not supported"),
+    "Llama heads that p = 2 cannot split": (dict(LLAMA, num_attention_heads=6, num_key_value_heads=3, head_dim=8),
+                                            None, "valid tensor-parallel sizes: 1, 3, 6"),
     "n_embd a string": ({"n_embd": "64", "n_head": 8, "n_layer": 3}, None, "n_embd='64' in config.json must be"),
     "weights of another model": ({"n_embd": 64, "n_head": 8, "n_layer": 3, "n_positions": 64}, "OTHER",
                                  "transformer.h.0.ln_1.weight has shape (32,), config.json's model needs (64,)"),

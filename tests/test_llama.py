@@ -1,11 +1,18 @@
 """Llama-family blocks (SPEC §9): the dense block against transformers' LlamaModel, the TP block against the dense
 one at every valid p, including K,V heads replicated once p exceeds h_kv. float64."""
 
+import functools
+from collections import Counter
+
 import pytest
 import torch
 
-from layers.llama import (DenseLlamaBlock, LlamaConfig, RMSNorm, TPLlamaBlock, kv_heads_of_rank, load_hf_llama_block,
-                          valid_llama_tp_sizes, validate_llama)
+from layers.dense import DenseStack
+from layers.hf_llama import load_stack
+from layers.llama import (LlamaConfig, RMSNorm, kv_heads_of_rank, valid_llama_tp_sizes,
+                          validate_llama)
+from layers.tp_block import shard_stack
+from layers.varlen import Requests
 from tests.harness import run_ranks
 from tp.dist import ConfigError
 
@@ -54,57 +61,64 @@ def hf_model(cfg: LlamaConfig, causal_lm: bool = False):
     return model
 
 
-def dense_blocks(cfg: LlamaConfig, model) -> list[DenseLlamaBlock]:
-    state = model.state_dict()
-    return [load_hf_llama_block(DenseLlamaBlock(cfg, torch.float64), state, f"layers.{i}.") for i in range(cfg.n_layers)]
+LENGTHS = [4, N - 4]  # two requests flattened into one forward; each starts at position 0
 
 
-def layer_outputs(blocks, x, positions, spans):
+def dense_stack(cfg: LlamaConfig, state: dict) -> DenseStack:
+    return load_stack(DenseStack(cfg, torch.float64), state)
+
+
+@functools.lru_cache(maxsize=None)
+def transformers_reference(h_kv: int):
+    """(state dict, x [N, d], every layer's output for the two requests) from transformers' LlamaModel, each
+    request run alone; the last layer's output before the final norm (transformers returns it after)."""
+    cfg = cfg_for(h_kv)
+    model = hf_model(cfg)
+    x = torch.randn(N, cfg.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     outs = []
-    for b in blocks:
-        x = b(x, positions, spans)
-        outs.append(x)
-    return outs
+    with torch.no_grad():
+        for s, e in Requests.from_lengths(LENGTHS).spans:
+            hidden = list(model(inputs_embeds=x[None, s:e], output_hidden_states=True).hidden_states[1:])
+            outs.append(hidden)
+    return model.state_dict(), x, [torch.cat([o[i][0] for o in outs]) for i in range(cfg.n_layers)]
+
+
+def errors(ours, theirs, final_norm) -> list[float]:
+    ours = list(ours)
+    ours[-1] = final_norm(ours[-1])  # transformers' last hidden state is after the final norm
+    return [float((a - b).abs().max() / b.abs().max()) for a, b in zip(ours, theirs)]
+
+
+def final_norm(cfg, state) -> RMSNorm:
+    norm = RMSNorm(cfg.d_model, cfg.norm_eps, torch.float64)
+    norm.load_state_dict({"weight": state["norm.weight"]})
+    return norm
 
 
 @pytest.mark.parametrize("h_kv", [1, 2, 8])
 def test_dense_llama_equals_transformers_per_layer(h_kv):
     cfg = cfg_for(h_kv)
-    model = hf_model(cfg)
-    x = torch.randn(1, N, cfg.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    state, x, theirs = transformers_reference(h_kv)
     with torch.no_grad():
-        theirs = model(inputs_embeds=x, output_hidden_states=True).hidden_states
-        ours = layer_outputs(dense_blocks(cfg, model), x[0], torch.arange(N), [(0, N)])
-        norm = RMSNorm(cfg.d_model, cfg.norm_eps, torch.float64)
-        norm.weight.copy_(model.norm.weight)
-        ours[-1] = norm(ours[-1])  # transformers' last hidden state is after the final norm
-    for i, (a, b) in enumerate(zip(ours, theirs[1:])):
-        assert (a - b[0]).abs().max() / b.abs().max() < 1e-12, f"layer {i}"
+        ours = dense_stack(cfg, state)(x, Requests.from_lengths(LENGTHS).cu_seqlens)
+        assert max(errors(ours, theirs, final_norm(cfg, state))) < 1e-12
 
 
-def _tp_against_dense(ctx, h_kv):
+def _tp_against_transformers(ctx, h_kv, state, x, theirs):
     cfg = cfg_for(h_kv)
-    torch.manual_seed(0)
-    dense = [DenseLlamaBlock(cfg, torch.float64) for _ in range(cfg.n_layers)]
+    tp = shard_stack(dense_stack(cfg, state), "v2", ctx.group)
     with torch.no_grad():
-        for b in dense:
-            for p in b.parameters():
-                p.copy_(torch.randn_like(p) * (0.1 if p.dim() == 2 else 1.0) + (1.0 if p.dim() == 1 else 0.0))
-    tp = [TPLlamaBlock(cfg, ctx.group, torch.float64).load_dense(b) for b in dense]
-    x = torch.randn(N, cfg.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    # two requests in one flat tensor, each with its own positions (the second starts at 0)
-    positions, spans = torch.cat([torch.arange(4), torch.arange(N - 4)]), [(0, 4), (4, N)]
-    with torch.no_grad():
-        want = layer_outputs(dense, x, positions, spans)
-        got = layer_outputs(tp, x, positions, spans)
-    return [float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want)], tp[0].kv_heads
+        ours = tp(x, Requests.from_lengths(LENGTHS).cu_seqlens)
+        return errors(ours, theirs, final_norm(cfg, state)), tp.blocks[0].kv_heads
 
 
 @pytest.mark.parametrize("h_kv", [1, 2, 8])
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
-def test_tp_llama_equals_dense_at_every_p(p, h_kv):
-    for errors, kv_heads in run_ranks(p, _tp_against_dense, h_kv):
-        assert max(errors) < 1e-12
+def test_tp_llama_equals_transformers_at_every_p(p, h_kv):
+    """The TP stack (sharded from transformers' weights) against transformers' own layer outputs; p = 4, 8 with
+    h_kv = 1, 2 replicate K,V heads; p = h_kv and p < h_kv split them."""
+    for errs, kv_heads in run_ranks(p, _tp_against_transformers, h_kv, *transformers_reference(h_kv)):
+        assert max(errs) < 1e-12
         assert kv_heads == max(h_kv // p, 1)  # replicated once p > h_kv: one K,V head per rank
 
 
@@ -132,29 +146,26 @@ def test_invalid_head_splits_fail_with_the_valid_list():
 
 
 def _llama_ledger(ctx):
-    import torch.nn as nn
-
     from tp.ledger import TrafficLedger
-    from tp.traffic_model import predict
+    from tp.traffic_model import PHASES, predict
 
     cfg = cfg_for(2)
-    stack = nn.Module()
-    stack.blocks = nn.ModuleList(TPLlamaBlock(cfg, ctx.group, torch.float64).load_dense(DenseLlamaBlock(cfg, torch.float64))
-                                 for _ in range(cfg.n_layers))
+    stack = shard_stack(DenseStack(cfg, torch.float64), "v2", ctx.group)
     ledger = TrafficLedger(ctx.world_size)
-    x = torch.randn(N, cfg.d_model, dtype=torch.float64)
-    with torch.no_grad(), ledger.attach(stack):
-        for b in stack.blocks:
-            x = b(x, torch.arange(N), [(0, N)])
-    return [r.traffic() for r in ledger.records] == predict(cfg, ctx.world_size, N, torch.float64, "v2"), \
+    x = torch.randn(N, cfg.d_model, dtype=torch.float64, requires_grad=True)
+    with ledger.attach(stack):
+        stack(x)[-1].sum().backward()
+    return all(Counter(r.traffic() for r in ledger.records if r.phase == ph)  # backward: layers in reverse
+               == Counter(predict(cfg, ctx.world_size, N, torch.float64, "v2", ph)) for ph in PHASES), \
         len(ledger.records)
 
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_tp_llama_traffic_is_the_megatron_pattern(p):
-    """GQA changes nothing on the wire: 2 all-reduces of [n, d] per block, the model's v2 prediction exactly."""
+    """GQA changes nothing on the wire: 2 all-reduces of [n, d] per block forward and backward (the input
+    gradients of qkv and gate_up), the model's v2 prediction exactly."""
     for same, count in run_ranks(p, _llama_ledger):
-        assert same and count == 2 * 2
+        assert same and count == 2 * 2 * 2
 
 
 # ---- serving ------------------------------------------------------------------------------------------------------
@@ -164,8 +175,8 @@ WORKLOAD = [(11, 6, 0), (5, 7, 0), (14, 5, 1), (2, 6, 2)]  # (prompt, max_new_to
 
 @pytest.fixture(scope="module")
 def llama_lm():
-    from layers.llama import DenseLlamaLM, load_hf_llama_lm
-    from layers.lm import greedy_reference
+    from layers.hf_llama import load_lm
+    from layers.lm import DenseLlamaLM, greedy_reference
 
     cfg = cfg_for(2)
     model = hf_model(cfg, causal_lm=True)
@@ -173,7 +184,7 @@ def llama_lm():
     model.generation_config.pad_token_id = 0
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n, _, _ in WORKLOAD]
-    dense = load_hf_llama_lm(DenseLlamaLM(cfg, torch.float64), model.state_dict())
+    dense = load_lm(DenseLlamaLM(cfg, torch.float64), model.state_dict())
     want = []
     for prompt, (_, new, _) in zip(prompts, WORKLOAD):
         ids = torch.tensor([prompt])
@@ -188,12 +199,13 @@ def llama_lm():
 
 
 def _serve_llama(ctx, state, prompts):
-    from layers.llama import DenseLlamaLM, load_hf_llama_lm, shard_llama_lm
+    from layers.hf_llama import load_lm
+    from layers.lm import DenseLlamaLM, shard_lm
     from serve.engine import Engine
     from serve.scheduler import Request
 
     cfg = cfg_for(2)
-    lm = shard_llama_lm(load_hf_llama_lm(DenseLlamaLM(cfg, torch.float64), state), ctx.group)
+    lm = shard_lm(load_lm(DenseLlamaLM(cfg, torch.float64), state), "v2", ctx.group)
     reqs = [Request(i, p, new, a) for i, (p, (_, new, a)) in enumerate(zip(prompts, WORKLOAD))]
     res = Engine(lm, ctx, chunk_size=4, max_batched_tokens=10).run(reqs)
     mixed = any(it["decodes"] and it["prefill_chunks"] for it in res.iterations)

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from layers.hf_gpt2 import load_lm, read_config, read_state
+from layers.hf import load_lm, read_config, read_state
 from layers.lm import DenseLM, greedy_reference, shard_lm
 from serve.engine import Engine
 from serve.scheduler import Request

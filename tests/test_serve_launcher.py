@@ -224,8 +224,3 @@ def test_bad_llama_settings_on_a_lone_rank(tmp_path, overrides, message):
     alone = lone_rank(tmp_path, overrides)
     assert alone.returncode == 2, alone.stdout + alone.stderr
     assert message in alone.stderr, alone.stderr
-
-
-def test_run_block_refuses_a_llama_model_with_a_clear_error(tmp_path):
-    alone = lone_rank(tmp_path, ["model=llama_tiny"], script="run_block.py")
-    assert alone.returncode == 2 and "run_block checks GPT-2 blocks" in alone.stderr, alone.stderr

@@ -26,7 +26,7 @@ class Shape:
     name: str
     n_params: float  # Π
     n_layers: int
-    n_kv_heads: int
+    n_kv_heads: int  # K,V heads: n_heads for multi-head attention, fewer for grouped-query attention
     d_head: int
     bytes_per_elem: int = 2  # fp16 weights and KV
 
@@ -38,6 +38,10 @@ class Shape:
     def kv_bytes_per_token(self) -> int:
         """K_tok: K and V of one context token, summed over all layers."""
         return 2 * self.n_layers * self.n_kv_heads * self.d_head * self.bytes_per_elem
+
+    def kv_bytes_per_token_per_rank(self, p: int) -> int:
+        """K_tok on one of p head-aligned TP ranks (kv_bytes_per_token_per_rank below)."""
+        return kv_bytes_per_token_per_rank(self.n_layers, self.n_kv_heads, self.d_head, p, self.bytes_per_elem)
 
 
 @dataclass(frozen=True)
@@ -64,12 +68,19 @@ A100 = Hardware("A100 SXM 80GB peak", 312e12, 2.039e12, "NVIDIA A100 datasheet: 
 HARDWARE = {hw.name: hw for hw in (H100, H100_PEAK, H200, A100)}
 
 
-def shape_of(cfg, bytes_per_elem: int = 2) -> Shape:
-    """A Shape from a layers.config.ModelConfig (article03, gpt2_small): parameters of the blocks only."""
+def block_params(cfg) -> int:
+    """Parameters of one block. GPT-2 (layers.config.ModelConfig): QKV, out, up, down with biases, two LayerNorms.
+    Llama (layers.llama.LlamaConfig): q [d, k], k and v [d, k_kv] each, o, gate|up [d, 2f], down, two RMSNorms."""
     d, k, f = cfg.d_model, cfg.k, cfg.d_ffn
-    per_block = d * 3 * k + 3 * k + k * d + d + d * f + f + f * d + d + 4 * d
-    return Shape(f"blocks d={d} L={cfg.n_layers}", float(per_block * cfg.n_layers), cfg.n_layers, cfg.n_heads,
-                 cfg.d_head, bytes_per_elem)
+    if cfg.family == "llama":
+        return d * (k + 2 * cfg.k_kv) + k * d + 3 * d * f + 2 * d
+    return d * 3 * k + 3 * k + k * d + d + d * f + f + f * d + d + 4 * d
+
+
+def shape_of(cfg, bytes_per_elem: int = 2) -> Shape:
+    """A Shape from a model config (article03, gpt2_small, llama_tiny, llama2_7b): parameters of the blocks only."""
+    return Shape(f"blocks d={cfg.d_model} L={cfg.n_layers}", float(block_params(cfg) * cfg.n_layers), cfg.n_layers,
+                 cfg.n_kv_heads, cfg.d_head, bytes_per_elem)
 # Fabric bandwidths as seeds/06 §6 gives them, bytes/s.
 FABRICS = {"NVLink (in node)": 900e9, "NVSwitch fabric": 400e9, "InfiniBand HDR": 50e9, "PCIe Gen5": 64e9}
 
@@ -175,6 +186,21 @@ def mha_kv_elems_per_token_per_gpu(d: int, tp: int) -> float:
 def mla_kv_elems_per_token_per_gpu(d_latent: int, d_rope: int = 0) -> float:
     """MLA caches one latent vector (plus the shared RoPE key) that every TP rank must hold whole."""
     return d_latent + d_rope
+
+
+def kv_bytes_per_token_per_rank(n_layers: int, n_kv_heads: int, d_head: int, p: int, elem_bytes: int) -> int:
+    """K and V of one token, every layer, on one of p head-aligned TP ranks (SPEC §9): 2·L·max(h_kv/p, 1)·d_head·e.
+
+    p ≤ h_kv: h_kv/p K,V heads per rank (MHA, h_kv = h: 1/p of the whole cache); p > h_kv: one K,V head, the
+    same one on p/h_kv ranks, so the per-rank cache stops shrinking at p = h_kv."""
+    if n_kv_heads % p and p % n_kv_heads:
+        raise ValueError(f"p={p} splits neither n_kv_heads={n_kv_heads} nor a multiple of it")
+    return 2 * n_layers * max(n_kv_heads // p, 1) * d_head * elem_bytes
+
+
+def mla_kv_bytes_per_token(n_layers: int, d_latent: int, d_rope: int, elem_bytes: int) -> int:
+    """MLA's cache of one token, every layer: the latent vector and the shared RoPE key, whole on every TP rank."""
+    return n_layers * (d_latent + d_rope) * elem_bytes
 
 
 # DeepSeek-V3's attention dims as the comm-model document gives them.

@@ -13,6 +13,11 @@ Per block, with n tokens, d = d_model, k = n_heads·d_head, f = d_ffn:
 With many requests flattened (lengths Lᵢ, n = Σ Lᵢ) nothing changes but n, except
 intra_head's scores: each request's [h, Lᵢ, Lᵢ] block, side by side, [h, Σ Lᵢ²].
 
+Llama-family blocks (layers/llama.py) are v2: the same list, whatever h_kv is (grouped-query
+attention changes what each rank caches, not what it sends); the MLP's backward site is
+"gate_up dx". Their LM has the vocab-parallel embedding and an untied vocab-parallel head,
+so a serving iteration adds exactly what GPT-2's vocab-parallel LM adds.
+
 A serving iteration (SPEC §6; layers/lm.py) of T rows, S of them sampled, adds to the stack's
 collectives, outside any block: an all-gather of every rank's plan fingerprint (the engine
 checks that all ranks scheduled the same rows), and with the vocab-parallel embedding one
@@ -44,9 +49,12 @@ def block_collectives(cfg: ModelConfig, n: int, variant: str, phase: str,
     d, k, f, h = cfg.d_model, cfg.k, cfg.d_ffn, cfg.n_heads
     scores = (h, sum(x * x for x in (lengths or [n])))
     ar, ag = "all_reduce", "all_gather"
+    up = "gate_up dx" if cfg.family == "llama" else "mlp_up dx"  # Llama: gate and up are one column-parallel matmul
+    if cfg.family == "llama" and variant != "v2":
+        raise ValueError(f"Llama-family blocks are built as v2 only, not {variant!r}")
     table = {
         ("v2", "forward"): [("attn", "all-reduce #1", ar, (n, d)), ("mlp", "all-reduce #2", ar, (n, d))],
-        ("v2", "backward"): [("mlp", "mlp_up dx", ar, (n, d)), ("attn", "qkv dx", ar, (n, d))],
+        ("v2", "backward"): [("mlp", up, ar, (n, d)), ("attn", "qkv dx", ar, (n, d))],
         ("v1", "forward"): [("attn", "gather #1", ag, (n, k)), ("attn", "gather #2", ag, (n, d)),
                             ("mlp", "gather #3", ag, (n, f)), ("mlp", "gather #4", ag, (n, d))],
         ("v1", "backward"): [("mlp", "mlp_down dx", ar, (n, f)), ("mlp", "mlp_up dx", ar, (n, d)),

@@ -1,0 +1,145 @@
+"""Import transformers Llama weights (LlamaModel / LlamaForCausalLM) into the dense Llama stack or LM.
+
+transformers' Llama linears are nn.Linear ([out, in], as ours), so nothing is transposed; gate_proj and
+up_proj are stacked into our one gate_up weight (rows [gate | up]), which layers/llama.TPLlamaBlock cuts
+column-parallel. Nothing is downloaded: a directory from `save_pretrained` is read by layers/hf.py.
+
+    LlamaDecoderLayer keys  input_layernorm.weight, self_attn.{q,k,v,o}_proj.weight,
+                            post_attention_layernorm.weight, mlp.{gate,up,down}_proj.weight
+    LlamaModel keys         layers.<i>.<layer key>, embed_tokens.weight, norm.weight
+    LlamaForCausalLM        model.<LlamaModel key>, lm_head.weight (absent or equal to embed_tokens when tied)
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from layers.llama import DenseLlamaBlock, LlamaConfig
+from tp.dist import ConfigError
+
+# (our parameter, HF key(s)): gate_up is HF's gate_proj and up_proj, stacked
+_BLOCK_KEYS = [
+    ("attn_norm.weight", ("input_layernorm.weight",)), ("q.weight", ("self_attn.q_proj.weight",)),
+    ("k.weight", ("self_attn.k_proj.weight",)), ("v.weight", ("self_attn.v_proj.weight",)),
+    ("o.weight", ("self_attn.o_proj.weight",)), ("mlp_norm.weight", ("post_attention_layernorm.weight",)),
+    ("gate_up.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")), ("down.weight", ("mlp.down_proj.weight",)),
+]
+
+
+def config_from_hf(hf: dict) -> LlamaConfig:
+    """LlamaConfig from a Llama config.json (transformers 4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`).
+    What the blocks do not implement is refused by name: another activation, rope scaling, biases."""
+    missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
+               if k not in hf]
+    if missing:
+        raise ConfigError(f"not a Llama config (no {', '.join(missing)})")
+    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "intermediate_size",
+                "max_position_embeddings", "vocab_size", "head_dim"):
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{key}={value!r} in config.json must be a positive integer")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"hidden_act={act!r} is not supported: the Llama block's gated MLP uses silu (SwiGLU)")
+    rope = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if scaling or rope_type != "default":
+        raise ConfigError(f"rope scaling is not supported (rope_scaling={scaling!r}, rope_type={rope_type!r}): "
+                          f"the blocks implement plain rotary positions (rope_type default)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise ConfigError(f"{key}=true is not supported: the Llama blocks have no biases")
+    d, h = hf["hidden_size"], hf["num_attention_heads"]
+    d_head = hf.get("head_dim") or (d // h if d % h == 0 else None)
+    if d_head is None:
+        raise ConfigError(f"hidden_size={d} is not divisible by num_attention_heads={h} and head_dim is not given")
+    return LlamaConfig(d_model=d, n_heads=h, n_kv_heads=hf.get("num_key_value_heads") or h, d_head=d_head,
+                       d_ffn=hf["intermediate_size"], n_layers=hf["num_hidden_layers"],
+                       max_seq_len=hf.get("max_position_embeddings", 2048), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+                       vocab_size=hf.get("vocab_size", 32000))
+
+
+def block_prefix(state: dict[str, torch.Tensor]) -> str:
+    """'layers.' (LlamaModel) or 'model.layers.' (LlamaForCausalLM)."""
+    for key in state:
+        m = re.match(r"^(.*?)layers\.0\.input_layernorm\.weight$", key)
+        if m:
+            return m.group(1) + "layers."
+    raise KeyError("no Llama layers found (expected keys like 'layers.0.input_layernorm.weight' or "
+                   "'model.layers.0.input_layernorm.weight')")
+
+
+def _value(state: dict, prefix: str, theirs: tuple[str, ...]) -> torch.Tensor:
+    for key in theirs:
+        if prefix + key not in state:
+            raise KeyError(f"Llama state dict has no {prefix + key!r}")
+    return torch.cat([state[prefix + key] for key in theirs]) if len(theirs) > 1 else state[prefix + theirs[0]]
+
+
+@torch.no_grad()
+def load_block(block: DenseLlamaBlock, state: dict[str, torch.Tensor], prefix: str = "") -> DenseLlamaBlock:
+    """Copy one LlamaDecoderLayer's weights (keys under `prefix`) into a DenseLlamaBlock."""
+    for ours, theirs in _BLOCK_KEYS:
+        value, target = _value(state, prefix, theirs), block.get_parameter(ours)
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"{prefix}{'+'.join(theirs)}: shape {tuple(value.shape)} does not fit {ours} "
+                             f"{tuple(target.shape)}")
+        target.copy_(value.to(target.dtype))
+    return block
+
+
+def load_stack(stack, state: dict[str, torch.Tensor]):
+    """A LlamaModel / LlamaForCausalLM state dict's layers into a DenseStack of DenseLlamaBlocks."""
+    prefix = block_prefix(state)
+    for i, block in enumerate(stack.blocks):
+        load_block(block, state, f"{prefix}{i}.")
+    return stack
+
+
+def _lm_keys(prefix: str) -> dict[str, str]:
+    base = prefix.removesuffix("layers.")
+    return {"embed.weight": base + "embed_tokens.weight", "norm.weight": base + "norm.weight"}
+
+
+@torch.no_grad()
+def load_lm(lm, state: dict[str, torch.Tensor]):
+    """A LlamaForCausalLM state dict into a DenseLlamaLM: layers, embedding, final norm, and the head (the
+    embedding when the checkpoint ties them and stores no lm_head.weight)."""
+    prefix = block_prefix(state)
+    load_stack(lm.stack, state)
+    keys = _lm_keys(prefix)
+    keys["lm_head.weight"] = "lm_head.weight" if "lm_head.weight" in state else keys["embed.weight"]
+    for ours, theirs in keys.items():
+        if theirs not in state:
+            raise KeyError(f"Llama state dict has no {theirs!r}")
+        target = lm.get_parameter(ours)
+        if tuple(state[theirs].shape) != tuple(target.shape):
+            raise ValueError(f"{theirs}: shape {tuple(state[theirs].shape)} does not fit {ours} {tuple(target.shape)}")
+        target.copy_(state[theirs].to(target.dtype))
+    return lm
+
+
+def expected_shapes(cfg: LlamaConfig, state: dict[str, torch.Tensor], lm: bool) -> dict[str, tuple]:
+    """Every checkpoint key the config needs, with its shape (from a meta-device block: no memory)."""
+    try:
+        prefix = block_prefix(state)
+    except KeyError as exc:
+        raise ConfigError(str(exc).strip("'\"")) from None
+    block = DenseLlamaBlock(cfg, device="meta")
+    out = {}
+    for i in range(cfg.n_layers):
+        for ours, theirs in _BLOCK_KEYS:
+            shape = tuple(block.get_parameter(ours).shape)
+            for key in theirs:  # gate_up: each of gate_proj and up_proj holds half the rows
+                out[f"{prefix}{i}.{key}"] = (shape[0] // len(theirs),) + shape[1:]
+    if lm:
+        keys = _lm_keys(prefix)
+        out[keys["embed.weight"]] = (cfg.vocab_size, cfg.d_model)
+        out[keys["norm.weight"]] = (cfg.d_model,)
+        if "lm_head.weight" in state:
+            out["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
+    return out
