@@ -42,7 +42,7 @@ serve: setup
 test: setup
 	$(PY) -m pytest -q
 
-# Every benchmark (about 22 minutes on 2 cores), then docs/benchmarks.md from their JSON.
+# Every benchmark (about 23 minutes on 2 cores), then docs/benchmarks.md from their JSON.
 bench: setup
 	$(PY) -m pip install -q -e ".[plot]"
 	$(PY) benchmarks/bench_tp.py

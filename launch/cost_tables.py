@@ -14,9 +14,10 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tp.cost_model import DEEPSEEK_V3, FABRICS, H100, HARDWARE, LLAMA2_7B, crossover_context_x_batch, decode_intensity, \
-    ep_alltoall_elems_per_gpu, iteration, kv_transfer_time, mha_kv_elems_per_token_per_gpu, \
-    mla_kv_elems_per_token_per_gpu, pp_send_elems, prefill_intensity, tp_allreduce_elems_per_gpu
+from tp.cost_model import DEEPSEEK_V3, FABRICS, H100, HARDWARE, LLAMA2_7B, Shape, crossover_context_x_batch, \
+    decode_intensity, ep_alltoall_elems_per_gpu, iteration, kv_transfer_time, mha_kv_elems_per_token_per_gpu, \
+    mla_kv_bytes_per_token, mla_kv_elems_per_token_per_gpu, pp_send_elems, prefill_intensity, \
+    tp_allreduce_elems_per_gpu
 
 KI = 1024
 
@@ -96,7 +97,18 @@ def main() -> int:
     print(table("KV cache per token per layer per GPU, elements: MHA (2d/TP) vs MLA (latent, copied on every TP rank)",
                 ["TP", "MHA", "MLA 512", "MLA 512+64", "MHA/MLA"], rows))
     print("  MLA's advantage shrinks as TP grows and is gone at TP = 28 (the doc's formula counts 512, not the\n"
-          "  64-dim RoPE key that every rank stores too)")
+          "  64-dim RoPE key that every rank stores too)\n")
+
+    rows = []
+    gqa = Shape("GQA h_kv=8", LLAMA2_7B.n_params, 32, 8, 128)  # Llama-2-7B with 8 K,V heads (Llama-3-8B's attention)
+    for tp in (1, 2, 4, 8, 16, 32):
+        mha, grouped = LLAMA2_7B.kv_bytes_per_token_per_rank(tp), gqa.kv_bytes_per_token_per_rank(tp)
+        mla = mla_kv_bytes_per_token(v3["n_layers"], v3["d_latent_kv"], v3["d_rope"], 2)
+        rows.append((tp, mha / KI, grouped / KI, mla / KI, mha / grouped))
+    print(table("KV cache per token per GPU, all layers, fp16 KiB (SPEC §9): 2·L·max(h_kv/TP, 1)·d_head·e",
+                ["TP", "MHA h_kv=32", "GQA h_kv=8", "MLA (V3, 61 L)", "MHA/GQA"], rows))
+    print("  GQA stops shrinking at TP = h_kv = 8: beyond it each K,V head is replicated on TP/8 GPUs, and MHA\n"
+          "  catches up (equal at TP = 32); MLA's latent never shrinks (benchmarks/bench_kv.py measures the engine)")
     plot_roofline()
     return 0
 

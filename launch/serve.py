@@ -16,7 +16,6 @@ check fails.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -41,6 +40,8 @@ from serve.disagg import Layout, new_groups, serve_pd
 from serve.engine import Engine, ServeResult
 from serve.kv_cache import kv_bytes_per_token
 from serve.scheduler import Request, Scheduler, SchedulerError
+from tp.cost_model import kv_bytes_per_token_per_rank
+from tp.traffic_model import pair_count
 from tp.dist import ConfigError, context, env_world, same_on_every_rank
 from tp.ledger import ring_bytes_per_rank
 
@@ -94,10 +95,9 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
                           "(on GPUs use backend=nccl)")
     model = common["model"]
     variant = str(cfg.variant)
-    if model.family == "llama":
-        if variant != "v2" or not boolean(cfg, "vocab_parallel") or layout is not None:
-            raise ConfigError("Llama-family models are served with variant=v2, vocab_parallel=true and without pd.* "
-                              "so far")
+    if model.family == "llama" and (variant != "v2" or not boolean(cfg, "vocab_parallel")):
+        raise ConfigError("Llama-family models are served with variant=v2 and vocab_parallel=true (their blocks are "
+                          "built as v2 only, the untied head is vocab-parallel)")
     if variant not in SERVING_VARIANTS:
         raise ConfigError(f"unknown variant {variant!r} for serving; choose v2 or v1 "
                           f"(intra_head is a one-forward counterfactual, see run_block)")
@@ -257,7 +257,9 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     report["embedding_bytes_per_rank"] = lm.embed.weight.numel() * lm.embed.weight.element_size()
     report["lm_head_tied"] = s.model.family == "gpt2"  # Llama: a separate head of the same size
     publish(report, render, out_dir / s.report, ctx)
-    return 0 if report["ledger_matches_model"] and report["check"]["ok"] in (True, None) else 1
+    ok = (report["ledger_matches_model"] and report["kv_cache"]["matches_formula"]
+          and report["check"]["ok"] in (True, None))
+    return 0 if ok else 1
 
 
 def serve_disaggregated(s: Settings, out_dir: Path, ctx) -> int:
@@ -289,7 +291,8 @@ def serve_disaggregated(s: Settings, out_dir: Path, ctx) -> int:
 def build_pd_report(s: Settings, ctx, result, colocated: list[list[int]], checks: list[dict] | None) -> dict:
     m, layout = s.model, s.pd
     elem = s.dtype.itemsize
-    k_tok = 2 * m.n_layers * m.n_heads * m.d_head * elem
+    k_tok = 2 * m.n_layers * m.n_kv_heads * m.d_head * elem
+    per_decode_rank = kv_bytes_per_token_per_rank(m.n_layers, m.n_kv_heads, m.d_head, layout.decode_ranks, elem)
     requests = result.requests
     for req, ids in zip(requests, colocated):
         req["same_as_colocated"] = req["output_ids"] == ids
@@ -317,10 +320,11 @@ def build_pd_report(s: Settings, ctx, result, colocated: list[list[int]], checks
         "requests": requests,
         "transfer": {"pairs": sorted(pairs.values(), key=lambda x: (x["prefill_rank"], x["decode_rank"])),
                      "pair_count": len(pairs),
-                     "pair_count_formula": layout.prefill_ranks + layout.decode_ranks
-                     - math.gcd(layout.prefill_ranks, layout.decode_ranks),
+                     "pair_count_formula": pair_count(m.n_kv_heads, layout.prefill_ranks, layout.decode_ranks),
                      "handed_over_tokens": handed_tokens, "kv_bytes_per_token": k_tok,
-                     "total_bytes": total, "total_formula": handed_tokens * k_tok,
+                     "kv_bytes_per_token_per_decode_rank": per_decode_rank,
+                     # each decode rank receives its own cache share: K_tok in all unless decode ranks replicate
+                     "total_bytes": total, "total_formula": handed_tokens * per_decode_rank * layout.decode_ranks,
                      "received_per_decode_rank": per_decode, "messages": len(result.transfers),
                      "agreements": result.agreements,
                      "agreement_bytes_per_rank": result.agreements * ring_bytes_per_rank(
@@ -362,7 +366,7 @@ class Progress:
 
 def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | None) -> dict:
     p, m = ctx.world_size, s.model
-    dense_per_token = kv_bytes_per_token(m.n_layers, getattr(m, "n_kv_heads", m.n_heads), m.d_head, s.dtype)
+    dense_per_token = kv_bytes_per_token(m.n_layers, m.n_kv_heads, m.d_head, s.dtype)
     requests = result.requests
     if checks is not None:
         for req, chk in zip(requests, checks):
@@ -386,9 +390,15 @@ def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | Non
                    "collectives": sum(sum(it["collectives"].values()) for it in its),
                    "bytes_per_rank": sum(it["bytes_per_rank"] for it in its)},
         "kv_cache": {"bytes_per_token_per_rank": result.kv_bytes_per_token_per_rank,
+                     "formula_bytes_per_token_per_rank": kv_bytes_per_token_per_rank(m.n_layers, m.n_kv_heads,
+                                                                                     m.d_head, p, s.dtype.itemsize),
+                     "kv_heads_per_rank": max(m.n_kv_heads // p, 1), "n_kv_heads": m.n_kv_heads,
                      "bytes_per_token_dense": dense_per_token,
                      "ratio_to_dense": result.kv_bytes_per_token_per_rank / dense_per_token,
-                     "peak_bytes_per_rank": result.kv_peak_bytes_per_rank},
+                     "peak_bytes_per_rank": result.kv_peak_bytes_per_rank,
+                     # what the cache tensors held against the formula (no request admitted: nothing held)
+                     "matches_formula": result.kv_bytes_per_token_per_rank in (0, kv_bytes_per_token_per_rank(
+                         m.n_layers, m.n_kv_heads, m.d_head, p, s.dtype.itemsize))},
         "ledger_matches_model": result.ledger_matches_model,
         "check": {"ok": None if checks is None else all(c["ok"] for c in checks),
                   "verdicts": None if checks is None else {v: sum(c["verdict"] == v for c in checks)

@@ -47,7 +47,11 @@ def render(r: dict) -> str:
         f"generated {t['generated_tokens']} tokens in {t['iterations']} iterations, {t['time_s']:.2f} s "
         f"({t['tokens_per_s']:.1f} tokens/s); {t['mixed_iterations']} iterations mixed prompt chunks and decodes",
         f"KV cache per rank: {kv['bytes_per_token_per_rank']} bytes per token (dense {kv['bytes_per_token_dense']}, "
-        f"ratio {kv['ratio_to_dense']:.4f} = 1/{round(1 / kv['ratio_to_dense'])}); "
+        f"ratio {kv['ratio_to_dense']:.4f} = 1/{round(1 / kv['ratio_to_dense'])}"
+        + (f"; formula 2·L·max(h_kv/p, 1)·d_head·e = {kv['formula_bytes_per_token_per_rank']}"
+           if "formula_bytes_per_token_per_rank" in kv else "")
+        + (f"; each K,V head on {r['world_size'] * kv['kv_heads_per_rank'] // kv['n_kv_heads']} ranks"
+           if kv.get("n_kv_heads") and r["world_size"] > kv["n_kv_heads"] else "") + "); "
         f"peak {kib(kv['peak_bytes_per_rank'])} KiB; token embedding "
         f"{'= LM head' if r.get('lm_head_tied', True) else 'and the (untied) LM head'}: "
         f"{kib(r['embedding_bytes_per_rank'])} KiB per rank{'' if r.get('lm_head_tied', True) else ' each'} "
@@ -63,11 +67,13 @@ def render(r: dict) -> str:
         lines.append(f"check vs dense oracle (whole-prefix recompute, no cache): {v['match']} match, "
                      f"{v['near-tie']} near-tie, {v['MISMATCH']} mismatch; max logit rel err "
                      f"{chk['max_logit_rel_err']:.2e}")
-    ok = r["ledger_matches_model"] and chk["ok"] in (True, None)
+    kv_ok = kv.get("matches_formula", True)
+    ok = r["ledger_matches_model"] and kv_ok and chk["ok"] in (True, None)
     lines.append(f"{'PASS' if ok else 'FAIL'}: served {c['requests']} requests at tp={r['world_size']}"
                  + ("" if chk["ok"] is None else ", tokens equal to the dense oracle" if chk["ok"]
                     else ", tokens DIFFER from the dense oracle")
-                 + ("" if r["ledger_matches_model"] else "; ledger DIFFERS from the model"))
+                 + ("" if r["ledger_matches_model"] else "; ledger DIFFERS from the model")
+                 + ("" if kv_ok else "; KV cache bytes per token DIFFER from the formula"))
     return "\n".join(lines)
 
 
@@ -101,10 +107,18 @@ def render_pd(r: dict) -> str:
              kib(p["bytes"])] for p in t["pairs"]]
     lines.append(format_table(["prefill rank", "decode rank", "heads", "messages", "KiB"], rows))
     per_decode = ", ".join(f"rank {k}: {kib(v)} KiB" for k, v in t["received_per_decode_rank"].items())
+    m, pd = r["config"]["model"], r["pd"]
+    h_kv = m.get("n_kv_heads", m["n_heads"])
+    replicated = max(pd["prefill_ranks"], pd["decode_ranks"]) > h_kv
+    per_rank = t.get("kv_bytes_per_token_per_decode_rank", t["kv_bytes_per_token"] // pd["decode_ranks"])
     lines += [
-        f"pairs: {t['pair_count']} = p_P + p_D - gcd(p_P, p_D) = {t['pair_count_formula']}; "
-        f"total {kib(t['total_bytes'])} KiB = L_p * K_tok = {t['handed_over_tokens']} tokens x {t['kv_bytes_per_token']} B "
-        f"= {kib(t['total_formula'])} KiB ({'equal' if t['total_bytes'] == t['total_formula'] else 'DIFFERENT'}); "
+        (f"pairs: {t['pair_count']} = (a + b - gcd(a, b)) * p_D / b, a = min(p_P, h_kv), b = min(p_D, h_kv) = "
+         if replicated else f"pairs: {t['pair_count']} = p_P + p_D - gcd(p_P, p_D) = ") + f"{t['pair_count_formula']}; "
+        + (f"total {kib(t['total_bytes'])} KiB = L_p * p_D * 2*L*max(h_kv/p_D, 1)*d_head*e = {t['handed_over_tokens']} "
+           f"tokens x {pd['decode_ranks']} x {per_rank} B " if replicated else
+           f"total {kib(t['total_bytes'])} KiB = L_p * K_tok = {t['handed_over_tokens']} tokens x "
+           f"{t['kv_bytes_per_token']} B ")
+        + f"= {kib(t['total_formula'])} KiB ({'equal' if t['total_bytes'] == t['total_formula'] else 'DIFFERENT'}); "
         f"received per decode rank: {per_decode}",
         f"the decode group agreed on which requests to take in at {t['agreements']} iteration boundaries: as many "
         f"all-reduces of one int64 count, {t['agreement_bytes_per_rank']:.0f} bytes per decode rank in all",

@@ -137,6 +137,8 @@ def expected_shapes(cfg: LlamaConfig, state: dict[str, torch.Tensor], lm: bool) 
             for key in theirs:  # gate_up: each of gate_proj and up_proj holds half the rows
                 out[f"{prefix}{i}.{key}"] = (shape[0] // len(theirs),) + shape[1:]
     if lm:
+        if "lm_head.weight" not in state and not prefix.startswith("model."):
+            raise ConfigError("a LlamaModel checkpoint has no LM head: serving needs a LlamaForCausalLM directory")
         keys = _lm_keys(prefix)
         out[keys["embed.weight"]] = (cfg.vocab_size, cfg.d_model)
         out[keys["norm.weight"]] = (cfg.d_model,)

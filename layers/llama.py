@@ -36,6 +36,7 @@ from layers.linear import ColumnParallelLinear, RowParallelLinear
 from layers.shard import load_
 from layers.varlen import Requests
 from tp.dist import ConfigError
+from tp.traffic_model import kv_head_range
 
 
 @dataclass(frozen=True)
@@ -95,10 +96,7 @@ def validate_llama(cfg: LlamaConfig, p: int) -> None:
 
 def kv_heads_of_rank(cfg: LlamaConfig, rank: int, p: int) -> range:
     """The K,V heads rank r holds (one, shared with p/h_kv − 1 other ranks, once p > h_kv)."""
-    if p <= cfg.n_kv_heads:
-        per = cfg.n_kv_heads // p
-        return range(rank * per, (rank + 1) * per)
-    return range(rank * cfg.n_kv_heads // p, rank * cfg.n_kv_heads // p + 1)
+    return kv_head_range(cfg.n_kv_heads, rank, p)
 
 
 # ---- the pieces -------------------------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ Each group runs the TP stack sharded over itself (its own TPLM) and the engine o
                    point-to-point messages. Prefill rank r holds heads [r·h/p_P, (r+1)·h/p_P), decode rank s
                    needs [s·h/p_D, (s+1)·h/p_D): every overlapping (r, s) pair moves the heads they share
                    (tp/traffic_model.head_overlaps: p_P + p_D − gcd pairs, L_p·K_tok bytes in all, 1/p_D of
-                   it to each decode rank), re-sharding heads in flight when p_P ≠ p_D. Token 1 goes to each
+                   it to each decode rank), re-sharding heads in flight when p_P ≠ p_D. With grouped-query
+                   attention (Llama) the heads are the h_kv K,V heads; a head replicated on several prefill
+                   ranks is sent by the lowest, and each decode rank holding a replica receives it. Token 1 goes to each
                    decode rank from the lowest prefill rank overlapping it. Either sent after the prefill (one
                    message per pair) or streamed: layer ℓ leaves as soon as the prompt's last chunk has passed
                    layer ℓ, while the later layers still compute.
@@ -41,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from layers.config import validate_model
+from layers.llama import validate_llama
 from layers.lm import DenseLM, shard_lm
 from serve.engine import Engine, EngineHooks, PlanMismatch
 from serve.kv_cache import KVCache
@@ -48,7 +51,7 @@ from serve.plan import IterationPlan
 from serve.scheduler import Request, Scheduler
 from tp.dist import ConfigError, TPContext, context, same_on_every_rank
 from tp.ledger import TrafficLedger, TransferRecord
-from tp.traffic_model import head_overlaps, predict_transfers
+from tp.traffic_model import head_overlaps, kv_head_range, predict_transfers
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ def validate_layout(cfg, layout: Layout, world_size: int) -> None:
                           f"{world_size} (torchrun --nproc_per_node)")
     for name, p in (("pd.prefill_ranks", p_p), ("pd.decode_ranks", p_d)):
         try:
-            validate_model(cfg, p)
+            (validate_llama if cfg.family == "llama" else validate_model)(cfg, p)
         except ConfigError as exc:
             raise ConfigError(f"{name}={p}: {exc}") from None
 
@@ -155,13 +158,13 @@ class PrefillSide(EngineHooks):
         cfg = lm.cfg
         self.cfg, self.layout, self.rank, self.streaming, self.ledger, self.handed = \
             cfg, layout, rank, streaming, ledger, handed
-        pairs = head_overlaps(cfg.n_heads, layout.prefill_ranks, layout.decode_ranks)
+        pairs = head_overlaps(cfg.n_kv_heads, layout.prefill_ranks, layout.decode_ranks)
         self.peers = [(layout.prefill_ranks + s, lo, hi) for r, s, lo, hi in pairs if r == rank]
         first = {}
         for r, s, _, _ in pairs:
             first.setdefault(s, r)
         self.token_peers = [layout.prefill_ranks + s for s, r in sorted(first.items()) if r == rank]
-        self.first_head = rank * cfg.n_heads // layout.prefill_ranks
+        self.first_head = kv_head_range(cfg.n_kv_heads, rank, layout.prefill_ranks).start  # of this rank's cache
         self.cache: KVCache | None = None
         self.sched: Scheduler | None = None
         self.finishing: list[int] = []
@@ -255,10 +258,10 @@ class DecodeSide(EngineHooks):
             cfg, layout, rank, streaming, ledger, group, eos_id
         self.kept: dict[int, torch.Tensor] | None = {} if keep_kv else None  # what was placed, for tests
         s = rank - layout.prefill_ranks
-        pairs = head_overlaps(cfg.n_heads, layout.prefill_ranks, layout.decode_ranks)
+        pairs = head_overlaps(cfg.n_kv_heads, layout.prefill_ranks, layout.decode_ranks)
         self.peers = [(r, lo, hi) for r, s2, lo, hi in pairs if s2 == s]
         self.token_peer = min(r for r, _, _ in self.peers)
-        self.first_head = s * cfg.n_heads // layout.decode_ranks
+        self.first_head = kv_head_range(cfg.n_kv_heads, s, layout.decode_ranks).start
         self.upcoming = deque(groups)  # request ids in the prefill side's order, one list per prefill iteration
         self.posted: deque[_Posted] = deque()
         self.window = window

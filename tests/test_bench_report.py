@@ -63,3 +63,21 @@ def test_section_renders_both_runs(tmp_path):
         assert heading in text
     assert "| 2 | C=64 |" in text and "at p=2" in text
     assert section(tmp_path / "missing") == []
+
+
+def kv_report(measured: int) -> dict:
+    row = {"attention": "GQA", "n_kv_heads": 2, "p": 4, "measured_per_rank": [measured], "cache_heads": [1],
+           "formula": 1024, "tokens_match_oracle": True}
+    row["ok"] = row["measured_per_rank"] == [row["formula"]]
+    return {"world_size": 8, "dtype": "float32", "requests": [[3, 2]], "rows": [row], "ok": row["ok"],
+            "model": {"n_heads": 8, "d_head": 32, "n_layers": 4},
+            "real_sizes_fp16": [{"model": "M", "per_rank": {"1": 2048, "2": 1024}}]}
+
+
+def test_kv_section_marks_a_measurement_that_misses_the_formula():
+    from benchmarks.report import kv_section
+
+    good, bad = "\n".join(kv_section(kv_report(1024))), "\n".join(kv_section(kv_report(2048)))
+    assert "| GQA | 2 | 1,024 B (1,024), 1 head |" in good and "Every measurement equals the formula" in good
+    assert "2,048 B (1,024) **≠**" in bad and "Some measurement or token check failed" in bad
+    assert "| M | 2 KiB | 1 KiB |" in good

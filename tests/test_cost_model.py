@@ -49,7 +49,7 @@ def test_cost_tables_script_prints_every_table():
     proc = subprocess.run([sys.executable, str(ROOT / "launch" / "cost_tables.py")], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
-    for title in ("decode, B = 32", "prefill, C = 2048", "KV transfer of a 4k prompt"):
+    for title in ("decode, B = 32", "prefill, C = 2048", "KV transfer of a 4k prompt", "GQA h_kv=8"):
         assert title in proc.stdout
     assert "K_tok = 524,288 B" in proc.stdout and "26,703" in proc.stdout
 
@@ -119,21 +119,24 @@ def test_presets_and_shapes():
     assert gpt2.kv_bytes_per_token == 2 * 12 * 12 * 64 * 2
 
 
-def _serving_counts(ctx):
+def _serving_counts(ctx, family):
     """One engine-shaped iteration on this rank, counted by FlopCounterMode: a decode and a chunk after a prefix."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
     from layers.dense import init_weights
-    from layers.lm import DenseLM, shard_lm
+    from layers.llama import LlamaConfig
+    from layers.lm import dense_lm, shard_lm
     from serve.kv_cache import KVCache, kv_bytes_per_token
     from tests.test_serve import CFG
     from tp.cost_model import serving_iteration
 
-    lm = shard_lm(init_weights(DenseLM(CFG), seed=0), "v2", ctx.group)
-    p, heads = ctx.world_size, CFG.n_heads // ctx.world_size
-    cache = KVCache(CFG.n_layers, heads, CFG.d_head, torch.float32)
+    cfg = CFG if family == "gpt2" else LlamaConfig(d_model=64, n_heads=8, n_kv_heads=2, d_head=8, d_ffn=96,
+                                                   n_layers=3, max_seq_len=96, vocab_size=CFG.vocab_size)
+    lm = shard_lm(init_weights(dense_lm(cfg), seed=0), "v2", ctx.group)
+    p, heads = ctx.world_size, getattr(lm, "cache_heads", cfg.n_heads // ctx.world_size)
+    cache = KVCache(cfg.n_layers, heads, cfg.d_head, torch.float32)
     chunks = [(20, 21), (8, 13)]  # request 0 decodes its 21st token; request 1 prefills rows 8..12 after 8 cached
     for rid, (_, q_end) in enumerate(chunks):
         cache.allocate(rid, 32)
@@ -142,25 +145,27 @@ def _serving_counts(ctx):
     for q_start, q_end in chunks:
         spans.append((start, start + q_end - q_start))
         start += q_end - q_start
-    ids = torch.arange(start) % CFG.vocab_size
+    ids = torch.arange(start) % cfg.vocab_size
     positions = torch.cat([torch.arange(a, b) for a, b in chunks])
     layers = cache.layers(spans, [a for a, _ in chunks], [0, 1])
     # The math backend computes SDPA with matmuls the counter sees: the whole q_rows x kv_length rectangle.
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         lm.step(ids, positions, layers, [0, start - 1])
-    model = serving_iteration(CFG, p, chunks, 2, 4)
-    matmul_weights = sum(getattr(b, name).weight.numel() for b in lm.stack.blocks
-                         for name in ("qkv", "attn_out", "mlp_up", "mlp_down"))
-    held = (matmul_weights + lm.embed.weight.numel()) * 4 + sum(e for _, e in chunks) * kv_bytes_per_token(
-        CFG.n_layers, heads, CFG.d_head, torch.float32)
+    model = serving_iteration(cfg, p, chunks, 2, 4)
+    names = ("qkv", "attn_out", "mlp_up", "mlp_down") if family == "gpt2" else ("qkv", "o", "gate_up", "down")
+    matmul_weights = sum(getattr(b, name).weight.numel() for b in lm.stack.blocks for name in names)
+    head = lm.embed if family == "gpt2" else lm.head  # GPT-2's head is its embedding; Llama's is separate
+    held = (matmul_weights + head.weight.numel()) * 4 + sum(e for _, e in chunks) * kv_bytes_per_token(
+        cfg.n_layers, heads, cfg.d_head, torch.float32)
     return counter.get_total_flops(), model.flops, held, model.bytes_loaded
 
 
-@pytest.mark.parametrize("p", [1, 2])
-def test_serving_iteration_matches_the_flop_counter_and_the_rank_s_weights(p):
+@pytest.mark.parametrize("family,p", [("gpt2", 1), ("gpt2", 2), ("llama", 1), ("llama", 2), ("llama", 4)])
+def test_serving_iteration_matches_the_flop_counter_and_the_rank_s_weights(family, p):
+    """Llama at p = 4 > h_kv = 2: each rank holds (and multiplies by) a replicated K,V head."""
     from tests.harness import run_ranks
 
-    for counted, modelled, held, loaded in run_ranks(p, _serving_counts):
+    for counted, modelled, held, loaded in run_ranks(p, _serving_counts, family):
         assert counted == modelled  # linears, the head on the sampled rows, attention over every visible key
         assert held == loaded  # the matmul weights and head slice this rank holds, and its K,V over each context
 

@@ -13,7 +13,7 @@ from serve.scheduler import Request
 from tests.harness import run_ranks
 from tests.test_serve import CFG, dense_lm, make_requests
 from tp.dist import context
-from tp.traffic_model import head_overlaps
+from tp.traffic_model import head_overlaps, kv_head_range, pair_count
 
 # (prompt length, max_new_tokens, arrival): chunk 5 and budget 12 chunk the long prompts and batch several
 # completions into one prefill iteration; the last request ends at token 1 and is never handed over
@@ -110,6 +110,66 @@ def test_head_overlaps_pairs_and_coverage():
         for s in range(p_dst):  # each destination's heads, exactly once
             got = sorted(h for _, d, lo, hi in pairs if d == s for h in range(lo, hi))
             assert got == list(range(s * 8 // p_dst, (s + 1) * 8 // p_dst))
+
+
+def test_kv_head_pairs_with_replicated_heads():
+    """Grouped-query attention: each destination rank gets each of its K,V heads exactly once, from the lowest
+    source rank holding it; the closed-form count equals the enumeration (MHA: p_src + p_dst − gcd)."""
+    for h_kv in (1, 2, 4, 8):
+        for p_src, p_dst in [(1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (4, 2), (4, 8), (8, 4), (1, 8), (8, 1)]:
+            pairs = head_overlaps(h_kv, p_src, p_dst)
+            assert len(pairs) == pair_count(h_kv, p_src, p_dst)
+            for s in range(p_dst):
+                got = sorted(h for _, d, lo, hi in pairs if d == s for h in range(lo, hi))
+                assert got == list(kv_head_range(h_kv, s, p_dst))
+            for r, _, lo, hi in pairs:  # the sender holds what it sends, and no lower rank does
+                assert set(range(lo, hi)) <= set(kv_head_range(h_kv, r, p_src))
+                assert not any(set(range(lo, hi)) & set(kv_head_range(h_kv, q, p_src)) for q in range(r))
+
+
+LLAMA_PD = {  # (p_P, p_D, h_kv): the (prefill rank, decode rank, K,V heads) pairs, written out
+    (2, 2, 2): {(0, 2, (0, 1)), (1, 3, (1, 2))},
+    (1, 2, 1): {(0, 1, (0, 1)), (0, 2, (0, 1))},  # both decode ranks hold head 0
+    (2, 1, 1): {(0, 2, (0, 1))},  # head 0 is on both prefill ranks: rank 0 sends it
+    (2, 4, 2): {(0, 2, (0, 1)), (0, 3, (0, 1)), (1, 4, (1, 2)), (1, 5, (1, 2))},
+}
+
+
+def llama_cfg(h_kv):
+    from layers.llama import LlamaConfig
+
+    return LlamaConfig(d_model=64, n_heads=8, n_kv_heads=h_kv, d_head=8, d_ffn=96, n_layers=2, max_seq_len=96,
+                       vocab_size=CFG.vocab_size)
+
+
+def dense_llama(h_kv):
+    from layers.dense import init_weights
+    from layers.lm import DenseLlamaLM
+
+    return init_weights(DenseLlamaLM(llama_cfg(h_kv), torch.float64), seed=0)
+
+
+def pd_llama(ctx, p_prefill, p_decode, h_kv, streaming):
+    layout = Layout(p_prefill, p_decode)
+    res = serve_pd(dense_llama(h_kv), ctx, layout, make_requests(WORKLOAD), chunk_size=5, max_batched_tokens=12,
+                   streaming=streaming, groups=new_groups(layout))
+    return [r["output_ids"] for r in res.requests], res.ledger_matches_model, res.transfers
+
+
+@pytest.mark.parametrize("case", list(LLAMA_PD), ids=[f"P{a}-D{b}-hkv{c}" for a, b, c in LLAMA_PD])
+def test_pd_llama_moves_kv_heads_and_tokens_equal_the_oracle(case):
+    p_prefill, p_decode, h_kv = case
+    dense = dense_llama(h_kv)
+    oracle = [greedy_reference(dense, r.prompt, r.max_new_tokens).ids for r in make_requests(WORKLOAD)]
+    for ids, ok, transfers in run_ranks(p_prefill + p_decode, pd_llama, p_prefill, p_decode, h_kv, case != (2, 2, 2)):
+        assert ids == oracle and ok
+    sends = [t for t in transfers if t["site"] == "pd/kv" and t["kind"] == "send"]
+    assert {(t["rank"], t["peer"], tuple(t["heads"])) for t in sends} == LLAMA_PD[case]
+    handed = sum(n for n, new, _ in WORKLOAD if new > 1)
+    per_rank = 2 * 2 * max(h_kv // p_decode, 1) * 8 * 8  # 2·L·max(h_kv/p_D, 1)·d_head·e, float64
+    for s in range(p_prefill, p_prefill + p_decode):
+        got = sum(t["bytes"] for t in transfers if t["site"] == "pd/kv" and t["kind"] == "recv" and t["rank"] == s)
+        assert got == handed * per_rank
 
 
 def test_prefill_schedule_is_what_the_prefill_engine_does():

@@ -146,3 +146,31 @@ def test_run_block_and_serve_a_saved_llama(tmp_path):
                                  num_beams=1, eos_token_id=None, pad_token_id=0)
         assert req["output_ids"] == out[0, len(prompt):].tolist()
     assert report["check"]["ok"] is True and report["lm_head_tied"] is False
+
+
+def test_serve_pd_llama_tiny(tmp_path):
+    """P/D with grouped-query attention: 1 prefill rank holds both K,V heads, 2 decode ranks one each."""
+    proc, _ = torchrun(3, "model=llama_tiny", "model.n_layers=2", "pd.prefill_ranks=1", "pd.decode_ranks=2",
+                       "prompt_count=3", "prompt_mean=8", "max_new_tokens=4", "dtype=float64", run_dir=tmp_path,
+                       script="serve.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    t = report["transfer"]
+    assert [(p["prefill_rank"], p["decode_rank"], p["heads"]) for p in t["pairs"]] == [(0, 1, [0, 1]), (0, 2, [1, 2])]
+    assert t["total_bytes"] == t["total_formula"] == t["handed_over_tokens"] * 2 * 2 * 2 * 32 * 8  # K_tok, h_kv = 2
+    assert report["ledger_matches_model"] and report["same_as_colocated"] and report["check"]["ok"] is True
+
+
+def test_a_llama_model_without_head_cannot_be_served_but_its_blocks_can_be_checked():
+    from layers.hf import check_state
+
+    transformers = pytest.importorskip("transformers")
+    cfg = {k: v for k, v in HF_LLAMA.items() if k != "model_type"}
+    state = transformers.LlamaModel(transformers.LlamaConfig(**cfg)).state_dict()  # keys "layers.0...", no head
+    ours = config_from_hf(HF_LLAMA)
+    check_state(ours, state, lm=False)
+    with pytest.raises(ConfigError, match="LlamaModel checkpoint has no LM head"):
+        check_state(ours, state, lm=True)
+    with pytest.raises(ConfigError, match=r"layers.1.mlp.up_proj.weight has shape \(48, 64\), config.json's model "
+                                          r"needs \(96, 64\)"):
+        check_state(ours, {**state, "layers.1.mlp.up_proj.weight": torch.zeros(48, 64)}, lm=False)

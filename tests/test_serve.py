@@ -238,3 +238,16 @@ def test_timeline_fields_are_consistent():
         assert all(any(abs(t - e) < 1e-9 for e in ends.values()) for t in times)  # a token is ready when its iteration ends
         gaps = [b - a for a, b in zip(times, times[1:])]
         assert max_tbt == (max(gaps) if gaps else None) and ttft is not None and ttft > 0
+
+
+def test_cache_measures_its_bytes_per_token_at_the_peak():
+    from serve.kv_cache import KVCache
+
+    cache = KVCache(3, 2, 4, torch.float64)  # L=3, 2 K,V heads of 4
+    assert cache.measured_bytes_per_token() == 0
+    cache.allocate(0, 5)
+    cache.allocate(1, 7)
+    cache.free(0)
+    cache.allocate(2, 2)  # 9 positions held now, fewer than the peak's 12
+    assert (cache.peak_bytes, cache.peak_tokens) == (12 * 3 * 2 * 2 * 4 * 8, 12)
+    assert cache.measured_bytes_per_token() == 3 * 2 * 2 * 4 * 8

@@ -209,6 +209,7 @@ def test_serve_llama_tiny(tmp_path):
     assert report["config"]["model"]["n_kv_heads"] == 2 and report["check"]["verdicts"]["match"] == 3
     assert report["kv_cache"]["ratio_to_dense"] == 0.5 and report["ledger_matches_model"]
     assert report["kv_cache"]["bytes_per_token_per_rank"] == 2 * 2 * 1 * 32 * 8  # 2·L·(h_kv/p)·d_head·e
+    assert report["kv_cache"]["matches_formula"] is True and report["kv_cache"]["kv_heads_per_rank"] == 1
     assert "untied" in proc.stdout
 
 

@@ -213,26 +213,34 @@ DEEPSEEK_V3 = dict(d=7168, n_layers=61, n_heads=128, d_head=128, d_latent_kv=512
 
 def serving_iteration(cfg, p: int, chunks: list[tuple[int, int]], sampled: int, elem_bytes: int,
                       vocab_parallel: bool = True) -> Iteration:
-    """What one of p ranks computes and loads in one serve/engine.py iteration of the GPT-2 LM.
+    """What one of p ranks computes and loads in one serve/engine.py iteration of the LM (GPT-2 or Llama).
 
-    cfg: a layers.config.ModelConfig; chunks: (q_start, q_end) of every request in the iteration;
-    sampled: rows that go through the LM head.
-      linear     2 FLOPs per weight per row; a rank holds 1/p of every block matmul (d·3k + k·d + 2·d·f),
-                 and V'/p rows of the tied head (all V rows when replicated), used by the sampled rows only
-      attention  4·(k/p) FLOPs per (query, key) pair SDPA computes: a fresh prompt (q_start = 0) its causal
-                 triangle (the fused kernel skips blocks above the diagonal); a chunk after a cached prefix
-                 the whole q_rows × kv_length rectangle (an explicit mask); a decode its kv_length keys
-      bytes      every weight the rank uses, read once, and each request's K,V of its own heads over its
+    cfg: a layers.config.ModelConfig or layers.llama.LlamaConfig; chunks: (q_start, q_end) of every request in
+    the iteration; sampled: rows that go through the LM head.
+      linear     2 FLOPs per weight per row; a rank holds 1/p of every block matmul (GPT-2: d·3k + k·d + 2·d·f;
+                 Llama: d·k + k·d + 3·d·f, plus the K and V projections of its max(h_kv/p, 1) K,V heads,
+                 replicated once p > h_kv), and V'/p rows of the head (all V rows when replicated), used by the
+                 sampled rows only
+      attention  4·(k/p) FLOPs per (query, key) pair SDPA computes (every query head; grouped K,V change what is
+                 stored, not the work): a fresh prompt (q_start = 0) its causal triangle (the fused kernel skips
+                 blocks above the diagonal); a chunk after a cached prefix the whole q_rows × kv_length rectangle
+                 (an explicit mask); a decode its kv_length keys
+      bytes      every weight the rank uses, read once, and each request's K,V of its own K,V heads over its
                  kv_length (the prefix read, the chunk written)
     """
-    d, k, f, L = cfg.d_model, cfg.k, cfg.d_ffn, cfg.n_layers
+    d, k, f, L, dh = cfg.d_model, cfg.k, cfg.d_ffn, cfg.n_layers, cfg.d_head
     rows = sum(q_end - q_start for q_start, q_end in chunks)
-    block_weights = L * (d * 3 * k + k * d + 2 * d * f) / p
+    if cfg.family == "llama":
+        kv_heads = max(cfg.n_kv_heads // p, 1)
+        block_weights = L * ((d * k + k * d + 3 * d * f) / p + 2 * d * kv_heads * dh)
+    else:
+        kv_heads = cfg.n_heads / p
+        block_weights = L * (d * 3 * k + k * d + 2 * d * f) / p
     vocab = -(-cfg.vocab_size // p) * p if vocab_parallel else cfg.vocab_size  # V', padded to a multiple of p
     head_weights = (vocab / p if vocab_parallel else vocab) * d if sampled else 0
     pairs = sum(q * (q + 1) / 2 if q_start == 0 else q * q_end
                 for q_start, q_end in chunks for q in [q_end - q_start])
     linear = 2 * rows * block_weights + 2 * sampled * head_weights
     attention = 4 * (k / p) * L * pairs
-    kv = sum(q_end for _, q_end in chunks) * 2 * L * (k / p) * elem_bytes
+    kv = sum(q_end for _, q_end in chunks) * 2 * L * kv_heads * dh * elem_bytes
     return Iteration(linear, attention, (block_weights + head_weights) * elem_bytes + kv)

@@ -112,18 +112,39 @@ def predict_iteration(cfg: ModelConfig, p: int, rows: int, sampled: int, dtype: 
 # ---- prefill/decode disaggregation: K,V moved between two TP groups (SPEC §8, serve/disagg.py) ----------------
 
 
-def head_overlaps(n_heads: int, p_src: int, p_dst: int) -> list[tuple[int, int, int, int]]:
-    """(source rank, destination rank, lo, hi) for every pair whose head ranges [r·h/p, (r+1)·h/p) overlap.
+def kv_head_range(n_kv_heads: int, rank: int, p: int) -> range:
+    """The K,V heads rank r of p holds under head-aligned TP (SPEC §9): h_kv/p of them while p ≤ h_kv; once
+    p > h_kv one, the same head on p/h_kv ranks. Multi-head attention is h_kv = h."""
+    if p <= n_kv_heads:
+        per = n_kv_heads // p
+        return range(rank * per, (rank + 1) * per)
+    head = rank * n_kv_heads // p
+    return range(head, head + 1)
 
-    With p_src and p_dst both dividing h there are p_src + p_dst − gcd(p_src, p_dst) such pairs."""
+
+def head_overlaps(n_kv_heads: int, p_src: int, p_dst: int) -> list[tuple[int, int, int, int]]:
+    """(source rank, destination rank, lo, hi): every destination rank gets its K,V heads [lo, hi) from the lowest
+    source rank holding them (a head replicated on several source ranks is sent once per destination rank).
+
+    Without replication (p_src, p_dst ≤ h_kv) these are the pairs whose ranges overlap: p_src + p_dst − gcd."""
     out = []
     for r in range(p_src):
-        a0, a1 = r * n_heads // p_src, (r + 1) * n_heads // p_src
         for s in range(p_dst):
-            lo, hi = max(a0, s * n_heads // p_dst), min(a1, (s + 1) * n_heads // p_dst)
-            if lo < hi:
-                out.append((r, s, lo, hi))
+            heads = [j for j in kv_head_range(n_kv_heads, s, p_dst) if _lowest_holder(n_kv_heads, j, p_src) == r]
+            if heads:
+                out.append((r, s, heads[0], heads[-1] + 1))
     return out
+
+
+def _lowest_holder(n_kv_heads: int, head: int, p: int) -> int:
+    return head // (n_kv_heads // p) if p <= n_kv_heads else -(-head * p // n_kv_heads)
+
+
+def pair_count(n_kv_heads: int, p_src: int, p_dst: int) -> int:
+    """How many (source, destination) pairs head_overlaps finds, in closed form: with a = min(p_src, h_kv) and
+    b = min(p_dst, h_kv) distinct holders on each side, (a + b − gcd(a, b)) · p_dst / b."""
+    a, b = min(p_src, n_kv_heads), min(p_dst, n_kv_heads)
+    return (a + b - math.gcd(a, b)) * p_dst // b
 
 
 def predict_transfers(cfg: ModelConfig, p_prefill: int, p_decode: int, handovers: list[tuple[int, int]],
@@ -131,13 +152,14 @@ def predict_transfers(cfg: ModelConfig, p_prefill: int, p_decode: int, handovers
     """The messages global rank `rank` sends (a prefill rank, 0 .. p_P−1) or receives (a decode rank, p_P ..)
     when the requests `handovers` [(request id, prompt length N)] move from the prefill to the decode group.
 
-    Per request and overlapping pair: the K,V of heads [lo, hi) for positions [0, N) of every layer, one
-    message [L, 2, hi−lo, N, d_head] (sent after prefill) or L messages [2, hi−lo, N, d_head] (streamed layer
-    by layer); and to each decode rank its first token, [1] int64, from the lowest prefill rank overlapping it.
-    Summed over pairs: L_p · K_tok bytes per request, K_tok = 2·L·h·d_head·e; each decode rank receives 1/p_D."""
+    Per request and pair (head_overlaps, on K,V heads): the K,V of heads [lo, hi) for positions [0, N) of every
+    layer, one message [L, 2, hi−lo, N, d_head] (sent after prefill) or L messages [2, hi−lo, N, d_head] (streamed
+    layer by layer); and to each decode rank its first token, [1] int64, from the lowest prefill rank overlapping it.
+    Each decode rank receives its own cache share, L_p · 2·L·max(h_kv/p_D, 1)·d_head·e bytes per request: summed,
+    L_p · K_tok (K_tok = 2·L·h_kv·d_head·e) while p_D ≤ h_kv, more once decode ranks replicate K,V heads."""
     L, dh, e = cfg.n_layers, cfg.d_head, dtype.itemsize
     name = str(dtype).removeprefix("torch.")
-    pairs = head_overlaps(cfg.n_heads, p_prefill, p_decode)
+    pairs = head_overlaps(cfg.n_kv_heads, p_prefill, p_decode)
     first = {}
     for r, s, _, _ in pairs:
         first.setdefault(s, r)
