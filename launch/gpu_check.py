@@ -6,6 +6,7 @@ It adapts to the GPUs it finds and writes one summary, outputs/gpu_check/summary
     one GPU only             p = 2, 4, 8 ranks sharing it over gloo with CUDA tensors (device=cuda), bfloat16:
                              device placement, CUDA sync in the ledger, CUDA traces, bf16 kernels
     the largest p            serve on NCCL (v2, float32, checked against the dense oracle)
+    Llama (llama_tiny)       run_block and serve on NCCL at the largest p; one GPU: 4 ranks sharing it (gloo+cuda)
     tests marked nccl        pytest -m nccl with the rank pools on NCCL (TPREF_TEST_BACKEND=nccl)
     bench_tp                 v2 vs DTensor at the valid p, 40 and 1024 tokens, 3 repeats
 
@@ -55,6 +56,17 @@ def steps(n_gpus: int) -> list[tuple[str, list[str], dict, float]]:
     out.append((f"serve nccl p={valid[-1]}",
                 torchrun + [f"--nproc_per_node={valid[-1]}", "launch/serve.py", "backend=nccl",
                             f"hydra.run.dir={OUT}/serve_nccl_p{valid[-1]}"], {}, 300))
+    if n_gpus == 1:  # Llama blocks (GQA, RoPE) on CUDA tensors: 4 ranks sharing the GPU, K,V heads replicated
+        out.append(("run_block llama_tiny p=4 bfloat16, ranks sharing one GPU (gloo, CUDA tensors)",
+                    torchrun + ["--nproc_per_node=4", "launch/run_block.py", "model=llama_tiny", "backend=gloo",
+                                "device=cuda", "dtype=bfloat16", "repeats=3", f"hydra.run.dir={OUT}/llama_gloo_cuda"],
+                    {}, 300))
+    out.append((f"run_block llama_tiny nccl p={valid[-1]}",
+                torchrun + [f"--nproc_per_node={valid[-1]}", "launch/run_block.py", "model=llama_tiny", "backend=nccl",
+                            "repeats=3", f"hydra.run.dir={OUT}/llama_nccl_p{valid[-1]}"], {}, 300))
+    out.append((f"serve llama_tiny nccl p={valid[-1]}",
+                torchrun + [f"--nproc_per_node={valid[-1]}", "launch/serve.py", "model=llama_tiny", "backend=nccl",
+                            f"hydra.run.dir={OUT}/serve_llama_nccl_p{valid[-1]}"], {}, 300))
     out.append(("pytest -m nccl", [py, "-m", "pytest", "-q", "-m", "nccl", "-p", "no:cacheprovider"],
                 {"TPREF_TEST_BACKEND": "nccl"}, 600))
     out.append(("bench_tp", [py, "benchmarks/bench_tp.py", "--p", *map(str, valid), "--repeats", "3",

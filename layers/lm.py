@@ -108,6 +108,11 @@ class TPLM(nn.Module):
     def vocab_parallel(self) -> bool:
         return isinstance(self.embed, VocabParallelEmbedding)
 
+    @property
+    def cache_heads(self) -> int:
+        """K,V heads per layer in this rank's cache: its h/p heads."""
+        return self.cfg.n_heads // dist.get_world_size(self.stack.blocks[0].group)
+
     def step(self, ids: torch.Tensor, positions: torch.Tensor, layers: list[CachedRequests],
              sample_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One iteration. ids, positions: [T]; returns (token ids, their logits) for sample_rows, on every rank."""

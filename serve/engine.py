@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from layers.lm import TPLM
+from layers.lm import TPLM, TPLlamaLM
 from serve.kv_cache import KVCache
 from serve.plan import FINGERPRINT_SIZE, IterationPlan
 from serve.scheduler import Request, Scheduler
@@ -60,7 +60,7 @@ class EngineHooks:
 
 
 class Engine:
-    def __init__(self, lm: TPLM, ctx: TPContext, *, chunk_size: int, max_batched_tokens: int,
+    def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, *, chunk_size: int, max_batched_tokens: int,
                  max_running: int | None = None, eos_id: int | None = None, on_iteration=None,
                  hooks: EngineHooks | None = None):
         self.lm, self.ctx = lm, ctx
@@ -68,11 +68,11 @@ class Engine:
                                max_running=max_running, eos_id=eos_id)
         self.on_iteration = on_iteration  # called with each iteration's record (progress lines)
         self.hooks = hooks or EngineHooks()
-        cfg, p = lm.cfg, ctx.world_size
+        cfg = lm.cfg
         param = next(lm.parameters())
         self.dtype = param.dtype
-        heads = getattr(lm, "cache_heads", cfg.n_heads // p)  # K,V heads this rank caches (GQA: h_kv/p, at least 1)
-        self.cache = KVCache(cfg.n_layers, heads, cfg.d_head, self.dtype, ctx.device)
+        # K,V heads this rank caches: h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention)
+        self.cache = KVCache(cfg.n_layers, lm.cache_heads, cfg.d_head, self.dtype, ctx.device)
 
     @torch.no_grad()
     def run(self, requests: list[Request]) -> ServeResult:

@@ -165,6 +165,8 @@ def test_gpu_check_plans_every_valid_p():
     assert [n for n in eight if n.startswith("run_block nccl")] == [
         f"run_block nccl p={p} {dt}" for p in (1, 2, 4, 8) for dt in ("float32", "bfloat16")]
     assert "serve nccl p=8" in eight and "pytest -m nccl" in eight and "bench_tp" in eight
+    assert "run_block llama_tiny nccl p=8" in eight and "serve llama_tiny nccl p=8" in eight
+    assert "run_block llama_tiny p=4 bfloat16, ranks sharing one GPU (gloo, CUDA tensors)" in one
 
 
 def test_gpu_check_stops_a_step_past_its_limit():
