@@ -129,7 +129,8 @@ def kv_section(kv: dict) -> list[str]:
              f"llama_tiny's shape (h = {m['n_heads']} query heads of d_head = {m['d_head']}, L = {m['n_layers']}, "
              f"{kv['dtype']}), {len(kv['requests'])} requests, each run's tokens checked against the "
              "single-device oracle. Measured: the bytes the rank's cache tensors held per token position at their "
-             "peak (every rank of the group agrees); formula: 2·L·max(h_kv/p, 1)·d_head·e.", "",
+             "peak (every rank of the group agrees; attention wrote every token's K,V into those tensors and read them "
+             "back, and the tokens equal the oracle's); formula: 2·L·max(h_kv/p, 1)·d_head·e.", "",
              "| attention | h_kv | " + " | ".join(f"p = {p}" for p in sizes) + " |",
              "|---|---|" + "---|" * len(sizes)]
     for name in dict.fromkeys(r["attention"] for r in kv["rows"]):

@@ -18,6 +18,7 @@ from launch.profiling import profile_variant
 from launch.shards import shard_rows
 from launch.traffic import measure_traffic
 from layers.config import ModelConfig
+from layers.llama import LlamaConfig
 from layers.dense import DenseStack, init_weights, weights_checksum
 from layers.hf import load_stack
 from layers.tp_block import shard_stack
@@ -25,11 +26,11 @@ from layers.varlen import Requests, check_same_on_every_rank
 from tp.dist import TPContext, same_on_every_rank
 
 
-def run_check(cfg: ModelConfig, *, lengths: list[int], dtype: torch.dtype, seed: int, variants: list[str],
+def run_check(cfg: ModelConfig | LlamaConfig, *, lengths: list[int], dtype: torch.dtype, seed: int, variants: list[str],
               tolerance: float, repeats: int, profile_dir: Path | None, ctx: TPContext,
               weights: dict[str, torch.Tensor] | None = None) -> dict:
     """lengths: the requests flattened into one forward; one entry means one plain sequence.
-    weights: a GPT-2 state dict to load instead of the seeded random weights."""
+    weights: a checkpoint's state dict (GPT-2 or Llama, as cfg) to load instead of the seeded random weights."""
     requests = Requests.from_lengths(lengths) if len(lengths) > 1 else None
     cu_seqlens = requests.cu_seqlens if requests else None
     dense = init_weights(DenseStack(cfg, dtype, ctx.device), seed)

@@ -3,11 +3,12 @@
     torchrun --nproc_per_node=4 launch/serve.py                      # 8 random prompts, staggered arrivals
     torchrun --nproc_per_node=2 launch/serve.py prompts=[[464,3290,318],[40]] max_new_tokens=8
     torchrun --nproc_per_node=4 launch/serve.py chunk_size=1024 max_batched_tokens=2048   # whole prompts
-    torchrun --nproc_per_node=2 launch/serve.py hf_checkpoint=DIR    # a GPT2LMHeadModel from save_pretrained
+    torchrun --nproc_per_node=2 launch/serve.py hf_checkpoint=DIR    # GPT2LMHeadModel or LlamaForCausalLM
+    torchrun --nproc_per_node=4 launch/serve.py model=llama_tiny     # grouped-query attention, RoPE, SwiGLU
 
 tp = WORLD_SIZE. Every rank validates the settings (and reads a checkpoint) before the first
-collective, builds the same GPT-2 LM from `seed`, shards it (vocab-parallel embedding and head,
-v1 or v2 blocks, per-rank KV caches) and serves the requests with iteration-level batching and
+collective, builds the same LM (GPT-2 or Llama) from `seed`, shards it (vocab-parallel embedding and
+head, v1 or v2 blocks, per-rank KV caches of the rank's K,V heads) and serves the requests with iteration-level batching and
 chunked prefill (serve/). Every iteration's collectives are compared with the analytic model;
 with `check`, every request's tokens are compared with the dense oracle. Rank 0 prints the
 per-iteration and per-request tables and writes report.json; the exit code is non-zero when a
@@ -255,7 +256,7 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     checks = oracle_check(dense, s, result, ctx) if s.check else None
     report = build_report(s, ctx, result, checks)
     report["embedding_bytes_per_rank"] = lm.embed.weight.numel() * lm.embed.weight.element_size()
-    report["lm_head_tied"] = s.model.family == "gpt2"  # Llama: a separate head of the same size
+    report["lm_head_tied"] = s.model.family == "gpt2" or s.model.tie_word_embeddings  # Llama: mostly a separate head
     publish(report, render, out_dir / s.report, ctx)
     ok = (report["ledger_matches_model"] and report["kv_cache"]["matches_formula"]
           and report["check"]["ok"] in (True, None))

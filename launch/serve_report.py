@@ -15,11 +15,16 @@ def _ids(ids: list[int]) -> str:
     return ",".join(map(str, ids)) or "-"
 
 
+def _kv(m: dict) -> str:
+    """h_kv for Llama models (grouped-query attention); nothing for GPT-2's multi-head attention."""
+    return f"h_kv={m['n_kv_heads']} " if "n_kv_heads" in m else ""
+
+
 def render(r: dict) -> str:
     c, m, t, kv = r["config"], r["config"]["model"], r["totals"], r["kv_cache"]
     lines = [
         f"tpref: serving on the TP stack  (tp = {r['world_size']}, backend {r['backend']}, device {r['device']})",
-        f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} d_head={m['d_head']} ffn={m['d_ffn']} "
+        f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} {_kv(m)}d_head={m['d_head']} ffn={m['d_ffn']} "
         f"L={m['n_layers']} vocab={m['vocab_size']}; variant {c['variant']}, "
         f"{'vocab-parallel' if c['vocab_parallel'] else 'replicated'} embedding and LM head; dtype={c['dtype']}",
         f"{c['requests']} requests; chunk_size={c['chunk_size']} max_batched_tokens={c['max_batched_tokens']} "
@@ -83,7 +88,7 @@ def render_pd(r: dict) -> str:
     lines = [
         f"tpref: prefill/decode disaggregation  (prefill ranks 0-{pd['prefill_ranks'] - 1}, decode ranks "
         f"{pd['prefill_ranks']}-{r['world_size'] - 1}; backend {r['backend']}, device {r['device']})",
-        f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} d_head={m['d_head']} L={m['n_layers']} "
+        f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} {_kv(m)}d_head={m['d_head']} L={m['n_layers']} "
         f"vocab={m['vocab_size']}; variant {c['variant']}; dtype={c['dtype']}; K,V "
         f"{'streamed layer by layer' if pd['streaming'] else 'sent after prefill'}",
         f"{c['requests']} requests; chunk_size={c['chunk_size']} max_batched_tokens={c['max_batched_tokens']}; "
@@ -105,7 +110,8 @@ def render_pd(r: dict) -> str:
                   f"{'equal' if r['ledger_matches_model'] else 'DIFFERENT'}):"]
     rows = [[p["prefill_rank"], p["decode_rank"], f"{p['heads'][0]}-{p['heads'][1] - 1}", p["messages"],
              kib(p["bytes"])] for p in t["pairs"]]
-    lines.append(format_table(["prefill rank", "decode rank", "heads", "messages", "KiB"], rows))
+    lines.append(format_table(["prefill rank", "decode rank", "K,V heads" if "n_kv_heads" in r["config"]["model"]
+                               else "heads", "messages", "KiB"], rows))
     per_decode = ", ".join(f"rank {k}: {kib(v)} KiB" for k, v in t["received_per_decode_rank"].items())
     m, pd = r["config"]["model"], r["pd"]
     h_kv = m.get("n_kv_heads", m["n_heads"])

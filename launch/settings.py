@@ -46,7 +46,8 @@ def common_settings(cfg: DictConfig, world_size: int, local_world_size: int, lm:
     tp_sizes: the tensor-parallel groups the model must split over, by setting name (default: the whole world)."""
     model, model_name, hf_checkpoint = parse_model(cfg, world_size, tp_sizes)
     dtype, where = parse_dtype(str(cfg.dtype)), placement(cfg, local_world_size)
-    check_memory(model, dtype, min((tp_sizes or {"tp": world_size}).values()), local_world_size, lm, where["device"])
+    check_memory(model, dtype, min((tp_sizes or {"tp": world_size}).values()), local_world_size, lm, where["device"],
+                 checkpoint_bytes(hf_checkpoint))
     weights = None
     if hf_checkpoint:
         weights = read_checkpoint(hf_checkpoint)
@@ -58,11 +59,21 @@ def common_settings(cfg: DictConfig, world_size: int, local_world_size: int, lm:
                 dtype=dtype, seed=integer(cfg, "seed"), **where, report=str(cfg.report))
 
 
-def check_memory(model, dtype: torch.dtype, p: int, local_world_size: int, lm: bool, device: str) -> None:
-    """Every rank holds the whole dense model (the reference it is checked against) and its 1/p shard: refuse,
-    before any collective, a model whose weights cannot fit (llama2_7b in full, say) instead of being killed."""
+def checkpoint_bytes(path: str | None) -> int:
+    """The size of a checkpoint's weights file (each rank reads it whole into host memory and keeps it)."""
+    if path is None:
+        return 0
+    files = [Path(path) / name for name in ("model.safetensors", "pytorch_model.bin")]
+    return next((f.stat().st_size for f in files if f.is_file()), 0)
+
+
+def check_memory(model, dtype: torch.dtype, p: int, local_world_size: int, lm: bool, device: str,
+                 host_extra: int = 0) -> None:
+    """Every rank holds the whole dense model (the reference it is checked against) and its 1/p shard, and on the
+    host the checkpoint it read (host_extra bytes): refuse, before any collective, a model that cannot fit
+    (llama2_7b in full, say) instead of being killed."""
     n = sum(t.numel() for t in (dense_lm if lm else DenseStack)(model, dtype, "meta").parameters())
-    per_rank = n * dtype.itemsize * (1 + 1 / p)
+    per_rank = n * dtype.itemsize * (1 + 1 / p) + (host_extra if device != "cuda" else 0)
     if device == "cuda":
         gpus = torch.cuda.device_count()
         have, sharing = torch.cuda.get_device_properties(0).total_memory, max(1, -(-local_world_size // gpus))
@@ -73,10 +84,13 @@ def check_memory(model, dtype: torch.dtype, p: int, local_world_size: int, lm: b
         return
     gib = 2 ** 30
     raise ConfigError(f"model.n_layers={model.n_layers} at d_model={model.d_model}: {n / 1e9:.2f}B parameters; every "
-                      f"rank holds the dense model and its 1/{p} shard, {per_rank / gib:.1f} GiB in "
+                      f"rank holds the dense model and its 1/{p} shard"
+                      + (f" (and the checkpoint's {host_extra / gib:.1f} GiB)" if host_extra else "")
+                      + f", {per_rank / gib:.1f} GiB in "
                       f"{str(dtype).removeprefix('torch.')}, {per_rank * sharing / gib:.1f} GiB on {where}, more than "
-                      f"the {have / gib:.1f} GiB available; lower model.n_layers (e.g. model.n_layers=1), run fewer "
-                      f"ranks, or a smaller dtype")
+                      f"the {have / gib:.1f} GiB available; "
+                      + ("" if host_extra else "lower model.n_layers (e.g. model.n_layers=1), ")
+                      + "run fewer ranks, or a smaller dtype")
 
 
 def available_host_memory() -> int | None:
@@ -96,14 +110,21 @@ def placement(cfg: DictConfig, local_world_size: int) -> dict:
 
 
 def parse_model(cfg: DictConfig, world_size: int,
-                tp_sizes: dict[str, int] | None = None) -> tuple[ModelConfig, str, str | None]:
-    """(model, its preset name, hf_checkpoint): `model.*` settings, or a GPT-2 checkpoint's config.json."""
+                tp_sizes: dict[str, int] | None = None) -> tuple[ModelConfig | LlamaConfig, str, str | None]:
+    """(model, its preset name, hf_checkpoint): `model.*` settings (model.family: gpt2 or llama), or a checkpoint's
+    config.json (GPT-2 or Llama). The model is a ModelConfig or a LlamaConfig, valid for every TP size asked."""
     fields = OmegaConf.to_container(cfg.model, resolve=True)
     family = fields.pop("family", "gpt2")
     if family not in ("gpt2", "llama"):
         raise ConfigError(f"model.family={family!r}: choose gpt2 or llama")
     for key, value in fields.items():
-        if key not in ("ln_eps", "norm_eps", "rope_theta") and (isinstance(value, bool) or not isinstance(value, int)):
+        if key in ("ln_eps", "norm_eps", "rope_theta"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"model.{key}={value!r} must be a number")
+        elif key == "tie_word_embeddings":
+            if not isinstance(value, bool):
+                raise ConfigError(f"model.{key}={value!r} must be true or false")
+        elif isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"model.{key}={value!r} must be an integer")
     try:
         model = (LlamaConfig if family == "llama" else ModelConfig)(**fields)

@@ -7,7 +7,8 @@ column-parallel. Nothing is downloaded: a directory from `save_pretrained` is re
     LlamaDecoderLayer keys  input_layernorm.weight, self_attn.{q,k,v,o}_proj.weight,
                             post_attention_layernorm.weight, mlp.{gate,up,down}_proj.weight
     LlamaModel keys         layers.<i>.<layer key>, embed_tokens.weight, norm.weight
-    LlamaForCausalLM        model.<LlamaModel key>, lm_head.weight (absent or equal to embed_tokens when tied)
+    LlamaForCausalLM        model.<LlamaModel key>, lm_head.weight (not read when config.json ties it to
+                            embed_tokens: tie_word_embeddings)
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{key}={value!r} in config.json must be a positive integer")
     act = hf.get("hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers' names for the same function
         raise ConfigError(f"hidden_act={act!r} is not supported: the Llama block's gated MLP uses silu (SwiGLU)")
     rope = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling")
@@ -60,7 +61,8 @@ def config_from_hf(hf: dict) -> LlamaConfig:
                        d_ffn=hf["intermediate_size"], n_layers=hf["num_hidden_layers"],
                        max_seq_len=hf.get("max_position_embeddings", 2048), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                       vocab_size=hf.get("vocab_size", 32000))
+                       vocab_size=hf.get("vocab_size", 32000),
+                       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
 
 
 def block_prefix(state: dict[str, torch.Tensor]) -> str:
@@ -107,12 +109,13 @@ def _lm_keys(prefix: str) -> dict[str, str]:
 
 @torch.no_grad()
 def load_lm(lm, state: dict[str, torch.Tensor]):
-    """A LlamaForCausalLM state dict into a DenseLlamaLM: layers, embedding, final norm, and the head (the
-    embedding when the checkpoint ties them and stores no lm_head.weight)."""
+    """A LlamaForCausalLM state dict into a DenseLlamaLM: layers, embedding, final norm, and the head (none to
+    read when config.json ties it to the embedding: lm.lm_head is then the embedding's parameter)."""
     prefix = block_prefix(state)
     load_stack(lm.stack, state)
     keys = _lm_keys(prefix)
-    keys["lm_head.weight"] = "lm_head.weight" if "lm_head.weight" in state else keys["embed.weight"]
+    if not lm.cfg.tie_word_embeddings:
+        keys["lm_head.weight"] = "lm_head.weight"
     for ours, theirs in keys.items():
         if theirs not in state:
             raise KeyError(f"Llama state dict has no {theirs!r}")
@@ -137,11 +140,11 @@ def expected_shapes(cfg: LlamaConfig, state: dict[str, torch.Tensor], lm: bool) 
             for key in theirs:  # gate_up: each of gate_proj and up_proj holds half the rows
                 out[f"{prefix}{i}.{key}"] = (shape[0] // len(theirs),) + shape[1:]
     if lm:
-        if "lm_head.weight" not in state and not prefix.startswith("model."):
+        if not cfg.tie_word_embeddings and "lm_head.weight" not in state and not prefix.startswith("model."):
             raise ConfigError("a LlamaModel checkpoint has no LM head: serving needs a LlamaForCausalLM directory")
         keys = _lm_keys(prefix)
         out[keys["embed.weight"]] = (cfg.vocab_size, cfg.d_model)
         out[keys["norm.weight"]] = (cfg.d_model,)
-        if "lm_head.weight" in state:
+        if not cfg.tie_word_embeddings:  # an untied head must be there (tie_word_embeddings false in config.json)
             out["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
     return out

@@ -51,6 +51,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     vocab_size: int = 32000
+    tie_word_embeddings: bool = False  # the LM head is the token embedding (some checkpoints); Llama-2: separate
 
     family = "llama"  # the block family (layers/config.ModelConfig is "gpt2"); not a dataclass field
 
@@ -68,7 +69,7 @@ class LlamaConfig:
 
 LLAMA_TINY = LlamaConfig()  # runs in seconds on a laptop
 LLAMA2_7B_SHAPE = LlamaConfig(d_model=4096, n_heads=32, n_kv_heads=32, d_head=128, d_ffn=11008, n_layers=32,
-                              max_seq_len=4096, norm_eps=1e-5, vocab_size=32000)  # for the cost model only
+                              max_seq_len=4096, norm_eps=1e-5, vocab_size=32000)  # = conf/model/llama2_7b.yaml
 
 
 def valid_llama_tp_sizes(cfg: LlamaConfig, up_to: int = 64) -> list[int]:
@@ -116,9 +117,12 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     """Rotary positions on x [heads, T, dh] at `positions` [T] (each row's own position: a request's q_start
     onwards). Dimension i pairs with i + dh/2 (the rotate-half layout of Llama checkpoints)."""
     dh = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, dh, 2, dtype=x.dtype, device=x.device) / dh)  # [dh/2]
-    angles = positions.to(x.dtype)[:, None] * inv_freq[None, :]  # [T, dh/2]
-    cos, sin = (torch.cat([f, f], dim=-1) for f in (angles.cos(), angles.sin()))  # [T, dh], broadcast over heads
+    # The angles in float32 at least: bfloat16 holds integers exactly only up to 256 (positions 256 and 257 would
+    # rotate alike) and float16 up to 2048. The tables are then rounded to x's dtype, as transformers does.
+    table = torch.promote_types(x.dtype, torch.float32)
+    inv_freq = 1.0 / theta ** (torch.arange(0, dh, 2, dtype=table, device=x.device) / dh)  # [dh/2]
+    angles = positions.to(table)[:, None] * inv_freq[None, :]  # [T, dh/2]
+    cos, sin = (torch.cat([f, f], dim=-1).to(x.dtype) for f in (angles.cos(), angles.sin()))  # [T, dh], all heads
     x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 

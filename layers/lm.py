@@ -1,7 +1,7 @@
 """The whole language model, of either block family.
 
     GPT-2   ids [T] -> wte[ids] + wpe[positions] -> L blocks -> ln_f -> x @ wteᵀ -> logits [T, V]   (tied head)
-    Llama   ids [T] -> embed[ids] -> L blocks (RoPE inside) -> RMSNorm -> x @ lm_headᵀ -> logits     (untied head)
+    Llama   ids [T] -> embed[ids] -> L blocks (RoPE inside) -> RMSNorm -> x @ lm_headᵀ -> logits     (own head, or tied)
 
 DenseLM   the single-device model, and the serving oracle: `logits` recomputes a whole
           sequence without any cache; `greedy_reference` generates by recomputing every step.
@@ -10,7 +10,7 @@ TPLM      the same weights on p ranks: vocab-parallel (or replicated) embedding 
           engine. `step` runs one serving iteration of flat rows and returns greedy tokens for
           the rows asked for; the full logits are never formed.
 DenseLlamaLM, TPLlamaLM   the same for Llama-family models (layers/llama.py): v2 blocks, the embedding and the
-          separate head both vocab-parallel, caches of this rank's K,V heads only (`cache_heads`).
+          head (separate, or tied) both vocab-parallel, caches of this rank's K,V heads only (`cache_heads`).
 `shard_lm` shards either.
 """
 
@@ -57,7 +57,8 @@ class Greedy:
 
 
 class DenseLlamaLM(nn.Module):
-    """The single-device Llama LM: embed -> L blocks -> RMSNorm -> lm_head (untied). The serving oracle."""
+    """The single-device Llama LM: embed -> L blocks -> RMSNorm -> lm_head (the embedding's parameter when
+    cfg.tie_word_embeddings). The serving oracle."""
 
     def __init__(self, cfg: LlamaConfig, dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
@@ -66,6 +67,8 @@ class DenseLlamaLM(nn.Module):
         self.stack = DenseStack(cfg, dtype, device)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, device)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight  # one parameter
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, V], no cache; positions 0 .. n-1
         return self.lm_head(self.norm(self.stack(self.embed(ids))[-1]))
@@ -176,8 +179,8 @@ def shard_lm(dense: DenseLM | DenseLlamaLM, variant: str, group: dist.ProcessGro
 def _shard_llama_lm(dense: DenseLlamaLM, group: dist.ProcessGroup) -> TPLlamaLM:
     cfg, w = dense.cfg, dense.embed.weight
     embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group, w.dtype, w.device).load_dense(w)
-    head = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group, w.dtype, w.device).load_dense(
-        dense.lm_head.weight)  # only its greedy() is used: the untied head, vocab-parallel like the embedding
+    head = embed if cfg.tie_word_embeddings else VocabParallelEmbedding(  # only its greedy() is used
+        cfg.vocab_size, cfg.d_model, group, w.dtype, w.device).load_dense(dense.lm_head.weight)
     norm = RMSNorm(cfg.d_model, cfg.norm_eps, w.dtype, w.device)
     norm.load_state_dict(dense.norm.state_dict())
     return TPLlamaLM(cfg, embed, shard_stack(dense.stack, "v2", group), norm, head)

@@ -221,3 +221,16 @@ def test_served_llama_tokens_equal_transformers_generate(llama_lm, p):
     for ids, ledger_ok, exercised, kv_per_token in run_ranks(p, _serve_llama, state, prompts):
         assert ids == want and ledger_ok and exercised
         assert kv_per_token == 2 * 2 * max(2 // p, 1) * 8 * 8  # 2·L·max(h_kv/p, 1)·d_head·e: stops shrinking at p = h_kv
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rope_in_half_precision_keeps_positions_apart(dtype):
+    """Positions 256 and 257 (and 2048, 2049) rotate differently in bfloat16/float16: the angles are float32."""
+    from layers.llama import rope
+
+    x = torch.randn(2, 4, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    positions = torch.tensor([256, 257, 2048, 2049])
+    exact = rope(x, positions, 10000.0)
+    half = rope(x.to(dtype), positions, 10000.0).double()
+    assert not torch.equal(half[:, 0], half[:, 1]) and not torch.equal(half[:, 2], half[:, 3])
+    assert (half - exact).abs().max() / exact.abs().max() < (2e-2 if dtype == torch.bfloat16 else 3e-3)

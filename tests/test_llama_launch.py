@@ -58,6 +58,10 @@ def test_memory_check_refuses_what_cannot_fit(monkeypatch):
     settings.check_memory(dataclasses.replace(LLAMA2_7B_SHAPE, n_layers=1), torch.float32, 4, 4, False, "cpu")
     with pytest.raises(ConfigError, match=r"6\.74B parameters"):  # serve: + embedding and untied head
         settings.check_memory(LLAMA2_7B_SHAPE, torch.bfloat16, 1, 1, True, "cpu")
+    one = dataclasses.replace(LLAMA2_7B_SHAPE, n_layers=1)  # fits alone; not beside a 14 GiB checkpoint per rank
+    settings.check_memory(one, torch.bfloat16, 2, 2, False, "cpu")
+    with pytest.raises(ConfigError, match=r"and the checkpoint's 14\.0 GiB"):
+        settings.check_memory(one, torch.bfloat16, 2, 2, False, "cpu", 14 * 2**30)
 
 
 def test_parameter_counts_and_kv_formula():
@@ -76,6 +80,10 @@ def test_parameter_counts_and_kv_formula():
     assert [kv_bytes_per_token_per_rank(32, 8, 128, p, 2) // 1024 for p in (1, 2, 4, 8, 16, 32)] == [128, 64, 32, 16, 16, 16]
     with pytest.raises(ValueError):
         kv_bytes_per_token_per_rank(32, 8, 128, 3, 2)
+    # attention work counts query heads: GQA shares K,V, not the QKᵀ and PV products
+    from tp.cost_model import attention_flops_per_pair
+
+    assert attention_flops_per_pair(shape_of(LLAMA_TINY)) == 4 * LLAMA_TINY.k * LLAMA_TINY.n_layers
 
 
 # ---- transformers Llama checkpoints -----------------------------------------------------------------------------
@@ -118,7 +126,7 @@ def test_tied_llama_checkpoint_uses_the_embedding_as_head():
     with torch.no_grad():
         want = model(ids[None]).logits[0]
         got = ours.logits(ids)
-    assert torch.equal(ours.lm_head.weight, ours.embed.weight)
+    assert ours.lm_head.weight is ours.embed.weight and ours.cfg.tie_word_embeddings
     assert (got - want).abs().max() / want.abs().max() < 1e-6  # transformers' RMSNorm/rotary run in float32
 
 
@@ -171,6 +179,12 @@ def test_a_llama_model_without_head_cannot_be_served_but_its_blocks_can_be_check
     check_state(ours, state, lm=False)
     with pytest.raises(ConfigError, match="LlamaModel checkpoint has no LM head"):
         check_state(ours, state, lm=True)
+    causal = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).state_dict()
+    check_state(ours, causal, lm=True)
+    headless = {k: v for k, v in causal.items() if k != "lm_head.weight"}  # untied in config.json, head missing
+    with pytest.raises(ConfigError, match="the weights have no 'lm_head.weight'"):
+        check_state(ours, headless, lm=True)
+    check_state(config_from_hf(dict(HF_LLAMA, tie_word_embeddings=True)), headless, lm=True)  # tied: none needed
     with pytest.raises(ConfigError, match=r"layers.1.mlp.up_proj.weight has shape \(48, 64\), config.json's model "
                                           r"needs \(96, 64\)"):
         check_state(ours, {**state, "layers.1.mlp.up_proj.weight": torch.zeros(48, 64)}, lm=False)

@@ -29,6 +29,11 @@ class Shape:
     n_kv_heads: int  # K,V heads: n_heads for multi-head attention, fewer for grouped-query attention
     d_head: int
     bytes_per_elem: int = 2  # fp16 weights and KV
+    n_heads: int | None = None  # query heads, when fewer K,V heads serve them (GQA); None: n_kv_heads
+
+    @property
+    def query_heads(self) -> int:
+        return self.n_heads or self.n_kv_heads
 
     @property
     def weight_bytes(self) -> float:
@@ -57,7 +62,7 @@ class Hardware:
 
 
 # Llama-2-7B as seeds/06 §3 uses it: Π ≈ 7·10⁹, 32 layers, 32 heads of 128, fp16.
-LLAMA2_7B = Shape("llama2_7b", 7e9, 32, 32, 128)
+LLAMA2_7B = Shape("llama2_7b", 7e9, 32, 32, 128, n_heads=32)
 
 # H100 SXM as the seeds use it: a sustained fp16 GEMM rate, not the datasheet peak.
 H100 = Hardware("H100", 500e12, 3.35e12, "seeds/06 §1: ~500 TFLOP/s fp16 sustained, 3.35 TB/s HBM3")
@@ -80,7 +85,7 @@ def block_params(cfg) -> int:
 def shape_of(cfg, bytes_per_elem: int = 2) -> Shape:
     """A Shape from a model config (article03, gpt2_small, llama_tiny, llama2_7b): parameters of the blocks only."""
     return Shape(f"blocks d={cfg.d_model} L={cfg.n_layers}", float(block_params(cfg) * cfg.n_layers), cfg.n_layers,
-                 cfg.n_kv_heads, cfg.d_head, bytes_per_elem)
+                 cfg.n_kv_heads, cfg.d_head, bytes_per_elem, cfg.n_heads)
 # Fabric bandwidths as seeds/06 §6 gives them, bytes/s.
 FABRICS = {"NVLink (in node)": 900e9, "NVSwitch fabric": 400e9, "InfiniBand HDR": 50e9, "PCIe Gen5": 64e9}
 
@@ -122,8 +127,9 @@ def kv_transfer_time(s: Shape, tokens: int, bandwidth: float) -> float:
 
 
 def attention_flops_per_pair(s: Shape) -> float:
-    """One (query, key) pair through the whole network: QKᵀ and PV, 2 FLOPs each per dim, every head and layer."""
-    return 4 * s.d_head * s.n_kv_heads * s.n_layers
+    """One (query, key) pair through the whole network: QKᵀ and PV, 2 FLOPs each per dim, every query head and
+    layer (grouped-query attention shares K,V between query heads, not the work)."""
+    return 4 * s.d_head * s.query_heads * s.n_layers
 
 
 def block_flops(d: int, k: int, d_ffn: int, tokens: int, pairs: float) -> tuple[float, float]:

@@ -15,7 +15,9 @@ intra_head's scores: each request's [h, Lᵢ, Lᵢ] block, side by side, [h, Σ 
 
 Llama-family blocks (layers/llama.py) are v2: the same list, whatever h_kv is (grouped-query
 attention changes what each rank caches, not what it sends); the MLP's backward site is
-"gate_up dx". Their LM has the vocab-parallel embedding and an untied vocab-parallel head,
+"gate_up dx". The backward listed is the input gradients' (all that is checked). Training with
+K,V heads replicated (p > h_kv) would add an all-reduce of those heads' weight gradients among
+their p/h_kv replicas, which is not modelled: nothing here trains. Their LM has the vocab-parallel embedding and an untied vocab-parallel head,
 so a serving iteration adds exactly what GPT-2's vocab-parallel LM adds.
 
 A serving iteration (SPEC §6; layers/lm.py) of T rows, S of them sampled, adds to the stack's
