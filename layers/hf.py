@@ -64,9 +64,7 @@ def read_state(path: str | Path) -> dict[str, torch.Tensor]:
 def check_state(cfg: ModelConfig | LlamaConfig, state: dict[str, torch.Tensor], lm: bool = False) -> None:
     """ConfigError naming the first weight the config expects but the state dict lacks or shapes differently.
     lm=True also checks the embeddings and the final norm."""
-    if cfg.family == "gpt2":
-        return hf_gpt2.check_state(cfg, state, lm)
-    for key, shape in hf_llama.expected_shapes(cfg, state, lm).items():
+    for key, shape in FAMILIES[cfg.family].expected_shapes(cfg, state, lm).items():
         if key not in state:
             raise ConfigError(f"the weights have no {key!r}, which config.json's model needs")
         if tuple(state[key].shape) != shape:

@@ -59,17 +59,20 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 
 @torch.no_grad()
+def copy_checked(target: torch.Tensor, value: torch.Tensor, key: str, ours: str) -> None:
+    """target <- value (a checkpoint's tensor for `key`, already in our layout), or ValueError naming both shapes."""
+    if tuple(value.shape) != tuple(target.shape):
+        raise ValueError(f"{key}: shape {tuple(value.shape)} does not fit {ours} {tuple(target.shape)}")
+    target.copy_(value.to(target.dtype))
+
+
 def load_block(block: DenseBlock, state: dict[str, torch.Tensor], prefix: str = "") -> DenseBlock:
     """Copy one GPT2Block's weights (keys under `prefix`) into a DenseBlock."""
     for ours, theirs, transpose in _BLOCK_KEYS:
         key = prefix + theirs
         if key not in state:
             raise KeyError(f"GPT-2 state dict has no {key!r}")
-        value = state[key].t() if transpose else state[key]
-        target = block.get_parameter(ours)
-        if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(f"{key}: shape {tuple(state[key].shape)} does not fit {ours} {tuple(target.shape)}")
-        target.copy_(value.to(target.dtype))
+        copy_checked(block.get_parameter(ours), state[key].t() if transpose else state[key], key, ours)
     return block
 
 
@@ -89,7 +92,6 @@ def load_stack(stack: DenseStack, state: dict[str, torch.Tensor]) -> DenseStack:
     return stack
 
 
-@torch.no_grad()
 def load_lm(lm: DenseLM, state: dict[str, torch.Tensor]) -> DenseLM:
     """Copy a GPT2LMHeadModel (or GPT2Model) state dict into a DenseLM: blocks, embeddings, final LayerNorm."""
     load_stack(lm.stack, state)
@@ -98,20 +100,16 @@ def load_lm(lm: DenseLM, state: dict[str, torch.Tensor]) -> DenseLM:
         key = prefix + name
         if key not in state:
             raise KeyError(f"GPT-2 state dict has no {key!r}")
-        target = lm.get_parameter(name)
-        if tuple(state[key].shape) != tuple(target.shape):
-            raise ValueError(f"{key}: shape {tuple(state[key].shape)} does not fit {name} {tuple(target.shape)}")
-        target.copy_(state[key].to(target.dtype))
+        copy_checked(lm.get_parameter(name), state[key], key, name)
     head = state.get("lm_head.weight")
     if head is not None and not torch.equal(head, state[prefix + "wte.weight"]):
         raise ValueError("lm_head.weight differs from wte.weight: only GPT-2's tied LM head is supported")
     return lm
 
 
-def check_state(cfg: ModelConfig, state: dict[str, torch.Tensor], lm: bool = False) -> None:
-    """ConfigError naming the first weight the config expects but the state dict lacks or shapes differently.
-
-    Shapes come from meta-device modules (no memory); lm=True also checks wte, wpe and ln_f."""
+def expected_shapes(cfg: ModelConfig, state: dict[str, torch.Tensor], lm: bool) -> dict[str, tuple]:
+    """Every checkpoint key the config needs, with its shape (from meta-device modules: no memory); lm=True adds
+    wte, wpe and ln_f."""
     try:
         prefix = _block_prefix(state)
     except KeyError as exc:
@@ -123,8 +121,4 @@ def check_state(cfg: ModelConfig, state: dict[str, torch.Tensor], lm: bool = Fal
         model = DenseLM(cfg, device="meta")
         expected.update({prefix.removesuffix("h.") + name: tuple(model.get_parameter(name).shape)
                          for name in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias")})
-    for key, shape in expected.items():
-        if key not in state:
-            raise ConfigError(f"the weights have no {key!r}, which config.json's model needs")
-        if tuple(state[key].shape) != shape:
-            raise ConfigError(f"{key} has shape {tuple(state[key].shape)}, config.json's model needs {shape}")
+    return expected

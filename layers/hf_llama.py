@@ -17,6 +17,7 @@ import re
 
 import torch
 
+from layers.hf_gpt2 import copy_checked
 from layers.llama import DenseLlamaBlock, LlamaConfig
 from tp.dist import ConfigError
 
@@ -82,15 +83,10 @@ def _value(state: dict, prefix: str, theirs: tuple[str, ...]) -> torch.Tensor:
     return torch.cat([state[prefix + key] for key in theirs]) if len(theirs) > 1 else state[prefix + theirs[0]]
 
 
-@torch.no_grad()
 def load_block(block: DenseLlamaBlock, state: dict[str, torch.Tensor], prefix: str = "") -> DenseLlamaBlock:
     """Copy one LlamaDecoderLayer's weights (keys under `prefix`) into a DenseLlamaBlock."""
     for ours, theirs in _BLOCK_KEYS:
-        value, target = _value(state, prefix, theirs), block.get_parameter(ours)
-        if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(f"{prefix}{'+'.join(theirs)}: shape {tuple(value.shape)} does not fit {ours} "
-                             f"{tuple(target.shape)}")
-        target.copy_(value.to(target.dtype))
+        copy_checked(block.get_parameter(ours), _value(state, prefix, theirs), prefix + "+".join(theirs), ours)
     return block
 
 
@@ -107,7 +103,6 @@ def _lm_keys(prefix: str) -> dict[str, str]:
     return {"embed.weight": base + "embed_tokens.weight", "norm.weight": base + "norm.weight"}
 
 
-@torch.no_grad()
 def load_lm(lm, state: dict[str, torch.Tensor]):
     """A LlamaForCausalLM state dict into a DenseLlamaLM: layers, embedding, final norm, and the head (none to
     read when config.json ties it to the embedding: lm.lm_head is then the embedding's parameter)."""
@@ -119,10 +114,7 @@ def load_lm(lm, state: dict[str, torch.Tensor]):
     for ours, theirs in keys.items():
         if theirs not in state:
             raise KeyError(f"Llama state dict has no {theirs!r}")
-        target = lm.get_parameter(ours)
-        if tuple(state[theirs].shape) != tuple(target.shape):
-            raise ValueError(f"{theirs}: shape {tuple(state[theirs].shape)} does not fit {ours} {tuple(target.shape)}")
-        target.copy_(state[theirs].to(target.dtype))
+        copy_checked(lm.get_parameter(ours), state[theirs], theirs, ours)
     return lm
 
 

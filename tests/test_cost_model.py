@@ -135,7 +135,7 @@ def _serving_counts(ctx, family):
     cfg = CFG if family == "gpt2" else LlamaConfig(d_model=64, n_heads=8, n_kv_heads=2, d_head=8, d_ffn=96,
                                                    n_layers=3, max_seq_len=96, vocab_size=CFG.vocab_size)
     lm = shard_lm(init_weights(dense_lm(cfg), seed=0), "v2", ctx.group)
-    p, heads = ctx.world_size, getattr(lm, "cache_heads", cfg.n_heads // ctx.world_size)
+    p, heads = ctx.world_size, lm.cache_heads
     cache = KVCache(cfg.n_layers, heads, cfg.d_head, torch.float32)
     chunks = [(20, 21), (8, 13)]  # request 0 decodes its 21st token; request 1 prefills rows 8..12 after 8 cached
     for rid, (_, q_end) in enumerate(chunks):
