@@ -9,9 +9,9 @@ layers/varlen.py) each request attends causally within itself only, and only
 its own [Lᵢ × Lᵢ] block of scores is computed: the work is Σ Lᵢ², not (Σ Lᵢ)².
 `requests.padded` selects the baseline: pad every request to the longest, mask.
 
-With `CachedRequests` (serving, SPEC §6) each request brings only its new rows,
-positions [q_start, q_end); their K,V are written into the request's cache at
-[q_start, q_end) and the queries attend to keys [0, kv_length = q_end):
+With `PagedLayer` (serving, SPEC §6 and §10) each request brings only its new rows, positions
+[q_start, q_end); their K,V are written into the paged pool at their slots (the slot mapping) and the
+queries attend to the request's keys [0, kv_length = q_end), read through its block table:
 
                  keys 0 .. q_start-1 (cached prefix)   keys q_start .. q_end-1 (this chunk)
     query i      all visible                            visible iff key <= q_start + i
@@ -19,11 +19,19 @@ positions [q_start, q_end); their K,V are written into the request's cache at
 A fresh prompt (q_start = 0) is the plain causal square; a decode (one row) sees everything.
 SDPA's `is_causal` puts the triangle at the top-left when q_rows != kv_length, which is
 wrong here, so a chunk after a cached prefix gets an explicit mask.
+
+Two ways to run it, chosen per iteration (`PagedBatch.mode`):
+    batched     the default, as a GPU runs it: one scatter writes every new row's K,V; then one SDPA call for all
+                decodes and one for all prompt chunks, each request's queries and keys padded to the longest of
+                its group and masked. The number of kernels does not grow with the number of requests.
+    reference   the readable form it is checked against: one request at a time, its own write and its own SDPA.
+Both read the keys by gathering the block table's slots into a contiguous [kv_length] run (SDPA has no block
+table input; a GPU kernel such as FlashAttention's paged KV reads the blocks in place).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,17 +42,48 @@ from layers.varlen import Requests
 
 
 @dataclass(frozen=True)
-class CachedRequests:
-    """One layer of one serving iteration: where each request's new rows lie and where its K,V go.
+class AttentionGroup:
+    """Requests that attend in one SDPA call (batched mode): B requests, queries padded to max_q, keys to max_kv.
 
-    spans[i]    rows [s, e) of the flat [T, ...] tensor that belong to request i
-    q_starts[i] the position of its first new row (its cached prefix length)
-    caches[i]   its cache for this layer, [2, heads on this rank, capacity, d_head] (K then V)
+    rows [B, max_q]      the flat row of each query (padding: row 0, its output dropped)
+    slots [B, max_kv]    the pool slot of each key position (padding: slot 0, masked)
+    mask [B, 1, max_q, max_kv]   key j visible to query i iff j <= q_start + i and j < kv_length
+    src, dst [n]         real queries: position in the flattened [B·max_q] output -> flat row
     """
 
-    spans: tuple[tuple[int, int], ...]
-    q_starts: tuple[int, ...]
-    caches: tuple[torch.Tensor, ...]
+    rows: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+    src: torch.Tensor
+    dst: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """What attention needs for one serving iteration, built once (serve/inputs.py), shared by every layer.
+
+    positions [T]      each row's position in its request (RoPE, GPT-2's position embedding)
+    slot_mapping [T]   where each new row's K,V go in a layer's flat pool view
+    groups             batched mode: at most two AttentionGroups (decodes, prompt chunks)
+    spans, q_starts, slots   reference mode: per request, its rows, first position, and slots of [0, kv_length)
+    """
+
+    mode: str  # "batched" or "reference"
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    groups: tuple[AttentionGroup, ...] = ()
+    spans: tuple[tuple[int, int], ...] = ()
+    q_starts: tuple[int, ...] = ()
+    slots: tuple[torch.Tensor, ...] = ()
+    tables: dict = field(default_factory=dict)  # per-iteration memo (RoPE's cos/sin), filled by the first layer
+
+
+@dataclass(frozen=True)
+class PagedLayer:
+    """One layer of one iteration: the shared batch and this layer's pool, [2, slots, K,V heads, d_head]."""
+
+    batch: PagedBatch
+    pool: torch.Tensor
 
 
 def prefix_causal_mask(q_start: int, q_rows: int, kv_length: int, device=None) -> torch.Tensor:
@@ -53,16 +92,16 @@ def prefix_causal_mask(q_start: int, q_rows: int, kv_length: int, device=None) -
     return keys[None, :] <= (q_start + torch.arange(q_rows, device=device))[:, None]
 
 
-def positions_of(requests: Requests | CachedRequests | None, n_rows: int, device=None) -> torch.Tensor:
-    """[T] the position of every row: 0.. within each request (Requests), q_start.. (CachedRequests), or 0..T-1."""
+def positions_of(requests: Requests | PagedLayer | None, n_rows: int, device=None) -> torch.Tensor:
+    """[T] the position of every row: 0.. within each request (Requests), q_start.. (PagedLayer), or 0..T-1."""
     if requests is None:
         return torch.arange(n_rows, device=device)
-    if isinstance(requests, CachedRequests):
-        return torch.cat([torch.arange(q, q + e - s, device=device) for (s, e), q in zip(requests.spans, requests.q_starts)])
+    if isinstance(requests, PagedLayer):
+        return requests.batch.positions
     return torch.cat([torch.arange(e - s, device=device) for s, e in requests.spans])
 
 
-def causal_attention(qkv: torch.Tensor, d_head: int, requests: Requests | CachedRequests | None = None) -> torch.Tensor:
+def causal_attention(qkv: torch.Tensor, d_head: int, requests: Requests | PagedLayer | None = None) -> torch.Tensor:
     """qkv: [T, 3*h*d_head] laid out [Q | K | V], heads contiguous inside each part.
 
     Returns [T, h*d_head], heads concatenated in the same order.
@@ -71,11 +110,11 @@ def causal_attention(qkv: torch.Tensor, d_head: int, requests: Requests | Cached
     return attention(qkv[0], qkv[1:], requests)
 
 
-def attention(q: torch.Tensor, kv: torch.Tensor, requests: Requests | CachedRequests | None = None) -> torch.Tensor:
+def attention(q: torch.Tensor, kv: torch.Tensor, requests: Requests | PagedLayer | None = None) -> torch.Tensor:
     """q [h, T, d_head]; kv [2, h_kv, T, d_head], K then V, h a multiple of h_kv: query head j reads K,V head
     j // (h/h_kv) (grouped-query attention; h_kv = h is plain multi-head). Returns [T, h*d_head]."""
-    if isinstance(requests, CachedRequests):
-        return cached_attention(q, kv, requests)
+    if isinstance(requests, PagedLayer):
+        return paged_attention(q, kv, requests)
     group = q.shape[0] // kv.shape[1]
     k, v = (t.repeat_interleave(group, dim=0) if group > 1 else t for t in kv)
     # Each [1, h, T, d_head]: a batch dim of 1, because on CPU PyTorch's SDPA takes its fused kernel
@@ -105,16 +144,35 @@ def _padded(q, k, v, lengths: list[int]) -> torch.Tensor:
     return torch.cat([out[r, :, :n] for r, n in enumerate(lengths)], dim=1)  # [h, T, d]
 
 
-def cached_attention(q: torch.Tensor, kv: torch.Tensor, batch: CachedRequests) -> torch.Tensor:
-    """Write each request's new K,V into its cache, then attend over its whole context (module docstring).
-    q [h, T, d_head], kv [2, h_kv, T, d_head]: the cache holds the h_kv K,V heads only."""
+def paged_attention(q: torch.Tensor, kv: torch.Tensor, layer: PagedLayer) -> torch.Tensor:
+    """Write the new rows' K,V into the pool at their slots, then attend over each request's context (module
+    docstring). q [h, T, d_head], kv [2, h_kv, T, d_head]: the pool holds the h_kv K,V heads only."""
+    batch, pool = layer.batch, layer.pool  # pool [2, slots, h_kv, d_head]
+    if batch.mode == "reference":
+        return _reference(q, kv, batch, pool)
+    pool.index_copy_(1, batch.slot_mapping, kv.transpose(1, 2))  # one scatter: every new row's K,V into its slot
+    h, T, dh = q.shape
+    group = h // kv.shape[1]
+    out = q.new_empty(T, h, dh)
+    for g in batch.groups:  # at most two calls: the decodes, the prompt chunks
+        queries = q[:, g.rows].transpose(0, 1)  # [B, h, max_q, dh]
+        keys, values = pool[:, g.slots].permute(0, 1, 3, 2, 4)  # each [B, h_kv, max_kv, dh]
+        if group > 1:  # query head j reads K,V head j // group
+            keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask)  # [B, h, max_q, dh]
+        out.index_copy_(0, g.dst, o.transpose(1, 2).flatten(0, 1)[g.src])  # real queries back to their rows
+    return out.flatten(1)
+
+
+def _reference(q: torch.Tensor, kv: torch.Tensor, batch: PagedBatch, pool: torch.Tensor) -> torch.Tensor:
+    """The per-request form the batched path is checked against: write, gather, attend, one request at a time."""
     group = q.shape[0] // kv.shape[1]
     outs = []
-    for (s, e), q_start, cache in zip(batch.spans, batch.q_starts, batch.caches):
+    for (s, e), q_start, slots in zip(batch.spans, batch.q_starts, batch.slots):
         q_rows, kv_length = e - s, q_start + e - s
-        cache[:, :, q_start:kv_length] = kv[:, :, s:e]  # [2, h_kv, q_rows, d_head] into positions [q_start, q_end)
-        context = cache[:, :, :kv_length]
-        if group > 1:  # query head j reads K,V head j // group
+        pool[:, slots[q_start:]] = kv[:, :, s:e].transpose(1, 2)  # [2, q_rows, h_kv, dh] into its new slots
+        context = pool[:, slots].transpose(1, 2)  # [2, h_kv, kv_length, dh]: its block table, read in order
+        if group > 1:
             context = context.repeat_interleave(group, dim=1)
         keys, values = context[:, None]  # each [1, h, kv_length, d_head]
         if q_rows == 1:  # decode: the one new query sees every key

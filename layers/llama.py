@@ -15,7 +15,7 @@ gate and up are one column-parallel matmul (rank r's rows of gate, then of up, s
 down is row-parallel.
 
 The block family is a choice inside one design, not a second code path: Llama blocks take the same
-`requests` (None, varlen Requests, or serving's CachedRequests) as GPT-2's, attend through the same
+`requests` (None, varlen Requests, or serving's PagedLayer) as GPT-2's, attend through the same
 layers/attention.attention (which handles h_kv < h), stack in the same layers/dense.Stack, shard through
 layers/tp_block.shard_stack and are served by the same engine (layers/lm.TPLlamaLM). Checkpoints:
 layers/hf_llama.py.
@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from layers.attention import CachedRequests, attention, positions_of
+from layers.attention import PagedLayer, attention, positions_of
 from layers.linear import ColumnParallelLinear, RowParallelLinear
 from layers.shard import load_
 from layers.varlen import Requests
@@ -113,28 +113,38 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary positions on x [heads, T, dh] at `positions` [T] (each row's own position: a request's q_start
-    onwards). Dimension i pairs with i + dh/2 (the rotate-half layout of Llama checkpoints)."""
-    dh = x.shape[-1]
+def rope_tables(positions: torch.Tensor, dh: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, dh] for rows at `positions` [T] (each row's own position: a request's q_start onwards)."""
     # The angles in float32 at least: bfloat16 holds integers exactly only up to 256 (positions 256 and 257 would
     # rotate alike) and float16 up to 2048. The tables are then rounded to x's dtype, as transformers does.
-    table = torch.promote_types(x.dtype, torch.float32)
-    inv_freq = 1.0 / theta ** (torch.arange(0, dh, 2, dtype=table, device=x.device) / dh)  # [dh/2]
+    table = torch.promote_types(dtype, torch.float32)
+    inv_freq = 1.0 / theta ** (torch.arange(0, dh, 2, dtype=table, device=positions.device) / dh)  # [dh/2]
     angles = positions.to(table)[:, None] * inv_freq[None, :]  # [T, dh/2]
-    cos, sin = (torch.cat([f, f], dim=-1).to(x.dtype) for f in (angles.cos(), angles.sin()))  # [T, dh], all heads
+    return tuple(torch.cat([f, f], dim=-1).to(dtype) for f in (angles.cos(), angles.sin()))  # [T, dh], all heads
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions on x [heads, T, dh]. Dimension i pairs with i + dh/2 (the rotate-half layout of Llama
+    checkpoints)."""
+    dh = x.shape[-1]
     x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 def rotary_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: LlamaConfig,
-                     requests: Requests | CachedRequests | None) -> torch.Tensor:
+                     requests: Requests | PagedLayer | None) -> torch.Tensor:
     """q [T, h·dh], k, v [T, h_kv·dh] (this rank's heads): RoPE on q and k at each row's position, then causal
     grouped-query attention (layers/attention.py, which also keeps the cache). Returns [T, h·dh]."""
-    positions = positions_of(requests, q.shape[0], q.device)
+    key = ("rope", cfg.d_head, cfg.rope_theta, q.dtype)
+    if isinstance(requests, PagedLayer) and key in requests.batch.tables:  # serving: once per iteration, not per layer
+        cos, sin = requests.batch.tables[key]
+    else:
+        cos, sin = rope_tables(positions_of(requests, q.shape[0], q.device), cfg.d_head, cfg.rope_theta, q.dtype)
+        if isinstance(requests, PagedLayer):
+            requests.batch.tables[key] = (cos, sin)
     q, k, v = (rearrange(t, "n (h d) -> h n d", d=cfg.d_head) for t in (q, k, v))
-    kv = torch.stack([rope(k, positions, cfg.rope_theta), v])  # [2, h_kv, T, dh]
-    return attention(rope(q, positions, cfg.rope_theta), kv, requests)
+    kv = torch.stack([rope(k, cos, sin), v])  # [2, h_kv, T, dh]
+    return attention(rope(q, cos, sin), kv, requests)
 
 
 # ---- the single-device block and its TP counterpart -------------------------------------------------------------
@@ -154,7 +164,7 @@ class DenseLlamaBlock(nn.Module):
         self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ffn, **kw)  # rows [gate | up]
         self.down = nn.Linear(cfg.d_ffn, cfg.d_model, **kw)
 
-    def forward(self, x: torch.Tensor, requests: Requests | CachedRequests | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, requests: Requests | PagedLayer | None = None) -> torch.Tensor:
         h = self.attn_norm(x)
         x = x + self.o(rotary_attention(self.q(h), self.k(h), self.v(h), self.cfg, requests))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
@@ -181,7 +191,7 @@ class TPLlamaBlock(nn.Module):
         self.gate_up = ColumnParallelLinear(cfg.d_model, 2 * cfg.d_ffn, group, site="mlp/gate_up dx", **kw)
         self.down = RowParallelLinear(cfg.d_ffn, cfg.d_model, group, site="mlp/all-reduce #2", **kw)
 
-    def forward(self, x: torch.Tensor, requests: Requests | CachedRequests | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, requests: Requests | PagedLayer | None = None) -> torch.Tensor:
         q, k, v = self.qkv(self.attn_norm(x)).split(  # this rank's query heads, then its K,V heads
             [self.q_heads * self.cfg.d_head, self.kv_heads * self.cfg.d_head, self.kv_heads * self.cfg.d_head], dim=-1)
         x = x + self.o(rotary_attention(q, k, v, self.cfg, requests))  # ★ all-reduce #1: partial [n, d] summed

@@ -6,7 +6,7 @@
 DenseLM   the single-device model, and the serving oracle: `logits` recomputes a whole
           sequence without any cache; `greedy_reference` generates by recomputing every step.
 TPLM      the same weights on p ranks: vocab-parallel (or replicated) embedding and head
-          (layers/vocab.py), the v1 or v2 stack, and per-request K,V caches handed in by the
+          (layers/vocab.py), the v1 or v2 stack, and this rank's paged K,V pool handed in by the
           engine. `step` runs one serving iteration of flat rows and returns greedy tokens for
           the rows asked for; the full logits are never formed.
 DenseLlamaLM, TPLlamaLM   the same for Llama-family models (layers/llama.py): v2 blocks, the embedding and the
@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from layers.attention import CachedRequests
+from layers.attention import PagedLayer
 from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.dense import DenseStack
 from layers.llama import LlamaConfig, RMSNorm
@@ -116,12 +116,12 @@ class TPLM(nn.Module):
         """K,V heads per layer in this rank's cache: its h/p heads."""
         return self.cfg.n_heads // dist.get_world_size(self.stack.blocks[0].group)
 
-    def step(self, ids: torch.Tensor, positions: torch.Tensor, layers: list[CachedRequests],
-             sample_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One iteration. ids, positions: [T]; returns (token ids, their logits) for sample_rows, on every rank."""
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, layers: list[PagedLayer],
+             sample_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One iteration. ids, positions: [T]; returns (token ids, their logits) for sample_rows [S], on every rank."""
         x = self.embed(ids) + self.wpe(positions)  # ★ vocab-parallel: all-reduce [T, d]
         x = self.stack.forward_cached(x, layers)  # ★ v2: 2 all-reduces [T, d] per layer; v1: 4 all-gathers
-        if not sample_rows:  # only prompt chunks that do not finish their prompt: nothing to sample
+        if sample_rows.numel() == 0:  # only prompt chunks that do not finish their prompt: nothing to sample
             return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.float64)
         last = self.ln_f(x[sample_rows])  # [S, d]: LayerNorm is per row, so only the sampled rows need it
         return self.embed.greedy(last)  # ★ vocab-parallel: all-gather of (max, argmax) pairs [S, 2] per rank
@@ -144,12 +144,12 @@ class TPLlamaLM(nn.Module):
         """K,V heads per layer in this rank's cache: max(h_kv/p, 1)."""
         return self.stack.blocks[0].kv_heads
 
-    def step(self, ids: torch.Tensor, positions: torch.Tensor, layers: list[CachedRequests],
-             sample_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """As TPLM.step; `positions` is not needed: every block reads its rows' positions off `layers` (q_start)."""
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, layers: list[PagedLayer],
+             sample_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As TPLM.step; `positions` is not needed: every block reads its rows' positions off `layers`."""
         x = self.embed(ids)  # ★ all-reduce [T, d]
         x = self.stack.forward_cached(x, layers)  # ★ 2 all-reduces [T, d] per layer
-        if not sample_rows:
+        if sample_rows.numel() == 0:
             return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.float64)
         return self.head.greedy(self.norm(x[sample_rows]))  # ★ all-gather of (max, argmax) pairs [S, 2] per rank
 

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from layers.attention import CachedRequests, causal_attention
+from layers.attention import PagedLayer, causal_attention
 from layers.config import ModelConfig
 from layers.dense import DenseBlock, DenseStack, Stack
 from layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -110,7 +110,7 @@ class TPBlockIntraHead(TPBlockV2):
     """v2 with the QKV cut inside every head: rank r holds dims [r·dh/p, (r+1)·dh/p) of all h heads."""
 
     def forward(self, x: torch.Tensor, requests: Requests | None = None) -> torch.Tensor:  # x: [n, d] on every rank
-        if isinstance(requests, CachedRequests):
+        if isinstance(requests, PagedLayer):
             raise ValueError("intra_head is a counterfactual of one forward; serving runs v1 or v2")
         if requests is not None and requests.padded:
             raise ValueError("intra_head runs one sequence or varlen requests, not the padded baseline")

@@ -1,4 +1,8 @@
-"""The serving loop on the TP stack: plan -> tensors -> one forward -> greedy tokens -> evict/admit.
+"""The serving loop on the TP stack: plan -> tensors -> one forward -> greedy tokens -> finish/admit/preempt.
+
+Memory is paged (SPEC §10): the scheduler's BlockManager decides every request's block table on the host,
+identically on every rank, and each rank's KVPool (one tensor, allocated once per run) stores K,V of the rank's
+own heads at the slots those tables name. serve/inputs.py turns each plan into the iteration's tensors, once.
 
 Every rank runs this loop with the same requests and settings, so every rank's scheduler
 makes the same plan; the engine checks that cheaply: once at the start (a fingerprint of the
@@ -18,9 +22,11 @@ from dataclasses import dataclass, field
 import torch
 
 from layers.lm import TPLM, TPLlamaLM
-from serve.kv_cache import KVCache
+from serve.block_manager import BlockManager
+from serve.inputs import ATTENTION_MODES, prepare_step
+from serve.kv_cache import KVPool
 from serve.plan import FINGERPRINT_SIZE, IterationPlan
-from serve.scheduler import Request, Scheduler
+from serve.scheduler import Request, Scheduler, SchedulerError, worst_case_blocks
 from tp.comm import gather_from_region
 from tp.dist import TPContext, synchronize
 from tp.ledger import TrafficLedger
@@ -35,8 +41,15 @@ class PlanMismatch(RuntimeError):
 class ServeResult:
     iterations: list[dict] = field(default_factory=list)
     requests: list[dict] = field(default_factory=list)
-    kv_peak_bytes_per_rank: int = 0
-    kv_bytes_per_token_per_rank: int | float = 0  # peak bytes / peak token capacity of this rank's cache
+    kv_peak_bytes_per_rank: int = 0  # the most bytes of this rank's pool held by requests' blocks at once
+    kv_pool_bytes_per_rank: int = 0  # the pool, reserved once
+    kv_bytes_per_token_per_rank: int | float = 0  # the pool's bytes / its token positions (measured off the tensor)
+    kv_blocks: int = 0
+    block_size: int = 0
+    peak_blocks_used: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens whose K,V came from the prefix cache
+    rows_computed: int = 0  # rows through the model, all iterations
+    preemptions: int = 0
     time_s: float = 0.0
     started_at: float = 0.0  # time.perf_counter() when the loop started: start_s and token_times_s count from it
 
@@ -49,37 +62,52 @@ class EngineHooks:
     """Steps a caller can add to the loop; each does nothing here. serve/disagg.py's prefill and decode
     sides use them to hand requests and their K,V from one group of ranks to another."""
 
-    def before_schedule(self, index: int, sched: Scheduler, cache: KVCache) -> None:
+    def before_schedule(self, index: int, sched: Scheduler, cache: KVPool) -> None:
         """Before iteration `index` is planned (a decode side receives the requests arriving now)."""
 
     def before_forward(self, plan: IterationPlan) -> None:
         """The plan about to run (a prefill side streaming K,V layer by layer needs to know it)."""
 
-    def after_update(self, plan: IterationPlan, evicted: list[int], sched: Scheduler, cache: KVCache) -> None:
-        """After the tokens are applied, before the evicted requests' cache regions are freed."""
+    def after_update(self, plan: IterationPlan, finished: list[int], sched: Scheduler, cache: KVPool) -> None:
+        """After the tokens are applied. The finished requests' blocks are free already, their contents intact
+        until the next forward (plan.chunks still carries their block tables)."""
 
 
 class Engine:
     def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, *, chunk_size: int, max_batched_tokens: int,
-                 max_running: int | None = None, eos_id: int | None = None, on_iteration=None,
-                 hooks: EngineHooks | None = None):
+                 max_running: int | None = None, eos_id: int | None = None, block_size: int = 16,
+                 kv_blocks: int | None = None, prefix_cache: bool = True, attention: str = "batched",
+                 on_iteration=None, hooks: EngineHooks | None = None):
+        if block_size < 1:
+            raise SchedulerError(f"block_size={block_size} must be at least 1")
+        if kv_blocks is not None and kv_blocks < 1:
+            raise SchedulerError(f"kv_blocks={kv_blocks} must be at least 1 (or null: enough for the workload)")
+        if attention not in ATTENTION_MODES:
+            raise SchedulerError(f"attention={attention!r}: choose {' or '.join(ATTENTION_MODES)}")
         self.lm, self.ctx = lm, ctx
         self.sched_args = dict(chunk_size=chunk_size, max_batched_tokens=max_batched_tokens,
                                max_running=max_running, eos_id=eos_id)
+        self.block_size, self.kv_blocks, self.prefix_cache, self.attention = \
+            block_size, kv_blocks, prefix_cache, attention
         self.on_iteration = on_iteration  # called with each iteration's record (progress lines)
         self.hooks = hooks or EngineHooks()
-        cfg = lm.cfg
-        param = next(lm.parameters())
-        self.dtype = param.dtype
-        # K,V heads this rank caches: h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention)
-        self.cache = KVCache(cfg.n_layers, lm.cache_heads, cfg.d_head, self.dtype, ctx.device)
+        self.dtype = next(lm.parameters()).dtype
+        self.cache: KVPool | None = None  # allocated by run(): its size may depend on the requests
+
+    def pool_blocks(self, requests: list[Request]) -> int:
+        """kv_blocks, or (null) enough for every request at its largest at once: such a run never preempts."""
+        return self.kv_blocks or worst_case_blocks(requests, self.block_size)
 
     @torch.no_grad()
     def run(self, requests: list[Request]) -> ServeResult:
-        sched = Scheduler(requests, **self.sched_args)
-        for r in sched.running:  # requests resumed mid-stream keep their cache rows
-            self.cache.allocate(r.id, r.capacity)
-        result = ServeResult()
+        n_blocks = self.pool_blocks(requests)
+        sched = Scheduler(requests, **self.sched_args,
+                          blocks=BlockManager(n_blocks, self.block_size, self.prefix_cache))
+        cfg = self.lm.cfg
+        # K,V heads this rank caches: h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention)
+        self.cache = KVPool(cfg.n_layers, n_blocks, self.block_size, self.lm.cache_heads, cfg.d_head, self.dtype,
+                            self.ctx.device)
+        result = ServeResult(kv_blocks=n_blocks, block_size=self.block_size, kv_pool_bytes_per_rank=self.cache.bytes)
         arrived_at: dict[int, float] = {}
         token_times: dict[int, list[float]] = {r.id: [] for r in requests}
         logits: dict[int, list[float]] = {r.id: [] for r in requests}
@@ -94,13 +122,12 @@ class Engine:
             for r in requests:
                 if r.arrival <= index and r.id not in arrived_at:
                     arrived_at[r.id] = t0
+            hits_before = sum(r.prefix_hit for r in requests)
             plan = sched.schedule(index)
             if plan is None:  # nothing running, the next request arrives later: skip ahead, no forward
                 index = sched.next_arrival() or index  # None: all finished, the loop ends
                 continue
-            for rid in plan.admitted:
-                if rid not in self.cache.regions:  # a request handed over with its K,V already has its region
-                    self.cache.allocate(rid, sched.by_id[rid].capacity)
+            blocks_used = sched.blocks.num_used  # this iteration's tables, before finishing requests give theirs back
             ledger.clear()
             with ledger.attach(self.lm.stack):
                 self._check_plan(plan)
@@ -109,25 +136,29 @@ class Engine:
             synchronize(self.ctx.device)
             t1 = time.perf_counter()
             sampled_ids = [c.request for c in plan.chunks if c.sample]
-            for rid, tok, lg in zip(sampled_ids, tokens.tolist(), token_logits.tolist()):
+            token_list = tokens.tolist()
+            for rid, lg in zip(sampled_ids, token_logits.tolist()):
                 token_times[rid].append(t1)
                 logits[rid].append(lg)
-            evicted = sched.update(plan, dict(zip(sampled_ids, tokens.tolist())))
-            kv_bytes = self.cache.bytes()  # before this iteration's evictions free anything
-            self.hooks.after_update(plan, evicted, sched, self.cache)
-            for rid in evicted:
-                self.cache.free(rid)
-            record = self._record(plan, evicted, ledger, t1 - t0, kv_bytes)
+            finished = sched.update(plan, dict(zip(sampled_ids, token_list)))
+            self.hooks.after_update(plan, finished, sched, self.cache)
+            record = self._record(plan, finished, ledger, t1 - t0, blocks_used)
+            record["prefix_hit_tokens"] = sum(r.prefix_hit for r in requests) - hits_before
             record["start_s"] = t0 - start  # when this iteration began, from the run's start (timelines)
             result.iterations.append(record)
+            result.peak_blocks_used = max(result.peak_blocks_used, blocks_used)
+            result.rows_computed += plan.rows
             if self.on_iteration is not None:
                 self.on_iteration(record, sched)
             index += 1
         self._check_plan(IterationPlan(index, ()))  # "done": differs from any plan a rank still running makes
         synchronize(self.ctx.device)
         result.time_s = time.perf_counter() - start
-        result.kv_peak_bytes_per_rank = self.cache.peak_bytes
-        # measured, not computed: the bytes the cache's tensors held per token position at their peak
+        sched.blocks.check()  # every count back to 0, every block free (or a bug in the block manager)
+        result.kv_peak_bytes_per_rank = result.peak_blocks_used * self.cache.bytes_per_block
+        result.prefix_hit_tokens = sum(r.prefix_hit for r in requests)
+        result.preemptions = sched.preemptions
+        # measured, not computed: the bytes the pool tensor holds per token position
         per_token = self.cache.measured_bytes_per_token()
         result.kv_bytes_per_token_per_rank = int(per_token) if per_token == int(per_token) else per_token
         for r in requests:
@@ -136,6 +167,7 @@ class Engine:
             result.requests.append({
                 "request": r.id, "arrival": r.arrival, "prompt_length": len(r.prompt),
                 "generated": len(r.output), "output_ids": list(r.output), "logits": logits[r.id],
+                "prefix_hit_tokens": r.prefix_hit, "preemptions": r.preemptions,
                 "ttft_s": times[0] - arrived_at[r.id] if times else None,
                 "mean_tbt_s": sum(gaps) / len(gaps) if gaps else None,
                 "max_tbt_s": max(gaps) if gaps else None,
@@ -157,30 +189,27 @@ class Engine:
     def _settings_fingerprint(self, requests: list[Request]) -> list[float]:
         a = self.sched_args
         knobs = [a["chunk_size"], a["max_batched_tokens"], a["max_running"] or -1,
-                 -1 if a["eos_id"] is None else a["eos_id"]]
+                 -1 if a["eos_id"] is None else a["eos_id"], self.block_size, self.pool_blocks(requests),
+                 int(self.prefix_cache), ATTENTION_MODES.index(self.attention)]
         per_request = [(r.id, len(r.prompt), sum(r.prompt), r.max_new_tokens, r.arrival, r.computed) for r in requests]
         return [float(len(requests)), float(sum((i + 1) * k for i, k in enumerate(knobs))),
                 float(sum((i + 1) * sum(x) for i, x in enumerate(per_request))),
                 float(sum((i + 1) * (j + 1) * v for i, x in enumerate(per_request) for j, v in enumerate(x)))]
 
     def _forward(self, plan: IterationPlan, sched: Scheduler) -> tuple[torch.Tensor, torch.Tensor]:
-        dev = self.ctx.device
-        ids, positions = [], []
-        for c in plan.chunks:
-            ids.extend(sched.by_id[c.request].tokens[c.q_start:c.q_end])
-            positions.extend(range(c.q_start, c.q_end))
-        layers = self.cache.layers(plan.spans, [c.q_start for c in plan.chunks], [c.request for c in plan.chunks])
-        return self.lm.step(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), layers,
-                            plan.sample_rows)
+        step = prepare_step(plan, {c.request: sched.by_id[c.request].tokens for c in plan.chunks}, self.block_size,
+                            self.ctx.device, self.attention)
+        return self.lm.step(step.ids, step.positions, self.cache.layers(step.batch), step.sample_rows)
 
-    def _record(self, plan: IterationPlan, evicted: list[int], ledger: TrafficLedger, elapsed: float,
-                kv_bytes: int) -> dict:
+    def _record(self, plan: IterationPlan, finished: list[int], ledger: TrafficLedger, elapsed: float,
+                blocks_used: int) -> dict:
         seen = [r.traffic() for r in ledger.records]
         predicted = predict_iteration(self.lm.cfg, self.ctx.world_size, plan.rows, len(plan.sample_rows), self.dtype,
                                       self.lm.variant, self.lm.vocab_parallel, FINGERPRINT_SIZE)
         return {
             "iteration": plan.index, "rows": plan.rows, "prefill_chunks": plan.prefill_chunks,
-            "decodes": plan.decodes, "admitted": list(plan.admitted), "evicted": evicted,
+            "decodes": plan.decodes, "admitted": list(plan.admitted), "finished": finished,
+            "preempted": list(plan.preempted),
             "triples": [[c.request, *c.triple] for c in plan.chunks],
             "sampled": len(plan.sample_rows),
             "collectives": dict(Counter(t.kind for t in seen)),
@@ -190,5 +219,6 @@ class Engine:
             "ledger_matches_model": seen == predicted,
             "predicted_bytes_per_rank": sum(t.bytes_per_rank for t in predicted),
             "score_entries": plan.score_entries(), "cache_rows_read": plan.cache_rows_read(),
-            "kv_bytes_per_rank": kv_bytes, "time_s": elapsed,
+            "blocks_used": blocks_used, "kv_bytes_per_rank": blocks_used * self.cache.bytes_per_block,
+            "time_s": elapsed,
         }

@@ -1,20 +1,23 @@
-"""Each rank's KV cache: K and V of its own heads only, one contiguous region per request.
+"""Each rank's KV cache: one pool of blocks, allocated once, holding K and V of the rank's own heads only.
 
-    request r on rank s:  [L, 2, h/p, capacity_r, d_head]    (layer, K|V, head, position, dim)
-                          GQA (layers/llama.py): max(h_kv/p, 1) K,V heads instead of h/p
+    pool on rank s:  [L, 2, kv_blocks · block_size, heads, d_head]     (layer, K|V, slot, head, dim)
+                     heads = h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention, SPEC §9)
 
-allocated when the request is admitted (capacity = prompt + max_new_tokens − 1 positions),
-written by attention at [q_start, q_end) (layers/attention.py), freed when it is evicted.
-Per layer per token a rank holds 2·(h/p)·d_head·e bytes: exactly 1/p of the dense cache,
-because head-aligned TP gives each rank h/p whole heads (SPEC §6). seeds/05's engine keeps one
-contiguous region per request per layer; paging is a later refinement.
+A slot is one token position of one block: block b's positions are slots [b·block_size, (b+1)·block_size).
+Which blocks a request holds is decided on the host, identically on every rank (serve/block_manager.py); the
+pool only stores. Attention writes each new row's K,V at its slot and reads a request's context through its
+block table (layers/attention.py). Per layer per token a rank holds 2·heads·d_head·e bytes: exactly 1/p of the
+dense cache, because head-aligned TP gives each rank h/p whole heads (SPEC §6, §10).
+
+The pool starts zeroed, not empty: batched attention gathers padding keys from slot 0 and masks them, and a
+masked score is still computed first (NaN from uninitialized memory would survive the mask).
 """
 
 from __future__ import annotations
 
 import torch
 
-from layers.attention import CachedRequests
+from layers.attention import PagedBatch, PagedLayer
 
 
 def kv_bytes_per_token(n_layers: int, heads: int, d_head: int, dtype: torch.dtype) -> int:
@@ -22,36 +25,38 @@ def kv_bytes_per_token(n_layers: int, heads: int, d_head: int, dtype: torch.dtyp
     return n_layers * 2 * heads * d_head * dtype.itemsize
 
 
-class KVCache:
-    def __init__(self, n_layers: int, heads: int, d_head: int, dtype: torch.dtype, device=None):
-        self.n_layers, self.heads, self.d_head = n_layers, heads, d_head
+class KVPool:
+    def __init__(self, n_layers: int, num_blocks: int, block_size: int, heads: int, d_head: int,
+                 dtype: torch.dtype, device=None):
+        self.n_layers, self.num_blocks, self.block_size, self.heads, self.d_head = \
+            n_layers, num_blocks, block_size, heads, d_head
         self.dtype, self.device = dtype, device
-        self.regions: dict[int, torch.Tensor] = {}
-        self.peak_bytes = 0
-        self.peak_tokens = 0  # token positions (capacity) held at the peak
+        self.kv = torch.zeros(n_layers, 2, num_blocks * block_size, heads, d_head, dtype=dtype, device=device)
 
-    def allocate(self, request: int, capacity: int) -> None:
-        if request in self.regions:
-            raise ValueError(f"request {request} already has a cache region")
-        # empty, not zeros: attention reads positions [0, kv_length) only, every one written before it is read
-        self.regions[request] = torch.empty(self.n_layers, 2, self.heads, capacity, self.d_head,
-                                            dtype=self.dtype, device=self.device)
-        if self.bytes() > self.peak_bytes:
-            self.peak_bytes, self.peak_tokens = self.bytes(), sum(t.shape[3] for t in self.regions.values())
-
-    def free(self, request: int) -> None:
-        del self.regions[request]
-
+    @property
     def bytes(self) -> int:
-        """Bytes held now, on this rank."""
-        return sum(t.numel() * t.element_size() for t in self.regions.values())
+        """Bytes this rank's pool holds (reserved once, used or not)."""
+        return self.kv.numel() * self.kv.element_size()
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes // self.num_blocks
 
     def measured_bytes_per_token(self) -> float:
-        """What the allocations held per token position at the peak: peak bytes / peak capacity (0 if none)."""
-        return self.peak_bytes / self.peak_tokens if self.peak_tokens else 0.0
+        """What the pool tensor holds per token position: its bytes / its slots."""
+        return self.bytes / self.kv.shape[2]
 
-    def layers(self, spans, q_starts, requests) -> list[CachedRequests]:
-        """What attention needs in each layer for one iteration (spans: rows of each request in the flat tensor)."""
-        regions = [self.regions[r] for r in requests]
-        return [CachedRequests(tuple(spans), tuple(q_starts), tuple(region[layer] for region in regions))
-                for layer in range(self.n_layers)]
+    def layers(self, batch: PagedBatch) -> list[PagedLayer]:
+        """What attention reads in each layer of one iteration: the shared batch and that layer's pool."""
+        return [PagedLayer(batch, self.kv[layer]) for layer in range(self.n_layers)]
+
+    def read(self, slots: torch.Tensor, heads: slice, layer: int | None = None) -> torch.Tensor:
+        """K,V at `slots` (a request's positions, in order) of `heads`: [L, 2, heads, n, dh], or [2, heads, n, dh]
+        for one layer (the P/D hand-over's message layout)."""
+        kv = self.kv if layer is None else self.kv[layer]
+        return kv[..., slots, heads, :].transpose(-3, -2).contiguous()
+
+    def write(self, slots: torch.Tensor, heads: slice, values: torch.Tensor, layer: int | None = None) -> None:
+        """The inverse of `read`: values [L, 2, heads, n, dh] (or [2, heads, n, dh]) into `slots`."""
+        kv = self.kv if layer is None else self.kv[layer]
+        kv[..., slots, heads, :] = values.transpose(-3, -2)

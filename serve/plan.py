@@ -7,7 +7,9 @@ Every request in an iteration is a triple (q_start, q_end, kv_length = q_end):
     decode                   (t, t + 1, t + 1)         one new row: chunked prefill with C = 1
 
 The rows are laid end to end in one flat [T, d] tensor, decodes first. A row is sampled
-only where a request's prompt is complete: a decode, or the chunk that ends a prompt.
+only where a request's prompt is complete: a decode, or the chunk that ends a prompt (or, after a
+preemption, the chunk that ends its recompute). Each chunk carries its request's block table after this
+iteration's growth (serve/block_manager.py): the plan alone says where every row's K,V go and come from.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class Chunk:
     q_end: int
     decode: bool  # the prompt was complete before this iteration (one row, one new token)
     sample: bool  # this chunk's last row yields the request's next token
+    blocks: tuple[int, ...] = ()  # the request's block table: position t lives in block blocks[t // block_size]
 
     @property
     def q_rows(self) -> int:
@@ -41,6 +44,7 @@ class IterationPlan:
     index: int
     chunks: tuple[Chunk, ...]
     admitted: tuple[int, ...] = ()  # requests that joined the running set at this iteration
+    preempted: tuple[int, ...] = ()  # requests that gave their blocks back at this iteration, to recompute later
 
     @property
     def rows(self) -> int:
@@ -78,10 +82,12 @@ class IterationPlan:
         return sum(c.q_start for c in self.chunks)
 
     def fingerprint(self) -> list[float]:
-        """Four numbers that differ, with overwhelming likelihood, when two ranks planned differently."""
+        """Four numbers that differ, with overwhelming likelihood, when two ranks planned differently (rows or
+        block tables)."""
         n = len(self.chunks)
+        tables = sum((i + 1) * sum((j + 1) * b for j, b in enumerate(c.blocks)) for i, c in enumerate(self.chunks))
         return [float(self.index * 1_000_003 + n), float(sum((i + 1) * c.request for i, c in enumerate(self.chunks))),
-                float(sum((i + 1) * c.q_start + c.sample for i, c in enumerate(self.chunks))),
+                float(sum((i + 1) * c.q_start + c.sample for i, c in enumerate(self.chunks)) + 7 * tables),
                 float(sum((i + 7) * c.q_end + 3 * c.decode for i, c in enumerate(self.chunks)))]
 
 

@@ -1,21 +1,29 @@
-"""ORCA iteration-level scheduling with chunked prefill, on host data only (no torch, no collectives).
+"""ORCA iteration-level scheduling with chunked prefill over a paged KV cache, on host data only (no torch, no
+collectives).
 
 Between two iterations, and identically on every rank:
 
-    evict   a request leaves the moment it finishes (max_new_tokens reached, or eos_id sampled);
-            `update` returns it so the engine frees its cache
-    carry   every running request whose prompt is done contributes exactly one decode row;
-            they are scheduled first
-    chunk   running requests with prompt left get their next chunk: at most chunk_size rows,
-            and never more than the budget max_batched_tokens has left this iteration
-    admit   waiting requests (arrived, not yet running) join, oldest first, while budget and
-            the running limit (max_running, at most max_batched_tokens) allow; each brings its
-            first chunk in the same iteration (or its first decode row, if it arrives with its
-            prompt already in the cache: a decode side taking over prefilled requests, serve/disagg.py)
+    finish   a request leaves the moment it finishes (max_new_tokens reached, or eos_id sampled); `update`
+             returns it and gives its blocks back
+    carry    every running request with one token left to compute contributes exactly one decode row;
+             they are scheduled first
+    chunk    running requests with more left get their next chunk: at most chunk_size rows, and never more
+             than the budget max_batched_tokens has left this iteration
+    admit    waiting requests (arrived, not running; preempted ones first), oldest first, while budget, the
+             running limit (max_running, at most max_batched_tokens) and free blocks allow; each brings its
+             first chunk in the same iteration, starting after the longest run of cached full blocks its prompt
+             shares with earlier requests (prefix caching), or its first decode row if it arrives with its
+             prompt already in the cache (a decode side taking over prefilled requests, serve/disagg.py)
+    preempt  a running request that needs a block when none is free takes one from the most recently admitted
+             running request (itself, if it is that one): the victim gives every block back and waits again,
+             to recompute its prompt and the tokens it generated so far (vLLM's preemption by recompute;
+             greedy tokens come out the same)
 
-A request's state is how many of its tokens have K,V in the cache (`computed`): the next
-iteration gives it rows [computed, min(len(tokens), computed + chunk)). There is no prefill
-phase and decode phase, only tokens not yet computed (as in vLLM's v1 scheduler).
+Memory: a BlockManager (serve/block_manager.py) holds every request's block table; a plan's chunks carry the
+tables, so the engine turns a plan into slot mappings without asking anything else. A request's state is
+how many of its tokens have K,V in the cache (`computed`): the next iteration gives it rows
+[computed, min(len(tokens), computed + chunk)). There is no prefill phase and decode phase, only tokens not yet
+computed (as in vLLM's v1 scheduler).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from serve.block_manager import BlockManager
 from serve.plan import Chunk, IterationPlan
 
 
@@ -39,24 +48,37 @@ class Request:
     output: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose K,V are cached (a request built mid-stream may start above 0)
     finished: bool = False
+    prefix_hit: int = 0  # prompt tokens whose K,V came from the prefix cache (summed over its admissions)
+    preemptions: int = 0
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
     @property
-    def prompt_done(self) -> bool:
-        return self.computed >= len(self.prompt)
+    def decoding(self) -> bool:
+        """One token left to compute, and it is a generated one: the next row is a decode."""
+        return bool(self.output) and len(self.prompt) + len(self.output) - self.computed == 1
 
     @property
     def capacity(self) -> int:
-        """Cache rows it can ever need: the last sampled token's K,V are never computed."""
+        """Cache positions it can ever need: the last sampled token's K,V are never computed."""
         return len(self.prompt) + self.max_new_tokens - 1
+
+
+def blocks_needed(request: Request, block_size: int) -> int:
+    """Blocks one request holds at its largest, alone."""
+    return -(-request.capacity // block_size)
+
+
+def worst_case_blocks(requests: list[Request], block_size: int) -> int:
+    """kv_blocks = null: every request at its largest at once, so a run never preempts."""
+    return max(1, sum(blocks_needed(r, block_size) for r in requests))
 
 
 class Scheduler:
     def __init__(self, requests: list[Request], chunk_size: int, max_batched_tokens: int,
-                 max_running: int | None = None, eos_id: int | None = None):
+                 max_running: int | None = None, eos_id: int | None = None, blocks: BlockManager | None = None):
         if chunk_size < 1:
             raise SchedulerError(f"chunk_size={chunk_size} must be at least 1")
         if max_batched_tokens < 1:
@@ -69,15 +91,28 @@ class Scheduler:
                 f"max_batched_tokens={max_batched_tokens} is smaller than a full decode batch of "
                 f"max_running={max_running} requests (each running request needs one row per iteration); "
                 f"raise max_batched_tokens or lower max_running")
+        # None: the pre-paging scheduler's world, memory for every request at its largest and nothing shared
+        self.blocks = blocks or BlockManager(worst_case_blocks(requests, 16), 16, prefix_cache=False)
+        too_big = [r for r in requests if blocks_needed(r, self.blocks.block_size) > self.blocks.num_blocks]
+        if too_big:
+            r = max(too_big, key=lambda r: r.capacity)
+            raise SchedulerError(
+                f"kv_blocks={self.blocks.num_blocks} cannot hold request {r.id} even alone: prompt {len(r.prompt)} + "
+                f"max_new_tokens {r.max_new_tokens} - 1 = {r.capacity} positions need "
+                f"{blocks_needed(r, self.blocks.block_size)} blocks of block_size={self.blocks.block_size}; "
+                f"raise kv_blocks to at least {blocks_needed(r, self.blocks.block_size)}")
         self.chunk_size = chunk_size
         self.budget = max_batched_tokens
         self.max_running = max_running
         self.eos_id = eos_id
+        self.preemptions = 0
         # Requests that already hold cache at iteration 0 (built mid-stream, e.g. to replay a trace) start
         # running; one that holds cache but arrives later (handed over by a prefill group) waits for its arrival.
         self.running = [r for r in requests if r.computed > 0 and r.arrival <= 0 and not r.finished]
         if len(self.running) > max_running:
             raise SchedulerError(f"{len(self.running)} requests start mid-stream, more than max_running={max_running}")
+        for r in self.running:
+            self.hold_computed(r)
         started = {r.id for r in self.running}
         self.pending = deque(sorted((r for r in requests if r.id not in started and not r.finished),
                                     key=lambda r: (r.arrival, r.id)))
@@ -99,42 +134,87 @@ class Scheduler:
         if not r.finished:
             self.waiting.append(r)
 
+    def hold_computed(self, r: Request) -> None:
+        """Blocks for the `computed` positions a request brings with it (resumed mid-stream, or handed over)."""
+        if self.blocks.blocks_for(r.computed) > self.blocks.num_free:
+            raise SchedulerError(f"request {r.id} arrives with {r.computed} cached positions and "
+                                 f"only {self.blocks.num_free} blocks are free")
+        self.blocks.admit(r.id, [])
+        self.blocks.grow(r.id, r.computed)
+
     def schedule(self, index: int) -> IterationPlan | None:
         """The plan of iteration `index`; None when nothing has arrived yet and nothing runs."""
         while self.pending and self.pending[0].arrival <= index:
             r = self.pending.popleft()
             if not r.finished:  # a handed-over request can finish on arrival (its first token was eos_id)
                 self.waiting.append(r)
-        budget, chunks, admitted = self.budget, [], []
-        for r in self.running:  # decodes first: one row each
-            if r.prompt_done:
-                chunks.append(Chunk(r.id, r.computed, r.computed + 1, decode=True, sample=True))
-                budget -= 1
-        for r in self.running:  # carried prompts: their next chunk
-            if not r.prompt_done and budget > 0:
-                budget -= self._chunk(r, budget, chunks)
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:  # admit
-            r = self.waiting.popleft()
+        self._rows: dict[int, tuple[int, int]] = {}  # request -> (q_start, q_end) this iteration
+        self._left = self.budget
+        preempted: list[int] = []
+        decodes = [r for r in self.running if r.decoding]
+        carried = [r for r in self.running if not r.decoding]
+        for r in decodes + carried:  # decodes first: one row each (max_running <= budget: they always fit)
+            if r in self.running and self._left > 0:
+                self._reserve(r, 1 if r.decoding else self.chunk_size, preempted)
+        admitted = []
+        while self.waiting and self._left > 0 and len(self.running) < self.max_running:
+            r = self.waiting[0]
+            if r.id in self.blocks.tables:  # arrived with its prompt cached (handed over): a block for one row
+                if self.blocks.rows_that_fit(r.id, r.computed, 1) == 0:
+                    break
+            else:  # fresh, or preempted: blocks for its next chunk, which starts after its cached prefix
+                hit, need = self.blocks.admit_cost(r.tokens, min(self.chunk_size, self._left))
+                if need > self.blocks.num_free:
+                    break  # first come, first served: nobody overtakes the oldest waiting request
+                self.blocks.admit(r.id, hit)
+                r.computed = len(hit) * self.blocks.block_size
+                r.prefix_hit += min(r.computed, len(r.prompt))
+            self.waiting.popleft()
             self.running.append(r)
             admitted.append(r.id)
-            if r.prompt_done:  # arrived with its prompt cached: a decode row at once
-                chunks.append(Chunk(r.id, r.computed, r.computed + 1, decode=True, sample=True))
-                budget -= 1
-            else:
-                budget -= self._chunk(r, budget, chunks)
+            self._reserve(r, 1 if r.decoding else self.chunk_size, preempted)
+        chunks = []
+        for r in self.running:
+            if r.id in self._rows:
+                start, end = self._rows[r.id]
+                chunks.append(Chunk(r.id, start, end, decode=r.decoding, sample=end == len(r.tokens),
+                                    blocks=tuple(self.blocks.tables[r.id])))
+        chunks.sort(key=lambda c: not c.decode)  # decodes first in the flat rows; stable: admission order inside
         if not chunks:
             return None
-        return IterationPlan(index, tuple(chunks), tuple(admitted))
+        return IterationPlan(index, tuple(chunks), tuple(a for a in admitted if a not in preempted), tuple(preempted))
 
-    def _chunk(self, r: Request, budget: int, chunks: list[Chunk]) -> int:
-        rows = min(self.chunk_size, len(r.prompt) - r.computed, budget)
-        end = r.computed + rows
-        chunks.append(Chunk(r.id, r.computed, end, decode=False, sample=end == len(r.prompt)))
-        return rows
+    def _reserve(self, r: Request, most: int, preempted: list[int]) -> bool:
+        """Give r its rows this iteration (at most `most`, the budget left and what fits in memory), growing its
+        block table; with no block free, preempt the most recently admitted running request until one is (r
+        itself, if it is that request). False if r got no rows."""
+        want = min(most, len(r.tokens) - r.computed, self._left)
+        while (rows := self.blocks.rows_that_fit(r.id, r.computed, want)) == 0:
+            victim = self.running[-1]
+            self._preempt(victim, preempted)
+            if victim is r:
+                return False
+        self.blocks.grow(r.id, r.computed + rows)
+        self._rows[r.id] = (r.computed, r.computed + rows)
+        self._left -= rows
+        return True
+
+    def _preempt(self, victim: Request, preempted: list[int]) -> None:
+        self.running.remove(victim)
+        self.blocks.release(victim.id)
+        if victim.id in self._rows:  # scheduled earlier in this iteration: its rows are given back
+            start, end = self._rows.pop(victim.id)
+            self._left += end - start
+        victim.computed = 0
+        victim.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(victim)
+        preempted.append(victim.id)
 
     def update(self, plan: IterationPlan, sampled: dict[int, int]) -> list[int]:
-        """Apply an iteration's results (request id -> new token); return the ids evicted now."""
-        evicted = []
+        """Apply an iteration's results (request id -> new token); return the ids that finished now, whose blocks
+        are given back (their contents stay in the pool until reused: a hook may still read them)."""
+        finished = []
         for c in plan.chunks:
             r = self.by_id[c.request]
             r.computed = c.q_end
@@ -143,7 +223,10 @@ class Scheduler:
                 r.output.append(token)
                 if len(r.output) >= r.max_new_tokens or token == self.eos_id:
                     r.finished = True
-                    evicted.append(r.id)
-        if evicted:
+                    finished.append(r.id)
+            self.blocks.commit(r.id, r.tokens, r.computed)
+        for rid in finished:
+            self.blocks.release(rid)
+        if finished:
             self.running = [r for r in self.running if not r.finished]
-        return evicted
+        return finished

@@ -226,11 +226,11 @@ def test_served_llama_tokens_equal_transformers_generate(llama_lm, p):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rope_in_half_precision_keeps_positions_apart(dtype):
     """Positions 256 and 257 (and 2048, 2049) rotate differently in bfloat16/float16: the angles are float32."""
-    from layers.llama import rope
+    from layers.llama import rope, rope_tables
 
     x = torch.randn(2, 4, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     positions = torch.tensor([256, 257, 2048, 2049])
-    exact = rope(x, positions, 10000.0)
-    half = rope(x.to(dtype), positions, 10000.0).double()
+    exact = rope(x, *rope_tables(positions, 32, 10000.0, torch.float64))
+    half = rope(x.to(dtype), *rope_tables(positions, 32, 10000.0, dtype)).double()
     assert not torch.equal(half[:, 0], half[:, 1]) and not torch.equal(half[:, 2], half[:, 3])
     assert (half - exact).abs().max() / exact.abs().max() < (2e-2 if dtype == torch.bfloat16 else 3e-3)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from layers.attention import CachedRequests, causal_attention, prefix_causal_mask
+from layers.attention import PagedLayer, causal_attention, prefix_causal_mask
 from layers.config import ModelConfig
 from layers.dense import init_weights
 from layers.lm import DenseLM, greedy_reference, shard_lm
@@ -38,18 +38,31 @@ def test_prefix_causal_mask():
     assert torch.equal(prefix_causal_mask(0, 4, 4), torch.ones(4, 4, dtype=torch.bool).tril())
 
 
+@pytest.mark.parametrize("mode", ["batched", "reference"])
+@pytest.mark.parametrize("block_size", [1, 3, 16])
 @pytest.mark.parametrize("chunks", [[10], [1] * 10, [3, 3, 3, 1], [4, 6], [7, 1, 1, 1]])
-def test_chunked_attention_with_cache_equals_causal_attention(chunks):
+def test_chunked_attention_over_blocks_equals_causal_attention(chunks, block_size, mode):
+    """One request's chunks written into scattered blocks of a pool, read back through its block table."""
+    from serve.inputs import prepare_step
+    from serve.plan import Chunk, IterationPlan
+
     h, dh, n = 4, 8, sum(chunks)
     qkv = torch.randn(n, 3 * h * dh, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     full = causal_attention(qkv, dh)  # [n, h*dh], no cache
-    cache = torch.zeros(2, h, n + 2, dh, dtype=torch.float64)
+    n_blocks = -(-n // block_size)
+    table = tuple(range(2 * n_blocks - 1, -1, -2))  # every other block of a pool twice as large, backwards
+    pool = torch.zeros(2, 2 * n_blocks * block_size, h, dh, dtype=torch.float64)
     out, start = [], 0
-    for c in chunks:
-        out.append(causal_attention(qkv[start:start + c], dh, CachedRequests(((0, c),), (start,), (cache,))))
+    for i, c in enumerate(chunks):
+        plan = IterationPlan(i, (Chunk(0, start, start + c, decode=c == 1 and start > 0, sample=True, blocks=table),))
+        step = prepare_step(plan, {0: list(range(n))}, block_size, "cpu", mode)
+        layer = PagedLayer(step.batch, pool)
+        out.append(causal_attention(qkv[start:start + c], dh, layer))
         start += c
     torch.testing.assert_close(torch.cat(out), full, rtol=1e-12, atol=1e-14)
-    assert cache[:, :, n:].abs().sum() == 0  # nothing written past q_end
+    unused = torch.ones(pool.shape[1], dtype=torch.bool)
+    unused[[b * block_size + t for b in table for t in range(block_size)]] = False
+    assert pool[:, unused].abs().sum() == 0  # nothing written outside the request's blocks
 
 
 def test_top_left_causal_is_wrong_for_a_chunk_after_a_prefix():

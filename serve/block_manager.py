@@ -1,0 +1,168 @@
+"""KV memory as pages (SPEC §10): a pool of `num_blocks` blocks of `block_size` token positions, on the host only.
+
+    request r's block table   [7, 2, 9]         logical block i -> physical block table[i]
+    token position t          block table[t // block_size], slot t % block_size
+    slot mapping of t         table[t // block_size] * block_size + t % block_size   (a row of the pool's flat view)
+
+Every rank makes the same decisions (the scheduler calls this with the same requests in the same order), so
+every rank's tables are the same; each rank's pool tensor (serve/kv_cache.py) holds only its own K,V heads.
+
+Prefix caching: once a block is full of computed tokens it is named by a chained hash,
+hash((previous block's hash, its token ids)), and entered in `cached`. A new request whose prompt starts
+with the same full blocks shares them (reference counts) instead of recomputing them. A block whose count
+drops to 0 goes to the back of the free queue keeping its hash: a later request can still revive it until it
+is taken for new tokens, least recently freed first. No torch here, and no collectives.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Block:
+    id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once full of computed tokens (prefix caching), kept after it is freed
+    token_ids: tuple[int, ...] = ()  # what the hash names: checked on a hit, so a hash collision is a miss
+
+
+def block_hash(previous: int | None, token_ids: tuple[int, ...]) -> int:
+    """A full block's name: its tokens and, through `previous`, every token before it. Python's hash of a tuple of
+    ints does not depend on PYTHONHASHSEED, so every rank computes the same number."""
+    return hash((previous, token_ids))
+
+
+@dataclass
+class BlockManager:
+    num_blocks: int
+    block_size: int
+    prefix_cache: bool = True
+    blocks: list[Block] = field(init=False)
+    free: OrderedDict = field(init=False)  # block id -> None, least recently freed first
+    cached: dict[int, int] = field(init=False)  # hash -> block id
+    tables: dict[int, list[int]] = field(init=False)  # request -> its block table
+    hashed: dict[int, int] = field(init=False)  # request -> how many of its leading blocks carry a hash
+
+    def __post_init__(self):
+        if self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size} must be at least 1")
+        if self.num_blocks < 1:
+            raise ValueError(f"kv_blocks={self.num_blocks} must be at least 1")
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
+        self.free = OrderedDict((i, None) for i in range(self.num_blocks))
+        self.cached, self.tables, self.hashed = {}, {}, {}
+
+    # ---- what the scheduler asks -----------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def match_prefix(self, tokens: list[int]) -> list[int]:
+        """The longest run of cached full blocks that starts `tokens`, leaving at least its last token to compute
+        (a request needs a row to sample from)."""
+        if not self.prefix_cache:
+            return []
+        out, previous, bs = [], None, self.block_size
+        for i in range((len(tokens) - 1) // bs):
+            ids = tuple(tokens[i * bs:(i + 1) * bs])
+            h = block_hash(previous, ids)
+            b = self.cached.get(h)
+            if b is None or self.blocks[b].token_ids != ids:
+                break
+            out.append(b)
+            previous = h
+        return out
+
+    def admit_cost(self, tokens: list[int], most_rows: int) -> tuple[list[int], int]:
+        """(cached prefix blocks, free blocks needed) for a request not yet holding blocks: its prefix hit plus its
+        next chunk of at most `most_rows` rows. Reviving a freed cached block takes it off the free queue too."""
+        hit = self.match_prefix(tokens)
+        start = len(hit) * self.block_size
+        rows = min(most_rows, len(tokens) - start)
+        need = self.blocks_for(start + rows) - len(hit) + sum(self.blocks[b].ref_count == 0 for b in hit)
+        return hit, need
+
+    def admit(self, request: int, hit: list[int]) -> None:
+        """Start a block table for `request` with the shared prefix blocks `hit` (from admit_cost)."""
+        if request in self.tables:
+            raise ValueError(f"request {request} already holds blocks")
+        for b in hit:
+            self._take(b)
+        self.tables[request] = list(hit)
+        self.hashed[request] = len(hit)
+
+    def rows_that_fit(self, request: int, start: int, rows: int) -> int:
+        """How many of positions [start, start + rows) the request's table can hold, growing by free blocks."""
+        room = (len(self.tables[request]) + self.num_free) * self.block_size - start
+        return max(0, min(rows, room))
+
+    def grow(self, request: int, end: int) -> None:
+        """Append free blocks until the table covers positions [0, end) (the caller checked rows_that_fit)."""
+        table = self.tables[request]
+        while len(table) * self.block_size < end:
+            b = next(iter(self.free))  # least recently freed
+            old = self.blocks[b]
+            if old.hash is not None and self.cached.get(old.hash) == b:
+                del self.cached[old.hash]  # overwritten: the prefix it held is gone
+            old.hash, old.token_ids = None, ()
+            self._take(b)
+            table.append(b)
+
+    def commit(self, request: int, tokens: list[int], computed: int) -> None:
+        """Name every block now full of computed tokens (prefix caching), so later requests can share it."""
+        if not self.prefix_cache:
+            return
+        table, bs = self.tables[request], self.block_size
+        i = self.hashed[request]
+        previous = self.blocks[table[i - 1]].hash if i else None
+        while (i + 1) * bs <= computed:
+            block = self.blocks[table[i]]
+            if block.hash is None:  # a shared block already carries its name
+                block.token_ids = tuple(tokens[i * bs:(i + 1) * bs])
+                block.hash = block_hash(previous, block.token_ids)
+                self.cached.setdefault(block.hash, block.id)
+            previous = block.hash
+            i += 1
+        self.hashed[request] = i
+
+    def release(self, request: int) -> None:
+        """The request finished or was preempted: its blocks' counts drop; blocks at 0 join the free queue, the
+        table's tail first (a prefix's first blocks are the likeliest to be shared again, so they leave last)."""
+        for b in reversed(self.tables.pop(request)):
+            block = self.blocks[b]
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise AssertionError(f"block {b} freed more often than taken")
+            if block.ref_count == 0:
+                self.free[b] = None
+        del self.hashed[request]
+
+    def slots(self, request: int, start: int, end: int) -> list[int]:
+        """The slot mapping of positions [start, end): where each position's K,V lie in the pool's flat view."""
+        table, bs = self.tables[request], self.block_size
+        return [table[t // bs] * bs + t % bs for t in range(start, end)]
+
+    def check(self) -> None:
+        """The invariants: counts never below 0, a block is free iff nobody holds it, counts = table entries."""
+        held = [0] * self.num_blocks
+        for table in self.tables.values():
+            for b in table:
+                held[b] += 1
+        for block in self.blocks:
+            assert block.ref_count == held[block.id] >= 0, (block, held[block.id])
+            assert (block.ref_count == 0) == (block.id in self.free), block
+
+    def _take(self, b: int) -> None:
+        if self.blocks[b].ref_count == 0:
+            del self.free[b]
+        self.blocks[b].ref_count += 1
