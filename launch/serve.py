@@ -5,11 +5,13 @@
     torchrun --nproc_per_node=4 launch/serve.py chunk_size=1024 max_batched_tokens=2048   # whole prompts
     torchrun --nproc_per_node=2 launch/serve.py hf_checkpoint=DIR    # GPT2LMHeadModel or LlamaForCausalLM
     torchrun --nproc_per_node=4 launch/serve.py model=llama_tiny     # grouped-query attention, RoPE, SwiGLU
+    torchrun --nproc_per_node=4 launch/serve.py shared_prefix=48     # a 48-token system prompt: prefix cache hits
+    torchrun --nproc_per_node=2 launch/serve.py kv_blocks=6 block_size=4   # a small pool: requests are preempted
 
 tp = WORLD_SIZE. Every rank validates the settings (and reads a checkpoint) before the first
 collective, builds the same LM (GPT-2 or Llama) from `seed`, shards it (vocab-parallel embedding and
-head, v1 or v2 blocks, per-rank KV caches of the rank's K,V heads) and serves the requests with iteration-level batching and
-chunked prefill (serve/). Every iteration's collectives are compared with the analytic model;
+head, v1 or v2 blocks, a paged KV pool per rank of the rank's K,V heads) and serves the requests with
+iteration-level batching, chunked prefill, prefix caching and preemption (serve/). Every iteration's collectives are compared with the analytic model;
 with `check`, every request's tokens are compared with the dense oracle. Rank 0 prints the
 per-iteration and per-request tables and writes report.json; the exit code is non-zero when a
 check fails.
@@ -39,8 +41,10 @@ from layers.hf import load_lm
 from layers.lm import DenseLlamaLM, DenseLM, dense_lm, greedy_reference, shard_lm
 from serve.disagg import Layout, new_groups, serve_pd
 from serve.engine import Engine, ServeResult
+from serve.block_manager import BlockManager
+from serve.inputs import ATTENTION_MODES
 from serve.kv_cache import kv_bytes_per_token
-from serve.scheduler import Request, Scheduler, SchedulerError
+from serve.scheduler import Request, Scheduler, SchedulerError, worst_case_blocks
 from tp.cost_model import kv_bytes_per_token_per_rank
 from tp.traffic_model import pair_count
 from tp.dist import ConfigError, context, env_world, same_on_every_rank
@@ -62,6 +66,16 @@ class Settings(LaunchSettings):
     check: bool
     pd: Layout | None = None  # prefill/decode disaggregation: the two groups' sizes
     streaming: bool = True
+    block_size: int = 16  # token positions per KV block
+    kv_blocks: int | None = None  # blocks in each rank's pool; None: enough for every request at its largest
+    prefix_cache: bool = True
+    attention: str = "batched"
+    shared_prefix: int = 0
+
+    def engine_args(self) -> dict:
+        return dict(chunk_size=self.chunk_size, max_batched_tokens=self.max_batched_tokens,
+                    max_running=self.max_running, eos_id=self.eos_id, block_size=self.block_size,
+                    kv_blocks=self.kv_blocks, prefix_cache=self.prefix_cache, attention=self.attention)
 
 
 def parse_pd(cfg: DictConfig, world_size: int) -> tuple[Layout | None, bool]:
@@ -102,11 +116,17 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     if variant not in SERVING_VARIANTS:
         raise ConfigError(f"unknown variant {variant!r} for serving; choose v2 or v1 "
                           f"(intra_head is a one-forward counterfactual, see run_block)")
-    requests = parse_requests(cfg, model, common["seed"])
+    paging = parse_paging(cfg)
+    if layout is not None and paging["kv_blocks"] is not None:
+        raise ConfigError(f"kv_blocks={paging['kv_blocks']} with pd: the decode side takes handed-over requests in "
+                          f"without waiting for blocks, so pd sizes each pool for its workload (kv_blocks=null)")
+    requests = parse_requests(cfg, model, common["seed"], paging["shared_prefix"])
     chunk_size, budget = integer(cfg, "chunk_size"), integer(cfg, "max_batched_tokens")
     max_running = None if cfg.max_running is None else integer(cfg, "max_running")
-    try:  # the scheduler's own checks: chunk_size >= 1, a budget that fits a full decode batch
-        Scheduler([], chunk_size, budget, max_running)
+    try:  # the scheduler's own checks: chunk_size >= 1, a budget that fits a full decode batch, every request fits
+        bs = paging["block_size"]
+        Scheduler(requests, chunk_size, budget, max_running, blocks=BlockManager(
+            paging["kv_blocks"] or worst_case_blocks(requests, bs), bs, paging["prefix_cache"]))
     except SchedulerError as exc:
         raise ConfigError(str(exc)) from None
     eos_id = None if cfg.eos_id is None else integer(cfg, "eos_id")
@@ -120,12 +140,34 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     return Settings(**common, requests=requests, chunk_size=chunk_size, max_batched_tokens=budget,
                     max_running=max_running, eos_id=eos_id, variant=variant,
                     vocab_parallel=boolean(cfg, "vocab_parallel"), check=check == "true", pd=layout,
-                    streaming=streaming)
+                    streaming=streaming, **paging)
 
 
-def parse_requests(cfg: DictConfig, model: ModelConfig, seed: int) -> list[Request]:
-    """The prompts (listed, or random), each with its max_new_tokens and arrival iteration."""
+def parse_paging(cfg: DictConfig) -> dict:
+    """block_size, kv_blocks, prefix_cache, attention, shared_prefix (SPEC §10)."""
+    block_size = integer(cfg, "block_size")
+    if block_size < 1:
+        raise ConfigError(f"block_size={block_size} must be at least 1 (token positions per KV block)")
+    kv_blocks = None if cfg.kv_blocks is None else integer(cfg, "kv_blocks")
+    if kv_blocks is not None and kv_blocks < 1:
+        raise ConfigError(f"kv_blocks={kv_blocks} must be at least 1, or null (enough for the workload)")
+    attention = str(cfg.attention)
+    if attention not in ATTENTION_MODES:
+        raise ConfigError(f"attention={attention!r}: choose {' or '.join(ATTENTION_MODES)}")
+    shared_prefix = integer(cfg, "shared_prefix")
+    if shared_prefix < 0:
+        raise ConfigError(f"shared_prefix={shared_prefix} must be 0 or more (random tokens before every prompt)")
+    return dict(block_size=block_size, kv_blocks=kv_blocks, prefix_cache=boolean(cfg, "prefix_cache"),
+                attention=attention, shared_prefix=shared_prefix)
+
+
+def parse_requests(cfg: DictConfig, model: ModelConfig, seed: int, shared_prefix: int = 0) -> list[Request]:
+    """The prompts (listed, or random, after `shared_prefix` random tokens common to all), each with its
+    max_new_tokens and arrival iteration."""
     V, longest = model.vocab_size, model.max_seq_len
+    if cfg.prompts is not None and shared_prefix:
+        raise ConfigError(f"shared_prefix={shared_prefix} applies to random prompts; with prompts=... write the "
+                          f"shared tokens into the prompts")
     if cfg.prompts is not None:
         if not OmegaConf.is_list(cfg.prompts) or len(cfg.prompts) == 0:
             raise ConfigError(f"prompts={cfg.prompts!r} must be a non-empty list of token-id lists, e.g. [[464,3290],[40]]")
@@ -150,9 +192,17 @@ def parse_requests(cfg: DictConfig, model: ModelConfig, seed: int) -> list[Reque
         room = longest - max(new) + 1  # random prompts are clipped so that every request fits max_seq_len
         if room < 1:
             raise ConfigError(f"max_new_tokens={max(new)} leaves no room for a prompt in model.max_seq_len={longest}")
-        lengths = generate_lengths(str(cfg.prompt_dist), count, mean, room, seed, setting="prompt_dist")
+        if shared_prefix >= room:
+            raise ConfigError(f"shared_prefix={shared_prefix} is too long: with max_new_tokens={max(new)} a prompt "
+                              f"has at most {room} positions in model.max_seq_len={longest}, and needs one token of "
+                              f"its own; use shared_prefix <= {room - 1}")
+        lengths = generate_lengths(str(cfg.prompt_dist), count, mean, room - shared_prefix, seed,
+                                   setting="prompt_dist")
         gen = torch.Generator().manual_seed(seed + 3)
         prompts = [torch.randint(0, V, (n,), generator=gen).tolist() for n in lengths]
+        if shared_prefix:  # a system prompt: drawn once, from its own stream, so the prompts after it do not change
+            prefix = torch.randint(0, V, (shared_prefix,), generator=torch.Generator().manual_seed(seed + 5)).tolist()
+            prompts = [prefix + p for p in prompts]
     arrivals = per_request(cfg, "arrivals", len(prompts), spacing=True)
     requests = []
     for i, (prompt, m, a) in enumerate(zip(prompts, new, arrivals)):
@@ -249,9 +299,7 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     lm = shard_lm(dense, s.variant, ctx.group, s.vocab_parallel)
     if not s.check:
         del dense
-    engine = Engine(lm, ctx, chunk_size=s.chunk_size, max_batched_tokens=s.max_batched_tokens,
-                    max_running=s.max_running, eos_id=s.eos_id,
-                    on_iteration=Progress(len(s.requests)) if ctx.is_main else None)
+    engine = Engine(lm, ctx, **s.engine_args(), on_iteration=Progress(len(s.requests)) if ctx.is_main else None)
     result = engine.run(s.requests)
     checks = oracle_check(dense, s, result, ctx) if s.check else None
     report = build_report(s, ctx, result, checks)
@@ -271,13 +319,13 @@ def serve_disaggregated(s: Settings, out_dir: Path, ctx) -> int:
     requests = lambda: [Request(r.id, list(r.prompt), r.max_new_tokens, r.arrival) for r in s.requests]  # noqa: E731
     result = serve_pd(dense, ctx, s.pd, requests(), chunk_size=s.chunk_size, max_batched_tokens=s.max_batched_tokens,
                       max_running=s.max_running, eos_id=s.eos_id, variant=s.variant, vocab_parallel=s.vocab_parallel,
-                      streaming=s.streaming, groups=groups)
+                      streaming=s.streaming, groups=groups, block_size=s.block_size, prefix_cache=s.prefix_cache,
+                      attention=s.attention)
     colocated = None
     if ctx.rank >= s.pd.prefill_ranks:  # the colocated engine on the decode group's p_D ranks
         dctx = context(groups[1], ctx.backend, ctx.device)
         lm = shard_lm(dense, s.variant, dctx.group, s.vocab_parallel)
-        colocated = Engine(lm, dctx, chunk_size=s.chunk_size, max_batched_tokens=s.max_batched_tokens,
-                           max_running=s.max_running, eos_id=s.eos_id).run(requests())
+        colocated = Engine(lm, dctx, **s.engine_args()).run(requests())
         colocated = [r["output_ids"] for r in colocated.requests]
     every = [None] * ctx.world_size
     dist.all_gather_object(every, colocated, group=ctx.group)
@@ -382,15 +430,21 @@ def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | Non
                    "requests": len(s.requests), "chunk_size": s.chunk_size,
                    "max_batched_tokens": s.max_batched_tokens, "max_running": s.max_running, "eos_id": s.eos_id,
                    "variant": s.variant, "vocab_parallel": s.vocab_parallel,
-                   "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed, "check": s.check},
+                   "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed, "check": s.check,
+                   "block_size": s.block_size, "kv_blocks": s.kv_blocks, "prefix_cache": s.prefix_cache,
+                   "attention": s.attention, "shared_prefix": s.shared_prefix},
         "iterations": its,
         "requests": requests,
         "totals": {"iterations": len(its), "generated_tokens": generated, "time_s": result.time_s,
                    "tokens_per_s": generated / result.time_s if result.time_s else None,
                    "mixed_iterations": sum(1 for it in its if it["decodes"] and it["prefill_chunks"]),
                    "collectives": sum(sum(it["collectives"].values()) for it in its),
-                   "bytes_per_rank": sum(it["bytes_per_rank"] for it in its)},
-        "kv_cache": {"bytes_per_token_per_rank": result.kv_bytes_per_token_per_rank,
+                   "bytes_per_rank": sum(it["bytes_per_rank"] for it in its),
+                   "preemptions": result.preemptions, "rows_computed": result.rows_computed},
+        "kv_cache": {"block_size": result.block_size, "blocks": result.kv_blocks,
+                     "prefix_hit_tokens": result.prefix_hit_tokens, "peak_blocks_used": result.peak_blocks_used,
+                     "pool_bytes_per_rank": result.kv_pool_bytes_per_rank,
+                     "bytes_per_token_per_rank": result.kv_bytes_per_token_per_rank,
                      "formula_bytes_per_token_per_rank": kv_bytes_per_token_per_rank(m.n_layers, m.n_kv_heads,
                                                                                      m.d_head, p, s.dtype.itemsize),
                      "kv_heads_per_rank": max(m.n_kv_heads // p, 1), "n_kv_heads": m.n_kv_heads,

@@ -28,29 +28,37 @@ def render(r: dict) -> str:
         f"L={m['n_layers']} vocab={m['vocab_size']}; variant {c['variant']}, "
         f"{'vocab-parallel' if c['vocab_parallel'] else 'replicated'} embedding and LM head; dtype={c['dtype']}",
         f"{c['requests']} requests; chunk_size={c['chunk_size']} max_batched_tokens={c['max_batched_tokens']} "
-        f"max_running={c['max_running'] if c['max_running'] is not None else c['max_batched_tokens']}",
+        f"max_running={c['max_running'] if c['max_running'] is not None else c['max_batched_tokens']}; "
+        f"KV pool of {kv['blocks']} blocks of block_size={kv['block_size']} per rank, prefix_cache="
+        f"{str(c['prefix_cache']).lower()}, attention={c['attention']}"
+        + (f", shared_prefix={c['shared_prefix']}" if c.get("shared_prefix") else ""),
         "",
         "per iteration (collectives and bytes from the traffic ledger; model: the analytic prediction agrees):",
     ]
     rows = []
     for it in r["iterations"]:
-        rows.append([it["iteration"], it["rows"], it["prefill_chunks"], it["decodes"], _ids(it["evicted"]),
-                     _ids(it["admitted"]),
+        rows.append([it["iteration"], it["rows"], it["prefill_chunks"], it["decodes"], _ids(it["finished"]),
+                     _ids(it["admitted"]), _ids(it["preempted"]), it["blocks_used"], it["prefix_hit_tokens"],
                      ", ".join(f"{n} {k}" for k, n in sorted(it["collectives"].items())) or "none",
                      kib(it["bytes_per_rank"]), _ms(it["time_s"]), "yes" if it["ledger_matches_model"] else "NO"])
     if len(rows) > SHOW_FIRST + SHOW_LAST:
-        rows = rows[:SHOW_FIRST] + [["..."] + [""] * 9] + rows[-SHOW_LAST:]
-    lines.append(format_table(["iter", "rows", "prefill chunks", "decodes", "evicted", "admitted", "collectives",
+        rows = rows[:SHOW_FIRST] + [["..."] + [""] * 12] + rows[-SHOW_LAST:]
+    lines.append(format_table(["iter", "rows", "prefill chunks", "decodes", "finished", "admitted", "preempted",
+                               "blocks used", "prefix hits", "collectives",
                                "sent/rank KiB", "time ms", "model"], rows))
     lines += ["", "per request (times from arrival; match: tokens vs the dense oracle):"]
-    rows = [[q["request"], q["arrival"], q["prompt_length"], q["generated"], _ms(q["ttft_s"]),
-             _ms(q["mean_tbt_s"]), q.get("match", "not checked")] for q in r["requests"]]
-    lines.append(format_table(["request", "arrives at iter", "prompt", "generated", "TTFT ms", "mean TBT ms",
-                               "match"], rows))
+    rows = [[q["request"], q["arrival"], q["prompt_length"], q.get("prefix_hit_tokens", 0), q["generated"],
+             q.get("preemptions", 0), _ms(q["ttft_s"]), _ms(q["mean_tbt_s"]), q.get("match", "not checked")]
+            for q in r["requests"]]
+    lines.append(format_table(["request", "arrives at iter", "prompt", "prefix hits", "generated", "preempted",
+                               "TTFT ms", "mean TBT ms", "match"], rows))
     lines += [
         "",
         f"generated {t['generated_tokens']} tokens in {t['iterations']} iterations, {t['time_s']:.2f} s "
         f"({t['tokens_per_s']:.1f} tokens/s); {t['mixed_iterations']} iterations mixed prompt chunks and decodes",
+        f"paged KV: {kv['blocks']} blocks x {kv['block_size']} positions per rank ({kib(kv['pool_bytes_per_rank'])} KiB "
+        f"reserved), at most {kv['peak_blocks_used']} in use; {kv['prefix_hit_tokens']} prompt tokens from the prefix "
+        f"cache; {t['rows_computed']} rows computed; {t['preemptions']} preemptions",
         f"KV cache per rank: {kv['bytes_per_token_per_rank']} bytes per token (dense {kv['bytes_per_token_dense']}, "
         f"ratio {kv['ratio_to_dense']:.4f} = 1/{round(1 / kv['ratio_to_dense'])}"
         + (f"; formula 2·L·max(h_kv/p, 1)·d_head·e = {kv['formula_bytes_per_token_per_rank']}"

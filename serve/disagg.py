@@ -46,9 +46,11 @@ from layers.config import validate_model
 from layers.llama import validate_llama
 from layers.lm import DenseLM, shard_lm
 from serve.engine import Engine, EngineHooks, PlanMismatch
-from serve.kv_cache import KVCache
+from serve.block_manager import BlockManager
+from serve.inputs import slots_of
+from serve.kv_cache import KVPool
 from serve.plan import IterationPlan
-from serve.scheduler import Request, Scheduler
+from serve.scheduler import Request, Scheduler, worst_case_blocks
 from tp.dist import ConfigError, TPContext, context, same_on_every_rank
 from tp.ledger import TrafficLedger, TransferRecord
 from tp.traffic_model import head_overlaps, kv_head_range, predict_transfers
@@ -80,11 +82,14 @@ def validate_layout(cfg, layout: Layout, world_size: int) -> None:
 
 
 def prefill_schedule(requests: list[Request], chunk_size: int, max_batched_tokens: int,
-                     max_running: int | None = None) -> list[tuple[int, list[int]]]:
+                     max_running: int | None = None, block_size: int = 16,
+                     prefix_cache: bool = True) -> list[tuple[int, list[int]]]:
     """[(prefill iteration, ids of the requests whose prompt completes in it, in plan order)]: exactly what the
-    prefill side's engine will do, computed on every rank from the requests and settings alone."""
-    sched = Scheduler([Request(r.id, list(r.prompt), 1, r.arrival) for r in requests], chunk_size,
-                      max_batched_tokens, max_running)
+    prefill side's engine will do (the same requests, the same block pool and prefix cache), computed on every rank
+    from the requests and settings alone."""
+    mine = [Request(r.id, list(r.prompt), 1, r.arrival) for r in requests]
+    sched = Scheduler(mine, chunk_size, max_batched_tokens, max_running,
+                      blocks=BlockManager(worst_case_blocks(mine, block_size), block_size, prefix_cache))
     index, out = 0, []
     while sched.has_work():
         plan = sched.schedule(index)
@@ -165,43 +170,45 @@ class PrefillSide(EngineHooks):
             first.setdefault(s, r)
         self.token_peers = [layout.prefill_ranks + s for s, r in sorted(first.items()) if r == rank]
         self.first_head = kv_head_range(cfg.n_kv_heads, rank, layout.prefill_ranks).start  # of this rank's cache
-        self.cache: KVCache | None = None
+        self.cache: KVPool | None = None
         self.sched: Scheduler | None = None
-        self.finishing: list[int] = []
+        self.finishing: dict[int, torch.Tensor] = {}  # request -> the slots of its prompt's K,V [0, N)
         self.waiter = _Waiter(next(lm.parameters()).device)  # records each send once it completes
         self.error: Exception | None = None
         self.done_at: dict[int, float] = {}
         self.hooks = [block.register_forward_hook(lambda m, a, o, i=i: self._layer_done(i))
                       for i, block in enumerate(lm.stack.blocks)] if streaming else []
 
-    def before_schedule(self, index: int, sched: Scheduler, cache: KVCache) -> None:
+    def before_schedule(self, index: int, sched: Scheduler, cache: KVPool) -> None:
         self.sched, self.cache = sched, cache
 
     def before_forward(self, plan: IterationPlan) -> None:
-        self.finishing = [c.request for c in plan.chunks if c.sample and c.request in self.handed]
+        """The prompts this iteration completes, and where their K,V lie (their block tables, read off the plan: the
+        blocks are given back when the request finishes at token 1, their contents stay until the next forward)."""
+        bs = self.cache.block_size
+        self.finishing = {c.request: torch.tensor(slots_of(c, 0, c.q_end, bs), device=self.cache.device)
+                          for c in plan.chunks if c.sample and c.request in self.handed}
 
     def _layer_done(self, layer: int) -> None:
         """Streaming: the prompt's last chunk has passed `layer`, so that layer's K,V of positions [0, N) are whole."""
-        for rid in self.finishing:
-            n = len(self.sched.by_id[rid].prompt)
+        for rid, slots in self.finishing.items():
             for peer, lo, hi in self.peers:
                 heads = slice(lo - self.first_head, hi - self.first_head)
-                self._send(self.cache.regions[rid][layer, :, heads, :n], peer, rid, layer, (lo, hi), "pd/kv")
+                self._send(self.cache.read(slots, heads, layer), peer, rid, layer, (lo, hi), "pd/kv")
 
-    def after_update(self, plan: IterationPlan, evicted: list[int], sched: Scheduler, cache: KVCache) -> None:
+    def after_update(self, plan: IterationPlan, finished: list[int], sched: Scheduler, cache: KVPool) -> None:
         now = time.perf_counter()
         for rid in [c.request for c in plan.chunks if c.sample]:
             self.done_at[rid] = now
-        for rid in self.finishing:
-            n = len(sched.by_id[rid].prompt)
+        for rid, slots in self.finishing.items():
             if not self.streaming:
                 for peer, lo, hi in self.peers:
                     heads = slice(lo - self.first_head, hi - self.first_head)
-                    self._send(cache.regions[rid][:, :, heads, :n], peer, rid, None, (lo, hi), "pd/kv")
+                    self._send(cache.read(slots, heads), peer, rid, None, (lo, hi), "pd/kv")
             token = torch.tensor([sched.by_id[rid].output[0]], dtype=torch.int64, device=cache.device)
             for peer in self.token_peers:
                 self._send(token, peer, rid, None, (0, 0), "pd/first token")
-        self.finishing = []
+        self.finishing = {}
 
     def _send(self, tensor: torch.Tensor, peer: int, rid: int, layer: int | None, heads, site: str) -> None:
         buf = tensor.contiguous()  # the message's own memory (a view when already contiguous): held until it is sent
@@ -243,11 +250,12 @@ class _Posted:
 
 
 class DecodeSide(EngineHooks):
-    """Takes each handed-over request in at an iteration boundary: a cache region filled with its K,V, and token 1.
+    """Takes each handed-over request in at an iteration boundary: blocks filled with its K,V, and token 1.
 
     Receives are posted ahead (the next `window` groups of requests, a group being those whose prompts complete in
     one prefill iteration), so K,V land while the decode group computes; a receiver thread waits for them in order.
-    A request's cache region is allocated when its receives are posted: the KV peak counts the groups ahead.
+    K,V land in receive buffers; a request gets its blocks when it is taken in, and one write per message puts the
+    K,V at their slots (the receive buffers of the groups ahead are outside the pool).
     At every iteration boundary each decode rank counts the groups whose messages have all landed here; ★ one all-reduce (min) of that count over the
     decode group makes every decode rank take in the same groups. With nothing to decode, the ranks first wait
     for the next group. Nothing depends on timing but *when* a request joins, and all decode ranks agree on that."""
@@ -269,7 +277,7 @@ class DecodeSide(EngineHooks):
         self.received_at: dict[int, float] = {}
         self.agreements = 0  # all-reduces over the decode group (one per iteration boundary)
 
-    def before_schedule(self, index: int, sched: Scheduler, cache: KVCache) -> None:
+    def before_schedule(self, index: int, sched: Scheduler, cache: KVPool) -> None:
         while True:
             self._post_ahead(sched, cache)
             if not self.posted:
@@ -297,7 +305,7 @@ class DecodeSide(EngineHooks):
         if self.waiter is not None:
             self.waiter.close(join)
 
-    def _post_ahead(self, sched: Scheduler, cache: KVCache) -> None:
+    def _post_ahead(self, sched: Scheduler, cache: KVPool) -> None:
         """Post the receives of the next groups, in the order the prefill side sends them (per pair)."""
         L, dh = self.cfg.n_layers, self.cfg.d_head
         while self.upcoming and len(self.posted) < self.window:
@@ -307,8 +315,6 @@ class DecodeSide(EngineHooks):
             def post(buf, src, tag, fields):
                 posts.append((dist.irecv(buf, src=src, tag=tag), buf, fields, time.perf_counter()))
 
-            for r in requests:
-                cache.allocate(r.id, r.capacity)
             layers = range(L) if self.streaming else [None]
             order = [(layer, r) for layer in layers for r in requests] if self.streaming else [(None, r) for r in requests]
             for layer, r in order:
@@ -328,32 +334,32 @@ class DecodeSide(EngineHooks):
                 self.waiter = _Waiter(cache.device)
             self.waiter.submit([work for work, *_ in posts], group.done)
 
-    def _place(self, group: "_Posted", cache: KVCache, sched: Scheduler, index: int) -> None:
+    def _place(self, group: "_Posted", cache: KVPool, sched: Scheduler, index: int) -> None:
         if group.error is not None:
             raise RuntimeError(f"receiving requests {[r.id for r in group.requests]} from the prefill group failed: "
                                f"{group.error}") from group.error
         requests, posts = group.requests, group.posts
+        slots = {}
+        for r in requests:  # blocks for the prompt's N positions, from the decode side's own pool
+            sched.hold_computed(r)
+            slots[r.id] = torch.tensor(sched.blocks.slots(r.id, 0, r.computed), device=cache.device)
         for work, buf, fields, posted in posts:
             self.ledger.transfer(_record(fields, buf, group.landed_at - posted))
             _, site, rid, layer, _, _, (lo, hi) = fields
             if site == "pd/first token":
                 continue
-            heads, n = slice(lo - self.first_head, hi - self.first_head), buf.shape[-2]
-            if layer is None:
-                cache.regions[rid][:, :, heads, :n] = buf
-            else:
-                cache.regions[rid][layer, :, heads, :n] = buf
+            cache.write(slots[rid], slice(lo - self.first_head, hi - self.first_head), buf, layer)
         for work, buf, fields, _ in posts:
             if fields[1] != "pd/first token":
                 continue
             r = next(q for q in requests if q.id == fields[2])
             if self.kept is not None:
-                self.kept[r.id] = cache.regions[r.id][:, :, :, :len(r.prompt)].clone()
+                self.kept[r.id] = cache.read(slots[r.id], slice(None))
             r.output = [int(buf[0])]
             self.received_at[r.id] = time.perf_counter()
             if r.output[0] == self.eos_id or r.max_new_tokens <= 1:
                 r.finished = True  # token 1 ended it: nothing to decode
-                cache.free(r.id)
+                sched.blocks.release(r.id)
             sched.arrive(r.id, index)
 
     def _post_token(self, r: Request, post, device) -> None:
@@ -389,12 +395,13 @@ def new_groups(layout: Layout) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
 @torch.no_grad()
 def serve_pd(dense: DenseLM, world: TPContext, layout: Layout, requests: list[Request], *, chunk_size: int,
              max_batched_tokens: int, max_running: int | None = None, eos_id: int | None = None, variant: str = "v2",
-             vocab_parallel: bool = True, streaming: bool = True, groups=None, keep_kv: bool = False) -> PDResult:
+             vocab_parallel: bool = True, streaming: bool = True, groups=None, keep_kv: bool = False,
+             block_size: int = 16, prefix_cache: bool = True, attention: str = "batched") -> PDResult:
     """Serve `requests` with prefill on ranks [0, p_P) and decode on [p_P, p_P + p_D). Every rank of the world
     calls this with the same arguments (checked first: a mismatch raises PlanMismatch on every rank)."""
     validate_layout(dense.cfg, layout, world.world_size)
     settings = [layout.prefill_ranks, layout.decode_ranks, int(streaming), chunk_size, max_batched_tokens,
-                max_running or -1, -1 if eos_id is None else eos_id, len(requests),
+                max_running or -1, -1 if eos_id is None else eos_id, len(requests), block_size, int(prefix_cache),
                 sum((i + 1) * (r.id + len(r.prompt) * 3 + r.max_new_tokens * 5 + r.arrival * 7 + sum(r.prompt))
                     for i, r in enumerate(requests))]
     if not same_on_every_rank(torch.tensor(settings, dtype=torch.float64), world.group):
@@ -405,7 +412,7 @@ def serve_pd(dense: DenseLM, world: TPContext, layout: Layout, requests: list[Re
     ctx = context(prefill_group if is_prefill else decode_group, world.backend, world.device)
     lm = shard_lm(dense, variant, ctx.group, vocab_parallel)
     by_id = {r.id: r for r in requests}
-    schedule = prefill_schedule(requests, chunk_size, max_batched_tokens, max_running)
+    schedule = prefill_schedule(requests, chunk_size, max_batched_tokens, max_running, block_size, prefix_cache)
     handed = [rids for rids in ([rid for rid in done if by_id[rid].max_new_tokens > 1] for _, done in schedule) if rids]
     ledger = TrafficLedger(world.world_size, world.device)
     start = time.perf_counter()
@@ -419,7 +426,8 @@ def serve_pd(dense: DenseLM, world: TPContext, layout: Layout, requests: list[Re
                         computed=len(by_id[rid].prompt)) for rids in handed for rid in rids]
         engine_eos = eos_id
     engine = Engine(lm, ctx, chunk_size=chunk_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
-                    eos_id=engine_eos, hooks=side)
+                    eos_id=engine_eos, block_size=block_size, prefix_cache=prefix_cache, attention=attention,
+                    hooks=side)
     try:
         res = engine.run(mine)
     except BaseException:

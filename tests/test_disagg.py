@@ -8,6 +8,7 @@ import torch
 
 from layers.lm import greedy_reference, shard_lm
 from serve.disagg import Layout, new_groups, prefill_schedule, serve_pd
+from serve.inputs import slots_of
 from serve.engine import Engine, EngineHooks, PlanMismatch
 from serve.scheduler import Request
 from tests.harness import run_ranks
@@ -38,10 +39,11 @@ class Capture(EngineHooks):
     def __init__(self):
         self.kv = {}
 
-    def after_update(self, plan, evicted, sched, cache):
+    def after_update(self, plan, finished, sched, cache):
         for c in plan.chunks:
-            if c.sample and not c.decode:
-                self.kv[c.request] = cache.regions[c.request][:, :, :, :c.q_end].clone()
+            if c.sample and not c.decode:  # read through the block table the plan carries (blocks of a finished
+                slots = torch.tensor(slots_of(c, 0, c.q_end, cache.block_size))  # request keep their contents)
+                self.kv[c.request] = cache.read(slots, slice(None))
 
 
 def pd(ctx, p_prefill, p_decode, streaming, compare_kv=False):
