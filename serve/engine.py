@@ -50,6 +50,7 @@ class ServeResult:
     prefix_hit_tokens: int = 0  # prompt tokens whose K,V came from the prefix cache
     rows_computed: int = 0  # rows through the model, all iterations
     preemptions: int = 0
+    free_blocks_at_end: int = 0  # = kv_blocks when every finished request gave its blocks back
     time_s: float = 0.0
     started_at: float = 0.0  # time.perf_counter() when the loop started: start_s and token_times_s count from it
 
@@ -155,6 +156,7 @@ class Engine:
         synchronize(self.ctx.device)
         result.time_s = time.perf_counter() - start
         sched.blocks.check()  # every count back to 0, every block free (or a bug in the block manager)
+        result.free_blocks_at_end = sched.blocks.num_free
         result.kv_peak_bytes_per_rank = result.peak_blocks_used * self.cache.bytes_per_block
         result.prefix_hit_tokens = sum(r.prefix_hit for r in requests)
         result.preemptions = sched.preemptions

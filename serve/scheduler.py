@@ -159,6 +159,10 @@ class Scheduler:
         admitted = []
         while self.waiting and self._left > 0 and len(self.running) < self.max_running:
             r = self.waiting[0]
+            if r.id not in self.blocks.tables and r.computed > 0:  # brings cached positions that hold no blocks yet
+                if self.blocks.blocks_for(r.computed) > self.blocks.num_free:
+                    break
+                self.hold_computed(r)
             if r.id in self.blocks.tables:  # arrived with its prompt cached (handed over): a block for one row
                 if self.blocks.rows_that_fit(r.id, r.computed, 1) == 0:
                     break

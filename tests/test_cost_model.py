@@ -128,7 +128,9 @@ def _serving_counts(ctx, family):
     from layers.dense import init_weights
     from layers.llama import LlamaConfig
     from layers.lm import dense_lm, shard_lm
-    from serve.kv_cache import KVCache, kv_bytes_per_token
+    from serve.inputs import prepare_step
+    from serve.kv_cache import KVPool, kv_bytes_per_token
+    from serve.plan import Chunk, IterationPlan
     from tests.test_serve import CFG
     from tp.cost_model import serving_iteration
 
@@ -136,21 +138,16 @@ def _serving_counts(ctx, family):
                                                    n_layers=3, max_seq_len=96, vocab_size=CFG.vocab_size)
     lm = shard_lm(init_weights(dense_lm(cfg), seed=0), "v2", ctx.group)
     p, heads = ctx.world_size, lm.cache_heads
-    cache = KVCache(cfg.n_layers, heads, cfg.d_head, torch.float32)
     chunks = [(20, 21), (8, 13)]  # request 0 decodes its 21st token; request 1 prefills rows 8..12 after 8 cached
-    for rid, (_, q_end) in enumerate(chunks):
-        cache.allocate(rid, 32)
-        cache.regions[rid].zero_()
-    spans, start = [], 0
-    for q_start, q_end in chunks:
-        spans.append((start, start + q_end - q_start))
-        start += q_end - q_start
-    ids = torch.arange(start) % cfg.vocab_size
-    positions = torch.cat([torch.arange(a, b) for a, b in chunks])
-    layers = cache.layers(spans, [a for a, _ in chunks], [0, 1])
+    pool = KVPool(cfg.n_layers, 3, 16, heads, cfg.d_head, torch.float32)
+    plan = IterationPlan(0, (Chunk(0, 20, 21, decode=True, sample=True, blocks=(0, 1)),
+                             Chunk(1, 8, 13, decode=False, sample=True, blocks=(2,))))
+    # The reference attention: each request's own q_rows x kv_length rectangle, as the cost model counts it (the
+    # batched form pads each group to its longest request).
+    step = prepare_step(plan, {0: list(range(21)), 1: list(range(13))}, 16, "cpu", "reference")
     # The math backend computes SDPA with matmuls the counter sees: the whole q_rows x kv_length rectangle.
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        lm.step(ids, positions, layers, [0, start - 1])
+        lm.step(step.ids, step.positions, pool.layers(step.batch), step.sample_rows)
     model = serving_iteration(cfg, p, chunks, 2, 4)
     names = ("qkv", "attn_out", "mlp_up", "mlp_down") if family == "gpt2" else ("qkv", "o", "gate_up", "down")
     matmul_weights = sum(getattr(b, name).weight.numel() for b in lm.stack.blocks for name in names)

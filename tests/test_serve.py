@@ -258,14 +258,14 @@ def test_timeline_fields_are_consistent():
         assert max_tbt == (max(gaps) if gaps else None) and ttft is not None and ttft > 0
 
 
-def test_cache_measures_its_bytes_per_token_at_the_peak():
-    from serve.kv_cache import KVCache
+def test_pool_is_one_tensor_and_measures_its_bytes_per_token():
+    from serve.kv_cache import KVPool
 
-    cache = KVCache(3, 2, 4, torch.float64)  # L=3, 2 K,V heads of 4
-    assert cache.measured_bytes_per_token() == 0
-    cache.allocate(0, 5)
-    cache.allocate(1, 7)
-    cache.free(0)
-    cache.allocate(2, 2)  # 9 positions held now, fewer than the peak's 12
-    assert (cache.peak_bytes, cache.peak_tokens) == (12 * 3 * 2 * 2 * 4 * 8, 12)
-    assert cache.measured_bytes_per_token() == 3 * 2 * 2 * 4 * 8
+    pool = KVPool(3, 5, 4, 2, 4, torch.float64)  # L=3, 5 blocks of 4 positions, 2 K,V heads of 4
+    assert pool.kv.shape == (3, 2, 20, 2, 4) and pool.bytes == 3 * 2 * 20 * 2 * 4 * 8
+    assert pool.measured_bytes_per_token() == 3 * 2 * 2 * 4 * 8 and pool.bytes_per_block == 4 * 3 * 2 * 2 * 4 * 8
+    values = torch.randn(3, 2, 1, 6, 4, dtype=torch.float64)  # K,V head 1 of positions at slots 9..3, every layer
+    slots = torch.tensor([9, 8, 7, 5, 4, 3])
+    pool.write(slots, slice(1, 2), values)
+    assert torch.equal(pool.read(slots, slice(1, 2)), values) and torch.equal(pool.read(slots, slice(1, 2), 2), values[2])
+    assert pool.kv[:, :, :, 0].abs().sum() == 0 and pool.kv[:, :, [0, 1, 2, 6]].abs().sum() == 0
