@@ -78,7 +78,7 @@ class Engine:
     def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, *, chunk_size: int, max_batched_tokens: int,
                  max_running: int | None = None, eos_id: int | None = None, block_size: int = 16,
                  kv_blocks: int | None = None, prefix_cache: bool = True, attention: str = "batched",
-                 on_iteration=None, hooks: EngineHooks | None = None):
+                 reserve_capacity: bool = False, on_iteration=None, hooks: EngineHooks | None = None):
         if block_size < 1:
             raise SchedulerError(f"block_size={block_size} must be at least 1")
         if kv_blocks is not None and kv_blocks < 1:
@@ -87,7 +87,7 @@ class Engine:
             raise SchedulerError(f"attention={attention!r}: choose {' or '.join(ATTENTION_MODES)}")
         self.lm, self.ctx = lm, ctx
         self.sched_args = dict(chunk_size=chunk_size, max_batched_tokens=max_batched_tokens,
-                               max_running=max_running, eos_id=eos_id)
+                               max_running=max_running, eos_id=eos_id, reserve_capacity=reserve_capacity)
         self.block_size, self.kv_blocks, self.prefix_cache, self.attention = \
             block_size, kv_blocks, prefix_cache, attention
         self.on_iteration = on_iteration  # called with each iteration's record (progress lines)
@@ -129,6 +129,7 @@ class Engine:
                 index = sched.next_arrival() or index  # None: all finished, the loop ends
                 continue
             blocks_used = sched.blocks.num_used  # this iteration's tables, before finishing requests give theirs back
+            positions_held, running = sched.positions_held(), len(sched.running)
             ledger.clear()
             with ledger.attach(self.lm.stack):
                 self._check_plan(plan)
@@ -145,6 +146,7 @@ class Engine:
             self.hooks.after_update(plan, finished, sched, self.cache)
             record = self._record(plan, finished, ledger, t1 - t0, blocks_used)
             record["prefix_hit_tokens"] = sum(r.prefix_hit for r in requests) - hits_before
+            record["positions_held"], record["running"] = positions_held, running
             record["start_s"] = t0 - start  # when this iteration began, from the run's start (timelines)
             result.iterations.append(record)
             result.peak_blocks_used = max(result.peak_blocks_used, blocks_used)
@@ -192,7 +194,7 @@ class Engine:
         a = self.sched_args
         knobs = [a["chunk_size"], a["max_batched_tokens"], a["max_running"] or -1,
                  -1 if a["eos_id"] is None else a["eos_id"], self.block_size, self.pool_blocks(requests),
-                 int(self.prefix_cache), ATTENTION_MODES.index(self.attention)]
+                 int(self.prefix_cache), ATTENTION_MODES.index(self.attention), int(a["reserve_capacity"])]
         per_request = [(r.id, len(r.prompt), sum(r.prompt), r.max_new_tokens, r.arrival, r.computed) for r in requests]
         return [float(len(requests)), float(sum((i + 1) * k for i, k in enumerate(knobs))),
                 float(sum((i + 1) * sum(x) for i, x in enumerate(per_request))),

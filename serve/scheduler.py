@@ -78,7 +78,8 @@ def worst_case_blocks(requests: list[Request], block_size: int) -> int:
 
 class Scheduler:
     def __init__(self, requests: list[Request], chunk_size: int, max_batched_tokens: int,
-                 max_running: int | None = None, eos_id: int | None = None, blocks: BlockManager | None = None):
+                 max_running: int | None = None, eos_id: int | None = None, blocks: BlockManager | None = None,
+                 reserve_capacity: bool = False):
         if chunk_size < 1:
             raise SchedulerError(f"chunk_size={chunk_size} must be at least 1")
         if max_batched_tokens < 1:
@@ -101,6 +102,11 @@ class Scheduler:
                 f"max_new_tokens {r.max_new_tokens} - 1 = {r.capacity} positions need "
                 f"{blocks_needed(r, self.blocks.block_size)} blocks of block_size={self.blocks.block_size}; "
                 f"raise kv_blocks to at least {blocks_needed(r, self.blocks.block_size)}")
+        if reserve_capacity and self.blocks.prefix_cache:
+            raise SchedulerError("reserve_capacity (the pre-paging rule) shares nothing: turn prefix_cache off")
+        # The pre-paging rule, kept to measure what paging frees: a request takes blocks for its whole capacity
+        # (prompt + max_new_tokens - 1) when admitted; with block_size 1, one contiguous region's worth.
+        self.reserve_capacity = reserve_capacity
         self.chunk_size = chunk_size
         self.budget = max_batched_tokens
         self.max_running = max_running
@@ -168,9 +174,13 @@ class Scheduler:
                     break
             else:  # fresh, or preempted: blocks for its next chunk, which starts after its cached prefix
                 hit, need = self.blocks.admit_cost(r.tokens, min(self.chunk_size, self._left))
+                if self.reserve_capacity:
+                    need = self.blocks.blocks_for(r.capacity)
                 if need > self.blocks.num_free:
                     break  # first come, first served: nobody overtakes the oldest waiting request
                 self.blocks.admit(r.id, hit)
+                if self.reserve_capacity:
+                    self.blocks.grow(r.id, r.capacity)
                 r.computed = len(hit) * self.blocks.block_size
                 r.prefix_hit += min(r.computed, len(r.prompt))
             self.waiting.popleft()
@@ -187,6 +197,11 @@ class Scheduler:
         if not chunks:
             return None
         return IterationPlan(index, tuple(chunks), tuple(a for a in admitted if a not in preempted), tuple(preempted))
+
+    def positions_held(self) -> int:
+        """Token positions whose K,V the running requests hold once this iteration's rows are written (a shared
+        prefix block counts once per request)."""
+        return sum(self._rows[r.id][1] if r.id in self._rows else r.computed for r in self.running)
 
     def _reserve(self, r: Request, most: int, preempted: list[int]) -> bool:
         """Give r its rows this iteration (at most `most`, the budget left and what fits in memory), growing its

@@ -258,3 +258,77 @@ def test_aten_ops_per_decode_iteration_do_not_grow_with_requests():
     reference = run_ranks(1, decode_ops, [1, 8, 32], "reference")[0]
     assert batched[0] == batched[1] == batched[2]
     assert reference[0] < reference[1] < reference[2]  # the per-request loop: the count can fail
+
+
+# ---- the launcher's settings ------------------------------------------------------------------------------------
+
+
+def serve_settings(*overrides):
+    """launch/serve.py's validation, in process: everything it checks before the first collective."""
+    from hydra import compose, initialize_config_dir
+
+    from launch.serve import parse_settings
+    from tests.test_launcher import ROOT
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return parse_settings(compose("serve", overrides=list(overrides)), 2, 2)
+
+
+PAGING_BAD = [
+    (["block_size=0"], "block_size=0 must be at least 1"),
+    (["kv_blocks=0"], "kv_blocks=0 must be at least 1"),
+    (["prompts=[[1,2,3,4,5,6,7,8,9]]", "max_new_tokens=8", "block_size=4", "kv_blocks=3"],
+     "kv_blocks=3 cannot hold request 0 even alone: prompt 9 + max_new_tokens 8 - 1 = 16 positions need 4 blocks of "
+     "block_size=4; raise kv_blocks to at least 4"),
+    (["prefix_cache=maybe"], "prefix_cache='maybe' must be true or false"),
+    (["attention=fast"], "attention='fast': choose batched or reference"),
+    (["shared_prefix=-1"], "shared_prefix=-1 must be 0 or more"),
+    (["shared_prefix=1009"], "shared_prefix=1009 is too long: with max_new_tokens=16 a prompt has at most 1009 "
+                             "positions in model.max_seq_len=1024, and needs one token of its own; use shared_prefix <= 1008"),
+    (["shared_prefix=4", "prompts=[[1,2]]"], "shared_prefix=4 applies to random prompts"),
+    (["pd.prefill_ranks=1", "pd.decode_ranks=1", "kv_blocks=64"], "kv_blocks=64 with pd"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", PAGING_BAD, ids=[" ".join(b[0]) for b in PAGING_BAD])
+def test_bad_paging_settings_are_refused_before_any_collective(overrides, message):
+    from tp.dist import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        serve_settings(*overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_shared_prefix_is_prepended_to_every_random_prompt():
+    plain, shared = serve_settings("prompt_count=4"), serve_settings("prompt_count=4", "shared_prefix=48")
+    prefix = shared.requests[0].prompt[:48]
+    assert all(r.prompt[:48] == prefix for r in shared.requests)
+    assert [r.prompt[48:] for r in shared.requests] == [r.prompt for r in plain.requests]
+    assert (shared.block_size, shared.kv_blocks, shared.prefix_cache, shared.attention) == (16, None, True, "batched")
+
+
+def test_kv_blocks_too_small_fails_fast_on_a_lone_rank(tmp_path):
+    from tests.test_serve_launcher import lone_rank
+
+    alone = lone_rank(tmp_path, ["kv_blocks=1"])
+    assert alone.returncode == 2, alone.stdout + alone.stderr
+    assert alone.stderr.startswith("[rank 1] error: kv_blocks=1 cannot hold request") and \
+        alone.stderr.count("\n") == 1, alone.stderr
+
+
+def test_serve_launcher_with_a_shared_prefix_and_a_small_pool(tmp_path):
+    import json
+
+    from tests.test_launcher import torchrun
+    from tests.test_serve_launcher import SMALL
+
+    proc, _ = torchrun(2, *SMALL, "shared_prefix=24", "block_size=4", "kv_blocks=14", run_dir=tmp_path,
+                       script="serve.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "paged KV: 14 blocks x 4 positions per rank" in proc.stdout and "PASS" in proc.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    kv, totals = report["kv_cache"], report["totals"]
+    assert kv["block_size"] == 4 and kv["blocks"] == 14 and kv["prefix_hit_tokens"] > 0
+    assert totals["preemptions"] > 0 and report["check"]["ok"] is True  # preempted, recomputed, still the oracle's
+    assert all(0 < it["blocks_used"] <= 14 for it in report["iterations"])
+    assert kv["prefix_hit_tokens"] == sum(r["prefix_hit_tokens"] for r in report["requests"])

@@ -1,0 +1,217 @@
+"""Paged KV cache benchmarks (SPEC §10): a shared prefix, memory, launch shape.
+
+    torchrun --nproc_per_node=P benchmarks/bench_paged.py [--parts prefix,memory,shape] [--repeats 3]
+
+The article03 GPT-2 LM (d=512, h=8, L=8, vocab 50257), float32, greedy, v2, vocab-parallel, on P ranks:
+
+  prefix   32 requests share a 512-token prefix (a system prompt) followed by 8..23 tokens of their own,
+           8 new tokens each, one arriving per iteration: time to finish and mean time to first token with
+           prefix_cache on against off (the same tokens: checked), rows computed, prefix hits
+  memory   one KV budget of 1024 token positions per rank (64 blocks of 16; 2 layers, the scheduler's world
+           does not depend on the model's depth): 32 requests with lognormal prompts (mean 48) and 64 new tokens,
+           paged (block_size 16, blocks as the context grows) against today's rule before paging, a full-capacity
+           reservation of prompt + max_new_tokens - 1 positions at admission (block_size 1, reserve_capacity);
+           peak KV reserved against positions holding K,V, requests running at once, preemptions, time to finish
+  shape    aten operations (a TorchDispatchMode count) in one decode-only iteration of 1, 8, 32, 64 requests,
+           attention batched against the per-request reference; and one engine decode iteration against the
+           same rows through the bare TP forward (benchmarks/bench_serve.py's overhead measure), batched attention
+
+Against transformers (#10's workload) is bench_serve.py's `hf` part; benchmarks/report.py puts its ratio here.
+Ratios only (one run, a noisy machine). Writes outputs/bench_paged_p{P}.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks.bench_serve import bench_overhead, random_prompts
+from launch.settings import generate_lengths
+from layers.config import ARTICLE03
+from layers.dense import init_weights
+from layers.lm import DenseLM, TPLM, shard_lm
+from serve.engine import Engine
+from serve.inputs import prepare_step
+from serve.kv_cache import KVPool
+from serve.plan import Chunk, IterationPlan
+from serve.scheduler import Request
+from tp.dist import TPContext, init_from_env, shutdown
+
+PREFIX, PREFIX_REQUESTS, PREFIX_NEW, PREFIX_CHUNK, PREFIX_BUDGET = 512, 32, 8, 256, 512
+MEMORY_POSITIONS, MEMORY_BLOCK, MEMORY_REQUESTS, MEMORY_MEAN, MEMORY_NEW = 1024, 16, 32, 48, 64
+SHAPE_BATCHES = (1, 8, 32, 64)
+
+
+# ---- 1. a shared prefix --------------------------------------------------------------------------
+
+
+def prefix_requests() -> list[Request]:
+    gen = torch.Generator().manual_seed(7)
+    shared = torch.randint(0, ARTICLE03.vocab_size, (PREFIX,), generator=gen).tolist()
+    own = random_prompts([8 + i % 16 for i in range(PREFIX_REQUESTS)], seed=8)
+    return [Request(i, shared + p, PREFIX_NEW, arrival=i) for i, p in enumerate(own)]
+
+
+def bench_prefix(lm: TPLM, ctx: TPContext, repeats: int) -> dict:
+    Engine(lm, ctx, chunk_size=PREFIX_CHUNK, max_batched_tokens=PREFIX_BUDGET).run(prefix_requests()[:2])  # warm-up
+    out = {}
+    for cache in (True, False):
+        runs = [Engine(lm, ctx, chunk_size=PREFIX_CHUNK, max_batched_tokens=PREFIX_BUDGET,
+                       prefix_cache=cache).run(prefix_requests()) for _ in range(repeats)]
+        res = sorted(runs, key=lambda r: r.time_s)[len(runs) // 2]  # the median run
+        out["on" if cache else "off"] = {
+            "time_s": res.time_s, "mean_ttft_s": statistics.mean(r["ttft_s"] for r in res.requests),
+            "rows_computed": res.rows_computed, "prefix_hit_tokens": res.prefix_hit_tokens,
+            "iterations": len(res.iterations), "ids": [r["output_ids"] for r in res.requests]}
+    on, off = out["on"], out["off"]
+    return {"requests": PREFIX_REQUESTS, "prefix": PREFIX, "max_new_tokens": PREFIX_NEW, "chunk_size": PREFIX_CHUNK,
+            "max_batched_tokens": PREFIX_BUDGET, "same_ids": on.pop("ids") == off.pop("ids"), "on": on, "off": off,
+            "finish_speedup": off["time_s"] / on["time_s"], "ttft_speedup": off["mean_ttft_s"] / on["mean_ttft_s"]}
+
+
+# ---- 2. memory -----------------------------------------------------------------------------------
+
+
+def memory_requests() -> list[Request]:
+    lengths = generate_lengths("lognormal", MEMORY_REQUESTS, MEMORY_MEAN, 256, seed=4)
+    return [Request(i, p, MEMORY_NEW, 0) for i, p in enumerate(random_prompts(lengths, seed=9))]
+
+
+def bench_memory(lm: TPLM, ctx: TPContext) -> dict:
+    out = {}
+    for name, block_size, reserve in (("paged", MEMORY_BLOCK, False), ("reserved", 1, True)):
+        res = Engine(lm, ctx, chunk_size=256, max_batched_tokens=512, block_size=block_size,
+                     kv_blocks=MEMORY_POSITIONS // block_size, prefix_cache=False,
+                     reserve_capacity=reserve).run(memory_requests())
+        its = res.iterations
+        peak = max(its, key=lambda it: it["blocks_used"])
+        out[name] = {
+            "block_size": block_size, "kv_blocks": res.kv_blocks, "pool_bytes_per_rank": res.kv_pool_bytes_per_rank,
+            "peak_reserved_positions": peak["blocks_used"] * block_size,
+            "held_positions_at_peak": peak["positions_held"],
+            "peak_reserved_bytes_per_rank": res.kv_peak_bytes_per_rank,
+            "max_running": max(it["running"] for it in its),
+            "mean_running": statistics.mean(it["running"] for it in its),
+            "max_waste_blocks_per_request": max((it["blocks_used"] * block_size - it["positions_held"])
+                                                / block_size / it["running"] for it in its if it["running"]),
+            "max_waste_positions_per_request": max((it["blocks_used"] * block_size - it["positions_held"])
+                                                   / it["running"] for it in its if it["running"]),
+            "used_over_reserved_at_peak": peak["positions_held"] / (peak["blocks_used"] * block_size),
+            "preemptions": res.preemptions, "iterations": len(its), "time_s": res.time_s,
+            "ids": [r["output_ids"] for r in res.requests]}
+    paged, reserved = out["paged"], out["reserved"]
+    return {"positions": MEMORY_POSITIONS, "requests": MEMORY_REQUESTS, "max_new_tokens": MEMORY_NEW,
+            "prompt_lengths": [len(r.prompt) for r in memory_requests()],
+            "same_ids": paged.pop("ids") == reserved.pop("ids"), "paged": paged, "reserved": reserved,
+            "running_ratio": paged["max_running"] / reserved["max_running"],
+            "mean_running_ratio": paged["mean_running"] / reserved["mean_running"],
+            "finish_speedup": reserved["time_s"] / paged["time_s"]}
+
+
+# ---- 3. launch shape -----------------------------------------------------------------------------
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def decode_ops(lm: TPLM, ctx: TPContext, batch: int, mode: str) -> int:
+    """aten operations of one decode-only iteration (inputs built, forward, greedy head) of `batch` requests."""
+    block_size, lengths = 16, [40 + 7 * (i % 50) for i in range(batch)]
+    tables, start = [], 0
+    for n in lengths:
+        blocks = -(-(n + 1) // block_size)
+        tables.append(tuple(range(start, start + blocks)))
+        start += blocks
+    cfg = lm.cfg
+    pool = KVPool(cfg.n_layers, start, block_size, lm.cache_heads, cfg.d_head, torch.float32, ctx.device)
+    plan = IterationPlan(0, tuple(Chunk(i, n, n + 1, decode=True, sample=True, blocks=t)
+                                  for i, (n, t) in enumerate(zip(lengths, tables))))
+    tokens = {i: [1] * (n + 1) for i, n in enumerate(lengths)}
+    with torch.no_grad(), CountOps() as ops:
+        step = prepare_step(plan, tokens, block_size, ctx.device, mode)
+        lm.step(step.ids, step.positions, pool.layers(step.batch), step.sample_rows)
+    return ops.n
+
+
+def bench_shape(lm: TPLM, ctx: TPContext, repeats: int) -> dict:
+    ops = [{"batch": b, "batched": decode_ops(lm, ctx, b, "batched"), "reference": decode_ops(lm, ctx, b, "reference")}
+           for b in SHAPE_BATCHES]
+    overhead = [{k: v for k, v in r.items() if k != "records"}
+                for r in bench_overhead(lm, ctx, repeats, batches=SHAPE_BATCHES)]
+    return {"ops": ops, "overhead": overhead, "layers": lm.cfg.n_layers}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="prefix,memory,shape", help="comma-separated: prefix, memory, shape")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts <= {"prefix", "memory", "shape"} or args.repeats < 1:
+        print(f"error: --parts {args.parts!r} must name prefix, memory, shape; --repeats >= 1", file=sys.stderr)
+        return 2
+    ctx = init_from_env()
+    torch.set_num_threads(1)
+    try:
+        dense = init_weights(DenseLM(ARTICLE03), seed=0).to(ctx.device)
+        lm = shard_lm(dense, "v2", ctx.group)
+        out = {"world_size": ctx.world_size, "backend": ctx.backend, "model": "article03", "dtype": "float32"}
+        if "prefix" in parts:
+            out["prefix"] = bench_prefix(lm, ctx, args.repeats)
+        if "memory" in parts:
+            short = init_weights(DenseLM(replace(ARTICLE03, n_layers=2)), seed=0).to(ctx.device)
+            out["memory"] = bench_memory(shard_lm(short, "v2", ctx.group), ctx)
+        if "shape" in parts:
+            out["shape"] = bench_shape(lm, ctx, args.repeats)
+        if ctx.rank == 0:
+            path = Path(args.out or f"outputs/bench_paged_p{ctx.world_size}.json")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(out, indent=1))
+            summarize(out)
+            print(f"wrote {path}")
+    finally:
+        shutdown()
+    return 0
+
+
+def summarize(out: dict) -> None:
+    if "prefix" in out:
+        p = out["prefix"]
+        print(f"prefix: finish {p['finish_speedup']:.2f}x faster, mean TTFT {p['ttft_speedup']:.2f}x lower with the "
+              f"prefix cache; rows {p['on']['rows_computed']} vs {p['off']['rows_computed']}; same ids: {p['same_ids']}")
+    if "memory" in out:
+        m = out["memory"]
+        for name in ("paged", "reserved"):
+            r = m[name]
+            print(f"memory {name}: peak reserved {r['peak_reserved_positions']} positions, held "
+                  f"{r['held_positions_at_peak']}; running at most {r['max_running']} (mean {r['mean_running']:.1f}); "
+                  f"waste <= {r['max_waste_blocks_per_request']:.2f} blocks/request; {r['preemptions']} preemptions")
+        print(f"memory: {m['running_ratio']:.2f}x the requests running at once; finish {m['finish_speedup']:.2f}x")
+    if "shape" in out:
+        for r in out["shape"]["ops"]:
+            print(f"ops per decode iteration, {r['batch']:>2} requests: batched {r['batched']}, "
+                  f"reference {r['reference']}")
+        for r in out["shape"]["overhead"]:
+            print(f"engine iteration / bare forward, {r['batch']:>2} requests: {r['iteration_over_bare']:.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
