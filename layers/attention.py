@@ -155,12 +155,14 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, layer: PagedLayer) -> tor
     group = h // kv.shape[1]
     out = q.new_empty(T, h, dh)
     for g in batch.groups:  # at most two calls: the decodes, the prompt chunks
-        queries = q[:, g.rows].transpose(0, 1)  # [B, h, max_q, dh]
-        keys, values = pool[:, g.slots].permute(0, 1, 3, 2, 4)  # each [B, h_kv, max_kv, dh]
+        B, max_q = g.rows.shape
+        queries = q.index_select(1, g.rows.flatten()).view(h, B, max_q, dh).transpose(0, 1)  # [B, h, max_q, dh]
+        context = pool.index_select(1, g.slots.flatten())  # [2, B·max_kv, h_kv, dh]: the keys through the tables
+        keys, values = context.view(2, B, -1, *pool.shape[2:]).permute(0, 1, 3, 2, 4)  # each [B, h_kv, max_kv, dh]
         if group > 1:  # query head j reads K,V head j // group
             keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask)  # [B, h, max_q, dh]
-        out.index_copy_(0, g.dst, o.transpose(1, 2).flatten(0, 1)[g.src])  # real queries back to their rows
+        out.index_copy_(0, g.dst, o.transpose(1, 2).reshape(B * max_q, h, dh).index_select(0, g.src))  # real rows
     return out.flatten(1)
 
 
