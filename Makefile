@@ -42,7 +42,7 @@ serve: setup
 test: setup
 	$(PY) -m pytest -q
 
-# Every benchmark (about 23 minutes on 2 cores), then docs/benchmarks.md from their JSON.
+# Every benchmark (about 25 minutes on 2 cores), then docs/benchmarks.md from their JSON.
 bench: setup
 	$(PY) -m pip install -q -e ".[plot]"
 	$(PY) benchmarks/bench_tp.py
@@ -51,6 +51,7 @@ bench: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 benchmarks/profile_forward.py
 	$(PY) launch/traffic_sweep.py
 	for p in 1 2; do $(VENV)/bin/torchrun --standalone --nproc_per_node=$$p benchmarks/bench_serve.py; done
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=1 benchmarks/bench_paged.py
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=4 benchmarks/bench_pd.py
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=8 benchmarks/bench_kv.py
 	$(PY) benchmarks/report.py

@@ -15,6 +15,7 @@ import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.report_paged import section as paged_section  # noqa: E402
 from benchmarks.report_serve import pd_section, plot_timeline, section as serving_section  # noqa: E402
 from layers.config import VARIANTS  # noqa: E402
 
@@ -108,7 +109,8 @@ def main() -> int:
                   "a byte.", ""]
     Path("docs").mkdir(exist_ok=True)
     print(plot_timeline(OUT))
-    lines += serving_section(OUT) + pd_section(OUT)
+    lines += serving_section(OUT) + paged_section(_load("bench_paged_p1.json"), _load("bench_serve_p1.json"))
+    lines += pd_section(OUT)
     kv = _load("bench_kv.json")
     if kv:
         lines += kv_section(kv)
