@@ -365,7 +365,16 @@ def build_pd_report(s: Settings, ctx, result, colocated: list[list[int]], checks
         "pd": {"prefill_ranks": layout.prefill_ranks, "decode_ranks": layout.decode_ranks, "streaming": s.streaming},
         "config": {"model_name": s.model_name, "model": m.asdict(), "requests": len(s.requests),
                    "chunk_size": s.chunk_size, "max_batched_tokens": s.max_batched_tokens, "variant": s.variant,
-                   "vocab_parallel": s.vocab_parallel, "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed},
+                   "vocab_parallel": s.vocab_parallel, "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed,
+                   "block_size": s.block_size, "prefix_cache": s.prefix_cache, "attention": s.attention,
+                   "shared_prefix": s.shared_prefix},
+        "kv_cache": {"block_size": s.block_size,  # each side's pool: enough for its workload (kv_blocks=null)
+                     "prefix_hit_tokens": sum(it["prefix_hit_tokens"] for it in result.prefill_iterations),
+                     "peak_blocks_used": {side: max((it["blocks_used"] for it in its), default=0) for side, its in
+                                          (("prefill", result.prefill_iterations),
+                                           ("decode", result.decode_iterations))}},
+        "totals": {"preemptions": sum(len(it["preempted"]) for it in
+                                      result.prefill_iterations + result.decode_iterations)},
         "requests": requests,
         "transfer": {"pairs": sorted(pairs.values(), key=lambda x: (x["prefill_rank"], x["decode_rank"])),
                      "pair_count": len(pairs),

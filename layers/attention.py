@@ -26,7 +26,10 @@ Two ways to run it, chosen per iteration (`PagedBatch.mode`):
                 its group and masked. The number of kernels does not grow with the number of requests.
     reference   the readable form it is checked against: one request at a time, its own write and its own SDPA.
 Both read the keys by gathering the block table's slots into a contiguous [kv_length] run (SDPA has no block
-table input; a GPU kernel such as FlashAttention's paged KV reads the blocks in place).
+table input; a GPU kernel such as FlashAttention's paged KV reads the blocks in place). The batched form pays for
+its fixed shape in padding: a group's mask is [B, max_q, max_kv] booleans and its gathered K,V B·max_kv positions,
+so one long context in a group widens every request of that group for that iteration (a varlen or paged GPU kernel
+does not pad).
 """
 
 from __future__ import annotations

@@ -20,18 +20,27 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
+ROOT = 0  # the chain's start: the "previous hash" of a request's first block
+
+
 @dataclass
 class Block:
     id: int
     ref_count: int = 0
     hash: int | None = None  # set once full of computed tokens (prefix caching), kept after it is freed
-    token_ids: tuple[int, ...] = ()  # what the hash names: checked on a hit, so a hash collision is a miss
+    parent: int = ROOT  # the previous block's hash when this one was named
+    token_ids: tuple[int, ...] = ()  # with `parent`, what the hash names: both checked on a hit (a collision misses)
 
 
-def block_hash(previous: int | None, token_ids: tuple[int, ...]) -> int:
-    """A full block's name: its tokens and, through `previous`, every token before it. Python's hash of a tuple of
-    ints does not depend on PYTHONHASHSEED, so every rank computes the same number."""
+def block_hash(previous: int, token_ids: tuple[int, ...]) -> int:
+    """A full block's name: its tokens and, through `previous`, every token before it. A tuple of ints hashes the
+    same in every process (PYTHONHASHSEED randomizes str and bytes only), so every rank computes the same number."""
     return hash((previous, token_ids))
+
+
+def slot_mapping(table, block_size: int, start: int, end: int) -> list[int]:
+    """Where positions [start, end) of a request with block table `table` lie in the pool's flat view."""
+    return [table[t // block_size] * block_size + t % block_size for t in range(start, end)]
 
 
 @dataclass
@@ -72,12 +81,12 @@ class BlockManager:
         (a request needs a row to sample from)."""
         if not self.prefix_cache:
             return []
-        out, previous, bs = [], None, self.block_size
+        out, previous, bs = [], ROOT, self.block_size
         for i in range((len(tokens) - 1) // bs):
             ids = tuple(tokens[i * bs:(i + 1) * bs])
             h = block_hash(previous, ids)
             b = self.cached.get(h)
-            if b is None or self.blocks[b].token_ids != ids:
+            if b is None or self.blocks[b].token_ids != ids or self.blocks[b].parent != previous:
                 break
             out.append(b)
             previous = h
@@ -114,7 +123,7 @@ class BlockManager:
             old = self.blocks[b]
             if old.hash is not None and self.cached.get(old.hash) == b:
                 del self.cached[old.hash]  # overwritten: the prefix it held is gone
-            old.hash, old.token_ids = None, ()
+            old.hash, old.parent, old.token_ids = None, ROOT, ()
             self._take(b)
             table.append(b)
 
@@ -124,11 +133,11 @@ class BlockManager:
             return
         table, bs = self.tables[request], self.block_size
         i = self.hashed[request]
-        previous = self.blocks[table[i - 1]].hash if i else None
+        previous = self.blocks[table[i - 1]].hash if i else ROOT
         while (i + 1) * bs <= computed:
             block = self.blocks[table[i]]
             if block.hash is None:  # a shared block already carries its name
-                block.token_ids = tuple(tokens[i * bs:(i + 1) * bs])
+                block.token_ids, block.parent = tuple(tokens[i * bs:(i + 1) * bs]), previous
                 block.hash = block_hash(previous, block.token_ids)
                 self.cached.setdefault(block.hash, block.id)
             previous = block.hash
@@ -136,8 +145,9 @@ class BlockManager:
         self.hashed[request] = i
 
     def release(self, request: int) -> None:
-        """The request finished or was preempted: its blocks' counts drop; blocks at 0 join the free queue, the
-        table's tail first (a prefix's first blocks are the likeliest to be shared again, so they leave last)."""
+        """The request finished or was preempted: its blocks' counts drop and blocks at 0 join the free queue. Named
+        blocks go to the back, the table's tail first (a prefix's first blocks are the likeliest to be shared
+        again, so they are taken last); unnamed ones, which nobody can hit, to the front (taken first)."""
         for b in reversed(self.tables.pop(request)):
             block = self.blocks[b]
             block.ref_count -= 1
@@ -145,12 +155,13 @@ class BlockManager:
                 raise AssertionError(f"block {b} freed more often than taken")
             if block.ref_count == 0:
                 self.free[b] = None
+                if block.hash is None:
+                    self.free.move_to_end(b, last=False)
         del self.hashed[request]
 
     def slots(self, request: int, start: int, end: int) -> list[int]:
         """The slot mapping of positions [start, end): where each position's K,V lie in the pool's flat view."""
-        table, bs = self.tables[request], self.block_size
-        return [table[t // bs] * bs + t % bs for t in range(start, end)]
+        return slot_mapping(self.tables[request], self.block_size, start, end)
 
     def check(self) -> None:
         """The invariants: counts never below 0, a block is free iff nobody holds it, counts = table entries."""
@@ -159,8 +170,9 @@ class BlockManager:
             for b in table:
                 held[b] += 1
         for block in self.blocks:
-            assert block.ref_count == held[block.id] >= 0, (block, held[block.id])
-            assert (block.ref_count == 0) == (block.id in self.free), block
+            if block.ref_count != held[block.id] or (block.ref_count == 0) != (block.id in self.free):
+                raise AssertionError(f"block {block.id}: count {block.ref_count}, held by {held[block.id]} tables, "
+                                     f"{'free' if block.id in self.free else 'not free'}")
 
     def _take(self, b: int) -> None:
         if self.blocks[b].ref_count == 0:

@@ -126,7 +126,12 @@ class Engine:
             hits_before = sum(r.prefix_hit for r in requests)
             plan = sched.schedule(index)
             if plan is None:  # nothing running, the next request arrives later: skip ahead, no forward
-                index = sched.next_arrival() or index  # None: all finished, the loop ends
+                upcoming = sched.next_arrival()
+                if sched.waiting and (upcoming is None or upcoming <= index):
+                    raise SchedulerError(f"iteration {index}: requests {[r.id for r in sched.waiting]} wait for KV "
+                                         f"blocks that nothing running will give back ({sched.blocks.num_free} of "
+                                         f"{sched.blocks.num_blocks} free); raise kv_blocks")
+                index = upcoming or index  # None: all finished, the loop ends
                 continue
             blocks_used = sched.blocks.num_used  # this iteration's tables, before finishing requests give theirs back
             positions_held, running = sched.positions_held(), len(sched.running)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from layers.attention import AttentionGroup, PagedBatch
+from serve.block_manager import slot_mapping
 from serve.plan import Chunk, IterationPlan
 
 ATTENTION_MODES = ("batched", "reference")
@@ -37,8 +38,8 @@ class StepInputs:
 
 
 def slots_of(c: Chunk, start: int, end: int, block_size: int) -> list[int]:
-    """The slot mapping of positions [start, end) of c's request, read off its block table."""
-    return [c.blocks[t // block_size] * block_size + t % block_size for t in range(start, end)]
+    """The slot mapping of positions [start, end) of c's request, read off the block table the plan carries."""
+    return slot_mapping(c.blocks, block_size, start, end)
 
 
 def prepare_step(plan: IterationPlan, tokens: dict[int, list[int]], block_size: int, device,

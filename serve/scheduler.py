@@ -107,6 +107,8 @@ class Scheduler:
         # The pre-paging rule, kept to measure what paging frees: a request takes blocks for its whole capacity
         # (prompt + max_new_tokens - 1) when admitted; with block_size 1, one contiguous region's worth.
         self.reserve_capacity = reserve_capacity
+        self._rows: dict[int, tuple[int, int]] = {}  # this iteration: request -> its rows (q_start, q_end)
+        self._left = 0  # this iteration: rows of the budget not given yet
         self.chunk_size = chunk_size
         self.budget = max_batched_tokens
         self.max_running = max_running
@@ -149,14 +151,14 @@ class Scheduler:
         self.blocks.grow(r.id, r.computed)
 
     def schedule(self, index: int) -> IterationPlan | None:
-        """The plan of iteration `index`; None when nothing has arrived yet and nothing runs."""
+        """The plan of iteration `index`; None when no request gets a row: nothing has arrived yet and nothing runs
+        (or waiting requests cannot get blocks while nothing runs: the engine refuses to spin on that)."""
         while self.pending and self.pending[0].arrival <= index:
             r = self.pending.popleft()
             if not r.finished:  # a handed-over request can finish on arrival (its first token was eos_id)
                 self.waiting.append(r)
-        self._rows: dict[int, tuple[int, int]] = {}  # request -> (q_start, q_end) this iteration
-        self._left = self.budget
-        preempted: list[int] = []
+        self._rows, self._left = {}, self.budget
+        preempted: list[Request] = []
         decodes = [r for r in self.running if r.decoding]
         carried = [r for r in self.running if not r.decoding]
         for r in decodes + carried:  # decodes first: one row each (max_running <= budget: they always fit)
@@ -165,13 +167,13 @@ class Scheduler:
         admitted = []
         while self.waiting and self._left > 0 and len(self.running) < self.max_running:
             r = self.waiting[0]
-            if r.id not in self.blocks.tables and r.computed > 0:  # brings cached positions that hold no blocks yet
-                if self.blocks.blocks_for(r.computed) > self.blocks.num_free:
-                    break
-                self.hold_computed(r)
-            if r.id in self.blocks.tables:  # arrived with its prompt cached (handed over): a block for one row
+            if r.id in self.blocks.tables:  # its cached positions already hold blocks (a decode side placed them)
                 if self.blocks.rows_that_fit(r.id, r.computed, 1) == 0:
                     break
+            elif r.computed > 0:  # arrives with cached positions: blocks for them and its first decode row, at once
+                if self.blocks.blocks_for(r.computed + 1) > self.blocks.num_free:
+                    break
+                self.hold_computed(r)
             else:  # fresh, or preempted: blocks for its next chunk, which starts after its cached prefix
                 hit, need = self.blocks.admit_cost(r.tokens, min(self.chunk_size, self._left))
                 if self.reserve_capacity:
@@ -182,11 +184,14 @@ class Scheduler:
                 if self.reserve_capacity:
                     self.blocks.grow(r.id, r.capacity)
                 r.computed = len(hit) * self.blocks.block_size
-                r.prefix_hit += min(r.computed, len(r.prompt))
+                if not r.preemptions:  # a resumed request finding its own earlier blocks is not a prefix hit
+                    r.prefix_hit += min(r.computed, len(r.prompt))
             self.waiting.popleft()
             self.running.append(r)
             admitted.append(r.id)
-            self._reserve(r, 1 if r.decoding else self.chunk_size, preempted)
+            self._reserve(r, 1 if r.decoding else self.chunk_size, preempted)  # fits: checked above, never preempts
+        for victim in preempted:  # back to the front of the queue, after admission: not re-admitted at once
+            self.waiting.appendleft(victim)
         chunks = []
         for r in self.running:
             if r.id in self._rows:
@@ -196,14 +201,14 @@ class Scheduler:
         chunks.sort(key=lambda c: not c.decode)  # decodes first in the flat rows; stable: admission order inside
         if not chunks:
             return None
-        return IterationPlan(index, tuple(chunks), tuple(a for a in admitted if a not in preempted), tuple(preempted))
+        return IterationPlan(index, tuple(chunks), tuple(admitted), tuple(v.id for v in preempted))
 
     def positions_held(self) -> int:
         """Token positions whose K,V the running requests hold once this iteration's rows are written (a shared
         prefix block counts once per request)."""
         return sum(self._rows[r.id][1] if r.id in self._rows else r.computed for r in self.running)
 
-    def _reserve(self, r: Request, most: int, preempted: list[int]) -> bool:
+    def _reserve(self, r: Request, most: int, preempted: list[Request]) -> bool:
         """Give r its rows this iteration (at most `most`, the budget left and what fits in memory), growing its
         block table; with no block free, preempt the most recently admitted running request until one is (r
         itself, if it is that request). False if r got no rows."""
@@ -218,7 +223,7 @@ class Scheduler:
         self._left -= rows
         return True
 
-    def _preempt(self, victim: Request, preempted: list[int]) -> None:
+    def _preempt(self, victim: Request, preempted: list[Request]) -> None:
         self.running.remove(victim)
         self.blocks.release(victim.id)
         if victim.id in self._rows:  # scheduled earlier in this iteration: its rows are given back
@@ -227,8 +232,7 @@ class Scheduler:
         victim.computed = 0
         victim.preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(victim)
-        preempted.append(victim.id)
+        preempted.append(victim)
 
     def update(self, plan: IterationPlan, sampled: dict[int, int]) -> list[int]:
         """Apply an iteration's results (request id -> new token); return the ids that finished now, whose blocks

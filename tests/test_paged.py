@@ -136,6 +136,27 @@ def test_preemption_when_a_decode_needs_a_block_and_none_is_free():
     assert again[0].q_start == 0 and not again[0].decode
 
 
+def test_a_request_arriving_with_cached_positions_waits_without_holding_blocks():
+    """It takes blocks for its cached positions and its first decode row only when all are free: a waiting request
+    never holds blocks that the running ones need (that could leave nothing to run and nothing admissible)."""
+    a = Request(0, [1, 2, 3, 4, 5], 6)
+    handed = Request(1, [7] * 8, 2, arrival=1, output=[3], computed=8)  # 8 positions cached: 3 blocks with its row
+    sched, plans = drive([a, handed], kv_blocks=4, block_size=4)
+    joined = next(p for p, _ in plans if 1 in p.admitted)
+    assert all(c.request == 0 for p, _ in plans if p.index < joined.index for c in p.chunks)
+    assert 0 not in {c.request for c in joined.chunks} and a.finished  # it joined when request 0 had finished
+    assert handed.output == [3, 101] and sched.blocks.num_free == 4
+
+
+def test_a_preempted_request_waits_at_least_one_iteration_and_is_not_counted_as_a_prefix_hit():
+    reqs = [Request(i, [i + 1] * 8, 9) for i in range(3)]  # 16 positions each: 4 blocks of 4
+    sched, plans = drive(reqs, kv_blocks=9, block_size=4)
+    assert sched.preemptions > 0
+    for plan, _ in plans:
+        assert not set(plan.admitted) & set(plan.preempted)
+    assert all(r.prefix_hit == 0 for r in reqs)  # no two prompts share a block; a resumed one finds its own
+
+
 # ---- the engine: paged == reference == dense --------------------------------------------------------------------
 
 
