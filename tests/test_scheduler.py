@@ -91,7 +91,7 @@ def test_decodes_first_budget_respected_and_only_complete_prompts_sample():
         assert sum(c.sample for c in mine) == 4
 
 
-def test_arrivals_eviction_and_admission_mid_stream():
+def test_arrivals_finishing_and_admission_mid_stream():
     reqs = [Request(0, [1] * 4, 2), Request(1, [1] * 3, 5, arrival=3), Request(2, [1] * 2, 1, arrival=9)]
     sched = Scheduler(reqs, 8, 8)
     p0 = sched.schedule(0)
@@ -99,7 +99,7 @@ def test_arrivals_eviction_and_admission_mid_stream():
     assert sched.update(p0, {0: 11}) == []
     p1 = sched.schedule(1)
     assert [c.triple for c in p1.chunks] == [(4, 5, 5)]
-    assert sched.update(p1, {0: 12}) == [0]  # evicted the moment it reaches max_new_tokens
+    assert sched.update(p1, {0: 12}) == [0]  # finished the moment it reaches max_new_tokens
     assert sched.schedule(2) is None and sched.next_arrival() == 3  # idle until request 1 arrives
     p3 = sched.schedule(3)
     assert p3.admitted == (1,) and [c.triple for c in p3.chunks] == [(0, 3, 3)]

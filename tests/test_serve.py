@@ -176,12 +176,12 @@ def invariance(ctx):
         assert res.ledger_matches_model
         streams[(chunk, budget, arrivals, permute)] = {tuple(base[j].prompt): r["output_ids"]
                                                        for j, r in zip(order, res.requests)}
-        evicted_so_far = False
+        finished_so_far = False
         for it in res.iterations:
             paths["mixed"] |= it["decodes"] > 0 and it["prefill_chunks"] > 0
             paths["chunk_after_prefix"] |= any(kv > qe - qs > 1 for _, qs, qe, kv in it["triples"])
-            paths["finish_then_admit"] |= evicted_so_far and bool(it["admitted"])
-            evicted_so_far |= bool(it["finished"])
+            paths["finish_then_admit"] |= finished_so_far and bool(it["admitted"])
+            finished_so_far |= bool(it["finished"])
     return streams, paths
 
 
