@@ -22,8 +22,10 @@ wrong here, so a chunk after a cached prefix gets an explicit mask.
 
 Two ways to run it, chosen per iteration (`PagedBatch.mode`):
     batched     the default, as a GPU runs it: one scatter writes every new row's K,V; then one SDPA call for all
-                decodes and one for all prompt chunks, each request's queries and keys padded to the longest of
-                its group and masked. The number of kernels does not grow with the number of requests.
+                decodes, and for the prompt chunks at most three for fresh ones (q_start = 0: causal, no mask) and
+                three for chunks after a cached prefix, chunks of similar length together (serve/inputs.py); each
+                request's queries and keys padded to the longest of its group (and masked). The number of kernels
+                does not grow with the number of requests.
     reference   the readable form it is checked against: one request at a time, its own write and its own SDPA.
 Both read the keys by gathering the block table's slots into a contiguous [kv_length] run (SDPA has no block
 table input; a GPU kernel such as FlashAttention's paged KV reads the blocks in place). The batched form pays for
@@ -50,13 +52,14 @@ class AttentionGroup:
 
     rows [B, max_q]      the flat row of each query (padding: row 0, its output dropped)
     slots [B, max_kv]    the pool slot of each key position (padding: slot 0, masked)
-    mask [B, 1, max_q, max_kv]   key j visible to query i iff j <= q_start + i and j < kv_length
+    mask [B, 1, max_q, max_kv]   key j visible to query i iff j <= q_start + i and j < kv_length; None for fresh
+                         prompt chunks (q_start = 0): SDPA's is_causal is exact on a right-padded causal square
     src, dst [n]         real queries: position in the flattened [B·max_q] output -> flat row
     """
 
     rows: torch.Tensor
     slots: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     src: torch.Tensor
     dst: torch.Tensor
 
@@ -67,7 +70,7 @@ class PagedBatch:
 
     positions [T]      each row's position in its request (RoPE, GPT-2's position embedding)
     slot_mapping [T]   where each new row's K,V go in a layer's flat pool view
-    groups             batched mode: at most two AttentionGroups (decodes, prompt chunks)
+    groups             batched mode: at most 7 AttentionGroups (decodes; fresh prompt chunks; later chunks)
     spans, q_starts, slots   reference mode: per request, its rows, first position, and slots of [0, kv_length)
     """
 
@@ -157,14 +160,14 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, layer: PagedLayer) -> tor
     h, T, dh = q.shape
     group = h // kv.shape[1]
     out = q.new_empty(T, h, dh)
-    for g in batch.groups:  # at most two calls: the decodes, the prompt chunks
+    for g in batch.groups:  # at most 7 calls: decodes, fresh prompt chunks, chunks after a prefix
         B, max_q = g.rows.shape
         queries = q.index_select(1, g.rows.flatten()).view(h, B, max_q, dh).transpose(0, 1)  # [B, h, max_q, dh]
         context = pool.index_select(1, g.slots.flatten())  # [2, B·max_kv, h_kv, dh]: the keys through the tables
         keys, values = context.view(2, B, -1, *pool.shape[2:]).permute(0, 1, 3, 2, 4)  # each [B, h_kv, max_kv, dh]
         if group > 1:  # query head j reads K,V head j // group
             keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask)  # [B, h, max_q, dh]
+        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, is_causal=g.mask is None)
         out.index_copy_(0, g.dst, o.transpose(1, 2).reshape(B * max_q, h, dh).index_select(0, g.src))  # real rows
     return out.flatten(1)
 

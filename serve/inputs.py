@@ -4,12 +4,14 @@
     positions [T]      each row's position in its request: q_start, q_start + 1, ...
     slot_mapping [T]   where each row's K,V go: blocks[t // block_size] · block_size + t % block_size
     sample_rows [S]    the rows whose logits give a token
-    groups             batched attention: the decodes in one group, the prompt chunks in another, each with its
-                       queries' rows, its keys' slots (from the block tables) and its mask (layers/attention.py)
+    groups             batched attention: the decodes in one group; fresh prompt chunks (q_start = 0) in at most
+                       three groups of similar lengths, chunks after a cached prefix in at most three more; each with
+                       its queries' rows, its keys' slots (from the block tables) and its mask (none for fresh chunks:
+                       SDPA's is_causal) (layers/attention.py)
 
 Everything integer is laid out on the host in one list and moved with one host-to-device copy (pinned and
 non-blocking on a GPU); the masks are then built on the device. The number of tensor operations does not depend
-on the number of requests (batched mode). The reference mode adds one slot tensor per request, for the
+on the number of requests (batched mode): at most 7 attention groups, whatever the mix. The reference mode adds one slot tensor per request, for the
 per-request loop it is checked against.
 """
 
@@ -42,6 +44,37 @@ def slots_of(c: Chunk, start: int, end: int, block_size: int) -> list[int]:
     return slot_mapping(c.blocks, block_size, start, end)
 
 
+PROMPT_GROUPS = 3  # most SDPA calls per layer for fresh prompt chunks, and as many for chunks after a prefix
+CALL_COST = 64 * 64  # a call's fixed cost, in padded score entries: no group is split off for less
+
+
+def split(members: list[int], chunks) -> list[list[int]]:
+    """Prompt chunks of one kind in at most PROMPT_GROUPS groups, so that padding each group to its longest costs
+    least: sorted by length, cut where the padded score entries B·max_q·max_kv (+ CALL_COST a call) are fewest
+    (dynamic programming over the cut points; a handful of chunks per iteration)."""
+    if len(members) <= 1:
+        return [members]
+    order = sorted(members, key=lambda i: (chunks[i].kv_length, chunks[i].q_rows))
+    n, inf = len(order), float("inf")
+    best = [[inf] * (n + 1) for _ in range(PROMPT_GROUPS + 1)]  # best[g][j]: the first j chunks in g groups
+    cut = [[0] * (n + 1) for _ in range(PROMPT_GROUPS + 1)]
+    best[0][0] = 0
+    for g in range(1, PROMPT_GROUPS + 1):
+        for j in range(1, n + 1):
+            max_q = 0
+            for i in range(j - 1, -1, -1):  # the last group: order[i:j]
+                max_q = max(max_q, chunks[order[i]].q_rows)
+                cost = best[g - 1][i] + (j - i) * max_q * chunks[order[j - 1]].kv_length + CALL_COST
+                if cost < best[g][j]:
+                    best[g][j], cut[g][j] = cost, i
+    g = min(range(1, PROMPT_GROUPS + 1), key=lambda k: best[k][n])
+    out, j = [], n
+    while g:
+        out.append(order[cut[g][j]:j])
+        j, g = cut[g][j], g - 1
+    return out[::-1]
+
+
 def prepare_step(plan: IterationPlan, tokens: dict[int, list[int]], block_size: int, device,
                  mode: str = "batched") -> StepInputs:
     """tokens: request id -> its tokens (prompt + generated). Returns the iteration's tensors on `device`."""
@@ -59,10 +92,13 @@ def prepare_step(plan: IterationPlan, tokens: dict[int, list[int]], block_size: 
     put([t for c in plan.chunks for t in range(c.q_start, c.q_end)])
     put([s for c in plan.chunks for s in slots_of(c, c.q_start, c.q_end, block_size)])
     put(plan.sample_rows)
-    shapes = []  # per group: (B, max_q, max_kv)
+    shapes = []  # per group: (B, max_q, max_kv, causal)
     if mode == "batched":
-        for members in ([i for i, c in enumerate(plan.chunks) if c.decode],
-                        [i for i, c in enumerate(plan.chunks) if not c.decode]):
+        chunks = plan.chunks
+        fresh = [i for i, c in enumerate(chunks) if not c.decode and c.q_start == 0]
+        later = [i for i, c in enumerate(chunks) if not c.decode and c.q_start > 0]
+        groups = [[i for i, c in enumerate(chunks) if c.decode]] + split(fresh, chunks) + split(later, chunks)
+        for members in groups:
             if not members:
                 continue
             chosen = [plan.chunks[i] for i in members]
@@ -76,7 +112,9 @@ def prepare_step(plan: IterationPlan, tokens: dict[int, list[int]], block_size: 
                 dst += range(s, e)
             for values in (rows, slots, [c.q_start for c in chosen], [c.kv_length for c in chosen], src, dst):
                 put(values)
-            shapes.append((len(members), max_q, max_kv))
+            # fresh prompt chunks (q_start = 0): each a causal square padded on the right, so SDPA's is_causal is
+            # exact for every real query (a padding key lies past it) and no mask is built or read
+            shapes.append((len(members), max_q, max_kv, chosen[0].q_start == 0 and not chosen[0].decode))
     else:
         for c in plan.chunks:
             put(slots_of(c, 0, c.kv_length, block_size))
@@ -90,8 +128,11 @@ def prepare_step(plan: IterationPlan, tokens: dict[int, list[int]], block_size: 
                            q_starts=tuple(c.q_start for c in plan.chunks), slots=tuple(parts[4:]))
         return StepInputs(ids, batch, sample_rows)
     groups = []
-    for g, (B, max_q, max_kv) in enumerate(shapes):
+    for g, (B, max_q, max_kv, causal) in enumerate(shapes):
         rows, slots, q_start, kv_length, src, dst = parts[4 + 6 * g: 10 + 6 * g]
+        if causal:
+            groups.append(AttentionGroup(rows.view(B, max_q), slots.view(B, max_kv), None, src, dst))
+            continue
         keys = torch.arange(max_kv, device=device)
         query_pos = q_start[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, max_q]
         # key j visible to query i iff j <= q_start + i (causal) and j < kv_length (the request's own keys; this

@@ -353,3 +353,14 @@ def test_serve_launcher_with_a_shared_prefix_and_a_small_pool(tmp_path):
     assert totals["preemptions"] > 0 and report["check"]["ok"] is True  # preempted, recomputed, still the oracle's
     assert all(0 < it["blocks_used"] <= 14 for it in report["iterations"])
     assert kv["prefix_hit_tokens"] == sum(r["prefix_hit_tokens"] for r in report["requests"])
+
+
+def test_prompt_chunks_are_grouped_by_length_into_a_fixed_number_of_calls():
+    from serve.inputs import PROMPT_GROUPS, split
+
+    chunks = [Chunk(i, 0, n, decode=False, sample=True) for i, n in enumerate([300, 4, 6, 5, 120, 310, 7, 128])]
+    groups = split(list(range(len(chunks))), chunks)
+    assert len(groups) <= PROMPT_GROUPS and sorted(i for g in groups for i in g) == list(range(len(chunks)))
+    assert [sorted(chunks[i].q_rows for i in g) for g in groups] == [[4, 5, 6, 7], [120, 128], [300, 310]]
+    many = [Chunk(i, 0, 1 + i % 50, decode=False, sample=True) for i in range(64)]
+    assert len(split(list(range(64)), many)) <= PROMPT_GROUPS  # 64 chunks: still at most three calls
