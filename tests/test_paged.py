@@ -228,12 +228,17 @@ def preempting(ctx, family, mode):
     want = oracle(dense, reqs)
     res = Engine(lm, ctx, chunk_size=5, max_batched_tokens=16, block_size=4, kv_blocks=9,
                  attention=mode).run(requests([(9, 12, 0), (17, 10, 0), (3, 14, 0), (12, 12, 1)]))
-    return ([r["output_ids"] for r in res.requests] == want, res.preemptions, res.free_blocks_at_end,
-            max(it["blocks_used"] for it in res.iterations), res.ledger_matches_model)
+    # the layout before paging: one contiguous region of prompt + max_new_tokens - 1 positions per request
+    contiguous = Engine(lm, ctx, chunk_size=5, max_batched_tokens=16, block_size=1, prefix_cache=False,
+                        reserve_capacity=True).run(requests([(9, 12, 0), (17, 10, 0), (3, 14, 0), (12, 12, 1)]))
+    return ([r["output_ids"] for r in res.requests] == want == [r["output_ids"] for r in contiguous.requests],
+            res.preemptions, res.free_blocks_at_end, max(it["blocks_used"] for it in res.iterations),
+            res.ledger_matches_model)
 
 
 @pytest.mark.parametrize("family,p,mode", [("gpt2", 2, "batched"), ("llama", 4, "batched"), ("gpt2", 1, "reference")])
 def test_preemption_by_recompute_leaves_the_tokens_unchanged(family, p, mode):
+    """paged (preempting) == contiguous (a full reservation per request) == dense"""
     for same, preemptions, free, peak, ledger_ok in run_ranks(p, preempting, family, mode):
         assert preemptions > 0  # 9 blocks of 4 cannot hold the four requests at once (they need 7 alone)
         assert same and ledger_ok
