@@ -21,17 +21,16 @@ SDPA's `is_causal` puts the triangle at the top-left when q_rows != kv_length, w
 wrong here, so a chunk after a cached prefix gets an explicit mask.
 
 Two ways to run it, chosen per iteration (`PagedBatch.mode`):
-    batched     the default, as a GPU runs it: one scatter writes every new row's K,V; then one SDPA call for all
-                decodes, and for the prompt chunks at most three for fresh ones (q_start = 0: causal, no mask) and
-                three for chunks after a cached prefix, chunks of similar length together (serve/inputs.py); each
-                request's queries and keys padded to the longest of its group (and masked). The number of kernels
-                does not grow with the number of requests.
+    batched     the default, as a GPU runs it: one scatter writes every new row's K,V; all decodes attend in one
+                ragged pass over their keys laid end to end (no padding); prompt chunks in at most three SDPA calls
+                for fresh ones (q_start = 0: causal, no mask) and three for chunks after a cached prefix, chunks of
+                similar length together (serve/inputs.py), each padded to the longest of its call and masked. The
+                number of kernels does not grow with the number of requests.
     reference   the readable form it is checked against: one request at a time, its own write and its own SDPA.
 Both read the keys by gathering the block table's slots into a contiguous [kv_length] run (SDPA has no block
-table input; a GPU kernel such as FlashAttention's paged KV reads the blocks in place). The batched form pays for
-its fixed shape in padding: a group's mask is [B, max_q, max_kv] booleans and its gathered K,V B·max_kv positions,
-so one long context in a group widens every request of that group for that iteration (a varlen or paged GPU kernel
-does not pad).
+table input; a GPU kernel such as FlashAttention's paged KV reads the blocks in place). The prompt calls pay for
+their fixed shape in padding: a call's mask is [B, max_q, max_kv] booleans and its gathered K,V B·max_kv positions,
+so one long context widens every chunk of its call for that iteration (a varlen or paged GPU kernel does not pad).
 """
 
 from __future__ import annotations
@@ -65,18 +64,34 @@ class AttentionGroup:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """Every decode row of an iteration, attending in one ragged pass (batched mode): no padding at all.
+
+    rows [B]      the flat row of each decode's one query
+    slots [N]     the pool slots of every decode's keys [0, kv_length), one request after another (N = Σ kv_length)
+    owner [N]     which decode (0 .. B-1) each key belongs to
+    """
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    owner: torch.Tensor
+
+
+@dataclass(frozen=True)
 class PagedBatch:
     """What attention needs for one serving iteration, built once (serve/inputs.py), shared by every layer.
 
     positions [T]      each row's position in its request (RoPE, GPT-2's position embedding)
     slot_mapping [T]   where each new row's K,V go in a layer's flat pool view
-    groups             batched mode: at most 7 AttentionGroups (decodes; fresh prompt chunks; later chunks)
+    decodes            batched mode: every decode row (one ragged pass)
+    groups             batched mode: at most 6 AttentionGroups of prompt chunks (fresh ones; chunks after a prefix)
     spans, q_starts, slots   reference mode: per request, its rows, first position, and slots of [0, kv_length)
     """
 
     mode: str  # "batched" or "reference"
     positions: torch.Tensor
     slot_mapping: torch.Tensor
+    decodes: DecodeGroup | None = None
     groups: tuple[AttentionGroup, ...] = ()
     spans: tuple[tuple[int, int], ...] = ()
     q_starts: tuple[int, ...] = ()
@@ -160,7 +175,9 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, layer: PagedLayer) -> tor
     h, T, dh = q.shape
     group = h // kv.shape[1]
     out = q.new_empty(T, h, dh)
-    for g in batch.groups:  # at most 7 calls: decodes, fresh prompt chunks, chunks after a prefix
+    if batch.decodes is not None:
+        out.index_copy_(0, batch.decodes.rows, _decode(q, pool, batch.decodes))
+    for g in batch.groups:  # at most 6 calls: fresh prompt chunks, chunks after a prefix
         B, max_q = g.rows.shape
         queries = q.index_select(1, g.rows.flatten()).view(h, B, max_q, dh).transpose(0, 1)  # [B, h, max_q, dh]
         context = pool.index_select(1, g.slots.flatten())  # [2, B·max_kv, h_kv, dh]: the keys through the tables
@@ -170,6 +187,27 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, layer: PagedLayer) -> tor
         o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, is_causal=g.mask is None)
         out.index_copy_(0, g.dst, o.transpose(1, 2).reshape(B * max_q, h, dh).index_select(0, g.src))  # real rows
     return out.flatten(1)
+
+
+def _decode(q: torch.Tensor, pool: torch.Tensor, g: DecodeGroup) -> torch.Tensor:
+    """Every decode's one query against its own keys, all decodes at once and without padding: the keys of all
+    requests in one flat [N] run, a softmax per request (segment max and sum by `owner`), the values summed back per
+    request. One long context does not widen the others (a padded SDPA would score every decode to the longest).
+    Scores and sums in float32 at least. Returns [B, h, dh]."""
+    h, _, dh = q.shape
+    h_kv = pool.shape[2]
+    B, N, acc = g.rows.numel(), g.owner.numel(), torch.promote_types(q.dtype, torch.float32)
+    queries = q.index_select(1, g.rows).transpose(0, 1).index_select(0, g.owner)  # [N, h, dh]: each key's query
+    keys, values = pool.index_select(1, g.slots)  # each [N, h_kv, dh]: through the block tables
+    queries = queries.view(N, h_kv, h // h_kv, dh)  # query head j reads K,V head j // (h/h_kv)
+    scores = (queries * keys[:, :, None]).sum(-1, dtype=acc).view(N, h) * dh ** -0.5  # [N, h]
+    owner = g.owner[:, None].expand(N, h)
+    top = scores.new_full((B, h), float("-inf")).scatter_reduce_(0, owner, scores, "amax")  # per request, per head
+    weights = (scores - top.index_select(0, g.owner)).exp()  # [N, h]
+    total = scores.new_zeros(B, h).index_add_(0, g.owner, weights)
+    mixed = (weights.view(N, h_kv, -1, 1) * values[:, :, None].to(acc)).view(N, h, dh)
+    out = scores.new_zeros(B, h, dh).index_add_(0, g.owner, mixed)
+    return (out / total[..., None]).to(q.dtype)
 
 
 def _reference(q: torch.Tensor, kv: torch.Tensor, batch: PagedBatch, pool: torch.Tensor) -> torch.Tensor:

@@ -4,14 +4,15 @@
     positions [T]      each row's position in its request: q_start, q_start + 1, ...
     slot_mapping [T]   where each row's K,V go: blocks[t // block_size] · block_size + t % block_size
     sample_rows [S]    the rows whose logits give a token
-    groups             batched attention: the decodes in one group; fresh prompt chunks (q_start = 0) in at most
-                       three groups of similar lengths, chunks after a cached prefix in at most three more; each with
-                       its queries' rows, its keys' slots (from the block tables) and its mask (none for fresh chunks:
-                       SDPA's is_causal) (layers/attention.py)
+    decodes            batched attention: every decode's row, its keys' slots end to end and their owners (one
+                       ragged pass, no padding)
+    groups             fresh prompt chunks (q_start = 0) in at most three groups of similar lengths, chunks after a
+                       cached prefix in at most three more; each with its queries' rows, its keys' slots (from the
+                       block tables) and its mask (none for fresh chunks: SDPA's is_causal) (layers/attention.py)
 
 Everything integer is laid out on the host in one list and moved with one host-to-device copy (pinned and
 non-blocking on a GPU); the masks are then built on the device. The number of tensor operations does not depend
-on the number of requests (batched mode): at most 7 attention groups, whatever the mix. The reference mode adds one slot tensor per request, for the
+on the number of requests (batched mode): one decode pass and at most 6 attention calls, whatever the mix. The reference mode adds one slot tensor per request, for the
 per-request loop it is checked against.
 """
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from layers.attention import AttentionGroup, PagedBatch
+from layers.attention import AttentionGroup, DecodeGroup, PagedBatch
 from serve.block_manager import slot_mapping
 from serve.plan import Chunk, IterationPlan
 
@@ -97,8 +98,12 @@ def prepare_step(plan: IterationPlan, tokens: dict[int, list[int]], block_size: 
         chunks = plan.chunks
         fresh = [i for i, c in enumerate(chunks) if not c.decode and c.q_start == 0]
         later = [i for i, c in enumerate(chunks) if not c.decode and c.q_start > 0]
-        groups = [[i for i, c in enumerate(chunks) if c.decode]] + split(fresh, chunks) + split(later, chunks)
-        for members in groups:
+        decodes = [i for i, c in enumerate(chunks) if c.decode]
+        if decodes:  # one ragged group: the rows, then every decode's key slots end to end, and their owners
+            put([spans[i][0] for i in decodes])
+            put([s for i in decodes for s in slots_of(chunks[i], 0, chunks[i].kv_length, block_size)])
+            put([b for b, i in enumerate(decodes) for _ in range(chunks[i].kv_length)])
+        for members in split(fresh, chunks) + split(later, chunks):
             if not members:
                 continue
             chosen = [plan.chunks[i] for i in members]
@@ -127,9 +132,12 @@ def prepare_step(plan: IterationPlan, tokens: dict[int, list[int]], block_size: 
         batch = PagedBatch("reference", positions, slot_mapping, spans=tuple(spans),
                            q_starts=tuple(c.q_start for c in plan.chunks), slots=tuple(parts[4:]))
         return StepInputs(ids, batch, sample_rows)
+    decode_group, first = None, 4
+    if any(c.decode for c in plan.chunks):
+        decode_group, first = DecodeGroup(*parts[4:7]), 7
     groups = []
     for g, (B, max_q, max_kv, causal) in enumerate(shapes):
-        rows, slots, q_start, kv_length, src, dst = parts[4 + 6 * g: 10 + 6 * g]
+        rows, slots, q_start, kv_length, src, dst = parts[first + 6 * g: first + 6 + 6 * g]
         if causal:
             groups.append(AttentionGroup(rows.view(B, max_q), slots.view(B, max_kv), None, src, dst))
             continue
@@ -139,4 +147,4 @@ def prepare_step(plan: IterationPlan, tokens: dict[int, list[int]], block_size: 
         # also keeps a padding query's row from being all masked)
         mask = (keys[None, None, :] <= query_pos[:, :, None]) & (keys[None, None, :] < kv_length[:, None, None])
         groups.append(AttentionGroup(rows.view(B, max_q), slots.view(B, max_kv), mask[:, None], src, dst))
-    return StepInputs(ids, PagedBatch("batched", positions, slot_mapping, groups=tuple(groups)), sample_rows)
+    return StepInputs(ids, PagedBatch("batched", positions, slot_mapping, decode_group, tuple(groups)), sample_rows)
