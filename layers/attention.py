@@ -22,10 +22,11 @@ wrong here, so a chunk after a cached prefix gets an explicit mask.
 
 Two ways to run it, chosen per iteration (`PagedBatch.mode`):
     batched     the default, as a GPU runs it: one scatter writes every new row's K,V; all decodes attend in one
-                ragged pass over their keys laid end to end (no padding); prompt chunks in at most three SDPA calls
-                for fresh ones (q_start = 0: causal, no mask) and three for chunks after a cached prefix, chunks of
-                similar length together (serve/inputs.py), each padded to the longest of its call and masked. The
-                number of kernels does not grow with the number of requests.
+                SDPA call (or, when one long context would pad the others more than 4x, in one ragged pass over
+                their keys laid end to end); prompt chunks in at most three SDPA calls for fresh ones (q_start = 0:
+                causal, no mask) and three for chunks after a cached prefix, chunks of similar length together
+                (serve/inputs.py), each padded to the longest of its call and masked. The number of kernels does
+                not grow with the number of requests.
     reference   the readable form it is checked against: one request at a time, its own write and its own SDPA.
 Both read the keys by gathering the block table's slots into a contiguous [kv_length] run (SDPA has no block
 table input; a GPU kernel such as FlashAttention's paged KV reads the blocks in place). The prompt calls pay for
@@ -83,8 +84,8 @@ class PagedBatch:
 
     positions [T]      each row's position in its request (RoPE, GPT-2's position embedding)
     slot_mapping [T]   where each new row's K,V go in a layer's flat pool view
-    decodes            batched mode: every decode row (one ragged pass)
-    groups             batched mode: at most 6 AttentionGroups of prompt chunks (fresh ones; chunks after a prefix)
+    groups             batched mode: at most 7 AttentionGroups (decodes; fresh prompt chunks; chunks after a prefix)
+    decodes            batched mode: the decodes as one ragged group instead (when padding would dominate)
     spans, q_starts, slots   reference mode: per request, its rows, first position, and slots of [0, kv_length)
     """
 
@@ -177,7 +178,7 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, layer: PagedLayer) -> tor
     out = q.new_empty(T, h, dh)
     if batch.decodes is not None:
         out.index_copy_(0, batch.decodes.rows, _decode(q, pool, batch.decodes))
-    for g in batch.groups:  # at most 6 calls: fresh prompt chunks, chunks after a prefix
+    for g in batch.groups:  # at most 7 calls: decodes, fresh prompt chunks, chunks after a prefix
         B, max_q = g.rows.shape
         queries = q.index_select(1, g.rows.flatten()).view(h, B, max_q, dh).transpose(0, 1)  # [B, h, max_q, dh]
         context = pool.index_select(1, g.slots.flatten())  # [2, B·max_kv, h_kv, dh]: the keys through the tables

@@ -4,15 +4,18 @@
     positions [T]      each row's position in its request: q_start, q_start + 1, ...
     slot_mapping [T]   where each row's K,V go: blocks[t // block_size] · block_size + t % block_size
     sample_rows [S]    the rows whose logits give a token
-    decodes            batched attention: every decode's row, its keys' slots end to end and their owners (one
-                       ragged pass, no padding)
-    groups             fresh prompt chunks (q_start = 0) in at most three groups of similar lengths, chunks after a
-                       cached prefix in at most three more; each with its queries' rows, its keys' slots (from the
-                       block tables) and its mask (none for fresh chunks: SDPA's is_causal) (layers/attention.py)
+    groups             batched attention, each one SDPA call: all decodes in one; fresh prompt chunks (q_start = 0) in
+                       at most three of similar lengths, chunks after a cached prefix in at most three more; each with
+                       its queries' rows, its keys' slots (from the block tables) and its mask (none for fresh chunks:
+                       SDPA's is_causal) (layers/attention.py)
+    decodes            instead of the decodes' group when padding every decode to the longest context would score
+                       more than RAGGED_BELOW times their keys (one long context among short ones): every decode's
+                       row, its keys' slots end to end and their owners, for one ragged pass without padding
 
 Everything integer is laid out on the host in one list and moved with one host-to-device copy (pinned and
 non-blocking on a GPU); the masks are then built on the device. The number of tensor operations does not depend
-on the number of requests (batched mode): one decode pass and at most 6 attention calls, whatever the mix. The reference mode adds one slot tensor per request, for the
+on the number of requests (batched mode): one decode call (padded, or ragged when padding would dominate) and at
+most 6 prompt calls, whatever the mix. The reference mode adds one slot tensor per request, for the
 per-request loop it is checked against.
 """
 
@@ -45,6 +48,7 @@ def slots_of(c: Chunk, start: int, end: int, block_size: int) -> list[int]:
     return slot_mapping(c.blocks, block_size, start, end)
 
 
+RAGGED_BELOW = 4  # decodes attend in one ragged pass when padding them to the longest would score > 4x their keys
 PROMPT_GROUPS = 3  # most SDPA calls per layer for fresh prompt chunks, and as many for chunks after a prefix
 CALL_COST = 64 * 64  # a call's fixed cost, in padded score entries: no group is split off for less
 
@@ -93,17 +97,19 @@ def prepare_step(plan: IterationPlan, tokens: dict[int, list[int]], block_size: 
     put([t for c in plan.chunks for t in range(c.q_start, c.q_end)])
     put([s for c in plan.chunks for s in slots_of(c, c.q_start, c.q_end, block_size)])
     put(plan.sample_rows)
-    shapes = []  # per group: (B, max_q, max_kv, causal)
+    shapes, ragged = [], False  # shapes per group: (B, max_q, max_kv, causal)
     if mode == "batched":
         chunks = plan.chunks
         fresh = [i for i, c in enumerate(chunks) if not c.decode and c.q_start == 0]
         later = [i for i, c in enumerate(chunks) if not c.decode and c.q_start > 0]
         decodes = [i for i, c in enumerate(chunks) if c.decode]
-        if decodes:  # one ragged group: the rows, then every decode's key slots end to end, and their owners
+        keys = [chunks[i].kv_length for i in decodes]
+        ragged = bool(decodes) and sum(keys) * RAGGED_BELOW < len(keys) * max(keys)
+        if ragged:  # padding would more than quadruple the keys: the rows, every key's slot end to end, its owner
             put([spans[i][0] for i in decodes])
             put([s for i in decodes for s in slots_of(chunks[i], 0, chunks[i].kv_length, block_size)])
             put([b for b, i in enumerate(decodes) for _ in range(chunks[i].kv_length)])
-        for members in split(fresh, chunks) + split(later, chunks):
+        for members in ([] if ragged else [decodes]) + split(fresh, chunks) + split(later, chunks):
             if not members:
                 continue
             chosen = [plan.chunks[i] for i in members]
@@ -133,7 +139,7 @@ def prepare_step(plan: IterationPlan, tokens: dict[int, list[int]], block_size: 
                            q_starts=tuple(c.q_start for c in plan.chunks), slots=tuple(parts[4:]))
         return StepInputs(ids, batch, sample_rows)
     decode_group, first = None, 4
-    if any(c.decode for c in plan.chunks):
+    if ragged:
         decode_group, first = DecodeGroup(*parts[4:7]), 7
     groups = []
     for g, (B, max_q, max_kv, causal) in enumerate(shapes):
