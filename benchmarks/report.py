@@ -43,7 +43,7 @@ def machine() -> str:
 
 def main() -> int:
     lines = ["# Benchmarks", "",
-             "Reproduce everything on this page with `make bench` (about 23 minutes on 2 cores); it runs the",
+             "Reproduce everything on this page with `make bench` (about 25 minutes on 2 cores); it runs the",
              "scripts below and rewrites this file from their JSON output. Every figure is a ratio of two",
              "timings taken in the same run (medians, slowest rank), never a lone absolute time.", "",
              f"Machine: {machine()}.", ""]
