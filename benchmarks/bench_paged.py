@@ -131,28 +131,29 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def decode_ops(lm: TPLM, ctx: TPContext, batch: int, mode: str) -> int:
-    """aten operations of one decode-only iteration (inputs built, forward, greedy head) of `batch` requests."""
-    block_size, lengths = 16, [40 + 7 * (i % 50) for i in range(batch)]
+def decode_ops(lm, lengths: list[int], mode: str, block_size: int = 16, device="cpu") -> int:
+    """aten operations of one decode-only iteration (inputs built, forward, greedy head): request i decodes at
+    position lengths[i], its blocks laid one request after another."""
     tables, start = [], 0
     for n in lengths:
         blocks = -(-(n + 1) // block_size)
         tables.append(tuple(range(start, start + blocks)))
         start += blocks
-    cfg = lm.cfg
-    pool = KVPool(cfg.n_layers, start, block_size, lm.cache_heads, cfg.d_head, torch.float32, ctx.device)
+    cfg, dtype = lm.cfg, next(lm.parameters()).dtype
+    pool = KVPool(cfg.n_layers, start, block_size, lm.cache_heads, cfg.d_head, dtype, device)
     plan = IterationPlan(0, tuple(Chunk(i, n, n + 1, decode=True, sample=True, blocks=t)
                                   for i, (n, t) in enumerate(zip(lengths, tables))))
     tokens = {i: [1] * (n + 1) for i, n in enumerate(lengths)}
     with torch.no_grad(), CountOps() as ops:
-        step = prepare_step(plan, tokens, block_size, ctx.device, mode)
+        step = prepare_step(plan, tokens, block_size, device, mode)
         lm.step(step.ids, step.positions, pool.layers(step.batch), step.sample_rows)
     return ops.n
 
 
 def bench_shape(lm: TPLM, ctx: TPContext, repeats: int) -> dict:
-    ops = [{"batch": b, "batched": decode_ops(lm, ctx, b, "batched"), "reference": decode_ops(lm, ctx, b, "reference")}
-           for b in SHAPE_BATCHES]
+    lengths = lambda b: [40 + 7 * (i % 50) for i in range(b)]  # noqa: E731
+    ops = [{"batch": b, "batched": decode_ops(lm, lengths(b), "batched", device=ctx.device),
+            "reference": decode_ops(lm, lengths(b), "reference", device=ctx.device)} for b in SHAPE_BATCHES]
     overhead = [{k: v for k, v in r.items() if k != "records"}
                 for r in bench_overhead(lm, ctx, repeats, batches=SHAPE_BATCHES)]
     return {"ops": ops, "overhead": overhead, "layers": lm.cfg.n_layers}

@@ -6,7 +6,6 @@ without prefix caching. Float64 throughout.
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from layers.dense import init_weights
 from layers.llama import LlamaConfig
@@ -14,7 +13,6 @@ from layers.lm import dense_lm, greedy_reference, shard_lm
 from serve.block_manager import BlockManager
 from serve.engine import Engine
 from serve.inputs import prepare_step
-from serve.kv_cache import KVPool
 from serve.plan import Chunk, IterationPlan
 from serve.scheduler import Request, Scheduler, SchedulerError
 from tests.harness import run_ranks
@@ -248,35 +246,11 @@ def test_preemption_by_recompute_leaves_the_tokens_unchanged(family, p, mode):
 # ---- launch shape: aten operations per decode iteration ---------------------------------------------------------
 
 
-class CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 def decode_ops(ctx, counts, mode):
+    from benchmarks.bench_paged import decode_ops as count
+
     lm = shard_lm(model("gpt2"), "v2", ctx.group)
-    out = []
-    for n in counts:  # n running requests, each decoding at its own context length
-        block_size, lengths = 4, [5 + 3 * (i % 20) for i in range(n)]  # within max_seq_len = 96
-        tables, start = [], 0
-        for length in lengths:
-            blocks = -(-(length + 1) // block_size)
-            tables.append(tuple(range(start, start + blocks)))
-            start += blocks
-        pool = KVPool(CFG.n_layers, start, block_size, lm.cache_heads, CFG.d_head, torch.float64)
-        plan = IterationPlan(0, tuple(Chunk(i, n_, n_ + 1, decode=True, sample=True, blocks=t)
-                                      for i, (n_, t) in enumerate(zip(lengths, tables))))
-        tokens = {i: [1] * (n_ + 1) for i, n_ in enumerate(lengths)}
-        with torch.no_grad(), CountOps() as ops:
-            step = prepare_step(plan, tokens, block_size, "cpu", mode)
-            lm.step(step.ids, step.positions, pool.layers(step.batch), step.sample_rows)
-        out.append(ops.n)
-    return out
+    return [count(lm, [5 + 3 * (i % 20) for i in range(n)], mode, block_size=4) for n in counts]  # < max_seq_len
 
 
 def test_aten_ops_per_decode_iteration_do_not_grow_with_requests():
