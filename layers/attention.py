@@ -198,10 +198,10 @@ def _decode(q: torch.Tensor, pool: torch.Tensor, g: DecodeGroup) -> torch.Tensor
     h, _, dh = q.shape
     h_kv = pool.shape[2]
     B, N, acc = g.rows.numel(), g.owner.numel(), torch.promote_types(q.dtype, torch.float32)
-    queries = q.index_select(1, g.rows).transpose(0, 1).index_select(0, g.owner)  # [N, h, dh]: each key's query
+    queries = q.index_select(1, g.rows).transpose(0, 1).to(acc).index_select(0, g.owner)  # [N, h, dh]: each key's query
     keys, values = pool.index_select(1, g.slots)  # each [N, h_kv, dh]: through the block tables
     queries = queries.view(N, h_kv, h // h_kv, dh)  # query head j reads K,V head j // (h/h_kv)
-    scores = (queries * keys[:, :, None]).sum(-1, dtype=acc).view(N, h) * dh ** -0.5  # [N, h]
+    scores = (queries * keys[:, :, None].to(acc)).sum(-1).view(N, h) * dh ** -0.5  # [N, h]
     owner = g.owner[:, None].expand(N, h)
     top = scores.new_full((B, h), float("-inf")).scatter_reduce_(0, owner, scores, "amax")  # per request, per head
     weights = (scores - top.index_select(0, g.owner)).exp()  # [N, h]
