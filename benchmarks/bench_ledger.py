@@ -43,7 +43,7 @@ def main() -> int:
         stack = shard_stack(dense, variant, ctx.group)
         for n in args.tokens:
             x = torch.randn(n, cfg.d_model, generator=torch.Generator().manual_seed(0)).to(ctx.device)
-            ledger = TrafficLedger(ctx.world_size, ctx.device)
+            ledger = TrafficLedger(ctx.world_size, ctx.device, timing=True)
 
             def on():
                 ledger.clear()

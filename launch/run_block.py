@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launch.check import run_check
 from launch.report import render
-from launch.settings import (LaunchSettings, boolean, common_settings, exit_on_unknown_preset, generate_lengths, integer,
+from launch.settings import (LaunchSettings, boolean, common_settings, exit_on_unknown_preset, fitted_lengths, integer,
                              launch, overridden, positive_float, publish)
 from layers.config import DEFAULT_TOLERANCE, ModelConfig, parse_variants, validate_tokens, validate_variants
 from layers.llama import LlamaConfig
@@ -47,13 +47,15 @@ class Settings(LaunchSettings):
     tolerance: float
     repeats: int
     profile: bool
+    notes: tuple[str, ...] = ()  # what was changed from what was asked, said by rank 0
 
 
 def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> Settings:
     """Every check that needs no communication. Raises ConfigError; identical on every rank."""
     common = common_settings(cfg, world_size, local_world_size)
     model, dtype = common["model"], common["dtype"]
-    lengths = request_lengths(cfg, model, common["seed"])
+    notes: list[str] = []
+    lengths = request_lengths(cfg, model, common["seed"], notes)
     variants = parse_variants(OmegaConf.to_container(cfg.variants) if OmegaConf.is_list(cfg.variants) else cfg.variants)
     if model.family == "llama":  # Llama blocks are built as v2 (the Megatron pattern) only
         if "variants" in overridden(("variants",)) and variants != ["v2"]:
@@ -66,11 +68,12 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
         raise ConfigError(f"repeats={repeats} must be at least 1 (timed forwards per variant)")
     tolerance = DEFAULT_TOLERANCE[dtype] if cfg.tolerance is None else positive_float(cfg, "tolerance")
     return Settings(**common, lengths=lengths, variants=variants, tolerance=tolerance, repeats=repeats,
-                    profile=boolean(cfg, "profile"))
+                    profile=boolean(cfg, "profile"), notes=tuple(notes))
 
 
-def request_lengths(cfg: DictConfig, model: ModelConfig | LlamaConfig, seed: int) -> list[int]:
-    """The requests of this run: one sequence (n_tokens), generated (request_dist), or listed (requests)."""
+def request_lengths(cfg: DictConfig, model: ModelConfig | LlamaConfig, seed: int, notes: list[str]) -> list[int]:
+    """The requests of this run: one sequence (n_tokens), generated (request_dist), or listed (requests). What had to
+    change from what was asked is appended to `notes`."""
     given = overridden(("n_tokens", "requests", "request_dist"))
     if cfg.n_tokens is not None:
         if {"requests", "request_dist"} & given:
@@ -80,7 +83,10 @@ def request_lengths(cfg: DictConfig, model: ModelConfig | LlamaConfig, seed: int
         count, mean = integer(cfg, "request_count"), integer(cfg, "request_mean")
         if count < 1 or mean < 1:
             raise ConfigError(f"request_count={count} and request_mean={mean} must be at least 1")
-        lengths = generate_lengths(str(cfg.request_dist), count, mean, model.max_seq_len, seed)
+        lengths, note = fitted_lengths(str(cfg.request_dist), count, mean, model.max_seq_len, seed,
+                                       setting="request_dist", mean_key="request_mean", what="requests",
+                                       why=f" (model.max_seq_len={model.max_seq_len})")
+        notes.extend([note] if note else [])
     else:
         if not OmegaConf.is_list(cfg.requests) or len(cfg.requests) == 0:
             raise ConfigError(f"requests={cfg.requests!r} must be a non-empty list of lengths, e.g. requests=[10,30]")

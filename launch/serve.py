@@ -33,7 +33,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from launch.serve_report import render, render_pd
-from launch.settings import (LaunchSettings, boolean, common_settings, exit_on_unknown_preset, generate_lengths, integer,
+from launch.settings import (LaunchSettings, boolean, common_settings, exit_on_unknown_preset, fitted_lengths, integer,
                              launch, publish)
 from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.dense import init_weights, weights_checksum
@@ -71,11 +71,14 @@ class Settings(LaunchSettings):
     prefix_cache: bool = True
     attention: str = "batched"
     shared_prefix: int = 0
+    comm_timing: bool = False  # per-collective times in the ledger: two waits for the compute stream per collective
+    notes: tuple[str, ...] = ()  # what was changed from what was asked, said by rank 0 and kept in the report
 
     def engine_args(self) -> dict:
         return dict(chunk_size=self.chunk_size, max_batched_tokens=self.max_batched_tokens,
                     max_running=self.max_running, eos_id=self.eos_id, block_size=self.block_size,
-                    kv_blocks=self.kv_blocks, prefix_cache=self.prefix_cache, attention=self.attention)
+                    kv_blocks=self.kv_blocks, prefix_cache=self.prefix_cache, attention=self.attention,
+                    comm_timing=self.comm_timing)
 
 
 def parse_pd(cfg: DictConfig, world_size: int) -> tuple[Layout | None, bool]:
@@ -120,7 +123,8 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     if layout is not None and paging["kv_blocks"] is not None:
         raise ConfigError(f"kv_blocks={paging['kv_blocks']} with pd: the decode side takes handed-over requests in "
                           f"without waiting for blocks, so pd sizes each pool for its workload (kv_blocks=null)")
-    requests = parse_requests(cfg, model, common["seed"], paging["shared_prefix"])
+    notes: list[str] = []
+    requests = parse_requests(cfg, model, common["seed"], paging["shared_prefix"], notes)
     chunk_size, budget = integer(cfg, "chunk_size"), integer(cfg, "max_batched_tokens")
     max_running = None if cfg.max_running is None else integer(cfg, "max_running")
     try:  # the scheduler's own checks: chunk_size >= 1, a budget that fits a full decode batch, every request fits
@@ -140,7 +144,7 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     return Settings(**common, requests=requests, chunk_size=chunk_size, max_batched_tokens=budget,
                     max_running=max_running, eos_id=eos_id, variant=variant,
                     vocab_parallel=boolean(cfg, "vocab_parallel"), check=check == "true", pd=layout,
-                    streaming=streaming, **paging)
+                    streaming=streaming, notes=tuple(notes), **paging)
 
 
 def parse_paging(cfg: DictConfig) -> dict:
@@ -158,12 +162,14 @@ def parse_paging(cfg: DictConfig) -> dict:
     if shared_prefix < 0:
         raise ConfigError(f"shared_prefix={shared_prefix} must be 0 or more (random tokens before every prompt)")
     return dict(block_size=block_size, kv_blocks=kv_blocks, prefix_cache=boolean(cfg, "prefix_cache"),
-                attention=attention, shared_prefix=shared_prefix)
+                attention=attention, shared_prefix=shared_prefix, comm_timing=boolean(cfg, "comm_timing"))
 
 
-def parse_requests(cfg: DictConfig, model: ModelConfig, seed: int, shared_prefix: int = 0) -> list[Request]:
+def parse_requests(cfg: DictConfig, model: ModelConfig, seed: int, shared_prefix: int = 0,
+                   notes: list[str] | None = None) -> list[Request]:
     """The prompts (listed, or random, after `shared_prefix` random tokens common to all), each with its
-    max_new_tokens and arrival iteration."""
+    max_new_tokens and arrival iteration. What had to change from what was asked is appended to `notes`."""
+    notes = [] if notes is None else notes
     V, longest = model.vocab_size, model.max_seq_len
     if cfg.prompts is not None and shared_prefix:
         raise ConfigError(f"shared_prefix={shared_prefix} applies to random prompts; with prompts=... write the "
@@ -196,8 +202,11 @@ def parse_requests(cfg: DictConfig, model: ModelConfig, seed: int, shared_prefix
             raise ConfigError(f"shared_prefix={shared_prefix} is too long: with max_new_tokens={max(new)} a prompt "
                               f"has at most {room} positions in model.max_seq_len={longest}, and needs one token of "
                               f"its own; use shared_prefix <= {room - 1}")
-        lengths = generate_lengths(str(cfg.prompt_dist), count, mean, room - shared_prefix, seed,
-                                   setting="prompt_dist")
+        lengths, note = fitted_lengths(str(cfg.prompt_dist), count, mean, room - shared_prefix, seed,
+                                       setting="prompt_dist", mean_key="prompt_mean", what="random prompts",
+                                       why=f" (model.max_seq_len={longest}, max_new_tokens={max(new)}, "
+                                           f"shared_prefix={shared_prefix})")
+        notes.extend([note] if note else [])
         gen = torch.Generator().manual_seed(seed + 3)
         prompts = [torch.randint(0, V, (n,), generator=gen).tolist() for n in lengths]
         if shared_prefix:  # a system prompt: drawn once, from its own stream, so the prompts after it do not change
@@ -368,6 +377,7 @@ def build_pd_report(s: Settings, ctx, result, colocated: list[list[int]], checks
                    "vocab_parallel": s.vocab_parallel, "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed,
                    "block_size": s.block_size, "prefix_cache": s.prefix_cache, "attention": s.attention,
                    "shared_prefix": s.shared_prefix},
+        "notes": list(s.notes),
         "kv_cache": {"block_size": s.block_size,  # each side's pool: enough for its workload (kv_blocks=null)
                      "prefix_hit_tokens": sum(it["prefix_hit_tokens"] for it in result.prefill_iterations),
                      "peak_blocks_used": {side: max((it["blocks_used"] for it in its), default=0) for side, its in
@@ -441,7 +451,8 @@ def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | Non
                    "variant": s.variant, "vocab_parallel": s.vocab_parallel,
                    "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed, "check": s.check,
                    "block_size": s.block_size, "kv_blocks": s.kv_blocks, "prefix_cache": s.prefix_cache,
-                   "attention": s.attention, "shared_prefix": s.shared_prefix},
+                   "attention": s.attention, "shared_prefix": s.shared_prefix, "comm_timing": s.comm_timing},
+        "notes": list(s.notes),
         "iterations": its,
         "requests": requests,
         "totals": {"iterations": len(its), "generated_tokens": generated, "time_s": result.time_s,

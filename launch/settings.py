@@ -166,6 +166,29 @@ def generate_lengths(dist_name: str, count: int, mean: int, max_len: int, seed: 
     return [int(v) for v in values.round().clamp(1, max_len).tolist()]
 
 
+def fitted_lengths(dist_name: str, count: int, mean: int, max_len: int, seed: int, setting: str, mean_key: str,
+                   what: str, why: str = "") -> tuple[list[int], str | None]:
+    """generate_lengths, no silent change of what was asked: a mean longer than any length can be is refused, and
+    the lengths drawn longer than max_len and clipped to it come back as a note (rank 0 prints it, the report
+    keeps it)."""
+    if mean > max_len:
+        raise ConfigError(f"{mean_key}={mean} cannot be met: {what} have at most {max_len} tokens here{why}; use "
+                          f"{mean_key} <= {max_len}")
+    drawn = generate_lengths(dist_name, count, mean, 2**62, seed, setting)
+    clipped = sum(n > max_len for n in drawn)
+    note = (f"{clipped} of {count} {what} drawn longer than {max_len} tokens (the most that fit) were clipped to "
+            f"{max_len}; their mean is {sum(min(n, max_len) for n in drawn) / count:.1f}, not {mean_key}={mean}"
+            if clipped else None)
+    return [min(n, max_len) for n in drawn], note
+
+
+def print_notes(settings, ctx) -> None:
+    """Rank 0 says what was changed from what was asked (settings.notes)."""
+    if ctx.is_main:
+        for note in getattr(settings, "notes", ()):
+            print(f"note: {note}", flush=True)
+
+
 def integer(cfg: DictConfig, key: str) -> int:
     value = cfg[key]
     if isinstance(value, bool) or not isinstance(value, int):
@@ -252,6 +275,7 @@ def launch(cfg: DictConfig, parse, work) -> int:
     started = start(cfg, parse)
     if started is None:
         return 2
+    print_notes(started[0], started[2])
     try:
         return work(*started)
     except ConfigError as exc:

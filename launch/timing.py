@@ -8,16 +8,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from tp.dist import TPContext, max_over_ranks, synchronize
+from tp.dist import TPContext, max_over_ranks, wait_for_stream
 
 
 def timed(fn, ctx: TPContext) -> float:
     """Wall time of fn() on this rank, started together with the other ranks, device work included."""
     dist.barrier(group=ctx.group)
-    synchronize(ctx.device)
+    wait_for_stream(ctx.device)
     start = time.perf_counter()
     fn()
-    synchronize(ctx.device)
+    wait_for_stream(ctx.device)
     return time.perf_counter() - start
 
 

@@ -39,7 +39,7 @@ def measure_traffic(stack: TPStack, x: torch.Tensor, cu_seqlens, cfg: ModelConfi
                     repeats: int) -> dict:
     """Ledger on: one forward+backward checked against the model, then timed forwards
     (ledger off, ledger on, and with several requests the padded-attention baseline)."""
-    ledger = TrafficLedger(ctx.world_size, ctx.device)
+    ledger = TrafficLedger(ctx.world_size, ctx.device, timing=True)  # per-collective times: run_block reports them
     x_grad = x.detach().clone().requires_grad_()
     with ledger.attach(stack):
         stack(x_grad, cu_seqlens)[-1].sum().backward()

@@ -44,7 +44,7 @@ def measure(ctx: TPContext, cfg: ModelConfig, ns: list[int], intra_head_max_n: i
             if variant == "intra_head" and n > intra_head_max_n:
                 continue
             x = torch.randn(n, cfg.d_model, generator=torch.Generator().manual_seed(n)).to(ctx.device)
-            ledger = TrafficLedger(ctx.world_size, ctx.device)
+            ledger = TrafficLedger(ctx.world_size, ctx.device, timing=True)
             times = []
             with torch.no_grad():
                 for rep in range(repeats + 1):

@@ -10,7 +10,7 @@ from tp.dist import ConfigError
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The default check: max |tp - dense| / max |dense| per layer. float32 is the strict check; the
-# half-precision bounds are measured rounding of p partial sums (README, "Precision").
+# half-precision bounds are measured rounding of p partial sums (docs/precision.md).
 DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 VARIANTS = ("v1", "v2", "intra_head")
 SERVING_VARIANTS = ("v1", "v2")  # intra_head is a counterfactual of one forward, not served

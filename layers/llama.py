@@ -109,8 +109,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d, dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # in x's own dtype throughout
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The statistics in float32 at least, as transformers' LlamaRMSNorm: squared in float16, a residual stream
+        # whose activations reach the thousands (Llama-2-7B's do) overflows above |x| ~ 256 and the row becomes
+        # zeros. Normalized in float32, rounded back to x's dtype, then scaled (transformers' order, so bfloat16
+        # rounds where it does). nn.LayerNorm already keeps its statistics in float32 for half inputs.
+        stats = torch.promote_types(x.dtype, torch.float32)
+        xs = x.to(stats)
+        return self.weight * (xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rope_tables(positions: torch.Tensor, dh: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

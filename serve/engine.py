@@ -9,8 +9,16 @@ makes the same plan; the engine checks that cheaply: once at the start (a finger
 requests and scheduler settings), before each forward (one all-gather of a four-number plan
 fingerprint, in the iteration's ledger), and once when its loop ends (so a rank that thinks it
 is done meets a rank that still plans in the same all-gather). Any difference raises
-PlanMismatch on every rank. The traffic ledger records every collective of every iteration,
-and each iteration is compared with the analytic model (tp/traffic_model.py: predict_iteration).
+PlanMismatch on every rank, before a forward could issue collectives of different sizes. The
+fingerprints are control traffic: CPU tensors over the group's gloo backend (under NCCL too:
+tp/dist.py), so the check never waits for a GPU. The traffic ledger records every collective of
+every iteration, and each iteration is compared with the analytic model (tp/traffic_model.py:
+predict_iteration).
+
+What the host waits for, per iteration: one read of the sampled tokens and their logits (one
+device-to-host copy; it also ends the iteration's clock, so timing costs no extra wait). The
+inputs go over in one host-to-device copy (serve/inputs.py), the ledger counts without waiting,
+and per-collective times (comm_timing=True) add two waits for the compute stream per collective.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from serve.kv_cache import KVPool
 from serve.plan import FINGERPRINT_SIZE, IterationPlan
 from serve.scheduler import Request, Scheduler, SchedulerError, worst_case_blocks
 from tp.comm import gather_from_region
-from tp.dist import TPContext, synchronize
+from tp.dist import TPContext, control_device, host_control, wait_for_stream
 from tp.ledger import TrafficLedger
 from tp.traffic_model import predict_iteration
 
@@ -78,7 +86,8 @@ class Engine:
     def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, *, chunk_size: int, max_batched_tokens: int,
                  max_running: int | None = None, eos_id: int | None = None, block_size: int = 16,
                  kv_blocks: int | None = None, prefix_cache: bool = True, attention: str = "batched",
-                 reserve_capacity: bool = False, on_iteration=None, hooks: EngineHooks | None = None):
+                 reserve_capacity: bool = False, comm_timing: bool = False, on_iteration=None,
+                 hooks: EngineHooks | None = None):
         if block_size < 1:
             raise SchedulerError(f"block_size={block_size} must be at least 1")
         if kv_blocks is not None and kv_blocks < 1:
@@ -90,6 +99,7 @@ class Engine:
                                max_running=max_running, eos_id=eos_id, reserve_capacity=reserve_capacity)
         self.block_size, self.kv_blocks, self.prefix_cache, self.attention = \
             block_size, kv_blocks, prefix_cache, attention
+        self.comm_timing = comm_timing  # per-collective times in the ledger (comm_time_s): waits on the stream
         self.on_iteration = on_iteration  # called with each iteration's record (progress lines)
         self.hooks = hooks or EngineHooks()
         self.dtype = next(lm.parameters()).dtype
@@ -112,9 +122,9 @@ class Engine:
         arrived_at: dict[int, float] = {}
         token_times: dict[int, list[float]] = {r.id: [] for r in requests}
         logits: dict[int, list[float]] = {r.id: [] for r in requests}
-        ledger = TrafficLedger(self.ctx.world_size, self.ctx.device)
+        ledger = TrafficLedger(self.ctx.world_size, self.ctx.device, timing=self.comm_timing)
         self._agree(self._settings_fingerprint(requests), "requests or scheduler settings differ")
-        synchronize(self.ctx.device)
+        wait_for_stream(self.ctx.device)  # the pool's zeroing is not billed to the first iteration
         start = result.started_at = time.perf_counter()
         index = 0
         while sched.has_work():
@@ -140,11 +150,12 @@ class Engine:
                 self._check_plan(plan)
                 self.hooks.before_forward(plan)
                 tokens, token_logits = self._forward(plan, sched)
-            synchronize(self.ctx.device)
+            # The iteration's one wait for the device: tokens and logits in one copy (ids < 2^53 are exact in float64)
+            token_list, logit_list = torch.stack([tokens.double(), token_logits.double()]).tolist()
+            token_list = [int(t) for t in token_list]
             t1 = time.perf_counter()
             sampled_ids = [c.request for c in plan.chunks if c.sample]
-            token_list = tokens.tolist()
-            for rid, lg in zip(sampled_ids, token_logits.tolist()):
+            for rid, lg in zip(sampled_ids, logit_list):
                 token_times[rid].append(t1)
                 logits[rid].append(lg)
             finished = sched.update(plan, dict(zip(sampled_ids, token_list)))
@@ -160,7 +171,7 @@ class Engine:
                 self.on_iteration(record, sched)
             index += 1
         self._check_plan(IterationPlan(index, ()))  # "done": differs from any plan a rank still running makes
-        synchronize(self.ctx.device)
+        wait_for_stream(self.ctx.device)
         result.time_s = time.perf_counter() - start
         sched.blocks.check()  # every count back to 0, every block free (or a bug in the block manager)
         result.free_blocks_at_end = sched.blocks.num_free
@@ -189,11 +200,11 @@ class Engine:
         self._agree(plan.fingerprint(), f"iteration {plan.index}: ranks scheduled different rows")
 
     def _agree(self, fingerprint: list[float], what: str) -> None:
-        mine = torch.tensor([fingerprint], dtype=torch.float64, device=self.ctx.device)
-        every = gather_from_region(mine, self.ctx.group, "engine/plan check").view(-1, FINGERPRINT_SIZE)
-        if not bool((every == every[0]).all()):
-            raise PlanMismatch(f"{what} (fingerprints {every.tolist()}); every rank must get the same requests "
-                               f"and settings")
+        with host_control():  # CPU tensors, the group's gloo backend: no wait for the GPU
+            mine = torch.tensor([fingerprint], dtype=torch.float64, device=control_device(self.ctx.group))
+            every = gather_from_region(mine, self.ctx.group, "engine/plan check").view(-1, FINGERPRINT_SIZE).tolist()
+        if any(row != every[0] for row in every):
+            raise PlanMismatch(f"{what} (fingerprints {every}); every rank must get the same requests and settings")
 
     def _settings_fingerprint(self, requests: list[Request]) -> list[float]:
         a = self.sched_args
@@ -224,7 +235,7 @@ class Engine:
             "collectives": dict(Counter(t.kind for t in seen)),
             "logical_bytes": sum(t.logical_bytes for t in seen),
             "bytes_per_rank": sum(t.bytes_per_rank for t in seen),
-            "comm_time_s": sum(r.time_s for r in ledger.records),
+            "comm_time_s": sum(r.time_s for r in ledger.records) if ledger.timing else None,
             "ledger_matches_model": seen == predicted,
             "predicted_bytes_per_rank": sum(t.bytes_per_rank for t in predicted),
             "score_entries": plan.score_entries(), "cache_rows_read": plan.cache_rows_read(),

@@ -45,7 +45,8 @@ def _worker(rank: int, world_size: int, store: str, backend: str, tasks, results
             torch.cuda.set_device(device)
             torch.set_float32_matmul_precision("highest")  # no TF32: the checks are float32 against float32
         dist.init_process_group(
-            backend, rank=rank, world_size=world_size, init_method=f"file://{store}",
+            "cpu:gloo,cuda:nccl" if backend == "nccl" else backend, rank=rank, world_size=world_size,
+            init_method=f"file://{store}",
             timeout=datetime.timedelta(seconds=90), device_id=device if backend == "nccl" else None,
         )
         ctx = context(dist.group.WORLD, backend=backend, device=device)

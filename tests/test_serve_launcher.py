@@ -98,6 +98,8 @@ MORE_BAD = [
     (["prompts=[1,2]"], "prompts[0]=1 is not a list of token ids"),
     (["variant=intra_head"], "unknown variant 'intra_head' for serving"),
     (["prompt_dist=zipf"], "unknown prompt_dist 'zipf'"),
+    (["prompt_mean=100000"], "prompt_mean=100000 cannot be met: random prompts have at most 1009 tokens here "
+                             "(model.max_seq_len=1024, max_new_tokens=16, shared_prefix=0)"),
 ]
 
 
@@ -106,6 +108,19 @@ def test_more_bad_settings_on_a_lone_rank(tmp_path, overrides, message):
     alone = lone_rank(tmp_path, overrides)
     assert alone.returncode == 2, alone.stdout + alone.stderr
     assert alone.stderr.startswith("[rank 1] error: ") and message in alone.stderr, alone.stderr
+
+
+def test_clipped_prompt_lengths_are_said_not_hidden():
+    """Lengths drawn longer than fit are clipped and the note says how many; a mean that cannot fit is refused."""
+    from launch.settings import fitted_lengths, generate_lengths
+
+    drawn = generate_lengths("lognormal", 6, 900, 10**9, 0, "prompt_dist")
+    clipped = sum(n > 1023 for n in drawn)
+    assert clipped >= 1  # the case under test
+    lengths, note = fitted_lengths("lognormal", 6, 900, 1023, 0, "prompt_dist", "prompt_mean", "random prompts")
+    assert lengths == [min(n, 1023) for n in drawn] and max(lengths) == 1023
+    assert note.startswith(f"{clipped} of 6 random prompts drawn longer than 1023 tokens") and "not prompt_mean=900" in note
+    assert fitted_lengths("uniform", 6, 10, 1023, 0, "prompt_dist", "prompt_mean", "random prompts")[1] is None
 
 
 def test_article03_preset_is_the_default_model():

@@ -116,7 +116,12 @@ def check_off_by_default(ctx):
     with ledger.recording():  # on, but no stack attached: collectives are recorded with no layer
         stack(x)
     assert len(ledger.records) == 2 * SMALL.n_layers and {r.layer for r in ledger.records} == {None}
-    assert all(r.time_s > 0 for r in ledger.records)
+    assert all(r.time_s == 0.0 for r in ledger.records)  # counting only: no clock, no wait for the device
+    timed = TrafficLedger(ctx.world_size, timing=True)
+    with timed.recording():
+        stack(x)
+    assert [r.traffic() for r in timed.records] == [r.traffic() for r in ledger.records[-len(timed.records):]]
+    assert all(r.time_s > 0 for r in timed.records)
     assert active() is None
 
 

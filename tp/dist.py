@@ -6,6 +6,8 @@ and never reads the environment or a global process group itself.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime
 import os
 from dataclasses import dataclass
@@ -94,10 +96,37 @@ def group_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work (before reading a clock); nothing to wait for on the CPU."""
+_HOST_CONTROL: contextvars.ContextVar[bool] = contextvars.ContextVar("tp_host_control", default=False)
+
+
+@contextlib.contextmanager
+def host_control():
+    """Host-side control traffic (the engine's plan agreement): small CPU tensors exchanged over the group's gloo
+    backend, so that reading them never waits for a GPU. Marked so that tests counting device waits can tell it
+    apart (tests/syncs.py)."""
+    token = _HOST_CONTROL.set(True)
+    try:
+        yield
+    finally:
+        _HOST_CONTROL.reset(token)
+
+
+def in_host_control() -> bool:
+    return _HOST_CONTROL.get()
+
+
+def control_device(group: dist.ProcessGroup) -> torch.device:
+    """Where control messages live: the CPU whenever the group has a gloo backend (gloo alone, or NCCL's groups,
+    created as "cpu:gloo,cuda:nccl" by init_from_env); the GPU only for a group that is NCCL alone."""
+    return torch.device("cpu") if "gloo" in str(dist.get_backend(group)) else group_device(group)
+
+
+def wait_for_stream(device: torch.device) -> None:
+    """Wait until this rank's compute stream (the current stream of `device`) has run what was queued on it, e.g.
+    before reading a clock. Not torch.cuda.synchronize: that waits for every stream of the device, the NCCL
+    point-to-point streams of the prefill/decode hand-over included. Nothing to wait for on the CPU."""
     if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 def init_from_env(backend: str = "auto", timeout_s: float = 120.0, init_method: str | None = None,
@@ -120,8 +149,10 @@ def init_from_env(backend: str = "auto", timeout_s: float = 120.0, init_method: 
     if init_method is None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
+    # Under NCCL every group also gets a gloo backend for CPU tensors (the engine's per-iteration plan agreement,
+    # object exchanges): control messages go host to host and never wait for a GPU stream.
     dist.init_process_group(
-        backend=backend,
+        backend="cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
         init_method=init_method,
         rank=rank,
         world_size=world_size,

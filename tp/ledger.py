@@ -10,9 +10,12 @@ finding none, does nothing more. Switched on with
 
 Bytes follow the ring model (SPEC §4) for the bytes each rank sends:
 all-reduce of M elements 2(p-1)/p·M·e, all-gather to M elements (p-1)/p·M·e.
-Time is wall time around the collective alone: on a GPU the device is
-synchronised before the clock starts, so queued compute is not billed to it.
-It does include waiting for the slowest rank to arrive.
+Counting costs the host nothing: a record is written when the collective is issued, and nothing waits
+for the device. Per-collective times only when asked (`TrafficLedger(..., timing=True)`; run_block's
+profiling and the sweeps ask): then the rank's compute stream is drained before the clock starts (queued
+compute is not billed to the collective) and after the collective returns. That is a wait on this rank's
+own stream, never a device-wide synchronize, which would also wait for other streams' work (the
+prefill/decode hand-over's sends). A time includes waiting for the slowest rank to arrive.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch.autograd.profiler import record_function
 
-from tp.dist import synchronize
+from tp.dist import wait_for_stream
 
 _profiling = torch._C._autograd._profiler_enabled
 
@@ -78,7 +81,7 @@ class Traffic:
 
 @dataclass(frozen=True)
 class CommRecord(Traffic):
-    """One collective as the ledger saw it: the traffic, and the wall time it took."""
+    """One collective as the ledger saw it: the traffic, and the wall time it took (0.0 unless timing was asked)."""
 
     time_s: float = 0.0
 
@@ -125,9 +128,10 @@ def split_site(site: str | None) -> tuple[str, str]:
 
 
 class TrafficLedger:
-    def __init__(self, world_size: int, device: torch.device | str = "cpu"):
+    def __init__(self, world_size: int, device: torch.device | str = "cpu", timing: bool = False):
         self.world_size = world_size
         self.device = torch.device(device)
+        self.timing = timing  # per-collective wall times: two waits for the compute stream per collective
         self.records: list[CommRecord] = []
         self.transfers: list[TransferRecord] = []  # point-to-point messages (serve/disagg.py)
         self.layer: int | None = None
@@ -167,14 +171,17 @@ class TrafficLedger:
     def measure(self, fn, *, kind: str, site: str | None, phase: str, layer: int | None,
                 shape: tuple[int, ...], dtype: torch.dtype):
         """Run `fn` (the collective) and record it."""
-        synchronize(self.device)
         # A named scope in profiler traces ("tp attn/all-reduce #1"); opened only while profiling (~10 us).
         scope = record_function(f"tp {site or kind}") if _profiling() else contextlib.nullcontext()
         with scope:
-            start = time.perf_counter()
-            out = fn()
-            synchronize(self.device)
-            elapsed = time.perf_counter() - start
+            if not self.timing:
+                out, elapsed = fn(), 0.0
+            else:
+                wait_for_stream(self.device)
+                start = time.perf_counter()
+                out = fn()
+                wait_for_stream(self.device)
+                elapsed = time.perf_counter() - start
         sublayer, label = split_site(site)
         elements = math.prod(shape)
         self.records.append(CommRecord(

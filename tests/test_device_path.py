@@ -1,0 +1,108 @@
+"""The serving path as a GPU would run it: what the host waits for per iteration, and half precision like the models'
+own code (norm statistics in float32)."""
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+
+
+# ---- host synchronizations per decode iteration ------------------------------------------------------------------
+
+
+def _count_syncs(ctx, comm_timing):
+    from layers.lm import shard_lm
+    from serve.engine import Engine
+    from tests.syncs import SyncCounter
+    from tests.test_serve import CFG, dense_lm, make_requests
+
+    lm = shard_lm(dense_lm(), "v2", ctx.group)
+    counter, rows = SyncCounter(), []
+
+    def on_iteration(record, sched):  # everything since the previous iteration's record: schedule, forward, update
+        rows.append((record["prefill_chunks"], record["decodes"], sum(record["collectives"].values()),
+                     dict(counter.device), dict(counter.control)))
+        counter.device.clear()
+        counter.control.clear()
+
+    with counter.counting():
+        Engine(lm, ctx, chunk_size=8, max_batched_tokens=32, comm_timing=comm_timing,
+               on_iteration=on_iteration).run(make_requests())
+    return CFG.n_layers, rows
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_one_host_sync_per_decode_iteration(p):
+    """A decode iteration waits for the device once: the sampled tokens' copy (which also ends its clock). The plan
+    agreement is host-side control traffic (CPU tensors, gloo) and waits for no GPU. With per-collective timing on,
+    each collective adds two waits for the compute stream — the 4L + ... the serving loop used to pay (22 at L = 3
+    before: two device-wide syncs per collective, three tensor reads, one more sync), which shows the counter
+    sees what it counts."""
+    for (L, rows), (_, timed) in zip(run_ranks(p, _count_syncs, False), run_ranks(p, _count_syncs, True)):
+        decodes = [r for r in rows if r[0] == 0]
+        assert len(decodes) >= 5
+        for _, _, collectives, device, control in decodes:
+            assert device == {"tolist": 1}, device  # the one copy of tokens and logits
+            assert control == {"tolist": 1}, control  # the plan check, on the host
+        for _, _, collectives, device, _ in (r for r in timed if r[0] == 0):
+            on_device = collectives - 1  # all but the plan check: 2L all-reduces, the embedding's, the head's gather
+            if p > 1:
+                assert on_device == 2 * L + 2
+            assert device == {"tolist": 1, **({"tp.dist.wait_for_stream": 2 * on_device} if p > 1 else {})}, device
+
+
+# ---- half precision: norm statistics in float32 ------------------------------------------------------------------
+
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # a few roundings of each format (2^-10, 2^-7)
+
+
+def _big_residual(d: int, dtype) -> torch.Tensor:
+    """Rows like a late layer of Llama-2-7B's residual stream: activations of magnitude 1e3-1e4."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, d, generator=gen, dtype=torch.float64) * 3e3
+    x[:, :4] = 1e4  # a few outlier channels, as real models have
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_norms_keep_float32_statistics_in_half_precision(dtype):
+    """float16 squares overflow above |x| ~ 256: squared in x's dtype the row's statistic is inf and the row becomes
+    zeros. RMSNorm (ours) and LayerNorm (PyTorch's) take their statistics in float32 and equal a float32 norm."""
+    from layers.llama import RMSNorm
+
+    d = 64
+    x = _big_residual(d, dtype)
+    if dtype == torch.float16:
+        assert torch.isinf(x.pow(2).mean(-1)).all()  # what squaring in float16 gives: the case under test
+    rms, ln = RMSNorm(d, 1e-5, torch.float32), torch.nn.LayerNorm(d, dtype=torch.float32)
+    with torch.no_grad():
+        for norm in (rms, ln):
+            norm.weight.copy_(1 + 0.1 * torch.randn(d, generator=torch.Generator().manual_seed(1)))
+    for norm in (rms, ln):
+        want = norm(x.float())
+        got = norm.to(dtype)(x)
+        assert got.dtype == dtype and torch.isfinite(got).all()
+        assert ((got.float() - want).abs().max() / want.abs().max()).item() < TOL[dtype]
+        norm.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_llama_block_with_a_large_residual(dtype):
+    """A Llama block in float16/bfloat16 on residual rows of magnitude 1e3-1e4 is finite and equals the float32 block
+    within the format's tolerance, down to what its attention and MLP see (the normed rows)."""
+    from layers.dense import init_weights
+    from layers.llama import DenseLlamaBlock, LlamaConfig
+
+    cfg = LlamaConfig(d_model=64, n_heads=8, n_kv_heads=2, d_head=8, d_ffn=96, n_layers=1, vocab_size=100)
+    block = init_weights(DenseLlamaBlock(cfg, torch.float32), seed=0)
+    half = init_weights(DenseLlamaBlock(cfg, dtype), seed=0)
+    seen = {}
+    for name, b in (("float32", block), ("half", half)):
+        b.q.register_forward_pre_hook(lambda m, a, name=name: seen.__setitem__(name, a[0].float()))
+    x = _big_residual(cfg.d_model, dtype)
+    with torch.no_grad():
+        want, got = block(x.float()), half(x)
+    assert torch.isfinite(got).all()
+    assert ((got.float() - want).abs().max() / want.abs().max()).item() < TOL[dtype]
+    normed = (seen["half"] - seen["float32"]).abs().max() / seen["float32"].abs().max()
+    assert normed.item() < TOL[dtype]  # zeros (statistics squared in float16) would be off by 100%
