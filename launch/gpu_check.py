@@ -6,7 +6,10 @@ It adapts to the GPUs it finds and writes one summary, outputs/gpu_check/summary
     one GPU only             p = 2, 4, 8 ranks sharing it over gloo with CUDA tensors (device=cuda), bfloat16:
                              device placement, CUDA sync in the ledger, CUDA traces, bf16 kernels
     the largest p            serve on NCCL (v2, float32, checked against the dense oracle)
-    Llama (llama_tiny)       run_block and serve on NCCL at the largest p; one GPU: 4 ranks sharing it (gloo+cuda)
+    Llama (llama_tiny)       run_block and serve on NCCL at the largest p; one GPU: 4 ranks sharing it (gloo+cuda);
+                             serve in bfloat16 on NCCL (tokens against the dense oracle, near-ties allowed)
+    P/D (at least 2 GPUs)    serve with prefill and decode groups of half the GPUs each, on NCCL (pair
+                             communicators warmed up, K,V streamed layer by layer); skipped with the reason on one
     tests marked nccl        pytest -m nccl with the rank pools on NCCL (TPREF_TEST_BACKEND=nccl)
     bench_tp                 v2 vs DTensor at the valid p, 40 and 1024 tokens, 3 repeats
 
@@ -67,11 +70,27 @@ def steps(n_gpus: int) -> list[tuple[str, list[str], dict, float]]:
     out.append((f"serve llama_tiny nccl p={valid[-1]}",
                 torchrun + [f"--nproc_per_node={valid[-1]}", "launch/serve.py", "model=llama_tiny", "backend=nccl",
                             f"hydra.run.dir={OUT}/serve_llama_nccl_p{valid[-1]}"], {}, 300))
+    out.append((f"serve llama_tiny nccl p={valid[-1]} bfloat16",
+                torchrun + [f"--nproc_per_node={valid[-1]}", "launch/serve.py", "model=llama_tiny", "backend=nccl",
+                            "dtype=bfloat16", f"hydra.run.dir={OUT}/serve_llama_nccl_bf16_p{valid[-1]}"], {}, 300))
+    if n_gpus >= 2:  # prefill/decode disaggregation: two NCCL groups, point-to-point K,V between them
+        half = min(n_gpus, 8) // 2
+        out.append((f"serve pd nccl {half}+{half}",
+                    torchrun + [f"--nproc_per_node={2 * half}", "launch/serve.py", "backend=nccl",
+                                f"pd.prefill_ranks={half}", f"pd.decode_ranks={half}",
+                                f"hydra.run.dir={OUT}/serve_pd_nccl_{half}x2"], {}, 300))
     out.append(("pytest -m nccl", [py, "-m", "pytest", "-q", "-m", "nccl", "-p", "no:cacheprovider"],
                 {"TPREF_TEST_BACKEND": "nccl"}, 600))
     out.append(("bench_tp", [py, "benchmarks/bench_tp.py", "--p", *map(str, valid), "--repeats", "3",
                              "--out", str(OUT / "bench_tp.json")], {}, 600))
     return out
+
+
+def skipped(n_gpus: int) -> list[tuple[str, str]]:
+    """(step, why it does not run on this node)."""
+    if 0 < n_gpus < 2:
+        return [("serve pd nccl", f"prefill/decode needs at least 2 GPUs (one per rank under NCCL); {n_gpus} visible")]
+    return []
 
 
 def run_step(name: str, argv: list[str], env: dict, limit: float) -> dict:
@@ -111,6 +130,8 @@ def summary(n_gpus: int, results: list[dict]) -> str:
     for r in results:
         body += [f"## {'PASS' if r['ok'] else 'FAIL'}: {r['name']} (rc {r['rc']}, {r['seconds']:.0f} s)", "", "```",
                  *r["lines"], "```", ""]
+    for name, why in skipped(n_gpus):
+        body += [f"## SKIP: {name}", "", why, ""]
     verdict = f"{sum(r['ok'] for r in results)}/{len(results)} steps passed"
     return "\n".join(head + [verdict, ""] + body)
 

@@ -66,6 +66,7 @@ class Settings(LaunchSettings):
     check: bool
     pd: Layout | None = None  # prefill/decode disaggregation: the two groups' sizes
     streaming: bool = True
+    pd_timeout_s: float = 120.0  # pd.timeout_s: the longest wait for one hand-over message
     block_size: int = 16  # token positions per KV block
     kv_blocks: int | None = None  # blocks in each rank's pool; None: enough for every request at its largest
     prefix_cache: bool = True
@@ -81,12 +82,18 @@ class Settings(LaunchSettings):
                     comm_timing=self.comm_timing)
 
 
-def parse_pd(cfg: DictConfig, world_size: int) -> tuple[Layout | None, bool]:
-    """pd.prefill_ranks / pd.decode_ranks (both or neither) and pd.streaming."""
+def parse_pd(cfg: DictConfig, world_size: int) -> tuple[Layout | None, bool, float]:
+    """pd.prefill_ranks / pd.decode_ranks (both or neither), pd.streaming and pd.timeout_s."""
     pd = cfg.get("pd") or {}
+    try:
+        timeout_s = float(pd.get("timeout_s", 120.0))
+    except (TypeError, ValueError):
+        raise ConfigError(f"pd.timeout_s={pd.get('timeout_s')!r} must be a number of seconds") from None
+    if not timeout_s > 0:
+        raise ConfigError(f"pd.timeout_s={timeout_s} must be positive (seconds a hand-over message may take)")
     sizes = [pd.get("prefill_ranks"), pd.get("decode_ranks")]
     if sizes == [None, None]:
-        return None, True
+        return None, True, timeout_s
     if None in sizes:
         raise ConfigError(f"pd.prefill_ranks={sizes[0]} and pd.decode_ranks={sizes[1]}: set both (or neither)")
     for name, v in zip(("pd.prefill_ranks", "pd.decode_ranks"), sizes):
@@ -99,12 +106,12 @@ def parse_pd(cfg: DictConfig, world_size: int) -> tuple[Layout | None, bool]:
     streaming = pd.get("streaming", True)
     if not isinstance(streaming, bool):
         raise ConfigError(f"pd.streaming={streaming!r} must be true or false")
-    return layout, streaming
+    return layout, streaming, timeout_s
 
 
 def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> Settings:
     """Every check that needs no communication. Raises ConfigError; identical on every rank."""
-    layout, streaming = parse_pd(cfg, world_size)
+    layout, streaming, pd_timeout_s = parse_pd(cfg, world_size)
     tp_sizes = None if layout is None else {"pd.prefill_ranks": layout.prefill_ranks,
                                             "pd.decode_ranks": layout.decode_ranks}
     common = common_settings(cfg, world_size, local_world_size, lm=True, tp_sizes=tp_sizes)
@@ -144,7 +151,7 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     return Settings(**common, requests=requests, chunk_size=chunk_size, max_batched_tokens=budget,
                     max_running=max_running, eos_id=eos_id, variant=variant,
                     vocab_parallel=boolean(cfg, "vocab_parallel"), check=check == "true", pd=layout,
-                    streaming=streaming, notes=tuple(notes), **paging)
+                    streaming=streaming, pd_timeout_s=pd_timeout_s, notes=tuple(notes), **paging)
 
 
 def parse_paging(cfg: DictConfig) -> dict:
@@ -329,7 +336,7 @@ def serve_disaggregated(s: Settings, out_dir: Path, ctx) -> int:
     result = serve_pd(dense, ctx, s.pd, requests(), chunk_size=s.chunk_size, max_batched_tokens=s.max_batched_tokens,
                       max_running=s.max_running, eos_id=s.eos_id, variant=s.variant, vocab_parallel=s.vocab_parallel,
                       streaming=s.streaming, groups=groups, block_size=s.block_size, prefix_cache=s.prefix_cache,
-                      attention=s.attention)
+                      attention=s.attention, timeout_s=s.pd_timeout_s)
     colocated = None
     if ctx.rank >= s.pd.prefill_ranks:  # the colocated engine on the decode group's p_D ranks
         dctx = context(groups[1], ctx.backend, ctx.device)

@@ -33,6 +33,7 @@ Times across the two groups compare time.perf_counter() of processes on one host
 from __future__ import annotations
 
 import contextlib
+import datetime
 import queue
 import threading
 import time
@@ -45,13 +46,12 @@ import torch.distributed as dist
 from layers.config import validate_model
 from layers.llama import validate_llama
 from layers.lm import DenseLM, shard_lm
-from serve.engine import Engine, EngineHooks, PlanMismatch
-from serve.block_manager import BlockManager
+from serve.engine import Engine, EngineHooks, PlanMismatch, new_scheduler, schedule_loop
 from serve.inputs import slots_of
 from serve.kv_cache import KVPool
 from serve.plan import IterationPlan
-from serve.scheduler import Request, Scheduler, worst_case_blocks
-from tp.dist import ConfigError, TPContext, context, same_on_every_rank
+from serve.scheduler import Request, Scheduler
+from tp.dist import ConfigError, TPContext, context, control_device, host_control, same_on_every_rank
 from tp.ledger import TrafficLedger, TransferRecord
 from tp.traffic_model import head_overlaps, kv_head_range, predict_transfers
 
@@ -84,23 +84,18 @@ def validate_layout(cfg, layout: Layout, world_size: int) -> None:
 def prefill_schedule(requests: list[Request], chunk_size: int, max_batched_tokens: int,
                      max_running: int | None = None, block_size: int = 16,
                      prefix_cache: bool = True) -> list[tuple[int, list[int]]]:
-    """[(prefill iteration, ids of the requests whose prompt completes in it, in plan order)]: exactly what the
-    prefill side's engine will do (the same requests, the same block pool and prefix cache), computed on every rank
-    from the requests and settings alone."""
+    """[(prefill iteration, ids of the requests whose prompt completes in it, in plan order)]: what the prefill side's
+    engine will do, computed on every rank from the requests and settings alone, by the engine's own code (its
+    scheduler, serve.engine.new_scheduler, and its loop, serve.engine.schedule_loop), so the two cannot differ."""
     mine = [Request(r.id, list(r.prompt), 1, r.arrival) for r in requests]
-    sched = Scheduler(mine, chunk_size, max_batched_tokens, max_running,
-                      blocks=BlockManager(worst_case_blocks(mine, block_size), block_size, prefix_cache))
-    index, out = 0, []
-    while sched.has_work():
-        plan = sched.schedule(index)
-        if plan is None:
-            index = sched.next_arrival()
-            continue
+    sched = new_scheduler(mine, chunk_size=chunk_size, max_batched_tokens=max_batched_tokens,
+                          max_running=max_running, block_size=block_size, prefix_cache=prefix_cache)
+    out = []
+    for plan in schedule_loop(sched):
         done = [c.request for c in plan.chunks if c.sample]
         if done:
-            out.append((index, done))
+            out.append((plan.index, done))
         sched.update(plan, {rid: 0 for rid in done})  # max_new_tokens = 1: the token's value changes nothing
-        index += 1
     return out
 
 
@@ -116,38 +111,50 @@ def _token_tag(request: int, n_layers: int) -> int:
     return request * (n_layers + 2) + n_layers + 1
 
 
+class HandoverTimeout(RuntimeError):
+    """A point-to-point message of the hand-over did not complete in time (the peer died, hung, or never sent it)."""
+
+
 class _Waiter:
     """A thread that waits for point-to-point works in the order they were posted, then calls done(error).
 
     The serving loop cannot poll them itself: a gloo work reports completion only to wait(), and NCCL's wait()
     only makes the calling thread's current CUDA stream wait, so on a GPU this thread waits on a stream of its
-    own and synchronizes it. A daemon thread: after a failure nobody joins it, and it dies with the process."""
+    own and synchronizes that stream (never the device: the compute stream keeps running). Every wait is bounded
+    by `timeout_s`; the error names the message (request, layer) and the pair. A daemon thread: after a failure
+    nobody joins it, and it dies with the process."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, timeout_s: float):
+        self.device, self.timeout_s = device, timeout_s
         self.queue: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="pd-waiter", daemon=True)
         self.thread.start()
 
-    def submit(self, works: list, done) -> None:
-        self.queue.put((works, done))
+    def submit(self, works: list, labels: list[str], done) -> None:
+        self.queue.put((works, labels, done))
 
     def _run(self) -> None:
         stream = None
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             stream = torch.cuda.Stream()
+        timeout = datetime.timedelta(seconds=self.timeout_s)
         while (item := self.queue.get()) is not None:
-            works, done = item
+            works, labels, done = item
             error = None
+            label = ""
             try:
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    for work in works:
-                        work.wait()
+                    for work, label in zip(works, labels):
+                        if not work.wait(timeout):
+                            raise HandoverTimeout(f"{label}: not complete after pd.timeout_s={self.timeout_s:g} s")
                 if stream is not None:
                     stream.synchronize()
-            except Exception as exc:  # the peer died, or the process group timed out
+            except HandoverTimeout as exc:
                 error = exc
+            except Exception as exc:  # the peer died, or the process group timed out
+                first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                error = HandoverTimeout(f"{label}: {first_line}")
             done(error)
 
     def close(self, join: bool = True) -> None:
@@ -156,10 +163,43 @@ class _Waiter:
             self.thread.join()
 
 
+def _label(fields: tuple) -> str:
+    """One message in words: 'pd/kv of request 3, layer 2, prefill rank 0 -> decode rank 2'."""
+    kind, site, rid, layer, rank, peer, _ = fields
+    src, dst = (rank, peer) if kind == "send" else (peer, rank)
+    what = f"{site} of request {rid}" if rid >= 0 else site
+    return f"{what}{'' if layer is None else f', layer {layer}'}, prefill rank {src} -> decode rank {dst}"
+
+
+def warm_up_pairs(cfg, layout: Layout, rank: int, ledger: TrafficLedger, device: torch.device,
+                  timeout_s: float) -> None:
+    """One message per (prefill rank, decode rank) pair of the hand-over, before anything is served: NCCL creates a
+    pair's communicator at its first point-to-point message, which would otherwise block the first streamed layer
+    inside a forward hook. Pairs go in one global order ((prefill rank, decode rank) ascending), each waited for
+    before the next, so the smallest pending pair always has both ends at it: no deadlock. Ledgered as
+    "pd/warm-up" (request -1): 8 bytes each way per pair, in tp/traffic_model.predict_transfers too."""
+    token = torch.zeros(1, dtype=torch.int64, device=device)
+    for r, s, _, _ in head_overlaps(cfg.n_kv_heads, layout.prefill_ranks, layout.decode_ranks):
+        d = layout.prefill_ranks + s
+        if rank not in (r, d):
+            continue
+        fields = ("send", "pd/warm-up", -1, None, r, d, (0, 0)) if rank == r else \
+            ("recv", "pd/warm-up", -1, None, d, r, (0, 0))
+        posted = time.perf_counter()
+        work = dist.isend(token, dst=d, tag=_WARM_UP_TAG) if rank == r else dist.irecv(token, src=r, tag=_WARM_UP_TAG)
+        if not work.wait(datetime.timedelta(seconds=timeout_s)):
+            raise HandoverTimeout(f"{_label(fields)}: not complete after pd.timeout_s={timeout_s:g} s")
+        ledger.transfer(_record(fields, token, time.perf_counter() - posted))
+
+
+_WARM_UP_TAG = 2**30  # above every request's tags for any workload that fits in memory
+
+
 class PrefillSide(EngineHooks):
     """Sends each completed prompt's K,V (its own heads' share to each overlapping decode rank) and token 1."""
 
-    def __init__(self, lm, layout: Layout, rank: int, streaming: bool, ledger: TrafficLedger, handed: set[int]):
+    def __init__(self, lm, layout: Layout, rank: int, streaming: bool, ledger: TrafficLedger, handed: set[int],
+                 timeout_s: float = 120.0):
         cfg = lm.cfg
         self.cfg, self.layout, self.rank, self.streaming, self.ledger, self.handed = \
             cfg, layout, rank, streaming, ledger, handed
@@ -173,7 +213,7 @@ class PrefillSide(EngineHooks):
         self.cache: KVPool | None = None
         self.sched: Scheduler | None = None
         self.finishing: dict[int, torch.Tensor] = {}  # request -> the slots of its prompt's K,V [0, N)
-        self.waiter = _Waiter(next(lm.parameters()).device)  # records each send once it completes
+        self.waiter = _Waiter(next(lm.parameters()).device, timeout_s)  # records each send once it completes
         self.error: Exception | None = None
         self.done_at: dict[int, float] = {}
         self.hooks = [block.register_forward_hook(lambda m, a, o, i=i: self._layer_done(i))
@@ -223,7 +263,7 @@ class PrefillSide(EngineHooks):
             else:
                 self.ledger.transfer(_record(fields, buf, time.perf_counter() - posted))
 
-        self.waiter.submit([work], done)
+        self.waiter.submit([work], [_label(fields)], done)
 
     def finish(self, join: bool = True) -> None:
         """Wait for every send (join=False after a failure: return at once, the error that stopped us stands)."""
@@ -261,7 +301,8 @@ class DecodeSide(EngineHooks):
     for the next group. Nothing depends on timing but *when* a request joins, and all decode ranks agree on that."""
 
     def __init__(self, cfg, layout: Layout, rank: int, streaming: bool, ledger: TrafficLedger, group,
-                 groups: list[list[int]], eos_id: int | None, keep_kv: bool = False, window: int = 4):
+                 groups: list[list[int]], eos_id: int | None, keep_kv: bool = False, window: int = 4,
+                 timeout_s: float = 120.0):
         self.cfg, self.layout, self.rank, self.streaming, self.ledger, self.group, self.eos_id = \
             cfg, layout, rank, streaming, ledger, group, eos_id
         self.kept: dict[int, torch.Tensor] | None = {} if keep_kv else None  # what was placed, for tests
@@ -273,6 +314,7 @@ class DecodeSide(EngineHooks):
         self.upcoming = deque(groups)  # request ids in the prefill side's order, one list per prefill iteration
         self.posted: deque[_Posted] = deque()
         self.window = window
+        self.timeout_s = timeout_s  # the longest wait for a hand-over message
         self.waiter: _Waiter | None = None  # started with the first receives, on the cache's device
         self.received_at: dict[int, float] = {}
         self.agreements = 0  # all-reduces over the decode group (one per iteration boundary)
@@ -289,16 +331,25 @@ class DecodeSide(EngineHooks):
                     break
                 landed += 1
             if landed == 0 and idle:  # nothing to decode: wait for the next group
-                self.posted[0].landed.wait()
+                self._wait_landed(self.posted[0])
                 landed = 1
-            count = torch.tensor([landed], dtype=torch.int64, device=cache.device)
-            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.group)  # ★ every decode rank takes the same
+            with host_control():  # a CPU tensor over the group's gloo backend: the host never waits for the GPU
+                count = torch.tensor([landed], dtype=torch.int64, device=control_device(self.group))
+                dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.group)  # ★ every decode rank takes the same
+                count = int(count)
             self.agreements += 1
-            for _ in range(int(count)):
+            for _ in range(count):
                 self._place(self.posted.popleft(), cache, sched, index)
             if sched.running or sched.waiting:
                 return
             # still idle: everything just taken in ended at token 1 (eos_id); the ranks agree on that too
+
+    def _wait_landed(self, group: "_Posted") -> None:
+        """Wait (at most timeout_s, and a little more for the receiver thread to report) for a group to land."""
+        if not group.landed.wait(2 * self.timeout_s + 1.0):  # the receiver thread reports at timeout_s at the latest
+            missing = next((fields for work, _, fields, _ in group.posts if not work.is_completed()), None)
+            what = _label(missing) if missing else f"requests {[r.id for r in group.requests]}"
+            raise HandoverTimeout(f"{what}: not complete after pd.timeout_s={self.timeout_s:g} s")
 
     def finish(self, join: bool = True) -> None:
         """Stop the receiver thread (join=False after a failure: it may wait for messages that never come)."""
@@ -331,13 +382,12 @@ class DecodeSide(EngineHooks):
             group = _Posted(requests, posts)
             self.posted.append(group)
             if self.waiter is None:
-                self.waiter = _Waiter(cache.device)
-            self.waiter.submit([work for work, *_ in posts], group.done)
+                self.waiter = _Waiter(cache.device, self.timeout_s)
+            self.waiter.submit([work for work, *_ in posts], [_label(f) for _, _, f, _ in posts], group.done)
 
     def _place(self, group: "_Posted", cache: KVPool, sched: Scheduler, index: int) -> None:
         if group.error is not None:
-            raise RuntimeError(f"receiving requests {[r.id for r in group.requests]} from the prefill group failed: "
-                               f"{group.error}") from group.error
+            raise HandoverTimeout(f"receiving from the prefill group failed: {group.error}") from group.error
         requests, posts = group.requests, group.posts
         slots = {}
         for r in requests:  # blocks for the prompt's N positions, from the decode side's own pool
@@ -396,9 +446,11 @@ def new_groups(layout: Layout) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
 def serve_pd(dense: DenseLM, world: TPContext, layout: Layout, requests: list[Request], *, chunk_size: int,
              max_batched_tokens: int, max_running: int | None = None, eos_id: int | None = None, variant: str = "v2",
              vocab_parallel: bool = True, streaming: bool = True, groups=None, keep_kv: bool = False,
-             block_size: int = 16, prefix_cache: bool = True, attention: str = "batched") -> PDResult:
+             block_size: int = 16, prefix_cache: bool = True, attention: str = "batched",
+             timeout_s: float = 120.0) -> PDResult:
     """Serve `requests` with prefill on ranks [0, p_P) and decode on [p_P, p_P + p_D). Every rank of the world
-    calls this with the same arguments (checked first: a mismatch raises PlanMismatch on every rank)."""
+    calls this with the same arguments (checked first: a mismatch raises PlanMismatch on every rank).
+    timeout_s bounds every wait for a hand-over message (HandoverTimeout, naming the message and the pair)."""
     validate_layout(dense.cfg, layout, world.world_size)
     settings = [layout.prefill_ranks, layout.decode_ranks, int(streaming), chunk_size, max_batched_tokens,
                 max_running or -1, -1 if eos_id is None else eos_id, len(requests), block_size, int(prefix_cache),
@@ -416,12 +468,15 @@ def serve_pd(dense: DenseLM, world: TPContext, layout: Layout, requests: list[Re
     handed = [rids for rids in ([rid for rid in done if by_id[rid].max_new_tokens > 1] for _, done in schedule) if rids]
     ledger = TrafficLedger(world.world_size, world.device)
     start = time.perf_counter()
+    warm_up_pairs(dense.cfg, layout, world.rank, ledger, world.device, timeout_s)  # set-up, before any forward
     if is_prefill:  # every request as if max_new_tokens were 1; no eos_id: each ends at its first token anyway
-        side = PrefillSide(lm, layout, world.rank, streaming, ledger, {rid for rids in handed for rid in rids})
+        side = PrefillSide(lm, layout, world.rank, streaming, ledger, {rid for rids in handed for rid in rids},
+                           timeout_s)
         mine = [Request(r.id, list(r.prompt), 1, r.arrival) for r in requests]
         engine_eos = None
     else:  # the handed-over requests, arriving with their prompts cached
-        side = DecodeSide(dense.cfg, layout, world.rank, streaming, ledger, ctx.group, handed, eos_id, keep_kv)
+        side = DecodeSide(dense.cfg, layout, world.rank, streaming, ledger, ctx.group, handed, eos_id, keep_kv,
+                          timeout_s=timeout_s)
         mine = [Request(rid, list(by_id[rid].prompt), by_id[rid].max_new_tokens, HANDOVER,
                         computed=len(by_id[rid].prompt)) for rids in handed for rid in rids]
         engine_eos = eos_id

@@ -82,6 +82,39 @@ class EngineHooks:
         until the next forward (plan.chunks still carries their block tables)."""
 
 
+def new_scheduler(requests: list[Request], *, chunk_size: int, max_batched_tokens: int, max_running: int | None = None,
+                  eos_id: int | None = None, reserve_capacity: bool = False, block_size: int = 16,
+                  kv_blocks: int | None = None, prefix_cache: bool = True) -> Scheduler:
+    """The scheduler a run starts with: its settings, and a block pool of kv_blocks (or, null, enough for every
+    request at its largest at once: such a run never preempts)."""
+    n_blocks = kv_blocks or worst_case_blocks(requests, block_size)
+    return Scheduler(requests, chunk_size, max_batched_tokens, max_running, eos_id,
+                     blocks=BlockManager(n_blocks, block_size, prefix_cache), reserve_capacity=reserve_capacity)
+
+
+def schedule_loop(sched: Scheduler, before_schedule=None):
+    """The serving loop's control flow, in one place: yields each iteration's plan; the caller runs it and applies
+    its tokens (sched.update) before asking for the next. Iterations with nothing to run are skipped (no plan), and
+    waiting requests that can never get KV blocks raise instead of spinning. before_schedule(index): called before
+    each iteration is planned. The engine and the prefill schedule every P/D rank computes (serve/disagg.py) both
+    run this loop, so they cannot drift apart."""
+    index = 0
+    while sched.has_work():
+        if before_schedule is not None:
+            before_schedule(index)
+        plan = sched.schedule(index)
+        if plan is None:  # nothing running, the next request arrives later: skip ahead, no forward
+            upcoming = sched.next_arrival()
+            if sched.waiting and (upcoming is None or upcoming <= index):
+                raise SchedulerError(f"iteration {index}: requests {[r.id for r in sched.waiting]} wait for KV "
+                                     f"blocks that nothing running will give back ({sched.blocks.num_free} of "
+                                     f"{sched.blocks.num_blocks} free); raise kv_blocks")
+            index = upcoming or index  # None: all finished, the loop ends
+            continue
+        yield plan
+        index += 1
+
+
 class Engine:
     def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, *, chunk_size: int, max_batched_tokens: int,
                  max_running: int | None = None, eos_id: int | None = None, block_size: int = 16,
@@ -109,11 +142,14 @@ class Engine:
         """kv_blocks, or (null) enough for every request at its largest at once: such a run never preempts."""
         return self.kv_blocks or worst_case_blocks(requests, self.block_size)
 
+    def scheduler(self, requests: list[Request]) -> Scheduler:
+        return new_scheduler(requests, **self.sched_args, block_size=self.block_size, kv_blocks=self.kv_blocks,
+                             prefix_cache=self.prefix_cache)
+
     @torch.no_grad()
     def run(self, requests: list[Request]) -> ServeResult:
-        n_blocks = self.pool_blocks(requests)
-        sched = Scheduler(requests, **self.sched_args,
-                          blocks=BlockManager(n_blocks, self.block_size, self.prefix_cache))
+        sched = self.scheduler(requests)
+        n_blocks = sched.blocks.num_blocks
         cfg = self.lm.cfg
         # K,V heads this rank caches: h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention)
         self.cache = KVPool(cfg.n_layers, n_blocks, self.block_size, self.lm.cache_heads, cfg.d_head, self.dtype,
@@ -126,23 +162,19 @@ class Engine:
         self._agree(self._settings_fingerprint(requests), "requests or scheduler settings differ")
         wait_for_stream(self.ctx.device)  # the pool's zeroing is not billed to the first iteration
         start = result.started_at = time.perf_counter()
-        index = 0
-        while sched.has_work():
-            t0 = time.perf_counter()
+        now = {}  # what the loop's before_schedule step saw: the iteration's start, prefix hits before it
+
+        def before_schedule(index: int) -> None:
+            now["t0"] = t0 = time.perf_counter()
             self.hooks.before_schedule(index, sched, self.cache)
             for r in requests:
                 if r.arrival <= index and r.id not in arrived_at:
                     arrived_at[r.id] = t0
-            hits_before = sum(r.prefix_hit for r in requests)
-            plan = sched.schedule(index)
-            if plan is None:  # nothing running, the next request arrives later: skip ahead, no forward
-                upcoming = sched.next_arrival()
-                if sched.waiting and (upcoming is None or upcoming <= index):
-                    raise SchedulerError(f"iteration {index}: requests {[r.id for r in sched.waiting]} wait for KV "
-                                         f"blocks that nothing running will give back ({sched.blocks.num_free} of "
-                                         f"{sched.blocks.num_blocks} free); raise kv_blocks")
-                index = upcoming or index  # None: all finished, the loop ends
-                continue
+            now["hits"] = sum(r.prefix_hit for r in requests)
+
+        index = 0
+        for plan in schedule_loop(sched, before_schedule):
+            t0, hits_before, index = now["t0"], now["hits"], plan.index + 1
             blocks_used = sched.blocks.num_used  # this iteration's tables, before finishing requests give theirs back
             positions_held, running = sched.positions_held(), len(sched.running)
             ledger.clear()
@@ -169,7 +201,6 @@ class Engine:
             result.rows_computed += plan.rows
             if self.on_iteration is not None:
                 self.on_iteration(record, sched)
-            index += 1
         self._check_plan(IterationPlan(index, ()))  # "done": differs from any plan a rank still running makes
         wait_for_stream(self.ctx.device)
         result.time_s = time.perf_counter() - start

@@ -92,6 +92,58 @@ def test_pd_tokens_equal_the_oracle_and_bytes_equal_the_formula(layout, streamin
     assert len([t for t in sends if t["layer"] is not None]) == (len(sends) if streaming else 0)
     never = [q for q in results[0]["requests"] if q["transfer_s"] is None]
     assert [q["request"] for q in never] == [6]  # max_new_tokens = 1: finished at prefill, nothing moved
+    # set-up: one warm-up message per pair (NCCL's pair communicators exist before the first streamed layer),
+    # ledgered before every other message of its rank
+    warm = [t for t in transfers if t["site"] == "pd/warm-up"]
+    assert {(t["rank"], t["peer"]) for t in warm if t["kind"] == "send"} == pairs
+    assert len(warm) == 2 * len(pairs) and all(t["bytes"] == 8 and t["request"] == -1 for t in warm)
+    for rank in range(p_prefill + p_decode):
+        mine = [t["site"] for t in transfers if t["rank"] == rank]  # this rank's ledger, in order
+        assert mine[:mine.count("pd/warm-up")] == ["pd/warm-up"] * mine.count("pd/warm-up")
+
+
+class _NeverDone:
+    """A point-to-point work whose peer never sends: waits out its timeout, then fails as gloo's do (or, like NCCL's,
+    just reports not complete)."""
+
+    def __init__(self, raises: bool):
+        self.raises = raises
+
+    def wait(self, timeout):
+        import time
+
+        time.sleep(timeout.total_seconds())
+        if self.raises:
+            raise RuntimeError(f"[gloo/transport] Timed out waiting {timeout.total_seconds() * 1e3:.0f}ms for recv\n"
+                               f"  more lines of context")
+        return False
+
+    def is_completed(self):
+        return False
+
+
+@pytest.mark.parametrize("raises", [True, False])
+def test_handover_waits_are_bounded_and_name_the_message(raises):
+    """Every wait for a hand-over message ends after pd.timeout_s with one line naming the message and the pair:
+    the receiver thread's (which the decode side raises at its next boundary) and the idle decode side's own."""
+    import threading
+    from types import SimpleNamespace
+
+    from serve.disagg import DecodeSide, HandoverTimeout, _label, _Posted, _Waiter
+
+    fields = ("recv", "pd/kv", 3, 1, 2, 0, (0, 4))
+    assert _label(fields) == "pd/kv of request 3, layer 1, prefill rank 0 -> decode rank 2"
+    waiter, landed, got = _Waiter(torch.device("cpu"), timeout_s=0.2), threading.Event(), []
+    waiter.submit([_NeverDone(raises)], [_label(fields)], lambda error: (got.append(error), landed.set()))
+    assert landed.wait(10)
+    waiter.close()
+    message = str(got[0])
+    assert isinstance(got[0], HandoverTimeout) and "\n" not in message
+    assert message.startswith("pd/kv of request 3, layer 1, prefill rank 0 -> decode rank 2: ")
+    group = _Posted([], [(_NeverDone(False), None, fields, 0.0)])  # nothing ever lands
+    with pytest.raises(HandoverTimeout, match="pd/kv of request 3, layer 1, prefill rank 0 -> decode rank 2: "
+                                              "not complete after pd.timeout_s=0.1 s"):
+        DecodeSide._wait_landed(SimpleNamespace(timeout_s=0.1), group)
 
 
 @pytest.mark.parametrize("layout", [(2, 2), (1, 1)])

@@ -157,6 +157,7 @@ def predict_transfers(cfg: ModelConfig, p_prefill: int, p_decode: int, handovers
     Per request and pair (head_overlaps, on K,V heads): the K,V of heads [lo, hi) for positions [0, N) of every
     layer, one message [L, 2, hi−lo, N, d_head] (sent after prefill) or L messages [2, hi−lo, N, d_head] (streamed
     layer by layer); and to each decode rank its first token, [1] int64, from the lowest prefill rank overlapping it.
+    Before them, once per pair, the set-up's warm-up message ("pd/warm-up", request −1, [1] int64).
     Each decode rank receives its own cache share, L_p · 2·L·max(h_kv/p_D, 1)·d_head·e bytes per request: summed,
     L_p · K_tok (K_tok = 2·L·h_kv·d_head·e) while p_D ≤ h_kv, more once decode ranks replicate K,V heads."""
     L, dh, e = cfg.n_layers, cfg.d_head, dtype.itemsize
@@ -166,6 +167,10 @@ def predict_transfers(cfg: ModelConfig, p_prefill: int, p_decode: int, handovers
     for r, s, _, _ in pairs:
         first.setdefault(s, r)
     out = []
+    for r, s, _, _ in pairs:  # set-up: one warm-up message per pair (serve/disagg.warm_up_pairs)
+        if rank in (r, p_prefill + s):
+            side, peer = ("send", p_prefill + s) if rank == r else ("recv", r)
+            out.append(Transfer(side, "pd/warm-up", -1, None, rank, peer, (0, 0), (1,), "int64", 8))
     for rid, n in handovers:
         for r, s, lo, hi in pairs:
             side = "send" if rank == r else "recv" if rank == p_prefill + s else None
