@@ -6,6 +6,7 @@ every rank reaches the same verdict before any process group exists.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -67,12 +68,23 @@ def checkpoint_bytes(path: str | None) -> int:
     return next((f.stat().st_size for f in files if f.is_file()), 0)
 
 
+def parameter_count(model, lm: bool) -> int:
+    """The dense model's parameters, from builds of one and two layers on the meta device (every layer has the same
+    shapes): n(1) + (L - 1)·(n(2) - n(1)), without building L layers."""
+    def count(n_layers: int) -> int:
+        built = (dense_lm if lm else DenseStack)(dataclasses.replace(model, n_layers=n_layers), torch.float32, "meta")
+        return sum(t.numel() for t in built.parameters())
+
+    one = count(1)
+    return one + (model.n_layers - 1) * (count(2) - one)
+
+
 def check_memory(model, dtype: torch.dtype, p: int, local_world_size: int, lm: bool, device: str,
                  host_extra: int = 0) -> None:
     """Every rank holds the whole dense model (the reference it is checked against) and its 1/p shard, and on the
     host the checkpoint it read (host_extra bytes): refuse, before any collective, a model that cannot fit
     (llama2_7b in full, say) instead of being killed."""
-    n = sum(t.numel() for t in (dense_lm if lm else DenseStack)(model, dtype, "meta").parameters())
+    n = parameter_count(model, lm)
     per_rank = n * dtype.itemsize * (1 + 1 / p) + (host_extra if device != "cuda" else 0)
     if device == "cuda":
         gpus = torch.cuda.device_count()

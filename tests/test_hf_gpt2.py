@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -81,10 +80,10 @@ def test_launcher_runs_a_saved_checkpoint(tmp_path):
     model = random_gpt2().float()
     model.save_pretrained(tmp_path / "ckpt")
     assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["n_layer"] == 3
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "launch" / "run_block.py"), f"hydra.run.dir={tmp_path / 'run'}",
-           f"hf_checkpoint={tmp_path / 'ckpt'}", "requests=[5,9]", "variants=[v2]", "repeats=1"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    from tests.launching import launch_on_pool
+
+    proc, _ = launch_on_pool(2, f"hf_checkpoint={tmp_path / 'ckpt'}", "requests=[5,9]", "variants=[v2]", "repeats=1",
+                             run_dir=tmp_path / "run")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["config"]["model_name"] == "hf" and report["config"]["hf_checkpoint"] == str(tmp_path / "ckpt")
@@ -131,11 +130,9 @@ def test_broken_checkpoint_is_a_one_line_setting_error(tmp_path, case, launcher)
     elif weights is not None:
         (tmp_path / "ckpt" / "model.safetensors").write_bytes(weights)
     # rank 1 of 2 with nobody to meet: the error must come before any process group exists
-    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / launcher), f"hydra.run.dir={tmp_path / 'run'}",
-                           f"hf_checkpoint={tmp_path / 'ckpt'}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=60)
+    from tests.launching import settings_phase
+
+    proc = settings_phase([f"hf_checkpoint={tmp_path / 'ckpt'}"], world=2, script=launcher)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("[rank 1] error: hf_checkpoint=") and message in lines[0], lines

@@ -1,8 +1,6 @@
 """The launcher end to end under torchrun, and every bad setting failing fast on every rank."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -11,22 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def torchrun(nproc: int, *overrides: str, run_dir: Path, timeout: float = 240, script: str = "run_block.py"):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "launch" / script), f"hydra.run.dir={run_dir}", *overrides]
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"launcher hung for {timeout}s:\n{stdout}\n{stderr}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), time.monotonic() - start
+from tests.launching import ROOT, launch_on_pool, lone_rank_process, settings_phase, torchrun
 
 
 def test_two_ranks_end_to_end(tmp_path):
@@ -65,7 +48,7 @@ def test_two_ranks_end_to_end(tmp_path):
 
 
 def test_requests_end_to_end(tmp_path):
-    proc, _ = torchrun(2, "requests=[3,9]", "variants=[v1,v2]", "repeats=1", run_dir=tmp_path)
+    proc, _ = launch_on_pool(2, "requests=[3,9]", "variants=[v1,v2]", "repeats=1", run_dir=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "cu_seqlens [0, 3, 12]" in out
@@ -80,7 +63,7 @@ def test_requests_end_to_end(tmp_path):
 
 
 def test_bfloat16_end_to_end(tmp_path):
-    proc, _ = torchrun(2, "dtype=bfloat16", "variants=[v2]", "repeats=1", run_dir=tmp_path)
+    proc, _ = launch_on_pool(2, "dtype=bfloat16", "variants=[v2]", "repeats=1", run_dir=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["config"]["dtype"] == "bfloat16" and report["config"]["tolerance"] == 3e-2
@@ -92,7 +75,7 @@ def test_bfloat16_end_to_end(tmp_path):
 
 def test_failing_check_exits_non_zero(tmp_path):
     # An impossible tolerance turns rounding into a failure: the verdict must reach the exit code.
-    proc, _ = torchrun(2, "n_tokens=4", "variants=[v2]", "tolerance=1e-30", run_dir=tmp_path)
+    proc, _ = launch_on_pool(2, "n_tokens=4", "variants=[v2]", "tolerance=1e-30", run_dir=tmp_path)
     assert proc.returncode != 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["equivalent"] is False and report["variants"]["v2"]["equivalent"] is False
@@ -122,7 +105,19 @@ if not torch.cuda.is_available():
 
 
 @pytest.mark.parametrize("nproc,overrides,message,advice", BAD, ids=[" ".join(b[1]) or f"nproc={b[0]}" for b in BAD])
-def test_bad_settings_fail_fast_on_every_rank(tmp_path, nproc, overrides, message, advice):
+def test_bad_settings_fail_before_any_collective(nproc, overrides, message, advice):
+    """Every rank validates on its own, before joining the group: the last rank's settings phase (in process,
+    tests/launching.py) prints one line and returns exit code 2 without waiting for anyone."""
+    alone = settings_phase(overrides, world=nproc, script="run_block.py")
+    assert alone.returncode == 2, alone.stdout + alone.stderr
+    lines = alone.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"[rank {nproc - 1}] error: ") and message in lines[0], lines
+    assert advice in alone.stderr
+
+
+def test_a_bad_setting_fails_fast_on_every_rank(tmp_path):
+    """The whole job: every rank that gets to print says the same line, nothing is written, exit non-zero, fast."""
+    nproc, overrides, message, advice = BAD[0]
     proc, elapsed = torchrun(nproc, *overrides, run_dir=tmp_path, timeout=120)
     assert proc.returncode != 0
     # torchrun stops the other ranks as soon as one exits, so a slower rank may be stopped before it
@@ -132,15 +127,18 @@ def test_bad_settings_fail_fast_on_every_rank(tmp_path, nproc, overrides, messag
     assert advice in proc.stderr
     assert not (tmp_path / "report.json").exists()
     assert elapsed < 60, f"took {elapsed:.0f}s to fail"
-    # Every rank validates on its own, before joining the group: the last rank, started alone,
-    # fails the same way without waiting for anyone.
-    last = nproc - 1
-    env = dict(os.environ, RANK=str(last), LOCAL_RANK=str(last), WORLD_SIZE=str(nproc),
-               LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
-    alone = subprocess.run([sys.executable, str(ROOT / "launch" / "run_block.py"), f"hydra.run.dir={tmp_path}",
-                            *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    # the entry point itself, as the last rank's own process with nobody to meet: exit code 2 at once
+    alone = lone_rank_process(tmp_path, ["model.d_ffn=2049"], world=2, script="run_block.py")
     assert alone.returncode == 2, alone.stdout + alone.stderr
-    assert f"[rank {last}] error: {message}" in alone.stderr
+    assert "[rank 1] error: d_ffn=2049 is not divisible by p=2 ranks" in alone.stderr
+
+
+def test_settings_phase_joins_the_group_for_good_settings():
+    """The in-process form can fail: settings that pass validation reach the point where a rank joins the group."""
+    from tests.launching import JoinedTheGroup
+
+    with pytest.raises(JoinedTheGroup):
+        settings_phase(["n_tokens=4"], world=2, script="run_block.py")
 
 
 def test_gpu_check_skips_cleanly_without_gpus():
@@ -167,6 +165,11 @@ def test_gpu_check_plans_every_valid_p():
     assert "serve nccl p=8" in eight and "pytest -m nccl" in eight and "bench_tp" in eight
     assert "run_block llama_tiny nccl p=8" in eight and "serve llama_tiny nccl p=8" in eight
     assert "run_block llama_tiny p=4 bfloat16, ranks sharing one GPU (gloo, CUDA tensors)" in one
+    assert "serve llama_tiny nccl p=1 bfloat16" in one and "serve llama_tiny nccl p=8 bfloat16" in eight
+    assert "serve pd nccl 4+4" in eight and not [n for n in one if "pd" in n]
+    from launch.gpu_check import skipped
+
+    assert [name for name, _ in skipped(1)] == ["serve pd nccl"] and skipped(8) == []
 
 
 def test_gpu_check_stops_a_step_past_its_limit():

@@ -10,8 +10,7 @@ import torch
 
 from layers.hf import config_from_hf
 from layers.llama import LLAMA2_7B_SHAPE, LLAMA_TINY
-from tests.test_launcher import torchrun
-from tests.test_serve_launcher import lone_rank
+from tests.launching import launch_on_pool, settings_phase
 from tp.dist import ConfigError
 
 HF_LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2,
@@ -20,7 +19,7 @@ HF_LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_at
 
 def test_run_block_llama_tiny_on_four_ranks(tmp_path):
     """The issue's command (p = 4 > h_kv = 2: each K,V head on two ranks), checked against the dense stack."""
-    proc, _ = torchrun(4, "model=llama_tiny", "repeats=1", run_dir=tmp_path)
+    proc, _ = launch_on_pool(4, "model=llama_tiny", "repeats=1", run_dir=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["config"]["family"] == "llama" and list(report["variants"]) == ["v2"]
@@ -40,13 +39,14 @@ def test_run_block_llama_tiny_on_four_ranks(tmp_path):
      "valid tensor-parallel sizes: 1, 2, 4, 12"),
     (["model=llama2_7b"], "lower model.n_layers (e.g. model.n_layers=1)"),
 ], ids=["v1", "heads", "too big"])
-def test_bad_llama_block_settings_on_a_lone_rank(tmp_path, overrides, message):
+def test_bad_llama_block_settings_on_a_lone_rank(overrides, message):
     if overrides == ["model=llama2_7b"]:  # float64 and 4000 layers: refused on any machine
         overrides += ["dtype=float64", "model.n_layers=4000"]
-    alone = lone_rank(tmp_path, overrides, world=3 if "model.n_heads=12" in overrides else 2, script="run_block.py")
+    world = 3 if "model.n_heads=12" in overrides else 2
+    alone = settings_phase(overrides, world=world, script="run_block.py")
     assert alone.returncode == 2, alone.stdout + alone.stderr
     lines = alone.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("[rank 1] error: ") and message in lines[0], lines
+    assert len(lines) == 1 and lines[0].startswith(f"[rank {world - 1}] error: ") and message in lines[0], lines
 
 
 def test_memory_check_refuses_what_cannot_fit(monkeypatch):
@@ -134,8 +134,8 @@ def test_run_block_and_serve_a_saved_llama(tmp_path):
     """hf_checkpoint with a LlamaForCausalLM directory: run_block checks its blocks, serve generates the tokens
     transformers' own generate() does (greedy)."""
     model = hf_llama(tmp_path)
-    proc, _ = torchrun(2, f"hf_checkpoint={tmp_path / 'ckpt'}", "requests=[5,9]", "repeats=1", "dtype=float64",
-                       run_dir=tmp_path / "block")
+    proc, _ = launch_on_pool(2, f"hf_checkpoint={tmp_path / 'ckpt'}", "requests=[5,9]", "repeats=1", "dtype=float64",
+                             run_dir=tmp_path / "block")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "block" / "report.json").read_text())
     assert report["config"]["family"] == "llama" and report["config"]["model_name"] == "hf"
@@ -143,8 +143,9 @@ def test_run_block_and_serve_a_saved_llama(tmp_path):
     assert "weights: Llama checkpoint" in proc.stdout
 
     prompts = [[5, 81, 2, 299, 14, 7], [120, 3]]
-    proc, _ = torchrun(2, f"hf_checkpoint={tmp_path / 'ckpt'}", f"prompts={json.dumps(prompts).replace(' ', '')}",
-                       "max_new_tokens=6", "chunk_size=4", "dtype=float64", run_dir=tmp_path / "serve", script="serve.py")
+    proc, _ = launch_on_pool(2, f"hf_checkpoint={tmp_path / 'ckpt'}", f"prompts={json.dumps(prompts).replace(' ', '')}",
+                             "max_new_tokens=6", "chunk_size=4", "dtype=float64", run_dir=tmp_path / "serve",
+                             script="serve.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "serve" / "report.json").read_text())
     for prompt, req in zip(prompts, report["requests"]):
@@ -158,9 +159,9 @@ def test_run_block_and_serve_a_saved_llama(tmp_path):
 
 def test_serve_pd_llama_tiny(tmp_path):
     """P/D with grouped-query attention: 1 prefill rank holds both K,V heads, 2 decode ranks one each."""
-    proc, _ = torchrun(3, "model=llama_tiny", "model.n_layers=2", "pd.prefill_ranks=1", "pd.decode_ranks=2",
-                       "prompt_count=3", "prompt_mean=8", "max_new_tokens=4", "dtype=float64", run_dir=tmp_path,
-                       script="serve.py")
+    proc, _ = launch_on_pool(3, "model=llama_tiny", "model.n_layers=2", "pd.prefill_ranks=1", "pd.decode_ranks=2",
+                             "prompt_count=3", "prompt_mean=8", "max_new_tokens=4", "dtype=float64", run_dir=tmp_path,
+                             script="serve.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     t = report["transfer"]

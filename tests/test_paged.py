@@ -158,29 +158,35 @@ def test_a_preempted_request_waits_at_least_one_iteration_and_is_not_counted_as_
 # ---- the engine: paged == reference == dense --------------------------------------------------------------------
 
 
-def paged_equals_oracle(ctx, family):
+def paged_equals_oracle(ctx, family, grid):
     dense = model(family)
     lm = shard_lm(dense, "v2", ctx.group)
     reqs = requests()
     want = oracle(dense, reqs)
     longest = max(len(r.prompt) for r in reqs)
     out = {}
-    for block_size in (1, 3, 16):
-        for chunk in (1, 5, longest):
-            for mode in ("batched", "reference"):
-                res = Engine(lm, ctx, chunk_size=chunk, max_batched_tokens=longest + 8, block_size=block_size,
-                             attention=mode).run(requests())
-                out[block_size, chunk, mode] = ([r["output_ids"] for r in res.requests] == want,
-                                                res.ledger_matches_model, res.preemptions,
-                                                res.free_blocks_at_end == res.kv_blocks)
+    for block_size, chunk in grid:
+        chunk = longest if chunk is None else chunk  # None: the whole prompt in one chunk
+        for mode in ("batched", "reference"):
+            res = Engine(lm, ctx, chunk_size=chunk, max_batched_tokens=longest + 8, block_size=block_size,
+                         attention=mode).run(requests())
+            out[block_size, chunk, mode] = ([r["output_ids"] for r in res.requests] == want,
+                                            res.ledger_matches_model, res.preemptions,
+                                            res.free_blocks_at_end == res.kv_blocks)
     return out
+
+
+FULL_GRID = [(b, c) for b in (1, 3, 16) for c in (1, 5, None)]  # (block_size, chunk_size; None: whole prompts)
 
 
 @pytest.mark.parametrize("family,p", [("gpt2", 1), ("gpt2", 2), ("gpt2", 4), ("llama", 1), ("llama", 4)])
 def test_paged_tokens_equal_the_dense_oracle_and_the_reference(family, p):
-    """Every block_size x chunk size x attention mode; Llama at p = 4 > h_kv = 2 (replicated K,V heads)."""
-    for res in run_ranks(p, paged_equals_oracle, family):
-        assert len(res) == 18
+    """Every block_size x chunk size x attention mode at p = 1, 2; at p = 4 (four ranks on two cores) the corners
+    that differ most, one-position blocks with one-token chunks and whole prompts in 16-position blocks, and the
+    middle; Llama at p = 4 > h_kv = 2 (replicated K,V heads)."""
+    grid = FULL_GRID if p <= 2 else [(1, 1), (3, 5), (16, None)]
+    for res in run_ranks(p, paged_equals_oracle, family, grid):
+        assert len(res) == 2 * len(grid)
         for key, (same, ledger_ok, preemptions, all_free) in res.items():
             assert same and ledger_ok and all_free, key
             assert preemptions == 0, key  # kv_blocks = null: enough for the worst case
@@ -268,7 +274,7 @@ def serve_settings(*overrides):
     from hydra import compose, initialize_config_dir
 
     from launch.serve import parse_settings
-    from tests.test_launcher import ROOT
+    from tests.launching import ROOT
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         return parse_settings(compose("serve", overrides=list(overrides)), 2, 2)
@@ -307,10 +313,10 @@ def test_shared_prefix_is_prepended_to_every_random_prompt():
     assert (shared.block_size, shared.kv_blocks, shared.prefix_cache, shared.attention) == (16, None, True, "batched")
 
 
-def test_kv_blocks_too_small_fails_fast_on_a_lone_rank(tmp_path):
-    from tests.test_serve_launcher import lone_rank
+def test_kv_blocks_too_small_fails_fast_on_a_lone_rank():
+    from tests.launching import settings_phase
 
-    alone = lone_rank(tmp_path, ["kv_blocks=1"])
+    alone = settings_phase(["kv_blocks=1"])
     assert alone.returncode == 2, alone.stdout + alone.stderr
     assert alone.stderr.startswith("[rank 1] error: kv_blocks=1 cannot hold request") and \
         alone.stderr.count("\n") == 1, alone.stderr
@@ -319,11 +325,11 @@ def test_kv_blocks_too_small_fails_fast_on_a_lone_rank(tmp_path):
 def test_serve_launcher_with_a_shared_prefix_and_a_small_pool(tmp_path):
     import json
 
-    from tests.test_launcher import torchrun
+    from tests.launching import launch_on_pool
     from tests.test_serve_launcher import SMALL
 
-    proc, _ = torchrun(2, *SMALL, "shared_prefix=24", "block_size=4", "kv_blocks=14", run_dir=tmp_path,
-                       script="serve.py")
+    proc, _ = launch_on_pool(2, *SMALL, "shared_prefix=24", "block_size=4", "kv_blocks=14", run_dir=tmp_path,
+                             script="serve.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "paged KV: 14 blocks x 4 positions per rank" in proc.stdout and "PASS" in proc.stdout
     report = json.loads((tmp_path / "report.json").read_text())

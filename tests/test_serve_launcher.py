@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.test_launcher import ROOT, torchrun
+from tests.launching import ROOT, launch_on_pool, lone_rank_process, settings_phase, torchrun
 
 SMALL = ["model.n_layers=2", "model.vocab_size=5003", "prompt_count=5", "prompt_mean=12", "max_new_tokens=5",
          "chunk_size=4", "max_batched_tokens=12", "arrivals=1", "dtype=float64"]
@@ -39,8 +39,8 @@ def test_serve_a_saved_gpt2(tmp_path):
     transformers = pytest.importorskip("transformers")
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_head=4, n_layer=2, n_positions=32))
     model.save_pretrained(tmp_path / "ckpt")
-    proc, _ = torchrun(2, f"hf_checkpoint={tmp_path / 'ckpt'}", "prompts=[[464,3290,318],[40,50256]]",
-                       "max_new_tokens=4", "dtype=float64", run_dir=tmp_path / "run", script="serve.py")
+    proc, _ = launch_on_pool(2, f"hf_checkpoint={tmp_path / 'ckpt'}", "prompts=[[464,3290,318],[40,50256]]",
+                             "max_new_tokens=4", "dtype=float64", run_dir=tmp_path / "run", script="serve.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["config"]["model"]["vocab_size"] == 50257 and report["check"]["ok"] is True
@@ -58,36 +58,31 @@ BAD = [
 ]
 
 
+def _corrupt_checkpoint(path):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(dict(n_embd=32, n_head=4, n_layer=2)))
+    (path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{truncated")
+    return [f"hf_checkpoint={path}"]
+
+
 @pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(b[0]) for b in BAD])
-def test_bad_settings_fail_fast_on_every_rank(tmp_path, overrides, message):
+def test_bad_settings_fail_before_any_collective(tmp_path, overrides, message):
+    """The last rank's settings phase (tests/launching.py), with nobody to meet: one line, exit code 2."""
     if overrides == ["hf_checkpoint=CORRUPT"]:
-        (tmp_path / "ckpt").mkdir()
-        (tmp_path / "ckpt" / "config.json").write_text(json.dumps(dict(n_embd=32, n_head=4, n_layer=2)))
-        (tmp_path / "ckpt" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{truncated")
-        overrides = [f"hf_checkpoint={tmp_path / 'ckpt'}"]
-    proc, elapsed = torchrun(2, *overrides, run_dir=tmp_path / "run", timeout=120, script="serve.py")
-    assert proc.returncode != 0
-    printed = [line for line in proc.stderr.splitlines() if "] error: " in line]
-    assert printed and all(message in line for line in printed), proc.stderr
-    # no rank raised (torchrun's own ChildFailedError traceback is expected), no Hydra error page
-    assert "Error executing job" not in proc.stderr and 'serve.py", line' not in proc.stderr
-    assert not (tmp_path / "run" / "report.json").exists()
-    assert elapsed < 60, f"took {elapsed:.0f}s to fail"
-    # The last rank alone, with nobody to meet, fails the same way: validation comes before any collective.
-    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
-    alone = subprocess.run([sys.executable, str(ROOT / "launch" / "serve.py"), f"hydra.run.dir={tmp_path / 'run'}",
-                            *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        overrides = _corrupt_checkpoint(tmp_path / "ckpt")
+    alone = settings_phase(overrides)
     assert alone.returncode == 2, alone.stdout + alone.stderr
-    assert "[rank 1] error: " in alone.stderr and message in alone.stderr
+    assert alone.stderr.startswith("[rank 1] error: ") and alone.stderr.count("\n") == 1, alone.stderr
+    assert message in alone.stderr, alone.stderr
 
 
-def lone_rank(run_dir, overrides, world: int = 2, script: str = "serve.py") -> subprocess.CompletedProcess:
-    """The last rank of a `world`-rank job started alone: settings are validated before anyone is met."""
-    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
-    return subprocess.run([sys.executable, str(ROOT / "launch" / script), f"hydra.run.dir={run_dir}", *overrides],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+def test_an_unknown_preset_fails_fast_on_a_lone_rank(tmp_path):
+    """The last rank as its own process, with nobody to meet, exits 2 on a preset Hydra would not find (checked
+    before Hydra starts). Every rank failing under torchrun: tests/test_launcher.py (the same launch.settings)."""
+    alone = lone_rank_process(tmp_path / "run", ["model=gpt9"])
+    assert alone.returncode == 2, alone.stdout + alone.stderr
+    assert alone.stderr.startswith("[rank 1] error: unknown model preset 'gpt9'"), alone.stderr
+    assert "Error executing job" not in alone.stderr and 'serve.py", line' not in alone.stderr
 
 
 MORE_BAD = [
@@ -104,8 +99,8 @@ MORE_BAD = [
 
 
 @pytest.mark.parametrize("overrides,message", MORE_BAD, ids=[" ".join(b[0]) for b in MORE_BAD])
-def test_more_bad_settings_on_a_lone_rank(tmp_path, overrides, message):
-    alone = lone_rank(tmp_path, overrides)
+def test_more_bad_settings_on_a_lone_rank(overrides, message):
+    alone = settings_phase(overrides)
     assert alone.returncode == 2, alone.stdout + alone.stderr
     assert alone.stderr.startswith("[rank 1] error: ") and message in alone.stderr, alone.stderr
 
@@ -137,7 +132,8 @@ def test_article03_preset_is_the_default_model():
 
 
 def test_serve_pd_end_to_end(tmp_path):
-    proc, _ = torchrun(4, *SMALL, "pd.prefill_ranks=2", "pd.decode_ranks=2", run_dir=tmp_path, script="serve.py")
+    proc, _ = launch_on_pool(4, *SMALL, "pd.prefill_ranks=2", "pd.decode_ranks=2", run_dir=tmp_path,
+                             script="serve.py")  # under torchrun: test_a_decode_rank_dying_ends_the_whole_job_fast
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("tpref: prefill/decode disaggregation") == 1
     assert "Llama-2-7B" in proc.stdout and "PASS: P/D served 5 requests" in proc.stdout
@@ -162,10 +158,10 @@ PD_BAD = [
 
 
 @pytest.mark.parametrize("world,overrides,message", PD_BAD, ids=[" ".join(b[1]) for b in PD_BAD])
-def test_bad_pd_settings_on_a_lone_rank(tmp_path, world, overrides, message):
-    alone = lone_rank(tmp_path, overrides, world)
+def test_bad_pd_settings_on_a_lone_rank(world, overrides, message):
+    alone = settings_phase(overrides, world)
     assert alone.returncode == 2, alone.stdout + alone.stderr
-    assert alone.stderr.startswith("[rank 1] error: ") and message in alone.stderr, alone.stderr
+    assert alone.stderr.startswith(f"[rank {world - 1}] error: ") and message in alone.stderr, alone.stderr
 
 
 def _rank_pids(run_dir, rank: int) -> list[int]:
@@ -217,8 +213,9 @@ def test_a_decode_rank_dying_ends_the_whole_job_fast(tmp_path):
 
 
 def test_serve_llama_tiny(tmp_path):
-    proc, _ = torchrun(2, "model=llama_tiny", "model.n_layers=2", "prompt_count=3", "prompt_mean=8", "max_new_tokens=4",
-                       "chunk_size=4", "max_batched_tokens=12", "dtype=float64", run_dir=tmp_path, script="serve.py")
+    proc, _ = launch_on_pool(2, "model=llama_tiny", "model.n_layers=2", "prompt_count=3", "prompt_mean=8",
+                             "max_new_tokens=4", "chunk_size=4", "max_batched_tokens=12", "dtype=float64",
+                             run_dir=tmp_path, script="serve.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["config"]["model"]["n_kv_heads"] == 2 and report["check"]["verdicts"]["match"] == 3
@@ -238,7 +235,7 @@ LLAMA_BAD = [
 
 
 @pytest.mark.parametrize("overrides,message", LLAMA_BAD, ids=[" ".join(b[0]) for b in LLAMA_BAD])
-def test_bad_llama_settings_on_a_lone_rank(tmp_path, overrides, message):
-    alone = lone_rank(tmp_path, overrides)
+def test_bad_llama_settings_on_a_lone_rank(overrides, message):
+    alone = settings_phase(overrides)
     assert alone.returncode == 2, alone.stdout + alone.stderr
     assert message in alone.stderr, alone.stderr
