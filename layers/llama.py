@@ -35,6 +35,7 @@ from layers.attention import PagedLayer, attention, positions_of
 from layers.linear import ColumnParallelLinear, RowParallelLinear
 from layers.shard import load_
 from layers.varlen import Requests
+from tp.comm import copy_to_region, gather_rows_to_parallel, reduce_scatter_rows
 from tp.dist import ConfigError
 from tp.traffic_model import kv_head_range
 
@@ -110,13 +111,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The statistics in float32 at least, as transformers' LlamaRMSNorm: squared in float16, a residual stream
-        # whose activations reach the thousands (Llama-2-7B's do) overflows above |x| ~ 256 and the row becomes
-        # zeros. Normalized in float32, rounded back to x's dtype, then scaled (transformers' order, so bfloat16
-        # rounds where it does). nn.LayerNorm already keeps its statistics in float32 for half inputs.
-        stats = torch.promote_types(x.dtype, torch.float32)
-        xs = x.to(stats)
-        return self.weight * (xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # The statistics in float32 at least, as transformers' LlamaRMSNorm: squared in float16, a residual stream
+    # whose activations reach the thousands (Llama-2-7B's do) overflows above |x| ~ 256 and the row becomes
+    # zeros. Normalized in float32, rounded back to x's dtype, then scaled (transformers' order, so bfloat16
+    # rounds where it does). nn.LayerNorm already keeps its statistics in float32 for half inputs.
+    stats = torch.promote_types(x.dtype, torch.float32)
+    xs = x.to(stats)
+    return weight * (xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rope_tables(positions: torch.Tensor, dh: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,3 +226,33 @@ class TPLlamaBlock(nn.Module):
         self.attn_norm.load_state_dict(dense.attn_norm.state_dict())
         self.mlp_norm.load_state_dict(dense.mlp_norm.state_dict())
         return self
+
+
+class TPLlamaBlockSP(TPLlamaBlock):
+    """v2sp (SPEC §11): TPLlamaBlock with sequence parallelism. Between sub-layers each rank holds its T'/p rows
+    (T' = T padded up to a multiple of p); RMSNorm and the residual adds run on those rows. Before each
+    column-parallel matmul an all-gather rebuilds the T rows; after each row-parallel one a reduce-scatter leaves
+    each rank its rows of the sum. The norm weights' gradients are partial over each rank's rows: one all-reduce
+    per sub-layer in backward (copy_to_region, at the line that uses them)."""
+
+    def forward(self, x: torch.Tensor, requests: Requests | None = None, n: int | None = None) -> torch.Tensor:
+        if isinstance(requests, PagedLayer):
+            raise ValueError("v2sp cuts one forward (training-style); serving runs v2")
+        g, dh, eps = self.group, self.cfg.d_head, self.cfg.norm_eps
+        n = x.shape[0] * dist.get_world_size(g) if n is None else n  # real rows T; the rest is padding
+        w = copy_to_region(self.attn_norm.weight, g, "attn/norm dw")  # backward: all-reduce the partial gradient
+        h = gather_rows_to_parallel(rms_norm(x, w, eps), g, "attn/all-gather #1")  # ★ all-gather: [T', d]
+        q, k, v = F.linear(h[:n], self.qkv.weight).split(  # no copy_to_region: the gather's backward sums dX
+            [self.q_heads * dh, self.kv_heads * dh, self.kv_heads * dh], dim=-1)
+        partial = F.linear(rotary_attention(q, k, v, self.cfg, requests), self.o.weight)  # [T, d] partial sums
+        x = x + reduce_scatter_rows(pad_rows(partial, h.shape[0]), g, "attn/reduce-scatter #1")  # ★ [T'/p, d]
+        w = copy_to_region(self.mlp_norm.weight, g, "mlp/norm dw")
+        h = gather_rows_to_parallel(rms_norm(x, w, eps), g, "mlp/all-gather #2")  # ★ all-gather: [T', d]
+        gate, up = F.linear(h[:n], self.gate_up.weight).chunk(2, dim=-1)  # this rank's f/p columns of each
+        partial = F.linear(F.silu(gate) * up, self.down.weight)  # [T, d] partial sums
+        return x + reduce_scatter_rows(pad_rows(partial, h.shape[0]), g, "mlp/reduce-scatter #2")  # ★ [T'/p, d]
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """[T, ...] -> [rows, ...], zero rows appended (sequence parallelism's padding to a multiple of p)."""
+    return x if x.shape[0] == rows else F.pad(x, (0, 0) * (x.dim() - 1) + (0, rows - x.shape[0]))

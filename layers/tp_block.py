@@ -7,6 +7,11 @@ v1 (every matmul column-parallel): 4 all-gathers per block, of [n, k], [n, d],
 intra_head (the counterfactual of seeds/03 §6): v2 with the QKV cut falling
     INSIDE every head; the partial Q·Kᵀ scores [h, n, n] must be all-reduced
     before softmax, a third collective that grows with n².
+v2sp (sequence parallelism, SPEC §11): v2 with each all-reduce split into a
+    reduce-scatter (after the row-parallel linear) and an all-gather (before the
+    next column-parallel one): between sub-layers each rank holds n/p rows, and
+    LayerNorm and the residual adds run on those rows only. 4 collectives of
+    [n, d] per block, the same bytes as v2's 2 all-reduces.
 
 Every line of a forward that communicates is marked ★. LayerNorm, GeLU and the
 residual adds run redundantly on every rank that holds the full tensor. The
@@ -28,11 +33,12 @@ from layers.attention import PagedLayer, causal_attention
 from layers.config import ModelConfig
 from layers.dense import DenseBlock, DenseStack, Stack
 from layers.linear import ColumnParallelLinear, RowParallelLinear
-from layers.llama import TPLlamaBlock
+from layers.llama import TPLlamaBlock, TPLlamaBlockSP, pad_rows
 from layers.shard import (column_shard, load_, out_proj_intra_head_shard, qkv_head_aligned_shard,
                           qkv_intra_head_shard, row_shard)
-from layers.varlen import Requests
-from tp.comm import copy_to_region, gather_from_region, reduce_from_region
+from layers.varlen import Requests, check_cu_seqlens
+from tp.comm import (copy_to_region, gather_from_region, gather_rows_from_region, gather_rows_to_parallel,
+                     reduce_from_region, reduce_scatter_rows, scatter_rows_to_region)
 
 
 class _TPBlockBase(nn.Module):
@@ -140,12 +146,81 @@ class TPBlockIntraHead(TPBlockV2):
         return self
 
 
+class TPBlockV2SP(TPBlockV2):
+    """v2 with sequence parallelism: x is this rank's n'/p rows (n' = n padded up to a multiple of p, SPStack).
+
+    The LayerNorm parameters and the row-parallel biases act on this rank's rows only, so their gradients are
+    partial sums over rows: each sub-layer passes them through copy_to_region (forward identity, backward one
+    all-reduce of [3d]) at the line that uses them."""
+
+    def forward(self, x: torch.Tensor, requests: Requests | None = None, n: int | None = None) -> torch.Tensor:
+        if isinstance(requests, PagedLayer):
+            raise ValueError("v2sp cuts one forward (training-style); serving runs v1 or v2")
+        g, d, eps = self.group, self.cfg.d_model, self.cfg.ln_eps
+        n = x.shape[0] * dist.get_world_size(g) if n is None else n  # real rows; the rest is padding
+        ln_w, ln_b, out_b = copy_to_region(torch.cat([self.ln_1.weight, self.ln_1.bias, self.attn_out.bias]), g,
+                                           "attn/norm+bias dw").split(d)  # backward: all-reduce of [3d]
+        h = gather_rows_to_parallel(F.layer_norm(x, (d,), ln_w, ln_b, eps), g, "attn/all-gather #1")  # ★ [n', d]
+        # no copy_to_region before the column-parallel matmul: the gather's backward reduce-scatters dX
+        a = causal_attention(F.linear(h[:n], self.qkv.weight, self.qkv.bias), self.cfg.d_head, requests)  # [n, k/p]
+        partial = pad_rows(F.linear(a, self.attn_out.weight), h.shape[0])  # [n', d] partial sums, padding rows 0
+        x = x + reduce_scatter_rows(partial, g, "attn/reduce-scatter #1") + out_b  # ★ reduce-scatter: [n'/p, d]
+        ln_w, ln_b, down_b = copy_to_region(torch.cat([self.ln_2.weight, self.ln_2.bias, self.mlp_down.bias]), g,
+                                            "mlp/norm+bias dw").split(d)
+        h = gather_rows_to_parallel(F.layer_norm(x, (d,), ln_w, ln_b, eps), g, "mlp/all-gather #2")  # ★ [n', d]
+        hidden = F.gelu(F.linear(h[:n], self.mlp_up.weight, self.mlp_up.bias), approximate="tanh")  # [n, ffn/p]
+        partial = pad_rows(F.linear(hidden, self.mlp_down.weight), h.shape[0])  # [n', d] partial sums
+        return x + reduce_scatter_rows(partial, g, "mlp/reduce-scatter #2") + down_b  # ★ reduce-scatter: [n'/p, d]
+
+
 BLOCKS = {("gpt2", "v1"): TPBlockV1, ("gpt2", "v2"): TPBlockV2, ("gpt2", "intra_head"): TPBlockIntraHead,
-          ("llama", "v2"): TPLlamaBlock}  # layers/llama.py: the Megatron pattern with GQA, RoPE, SwiGLU
+          ("gpt2", "v2sp"): TPBlockV2SP,
+          ("llama", "v2"): TPLlamaBlock,  # layers/llama.py: the Megatron pattern with GQA, RoPE, SwiGLU
+          ("llama", "v2sp"): TPLlamaBlockSP}
 
 
 class TPStack(Stack):
     """L tensor-parallel blocks of one variant; every rank returns the same full [n, d] outputs."""
+
+
+def sp_rows(n: int, p: int) -> int:
+    """Rows each rank holds under sequence parallelism: n padded up to n' = p·⌈n/p⌉ with zero rows at the end
+    (which no real row attends to: they come last, and attention is causal), n'/p each."""
+    return -(-n // p)
+
+
+class SPStack(TPStack):
+    """L v2sp blocks. forward takes the replicated [n, d] (n ≥ p), pads it to n' = p·⌈n/p⌉ rows and keeps this
+    rank's n'/p (scatter_rows_to_region: no communication; backward all-gathers dx, "stack/scatter input");
+    it returns every layer's output as this rank's rows [n'/p, d] (rows `rows_held(n)` of the n real ones).
+    `gather(out, n)` all-gathers one back to the replicated [n, d] ("stack/gather output", outside any block)."""
+
+    def forward(self, x: torch.Tensor, cu_seqlens=None, padded: bool = False) -> tuple[torch.Tensor, ...]:
+        if padded:
+            raise ValueError("v2sp runs one sequence or varlen requests, not the padded baseline")
+        g, n = self.blocks[0].group, x.shape[0]
+        p = dist.get_world_size(g)
+        if n < p:
+            raise ValueError(f"v2sp needs at least one row per rank: T={n} tokens over p={p} ranks")
+        requests = None if cu_seqlens is None else \
+            Requests(check_cu_seqlens(cu_seqlens, n, self.cfg.max_seq_len), padded)  # attention sees all n rows
+        x = scatter_rows_to_region(pad_rows(x, p * sp_rows(n, p)), g, "stack/scatter input")  # [n'/p, d]
+        outs = []
+        for block in self.blocks:
+            x = block(x, requests, n)
+            outs.append(x)
+        return tuple(outs)
+
+    def gather(self, rows: torch.Tensor, n: int) -> torch.Tensor:
+        """This rank's [n'/p, d] -> the replicated [n, d]: ★ one all-gather (backward: split)."""
+        return gather_rows_from_region(rows, self.blocks[0].group, "stack/gather output")[:n]
+
+    def rows_held(self, n: int) -> tuple[int, int]:
+        """[lo, hi): the real rows this rank holds (hi - lo < n'/p on the last ranks when n % p != 0)."""
+        g = self.blocks[0].group
+        per = sp_rows(n, dist.get_world_size(g))
+        lo = dist.get_rank(g) * per
+        return min(lo, n), min(lo + per, n)
 
 
 def shard_stack(dense: DenseStack, variant: str, group: dist.ProcessGroup) -> TPStack:
@@ -156,4 +231,5 @@ def shard_stack(dense: DenseStack, variant: str, group: dist.ProcessGroup) -> TP
         raise ValueError(f"no {variant!r} TP block for the {family} family; it has "
                          f"{', '.join(v for f, v in BLOCKS if f == family)}")
     cls = BLOCKS[(family, variant)]
-    return TPStack(dense.cfg, [cls(dense.cfg, group, param.dtype, param.device).load_dense(b) for b in dense.blocks])
+    stack = SPStack if variant == "v2sp" else TPStack
+    return stack(dense.cfg, [cls(dense.cfg, group, param.dtype, param.device).load_dense(b) for b in dense.blocks])

@@ -9,6 +9,14 @@ pass, and its adjoint in the backward pass:
     gather_from_region    all-gather, last dim        split, last dim
     scatter_to_region     split, last dim             all-gather, last dim
 
+Sequence parallelism (SPEC §11) adds their row-wise counterparts, named as in Megatron-core:
+
+    name                          forward                     backward
+    scatter_rows_to_region        split, first dim            all-gather, first dim
+    gather_rows_from_region       all-gather, first dim       split, first dim        (a replicated consumer)
+    gather_rows_to_parallel       all-gather, first dim       reduce-scatter, first dim (a column-parallel consumer)
+    reduce_scatter_rows           reduce-scatter, first dim   all-gather, first dim
+
 On one rank every one of them is the identity and issues no collective.
 The group is always passed in; nothing here reads a global process group.
 `site` ("attn/all-reduce #1") names the call site for the traffic ledger
@@ -23,8 +31,10 @@ from einops import rearrange
 
 from tp.ledger import TrafficLedger, active
 
-# torch >= 2.13 names the tensor all-gather `all_gather_single`; older releases `all_gather_into_tensor`.
+# torch >= 2.13 names the tensor all-gather `all_gather_single` (reduce-scatter: `reduce_scatter_single`); older
+# releases `all_gather_into_tensor` (`reduce_scatter_tensor`).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _Where:
@@ -76,6 +86,41 @@ def _split_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     if x.shape[-1] % p:
         raise ValueError(f"last dim {x.shape[-1]} is not divisible by {p} ranks")
     return x.chunk(p, dim=-1)[dist.get_rank(group)].contiguous()
+
+
+def _all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: str) -> torch.Tensor:
+    """[n, ...] on each rank -> [p*n, ...], rank r's rows at [r*n, (r+1)*n)."""
+    p = dist.get_world_size(group)
+    if p == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((p * x.shape[0], *x.shape[1:]))
+    where.run(lambda: _all_gather_single(out, x, group=group), "all_gather", phase, out.shape, x.dtype)
+    return out
+
+
+def _reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: str) -> torch.Tensor:
+    """[p*n, ...] partial sums on each rank -> this rank's rows [r*n, (r+1)*n) of the sum: [n, ...]."""
+    p = dist.get_world_size(group)
+    if p == 1:
+        return x
+    if x.shape[0] % p:
+        raise ValueError(f"first dim {x.shape[0]} is not divisible by {p} ranks")
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // p, *x.shape[1:]))
+    where.run(lambda: _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group), "reduce_scatter", phase,
+              x.shape, x.dtype)
+    return out
+
+
+def _split_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[p*n, ...] -> this rank's [n, ...]. No communication."""
+    p = dist.get_world_size(group)
+    if p == 1:
+        return x
+    if x.shape[0] % p:
+        raise ValueError(f"first dim {x.shape[0]} is not divisible by {p} ranks")
+    return x.chunk(p, dim=0)[dist.get_rank(group)].contiguous()
 
 
 # ---- autograd functions --------------------------------------------------------------
@@ -131,6 +176,81 @@ class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_gather_last(grad, ctx.group, ctx.where, "backward"), None, None
+
+
+class _ScatterRowsToRegion(torch.autograd.Function):
+    """forward: split on the first dim; backward: all-gather on the first dim."""
+
+    @staticmethod
+    def forward(ctx, x, group, site):
+        ctx.group, ctx.where = group, _Where(site)
+        return _split_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_rows(grad, ctx.group, ctx.where, "backward"), None, None
+
+
+class _GatherRowsFromRegion(torch.autograd.Function):
+    """forward: all-gather on the first dim; backward: split on the first dim (every rank's gradient is whole)."""
+
+    @staticmethod
+    def forward(ctx, x, group, site):
+        ctx.group = group
+        return _all_gather_rows(x, group, _Where(site), "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_rows(grad, ctx.group), None, None
+
+
+class _GatherRowsToParallel(torch.autograd.Function):
+    """forward: all-gather on the first dim; backward: reduce-scatter on the first dim (each rank's gradient is its
+    column-parallel consumer's partial sum)."""
+
+    @staticmethod
+    def forward(ctx, x, group, site):
+        ctx.group, ctx.where = group, _Where(site)
+        return _all_gather_rows(x, group, ctx.where, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_rows(grad, ctx.group, ctx.where, "backward"), None, None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    """forward: reduce-scatter on the first dim; backward: all-gather on the first dim."""
+
+    @staticmethod
+    def forward(ctx, x, group, site):
+        ctx.group, ctx.where = group, _Where(site)
+        return _reduce_scatter_rows(x, group, ctx.where, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_rows(grad, ctx.group, ctx.where, "backward"), None, None
+
+
+def scatter_rows_to_region(x: torch.Tensor, group: dist.ProcessGroup, site: str | None = None) -> torch.Tensor:
+    """Enter a sequence-parallel region from a replicated [T, ...]: keep this rank's T/p rows; backward all-gather."""
+    return _ScatterRowsToRegion.apply(x, group, site)
+
+
+def gather_rows_from_region(x: torch.Tensor, group: dist.ProcessGroup, site: str | None = None) -> torch.Tensor:
+    """Leave a sequence-parallel region to a replicated consumer: forward all-gather rows, backward split."""
+    return _GatherRowsFromRegion.apply(x, group, site)
+
+
+def gather_rows_to_parallel(x: torch.Tensor, group: dist.ProcessGroup, site: str | None = None) -> torch.Tensor:
+    """Rows -> a column-parallel linear's full input: forward all-gather rows, backward reduce-scatter the partial
+    input gradients (Megatron's gather_from_sequence_parallel_region with tensor_parallel_output_grad)."""
+    return _GatherRowsToParallel.apply(x, group, site)
+
+
+def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup, site: str | None = None) -> torch.Tensor:
+    """A row-parallel linear's partial [T, d] -> this rank's T/p rows of the sum: forward reduce-scatter, backward
+    all-gather (Megatron's reduce_scatter_to_sequence_parallel_region)."""
+    return _ReduceScatterRows.apply(x, group, site)
 
 
 def copy_to_region(x: torch.Tensor, group: dist.ProcessGroup, site: str | None = None) -> torch.Tensor:

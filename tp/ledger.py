@@ -9,7 +9,7 @@ finding none, does nothing more. Switched on with
     ledger.records                  # one CommRecord per collective issued, forward and backward
 
 Bytes follow the ring model (SPEC §4) for the bytes each rank sends:
-all-reduce of M elements 2(p-1)/p·M·e, all-gather to M elements (p-1)/p·M·e.
+all-reduce of M elements 2(p-1)/p·M·e, all-gather to M elements and reduce-scatter of M elements (p-1)/p·M·e.
 Counting costs the host nothing: a record is written when the collective is issued, and nothing waits
 for the device. Per-collective times only when asked (`TrafficLedger(..., timing=True)`; run_block's
 profiling and the sweeps ask): then the rank's compute stream is drained before the clock starts (queued
@@ -35,7 +35,7 @@ _profiling = torch._C._autograd._profiler_enabled
 
 _ACTIVE: contextvars.ContextVar["TrafficLedger | None"] = contextvars.ContextVar("tp_traffic_ledger", default=None)
 
-KINDS = ("all_reduce", "all_gather")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def collective_kind(op) -> str:
@@ -45,14 +45,18 @@ def collective_kind(op) -> str:
         return "all_reduce"
     if "allgather" in name or "all_gather" in name:
         return "all_gather"
+    if "reduce_scatter" in name:
+        return "reduce_scatter"
     return name.rsplit(".", 1)[-1].strip("_")
 
 
 def ring_bytes_per_rank(kind: str, elements: int, p: int, elem_bytes: int) -> float:
-    """Bytes one rank sends in a ring collective. `elements`: the reduced tensor, or the gathered output."""
+    """Bytes one rank sends in a ring collective. `elements`: the reduced tensor (all-reduce, reduce-scatter: the
+    full input each rank holds), or the gathered output (all-gather). A reduce-scatter is the all-reduce's first
+    half: (p-1)/p·M·e, like the all-gather that is its second half."""
     if kind == "all_reduce":
         return 2 * (p - 1) * elements * elem_bytes / p
-    if kind == "all_gather":
+    if kind in ("all_gather", "reduce_scatter"):
         return (p - 1) * elements * elem_bytes / p
     raise ValueError(f"unknown collective kind {kind!r}")
 
@@ -65,7 +69,7 @@ class Traffic:
     sublayer: str  # "attn" or "mlp"
     site: str  # e.g. "all-reduce #1", "gather #3", "qkv dx" (the all-reduce of an input gradient)
     phase: str  # "forward" or "backward"
-    kind: str  # "all_reduce" or "all_gather"
+    kind: str  # "all_reduce", "all_gather" or "reduce_scatter"
     shape: tuple[int, ...]  # the logical tensor: what is reduced, or the gathered output
     dtype: str
     logical_bytes: int

@@ -9,6 +9,12 @@ Per block, with n tokens, d = d_model, k = n_heads·d_head, f = d_ffn:
     v2          all-reduce [n,d] ×2                       all-reduce [n,d] ×2 (dx of qkv, mlp_up)
     v1          all-gather [n,k], [n,d], [n,f], [n,d]     all-reduce [n,d], [n,k], [n,d], [n,f] (dx)
     intra_head  all-reduce [h,ΣL²], [n,d] ×2              all-reduce [h,ΣL²] (dP), [n,d] ×2 (dx)
+    v2sp        (all-gather, reduce-scatter) [n',d] ×2    (all-gather, reduce-scatter) [n',d] ×2,
+                                                          all-reduce [3d] ×2 (GPT-2: LayerNorm w, b, row bias;
+                                                          Llama: [d], the norm weight)
+
+v2sp pads n to n' = p·⌈n/p⌉ rows; a reduce-scatter of M elements sends (p-1)/p·M·e per rank, an all-gather the
+same, so with p | n its forward moves exactly v2's bytes per layer, in twice as many collectives.
 
 With many requests flattened (lengths Lᵢ, n = Σ Lᵢ) nothing changes but n, except
 intra_head's scores: each request's [h, Lᵢ, Lᵢ] block, side by side, [h, Σ Lᵢ²].
@@ -46,14 +52,17 @@ PHASES = ("forward", "backward")
 
 
 def block_collectives(cfg: ModelConfig, n: int, variant: str, phase: str,
-                      lengths: list[int] | None = None) -> list[tuple[str, str, str, tuple]]:
-    """(sublayer, site, kind, logical shape) for one block, in issue order. lengths: the requests (default [n])."""
+                      lengths: list[int] | None = None, p: int = 1) -> list[tuple[str, str, str, tuple]]:
+    """(sublayer, site, kind, logical shape) for one block, in issue order. lengths: the requests (default [n]).
+    p: the ranks, for v2sp's padding (n' = p·⌈n/p⌉ rows)."""
     d, k, f, h = cfg.d_model, cfg.k, cfg.d_ffn, cfg.n_heads
     scores = (h, sum(x * x for x in (lengths or [n])))
-    ar, ag = "all_reduce", "all_gather"
+    ar, ag, rs = "all_reduce", "all_gather", "reduce_scatter"
     up = "gate_up dx" if cfg.family == "llama" else "mlp_up dx"  # Llama: gate and up are one column-parallel matmul
-    if cfg.family == "llama" and variant != "v2":
-        raise ValueError(f"Llama-family blocks are built as v2 only, not {variant!r}")
+    if cfg.family == "llama" and variant not in ("v2", "v2sp"):
+        raise ValueError(f"Llama-family blocks are built as v2 or v2sp only, not {variant!r}")
+    rows = p * -(-n // p)  # v2sp: n padded up to a multiple of p
+    dw = ("norm dw", (d,)) if cfg.family == "llama" else ("norm+bias dw", (3 * d,))  # v2sp's replicated parameters
     table = {
         ("v2", "forward"): [("attn", "all-reduce #1", ar, (n, d)), ("mlp", "all-reduce #2", ar, (n, d))],
         ("v2", "backward"): [("mlp", up, ar, (n, d)), ("attn", "qkv dx", ar, (n, d))],
@@ -65,6 +74,14 @@ def block_collectives(cfg: ModelConfig, n: int, variant: str, phase: str,
                                     ("attn", "all-reduce #1", ar, (n, d)), ("mlp", "all-reduce #2", ar, (n, d))],
         ("intra_head", "backward"): [("mlp", "mlp_up dx", ar, (n, d)), ("attn", "probs dP", ar, scores),
                                      ("attn", "qkv dx", ar, (n, d))],
+        # v2sp: each v2 all-reduce [n, d] becomes a reduce-scatter and an all-gather of [n', d]; backward swaps them
+        # (a record keeps its forward site) and adds one all-reduce per sub-layer of the replicated parameters'
+        # gradients, partial over each rank's rows
+        ("v2sp", "forward"): [("attn", "all-gather #1", ag, (rows, d)), ("attn", "reduce-scatter #1", rs, (rows, d)),
+                              ("mlp", "all-gather #2", ag, (rows, d)), ("mlp", "reduce-scatter #2", rs, (rows, d))],
+        ("v2sp", "backward"): [("mlp", "reduce-scatter #2", ag, (rows, d)), ("mlp", "all-gather #2", rs, (rows, d)),
+                               ("mlp", dw[0], ar, dw[1]), ("attn", "reduce-scatter #1", ag, (rows, d)),
+                               ("attn", "all-gather #1", rs, (rows, d)), ("attn", dw[0], ar, dw[1])],
     }
     if (variant, phase) not in table:
         raise ValueError(f"no traffic model for variant={variant!r} phase={phase!r}")
@@ -79,8 +96,22 @@ def predict(cfg: ModelConfig, p: int, n: int, dtype: torch.dtype, variant: str, 
     return [
         Traffic.of(layer=i, sublayer=sub, site=site, phase=phase, kind=kind, shape=shape, dtype=dtype, p=p)
         for i in range(cfg.n_layers)
-        for sub, site, kind, shape in block_collectives(cfg, n, variant, phase, lengths)
+        for sub, site, kind, shape in block_collectives(cfg, n, variant, phase, lengths, p)
     ]
+
+
+def predict_sp_stack(cfg: ModelConfig, p: int, n: int, dtype: torch.dtype, phase: str = "forward",
+                     gathered: bool = True, input_grad: bool = True) -> list[Traffic]:
+    """v2sp's collectives outside any block (layers/tp_block.SPStack): forward, the output's all-gather [n', d]
+    (if the caller gathers it); backward, the input's all-gather of dx [n', d] (if the input needs a gradient).
+    The input's scatter and the output gather's backward split rows: no communication."""
+    if p == 1:
+        return []
+    rows = p * -(-n // p)
+    wanted = {"forward": gathered, "backward": input_grad}[phase]
+    site = "gather output" if phase == "forward" else "scatter input"
+    return [Traffic.of(layer=None, sublayer="stack", site=site, phase=phase, kind="all_gather", shape=(rows, cfg.d_model),
+                       dtype=dtype, p=p)] if wanted else []
 
 
 def bytes_per_rank_per_layer(cfg: ModelConfig, p: int, n: int, dtype: torch.dtype, variant: str,
@@ -89,7 +120,7 @@ def bytes_per_rank_per_layer(cfg: ModelConfig, p: int, n: int, dtype: torch.dtyp
     if p == 1:
         return 0.0
     return sum(Traffic.of(layer=0, sublayer=s, site=t, phase=phase, kind=k, shape=sh, dtype=dtype, p=p).bytes_per_rank
-               for s, t, k, sh in block_collectives(cfg, n, variant, phase, lengths))
+               for s, t, k, sh in block_collectives(cfg, n, variant, phase, lengths, p))
 
 
 def predict_iteration(cfg: ModelConfig, p: int, rows: int, sampled: int, dtype: torch.dtype, variant: str,
