@@ -68,7 +68,11 @@ def _worker(rank: int, world_size: int, store: str, backend: str, tasks, results
 class RankPool:
     def __init__(self, world_size: int, backend: str = "gloo"):
         self.world_size, self.backend = world_size, backend
-        spawn = mp.get_context("spawn")
+        # gloo ranks are forked from this process: they start with torch and every test module already imported
+        # (a spawned rank spends seconds importing them, 8 ranks on two cores ~20 s per pool). Each rank runs one
+        # intra-op thread (set first thing in _worker), so no OpenMP pool crosses the fork. CUDA cannot be forked:
+        # NCCL ranks are spawned.
+        spawn = mp.get_context("fork" if backend == "gloo" and os.name == "posix" else "spawn")
         self.results = spawn.Queue()
         self.tasks = [spawn.Queue() for _ in range(world_size)]
         # The ranks meet in a file store (a fresh file per pool): no free port to pick and lose to another job.

@@ -117,7 +117,7 @@ def test_bad_settings_fail_before_any_collective(nproc, overrides, message, advi
 
 def test_a_bad_setting_fails_fast_on_every_rank(tmp_path):
     """The whole job: every rank that gets to print says the same line, nothing is written, exit non-zero, fast."""
-    nproc, overrides, message, advice = BAD[0]
+    nproc, overrides, message, advice = BAD[1]  # d_ffn=2049 on 2 ranks
     proc, elapsed = torchrun(nproc, *overrides, run_dir=tmp_path, timeout=120)
     assert proc.returncode != 0
     # torchrun stops the other ranks as soon as one exits, so a slower rank may be stopped before it
@@ -128,9 +128,9 @@ def test_a_bad_setting_fails_fast_on_every_rank(tmp_path):
     assert not (tmp_path / "report.json").exists()
     assert elapsed < 60, f"took {elapsed:.0f}s to fail"
     # the entry point itself, as the last rank's own process with nobody to meet: exit code 2 at once
-    alone = lone_rank_process(tmp_path, ["model.d_ffn=2049"], world=2, script="run_block.py")
+    alone = lone_rank_process(tmp_path, [], world=3, script="run_block.py")
     assert alone.returncode == 2, alone.stdout + alone.stderr
-    assert "[rank 1] error: d_ffn=2049 is not divisible by p=2 ranks" in alone.stderr
+    assert "[rank 2] error: n_heads=8 heads cannot be split over p=3 ranks" in alone.stderr
 
 
 def test_settings_phase_joins_the_group_for_good_settings():
