@@ -1,10 +1,11 @@
 """What every rank does in launch/run_block.py: build the dense stack, then for each variant shard it and
-run the four jobs, one file each:
+run the five jobs, one file each:
 
     launch/equivalence.py   every layer against the single-device stack (and CommDebugMode's counts)
     launch/traffic.py       the traffic ledger against the analytic model; per-collective times
     launch/profiling.py     a profiler trace parsed back against the ledger (profile=true)
     launch/shards.py        what each rank holds
+    launch/memory.py        the activations saved for backward per layer, beside tp/memory_model.py
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from pathlib import Path
 
 import torch
 
+import torch.distributed as dist
+
 from launch.equivalence import compare_layers
+from launch.memory import saved_bytes_per_layer
 from launch.profiling import profile_variant
 from launch.shards import shard_rows
 from launch.traffic import measure_traffic
@@ -24,6 +28,7 @@ from layers.hf import load_stack
 from layers.tp_block import shard_stack
 from layers.varlen import Requests, check_same_on_every_rank
 from tp.dist import TPContext, same_on_every_rank
+from tp.memory_model import activation_bytes_per_layer
 
 
 def run_check(cfg: ModelConfig | LlamaConfig, *, lengths: list[int], dtype: torch.dtype, seed: int, variants: list[str],
@@ -63,6 +68,24 @@ def run_check(cfg: ModelConfig | LlamaConfig, *, lengths: list[int], dtype: torc
             **traffic,
             "shards": shard_rows(stack, v, ctx),
         }
+        results[v]["activation_memory"] = activation_memory(stack, x, cfg, v, ctx)
         if profile_dir is not None:
             results[v]["profile"] = profile_variant(stack, x, cu_seqlens, v, ctx, profile_dir)
     return results
+
+
+def activation_memory(stack, x: torch.Tensor, cfg, variant: str, ctx: TPContext) -> dict:
+    """Bytes saved for backward per layer on every rank (launch/memory.py), for one sequence of all the run's
+    tokens, beside tp/memory_model.py's formula where it has one (GPT-2 v2 and v2sp, on the CPU)."""
+    mine = saved_bytes_per_layer(stack, x)
+    per_rank: list = [None] * ctx.world_size
+    dist.all_gather_object(per_rank, mine, group=ctx.group)
+    out = {"tokens": x.shape[0], "bytes_per_layer_by_rank": per_rank}
+    if x.device.type != "cpu":  # CUDA's attention and LayerNorm kernels save other tensors: measured only
+        return out
+    try:
+        formula = activation_bytes_per_layer(cfg, ctx.world_size, x.shape[0], x.dtype, variant)
+    except ValueError:
+        return out
+    return {**out, "formula_bytes_per_layer": formula,
+            "matches_formula": all(b == formula for rank in per_rank for b in rank)}

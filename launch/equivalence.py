@@ -8,13 +8,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
-from layers.tp_block import TPStack
+from layers.tp_block import SPStack, TPStack
 from layers.varlen import Requests
 from tp.dist import TPContext
 from tp.ledger import collective_kind
 
 
 def _errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """[max |out - ref|, max |ref|] (zeros for no rows)."""
+    if ref.numel() == 0:
+        return torch.zeros(2, dtype=torch.float64, device=ref.device)
     return torch.stack([(out - ref).abs().max(), ref.abs().max()]).to(torch.float64)
 
 
@@ -23,16 +26,24 @@ def compare_layers(stack: TPStack, x: torch.Tensor, reference: tuple[torch.Tenso
     """Per layer: CommDebugMode's counts and the error against the reference (worst over ranks).
     Per request: the worst error over layers of its own rows, relative to its own reference."""
     layers, per_request = [], []
-    spans = requests.spans if requests else [(0, x.shape[0])]
+    n = x.shape[0]
+    spans = requests.spans if requests else [(0, n)]
+    lo, hi = stack.rows_held(n)  # v2sp: each layer's output is this rank's rows [lo, hi); else all of them
+    extra = {"n": n} if isinstance(stack, SPStack) else {}
     with torch.no_grad():
+        x = stack.enter(x)
         for i, block in enumerate(stack.blocks):
             with CommDebugMode() as comm:
-                x = block(x, requests)
+                x = block(x, requests, **extra)
             counts = Counter()
             for op, count in comm.get_comm_counts().items():
                 counts[collective_kind(op)] += count
-            layers.append({"layer": i, "collective_counts": dict(counts), "err": _errors(x, reference[i])})
-            per_request.append(torch.stack([_errors(x[s:e], reference[i][s:e]) for s, e in spans]))
+            mine, ref = x[:hi - lo], reference[i][lo:hi]
+            layers.append({"layer": i, "collective_counts": dict(counts), "err": _errors(mine, ref)})
+            # each request's rows that this rank holds (none: zeros, the other ranks' maxima win)
+            per_request.append(torch.stack([_errors(mine[max(s, lo) - lo:max(min(e, hi), lo) - lo],
+                                                    ref[max(s, lo) - lo:max(min(e, hi), lo) - lo])
+                                            for s, e in spans]))
     # Worst error over ranks, so that every rank reaches the same verdict.
     errs = torch.stack([layer.pop("err") for layer in layers]).to(ctx.device)
     req = torch.stack(per_request).to(ctx.device)  # [L, R, 2]

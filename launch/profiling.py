@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -22,14 +23,17 @@ def profile_variant(stack: TPStack, x: torch.Tensor, cu_seqlens, variant: str, c
     ledger = TrafficLedger(ctx.world_size, ctx.device)
     with torch.no_grad(), layer_scopes(stack), ledger.attach(stack), \
             torch.profiler.profile(activities=activities, record_shapes=True) as prof:
-        stack(x, cu_seqlens)
+        stack.output(stack(x, cu_seqlens), x.shape[0])
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{variant}-rank{ctx.rank}.json"
     prof.export_chrome_trace(str(path))
-    parsed = collectives_by_layer(path)
+    # A trace records a gather's input and output dims, not which dim it concatenated (v1 gathers columns, v2sp
+    # rows): layer by layer, in order, each collective's kind and element count. Outside any block: layer -1.
+    parsed = {layer: [(kind, math.prod(shape)) for kind, shape in hits]
+              for layer, hits in collectives_by_layer(path).items()}
     seen: dict[int, list] = {}
     for r in ledger.records:
-        seen.setdefault(r.layer, []).append((r.kind, r.shape))
+        seen.setdefault(-1 if r.layer is None else r.layer, []).append((r.kind, math.prod(r.shape)))
     witness, per_op = backend_witness(path, len(ledger.records))
     agree = torch.tensor([float(parsed == seen and witness)], device=ctx.device)
     dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=ctx.group)

@@ -10,6 +10,7 @@ DESCRIPTION = {
     "v1": "all column-parallel",
     "v2": "Megatron column->row",
     "intra_head": "v2 with the QKV cut inside heads",
+    "v2sp": "v2 with sequence parallelism: n/p rows per rank between sub-layers",
 }
 
 
@@ -95,13 +96,27 @@ def render_variant(v: str, res: dict, tolerance: float, family: str = "gpt2") ->
     if len(res["requests"]) > 1:
         out.append("each request's rows vs that request run alone through the single-device block (worst layer):")
         out += _requests_table(res["requests"])
+    mem = res.get("activation_memory")
+    if mem:
+        held = sorted({b for rank in mem["bytes_per_layer_by_rank"] for b in rank})
+        line = (f"activation memory saved for backward per layer and rank (one sequence of {mem['tokens']} tokens): "
+                f"{' / '.join(kib(b) for b in held)} KiB measured")
+        if "formula_bytes_per_layer" in mem:
+            line += (f", {kib(mem['formula_bytes_per_layer'])} KiB by tp/memory_model.py: "
+                     + ("equal on every rank" if mem["matches_formula"] else "DIFFERENT"))
+        out.append(line)
+    outside = res.get("outside_blocks", {}).get("collectives")
+    if outside:
+        out.append("outside the blocks (the stack's input is split by rows, no communication): "
+                   + ", ".join(f"{c['sublayer']}/{c['site']} {c['kind']} {'x'.join(map(str, c['shape']))} "
+                               f"{kib(c['bytes_per_rank'])} KiB sent/rank" for c in outside))
     b = res["backward"]
     out.append(f"backward: {_counts(b['collectives'])}, {kib(b['bytes_per_rank'])} KiB sent/rank; "
                f"ledger matches model (forward and backward): {'true' if res['ledger_matches_model'] else 'FALSE'}")
     if "profile" in res:
         pr = res["profile"]
         out.append(f"profiler trace: {pr['trace']} (one per rank); {pr['collectives_in_trace']} collectives "
-                   f"parsed back, per layer and shape equal to the ledger: {'yes' if pr['trace_matches_ledger'] else 'NO'}")
+                   f"parsed back, per layer in order, kind and size equal to the ledger: {'yes' if pr['trace_matches_ledger'] else 'NO'}")
     return out
 
 
@@ -149,6 +164,15 @@ def render(report: dict) -> str:
              if res.get("forward_time_padded_s")}
     if timed:
         out.append("forward time varlen/padded: " + ", ".join(f"{v} {r:.3f}" for v, r in timed.items()))
+    if "v2sp" in variants and "v2" in variants:
+        a, b = variants["v2sp"]["totals"], variants["v2"]["totals"]
+        out.append(f"v2sp/v2 per forward, inside the blocks: collectives "
+                   f"{_ratio(sum(a['collectives'].values()), sum(b['collectives'].values()))}, bytes sent/rank "
+                   f"{_ratio(a['bytes_per_rank'], b['bytes_per_rank'])} (n padded to a multiple of p: 1 when p | n), "
+                   f"forward time {_ratio(variants['v2sp']['forward_time_s'], variants['v2']['forward_time_s'])}")
+    if "v2sp" in variants and "v2" in variants:
+        a, b = (max(max(r) for r in variants[v]["activation_memory"]["bytes_per_layer_by_rank"]) for v in ("v2sp", "v2"))
+        out.append(f"v2sp/v2 activation memory per layer and rank: {_ratio(a, b)}")
     if "intra_head" in variants and "v2" in variants:
         a, b = variants["intra_head"]["totals"], variants["v2"]["totals"]
         out.append(f"intra_head/v2 per forward: bytes sent/rank {_ratio(a['bytes_per_rank'], b['bytes_per_rank'])} "

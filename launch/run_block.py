@@ -57,12 +57,17 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     notes: list[str] = []
     lengths = request_lengths(cfg, model, common["seed"], notes)
     variants = parse_variants(OmegaConf.to_container(cfg.variants) if OmegaConf.is_list(cfg.variants) else cfg.variants)
-    if model.family == "llama":  # Llama blocks are built as v2 (the Megatron pattern) only
-        if "variants" in overridden(("variants",)) and variants != ["v2"]:
-            raise ConfigError(f"variants={variants}: Llama-family blocks are built as v2 only (column -> row, "
-                              f"2 all-reduces per layer); drop variants= or set variants=[v2]")
-        variants = ["v2"]
+    if model.family == "llama":  # Llama blocks are built as v2 (the Megatron pattern) and v2sp only
+        llama = [v for v in variants if v in ("v2", "v2sp")]
+        if "variants" in overridden(("variants",)) and llama != variants:
+            raise ConfigError(f"variants={variants}: Llama-family blocks are built as v2 or v2sp only (column -> "
+                              f"row, 2 all-reduces per layer, or their sequence-parallel cut); drop variants= or "
+                              f"set variants=[v2,v2sp]")
+        variants = llama or ["v2"]
     validate_variants(model, world_size, variants)
+    if "v2sp" in variants and sum(lengths) < world_size:
+        raise ConfigError(f"variant v2sp splits the {sum(lengths)} tokens by rows over p={world_size} ranks and needs "
+                          f"at least one per rank; use at least {world_size} tokens or drop v2sp from variants")
     repeats = integer(cfg, "repeats")
     if repeats < 1:  # the report's per-collective times are medians over the timed repeats
         raise ConfigError(f"repeats={repeats} must be at least 1 (timed forwards per variant)")
@@ -124,7 +129,7 @@ def build_report(s: Settings, ctx, variants: dict) -> dict:
         for layer in layers:
             for c in layer["collectives"]:
                 kinds[c["kind"]] = kinds.get(c["kind"], 0) + c["count"]
-        res["totals"] = {"collectives": kinds,
+        res["totals"] = {"collectives": kinds,  # inside the blocks; v2sp's output gather: res["outside_blocks"]
                          "logical_bytes": sum(layer["logical_bytes"] for layer in layers),
                          "bytes_per_rank": sum(layer["bytes_per_rank"] for layer in layers),
                          "time_s": sum(layer["time_s"] for layer in layers)}
@@ -134,7 +139,8 @@ def build_report(s: Settings, ctx, variants: dict) -> dict:
                                            for k in {c["kind"] for c in layer["collectives"]}}
             for layer in layers)
     traffic_ok = all(res["ledger_matches_model"] and res["counts_agree"]
-                     and res.get("profile", {}).get("trace_matches_ledger", True) for res in variants.values())
+                     and res.get("profile", {}).get("trace_matches_ledger", True)
+                     and res["activation_memory"].get("matches_formula", True) for res in variants.values())
     return {
         "world_size": ctx.world_size,
         "backend": ctx.backend,

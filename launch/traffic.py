@@ -17,7 +17,7 @@ from layers.config import ModelConfig
 from layers.tp_block import TPStack
 from tp.dist import TPContext
 from tp.ledger import CommRecord, Traffic, TrafficLedger
-from tp.traffic_model import PHASES, predict
+from tp.traffic_model import PHASES, predict, predict_sp_stack
 
 
 def _group(records: list[Traffic], times: dict | None = None) -> list[dict]:
@@ -41,29 +41,30 @@ def measure_traffic(stack: TPStack, x: torch.Tensor, cu_seqlens, cfg: ModelConfi
     (ledger off, ledger on, and with several requests the padded-attention baseline)."""
     ledger = TrafficLedger(ctx.world_size, ctx.device, timing=True)  # per-collective times: run_block reports them
     x_grad = x.detach().clone().requires_grad_()
-    with ledger.attach(stack):
-        stack(x_grad, cu_seqlens)[-1].sum().backward()
-    stack.zero_grad(set_to_none=True)
     n, dtype = x.shape[0], x.dtype
+    with ledger.attach(stack):
+        stack.output(stack(x_grad, cu_seqlens), n).sum().backward()
+    stack.zero_grad(set_to_none=True)
     lengths = None if cu_seqlens is None else [e - s for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]
-    predicted = {ph: predict(cfg, ctx.world_size, n, dtype, variant, ph, lengths) for ph in PHASES}
+    predicted = {ph: predict(cfg, ctx.world_size, n, dtype, variant, ph, lengths)
+                 + (predict_sp_stack(cfg, ctx.world_size, n, dtype, ph) if variant == "v2sp" else []) for ph in PHASES}
     observed = {ph: [r.traffic() for r in ledger.records if r.phase == ph] for ph in PHASES}
     matches = {ph: Counter(observed[ph]) == Counter(predicted[ph]) for ph in PHASES}
 
     # Timed forwards in ABBA order; the first round warms up.
-    def off():
-        stack(x, cu_seqlens)
+    def off():  # the replicated output, as every variant delivers it (v2sp: its last all-gather included)
+        stack.output(stack(x, cu_seqlens), n)
 
     def on():
         ledger.clear()
         with ledger.attach(stack):
-            stack(x, cu_seqlens)
+            stack.output(stack(x, cu_seqlens), n)
 
     def padded():
         stack(x, cu_seqlens, padded=True)
 
     runs = {"off": off, "on": on}
-    if lengths and len(lengths) > 1 and variant != "intra_head":
+    if lengths and len(lengths) > 1 and variant not in ("intra_head", "v2sp"):
         runs["padded"] = padded
     site_times: dict[tuple, list[float]] = {}
 
@@ -88,8 +89,11 @@ def measure_traffic(stack: TPStack, x: torch.Tensor, cu_seqlens, cfg: ModelConfi
             "time_s": sum(medians[(r.layer, r.site)] for r in mine),
         })
     backward = observed["backward"]
+    outside = [r for r in last if r.layer is None]  # v2sp: the output's all-gather
     return {
         "layers": layers,
+        "outside_blocks": {"collectives": _group(outside, medians), "bytes_per_rank": sum(r.bytes_per_rank
+                                                                                        for r in outside)},
         "ledger_matches_model": all(matches.values()),
         "ledger_matches_model_by_phase": matches,
         "forward_time_s": fwd["off"],

@@ -12,7 +12,9 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 # The default check: max |tp - dense| / max |dense| per layer. float32 is the strict check; the
 # half-precision bounds are measured rounding of p partial sums (docs/precision.md).
 DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 3e-2, torch.float16: 4e-3}
-VARIANTS = ("v1", "v2", "intra_head")
+VARIANTS = ("v1", "v2", "intra_head")  # every rank holds the whole residual stream [n, d]
+SP_VARIANTS = ("v2sp",)  # sequence parallelism: each rank holds n/p rows between sub-layers (layers/tp_block.SPStack)
+ALL_VARIANTS = VARIANTS + SP_VARIANTS  # what run_block runs
 SERVING_VARIANTS = ("v1", "v2")  # intra_head is a counterfactual of one forward, not served
 
 
@@ -88,10 +90,10 @@ def parse_dtype(name: str) -> torch.dtype:
 def parse_variants(names) -> list[str]:
     names = [names] if isinstance(names, str) else list(names)
     if not names:
-        raise ConfigError(f"variants is empty; choose from {', '.join(VARIANTS)}")
+        raise ConfigError(f"variants is empty; choose from {', '.join(ALL_VARIANTS)}")
     for v in names:
-        if v not in VARIANTS:
-            raise ConfigError(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+        if v not in ALL_VARIANTS:
+            raise ConfigError(f"unknown variant {v!r}; choose from {', '.join(ALL_VARIANTS)}")
     return names
 
 

@@ -182,6 +182,18 @@ BLOCKS = {("gpt2", "v1"): TPBlockV1, ("gpt2", "v2"): TPBlockV2, ("gpt2", "intra_
 class TPStack(Stack):
     """L tensor-parallel blocks of one variant; every rank returns the same full [n, d] outputs."""
 
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """What the first block takes from the stack's input [n, d]: all of it (SPStack: this rank's rows)."""
+        return x
+
+    def output(self, outs: tuple[torch.Tensor, ...], n: int) -> torch.Tensor:
+        """The stack's replicated output [n, d] from forward's per-layer outputs."""
+        return outs[-1]
+
+    def rows_held(self, n: int) -> tuple[int, int]:
+        """[lo, hi): the rows of each layer's output this rank holds (all of them)."""
+        return 0, n
+
 
 def sp_rows(n: int, p: int) -> int:
     """Rows each rank holds under sequence parallelism: n padded up to n' = p·⌈n/p⌉ with zero rows at the end
@@ -204,16 +216,25 @@ class SPStack(TPStack):
             raise ValueError(f"v2sp needs at least one row per rank: T={n} tokens over p={p} ranks")
         requests = None if cu_seqlens is None else \
             Requests(check_cu_seqlens(cu_seqlens, n, self.cfg.max_seq_len), padded)  # attention sees all n rows
-        x = scatter_rows_to_region(pad_rows(x, p * sp_rows(n, p)), g, "stack/scatter input")  # [n'/p, d]
+        x = self.enter(x)  # [n'/p, d]
         outs = []
         for block in self.blocks:
             x = block(x, requests, n)
             outs.append(x)
         return tuple(outs)
 
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, d] replicated -> this rank's n'/p rows of the padded [n', d] (no communication; backward all-gathers)."""
+        g, n = self.blocks[0].group, x.shape[0]
+        p = dist.get_world_size(g)
+        return scatter_rows_to_region(pad_rows(x, p * sp_rows(n, p)), g, "stack/scatter input")
+
     def gather(self, rows: torch.Tensor, n: int) -> torch.Tensor:
         """This rank's [n'/p, d] -> the replicated [n, d]: ★ one all-gather (backward: split)."""
         return gather_rows_from_region(rows, self.blocks[0].group, "stack/gather output")[:n]
+
+    def output(self, outs: tuple[torch.Tensor, ...], n: int) -> torch.Tensor:
+        return self.gather(outs[-1], n)
 
     def rows_held(self, n: int) -> tuple[int, int]:
         """[lo, hi): the real rows this rank holds (hi - lo < n'/p on the last ranks when n % p != 0)."""

@@ -22,7 +22,11 @@ def test_run_block_llama_tiny_on_four_ranks(tmp_path):
     proc, _ = launch_on_pool(4, "model=llama_tiny", "repeats=1", run_dir=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["config"]["family"] == "llama" and list(report["variants"]) == ["v2"]
+    assert report["config"]["family"] == "llama" and list(report["variants"]) == ["v2", "v2sp"]
+    sp = report["variants"]["v2sp"]
+    assert sp["equivalent"] and sp["ledger_matches_model"] and sp["counts_agree"]
+    assert sp["totals"]["collectives"] == {"all_gather": 2 * 4, "reduce_scatter": 2 * 4}
+    assert sp["totals"]["bytes_per_rank"] == report["variants"]["v2"]["totals"]["bytes_per_rank"]  # 4 | 40 tokens
     res = report["variants"]["v2"]
     assert report["equivalent"] and report["traffic_ok"] and res["ledger_matches_model"] and res["counts_agree"]
     assert [r["kv_heads"] for r in res["shards"]] == [[0, 0], [0, 0], [1, 1], [1, 1]]
@@ -30,11 +34,11 @@ def test_run_block_llama_tiny_on_four_ranks(tmp_path):
     assert res["shards"][0]["qkv"]["weight_in_out"] == [256, (2 + 2 * 1) * 32]  # 2 query heads, 1 K and 1 V head
     assert res["totals"]["collectives"] == {"all_reduce": 2 * 4}
     assert all(r["equivalent"] for r in res["requests"]) and len(res["requests"]) == 2
-    assert "K,V heads" in proc.stdout and "h_kv=2" in proc.stdout and "PASS: v2 at tp=4" in proc.stdout
+    assert "K,V heads" in proc.stdout and "h_kv=2" in proc.stdout and "PASS: v2, v2sp at tp=4" in proc.stdout
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["model=llama_tiny", "variants=[v1,v2]"], "Llama-family blocks are built as v2 only"),
+    (["model=llama_tiny", "variants=[v1,v2]"], "Llama-family blocks are built as v2 or v2sp only"),
     (["model=llama_tiny", "model.n_kv_heads=4", "model.n_heads=12", "model.d_ffn=96"],
      "valid tensor-parallel sizes: 1, 2, 4, 12"),
     (["model=llama2_7b"], "lower model.n_layers (e.g. model.n_layers=1)"),

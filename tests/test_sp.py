@@ -164,3 +164,31 @@ def check_too_few_rows(ctx):
 
 def test_fewer_rows_than_ranks_is_refused():
     assert all(run_ranks(4, check_too_few_rows))
+
+
+# ---- activation memory: measured == tp/memory_model.py --------------------------------------------------------------
+
+
+def saved_bytes(ctx, cfg_name, n, dtype_name):
+    from launch.memory import saved_bytes_per_layer
+
+    cfg = CONFIGS[cfg_name]
+    dense, x = dense_and_input(cfg, getattr(torch, dtype_name), n)
+    return {v: saved_bytes_per_layer(shard_stack(dense, v, ctx.group), x) for v in ("v2", "v2sp")}
+
+
+@pytest.mark.parametrize("p,n,dtype_name", [(1, 16, "float64"), (2, 16, "float32"), (4, 13, "float64"),
+                                            (8, 16, "bfloat16"), (8, 21, "float32")])
+def test_saved_activation_bytes_equal_the_formula(p, n, dtype_name):
+    """Every rank, every layer, v2 and v2sp, T divisible by p and not, full and half precision (the log-sum-exp
+    stays float32); and v2sp saves less than v2 once p > 1, by the replicated LayerNorm inputs and statistics."""
+    from tp.memory_model import activation_bytes_per_layer
+
+    cfg, dtype = CONFIGS["gpt2"], getattr(torch, dtype_name)
+    for rank in run_ranks(p, saved_bytes, "gpt2", n, dtype_name):
+        for v, per_layer in rank.items():
+            assert per_layer == [activation_bytes_per_layer(cfg, p, n, dtype, v)] * cfg.n_layers, (v, per_layer)
+        if p > 1 and n % p == 0:
+            e = dtype.itemsize
+            saved = (2 * n * cfg.d_model + 4 * n) * (1 - 1 / p) * e - 6 * cfg.d_model * e
+            assert rank["v2"][0] - rank["v2sp"][0] == saved

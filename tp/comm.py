@@ -114,13 +114,13 @@ def _reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup, where: _Wher
 
 
 def _split_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """[p*n, ...] -> this rank's [n, ...]. No communication."""
+    """[p*n, ...] -> this rank's [n, ...], a copy (not a view that keeps all p·n rows alive). No communication."""
     p = dist.get_world_size(group)
     if p == 1:
         return x
     if x.shape[0] % p:
         raise ValueError(f"first dim {x.shape[0]} is not divisible by {p} ranks")
-    return x.chunk(p, dim=0)[dist.get_rank(group)].contiguous()
+    return x.chunk(p, dim=0)[dist.get_rank(group)].clone()
 
 
 # ---- autograd functions --------------------------------------------------------------

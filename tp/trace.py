@@ -62,6 +62,8 @@ def _c10d_collective(name: str, dims) -> tuple[str, tuple[int, ...]] | None:
         out, inp = dims[0], dims[1]  # out [p·n, ...], in [n, ..., c] -> logical [n, ..., p·c]
         p = out[0] // inp[0]
         return "all_gather", (*inp[:-1], p * inp[-1])
+    if name == "c10d::_reduce_scatter_base_":  # out [n/p, ...], in [n, ...] -> logical: the input, reduced
+        return "reduce_scatter", tuple(dims[1])
     return None
 
 
