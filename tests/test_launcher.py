@@ -95,6 +95,8 @@ BAD = [
     (2, ["requests=[10,2000]"], "request 1 length=2000 exceeds model.max_seq_len=1024", ""),
     (2, ["n_tokens=12", "requests=[3,9]"], "give either n_tokens (one sequence) or requests", ""),
     (2, ["request_dist=zipf"], "unknown request_dist 'zipf'", "uniform or lognormal"),
+    (4, ["n_tokens=3", "variants=[v2,v2sp]"], "variant v2sp splits the 3 tokens by rows over p=4 ranks and needs "
+                                              "at least one per rank", "drop v2sp from variants"),
     (2, ["model.d_head=3", "model.d_model=24", "model.d_ffn=96", "variants=[intra_head]"],
      "variant intra_head splits every head's d_head=3 over p=2 ranks", "drop intra_head"),
 ]
