@@ -17,7 +17,7 @@ if __package__ in (None, ""):
 from tp.cost_model import DEEPSEEK_V3, FABRICS, H100, HARDWARE, LLAMA2_7B, Shape, crossover_context_x_batch, \
     decode_intensity, ep_alltoall_elems_per_gpu, iteration, kv_transfer_time, mha_kv_elems_per_token_per_gpu, \
     mla_kv_bytes_per_token, mla_kv_elems_per_token_per_gpu, pp_send_elems, prefill_intensity, \
-    tp_allreduce_elems_per_gpu
+    tp_allreduce_elems_per_gpu, tp_sp_elems_per_gpu
 
 KI = 1024
 
@@ -82,11 +82,13 @@ def main() -> int:
     rows = []
     for phase, n in (("prefill", B * S), ("decode", B)):
         rows.append((f"TP={TP} {phase}", 1.75, tp_allreduce_elems_per_gpu(n, d, TP) / (n * d)))
+        rows.append((f"TP+SP={TP} {phase}", 1.75, tp_sp_elems_per_gpu(n, d, TP) / (n * d)))
         rows.append((f"EP={EP} {phase}", 4 / EP * (EP - 1) / EP * k, ep_alltoall_elems_per_gpu(n, d, k, EP) / (n * d)))
         rows.append((f"PP {phase}", 1.0, pp_send_elems(n, d) / (n * d)))
     print(table(f"communication per GPU per layer, in units of N·d elements (comm-model doc; B={B}, S={S}, "
                 f"d={d}, k={k})", ["strategy", "doc formula", "model code"], rows))
-    print(f"  N = B·S = {B * S:,} tokens in prefill, B = {B} in decode: every volume shrinks S-fold in decode\n")
+    print(f"  N = B·S = {B * S:,} tokens in prefill, B = {B} in decode: every volume shrinks S-fold in decode\n"
+          f"  TP+SP (not in the doc; SPEC §11): its reduce-scatter + all-gather move exactly the all-reduce's volume\n")
 
     rows = []
     for tp in (1, 8, 16, 28, 32):

@@ -24,7 +24,7 @@ if __package__ in (None, ""):
 import torch
 
 from launch.spawn import spawn_ranks
-from layers.config import VARIANTS, ModelConfig, validate_model, validate_variants
+from layers.config import ALL_VARIANTS as VARIANTS, ModelConfig, validate_model, validate_variants
 from layers.dense import DenseStack, init_weights
 from layers.tp_block import shard_stack
 from tp.dist import ConfigError, TPContext
@@ -41,7 +41,7 @@ def measure(ctx: TPContext, cfg: ModelConfig, ns: list[int], intra_head_max_n: i
     for variant in VARIANTS:
         stack = shard_stack(dense, variant, ctx.group)
         for n in ns:
-            if variant == "intra_head" and n > intra_head_max_n:
+            if variant == "intra_head" and n > intra_head_max_n or variant == "v2sp" and n < ctx.world_size:
                 continue
             x = torch.randn(n, cfg.d_model, generator=torch.Generator().manual_seed(n)).to(ctx.device)
             ledger = TrafficLedger(ctx.world_size, ctx.device, timing=True)
@@ -123,7 +123,7 @@ def plot(rows: list[dict], model_only: list[dict], ps: list[int], path: Path) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"v1": "tab:blue", "v2": "tab:green", "intra_head": "tab:red"}
+    colors = {"v1": "tab:blue", "v2": "tab:green", "intra_head": "tab:red", "v2sp": "tab:olive"}  # v2sp on v2
     fig, axes = plt.subplots(1, len(ps), figsize=(5 * len(ps), 4.2), sharey=True, squeeze=False)
     for ax, p in zip(axes[0], ps):
         for v in VARIANTS:

@@ -13,6 +13,7 @@ from layers.tp_block import shard_stack
 from tests.common import SMALL, dense_and_input, rel_err
 from tests.harness import run_ranks
 from tests.test_equivalence import full_grads
+from tp.cost_model import tp_sp_elems_per_gpu
 from tp.ledger import TrafficLedger
 from tp.traffic_model import predict, predict_sp_stack
 
@@ -153,6 +154,7 @@ def test_forward_bytes_per_layer_equal_v2s_in_twice_the_collectives(cfg_name):
         mine, theirs = ([t for t in ts if t.layer == layer] for ts in (in_blocks, v2))
         assert sum(t.bytes_per_rank for t in mine) == sum(t.bytes_per_rank for t in theirs) == 2 * 2 * 3 / 4 * n * cfg.d_model * 4
         assert len(mine) == 2 * len(theirs) == 4
+        assert sum(t.bytes_per_rank for t in mine) == 2 * tp_sp_elems_per_gpu(n, cfg.d_model, p) * 4  # cost model
 
 
 def check_too_few_rows(ctx):

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from layers.config import VARIANTS
+from layers.config import ALL_VARIANTS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,11 +17,12 @@ def test_sweep_measures_what_the_model_predicts(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((tmp_path / "sweep.json").read_text())
     rows = data["measured"]
-    assert {(r["n"], r["variant"]) for r in rows} == {(n, v) for n in (4, 32) for v in VARIANTS}
+    assert {(r["n"], r["variant"]) for r in rows} == {(n, v) for n in (4, 32) for v in ALL_VARIANTS}
     for r in rows:
         assert r["measured_bytes_per_rank"] == r["model_bytes_per_rank"] > 0
     by = {(r["n"], r["variant"]): r["measured_bytes_per_rank"] for r in rows}
     assert by[(32, "v2")] / by[(32, "v1")] == 4 / 7
+    assert by[(32, "v2sp")] == by[(32, "v2")] and by[(4, "v2sp")] == by[(4, "v2")]  # the same bytes, p | n
     # the scores all-reduce: intra_head - v2 grows 64x when n grows 8x
     assert (by[(32, "intra_head")] - by[(32, "v2")]) == 64 * (by[(4, "intra_head")] - by[(4, "v2")])
     if importlib.util.find_spec("matplotlib"):

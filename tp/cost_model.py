@@ -171,6 +171,13 @@ def tp_allreduce_elems_per_gpu(tokens: float, d: int, tp: int) -> float:
     return ring_bytes_per_rank("all_reduce", tokens * d, tp, elem_bytes=1)  # in elements: one "byte" each
 
 
+def tp_sp_elems_per_gpu(tokens: float, d: int, tp: int) -> float:
+    """TP with sequence parallelism (v2sp): the all-reduce's two halves, a reduce-scatter of [tokens, d] and an
+    all-gather back to it, (TP-1)/TP·N·d elements each: the all-reduce's volume in two collectives."""
+    return (ring_bytes_per_rank("reduce_scatter", tokens * d, tp, elem_bytes=1)
+            + ring_bytes_per_rank("all_gather", tokens * d, tp, elem_bytes=1))
+
+
 def ep_alltoall_elems_per_gpu(tokens: float, d: int, top_k: int, ep: int) -> float:
     """MoE dispatch + combine: two all-to-alls of N·k·d elements, 1/EP of it per GPU, none to itself."""
     return 4 * tokens * top_k * d / ep * (ep - 1) / ep
