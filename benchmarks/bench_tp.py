@@ -9,6 +9,10 @@ For each (p, n), on p fresh ranks (gloo on CPU, NCCL with one GPU per rank when 
     weight contiguously, so the fused QKV rows are first reordered rank-major ([Q_r|K_r|V_r] per
     rank): the same head-aligned split as ours. Both outputs are compared (max rel. error).
   * ours: TPBlockV2 stack from the same weights (and v1, for the v1/v2 ratio).
+  * sequence parallelism: PyTorch's own SP plan on the same weights, as torchtitan writes it
+    (SequenceParallel on the LayerNorms, ColwiseParallel(input_layouts=Shard(0)) gathering the rows,
+    RowwiseParallel(output_layouts=Shard(0)) reduce-scattering them) against our v2sp: each rank feeds
+    its own rows, both outputs' rows compared, CommDebugMode's counts per forward side by side.
   * the limit: our v2 forward with every collective skipped (local compute only) plus the same
     collectives, same shapes, issued back to back alone; distance = v2 time / (compute + comm).
 Forwards alternate in ABBA order after a warm-up; medians; the slowest rank's median counts.
@@ -48,36 +52,75 @@ class SkipCollectives(TrafficLedger):
         return None
 
 
-def dtensor_stack(dense: DenseStack, ctx: TPContext) -> DenseStack:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    p = ctx.world_size
-    model = init_weights(DenseStack(CFG, torch.float32, ctx.device), 0)
+def rank_major_copy(dense: DenseStack, p: int, device) -> DenseStack:
+    """A copy of the dense stack whose fused QKV rows are rank-major ([Q_r|K_r|V_r] per rank): DTensor shards a
+    weight contiguously, so its shard r is then rank r's heads, the same head-aligned split as ours."""
+    model = init_weights(DenseStack(CFG, torch.float32, device), 0)
     model.load_state_dict(dense.state_dict())
     with torch.no_grad():
-        for blk in model.blocks:  # rank-major fused QKV rows: DTensor's contiguous shard r = rank r's heads
+        for blk in model.blocks:
             w, b = zip(*(qkv_head_aligned_shard(blk.qkv.weight, blk.qkv.bias, CFG.n_heads, r, p) for r in range(p)))
             blk.qkv.weight.copy_(torch.cat(w))
             blk.qkv.bias.copy_(torch.cat(b))
-    mesh = init_device_mesh(ctx.device.type, (p,))
-    plan = {"qkv": ColwiseParallel(), "attn_out": RowwiseParallel(),
-            "mlp_up": ColwiseParallel(), "mlp_down": RowwiseParallel()}
+    return model
+
+
+def dtensor_stack(dense: DenseStack, ctx: TPContext, sequence_parallel: bool = False) -> DenseStack:
+    """The stack under PyTorch's TP plan (ColwiseParallel -> RowwiseParallel), or its sequence-parallel plan as
+    torchtitan writes it: rows [T/p, d] per rank between sub-layers (the caller feeds each rank its own rows)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    model = rank_major_copy(dense, ctx.world_size, ctx.device)
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    if sequence_parallel:
+        plan = {"ln_1": SequenceParallel(sequence_dim=0), "qkv": ColwiseParallel(input_layouts=Shard(0)),
+                "attn_out": RowwiseParallel(output_layouts=Shard(0)),
+                "ln_2": SequenceParallel(sequence_dim=0), "mlp_up": ColwiseParallel(input_layouts=Shard(0)),
+                "mlp_down": RowwiseParallel(output_layouts=Shard(0))}
+    else:
+        plan = {"qkv": ColwiseParallel(), "attn_out": RowwiseParallel(),
+                "mlp_up": ColwiseParallel(), "mlp_down": RowwiseParallel()}
     for blk in model.blocks:
         parallelize_module(blk, mesh, plan)
     return model
+
+
+def comm_counts(fn) -> dict[str, int]:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from tp.ledger import collective_kind
+
+    with torch.no_grad(), CommDebugMode() as comm:
+        fn()
+    out: dict[str, int] = {}
+    for op, count in comm.get_comm_counts().items():
+        out[collective_kind(op)] = out.get(collective_kind(op), 0) + count
+    return out
 
 
 def measure(ctx: TPContext, tokens: list[int], repeats: int) -> list[dict]:
     torch.manual_seed(0)
     dense = init_weights(DenseStack(CFG, torch.float32, ctx.device), seed=0)
     ours, v1, theirs = shard_stack(dense, "v2", ctx.group), shard_stack(dense, "v1", ctx.group), dtensor_stack(dense, ctx)
+    ours_sp, theirs_sp = shard_stack(dense, "v2sp", ctx.group), dtensor_stack(dense, ctx, sequence_parallel=True)
     rows = []
     for n in tokens:
         x = torch.randn(n, CFG.d_model, generator=torch.Generator().manual_seed(n)).to(ctx.device)
         with torch.no_grad():
             a, b = ours(x)[-1], theirs(x)[-1]
         agree = ((a - b).abs().max() / b.abs().max()).item()
+        sp = {}
+        if n % ctx.world_size == 0:  # DTensor's Shard(0) of uneven rows is another layout; compared where p | n
+            lo, hi = ours_sp.rows_held(n)
+            mine = x[lo:hi].contiguous()  # the rows this rank feeds PyTorch's plan
+            with torch.no_grad():
+                a, b = ours_sp(x)[-1], theirs_sp(mine)[-1]
+            sp = {"sp_max_rel_diff_vs_dtensor": ((a - b).abs().max() / b.abs().max()).item(),
+                  "sp_collectives_ours": comm_counts(lambda: ours_sp(x)),
+                  "sp_collectives_dtensor": comm_counts(lambda: theirs_sp(mine))}
 
         skip = SkipCollectives(ctx.world_size, ctx.device)
         with torch.no_grad(), skip.recording():
@@ -93,12 +136,16 @@ def measure(ctx: TPContext, tokens: list[int], repeats: int) -> list[dict]:
             for buf in buffers:
                 dist.all_reduce(buf, group=ctx.group)
 
-        t = medians({"v2": lambda: ours(x), "dtensor": lambda: theirs(x), "v1": lambda: v1(x),
-                      "compute_only": compute_only, "comm_only": comm_only}, repeats, ctx)
+        runs = {"v2": lambda: ours(x), "dtensor": lambda: theirs(x), "v1": lambda: v1(x),
+                "compute_only": compute_only, "comm_only": comm_only}
+        if sp:
+            runs.update({"v2sp": lambda: ours_sp(x), "dtensor_sp": lambda: theirs_sp(mine)})
+        t = medians(runs, repeats, ctx)
         rows.append({"p": ctx.world_size, "n": n, "backend": ctx.backend, "max_rel_diff_vs_dtensor": agree,
                      "collectives_per_forward": len(buffers), **{f"{k}_s": v for k, v in t.items()},
                      "ours_over_dtensor": t["v2"] / t["dtensor"], "v1_over_v2": t["v1"] / t["v2"],
-                     "distance_to_limit": t["v2"] / (t["compute_only"] + t["comm_only"])})
+                     "distance_to_limit": t["v2"] / (t["compute_only"] + t["comm_only"]), **sp,
+                     **({"sp_ours_over_dtensor": t["v2sp"] / t["dtensor_sp"]} if sp else {})})
     return rows
 
 
@@ -115,15 +162,22 @@ def main(argv=None) -> int:
         rows += spawn_ranks(p, measure, args.tokens, args.repeats, backend=args.backend)
     print(f"article03 (d=512, h=8, ffn=2048, L=8), float32, forward only; medians of {args.repeats} "
           f"alternating repeats, slowest rank")
-    print(f"{'p':>2} {'n':>5} {'ours/DTensor':>12} {'v1/v2':>6} {'distance':>8} {'rel diff':>9}   "
-          f"(distance = v2 / (compute alone + its collectives alone))")
+    print(f"{'p':>2} {'n':>5} {'ours/DTensor':>12} {'v1/v2':>6} {'distance':>8} {'rel diff':>9} "
+          f"{'v2sp/DTensor SP':>15} {'SP rel diff':>11}   (distance = v2 / (compute alone + its collectives alone))")
     for r in rows:
+        sp = (f"{r['sp_ours_over_dtensor']:>15.3f} {r['sp_max_rel_diff_vs_dtensor']:>11.1e}"
+              if "sp_ours_over_dtensor" in r else f"{'-':>15} {'-':>11}")
         print(f"{r['p']:>2} {r['n']:>5} {r['ours_over_dtensor']:>12.3f} {r['v1_over_v2']:>6.3f} "
-              f"{r['distance_to_limit']:>8.3f} {r['max_rel_diff_vs_dtensor']:>9.1e}")
+              f"{r['distance_to_limit']:>8.3f} {r['max_rel_diff_vs_dtensor']:>9.1e} {sp}")
+    for r in rows:
+        if "sp_collectives_ours" in r:
+            print(f"p={r['p']} n={r['n']} SP collectives per forward (CommDebugMode): ours {r['sp_collectives_ours']}, "
+                  f"DTensor {r['sp_collectives_dtensor']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"config": CFG.asdict(), "rows": rows}, indent=2) + "\n")
     print(f"data: {args.out}")
-    return 0 if all(r["max_rel_diff_vs_dtensor"] < 1e-5 for r in rows) else 1
+    return 0 if all(r["max_rel_diff_vs_dtensor"] < 1e-5 and r.get("sp_max_rel_diff_vs_dtensor", 0) < 1e-5
+                    for r in rows) else 1
 
 
 if __name__ == "__main__":

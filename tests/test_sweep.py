@@ -44,6 +44,8 @@ def test_dtensor_benchmark_agrees_with_dtensor(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (row,) = json.loads(out.read_text())["rows"]
     assert row["max_rel_diff_vs_dtensor"] < 1e-5  # DTensor's plan and ours compute the same thing
+    assert row["sp_max_rel_diff_vs_dtensor"] < 1e-5  # and its sequence-parallel plan and our v2sp
+    assert row["sp_collectives_ours"] == row["sp_collectives_dtensor"] == {"all_gather": 16, "reduce_scatter": 16}
     assert row["collectives_per_forward"] == 16  # 8 layers x 2 all-reduces, seen by the skipping ledger
     for key in ("ours_over_dtensor", "v1_over_v2", "distance_to_limit"):
         assert row[key] > 0
