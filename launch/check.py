@@ -76,7 +76,7 @@ def run_check(cfg: ModelConfig | LlamaConfig, *, lengths: list[int], dtype: torc
 
 def activation_memory(stack, x: torch.Tensor, cfg, variant: str, ctx: TPContext) -> dict:
     """Bytes saved for backward per layer on every rank (launch/memory.py), for one sequence of all the run's
-    tokens, beside tp/memory_model.py's formula where it has one (GPT-2 v2 and v2sp, on the CPU)."""
+    tokens, beside tp/memory_model.py's formula where it has one (v2 and v2sp, on the CPU)."""
     mine = saved_bytes_per_layer(stack, x)
     per_rank: list = [None] * ctx.world_size
     dist.all_gather_object(per_rank, mine, group=ctx.group)

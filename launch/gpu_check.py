@@ -2,11 +2,12 @@
 
 It adapts to the GPUs it finds and writes one summary, outputs/gpu_check/summary.md:
 
-    every valid p <= GPUs    run_block on NCCL, float32 and bfloat16, profiler traces on (CUDA activity)
+    every valid p <= GPUs    run_block on NCCL, float32 and bfloat16, profiler traces on (CUDA activity), every
+                             default variant: v1, v2, intra_head and v2sp (NCCL's reduce-scatter and row gathers)
     one GPU only             p = 2, 4, 8 ranks sharing it over gloo with CUDA tensors (device=cuda), bfloat16:
                              device placement, CUDA sync in the ledger, CUDA traces, bf16 kernels
     the largest p            serve on NCCL (v2, float32, checked against the dense oracle)
-    Llama (llama_tiny)       run_block and serve on NCCL at the largest p; one GPU: 4 ranks sharing it (gloo+cuda);
+    Llama (llama_tiny)       run_block (v2, v2sp) and serve on NCCL at the largest p; one GPU: 4 ranks sharing it (gloo+cuda);
                              serve in bfloat16 on NCCL (tokens against the dense oracle, near-ties allowed)
     P/D (at least 2 GPUs)    serve with prefill and decode groups of half the GPUs each, on NCCL (pair
                              communicators warmed up, K,V streamed layer by layer); skipped with the reason on one

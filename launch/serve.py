@@ -121,11 +121,11 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     model = common["model"]
     variant = str(cfg.variant)
     if model.family == "llama" and (variant != "v2" or not boolean(cfg, "vocab_parallel")):
-        raise ConfigError("Llama-family models are served with variant=v2 and vocab_parallel=true (their blocks are "
-                          "built as v2 only, the untied head is vocab-parallel)")
+        raise ConfigError("Llama-family models are served with variant=v2 and vocab_parallel=true (the engine serves "
+                          "their v2 blocks; the untied head is vocab-parallel)")
     if variant not in SERVING_VARIANTS:
-        raise ConfigError(f"unknown variant {variant!r} for serving; choose v2 or v1 "
-                          f"(intra_head is a one-forward counterfactual, see run_block)")
+        raise ConfigError(f"unknown variant {variant!r} for serving; choose v2 or v1 (intra_head and v2sp cut one "
+                          f"forward, not a serving iteration: see run_block)")
     paging = parse_paging(cfg)
     if layout is not None and paging["kv_blocks"] is not None:
         raise ConfigError(f"kv_blocks={paging['kv_blocks']} with pd: the decode side takes handed-over requests in "

@@ -92,6 +92,7 @@ MORE_BAD = [
     (["eos_id=50257"], "eos_id=50257 is not a token id"),
     (["prompts=[1,2]"], "prompts[0]=1 is not a list of token ids"),
     (["variant=intra_head"], "unknown variant 'intra_head' for serving"),
+    (["variant=v2sp"], "unknown variant 'v2sp' for serving; choose v2 or v1 (intra_head and v2sp cut one forward"),
     (["prompt_dist=zipf"], "unknown prompt_dist 'zipf'"),
     (["prompt_mean=100000"], "prompt_mean=100000 cannot be met: random prompts have at most 1009 tokens here "
                              "(model.max_seq_len=1024, max_new_tokens=16, shared_prefix=0)"),

@@ -1,4 +1,4 @@
-"""Activation memory per layer and rank: what autograd saves for backward in one GPT-2 block (SPEC §11).
+"""Activation memory per layer and rank: what autograd saves for backward in one block (SPEC §11).
 
 The bytes of every tensor a block's forward keeps for its backward (launch/memory.py measures them, each storage
 once, parameters excluded), from the shapes alone, for one sequence of T rows on p ranks, e bytes per element
@@ -16,6 +16,8 @@ term by term (v2 | v2sp):
     log-sum-exp of the fused attention [h/p, T]: T·h/p, in float32 at least
     GeLU input and output [T, f/p]         2·T·f/p
     v2sp: the replicated parameters, concatenated for their gradient all-reduce: 2 of [3d]
+
+Llama blocks: the same idea, their own terms (_llama_bytes).
 
 So sequence parallelism removes the replicated LayerNorm inputs and statistics: 2·T·d·(1 − 1/p) + 4·T·(1 − 1/p)
 elements per layer (Korthikanti et al.'s point). Megatron goes further: it keeps the LayerNorm outputs as row
@@ -38,13 +40,30 @@ if TYPE_CHECKING:  # shapes only; tp/ does not import layers/ at run time
 
 
 def activation_bytes_per_layer(cfg: ModelConfig, p: int, n: int, dtype: torch.dtype, variant: str) -> int:
-    """Bytes autograd saves in one GPT-2 block's forward on one rank (v2 or v2sp), one sequence of n rows."""
-    if cfg.family != "gpt2" or variant not in ("v2", "v2sp"):
-        raise ValueError(f"no activation-memory formula for {cfg.family} {variant!r} (GPT-2 v2 and v2sp only)")
+    """Bytes autograd saves in one block's forward on one rank (v2 or v2sp), one sequence of n rows."""
+    if variant not in ("v2", "v2sp"):
+        raise ValueError(f"no activation-memory formula for {variant!r} (v2 and v2sp only)")
     d, k, f, h = cfg.d_model, cfg.k, cfg.d_ffn, cfg.n_heads
     e, e_s = dtype.itemsize, torch.promote_types(dtype, torch.float32).itemsize
+    if cfg.family == "llama":
+        return _llama_bytes(cfg, p, n, e, e_s, variant)
     shared = 4 * n * k // p + 2 * n * f // p  # attention and MLP activations: split by heads and columns alike
     if variant == "v2":
         return e * (4 * n * d + 4 * n + shared) + e_s * n * h // p
     rows = p * -(-n // p)
     return e * (2 * rows * d // p + 2 * rows * d + 4 * rows // p + shared + 6 * d) + e_s * n * h // p
+
+
+def _llama_bytes(cfg, p: int, n: int, e: int, e_s: int, variant: str) -> int:
+    """A Llama block (layers/llama.py). Per RMSNorm: its input in float32 at least (the squares' operand), 1/rms
+    [T] in float32 at least, the normalized rows rounded to x's dtype, and the weighted rows (the matmul's input;
+    v2sp: the gathered rows instead). Attention: the rotary tables cos, sin [T, d_head]; q and the K,V expanded to
+    this rank's h/p query heads (grouped-query attention repeats them), the output [T, k/p], the log-sum-exp
+    [h/p, T]. SwiGLU: gate|up [T, 2f/p], silu(gate) and the product [T, f/p] each."""
+    d, dh, h, f = cfg.d_model, cfg.d_head, cfg.n_heads, cfg.d_ffn
+    if variant == "v2":
+        norms = 2 * (e_s * n * d + e_s * n + 2 * e * n * d)
+    else:
+        rows = p * -(-n // p)
+        norms = 2 * (e_s * rows * d // p + e_s * rows // p + e * rows * d // p + e * rows * d)
+    return norms + 2 * e * n * dh + 4 * e * n * (h // p) * dh + e_s * n * h // p + 4 * e * n * f // p
