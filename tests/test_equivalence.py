@@ -32,11 +32,14 @@ def check_forward(ctx, variants, dtype_name, n):
     return worst
 
 
+FORWARD_CASES = [(p, "float64") for p in (1, 2, 4, 8)] + [(p, "float32") for p in (2, 8)]
+
+
 @pytest.mark.nccl
-@pytest.mark.parametrize("dtype_name", ["float32", "float64"])
-@pytest.mark.parametrize("p", [1, 2, 4, 8])
+@pytest.mark.parametrize("p,dtype_name", FORWARD_CASES)
 def test_stack_forward_matches_dense(p, dtype_name):
-    """v1, v2 and intra_head (every variant) at every p, each within the dtype's tolerance of the dense stack."""
+    """v1, v2 and intra_head (every variant) at every p to 1e-12 in float64, and within float32's tolerance at the
+    smallest and largest p > 1 (p = 1 communicates nothing: its float32 run is the dense stack's own rounding)."""
     worst = run_ranks(p, check_forward, VARIANTS, dtype_name, 24)
     assert set(worst[0]) == set(VARIANTS)
     if dtype_name == "float64":
