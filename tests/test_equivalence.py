@@ -1,5 +1,7 @@
 """The tensor-parallel stacks compute what the single-device stack computes, forward and backward."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,9 +16,11 @@ from tests.harness import run_ranks
 
 def check_forward(ctx, variants, dtype_name, n):
     """Each variant's stack against the dense stack, from the same weights (built once per task): worst per-layer
-    relative error of each variant."""
+    relative error of each variant. article03's 8 layers at p <= 2; its first 3 at p = 4, 8, where 4-8 ranks
+    share two cores (every layer is cut alike; the 8-layer accumulation is checked at p = 1, 2)."""
     dtype = DTYPES[dtype_name]
-    dense, x = dense_and_input(ARTICLE03, dtype, n)
+    cfg = ARTICLE03 if ctx.world_size <= 2 else dataclasses.replace(ARTICLE03, n_layers=3)
+    dense, x = dense_and_input(cfg, dtype, n)
     dense, x = dense.to(ctx.device), x.to(ctx.device)
     with torch.no_grad():
         ref = dense(x)
@@ -26,7 +30,7 @@ def check_forward(ctx, variants, dtype_name, n):
         with torch.no_grad():
             out = stack(x)
         errs = [rel_err(o, r) for o, r in zip(out, ref)]
-        assert len(out) == ARTICLE03.n_layers
+        assert len(out) == cfg.n_layers
         assert max(errs) <= REL_TOL[dtype], f"{variant}, rank {ctx.rank}: per-layer relative errors {errs}"
         worst[variant] = max(errs)
     return worst
