@@ -63,15 +63,56 @@ class JoinedTheGroup(AssertionError):
     """The settings passed validation: a lone rank would now wait for the others."""
 
 
+def _compose(script: str, overrides: list[str], run_dir: str | None):
+    """The launcher's config as hydra.main would build it (the preset chosen, what the command line set, the run
+    directory, made as hydra.main makes it), installed as the current HydraConfig; returns the job's config.
+    run_dir None: "." and nothing made (a settings phase that fails writes nothing)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(CONFIG_NAME[script], overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = run_dir or "."
+    if run_dir is not None:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+@contextlib.contextmanager
+def _as_rank(env: dict[str, str], replace: str, by, out: io.StringIO, err: io.StringIO):
+    """Inside: the rank's environment, launch.settings.<replace> replaced by `by`, stdout and stderr captured.
+    Everything is put back afterwards, the HydraConfig cleared."""
+    from hydra.core.hydra_config import HydraConfig
+
+    import launch.settings as settings
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    real = getattr(settings, replace)
+    setattr(settings, replace, by)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            yield
+    finally:
+        HydraConfig.instance().cfg = None
+        setattr(settings, replace, real)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def settings_phase(overrides, world: int = 2, script: str = "serve.py") -> subprocess.CompletedProcess:
     """What the last rank of a `world`-rank job does before it joins the group, run in this process: the launcher's
     own preset check and launch.settings.launch (parse the settings; a bad one prints `[rank r] error: ...` and
     returns 2). Returns a CompletedProcess with that exit code and what was printed. Settings that pass validation
     raise JoinedTheGroup (the point where a real rank would start meeting the others)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
-
     import launch.settings as settings
 
     module = importlib.import_module(f"launch.{Path(script).stem}")
@@ -81,83 +122,30 @@ def settings_phase(overrides, world: int = 2, script: str = "serve.py") -> subpr
         raise JoinedTheGroup(f"{script} {' '.join(overrides)}: the settings passed validation")
 
     out, err = io.StringIO(), io.StringIO()
-    saved = {k: os.environ.get(k) for k in _lone_env(world)}
-    os.environ.update(_lone_env(world))
-    real_join, settings.init_from_env = settings.init_from_env, join
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                settings.exit_on_unknown_preset([script, *overrides], world - 1)
-                with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-                    cfg = compose(CONFIG_NAME[script], overrides=overrides, return_hydra_config=True)
-                with open_dict(cfg):
-                    cfg.hydra.runtime.output_dir = "."  # never written: a bad setting stops before it is used
-                HydraConfig.instance().set_config(cfg)  # what the command line set, the preset chosen: as hydra.main
-                with open_dict(cfg):
-                    del cfg["hydra"]
-                code = settings.launch(cfg, module.parse_settings, join)
-            except SystemExit as exc:
-                code = exc.code
-    finally:
-        HydraConfig.instance().cfg = None
-        settings.init_from_env = real_join
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with _as_rank(_lone_env(world), "init_from_env", join, out, err):
+        try:
+            settings.exit_on_unknown_preset([script, *overrides], world - 1)
+            code = settings.launch(_compose(script, overrides, None), module.parse_settings, join)
+        except SystemExit as exc:
+            code = exc.code
     return subprocess.CompletedProcess([script, *overrides], code, out.getvalue(), err.getvalue())
 
 
 # ---- a launcher on a pool of ranks ---------------------------------------------------------------------------------
 
 
-def _compose(script: str, overrides: list[str], run_dir: str):
-    """The launcher's config as hydra.main would build it (the preset chosen, what the command line set, the run
-    directory), installed as the current HydraConfig; returns the job's config."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(CONFIG_NAME[script], overrides=overrides, return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.hydra.runtime.output_dir = run_dir
-    Path(run_dir).mkdir(parents=True, exist_ok=True)  # as hydra.main makes it
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return cfg
-
-
 def _launcher_on_rank(ctx, script: str, overrides: list[str], run_dir: str) -> tuple[int, str, str]:
     """One rank of `script`'s whole run, on a pool rank whose process group already exists (tests/harness.py):
     init_from_env finds it and describes it, and the launcher's final shutdown leaves it for the next task."""
-    from hydra.core.hydra_config import HydraConfig
-
-    import launch.settings as settings
-
     module = importlib.import_module(f"launch.{Path(script).stem}")
     env = dict(RANK=str(ctx.rank), LOCAL_RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size),
                LOCAL_WORLD_SIZE=str(ctx.world_size))
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    real_shutdown, settings.shutdown = settings.shutdown, lambda: None
     out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = module.run(_compose(script, overrides, run_dir))
-            except SystemExit as exc:
-                code = exc.code
-    finally:
-        HydraConfig.instance().cfg = None
-        settings.shutdown = real_shutdown
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with _as_rank(env, "shutdown", lambda: None, out, err):
+        try:
+            code = module.run(_compose(script, overrides, run_dir))
+        except SystemExit as exc:
+            code = exc.code
     return code, out.getvalue(), err.getvalue()
 
 
