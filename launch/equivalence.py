@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
-from layers.tp_block import SPStack, TPStack
+from layers.tp_block import TPStack
 from layers.varlen import Requests
 from tp.dist import TPContext
 from tp.ledger import collective_kind
@@ -29,12 +29,11 @@ def compare_layers(stack: TPStack, x: torch.Tensor, reference: tuple[torch.Tenso
     n = x.shape[0]
     spans = requests.spans if requests else [(0, n)]
     lo, hi = stack.rows_held(n)  # v2sp: each layer's output is this rank's rows [lo, hi); else all of them
-    extra = {"n": n} if isinstance(stack, SPStack) else {}
     with torch.no_grad():
         x = stack.enter(x)
         for i, block in enumerate(stack.blocks):
             with CommDebugMode() as comm:
-                x = block(x, requests, **extra)
+                x = stack.layer(block, x, requests, n)
             counts = Counter()
             for op, count in comm.get_comm_counts().items():
                 counts[collective_kind(op)] += count

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from layers.tp_block import SPStack, TPStack
+from layers.tp_block import TPStack
 
 
 def saved_bytes_per_layer(stack: TPStack, x: torch.Tensor) -> list[int]:
     """Bytes of activations saved for backward by each block of `stack` on this rank, for one sequence x [n, d]."""
     params = {p.untyped_storage().data_ptr() for p in stack.parameters()}
     n = x.shape[0]
-    extra = {"n": n} if isinstance(stack, SPStack) else {}
     current: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -32,6 +31,6 @@ def saved_bytes_per_layer(stack: TPStack, x: torch.Tensor) -> list[int]:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             for block in stack.blocks:
                 current.clear()
-                h = block(h, None, **extra)
+                h = stack.layer(block, h, None, n)
                 out.append(sum(current.values()))
     return out

@@ -194,6 +194,10 @@ class TPStack(Stack):
         """[lo, hi): the rows of each layer's output this rank holds (all of them)."""
         return 0, n
 
+    def layer(self, block: nn.Module, x: torch.Tensor, requests, n: int) -> torch.Tensor:
+        """One block on what the previous one returned (n: the stack input's rows; SPStack's blocks need it)."""
+        return block(x, requests)
+
 
 def sp_rows(n: int, p: int) -> int:
     """Rows each rank holds under sequence parallelism: n padded up to n' = p·⌈n/p⌉ with zero rows at the end
@@ -219,9 +223,12 @@ class SPStack(TPStack):
         x = self.enter(x)  # [n'/p, d]
         outs = []
         for block in self.blocks:
-            x = block(x, requests, n)
+            x = self.layer(block, x, requests, n)
             outs.append(x)
         return tuple(outs)
+
+    def layer(self, block: nn.Module, x: torch.Tensor, requests, n: int) -> torch.Tensor:
+        return block(x, requests, n)  # the real rows: the rest of the n' is padding
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """[n, d] replicated -> this rank's n'/p rows of the padded [n', d] (no communication; backward all-gathers)."""
