@@ -33,11 +33,12 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from launch.serve_report import render, render_pd
-from launch.settings import (LaunchSettings, boolean, common_settings, exit_on_unknown_preset, fitted_lengths, integer,
-                             launch, publish)
+from launch.loading import LoadMeter
+from launch.settings import (LaunchSettings, boolean, check_memory, common_settings, exit_on_unknown_preset,
+                             fitted_lengths, integer, launch, memory_need, publish, read_transient)
 from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.dense import init_weights, weights_checksum
-from layers.hf import load_lm
+from layers.hf import CheckpointSource, load_lm
 from layers.lm import DenseLlamaLM, DenseLM, dense_lm, greedy_reference, shard_lm
 from serve.disagg import Layout, new_groups, serve_pd
 from serve.engine import Engine, ServeResult
@@ -114,7 +115,7 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     layout, streaming, pd_timeout_s = parse_pd(cfg, world_size)
     tp_sizes = None if layout is None else {"pd.prefill_ranks": layout.prefill_ranks,
                                             "pd.decode_ranks": layout.decode_ranks}
-    common = common_settings(cfg, world_size, local_world_size, lm=True, tp_sizes=tp_sizes)
+    common = common_settings(cfg, world_size, local_world_size, lm=True, tp_sizes=tp_sizes, dense=None)
     if layout is not None and common["backend"] == "gloo" and common["device"] == "cuda":
         raise ConfigError("pd with backend gloo needs device=cpu: gloo's point-to-point messages take CPU tensors "
                           "(on GPUs use backend=nccl)")
@@ -146,12 +147,34 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     check = str(cfg.check).lower()
     if check not in ("auto", "true", "false"):
         raise ConfigError(f"check={cfg.check!r} must be auto, true or false")
-    if check == "auto":
-        check = "true" if oracle_rows(requests) <= ORACLE_AUTO_ROWS else "false"
+    check = check_and_memory(check, common, requests, tp_sizes, world_size, local_world_size, notes)
     return Settings(**common, requests=requests, chunk_size=chunk_size, max_batched_tokens=budget,
                     max_running=max_running, eos_id=eos_id, variant=variant,
-                    vocab_parallel=boolean(cfg, "vocab_parallel"), check=check == "true", pd=layout,
+                    vocab_parallel=boolean(cfg, "vocab_parallel"), check=check, pd=layout,
                     streaming=streaming, pd_timeout_s=pd_timeout_s, notes=tuple(notes), **paging)
+
+
+def check_and_memory(check: str, common: dict, requests: list[Request], tp_sizes: dict | None, world_size: int,
+                     local_world_size: int, notes: list[str]) -> bool:
+    """Whether the dense oracle runs, and the memory check for what each rank then holds. Every rank holds its 1/p
+    shard; the dense model as well with random weights (they are made dense, then cut) or with check. check=auto
+    runs the oracle when its work is small and the dense model fits beside the shards; check=true insists."""
+    model, dtype, device, weights = common["model"], common["dtype"], common["device"], common["weights"]
+    p = min((tp_sizes or {"tp": world_size}).values())
+    need = lambda dense: memory_need(model, dtype, p, local_world_size, True, device, dense,  # noqa: E731
+                                     read_transient(weights) if dense else 0)
+    if check == "auto":
+        check = "true" if oracle_rows(requests) <= ORACLE_AUTO_ROWS else "false"
+        if check == "true" and weights is not None and not need(True)["fits"]:
+            check = "false"
+            notes.append(f"check=auto is off: the dense oracle would hold {need(True)['per_rank'] / 2**30:.1f} GiB "
+                         f"per rank, more than fits on {need(True)['where']}; each rank loads only its slices "
+                         f"({need(False)['per_rank'] / 2**30:.1f} GiB)")
+    dense = check == "true" or weights is None
+    check_memory(model, dtype, p, local_world_size, True, device, dense, read_transient(weights) if dense else 0,
+                 hint=("set check=false (each rank then reads only its slices), " if weights is not None and dense
+                       else "") + "run fewer ranks, or a smaller dtype")
+    return check == "true"
 
 
 def parse_paging(cfg: DictConfig) -> dict:
@@ -258,21 +281,40 @@ def oracle_rows(requests: list[Request]) -> int:
 # ---- what every rank does ---------------------------------------------------------------------
 
 
-def build(s: Settings, ctx) -> DenseLM | DenseLlamaLM:
-    dense = dense_lm(s.model, s.dtype, ctx.device)
+def prepare(s: Settings, ctx):
+    """(weights, dense): what shard_lm cuts each rank's model from, and the dense oracle so far. A checkpoint: its
+    per-rank source (each rank reads only its slices; no dense model yet). Random weights: the dense LM from seed,
+    which is both."""
     if s.weights is not None:
+        return CheckpointSource(s.weights, s.model, s.dtype, ctx.device), None
+    dense = init_weights(dense_lm(s.model, s.dtype, ctx.device), s.seed)
+    return dense, dense
+
+
+def dense_oracle(s: Settings, ctx, dense) -> DenseLM | DenseLlamaLM | None:
+    """With check, the dense model the oracle recomputes with (from a checkpoint: read one whole tensor at a time);
+    None without."""
+    if not s.check:
+        return None
+    if dense is None:
+        dense = dense_lm(s.model, s.dtype, ctx.device)
         try:
             load_lm(dense, s.weights)
         except (KeyError, ValueError) as exc:
             raise ConfigError(f"hf_checkpoint={s.hf_checkpoint}: {exc}") from None
-    else:
-        init_weights(dense, s.seed)
+    return dense
+
+
+def agree(s: Settings, ctx, dense) -> None:
+    """Every rank holds the same weights and prompts: the checkpoint's index and headers (or the dense weights made
+    from seed) and the prompts, compared across ranks; ConfigError on every rank if not."""
     prompts = torch.tensor([float(sum((j + 1) * t for j, t in enumerate(r.prompt))) for r in s.requests],
                            dtype=torch.float64)
-    fingerprint = torch.cat([weights_checksum(dense), prompts.sum()[None], (prompts * 1.5).cumsum(0).sum()[None]])
+    weights = (torch.tensor([float(s.weights.fingerprint)], dtype=torch.float64) if s.weights is not None
+               else weights_checksum(dense))
+    fingerprint = torch.cat([weights, prompts.sum()[None], (prompts * 1.5).cumsum(0).sum()[None]])
     if not same_on_every_rank(fingerprint.to(ctx.device), ctx.group):
         raise ConfigError("ranks built different weights or prompts: every rank needs the same settings and files")
-    return dense
 
 
 def oracle_check(dense: DenseLM, s: Settings, result: ServeResult, ctx) -> list[dict]:
@@ -311,14 +353,18 @@ def run(cfg: DictConfig) -> int:
 def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     if s.pd is not None:
         return serve_disaggregated(s, out_dir, ctx)
-    dense = build(s, ctx)
-    lm = shard_lm(dense, s.variant, ctx.group, s.vocab_parallel)
-    if not s.check:
-        del dense
+    meter = LoadMeter(s.weights)
+    with meter:
+        weights, dense = prepare(s, ctx)
+        lm = shard_lm(weights, s.variant, ctx.group, s.vocab_parallel)
+    load = meter.report(ctx, lm)
+    dense = dense_oracle(s, ctx, dense)
+    agree(s, ctx, dense)
     engine = Engine(lm, ctx, **s.engine_args(), on_iteration=Progress(len(s.requests)) if ctx.is_main else None)
     result = engine.run(s.requests)
     checks = oracle_check(dense, s, result, ctx) if s.check else None
     report = build_report(s, ctx, result, checks)
+    report["load"] = load
     report["embedding_bytes_per_rank"] = lm.embed.weight.numel() * lm.embed.weight.element_size()
     report["lm_head_tied"] = s.model.family == "gpt2" or s.model.tie_word_embeddings  # Llama: mostly a separate head
     publish(report, render, out_dir / s.report, ctx)
@@ -330,17 +376,22 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
 def serve_disaggregated(s: Settings, out_dir: Path, ctx) -> int:
     """P/D: prefill on ranks [0, p_P), decode on the rest; then the same requests through the colocated engine
     on the decode group, and (with check) the dense oracle. Rank 0 prints the TTFT parts and the transfer table."""
-    dense = build(s, ctx)
+    meter = LoadMeter(s.weights)
+    with meter:
+        weights, dense = prepare(s, ctx)
+    dense = dense_oracle(s, ctx, dense)
+    agree(s, ctx, dense)
     groups = new_groups(s.pd)
     requests = lambda: [Request(r.id, list(r.prompt), r.max_new_tokens, r.arrival) for r in s.requests]  # noqa: E731
-    result = serve_pd(dense, ctx, s.pd, requests(), chunk_size=s.chunk_size, max_batched_tokens=s.max_batched_tokens,
+    result = serve_pd(weights, ctx, s.pd, requests(), chunk_size=s.chunk_size, max_batched_tokens=s.max_batched_tokens,
                       max_running=s.max_running, eos_id=s.eos_id, variant=s.variant, vocab_parallel=s.vocab_parallel,
                       streaming=s.streaming, groups=groups, block_size=s.block_size, prefix_cache=s.prefix_cache,
-                      attention=s.attention, timeout_s=s.pd_timeout_s)
+                      attention=s.attention, timeout_s=s.pd_timeout_s, meter=meter)
+    load = meter.report(ctx, result.lm)
     colocated = None
     if ctx.rank >= s.pd.prefill_ranks:  # the colocated engine on the decode group's p_D ranks
         dctx = context(groups[1], ctx.backend, ctx.device)
-        lm = shard_lm(dense, s.variant, dctx.group, s.vocab_parallel)
+        lm = shard_lm(weights, s.variant, dctx.group, s.vocab_parallel)
         colocated = Engine(lm, dctx, **s.engine_args()).run(requests())
         colocated = [r["output_ids"] for r in colocated.requests]
     every = [None] * ctx.world_size
@@ -348,6 +399,7 @@ def serve_disaggregated(s: Settings, out_dir: Path, ctx) -> int:
     colocated = every[s.pd.prefill_ranks]
     checks = oracle_check(dense, s, result, ctx) if s.check else None
     report = build_pd_report(s, ctx, result, colocated, checks)
+    report["load"] = load
     publish(report, render_pd, out_dir / s.report, ctx)
     ok = report["ledger_matches_model"] and report["same_as_colocated"] and report["check"]["ok"] in (True, None)
     return 0 if ok else 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from launch.loading import render_load
 from launch.report import format_table, kib
 
 SHOW_FIRST, SHOW_LAST = 30, 10  # longer runs print these iterations; report.json keeps all of them
@@ -32,6 +33,7 @@ def render(r: dict) -> str:
         f"KV pool of {kv['blocks']} blocks of block_size={kv['block_size']} per rank, prefix_cache="
         f"{str(c['prefix_cache']).lower()}, attention={c['attention']}"
         + (f", shared_prefix={c['shared_prefix']}" if c.get("shared_prefix") else ""),
+        *([render_load(r["load"])] if r.get("load") else []),
         "",
         "per iteration (collectives and bytes from the traffic ledger; model: the analytic prediction agrees):",
     ]
@@ -101,6 +103,7 @@ def render_pd(r: dict) -> str:
         f"{'streamed layer by layer' if pd['streaming'] else 'sent after prefill'}",
         f"{c['requests']} requests; chunk_size={c['chunk_size']} max_batched_tokens={c['max_batched_tokens']}; "
         f"{r['prefill_iterations']} prefill iterations, {r['decode_iterations']} decode iterations",
+        *([render_load(r["load"])] if r.get("load") else []),
         "",
         "per request: the prefill group emits token 1 (TTFT = prefill, from arrival); token 2 comes after the",
         "hand-over (prefill done -> taken in by the decode group: K,V landed on every decode rank, at its next",

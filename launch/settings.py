@@ -22,6 +22,7 @@ from layers.config import ModelConfig, parse_dtype, validate_model
 from layers.dense import DenseStack
 from layers.lm import dense_lm
 from layers.llama import LlamaConfig, validate_llama
+from layers.checkpoint import Checkpoint
 from layers.hf import check_state, read_config, read_state
 from tp.dist import ConfigError, env_world, init_from_env, resolve_backend, resolve_device, shutdown
 
@@ -33,7 +34,7 @@ class LaunchSettings:
     model: ModelConfig | LlamaConfig  # cfg.family: gpt2 or llama
     model_name: str
     hf_checkpoint: str | None
-    weights: dict | None  # the checkpoint's state dict, read before any collective; None: random from seed
+    weights: Checkpoint | None  # the checkpoint (headers read before any collective); None: random from seed
     dtype: torch.dtype
     seed: int
     backend: str
@@ -42,16 +43,18 @@ class LaunchSettings:
 
 
 def common_settings(cfg: DictConfig, world_size: int, local_world_size: int, lm: bool = False,
-                    tp_sizes: dict[str, int] | None = None) -> dict:
+                    tp_sizes: dict[str, int] | None = None, dense: bool | None = True) -> dict:
     """The LaunchSettings fields, as keywords for a launcher's own Settings. lm: the launcher needs the whole LM.
-    tp_sizes: the tensor-parallel groups the model must split over, by setting name (default: the whole world)."""
+    tp_sizes: the tensor-parallel groups the model must split over, by setting name (default: the whole world).
+    dense: every rank also builds the dense model (run_block's reference); None: the launcher checks the memory
+    itself once it knows (serve: only with check, or random weights)."""
     model, model_name, hf_checkpoint = parse_model(cfg, world_size, tp_sizes)
     dtype, where = parse_dtype(str(cfg.dtype)), placement(cfg, local_world_size)
-    check_memory(model, dtype, min((tp_sizes or {"tp": world_size}).values()), local_world_size, lm, where["device"],
-                 checkpoint_bytes(hf_checkpoint))
-    weights = None
-    if hf_checkpoint:
-        weights = read_checkpoint(hf_checkpoint)
+    weights = None if hf_checkpoint is None else read_checkpoint(hf_checkpoint)  # the headers only
+    p = min((tp_sizes or {"tp": world_size}).values())
+    if dense is not None:
+        check_memory(model, dtype, p, local_world_size, lm, where["device"], dense, read_transient(weights))
+    if weights is not None:
         try:
             check_state(model, weights, lm)
         except ConfigError as exc:
@@ -60,12 +63,14 @@ def common_settings(cfg: DictConfig, world_size: int, local_world_size: int, lm:
                 dtype=dtype, seed=integer(cfg, "seed"), **where, report=str(cfg.report))
 
 
-def checkpoint_bytes(path: str | None) -> int:
-    """The size of a checkpoint's weights file (each rank reads it whole into host memory and keeps it)."""
-    if path is None:
+def read_transient(weights) -> int:
+    """Host bytes a read holds beyond the parameters it fills: one tensor (safetensors: mapped for one copy), or one
+    mapped .bin file; 0 without a checkpoint."""
+    if weights is None:
         return 0
-    files = [Path(path) / name for name in ("model.safetensors", "pytorch_model.bin")]
-    return next((f.stat().st_size for f in files if f.is_file()), 0)
+    if weights.format == "bin":
+        return max((weights.path / f).stat().st_size for f in weights.files)
+    return max((math.prod(shape) * weights.dtypes[k].itemsize for k, shape in weights.shapes.items()), default=0)
 
 
 def parameter_count(model, lm: bool) -> int:
@@ -79,30 +84,40 @@ def parameter_count(model, lm: bool) -> int:
     return one + (model.n_layers - 1) * (count(2) - one)
 
 
-def check_memory(model, dtype: torch.dtype, p: int, local_world_size: int, lm: bool, device: str,
-                 host_extra: int = 0) -> None:
-    """Every rank holds the whole dense model (the reference it is checked against) and its 1/p shard, and on the
-    host the checkpoint it read (host_extra bytes): refuse, before any collective, a model that cannot fit
-    (llama2_7b in full, say) instead of being killed."""
+def memory_need(model, dtype: torch.dtype, p: int, local_world_size: int, lm: bool, device: str, dense: bool,
+                host_extra: int = 0) -> dict:
+    """What each rank holds: its 1/p shard, the dense model too when `dense` (the reference it is checked against),
+    and on the host what a read holds at once (host_extra); against what this machine (or GPU 0) has."""
     n = parameter_count(model, lm)
-    per_rank = n * dtype.itemsize * (1 + 1 / p) + (host_extra if device != "cuda" else 0)
+    per_rank = n * dtype.itemsize * ((1 if dense else 0) + 1 / p) + (host_extra if device != "cuda" else 0)
     if device == "cuda":
         gpus = torch.cuda.device_count()
         have, sharing = torch.cuda.get_device_properties(0).total_memory, max(1, -(-local_world_size // gpus))
         where = f"GPU 0 ({sharing} rank(s) per GPU)"
     else:
         have, sharing, where = available_host_memory(), local_world_size, f"this machine ({local_world_size} ranks)"
-    if have is None or per_rank * sharing <= 0.9 * have:
+    return dict(parameters=n, per_rank=per_rank, sharing=sharing, have=have, where=where,
+                fits=have is None or per_rank * sharing <= 0.9 * have)
+
+
+def check_memory(model, dtype: torch.dtype, p: int, local_world_size: int, lm: bool, device: str, dense: bool = True,
+                 host_extra: int = 0, hint: str | None = None) -> None:
+    """Refuse, before any collective, a model that cannot fit (llama2_7b in full with its dense reference, say)
+    instead of being killed."""
+    need = memory_need(model, dtype, p, local_world_size, lm, device, dense, host_extra)
+    if need["fits"]:
         return
-    gib = 2 ** 30
+    gib, n, per_rank, sharing = 2 ** 30, need["parameters"], need["per_rank"], need["sharing"]
+    holds = f"the dense model and its 1/{p} shard" if dense else f"its 1/{p} shard"
+    if hint is None:
+        hint = ("lower model.n_layers (e.g. model.n_layers=1), " if not host_extra else "") + \
+            "run fewer ranks, or a smaller dtype"
     raise ConfigError(f"model.n_layers={model.n_layers} at d_model={model.d_model}: {n / 1e9:.2f}B parameters; every "
-                      f"rank holds the dense model and its 1/{p} shard"
-                      + (f" (and the checkpoint's {host_extra / gib:.1f} GiB)" if host_extra else "")
+                      f"rank holds {holds}"
+                      + (f" (and {host_extra / gib:.1f} GiB of one read)" if host_extra > 2 ** 26 else "")
                       + f", {per_rank / gib:.1f} GiB in "
-                      f"{str(dtype).removeprefix('torch.')}, {per_rank * sharing / gib:.1f} GiB on {where}, more than "
-                      f"the {have / gib:.1f} GiB available; "
-                      + ("" if host_extra else "lower model.n_layers (e.g. model.n_layers=1), ")
-                      + "run fewer ranks, or a smaller dtype")
+                      f"{str(dtype).removeprefix('torch.')}, {per_rank * sharing / gib:.1f} GiB on {need['where']}, "
+                      f"more than the {need['have'] / gib:.1f} GiB available; {hint}")
 
 
 def available_host_memory() -> int | None:
@@ -234,13 +249,14 @@ def exit_on_unknown_preset(argv: list[str], rank: int) -> None:
             sys.exit(2)
 
 
-def read_checkpoint(path: str) -> dict:
-    """The weights, read in the settings phase: a missing or corrupt file is a setting error, not a crash later."""
+def read_checkpoint(path: str):
+    """The checkpoint's index and headers (layers/checkpoint.Checkpoint), read in the settings phase: a missing,
+    truncated or corrupt file is a setting error, not a crash later. No tensor is read here."""
     try:
         return read_state(path)
     except ConfigError:
         raise
-    except Exception as exc:  # a truncated or corrupt file: the reader's own message says what is wrong
+    except Exception as exc:  # a corrupt file: the reader's own message says what is wrong
         raise ConfigError(f"hf_checkpoint={path}: cannot read the weights ({type(exc).__name__}: {exc})") from None
 
 

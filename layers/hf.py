@@ -4,7 +4,9 @@
     model_type llama   LlamaModel / LlamaForCausalLM    layers/hf_llama.py (gate_proj, up_proj stacked)
 
 Both are read before any collective (launch/settings.py): a file that is missing, corrupt or of an
-unsupported kind is a setting error on every rank, with the reason.
+unsupported kind is a setting error on every rank, with the reason. The weights are read lazily
+(layers/checkpoint.py): the dense model's loader reads one whole tensor at a time, and CheckpointSource lets
+each rank read only the slices it holds, by the rules of layers/shard.py (shard_lm).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from pathlib import Path
 import torch
 
 from layers import hf_gpt2, hf_llama
+from layers.checkpoint import Checkpoint
 from layers.config import ModelConfig
 from layers.llama import LlamaConfig
+from layers.shard import Cut
 from tp.dist import ConfigError
 
 FAMILIES = {"gpt2": hf_gpt2, "llama": hf_llama}
@@ -47,35 +51,73 @@ def read_config(path: str | Path) -> ModelConfig | LlamaConfig:
         raise ConfigError(f"hf_checkpoint={path}: {exc}") from None
 
 
-def read_state(path: str | Path) -> dict[str, torch.Tensor]:
-    """The weights of a directory saved by `save_pretrained`: model.safetensors or pytorch_model.bin."""
-    path = Path(path)
-    if (path / "model.safetensors").is_file():
-        try:
-            from safetensors.torch import load_file
-        except ImportError:
-            raise ConfigError("reading model.safetensors needs the safetensors package: pip install -e .[hf]") from None
-        return load_file(str(path / "model.safetensors"))
-    if (path / "pytorch_model.bin").is_file():
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise ConfigError(f"hf_checkpoint={path}: no model.safetensors or pytorch_model.bin")
+def read_state(path: str | Path) -> Checkpoint:
+    """The weights of a directory saved by `save_pretrained` (model.safetensors, sharded safetensors with their
+    index, or pytorch_model.bin): a lazy Mapping of the tensors by name, read on demand (layers/checkpoint.py)."""
+    return Checkpoint(path)
 
 
-def check_state(cfg: ModelConfig | LlamaConfig, state: dict[str, torch.Tensor], lm: bool = False) -> None:
-    """ConfigError naming the first weight the config expects but the state dict lacks or shapes differently.
-    lm=True also checks the embeddings and the final norm."""
+def check_state(cfg: ModelConfig | LlamaConfig, state, lm: bool = False) -> None:
+    """ConfigError naming the first weight the config expects but the checkpoint (a Checkpoint, or a state dict) lacks
+    or shapes differently; from the headers only. lm=True also checks the embeddings, the final norm and (GPT-2)
+    that a saved lm_head equals the embedding it is tied to."""
+    shapes = state.shapes if isinstance(state, Checkpoint) else {k: tuple(v.shape) for k, v in state.items()}
     for key, shape in FAMILIES[cfg.family].expected_shapes(cfg, state, lm).items():
-        if key not in state:
+        if key not in shapes:
             raise ConfigError(f"the weights have no {key!r}, which config.json's model needs")
-        if tuple(state[key].shape) != shape:
-            raise ConfigError(f"{key} has shape {tuple(state[key].shape)}, config.json's model needs {shape}")
+        if tuple(shapes[key]) != shape:
+            raise ConfigError(f"{key} has shape {tuple(shapes[key])}, config.json's model needs {shape}")
+    if lm and cfg.family == "gpt2":
+        hf_gpt2.check_tied(state)
 
 
-def load_stack(stack, state: dict[str, torch.Tensor]):
+def load_stack(stack, state):
     """A checkpoint's blocks into the dense stack of the same family and shape."""
     return FAMILIES[stack.cfg.family].load_stack(stack, state)
 
 
-def load_lm(lm, state: dict[str, torch.Tensor]):
-    """A checkpoint into the dense LM of the same family and shape (layers/lm.dense_lm)."""
+def load_lm(lm, state):
+    """A checkpoint into the dense LM of the same family and shape (layers/lm.dense_lm), one tensor at a time."""
     return FAMILIES[lm.cfg.family].load_lm(lm, state)
+
+
+class CheckpointSource:
+    """Per-rank loading (layers/shard.Source): each Part of a TP model's plan, read straight from the checkpoint
+    files into this rank's parameters, converted to the run's dtype slice by slice; nothing else is read.
+
+    Our parameters are in the dense model's layout; the files are in transformers': GPT-2's Conv1D weights are
+    transposed (a cut of our rows is a cut of its columns), Llama's gate_up is gate_proj's rows then up_proj's."""
+
+    def __init__(self, checkpoint: Checkpoint, cfg: ModelConfig | LlamaConfig, dtype: torch.dtype, device=None):
+        self.checkpoint, self.cfg, self.dtype, self.device = checkpoint, cfg, dtype, device
+        self.names = FAMILIES[cfg.family].names(cfg, checkpoint, cfg.n_layers, lm=True)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        keys, transpose = self.names[name]
+        parts = [self.checkpoint.shapes[k] for k in keys]
+        full = (sum(s[0] for s in parts),) + tuple(parts[0][1:])
+        return full[::-1] if transpose else full
+
+    def fill(self, dest: torch.Tensor, name: str, cut: Cut) -> None:
+        keys, transpose = self.names[name]
+        if transpose:  # the file holds our [out, in] as [in, out]: fill the transposed view along the other dim
+            self.checkpoint.fill(dest.t(), keys[0], 1 - cut.dim, cut.ranges)
+            return
+        if len(keys) == 1:
+            self.checkpoint.fill(dest, keys[0], cut.dim, cut.ranges)
+            return
+        bounds, lo = [], 0  # stacked along rows: each key's rows [lo, hi) of ours
+        for key in keys:
+            bounds.append((key, lo, lo + self.checkpoint.shapes[key][0]))
+            lo = bounds[-1][2]
+        if cut.dim != 0 or cut.ranges is None:  # every row of every key, each in its place
+            for key, lo, hi in bounds:
+                self.checkpoint.fill(dest.narrow(0, lo, hi - lo), key, cut.dim, cut.ranges)
+            return
+        out = 0
+        for a, b in cut.ranges:  # a range of our rows may fall in one key or span several
+            for key, lo, hi in bounds:
+                s, e = max(a, lo), min(b, hi)
+                if s < e:
+                    self.checkpoint.fill(dest.narrow(0, out, e - s), key, 0, ((s - lo, e - lo),))
+                    out += e - s

@@ -66,17 +66,34 @@ def copy_checked(target: torch.Tensor, value: torch.Tensor, key: str, ours: str)
     target.copy_(value.to(target.dtype))
 
 
-def load_block(block: DenseBlock, state: dict[str, torch.Tensor], prefix: str = "") -> DenseBlock:
-    """Copy one GPT2Block's weights (keys under `prefix`) into a DenseBlock."""
-    for ours, theirs, transpose in _BLOCK_KEYS:
-        key = prefix + theirs
-        if key not in state:
-            raise KeyError(f"GPT-2 state dict has no {key!r}")
-        copy_checked(block.get_parameter(ours), state[key].t() if transpose else state[key], key, ours)
-    return block
+def load_named(module: torch.nn.Module, state, named: dict[str, tuple[tuple[str, ...], bool]], what: str):
+    """Copy each of our parameters from its checkpoint key(s) (several: stacked along rows), transposed where
+    marked, converting to the parameter's dtype; KeyError naming a missing key, ValueError a shape that differs."""
+    for ours, (keys, transpose) in named.items():
+        for key in keys:
+            if key not in state:
+                raise KeyError(f"{what} state dict has no {key!r}")
+        value = torch.cat([state[key] for key in keys]) if len(keys) > 1 else state[keys[0]]
+        copy_checked(module.get_parameter(ours), value.t() if transpose else value, "+".join(keys), ours)
+    return module
 
 
-def _block_prefix(state: dict[str, torch.Tensor]) -> str:
+def load_stack(stack: DenseStack, state) -> DenseStack:
+    """Copy a GPT2Model / GPT2LMHeadModel state dict's blocks into a DenseStack of the same shape."""
+    return load_named(stack, state, names(stack.cfg, state, len(stack.blocks), lm=False), "GPT-2")
+
+
+def load_lm(lm: DenseLM, state) -> DenseLM:
+    """Copy a GPT2LMHeadModel (or GPT2Model) state dict into a DenseLM: blocks, embeddings, final LayerNorm."""
+    load_named(lm, state, names(lm.cfg, state, len(lm.stack.blocks), lm=True), "GPT-2")
+    try:
+        check_tied(state)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    return lm
+
+
+def _block_prefix(state) -> str:
     for key in state:
         m = re.match(r"^(.*?)h\.0\.ln_1\.weight$", key)
         if m:
@@ -84,27 +101,42 @@ def _block_prefix(state: dict[str, torch.Tensor]) -> str:
     raise KeyError("no GPT-2 blocks found (expected keys like 'h.0.ln_1.weight' or 'transformer.h.0.ln_1.weight')")
 
 
-def load_stack(stack: DenseStack, state: dict[str, torch.Tensor]) -> DenseStack:
-    """Copy a GPT2Model / GPT2LMHeadModel state dict's blocks into a DenseStack of the same shape."""
-    prefix = _block_prefix(state)
-    for i, block in enumerate(stack.blocks):
-        load_block(block, state, f"{prefix}{i}.")
-    return stack
+def names(cfg: ModelConfig, state, n_layers: int, lm: bool) -> dict[str, tuple[tuple[str, ...], bool]]:
+    """Our dense parameter (of a DenseLM when lm, else of a DenseStack) -> (its checkpoint key, transposed?)."""
+    prefix, base = _block_prefix(state), "stack." if lm else ""
+    out = {f"{base}blocks.{i}.{ours}": ((f"{prefix}{i}.{theirs}",), transpose)
+           for i in range(n_layers) for ours, theirs, transpose in _BLOCK_KEYS}
+    if lm:
+        top = prefix.removesuffix("h.")
+        out.update({name: ((top + name,), False) for name in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias")})
+    return out
 
 
-def load_lm(lm: DenseLM, state: dict[str, torch.Tensor]) -> DenseLM:
-    """Copy a GPT2LMHeadModel (or GPT2Model) state dict into a DenseLM: blocks, embeddings, final LayerNorm."""
-    load_stack(lm.stack, state)
-    prefix = _block_prefix(state).removesuffix("h.")
-    for name in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"):
-        key = prefix + name
-        if key not in state:
-            raise KeyError(f"GPT-2 state dict has no {key!r}")
-        copy_checked(lm.get_parameter(name), state[key], key, name)
-    head = state.get("lm_head.weight")
-    if head is not None and not torch.equal(head, state[prefix + "wte.weight"]):
-        raise ValueError("lm_head.weight differs from wte.weight: only GPT-2's tied LM head is supported")
-    return lm
+def check_tied(state, chunk_rows: int = 4096) -> None:
+    """GPT-2's head is its token embedding: a checkpoint's lm_head.weight (the .bin format saves it) must equal
+    wte.weight. Compared in chunks of rows, so a lazily read checkpoint never holds either whole."""
+    if "lm_head.weight" not in state:
+        return
+    wte = _block_prefix(state).removesuffix("h.") + "wte.weight"
+    if wte not in state:
+        return  # check_state names the missing embedding
+    shape = state.shapes[wte] if hasattr(state, "shapes") else tuple(state[wte].shape)
+    head = state.shapes["lm_head.weight"] if hasattr(state, "shapes") else tuple(state["lm_head.weight"].shape)
+    if head != shape:
+        raise ConfigError(f"lm_head.weight has shape {head}, wte.weight {shape}: only GPT-2's tied LM head is supported")
+    for a in range(0, shape[0], chunk_rows):
+        b = min(a + chunk_rows, shape[0])
+        if not torch.equal(*(rows_of(state, key, a, b) for key in ("lm_head.weight", wte))):
+            raise ConfigError("lm_head.weight differs from wte.weight: only GPT-2's tied LM head is supported")
+
+
+def rows_of(state, key: str, a: int, b: int) -> torch.Tensor:
+    """Rows [a, b) of a checkpoint tensor (read only those from a lazily read checkpoint)."""
+    if not hasattr(state, "fill"):
+        return state[key][a:b]
+    out = torch.empty((b - a,) + state.shapes[key][1:], dtype=state.dtypes[key])
+    state.fill(out, key, 0, ((a, b),))
+    return out
 
 
 def expected_shapes(cfg: ModelConfig, state: dict[str, torch.Tensor], lm: bool) -> dict[str, tuple]:

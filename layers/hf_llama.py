@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from layers.hf_gpt2 import copy_checked
+from layers.hf_gpt2 import load_named
 from layers.llama import DenseLlamaBlock, LlamaConfig
 from tp.dist import ConfigError
 
@@ -66,7 +66,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
                        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
 
 
-def block_prefix(state: dict[str, torch.Tensor]) -> str:
+def block_prefix(state) -> str:
     """'layers.' (LlamaModel) or 'model.layers.' (LlamaForCausalLM)."""
     for key in state:
         m = re.match(r"^(.*?)layers\.0\.input_layernorm\.weight$", key)
@@ -76,26 +76,22 @@ def block_prefix(state: dict[str, torch.Tensor]) -> str:
                    "'model.layers.0.input_layernorm.weight')")
 
 
-def _value(state: dict, prefix: str, theirs: tuple[str, ...]) -> torch.Tensor:
-    for key in theirs:
-        if prefix + key not in state:
-            raise KeyError(f"Llama state dict has no {prefix + key!r}")
-    return torch.cat([state[prefix + key] for key in theirs]) if len(theirs) > 1 else state[prefix + theirs[0]]
+def names(cfg: LlamaConfig, state, n_layers: int, lm: bool) -> dict[str, tuple[tuple[str, ...], bool]]:
+    """Our dense parameter (of a DenseLlamaLM when lm, else of a DenseStack) -> (its checkpoint keys, False): gate_up
+    is gate_proj's rows, then up_proj's; nothing is transposed. A tied head has no key of its own."""
+    prefix, base = block_prefix(state), "stack." if lm else ""
+    out = {f"{base}blocks.{i}.{ours}": (tuple(f"{prefix}{i}.{key}" for key in theirs), False)
+           for i in range(n_layers) for ours, theirs in _BLOCK_KEYS}
+    if lm:
+        out.update({ours: ((theirs,), False) for ours, theirs in _lm_keys(prefix).items()})
+        if not cfg.tie_word_embeddings:
+            out["lm_head.weight"] = (("lm_head.weight",), False)
+    return out
 
 
-def load_block(block: DenseLlamaBlock, state: dict[str, torch.Tensor], prefix: str = "") -> DenseLlamaBlock:
-    """Copy one LlamaDecoderLayer's weights (keys under `prefix`) into a DenseLlamaBlock."""
-    for ours, theirs in _BLOCK_KEYS:
-        copy_checked(block.get_parameter(ours), _value(state, prefix, theirs), prefix + "+".join(theirs), ours)
-    return block
-
-
-def load_stack(stack, state: dict[str, torch.Tensor]):
+def load_stack(stack, state):
     """A LlamaModel / LlamaForCausalLM state dict's layers into a DenseStack of DenseLlamaBlocks."""
-    prefix = block_prefix(state)
-    for i, block in enumerate(stack.blocks):
-        load_block(block, state, f"{prefix}{i}.")
-    return stack
+    return load_named(stack, state, names(stack.cfg, state, len(stack.blocks), lm=False), "Llama")
 
 
 def _lm_keys(prefix: str) -> dict[str, str]:
@@ -103,19 +99,10 @@ def _lm_keys(prefix: str) -> dict[str, str]:
     return {"embed.weight": base + "embed_tokens.weight", "norm.weight": base + "norm.weight"}
 
 
-def load_lm(lm, state: dict[str, torch.Tensor]):
+def load_lm(lm, state):
     """A LlamaForCausalLM state dict into a DenseLlamaLM: layers, embedding, final norm, and the head (none to
     read when config.json ties it to the embedding: lm.lm_head is then the embedding's parameter)."""
-    prefix = block_prefix(state)
-    load_stack(lm.stack, state)
-    keys = _lm_keys(prefix)
-    if not lm.cfg.tie_word_embeddings:
-        keys["lm_head.weight"] = "lm_head.weight"
-    for ours, theirs in keys.items():
-        if theirs not in state:
-            raise KeyError(f"Llama state dict has no {theirs!r}")
-        copy_checked(lm.get_parameter(ours), state[theirs], theirs, ours)
-    return lm
+    return load_named(lm, state, names(lm.cfg, state, len(lm.stack.blocks), lm=True), "Llama")
 
 
 def expected_shapes(cfg: LlamaConfig, state: dict[str, torch.Tensor], lm: bool) -> dict[str, tuple]:

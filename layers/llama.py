@@ -33,7 +33,7 @@ from einops import rearrange
 
 from layers.attention import PagedLayer, attention, positions_of
 from layers.linear import ColumnParallelLinear, RowParallelLinear
-from layers.shard import load_
+from layers.shard import Part, cols, even, heads_range, rows, whole
 from layers.varlen import Requests
 from tp.comm import copy_to_region, gather_rows_to_parallel, reduce_scatter_rows
 from tp.dist import ConfigError
@@ -209,23 +209,20 @@ class TPLlamaBlock(nn.Module):
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)  # this rank's f/p columns of each
         return x + self.down(F.silu(gate) * up)  # ★ all-reduce #2: partial [n, d] summed over ranks
 
-    @torch.no_grad()
-    def load_dense(self, dense: DenseLlamaBlock) -> "TPLlamaBlock":
+    def plan(self) -> list[Part]:
+        """This rank's slices of the dense block (the rules: layers/shard.py). qkv stacks three dense tensors: its
+        query heads' rows of q, then its K,V heads' rows of k and of v (the same K,V head on p/h_kv ranks once
+        p > h_kv); gate_up takes its f/p rows of gate and of up."""
         c, rank, p = self.cfg, dist.get_rank(self.group), dist.get_world_size(self.group)
-        dh = c.d_head
-        rows = lambda w, heads: torch.cat([w[j * dh:(j + 1) * dh] for j in heads])  # noqa: E731
-        kv = kv_heads_of_rank(c, rank, p)
-        q_heads = range(rank * self.q_heads, (rank + 1) * self.q_heads)
-        load_(self.qkv, torch.cat([rows(dense.q.weight, q_heads), rows(dense.k.weight, kv),
-                                   rows(dense.v.weight, kv)]), None)
-        load_(self.o, dense.o.weight[:, q_heads.start * dh:q_heads.stop * dh], None)
-        gate, up = dense.gate_up.weight.chunk(2, dim=0)
-        f = c.d_ffn // p
-        load_(self.gate_up, torch.cat([gate[rank * f:(rank + 1) * f], up[rank * f:(rank + 1) * f]]), None)
-        load_(self.down, dense.down.weight[:, rank * f:(rank + 1) * f], None)
-        self.attn_norm.load_state_dict(dense.attn_norm.state_dict())
-        self.mlp_norm.load_state_dict(dense.mlp_norm.state_dict())
-        return self
+        q_heads, kv = range(rank * self.q_heads, (rank + 1) * self.q_heads), kv_heads_of_rank(c, rank, p)
+        q, kv_rows = rows(heads_range(q_heads, c.d_head)), rows(heads_range(kv, c.d_head))
+        (a, b), f = even(c.d_ffn, rank, p, "d_ffn"), c.d_ffn
+        return whole("attn_norm.weight", "mlp_norm.weight") + [
+            Part("qkv.weight", "q.weight", q), Part("qkv.weight", "k.weight", kv_rows, row=len(q_heads) * c.d_head),
+            Part("qkv.weight", "v.weight", kv_rows, row=(len(q_heads) + len(kv)) * c.d_head),
+            Part("o.weight", "o.weight", cols(heads_range(q_heads, c.d_head))),
+            Part("gate_up.weight", "gate_up.weight", rows((a, b), (f + a, f + b))),
+            Part("down.weight", "down.weight", cols((a, b)))]
 
 
 class TPLlamaBlockSP(TPLlamaBlock):

@@ -27,7 +27,8 @@ from layers.attention import PagedLayer
 from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.dense import DenseStack
 from layers.llama import LlamaConfig, RMSNorm
-from layers.tp_block import TPStack, shard_stack
+from layers.shard import DenseSource, Part, Source, load_plan, prefixed, whole
+from layers.tp_block import TPStack, tp_stack
 from layers.vocab import ReplicatedEmbedding, VocabParallelEmbedding
 
 
@@ -111,6 +112,12 @@ class TPLM(nn.Module):
     def vocab_parallel(self) -> bool:
         return isinstance(self.embed, VocabParallelEmbedding)
 
+    def plan(self) -> list[Part]:
+        """This rank's slices of the dense DenseLM's parameters (layers/shard.py): its vocabulary rows of wte (or all
+        of it), the replicated wpe and ln_f, and the stack's."""
+        return (prefixed(self.embed.plan("wte.weight"), "embed.", "") + whole("wpe.weight", "ln_f.weight", "ln_f.bias")
+                + prefixed(self.stack.plan(), "stack."))
+
     @property
     def cache_heads(self) -> int:
         """K,V heads per layer in this rank's cache: its h/p heads."""
@@ -144,6 +151,13 @@ class TPLlamaLM(nn.Module):
         """K,V heads per layer in this rank's cache: max(h_kv/p, 1)."""
         return self.stack.blocks[0].kv_heads
 
+    def plan(self) -> list[Part]:
+        """This rank's slices of the dense DenseLlamaLM's parameters: its vocabulary rows of the embedding and of the
+        head (none of its own when tied), the replicated final norm, and the stack's."""
+        head = [] if self.head is self.embed else prefixed(self.head.plan("lm_head.weight"), "head.", "")
+        return (prefixed(self.embed.plan("embed.weight"), "embed.", "") + head + whole("norm.weight")
+                + prefixed(self.stack.plan(), "stack."))
+
     def step(self, ids: torch.Tensor, positions: torch.Tensor, layers: list[PagedLayer],
              sample_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """As TPLM.step; `positions` is not needed: every block reads its rows' positions off `layers`."""
@@ -154,33 +168,30 @@ class TPLlamaLM(nn.Module):
         return self.head.greedy(self.norm(x[sample_rows]))  # ★ all-gather of (max, argmax) pairs [S, 2] per rank
 
 
-@torch.no_grad()
-def shard_lm(dense: DenseLM | DenseLlamaLM, variant: str, group: dist.ProcessGroup,
+def shard_lm(weights: DenseLM | DenseLlamaLM | Source, variant: str, group: dist.ProcessGroup,
              vocab_parallel: bool = True) -> TPLM | TPLlamaLM:
-    """Load dense, then shard: this rank's TPLM (or TPLlamaLM), holding its slices of `dense`'s weights."""
+    """This rank's TPLM (or TPLlamaLM), holding its slices of the weights: a dense LM (load dense, then shard) or a
+    Source with cfg, dtype and device (layers/hf.CheckpointSource: each rank reads only its slices of the files)."""
+    source = weights if hasattr(weights, "fill") else DenseSource(weights)
+    lm = tp_lm(source.cfg, variant, group, vocab_parallel, source.dtype, source.device)
+    return load_plan(lm, lm.plan(), source)
+
+
+def tp_lm(cfg: ModelConfig | LlamaConfig, variant: str, group: dist.ProcessGroup, vocab_parallel: bool = True,
+          dtype: torch.dtype = torch.float32, device=None) -> TPLM | TPLlamaLM:
+    """The TP LM of cfg's family, its parameters not yet loaded (load_plan fills them from its plan)."""
     if variant not in SERVING_VARIANTS:
         raise ValueError(f"serving runs variant v1 or v2, not {variant!r}")
-    if isinstance(dense, DenseLlamaLM):
+    kw = dict(dtype=dtype, device=device)
+    stack = tp_stack(cfg, variant, group, dtype, device)
+    if cfg.family == "llama":
         if variant != "v2" or not vocab_parallel:
             raise ValueError("Llama-family models are served with variant v2 and a vocab-parallel embedding and head")
-        return _shard_llama_lm(dense, group)
-    cfg, w = dense.cfg, dense.wte.weight
-    if vocab_parallel:
-        embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group, w.dtype, w.device).load_dense(w)
-    else:
-        embed = ReplicatedEmbedding(cfg.vocab_size, cfg.d_model, w.dtype, w.device).load_dense(w)
-    wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model, dtype=w.dtype, device=w.device)
-    wpe.load_state_dict(dense.wpe.state_dict())
-    ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, dtype=w.dtype, device=w.device)
-    ln_f.load_state_dict(dense.ln_f.state_dict())
-    return TPLM(cfg, variant, embed, wpe, shard_stack(dense.stack, variant, group), ln_f)
-
-
-def _shard_llama_lm(dense: DenseLlamaLM, group: dist.ProcessGroup) -> TPLlamaLM:
-    cfg, w = dense.cfg, dense.embed.weight
-    embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group, w.dtype, w.device).load_dense(w)
-    head = embed if cfg.tie_word_embeddings else VocabParallelEmbedding(  # only its greedy() is used
-        cfg.vocab_size, cfg.d_model, group, w.dtype, w.device).load_dense(dense.lm_head.weight)
-    norm = RMSNorm(cfg.d_model, cfg.norm_eps, w.dtype, w.device)
-    norm.load_state_dict(dense.norm.state_dict())
-    return TPLlamaLM(cfg, embed, shard_stack(dense.stack, "v2", group), norm, head)
+        embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group, **kw)
+        head = embed if cfg.tie_word_embeddings else VocabParallelEmbedding(  # only its greedy() is used
+            cfg.vocab_size, cfg.d_model, group, **kw)
+        return TPLlamaLM(cfg, embed, stack, RMSNorm(cfg.d_model, cfg.norm_eps, **kw), head)
+    embed = (VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group, **kw) if vocab_parallel
+             else ReplicatedEmbedding(cfg.vocab_size, cfg.d_model, **kw))
+    return TPLM(cfg, variant, embed, nn.Embedding(cfg.max_seq_len, cfg.d_model, **kw), stack,
+                nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, **kw))

@@ -31,11 +31,10 @@ from einops import rearrange
 
 from layers.attention import PagedLayer, causal_attention
 from layers.config import ModelConfig
-from layers.dense import DenseBlock, DenseStack, Stack
+from layers.dense import DenseStack, Stack
 from layers.linear import ColumnParallelLinear, RowParallelLinear
 from layers.llama import TPLlamaBlock, TPLlamaBlockSP, pad_rows
-from layers.shard import (column_shard, load_, out_proj_intra_head_shard, qkv_head_aligned_shard,
-                          qkv_intra_head_shard, row_shard)
+from layers.shard import DenseSource, Part, cols, even, head_aligned_cut, intra_head_cut, load_plan, prefixed, rows, whole
 from layers.varlen import Requests, check_cu_seqlens
 from tp.comm import (copy_to_region, gather_from_region, gather_rows_from_region, gather_rows_to_parallel,
                      reduce_from_region, reduce_scatter_rows, scatter_rows_to_region)
@@ -53,11 +52,13 @@ class _TPBlockBase(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, **kw)
         self.mlp_up = ColumnParallelLinear(cfg.d_model, cfg.d_ffn, group, site="mlp/mlp_up dx", **kw)
 
-    def _load_common(self, dense: DenseBlock, rank: int, p: int) -> None:
-        self.ln_1.load_state_dict(dense.ln_1.state_dict())
-        self.ln_2.load_state_dict(dense.ln_2.state_dict())
-        load_(self.qkv, *qkv_head_aligned_shard(dense.qkv.weight, dense.qkv.bias, self.cfg.n_heads, rank, p))
-        load_(self.mlp_up, *column_shard(dense.mlp_up.weight, dense.mlp_up.bias, rank, p))
+    def plan(self) -> list[Part]:
+        """Which slice of the dense block's parameters each of this rank's holds (the rules: layers/shard.py)."""
+        c, r, p = self.cfg, dist.get_rank(self.group), dist.get_world_size(self.group)
+        qkv, up = head_aligned_cut(c.n_heads, c.d_head, r, p), rows(even(c.d_ffn, r, p))
+        return whole("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias") + [
+            Part("qkv.weight", "qkv.weight", qkv), Part("qkv.bias", "qkv.bias", qkv),
+            Part("mlp_up.weight", "mlp_up.weight", up), Part("mlp_up.bias", "mlp_up.bias", up)] + self._outputs(r, p)
 
 
 class TPBlockV2(_TPBlockBase):
@@ -75,13 +76,10 @@ class TPBlockV2(_TPBlockBase):
         h = F.gelu(self.mlp_up(self.ln_2(x)), approximate="tanh")  # [n, ffn/p]
         return x + self.mlp_down(h)  # ★ all-reduce #2: partial [n, d] summed over ranks, then + bias
 
-    @torch.no_grad()
-    def load_dense(self, dense: DenseBlock) -> "TPBlockV2":
-        rank, p = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self._load_common(dense, rank, p)
-        load_(self.attn_out, *row_shard(dense.attn_out.weight, dense.attn_out.bias, rank, p))
-        load_(self.mlp_down, *row_shard(dense.mlp_down.weight, dense.mlp_down.bias, rank, p))
-        return self
+    def _outputs(self, r: int, p: int) -> list[Part]:  # row-parallel: input columns; the biases stay whole
+        c = self.cfg
+        return [Part("attn_out.weight", "attn_out.weight", cols(even(c.k, r, p))), *whole("attn_out.bias"),
+                Part("mlp_down.weight", "mlp_down.weight", cols(even(c.d_ffn, r, p))), *whole("mlp_down.bias")]
 
 
 class TPBlockV1(_TPBlockBase):
@@ -103,13 +101,9 @@ class TPBlockV1(_TPBlockBase):
         h = gather_from_region(h, g, "mlp/gather #3")  # ★ gather #3: [n, ffn], FFN-down needs all of it
         return x + gather_from_region(self.mlp_down(h), g, "mlp/gather #4")  # ★ gather #4: [n, d/p] -> [n, d]
 
-    @torch.no_grad()
-    def load_dense(self, dense: DenseBlock) -> "TPBlockV1":
-        rank, p = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self._load_common(dense, rank, p)
-        load_(self.attn_out, *column_shard(dense.attn_out.weight, dense.attn_out.bias, rank, p))
-        load_(self.mlp_down, *column_shard(dense.mlp_down.weight, dense.mlp_down.bias, rank, p))
-        return self
+    def _outputs(self, r: int, p: int) -> list[Part]:  # column-parallel: output rows, and their biases
+        out = rows(even(self.cfg.d_model, r, p))
+        return [Part(f"{name}.{t}", f"{name}.{t}", out) for name in ("attn_out", "mlp_down") for t in ("weight", "bias")]
 
 
 class TPBlockIntraHead(TPBlockV2):
@@ -137,13 +131,13 @@ class TPBlockIntraHead(TPBlockV2):
         hidden = F.gelu(self.mlp_up(self.ln_2(x)), approximate="tanh")  # [n, ffn/p]
         return x + self.mlp_down(hidden)  # ★ all-reduce #2
 
-    @torch.no_grad()
-    def load_dense(self, dense: DenseBlock) -> "TPBlockIntraHead":
-        super().load_dense(dense)
-        rank, p, h = dist.get_rank(self.group), dist.get_world_size(self.group), self.cfg.n_heads
-        load_(self.qkv, *qkv_intra_head_shard(dense.qkv.weight, dense.qkv.bias, h, rank, p))
-        load_(self.attn_out, *out_proj_intra_head_shard(dense.attn_out.weight, dense.attn_out.bias, h, rank, p))
-        return self
+    def plan(self) -> list[Part]:
+        c, r, p = self.cfg, dist.get_rank(self.group), dist.get_world_size(self.group)
+        inside = {"qkv.weight": intra_head_cut(c.n_heads, c.d_head, r, p, parts=3, dim=0),
+                  "qkv.bias": intra_head_cut(c.n_heads, c.d_head, r, p, parts=3, dim=0),
+                  "attn_out.weight": intra_head_cut(c.n_heads, c.d_head, r, p, parts=1, dim=1)}
+        return [Part(part.param, part.source, inside[part.param]) if part.param in inside else part
+                for part in super().plan()]
 
 
 class TPBlockV2SP(TPBlockV2):
@@ -181,6 +175,10 @@ BLOCKS = {("gpt2", "v1"): TPBlockV1, ("gpt2", "v2"): TPBlockV2, ("gpt2", "intra_
 
 class TPStack(Stack):
     """L tensor-parallel blocks of one variant; every rank returns the same full [n, d] outputs."""
+
+    def plan(self) -> list[Part]:
+        """Every block's slices of the dense stack's parameters (blocks.<i>.<name> on both sides)."""
+        return [part for i, block in enumerate(self.blocks) for part in prefixed(block.plan(), f"blocks.{i}.")]
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """What the first block takes from the stack's input [n, d]: all of it (SPStack: this rank's rows)."""
@@ -251,13 +249,20 @@ class SPStack(TPStack):
         return min(lo, n), min(lo + per, n)
 
 
+def tp_stack(cfg, variant: str, group: dist.ProcessGroup, dtype: torch.dtype, device,
+             n_layers: int | None = None) -> TPStack:
+    """The `variant` TP stack of cfg's block family (n_layers blocks, default cfg.n_layers), its parameters not yet
+    loaded: load_plan fills them."""
+    if (cfg.family, variant) not in BLOCKS:
+        raise ValueError(f"no {variant!r} TP block for the {cfg.family} family; it has "
+                         f"{', '.join(v for f, v in BLOCKS if f == cfg.family)}")
+    cls = BLOCKS[(cfg.family, variant)]
+    return (SPStack if variant == "v2sp" else TPStack)(cfg, [cls(cfg, group, dtype, device)
+                                                             for _ in range(n_layers or cfg.n_layers)])
+
+
 def shard_stack(dense: DenseStack, variant: str, group: dist.ProcessGroup) -> TPStack:
-    """Build the `variant` TP stack holding this rank's slices of `dense`'s weights (of either block family)."""
-    param = next(dense.parameters())
-    family = dense.cfg.family
-    if (family, variant) not in BLOCKS:
-        raise ValueError(f"no {variant!r} TP block for the {family} family; it has "
-                         f"{', '.join(v for f, v in BLOCKS if f == family)}")
-    cls = BLOCKS[(family, variant)]
-    stack = SPStack if variant == "v2sp" else TPStack
-    return stack(dense.cfg, [cls(dense.cfg, group, param.dtype, param.device).load_dense(b) for b in dense.blocks])
+    """Load dense, then shard: the `variant` TP stack holding this rank's slices of `dense`'s weights."""
+    source = DenseSource(dense)
+    stack = tp_stack(dense.cfg, variant, group, source.dtype, source.device, len(dense.blocks))
+    return load_plan(stack, stack.plan(), source)

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from layers.shard import DenseSource, Part, load_plan, rows
 from tp.comm import gather_from_region, reduce_from_region
 
 # The (max, argmax) pairs travel as float64: exact for any float32/float64 logit and any id < 2**53.
@@ -48,11 +49,15 @@ class VocabParallelEmbedding(nn.Module):
         self.n_real = max(0, min(self.per_rank, vocab_size - self.start))  # the rest of the slice is padding
         self.weight = nn.Parameter(torch.zeros(self.per_rank, d_model, dtype=dtype, device=device))
 
-    @torch.no_grad()
+    def plan(self, source: str) -> list[Part]:
+        """Rows [start, start + n_real) of the dense [V, d] tensor `source`, then zero rows up to V'/p."""
+        real = [Part("weight", source, rows((self.start, self.start + self.n_real)))] if self.n_real else []
+        pad = self.per_rank - self.n_real
+        return real + ([Part("weight", None, rows((0, pad)), row=self.n_real)] if pad else [])
+
     def load_dense(self, weight: torch.Tensor) -> "VocabParallelEmbedding":
         """weight: the dense [V, d] embedding; padding rows stay zero."""
-        self.weight[: self.n_real].copy_(weight[self.start: self.start + self.n_real])
-        return self
+        return load_plan(self, self.plan("weight"), DenseSource({"weight": weight}))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [T]
         local = ids - self.start
@@ -81,10 +86,11 @@ class ReplicatedEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.zeros(vocab_size, d_model, dtype=dtype, device=device))
 
-    @torch.no_grad()
+    def plan(self, source: str) -> list[Part]:
+        return [Part("weight", source)]
+
     def load_dense(self, weight: torch.Tensor) -> "ReplicatedEmbedding":
-        self.weight.copy_(weight)
-        return self
+        return load_plan(self, self.plan("weight"), DenseSource({"weight": weight}))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, d]
         return F.embedding(ids, self.weight)

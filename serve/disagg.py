@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from layers.config import validate_model
 from layers.llama import validate_llama
-from layers.lm import DenseLM, shard_lm
+from layers.lm import shard_lm
 from serve.engine import Engine, EngineHooks, PlanMismatch, new_scheduler, schedule_loop
 from serve.inputs import slots_of
 from serve.kv_cache import KVPool
@@ -434,6 +434,7 @@ class PDResult:
     time_s: float = 0.0
     kv: dict[int, torch.Tensor] = field(default_factory=dict)  # keep_kv: this decode rank's received K,V
     agreements: int = 0  # the decode group's all-reduces of one int64 count, one per iteration boundary
+    lm: object = None  # this rank's model (on its side's group)
 
 
 def new_groups(layout: Layout) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -443,15 +444,18 @@ def new_groups(layout: Layout) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
 
 
 @torch.no_grad()
-def serve_pd(dense: DenseLM, world: TPContext, layout: Layout, requests: list[Request], *, chunk_size: int,
+def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request], *, chunk_size: int,
              max_batched_tokens: int, max_running: int | None = None, eos_id: int | None = None, variant: str = "v2",
              vocab_parallel: bool = True, streaming: bool = True, groups=None, keep_kv: bool = False,
              block_size: int = 16, prefix_cache: bool = True, attention: str = "batched",
-             timeout_s: float = 120.0) -> PDResult:
+             timeout_s: float = 120.0, meter=None) -> PDResult:
     """Serve `requests` with prefill on ranks [0, p_P) and decode on [p_P, p_P + p_D). Every rank of the world
     calls this with the same arguments (checked first: a mismatch raises PlanMismatch on every rank).
+    weights: a dense LM, or a per-rank source (layers/hf.CheckpointSource), that shard_lm cuts this rank's model
+    from on its side's group (under `meter`, launch/loading.LoadMeter, when given).
     timeout_s bounds every wait for a hand-over message (HandoverTimeout, naming the message and the pair)."""
-    validate_layout(dense.cfg, layout, world.world_size)
+    cfg = weights.cfg
+    validate_layout(cfg, layout, world.world_size)
     settings = [layout.prefill_ranks, layout.decode_ranks, int(streaming), chunk_size, max_batched_tokens,
                 max_running or -1, -1 if eos_id is None else eos_id, len(requests), block_size, int(prefix_cache),
                 sum((i + 1) * (r.id + len(r.prompt) * 3 + r.max_new_tokens * 5 + r.arrival * 7 + sum(r.prompt))
@@ -462,20 +466,21 @@ def serve_pd(dense: DenseLM, world: TPContext, layout: Layout, requests: list[Re
     prefill_group, decode_group = groups or new_groups(layout)
     is_prefill = world.rank < layout.prefill_ranks
     ctx = context(prefill_group if is_prefill else decode_group, world.backend, world.device)
-    lm = shard_lm(dense, variant, ctx.group, vocab_parallel)
+    with meter or contextlib.nullcontext():
+        lm = shard_lm(weights, variant, ctx.group, vocab_parallel)
     by_id = {r.id: r for r in requests}
     schedule = prefill_schedule(requests, chunk_size, max_batched_tokens, max_running, block_size, prefix_cache)
     handed = [rids for rids in ([rid for rid in done if by_id[rid].max_new_tokens > 1] for _, done in schedule) if rids]
     ledger = TrafficLedger(world.world_size, world.device)
     start = time.perf_counter()
-    warm_up_pairs(dense.cfg, layout, world.rank, ledger, world.device, timeout_s)  # set-up, before any forward
+    warm_up_pairs(cfg, layout, world.rank, ledger, world.device, timeout_s)  # set-up, before any forward
     if is_prefill:  # every request as if max_new_tokens were 1; no eos_id: each ends at its first token anyway
         side = PrefillSide(lm, layout, world.rank, streaming, ledger, {rid for rids in handed for rid in rids},
                            timeout_s)
         mine = [Request(r.id, list(r.prompt), 1, r.arrival) for r in requests]
         engine_eos = None
     else:  # the handed-over requests, arriving with their prompts cached
-        side = DecodeSide(dense.cfg, layout, world.rank, streaming, ledger, ctx.group, handed, eos_id, keep_kv,
+        side = DecodeSide(cfg, layout, world.rank, streaming, ledger, ctx.group, handed, eos_id, keep_kv,
                           timeout_s=timeout_s)
         mine = [Request(rid, list(by_id[rid].prompt), by_id[rid].max_new_tokens, HANDOVER,
                         computed=len(by_id[rid].prompt)) for rids in handed for rid in rids]
@@ -492,7 +497,7 @@ def serve_pd(dense: DenseLM, world: TPContext, layout: Layout, requests: list[Re
     times = ({"done_at": side.done_at} if is_prefill
              else {"received_at": side.received_at, "agreements": side.agreements})
     elapsed = time.perf_counter() - start
-    predicted = predict_transfers(dense.cfg, layout.prefill_ranks, layout.decode_ranks,
+    predicted = predict_transfers(cfg, layout.prefill_ranks, layout.decode_ranks,
                                   [(rid, len(by_id[rid].prompt)) for rids in handed for rid in rids],
                                   next(lm.parameters()).dtype, streaming, world.rank)
     seen = [t.transfer() for t in ledger.transfers]
@@ -504,6 +509,7 @@ def serve_pd(dense: DenseLM, world: TPContext, layout: Layout, requests: list[Re
     result = _combine(every, layout, requests)
     if keep_kv and not is_prefill:
         result.kv = side.kept
+    result.lm = lm
     return result
 
 

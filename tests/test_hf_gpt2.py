@@ -97,7 +97,7 @@ LLAMA = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 8, "nu
          "num_hidden_layers": 2, "intermediate_size": 96, "hidden_act": "silu"}
 BROKEN = {
     "truncated weights": ({"n_embd": 64, "n_head": 8, "n_layer": 3}, b"\x10\x00\x00\x00\x00\x00\x00\x00{trunc",
-                          "cannot read the weights (SafetensorError"),
+                          "cannot read the weights (model.safetensors is truncated or not safetensors: 14 bytes"),
     "config not JSON": ("{not json", None, "config.json is not valid JSON"),
     "another model type": ({"model_type": "mistral", "hidden_size": 64}, None,
                            "model_type='mistral' is not supported: GPT-2 (gpt2) and Llama (llama) checkpoints are"),
