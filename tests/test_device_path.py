@@ -125,7 +125,7 @@ def bf16_llama(tmp_path_factory):
         head_dim=8, vocab_size=300, max_position_embeddings=128, rms_norm_eps=1e-6, attn_implementation="sdpa"))
     model = model.to(torch.bfloat16).eval()
     path = tmp_path_factory.mktemp("llama_bf16") / "ckpt"
-    model.save_pretrained(path)
+    model.save_pretrained(path, max_shard_size="30KB")  # sharded: model.safetensors.index.json and its files
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     gen = torch.Generator().manual_seed(1)
@@ -142,14 +142,12 @@ def bf16_llama(tmp_path_factory):
 
 
 def _serve_bf16(ctx, path, prompts):
-    from layers.hf import load_lm, read_config, read_state
-    from layers.lm import dense_lm, shard_lm
+    from layers.hf import CheckpointSource, read_config, read_state
+    from layers.lm import shard_lm
     from serve.engine import Engine
     from serve.scheduler import Request
 
-    cfg = read_config(path)
-    dense = load_lm(dense_lm(cfg, torch.bfloat16, ctx.device), read_state(path))
-    lm = shard_lm(dense, "v2", ctx.group)
+    lm = shard_lm(CheckpointSource(read_state(path), read_config(path), torch.bfloat16, ctx.device), "v2", ctx.group)
     reqs = [Request(i, p, new, 0) for i, (p, (_, new)) in enumerate(zip(prompts, BF16_WORKLOAD))]
     return [r["output_ids"] for r in Engine(lm, ctx, chunk_size=8, max_batched_tokens=24).run(reqs).requests]
 

@@ -62,10 +62,14 @@ def test_memory_check_refuses_what_cannot_fit(monkeypatch):
     settings.check_memory(dataclasses.replace(LLAMA2_7B_SHAPE, n_layers=1), torch.float32, 4, 4, False, "cpu")
     with pytest.raises(ConfigError, match=r"6\.74B parameters"):  # serve: + embedding and untied head
         settings.check_memory(LLAMA2_7B_SHAPE, torch.bfloat16, 1, 1, True, "cpu")
-    one = dataclasses.replace(LLAMA2_7B_SHAPE, n_layers=1)  # fits alone; not beside a 14 GiB checkpoint per rank
+    one = dataclasses.replace(LLAMA2_7B_SHAPE, n_layers=1)  # fits alone; not beside a 14 GiB read per rank
     settings.check_memory(one, torch.bfloat16, 2, 2, False, "cpu")
-    with pytest.raises(ConfigError, match=r"and the checkpoint's 14\.0 GiB"):
-        settings.check_memory(one, torch.bfloat16, 2, 2, False, "cpu", 14 * 2**30)
+    with pytest.raises(ConfigError, match=r"and 14\.0 GiB of one read"):
+        settings.check_memory(one, torch.bfloat16, 2, 2, False, "cpu", host_extra=14 * 2**30)
+    # per-rank loading, no dense reference: Llama-2-7B in bfloat16 at p = 4 is 3.1 GiB a rank, 12.6 GiB for all
+    settings.check_memory(LLAMA2_7B_SHAPE, torch.bfloat16, 4, 4, True, "cpu", dense=False)
+    with pytest.raises(ConfigError, match=r"every rank holds its 1/2 shard, 6\.3 GiB in bfloat16.*25\.1 GiB"):
+        settings.check_memory(LLAMA2_7B_SHAPE, torch.bfloat16, 2, 4, True, "cpu", dense=False)
 
 
 def test_parameter_counts_and_kv_formula():
@@ -104,7 +108,7 @@ def test_llama_config_from_either_transformers_layout(fields, theta):
     assert config_from_hf({k: v for k, v in HF_LLAMA.items() if k != "num_key_value_heads"}).n_kv_heads == 8  # MHA
 
 
-def hf_llama(tmp_path=None, **extra):
+def hf_llama(tmp_path=None, max_shard_size="10GB", **extra):
     transformers = pytest.importorskip("transformers")
     cfg = {k: v for k, v in HF_LLAMA.items() if k != "model_type"}
     torch.manual_seed(0)
@@ -114,7 +118,7 @@ def hf_llama(tmp_path=None, **extra):
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
     if tmp_path is not None:
-        model.save_pretrained(tmp_path / "ckpt")
+        model.save_pretrained(tmp_path / "ckpt", max_shard_size=max_shard_size)
     return model
 
 
@@ -135,9 +139,11 @@ def test_tied_llama_checkpoint_uses_the_embedding_as_head():
 
 
 def test_run_block_and_serve_a_saved_llama(tmp_path):
-    """hf_checkpoint with a LlamaForCausalLM directory: run_block checks its blocks, serve generates the tokens
-    transformers' own generate() does (greedy)."""
-    model = hf_llama(tmp_path)
+    """hf_checkpoint with a sharded LlamaForCausalLM directory (model.safetensors.index.json and its files): run_block
+    checks its blocks, serve (each rank reading only its slices) generates the tokens transformers' own generate()
+    does (greedy), and reports each rank's load."""
+    model = hf_llama(tmp_path, max_shard_size="40KB")
+    assert len(list((tmp_path / "ckpt").glob("model-*-of-*.safetensors"))) > 3
     proc, _ = launch_on_pool(2, f"hf_checkpoint={tmp_path / 'ckpt'}", "requests=[5,9]", "repeats=1", "dtype=float64",
                              run_dir=tmp_path / "block")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -159,6 +165,13 @@ def test_run_block_and_serve_a_saved_llama(tmp_path):
                                  num_beams=1, eos_token_id=None, pad_token_id=0)
         assert req["output_ids"] == out[0, len(prompt):].tolist()
     assert report["check"]["ok"] is True and report["lm_head_tied"] is False
+    load = report["load"]
+    assert load["path"] == "per-rank slices" and load["checkpoint"].startswith("model.safetensors.index.json and its")
+    assert len(load["peak_rss_bytes"]) == 2 and all(pk >= b > 0 for pk, b in zip(load["peak_rss_bytes"],
+                                                                                 load["base_rss_bytes"]))
+    # float64 files, float64 run: each rank read its own parameters' bytes (less the vocabulary padding: none here)
+    assert load["read_bytes"] == load["weights_bytes"] and 2 * load["read_bytes"][0] < 1.1 * load["checkpoint_bytes"]
+    assert "load: per-rank slices of model.safetensors.index.json" in proc.stdout
 
 
 def test_serve_pd_llama_tiny(tmp_path):
