@@ -15,6 +15,7 @@ import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bench_load import section as load_section  # noqa: E402
 from benchmarks.report_paged import section as paged_section  # noqa: E402
 from benchmarks.report_serve import pd_section, plot_timeline, section as serving_section  # noqa: E402
 from layers.config import VARIANTS  # noqa: E402
@@ -114,6 +115,9 @@ def main() -> int:
     kv = _load("bench_kv.json")
     if kv:
         lines += kv_section(kv)
+    load = _load("bench_load.json")
+    if load:
+        lines += load_section(load)
     Path("docs/benchmarks.md").write_text("\n".join(lines) + "\n")
     print("wrote docs/benchmarks.md")
     return 0

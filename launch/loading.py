@@ -85,16 +85,27 @@ class LoadMeter:
         return out
 
 
+def size(n: float) -> str:
+    """Bytes in the largest unit that keeps a figure >= 1 (B, KiB, MiB, GiB)."""
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _span(values) -> str:
+    lo, hi = size(min(values)), size(max(values))
+    return lo if lo == hi else f"{lo} to {hi}"
+
+
 def render_load(load: dict) -> str:
     """One line: where the weights came from, and what loading cost each rank."""
-    mib = 2 ** 20
-    peaks, bases, weights = load["peak_rss_bytes"], load["base_rss_bytes"], load["weights_bytes"]
-    above = [(pk - (b or 0)) / mib for pk, b in zip(peaks, bases)]
-    source = (f"per-rank slices of {load['checkpoint']}, {load['checkpoint_bytes'] / mib:.1f} MiB"
+    peaks, bases = load["peak_rss_bytes"], load["base_rss_bytes"]
+    source = (f"per-rank slices of {load['checkpoint']}, {size(load['checkpoint_bytes'])}"
               if load["checkpoint"] else "dense, then shard (random weights from seed)")
-    line = (f"load: {source}; per rank: weights {min(weights) / mib:.1f}-{max(weights) / mib:.1f} MiB, peak RSS "
-            f"{min(peaks) / mib:.0f}-{max(peaks) / mib:.0f} MiB ({min(above):.0f}-{max(above):.0f} above the "
+    line = (f"load: {source}; per rank: weights {_span(load['weights_bytes'])}, peak RSS {_span(peaks)} "
+            f"({_span([pk - (b or 0) for pk, b in zip(peaks, bases)])} above the "
             f"base{', lifetime peak' if load['peak_is_lifetime'] else ''}), {max(load['time_s']):.2f} s")
     if load["read_bytes"][0] is not None:
-        line += f"; read {min(load['read_bytes']) / mib:.1f}-{max(load['read_bytes']) / mib:.1f} MiB of the files"
+        line += f"; read {_span(load['read_bytes'])} of the files"
     return line

@@ -358,8 +358,8 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
         weights, dense = prepare(s, ctx)
         lm = shard_lm(weights, s.variant, ctx.group, s.vocab_parallel)
     load = meter.report(ctx, lm)
-    dense = dense_oracle(s, ctx, dense)
     agree(s, ctx, dense)
+    dense = dense_oracle(s, ctx, dense)  # after the load: neither in its peak nor in its bytes read
     engine = Engine(lm, ctx, **s.engine_args(), on_iteration=Progress(len(s.requests)) if ctx.is_main else None)
     result = engine.run(s.requests)
     checks = oracle_check(dense, s, result, ctx) if s.check else None
@@ -379,7 +379,6 @@ def serve_disaggregated(s: Settings, out_dir: Path, ctx) -> int:
     meter = LoadMeter(s.weights)
     with meter:
         weights, dense = prepare(s, ctx)
-    dense = dense_oracle(s, ctx, dense)
     agree(s, ctx, dense)
     groups = new_groups(s.pd)
     requests = lambda: [Request(r.id, list(r.prompt), r.max_new_tokens, r.arrival) for r in s.requests]  # noqa: E731
@@ -388,6 +387,7 @@ def serve_disaggregated(s: Settings, out_dir: Path, ctx) -> int:
                       streaming=s.streaming, groups=groups, block_size=s.block_size, prefix_cache=s.prefix_cache,
                       attention=s.attention, timeout_s=s.pd_timeout_s, meter=meter)
     load = meter.report(ctx, result.lm)
+    dense = dense_oracle(s, ctx, dense)  # after the load: neither in its peak nor in its bytes read
     colocated = None
     if ctx.rank >= s.pd.prefill_ranks:  # the colocated engine on the decode group's p_D ranks
         dctx = context(groups[1], ctx.backend, ctx.device)

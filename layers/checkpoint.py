@@ -55,6 +55,12 @@ class Checkpoint(Mapping):
             raise ConfigError(f"hf_checkpoint={self.path}: no model.safetensors, model.safetensors.index.json, "
                               f"pytorch_model.bin or pytorch_model.bin.index.json")
         self.format = "safetensors" if single.endswith(".safetensors") else "bin"
+        if self.format == "safetensors":
+            try:
+                import safetensors  # noqa: F401
+            except ImportError:
+                raise ConfigError("reading safetensors checkpoints needs the safetensors package: "
+                                  "pip install -e .[hf]") from None
         wanted = self._read_index(index) if (self.path / index).is_file() else None
         self.files = sorted(set(wanted.values())) if wanted is not None else [single]
         self.layout = f"{index} and its {len(self.files)} files" if wanted is not None else single

@@ -183,6 +183,7 @@ def test_serve_pd_llama_tiny(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     t = report["transfer"]
     assert [(p["prefill_rank"], p["decode_rank"], p["heads"]) for p in t["pairs"]] == [(0, 1, [0, 1]), (0, 2, [1, 2])]
+    assert report["load"]["path"] == "dense, then shard" and len(report["load"]["peak_rss_bytes"]) == 3
     assert t["total_bytes"] == t["total_formula"] == t["handed_over_tokens"] * 2 * 2 * 2 * 32 * 8  # K_tok, h_kv = 2
     assert report["ledger_matches_model"] and report["same_as_colocated"] and report["check"]["ok"] is True
 
