@@ -25,6 +25,8 @@ The group is always passed in; nothing here reads a global process group.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from einops import rearrange
@@ -47,11 +49,11 @@ class _Where:
         self.layer = self.ledger.layer if self.ledger is not None else None
         self.site = site
 
-    def run(self, fn, kind: str, phase: str, shape, dtype):
+    def run(self, fn, kind: str, phase: str, shape, dtype, sent_bytes: float | None = None):
         if self.ledger is None:
             return fn()
         return self.ledger.measure(fn, kind=kind, site=self.site, phase=phase, layer=self.layer,
-                                   shape=tuple(shape), dtype=dtype)
+                                   shape=tuple(shape), dtype=dtype, sent_bytes=sent_bytes)
 
 
 # ---- raw (non-autograd) operations -------------------------------------------------
@@ -271,3 +273,26 @@ def gather_from_region(x: torch.Tensor, group: dist.ProcessGroup, site: str | No
 def scatter_to_region(x: torch.Tensor, group: dist.ProcessGroup, site: str | None = None) -> torch.Tensor:
     """Enter a parallel region by keeping this rank's columns: forward split, backward all-gather."""
     return _ScatterToRegion.apply(x, group, site)
+
+
+# ---- all-to-all (expert parallelism: forward only) ---------------------------------------------
+
+
+def all_to_all_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group: dist.ProcessGroup,
+                    site: str | None = None) -> torch.Tensor:
+    """★ all-to-all of rows: rank r sends x's next send_counts[j] rows to rank j and receives recv_counts[j] rows from
+    each rank j, in rank order: [sum(recv_counts), ...]. The ledger counts the rows bound for other ranks (a rank's
+    rows to itself do not leave it). Forward only: the MoE placements here serve and check, they do not train."""
+    if dist.get_world_size(group) == 1:
+        return x
+    rank = dist.get_rank(group)
+    out = x.new_empty((sum(recv_counts),) + tuple(x.shape[1:]))
+    row_bytes = math.prod(x.shape[1:]) * x.element_size()
+
+    def fn():
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(recv_counts),
+                               input_split_sizes=list(send_counts), group=group)
+        return out
+
+    return _Where(site).run(fn, "all_to_all", "forward", x.shape, x.dtype,
+                            sent_bytes=(sum(send_counts) - send_counts[rank]) * row_bytes)

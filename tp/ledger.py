@@ -35,7 +35,7 @@ _profiling = torch._C._autograd._profiler_enabled
 
 _ACTIVE: contextvars.ContextVar["TrafficLedger | None"] = contextvars.ContextVar("tp_traffic_ledger", default=None)
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
 def collective_kind(op) -> str:
@@ -47,13 +47,16 @@ def collective_kind(op) -> str:
         return "all_gather"
     if "reduce_scatter" in name:
         return "reduce_scatter"
+    if "alltoall" in name or "all_to_all" in name:
+        return "all_to_all"
     return name.rsplit(".", 1)[-1].strip("_")
 
 
 def ring_bytes_per_rank(kind: str, elements: int, p: int, elem_bytes: int) -> float:
     """Bytes one rank sends in a ring collective. `elements`: the reduced tensor (all-reduce, reduce-scatter: the
     full input each rank holds), or the gathered output (all-gather). A reduce-scatter is the all-reduce's first
-    half: (p-1)/p·M·e, like the all-gather that is its second half."""
+    half: (p-1)/p·M·e, like the all-gather that is its second half. An all-to-all's bytes follow its split sizes,
+    not its shape: they are given to the ledger and the model (sent_bytes)."""
     if kind == "all_reduce":
         return 2 * (p - 1) * elements * elem_bytes / p
     if kind in ("all_gather", "reduce_scatter"):
@@ -76,11 +79,14 @@ class Traffic:
     bytes_per_rank: float
 
     @classmethod
-    def of(cls, *, layer, sublayer, site, phase, kind, shape, dtype: torch.dtype, p: int) -> "Traffic":
+    def of(cls, *, layer, sublayer, site, phase, kind, shape, dtype: torch.dtype, p: int,
+           sent_bytes: float | None = None) -> "Traffic":
+        """sent_bytes: what this rank sends (an all-to-all: the rows of its split sizes bound for other ranks)."""
         elements = math.prod(shape)
         elem_bytes = dtype.itemsize
         return cls(layer, sublayer, site, phase, kind, tuple(shape), str(dtype).removeprefix("torch."),
-                   elements * elem_bytes, ring_bytes_per_rank(kind, elements, p, elem_bytes))
+                   elements * elem_bytes,
+                   ring_bytes_per_rank(kind, elements, p, elem_bytes) if sent_bytes is None else sent_bytes)
 
 
 @dataclass(frozen=True)
@@ -173,8 +179,8 @@ class TrafficLedger:
     # -- called by tp/comm.py -------------------------------------------------------------------
 
     def measure(self, fn, *, kind: str, site: str | None, phase: str, layer: int | None,
-                shape: tuple[int, ...], dtype: torch.dtype):
-        """Run `fn` (the collective) and record it."""
+                shape: tuple[int, ...], dtype: torch.dtype, sent_bytes: float | None = None):
+        """Run `fn` (the collective) and record it. sent_bytes: an all-to-all's bytes to other ranks."""
         # A named scope in profiler traces ("tp attn/all-reduce #1"); opened only while profiling (~10 us).
         scope = record_function(f"tp {site or kind}") if _profiling() else contextlib.nullcontext()
         with scope:
@@ -190,7 +196,9 @@ class TrafficLedger:
         elements = math.prod(shape)
         self.records.append(CommRecord(
             layer, sublayer, label, phase, kind, shape, str(dtype).removeprefix("torch."),
-            elements * dtype.itemsize, ring_bytes_per_rank(kind, elements, self.world_size, dtype.itemsize), elapsed))
+            elements * dtype.itemsize,
+            ring_bytes_per_rank(kind, elements, self.world_size, dtype.itemsize) if sent_bytes is None else sent_bytes,
+            elapsed))
         return out
 
 

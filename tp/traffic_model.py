@@ -218,3 +218,32 @@ def predict_transfers(cfg: ModelConfig, p_prefill: int, p_decode: int, handovers
                 peer = p_prefill + s if side == "send" else r
                 out.append(Transfer(side, "pd/first token", rid, None, rank, peer, (0, 0), (1,), "int64", 8))
     return out
+
+
+def predict_moe_layer(cfg, placement: str, p: int, rank: int, layer: int, dtype: torch.dtype,
+                      ids_by_rank: list[torch.Tensor], n: int | None = None) -> list[Traffic]:
+    """One MoE block's forward collectives on `rank` (layers/moe.py), from the routing alone.
+
+    tp, ep   attn all-reduce #1 and mlp all-reduce #2 of [n, d]: the routing does not change the bytes.
+    ep_a2a   ids_by_rank[s]: the expert ids [T_s, k] of rank s's own tokens. Rank r's pairs bound for rank j are
+             its pairs whose expert is in [j·E/p, (j+1)·E/p); the ones for itself never leave it. In order: the p
+             counts (int64), the dispatch of its pairs' rows [S_r, d], their local expert ids [S_r, 1] (int64), and
+             the combine of the rows it received [R_r, d] back to their ranks."""
+    if p == 1:
+        return []
+    d = cfg.d_model
+    if placement in ("tp", "ep"):
+        return [Traffic.of(layer=layer, sublayer=s, site=site, phase="forward", kind="all_reduce", shape=(n, d),
+                           dtype=dtype, p=p) for s, site in (("attn", "all-reduce #1"), ("mlp", "all-reduce #2"))]
+    per = cfg.n_experts // p
+    to = [torch.bincount((ids.flatten() // per), minlength=p).tolist() for ids in ids_by_rank]  # to[s][j]: s -> j
+    sent, received = to[rank], [to[s][rank] for s in range(p)]
+    away, back = sum(sent) - sent[rank], sum(received) - received[rank]
+    e, i64 = dtype.itemsize, torch.int64
+
+    def a2a(site, shape, sent_bytes, kind_dtype=dtype):
+        return Traffic.of(layer=layer, sublayer="mlp", site=site, phase="forward", kind="all_to_all", shape=shape,
+                          dtype=kind_dtype, p=p, sent_bytes=sent_bytes)
+
+    return [a2a("dispatch counts", (p, 1), (p - 1) * 8, i64), a2a("dispatch", (sum(sent), d), away * d * e),
+            a2a("dispatch experts", (sum(sent), 1), away * 8, i64), a2a("combine", (sum(received), d), back * d * e)]

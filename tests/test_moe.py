@@ -1,0 +1,197 @@
+"""Mixture-of-experts blocks (layers/moe.py): the dense block against transformers' Mixtral, the three placements
+against the dense block, and the all-to-all bytes against the model computed from the routing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from layers.dense import Stack
+from layers.moe import (MoEConfig, DenseMoEBlock, load_hf_layer, moe_block, route)
+from layers.shard import DenseSource, load_plan
+from layers.varlen import Requests
+from tests.harness import run_ranks
+
+CFG = MoEConfig(d_model=64, n_heads=8, n_kv_heads=2, d_head=8, d_ffn=48, n_layers=2, max_seq_len=64,
+                vocab_size=100, norm_eps=1e-6, n_experts=8, top_k=2)
+LENGTHS = [5, 9, 3, 7, 1, 6]  # six requests; under ep_a2a rank r holds requests r, r + p, ...
+
+
+def hf_mixtral(cfg: MoEConfig):
+    """A random transformers MixtralModel in float64. Patched to stay in float64 where transformers computes in
+    float32 by design: RMSNorm, the rotary tables, and the router's softmax (MixtralTopKRouter casts the logits to
+    float32). SDPA attention (the eager path's softmax is float32 too)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mixtral import modeling_mixtral as mm
+
+    torch.manual_seed(0)
+    model = transformers.MixtralModel(transformers.MixtralConfig(
+        hidden_size=cfg.d_model, intermediate_size=cfg.d_ffn, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.d_head, num_hidden_layers=cfg.n_layers,
+        num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, rms_norm_eps=cfg.norm_eps,
+        vocab_size=cfg.vocab_size, rope_theta=cfg.rope_theta, attn_implementation="sdpa",
+        experts_implementation="eager")).double().eval()  # the per-expert loop: grouped_mm has no float64
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.1 if "norm" in name else 0.2)).add_(1.0 if "norm" in name else 0.0)
+
+    def rms_forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def rotary_forward(self, x, position_ids):
+        inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.d_head, 2, dtype=torch.float64) / cfg.d_head)
+        emb = torch.cat([position_ids[..., None].double() * inv] * 2, dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    def router_forward(self, h):
+        logits = torch.nn.functional.linear(h.reshape(-1, self.hidden_dim), self.weight)
+        top, ids = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)  # float64, not float32
+        return logits, top / top.sum(dim=-1, keepdim=True), ids
+
+    for module in model.modules():
+        if isinstance(module, mm.MixtralRMSNorm):
+            module.forward = rms_forward.__get__(module)
+        if isinstance(module, mm.MixtralRotaryEmbedding):
+            module.forward = rotary_forward.__get__(module)
+        if isinstance(module, mm.MixtralTopKRouter):
+            module.forward = router_forward.__get__(module)
+    return model
+
+
+def dense_stack(cfg: MoEConfig, state: dict) -> Stack:
+    return Stack(cfg, [load_hf_layer(DenseMoEBlock(cfg, torch.float64), state, f"layers.{i}.")
+                       for i in range(cfg.n_layers)])
+
+
+def routing(stack: Stack, x: torch.Tensor, requests: Requests) -> tuple[list[torch.Tensor], float]:
+    """Every layer's expert ids [T, k] in the dense stack, and the smallest gap between a token's k-th and (k+1)-th
+    router probability over all layers: a routing a rounding could flip (the near-tie guard) makes it tiny."""
+    ids, gaps = [], []
+    with torch.no_grad():
+        for block in stack.blocks:
+            h = block.mlp_norm(block.attend(x, requests))
+            probs = torch.softmax(torch.nn.functional.linear(h, block.router), -1)
+            ids.append(route(h, block.router, block.cfg.top_k)[1])
+            top = probs.sort(-1, descending=True).values
+            gaps.append(float((top[:, block.cfg.top_k - 1] - top[:, block.cfg.top_k]).min()))
+            x = block(x, requests)
+    return ids, min(gaps)
+
+
+def test_dense_moe_block_equals_transformers_mixtral_per_layer():
+    model = hf_mixtral(CFG)
+    x = torch.randn(sum(LENGTHS), CFG.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    requests = Requests.from_lengths(LENGTHS)
+    stack = dense_stack(CFG, model.state_dict())
+    with torch.no_grad():
+        ours = stack(x, requests.cu_seqlens)
+        for (s, e) in requests.spans:  # transformers: each request alone, positions from 0
+            hidden = model(inputs_embeds=x[None, s:e], output_hidden_states=True).hidden_states[1:]
+            for i in range(CFG.n_layers - 1):  # its last hidden state is after the final norm
+                theirs = hidden[i][0]
+                assert float((ours[i][s:e] - theirs).abs().max() / theirs.abs().max()) < 1e-12
+            last = model.norm(ours[-1][s:e])
+            assert float((last - hidden[-1][0]).abs().max() / hidden[-1][0].abs().max()) < 1e-12
+    assert routing(stack, x, requests)[1] > 1e-6  # no routing here is a near-tie
+
+
+def test_route_renormalizes_the_top_k_and_breaks_ties_as_transformers():
+    """Exact ties go as torch.topk sends them, because transformers' router is torch.topk on the same numbers. That
+    is not "lowest id first": torch.topk returns the tied pair (0, 4) as [4, 0] here, and for ties across the k-th
+    place it can keep a higher id. Real routings are not exact ties; near ones are guarded (routing())."""
+    h = torch.zeros(3, 4, dtype=torch.float64)
+    h[1, 0] = 1.0
+    router = torch.eye(4, dtype=torch.float64)[[0, 1, 2, 3, 0, 1]]  # experts 0 and 4 (1 and 5, ...) tie exactly
+    weights, ids = route(h, router, 2)
+    assert torch.allclose(weights.sum(-1), torch.ones(3, dtype=torch.float64))
+    probs = torch.softmax(h @ router.T, -1)
+    assert torch.equal(ids, probs.topk(2, dim=-1).indices)  # the same op on the same numbers as transformers
+    assert sorted(ids[1].tolist()) == [0, 4] and torch.equal(weights[1], torch.full((2,), 0.5, dtype=torch.float64))
+
+
+# ---- the three placements against the dense block ----------------------------------------------------------
+
+
+def biased(stack: Stack, scale: float) -> Stack:
+    """Push the router towards experts 0 and 1 (scale 0: unchanged): with a large scale every token picks them,
+    so at p = 4 only rank 0 holds an expert any token uses."""
+    with torch.no_grad():
+        for block in stack.blocks:
+            block.router[0] += scale * torch.ones(block.cfg.d_model, dtype=block.router.dtype)
+            block.router[1] += 0.9 * scale * torch.ones(block.cfg.d_model, dtype=block.router.dtype)
+    return stack
+
+
+def inputs(cfg: MoEConfig, shift: float) -> torch.Tensor:
+    """x [T, d]: random rows plus `shift` along the all-ones direction (which the biased router rewards)."""
+    gen = torch.Generator().manual_seed(2)
+    return torch.randn(sum(LENGTHS), cfg.d_model, dtype=torch.float64, generator=gen) + shift
+
+
+def my_requests(rank: int, p: int) -> list[int]:
+    return list(range(rank, len(LENGTHS), p))
+
+
+def _placements(ctx, state, scale: float, shift: float):
+    from tp.ledger import TrafficLedger
+    from tp.traffic_model import predict_moe_layer
+
+    p, rank = ctx.world_size, ctx.rank
+    dense = biased(dense_stack(CFG, state), scale)
+    x = inputs(CFG, shift)
+    requests = Requests.from_lengths(LENGTHS)
+    with torch.no_grad():
+        want = dense(x, requests.cu_seqlens)
+    ids, gap = routing(dense, x, requests)
+    held = [torch.cat([torch.arange(*requests.spans[i]) for i in my_requests(s, p)] or
+                      [torch.zeros(0, dtype=torch.long)]) for s in range(p)]  # ep_a2a: each rank's own tokens
+    out = {"gap": gap, "received": [[int(sum((layer[held[s]] // (CFG.n_experts // p) == r).sum() for s in range(p)))
+                                     for r in range(p)] for layer in ids]}
+    for placement in ("tp", "ep", "ep_a2a"):
+        blocks = [moe_block(CFG, placement, ctx.group, torch.float64) for _ in range(CFG.n_layers)]
+        stack = Stack(CFG, [load_plan(b, b.plan(), DenseSource(d)) for b, d in zip(blocks, dense.blocks)])
+        ledger = TrafficLedger(p)
+        if placement == "ep_a2a":  # this rank's own requests only
+            spans = [requests.spans[i] for i in my_requests(rank, p)]
+            rows = torch.cat([torch.arange(s, e) for s, e in spans]) if spans else torch.zeros(0, dtype=torch.long)
+            lengths = [e - s for s, e in spans]
+            cu = Requests.from_lengths(lengths).cu_seqlens if len(lengths) > 1 else None
+            with torch.no_grad(), ledger.attach(stack):
+                got = stack(x[rows], cu) if lengths else stack(x[rows])
+        else:
+            rows = torch.arange(x.shape[0])
+            with torch.no_grad(), ledger.attach(stack):
+                got = stack(x, requests.cu_seqlens)
+        err = max(float((g - w[rows]).abs().max()) / float(w.abs().max()) if len(rows) else 0.0
+                  for g, w in zip(got, want))
+        predicted = []
+        for i, layer in enumerate(ids):
+            predicted += predict_moe_layer(CFG, placement, p, rank, i, torch.float64,
+                                           [layer[h] for h in held], n=x.shape[0])
+        out[placement] = {"err": err, "ledger_matches_model": [r.traffic() for r in ledger.records] == predicted,
+                          "kinds": sorted({(r.kind, r.site) for r in ledger.records})}
+    return out
+
+
+@pytest.mark.parametrize("p", [1, 2, 4, 8])
+def test_every_placement_equals_the_dense_block(p):
+    transformers_state = hf_mixtral(CFG).state_dict()
+    for scale, shift in ((0.0, 0.0), (0.5, 3.0)):  # plain, then a router biased to experts 0 and 1
+        results = run_ranks(p, _placements, transformers_state, scale, shift)
+        assert results[0]["gap"] > 1e-6  # the near-tie guard: no routing here could flip by rounding
+        for rank, res in enumerate(results):
+            for placement in ("tp", "ep", "ep_a2a"):
+                r = res[placement]
+                assert r["err"] < 1e-12, (p, scale, rank, placement, r["err"])
+                assert r["ledger_matches_model"], (p, scale, rank, placement)
+        received = results[0]["received"]  # per layer, the pairs each rank's experts get under ep_a2a
+        if p > 1:
+            assert results[0]["ep_a2a"]["kinds"] == [("all_to_all", s) for s in
+                                                     ("combine", "dispatch", "dispatch counts", "dispatch experts")]
+            assert all(len(set(layer)) > 1 for layer in received)  # unequal split sizes
+        if scale and p >= 4:  # every pair goes to experts 0 and 1: the ranks holding them, and no other rank
+            holders = {0, 1 // (CFG.n_experts // p)}
+            assert all(sum(layer[r] for r in holders) == 2 * sum(LENGTHS) and
+                       not any(n for r, n in enumerate(layer) if r not in holders) for layer in received), received
