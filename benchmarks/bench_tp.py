@@ -47,7 +47,7 @@ CFG = ARTICLE03  # d=512, h=8, ffn=2048, L=8
 class SkipCollectives(TrafficLedger):
     """A ledger that records every collective but does not issue it: the forward's local compute alone."""
 
-    def measure(self, fn, *, kind, site, phase, layer, shape, dtype):
+    def measure(self, fn, *, kind, site, phase, layer, shape, dtype, **_):
         self.records.append((kind, tuple(shape), dtype))
         return None
 

@@ -30,11 +30,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from launch.check import run_check
+from launch.moe_check import build_moe_report, render_moe, run_moe_check
 from launch.report import render
 from launch.settings import (LaunchSettings, boolean, common_settings, exit_on_unknown_preset, fitted_lengths, integer,
                              launch, overridden, positive_float, publish)
 from layers.config import DEFAULT_TOLERANCE, ModelConfig, parse_variants, validate_tokens, validate_variants
 from layers.llama import LlamaConfig
+from layers.moe import MOE_PARALLEL, validate_moe
 from layers.varlen import score_entries
 from tp.dist import ConfigError, env_world
 
@@ -48,14 +50,21 @@ class Settings(LaunchSettings):
     repeats: int
     profile: bool
     notes: tuple[str, ...] = ()  # what was changed from what was asked, said by rank 0
+    moe_parallel: tuple[str, ...] = ()  # MoE models: the placements to check (tp, ep, ep_a2a)
 
 
 def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> Settings:
     """Every check that needs no communication. Raises ConfigError; identical on every rank."""
     common = common_settings(cfg, world_size, local_world_size)
-    model, dtype = common["model"], common["dtype"]
+    model = common["model"]
     notes: list[str] = []
     lengths = request_lengths(cfg, model, common["seed"], notes)
+    moe = parse_moe_parallel(cfg, model, world_size)
+    if moe:  # MoE blocks: placements of the routed FFN, not the dense FFN's variants
+        if "variants" in overridden(("variants",)):
+            raise ConfigError("variants= cuts a dense FFN; MoE blocks take moe_parallel=tp, ep or ep_a2a (or null "
+                              "for all three)")
+        return finish_settings(cfg, common, lengths, [], notes, moe)
     variants = parse_variants(OmegaConf.to_container(cfg.variants) if OmegaConf.is_list(cfg.variants) else cfg.variants)
     if model.family == "llama":  # Llama blocks are built as v2 (the Megatron pattern) and v2sp only
         llama = [v for v in variants if v in ("v2", "v2sp")]
@@ -68,12 +77,31 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     if "v2sp" in variants and sum(lengths) < world_size:
         raise ConfigError(f"variant v2sp splits the {sum(lengths)} tokens by rows over p={world_size} ranks and needs "
                           f"at least one per rank; use at least {world_size} tokens or drop v2sp from variants")
+    return finish_settings(cfg, common, lengths, variants, notes)
+
+
+def parse_moe_parallel(cfg: DictConfig, model, world_size: int) -> tuple[str, ...]:
+    """moe_parallel: tp | ep | ep_a2a, or null for all three (MoE models only), checked against p."""
+    value = cfg.get("moe_parallel")
+    if model.family != "mixtral":
+        if value is not None:
+            raise ConfigError(f"moe_parallel={value} is for MoE models (model=mixtral_tiny); this model's FFN is dense")
+        return ()
+    placements = MOE_PARALLEL if value is None else (str(value),)
+    for placement in placements:
+        validate_moe(model, world_size, placement)
+    return tuple(placements)
+
+
+def finish_settings(cfg: DictConfig, common: dict, lengths: list[int], variants: list[str], notes: list[str],
+                    moe: tuple[str, ...] = ()) -> Settings:
+    dtype = common["dtype"]
     repeats = integer(cfg, "repeats")
     if repeats < 1:  # the report's per-collective times are medians over the timed repeats
         raise ConfigError(f"repeats={repeats} must be at least 1 (timed forwards per variant)")
     tolerance = DEFAULT_TOLERANCE[dtype] if cfg.tolerance is None else positive_float(cfg, "tolerance")
     return Settings(**common, lengths=lengths, variants=variants, tolerance=tolerance, repeats=repeats,
-                    profile=boolean(cfg, "profile"), notes=tuple(notes))
+                    profile=boolean(cfg, "profile"), notes=tuple(notes), moe_parallel=moe)
 
 
 def request_lengths(cfg: DictConfig, model: ModelConfig | LlamaConfig, seed: int, notes: list[str]) -> list[int]:
@@ -113,6 +141,13 @@ def run(cfg: DictConfig) -> int:
 
 
 def check_and_report(settings: Settings, out_dir: Path, ctx) -> int:
+    if settings.moe_parallel:
+        results = run_moe_check(settings.model, lengths=settings.lengths, dtype=settings.dtype, seed=settings.seed,
+                                placements=list(settings.moe_parallel), tolerance=settings.tolerance,
+                                repeats=settings.repeats, ctx=ctx)
+        report = build_moe_report(settings, ctx, results)
+        publish(report, render_moe, out_dir / settings.report, ctx)
+        return 0 if report["equivalent"] and report["traffic_ok"] else 1
     variants = run_check(settings.model, lengths=settings.lengths, dtype=settings.dtype, seed=settings.seed,
                          variants=settings.variants, tolerance=settings.tolerance, repeats=settings.repeats,
                          weights=settings.weights,

@@ -22,6 +22,7 @@ from layers.config import ModelConfig, parse_dtype, validate_model
 from layers.dense import DenseStack
 from layers.lm import dense_lm
 from layers.llama import LlamaConfig, validate_llama
+from layers.moe import MoEConfig, validate_moe
 from layers.checkpoint import Checkpoint
 from layers.hf import check_state, read_config, read_state
 from tp.dist import ConfigError, env_world, init_from_env, resolve_backend, resolve_device, shutdown
@@ -142,8 +143,8 @@ def parse_model(cfg: DictConfig, world_size: int,
     config.json (GPT-2 or Llama). The model is a ModelConfig or a LlamaConfig, valid for every TP size asked."""
     fields = OmegaConf.to_container(cfg.model, resolve=True)
     family = fields.pop("family", "gpt2")
-    if family not in ("gpt2", "llama"):
-        raise ConfigError(f"model.family={family!r}: choose gpt2 or llama")
+    if family not in ("gpt2", "llama", "mixtral"):
+        raise ConfigError(f"model.family={family!r}: choose gpt2, llama or mixtral")
     for key, value in fields.items():
         if key in ("ln_eps", "norm_eps", "rope_theta"):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -154,14 +155,16 @@ def parse_model(cfg: DictConfig, world_size: int,
         elif isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"model.{key}={value!r} must be an integer")
     try:
-        model = (LlamaConfig if family == "llama" else ModelConfig)(**fields)
+        model = {"llama": LlamaConfig, "mixtral": MoEConfig}.get(family, ModelConfig)(**fields)
     except TypeError as exc:
         raise ConfigError(f"bad model settings: {exc}") from None
     model_name = HydraConfig.get().runtime.choices.get("model", "custom") if HydraConfig.initialized() else "custom"
     hf_checkpoint = None if cfg.hf_checkpoint is None else str(cfg.hf_checkpoint)
     if hf_checkpoint is not None:
         model, model_name = read_config(hf_checkpoint), "hf"
-    validate = validate_llama if model.family == "llama" else validate_model
+    # MoE models: the placement decides what p must divide (moe_parallel, checked by the launcher); here the shape
+    validate = {"llama": validate_llama, "mixtral": lambda m, p: validate_moe(m, 1, "ep_a2a")}.get(model.family,
+                                                                                                  validate_model)
     source = f"hf_checkpoint={hf_checkpoint}: " if hf_checkpoint else ""  # the numbers came from its config.json
     for name, p in (tp_sizes or {"": world_size}).items():
         try:

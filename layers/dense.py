@@ -69,10 +69,13 @@ class Stack(nn.Module):
 
 
 class DenseStack(Stack):
-    """The single-device model: L DenseBlocks, or L DenseLlamaBlocks for a LlamaConfig (cfg.family == "llama")."""
+    """The single-device model: L DenseBlocks, L DenseLlamaBlocks for a LlamaConfig (cfg.family == "llama"), or L
+    DenseMoEBlocks for a MoEConfig ("mixtral")."""
 
     def __init__(self, cfg: ModelConfig | LlamaConfig, dtype: torch.dtype = torch.float32, device=None):
-        block = DenseLlamaBlock if cfg.family == "llama" else DenseBlock
+        from layers.moe import DenseMoEBlock  # layers/moe.py builds on layers/llama.py, as this module does
+
+        block = {"llama": DenseLlamaBlock, "mixtral": DenseMoEBlock}.get(cfg.family, DenseBlock)
         super().__init__(cfg, [block(cfg, dtype, device) for _ in range(cfg.n_layers)])
 
 

@@ -267,6 +267,22 @@ def load_hf_layer(block: DenseMoEBlock, state: dict[str, torch.Tensor], prefix: 
     return block
 
 
+@torch.no_grad()
+def dense_routing(stack, x: torch.Tensor, requests: Requests | None) -> tuple[list[torch.Tensor], float]:
+    """Every layer's expert ids [T, k] in a dense MoE stack, and the smallest gap between a token's k-th and (k+1)-th
+    router probability over all layers: a routing that a rounding could flip (a near-tie) makes it tiny."""
+    ids, gaps = [], []
+    for block in stack.blocks:
+        h, _, chosen = block.routing(block.attend(x, requests))
+        ids.append(chosen)
+        if block.cfg.top_k < block.cfg.n_experts:
+            top = torch.softmax(F.linear(h, block.router).to(torch.promote_types(h.dtype, torch.float32)), -1)
+            top = top.sort(-1, descending=True).values
+            gaps.append(float((top[:, block.cfg.top_k - 1] - top[:, block.cfg.top_k]).min()) if len(top) else 1.0)
+        x = block(x, requests)
+    return ids, min(gaps, default=1.0)
+
+
 def moe_block(cfg: MoEConfig, placement: str, group: dist.ProcessGroup, dtype=torch.float32, device=None):
     """This rank's block of one placement, its parameters not yet loaded (load_plan fills them from block.plan())."""
     if placement == "ep_a2a":

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from layers.dense import Stack
-from layers.moe import (MoEConfig, DenseMoEBlock, load_hf_layer, moe_block, route)
+from layers.moe import MoEConfig, DenseMoEBlock, dense_routing as routing, load_hf_layer, moe_block, route
 from layers.shard import DenseSource, load_plan
 from layers.varlen import Requests
 from tests.harness import run_ranks
@@ -63,21 +63,6 @@ def hf_mixtral(cfg: MoEConfig):
 def dense_stack(cfg: MoEConfig, state: dict) -> Stack:
     return Stack(cfg, [load_hf_layer(DenseMoEBlock(cfg, torch.float64), state, f"layers.{i}.")
                        for i in range(cfg.n_layers)])
-
-
-def routing(stack: Stack, x: torch.Tensor, requests: Requests) -> tuple[list[torch.Tensor], float]:
-    """Every layer's expert ids [T, k] in the dense stack, and the smallest gap between a token's k-th and (k+1)-th
-    router probability over all layers: a routing a rounding could flip (the near-tie guard) makes it tiny."""
-    ids, gaps = [], []
-    with torch.no_grad():
-        for block in stack.blocks:
-            h = block.mlp_norm(block.attend(x, requests))
-            probs = torch.softmax(torch.nn.functional.linear(h, block.router), -1)
-            ids.append(route(h, block.router, block.cfg.top_k)[1])
-            top = probs.sort(-1, descending=True).values
-            gaps.append(float((top[:, block.cfg.top_k - 1] - top[:, block.cfg.top_k]).min()))
-            x = block(x, requests)
-    return ids, min(gaps)
 
 
 def test_dense_moe_block_equals_transformers_mixtral_per_layer():
@@ -195,3 +180,50 @@ def test_every_placement_equals_the_dense_block(p):
             holders = {0, 1 // (CFG.n_experts // p)}
             assert all(sum(layer[r] for r in holders) == 2 * sum(LENGTHS) and
                        not any(n for r, n in enumerate(layer) if r not in holders) for layer in received), received
+
+
+# ---- run_block with model=mixtral_tiny --------------------------------------------------------------------
+
+
+def test_run_block_checks_every_placement_of_mixtral_tiny(tmp_path):
+    import json
+
+    from tests.launching import launch_on_pool
+
+    proc, _ = launch_on_pool(4, "model=mixtral_tiny", "repeats=1", run_dir=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["equivalent"] and report["traffic_ok"] and list(report["placements"]) == ["tp", "ep", "ep_a2a"]
+    a2a = report["placements"]["ep_a2a"]
+    assert a2a["tokens_per_rank"] == [10, 30, 0, 0]  # requests [10, 30]: ranks 2 and 3 hold none
+    assert a2a["collectives_per_layer_count"] == 4 and report["placements"]["tp"]["collectives_per_layer_count"] == 2
+    # the bytes follow the routing: ranks move different amounts, around the seed's uniform estimate
+    moved = a2a["a2a_sent_plus_received_per_rank_per_layer"]
+    assert len(set(moved)) > 1 and 0.5 < sum(moved) / len(moved) / a2a["seed_estimate_per_rank_per_layer"] < 1.5
+    assert "the seed's uniform-routing estimate" in proc.stdout and "PASS: moe_parallel tp, ep, ep_a2a" in proc.stdout
+
+
+BAD = [
+    (["moe_parallel=ep", "model.n_experts=6"], 4, "moe_parallel=ep: model.n_experts=6 is not divisible by p=4"),
+    (["moe_parallel=ep_a2a", "model.n_experts=6"], 4, "moe_parallel=ep_a2a: model.n_experts=6 is not divisible"),
+    (["model.top_k=9"], 2, "model.top_k=9 must be between 1 and model.n_experts=8"),
+    (["moe_parallel=dp"], 2, "unknown moe_parallel 'dp'; choose tp, ep or ep_a2a"),
+    (["variants=[v1]"], 2, "variants= cuts a dense FFN; MoE blocks take moe_parallel"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,message", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_moe_settings_fail_in_one_line(overrides, world, message):
+    from tests.launching import settings_phase
+
+    proc = settings_phase(["model=mixtral_tiny", *overrides], world=world, script="run_block.py")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"[rank {world - 1}] error: ") and message in lines[0], lines
+
+
+def test_moe_parallel_on_a_dense_model_is_refused():
+    from tests.launching import settings_phase
+
+    proc = settings_phase(["moe_parallel=ep"], world=2, script="run_block.py")
+    assert proc.returncode == 2 and "moe_parallel=ep is for MoE models (model=mixtral_tiny)" in proc.stderr

@@ -229,7 +229,7 @@ def test_serve_llama_tiny(tmp_path):
 LLAMA_BAD = [
     (["model=llama_tiny", "variant=v1"], "served with variant=v2"),
     (["model=llama_tiny", "model.n_kv_heads=3"], "n_heads=8 must be a multiple of n_kv_heads=3"),
-    (["model=llama_tiny", "model.family=mamba"], "model.family='mamba': choose gpt2 or llama"),
+    (["model=llama_tiny", "model.family=mamba"], "model.family='mamba': choose gpt2, llama or mixtral"),
     (["model=llama_tiny", "model.norm_eps=abc"], "model.norm_eps='abc' must be a number"),
     (["model=llama_tiny", "model.tie_word_embeddings=1"], "model.tie_word_embeddings=1 must be true or false"),
 ]

@@ -52,8 +52,9 @@ class _Where:
     def run(self, fn, kind: str, phase: str, shape, dtype, sent_bytes: float | None = None):
         if self.ledger is None:
             return fn()
+        extra = {} if sent_bytes is None else {"sent_bytes": sent_bytes}  # an all-to-all's bytes follow its splits
         return self.ledger.measure(fn, kind=kind, site=self.site, phase=phase, layer=self.layer,
-                                   shape=tuple(shape), dtype=dtype, sent_bytes=sent_bytes)
+                                   shape=tuple(shape), dtype=dtype, **extra)
 
 
 # ---- raw (non-autograd) operations -------------------------------------------------

@@ -1,0 +1,185 @@
+"""run_block for MoE models (model=mixtral_tiny): each placement of the routed FFN against the dense MoE stack.
+
+    tp      every expert split over the ranks, TP attention: 2 all-reduces [T, d] per layer
+    ep      whole experts per rank, TP attention: 2 all-reduces [T, d] per layer (the same bytes; other work)
+    ep_a2a  data-parallel attention (rank r holds requests r, r + p, ...), whole experts per rank: per layer an
+            all-to-all of the p counts, ★ dispatch of the (token, expert) rows, their expert ids, ★ combine
+
+For each: every layer's output against the dense stack's (on the rows each rank holds), the traffic ledger against
+tp/traffic_model.predict_moe_layer computed from the dense stack's routing (every rank), the expert load per layer
+(pairs per expert and per rank, max/mean), the all-to-all bytes beside the seed's uniform-routing estimate
+4·N·k·d/EP·(EP−1)/EP (tp/cost_model.ep_alltoall_elems_per_gpu), and the forward time (median of the slowest rank).
+Forward only: the placements here serve and check, they do not train.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from launch.report import format_table, kib
+from launch.timing import sample, slowest
+from layers.dense import DenseStack, Stack, init_weights, weights_checksum
+from layers.moe import MOE_PARALLEL, dense_routing, moe_block
+from layers.shard import DenseSource, load_plan
+from layers.varlen import Requests
+from tp.cost_model import ep_alltoall_elems_per_gpu
+from tp.dist import TPContext, same_on_every_rank
+from tp.ledger import TrafficLedger
+from tp.traffic_model import predict_moe_layer
+
+A2A_ROWS = ("dispatch", "combine")  # the hidden rows; "dispatch counts" and "dispatch experts" are the side channel
+
+
+def my_requests(n_requests: int, rank: int, p: int) -> list[int]:
+    """ep_a2a's data parallelism: rank r holds requests r, r + p, r + 2p, ..."""
+    return list(range(rank, n_requests, p))
+
+
+def run_moe_check(cfg, *, lengths: list[int], dtype: torch.dtype, seed: int, placements: list[str], tolerance: float,
+                  repeats: int, ctx: TPContext, weights=None) -> dict:
+    p, rank = ctx.world_size, ctx.rank
+    requests = Requests.from_lengths(lengths)
+    dense = init_weights(DenseStack(cfg, dtype, ctx.device), seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(sum(lengths), cfg.d_model, generator=gen, dtype=torch.float64).to(ctx.device, dtype)
+    if not same_on_every_rank(torch.cat([weights_checksum(dense), x.to("cpu", torch.float64).sum()[None]])
+                              .to(ctx.device), ctx.group):
+        raise RuntimeError("ranks hold different dense weights or inputs: every rank must build the same model")
+    with torch.no_grad():
+        want = dense(x, requests.cu_seqlens)
+    ids, gap = dense_routing(dense, x, requests)
+    held = [torch.cat([torch.arange(*requests.spans[i]) for i in my_requests(len(lengths), s, p)]
+                      or [torch.zeros(0, dtype=torch.long)]).to(ctx.device) for s in range(p)]
+    results = {}
+    for placement in placements:
+        blocks = [moe_block(cfg, placement, ctx.group, dtype, ctx.device) for _ in dense.blocks]
+        stack = Stack(cfg, [load_plan(b, b.plan(), DenseSource(d)) for b, d in zip(blocks, dense.blocks)])
+        if placement == "ep_a2a":
+            rows = held[rank]
+            mine = [lengths[i] for i in my_requests(len(lengths), rank, p)]
+            cu = Requests.from_lengths(mine).cu_seqlens if mine else None
+        else:
+            rows, cu = torch.arange(x.shape[0], device=x.device), requests.cu_seqlens
+        xs = x[rows]
+        forward = (lambda: stack(xs, cu)) if len(rows) else (lambda: stack(xs))  # noqa: E731
+        ledger = TrafficLedger(p, ctx.device)
+        with torch.no_grad(), ledger.attach(stack):
+            got = forward()
+        scale = [float(w.abs().max()) for w in want]
+        errs = [float((g - w[rows]).abs().max()) / s if len(rows) else 0.0 for g, w, s in zip(got, want, scale)]
+        predicted = [t for i, layer in enumerate(ids)
+                     for t in predict_moe_layer(cfg, placement, p, rank, i, dtype, [layer[h] for h in held],
+                                                n=x.shape[0])]
+        seen = [r.traffic() for r in ledger.records]
+        times = sample({placement: forward}, repeats, ctx)[placement]
+        mine = {"errs": errs, "ledger_matches_model": seen == predicted, "records": [r.__dict__ for r in seen],
+                "tokens": len(rows)}
+        every: list = [None] * p
+        dist.all_gather_object(every, mine, group=ctx.group)
+        results[placement] = summarize(cfg, placement, every, ids, held, lengths, dtype, tolerance, p,
+                                       slowest([statistics.median(times)], ctx)[0])
+    return {"placements": results, "min_top_k_gap": gap}
+
+
+def expert_load(cfg, placement: str, ids: list[torch.Tensor], p: int) -> list[dict]:
+    """Per layer: pairs per expert, per rank (the experts each rank computes; tp: every rank computes every pair on
+    its f/p slice), and the ranks' max/mean."""
+    out = []
+    for layer in ids:
+        per_expert = torch.bincount(layer.flatten().cpu(), minlength=cfg.n_experts).tolist()
+        if placement == "tp":
+            per_rank = [sum(per_expert)] * p
+        else:
+            per = cfg.n_experts // p
+            per_rank = [sum(per_expert[r * per:(r + 1) * per]) for r in range(p)]
+        mean = sum(per_rank) / p
+        out.append({"pairs_per_expert": per_expert, "pairs_per_rank": per_rank,
+                    "max_over_mean": max(per_rank) / mean if mean else 1.0})
+    return out
+
+
+def summarize(cfg, placement: str, every: list[dict], ids, held, lengths, dtype, tolerance, p, time_s) -> dict:
+    """Every rank's results, the load, the bytes (and the seed's estimate) for one placement."""
+    layers = len(ids)
+    errs = [max(e["errs"][i] for e in every) for i in range(layers)]
+    sent = [sum(r["bytes_per_rank"] for r in e["records"]) / layers for e in every]  # per layer, each rank
+    a2a = [sum(r["bytes_per_rank"] for r in e["records"] if r["kind"] == "all_to_all" and r["site"] in A2A_ROWS)
+           / layers for e in every]
+    out = {"equivalent": all(err <= tolerance for err in errs), "max_rel_err": max(errs), "rel_err_per_layer": errs,
+           "ledger_matches_model": all(e["ledger_matches_model"] for e in every),
+           "collectives_per_layer": sorted({(r["kind"], r["sublayer"] + "/" + r["site"]) for e in every
+                                            for r in e["records"]}),
+           "collectives_per_layer_count": len(every[0]["records"]) // layers if every[0]["records"] else 0,
+           "bytes_sent_per_rank_per_layer": sent, "load": expert_load(cfg, placement, ids, p),
+           "tokens_per_rank": [e["tokens"] for e in every], "time_s": time_s}
+    if placement == "ep_a2a":
+        n, e_bytes = sum(lengths), dtype.itemsize
+        # sent + received rows of both all-to-alls on each rank (what the seed's 4·N·k·d/EP·(EP−1)/EP counts)
+        received = []
+        for rank in range(p):
+            sent_rows = 0
+            for layer in ids:
+                per = cfg.n_experts // p
+                to = [torch.bincount(layer[h].flatten().cpu() // per, minlength=p).tolist() for h in held]
+                # dispatch: received from others to[s][rank]; combine: received back its own pairs sent away
+                sent_rows += sum(to[s][rank] for s in range(p) if s != rank) + sum(to[rank]) - to[rank][rank]
+            received.append(sent_rows * cfg.d_model * e_bytes / layers)
+        out["a2a_rows_sent_per_rank_per_layer"] = a2a
+        out["a2a_rows_received_per_rank_per_layer"] = received
+        out["a2a_sent_plus_received_per_rank_per_layer"] = [s + r for s, r in zip(a2a, received)]
+        out["seed_estimate_per_rank_per_layer"] = ep_alltoall_elems_per_gpu(n, cfg.d_model, cfg.top_k, p) * e_bytes
+    return out
+
+
+def render_moe(r: dict) -> str:
+    c, m = r["config"], r["config"]["model"]
+    lines = [f"tpref: MoE block check  (tp = {r['world_size']}, backend {r['backend']}, device {r['device']})",
+             f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} h_kv={m['n_kv_heads']} d_head={m['d_head']} "
+             f"E={m['n_experts']} experts of ffn={m['d_ffn']}, top_k={m['top_k']}, L={m['n_layers']}; "
+             f"dtype={c['dtype']}; requests {c['requests']} (ep_a2a: rank r holds requests r, r+p, ...)",
+             f"smallest gap between a token's k-th and (k+1)-th router probability: {r['min_top_k_gap']:.3g} "
+             f"(a near-tie would make a routing depend on rounding)", ""]
+    rows = []
+    base = r["placements"].get("tp", {}).get("time_s")
+    for name, v in r["placements"].items():
+        load = max(layer["max_over_mean"] for layer in v["load"])
+        rows.append([name, v["collectives_per_layer_count"], kib(statistics.mean(v["bytes_sent_per_rank_per_layer"])),
+                     kib(max(v["bytes_sent_per_rank_per_layer"])), f"{load:.2f}", f"{v['max_rel_err']:.1e}",
+                     str(v["ledger_matches_model"]).lower(),
+                     f"{v['time_s'] / base:.2f}" if base else f"{v['time_s'] * 1e3:.1f} ms"])
+    lines.append(format_table(["moe_parallel", "collectives/layer", "sent/rank/layer KiB (mean)", "max",
+                               "expert load max/mean", "max rel err", "ledger = model",
+                               "time / tp" if base else "time"], rows))
+    a2a = r["placements"].get("ep_a2a")
+    if a2a:
+        measured = a2a["a2a_sent_plus_received_per_rank_per_layer"]
+        lines += ["", f"ep_a2a all-to-all rows (dispatch + combine, sent + received) per rank per layer: measured "
+                      f"{', '.join(kib(b) for b in measured)} KiB (mean {kib(statistics.mean(measured))}); the seed's "
+                      f"uniform-routing estimate 4·N·k·d/EP·(EP−1)/EP·e = {kib(a2a['seed_estimate_per_rank_per_layer'])}"
+                      f" KiB",
+                  "pairs per rank, per layer: " + "; ".join(
+                      f"layer {i}: {layer['pairs_per_rank']} (max/mean {layer['max_over_mean']:.2f})"
+                      for i, layer in enumerate(a2a["load"])),
+                  "tokens held per rank (data-parallel attention): " + str(a2a["tokens_per_rank"])]
+    verdict = r["equivalent"] and r["traffic_ok"]
+    lines += ["", ("PASS" if verdict else "FAIL") + f": moe_parallel {', '.join(r['placements'])} at "
+              f"tp={r['world_size']} match the dense MoE block and the traffic model"]
+    return "\n".join(lines)
+
+
+def build_moe_report(s, ctx, results: dict) -> dict:
+    placements = results["placements"]
+    return {"world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device),
+            "config": {"model_name": s.model_name, "family": s.model.family, "model": s.model.asdict(),
+                       "requests": s.lengths, "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed,
+                       "moe_parallel": list(placements), "tolerance": s.tolerance, "repeats": s.repeats},
+            "notes": list(getattr(s, "notes", ())), "min_top_k_gap": results["min_top_k_gap"],
+            "placements": placements,
+            "equivalent": all(v["equivalent"] for v in placements.values()),
+            "traffic_ok": all(v["ledger_matches_model"] for v in placements.values())}
+
+
+assert set(MOE_PARALLEL) == {"tp", "ep", "ep_a2a"}
