@@ -40,6 +40,7 @@ from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.dense import init_weights, weights_checksum
 from layers.hf import CheckpointSource, load_lm
 from layers.lm import DenseLlamaLM, DenseLM, dense_lm, greedy_reference, shard_lm
+from layers.moe import validate_moe
 from serve.disagg import Layout, new_groups, serve_pd
 from serve.engine import Engine, ServeResult
 from serve.block_manager import BlockManager
@@ -75,6 +76,7 @@ class Settings(LaunchSettings):
     shared_prefix: int = 0
     comm_timing: bool = False  # per-collective times in the ledger: two waits for the compute stream per collective
     notes: tuple[str, ...] = ()  # what was changed from what was asked, said by rank 0 and kept in the report
+    moe_parallel: str = "tp"  # MoE models: where the experts live (tp: split; ep: whole experts per rank)
 
     def engine_args(self) -> dict:
         return dict(chunk_size=self.chunk_size, max_batched_tokens=self.max_batched_tokens,
@@ -121,7 +123,8 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
                           "(on GPUs use backend=nccl)")
     model = common["model"]
     variant = str(cfg.variant)
-    if model.family == "llama" and (variant != "v2" or not boolean(cfg, "vocab_parallel")):
+    moe_parallel = parse_moe_parallel(cfg, model, world_size, layout)
+    if model.family in ("llama", "mixtral") and (variant != "v2" or not boolean(cfg, "vocab_parallel")):
         raise ConfigError("Llama-family models are served with variant=v2 and vocab_parallel=true (the engine serves "
                           "their v2 blocks; the untied head is vocab-parallel)")
     if variant not in SERVING_VARIANTS:
@@ -151,7 +154,26 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     return Settings(**common, requests=requests, chunk_size=chunk_size, max_batched_tokens=budget,
                     max_running=max_running, eos_id=eos_id, variant=variant,
                     vocab_parallel=boolean(cfg, "vocab_parallel"), check=check, pd=layout,
-                    streaming=streaming, pd_timeout_s=pd_timeout_s, notes=tuple(notes), **paging)
+                    streaming=streaming, pd_timeout_s=pd_timeout_s, notes=tuple(notes), moe_parallel=moe_parallel,
+                    **paging)
+
+
+def parse_moe_parallel(cfg: DictConfig, model, world_size: int, layout) -> str:
+    """moe_parallel for MoE models: tp (default) or ep; ep_a2a is run_block's (see the error)."""
+    value = cfg.get("moe_parallel")
+    if model.family != "mixtral":
+        if value is not None:
+            raise ConfigError(f"moe_parallel={value} is for MoE models (model=mixtral_tiny); this model's FFN is dense")
+        return "tp"
+    placement = "tp" if value is None else str(value)
+    if placement == "ep_a2a":
+        raise ConfigError("moe_parallel=ep_a2a is not served: data-parallel attention needs a scheduler per rank and "
+                          "every rank joining each layer's all-to-alls even in iterations where it holds no request "
+                          "(empty dispatches); serve with moe_parallel=tp or ep, or check ep_a2a with run_block")
+    validate_moe(model, world_size, placement)
+    if layout is not None:
+        raise ConfigError("pd with an MoE model is not built: serve it colocated (drop pd.*)")
+    return placement
 
 
 def check_and_memory(check: str, common: dict, requests: list[Request], tp_sizes: dict | None, world_size: int,
@@ -356,7 +378,7 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     meter = LoadMeter(s.weights)
     with meter:
         weights, dense = prepare(s, ctx)
-        lm = shard_lm(weights, s.variant, ctx.group, s.vocab_parallel)
+        lm = shard_lm(weights, s.variant, ctx.group, s.vocab_parallel, s.moe_parallel)
     load = meter.report(ctx, lm)
     agree(s, ctx, dense)
     dense = dense_oracle(s, ctx, dense)  # after the load: neither in its peak nor in its bytes read
@@ -510,7 +532,8 @@ def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | Non
                    "variant": s.variant, "vocab_parallel": s.vocab_parallel,
                    "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed, "check": s.check,
                    "block_size": s.block_size, "kv_blocks": s.kv_blocks, "prefix_cache": s.prefix_cache,
-                   "attention": s.attention, "shared_prefix": s.shared_prefix, "comm_timing": s.comm_timing},
+                   "attention": s.attention, "shared_prefix": s.shared_prefix, "comm_timing": s.comm_timing,
+                   "moe_parallel": s.moe_parallel if m.family == "mixtral" else None},
         "notes": list(s.notes),
         "iterations": its,
         "requests": requests,

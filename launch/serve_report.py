@@ -21,13 +21,21 @@ def _kv(m: dict) -> str:
     return f"h_kv={m['n_kv_heads']} " if "n_kv_heads" in m else ""
 
 
+def _moe(c: dict) -> str:
+    """MoE models: the experts and where they live."""
+    m = c["model"]
+    return (f"; {m['n_experts']} experts of ffn={m['d_ffn']}, top_k={m['top_k']}, moe_parallel={c['moe_parallel']}"
+            if "n_experts" in m else "")
+
+
 def render(r: dict) -> str:
     c, m, t, kv = r["config"], r["config"]["model"], r["totals"], r["kv_cache"]
     lines = [
         f"tpref: serving on the TP stack  (tp = {r['world_size']}, backend {r['backend']}, device {r['device']})",
         f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} {_kv(m)}d_head={m['d_head']} ffn={m['d_ffn']} "
         f"L={m['n_layers']} vocab={m['vocab_size']}; variant {c['variant']}, "
-        f"{'vocab-parallel' if c['vocab_parallel'] else 'replicated'} embedding and LM head; dtype={c['dtype']}",
+        f"{'vocab-parallel' if c['vocab_parallel'] else 'replicated'} embedding and LM head; dtype={c['dtype']}"
+        + _moe(c),
         f"{c['requests']} requests; chunk_size={c['chunk_size']} max_batched_tokens={c['max_batched_tokens']} "
         f"max_running={c['max_running'] if c['max_running'] is not None else c['max_batched_tokens']}; "
         f"KV pool of {kv['blocks']} blocks of block_size={kv['block_size']} per rank, prefix_cache="

@@ -77,7 +77,7 @@ class DenseLlamaLM(nn.Module):
 
 def dense_lm(cfg: ModelConfig | LlamaConfig, dtype: torch.dtype = torch.float32, device=None) -> nn.Module:
     """The single-device LM of cfg's block family."""
-    return (DenseLlamaLM if cfg.family == "llama" else DenseLM)(cfg, dtype, device)
+    return (DenseLlamaLM if cfg.family in ("llama", "mixtral") else DenseLM)(cfg, dtype, device)
 
 
 @torch.no_grad()
@@ -169,22 +169,31 @@ class TPLlamaLM(nn.Module):
 
 
 def shard_lm(weights: DenseLM | DenseLlamaLM | Source, variant: str, group: dist.ProcessGroup,
-             vocab_parallel: bool = True) -> TPLM | TPLlamaLM:
+             vocab_parallel: bool = True, moe_parallel: str = "tp") -> TPLM | TPLlamaLM:
     """This rank's TPLM (or TPLlamaLM), holding its slices of the weights: a dense LM (load dense, then shard) or a
-    Source with cfg, dtype and device (layers/hf.CheckpointSource: each rank reads only its slices of the files)."""
+    Source with cfg, dtype and device (layers/hf.CheckpointSource: each rank reads only its slices of the files).
+    moe_parallel: an MoE model's placement of its experts (tp or ep; layers/moe.py)."""
     source = weights if hasattr(weights, "fill") else DenseSource(weights)
-    lm = tp_lm(source.cfg, variant, group, vocab_parallel, source.dtype, source.device)
+    lm = tp_lm(source.cfg, variant, group, vocab_parallel, source.dtype, source.device, moe_parallel)
     return load_plan(lm, lm.plan(), source)
 
 
 def tp_lm(cfg: ModelConfig | LlamaConfig, variant: str, group: dist.ProcessGroup, vocab_parallel: bool = True,
-          dtype: torch.dtype = torch.float32, device=None) -> TPLM | TPLlamaLM:
-    """The TP LM of cfg's family, its parameters not yet loaded (load_plan fills them from its plan)."""
+          dtype: torch.dtype = torch.float32, device=None, moe_parallel: str = "tp") -> TPLM | TPLlamaLM:
+    """The TP LM of cfg's family, its parameters not yet loaded (load_plan fills them from its plan). An MoE model
+    (family mixtral) is a TPLlamaLM whose blocks route their FFN (tp: experts split; ep: whole experts per rank)."""
     if variant not in SERVING_VARIANTS:
         raise ValueError(f"serving runs variant v1 or v2, not {variant!r}")
     kw = dict(dtype=dtype, device=device)
-    stack = tp_stack(cfg, variant, group, dtype, device)
-    if cfg.family == "llama":
+    if cfg.family == "mixtral":
+        if moe_parallel not in ("tp", "ep"):
+            raise ValueError(f"serving runs moe_parallel tp or ep, not {moe_parallel!r}")
+        from layers.moe import moe_block
+
+        stack = TPStack(cfg, [moe_block(cfg, moe_parallel, group, dtype, device) for _ in range(cfg.n_layers)])
+    else:
+        stack = tp_stack(cfg, variant, group, dtype, device)
+    if cfg.family in ("llama", "mixtral"):
         if variant != "v2" or not vocab_parallel:
             raise ValueError("Llama-family models are served with variant v2 and a vocab-parallel embedding and head")
         embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group, **kw)

@@ -283,6 +283,17 @@ def dense_routing(stack, x: torch.Tensor, requests: Requests | None) -> tuple[li
     return ids, min(gaps, default=1.0)
 
 
+def hf_lm_names(cfg: MoEConfig) -> dict[str, tuple[tuple[str, ...], bool]]:
+    """Our DenseLlamaLM (MoE blocks) parameter -> (transformers 5.x MixtralForCausalLM key, transposed?), for
+    layers/hf_gpt2.load_named: the stacked experts keep transformers' own layout."""
+    out = {f"stack.blocks.{i}.{ours}": ((f"model.layers.{i}.{theirs}",), False)
+           for i in range(cfg.n_layers) for ours, theirs in HF_LAYER_KEYS.items()}
+    out.update({"embed.weight": (("model.embed_tokens.weight",), False), "norm.weight": (("model.norm.weight",), False)})
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (("lm_head.weight",), False)
+    return out
+
+
 def moe_block(cfg: MoEConfig, placement: str, group: dist.ProcessGroup, dtype=torch.float32, device=None):
     """This rank's block of one placement, its parameters not yet loaded (load_plan fills them from block.plan())."""
     if placement == "ep_a2a":

@@ -227,3 +227,82 @@ def test_moe_parallel_on_a_dense_model_is_refused():
 
     proc = settings_phase(["moe_parallel=ep"], world=2, script="run_block.py")
     assert proc.returncode == 2 and "moe_parallel=ep is for MoE models (model=mixtral_tiny)" in proc.stderr
+
+
+# ---- serving: tokens against transformers' MixtralForCausalLM.generate -------------------------------------
+
+SERVE_WORKLOAD = [(6, 6), (11, 5), (3, 6), (9, 4)]  # (prompt length, max_new_tokens)
+
+
+@pytest.fixture(scope="module")
+def mixtral_lm():
+    """A random MixtralForCausalLM (float64, patched as hf_mixtral), its greedy generate, and its state dict."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mixtral import modeling_mixtral as mm
+
+    base = hf_mixtral(CFG)  # the patched decoder stack, reused inside a causal LM
+    model = transformers.MixtralForCausalLM(base.config).double().eval()
+    model.model = base
+    with torch.no_grad():
+        model.lm_head.weight.copy_(torch.randn_like(model.lm_head.weight))
+    assert all(isinstance(m, mm.MixtralTopKRouter) for m in model.modules() if "Router" in type(m).__name__)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n, _ in SERVE_WORKLOAD]
+    want = []
+    for prompt, (_, new) in zip(prompts, SERVE_WORKLOAD):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                                 num_beams=1, eos_token_id=None, pad_token_id=0)
+        want.append(out[0, len(prompt):].tolist())
+    return model.state_dict(), prompts, want
+
+
+def _serve_mixtral(ctx, state, prompts, placement):
+    from layers.hf_gpt2 import load_named
+    from layers.lm import dense_lm, shard_lm
+    from layers.moe import hf_lm_names
+    from serve.engine import Engine
+    from serve.scheduler import Request
+
+    dense = load_named(dense_lm(CFG, torch.float64), state, hf_lm_names(CFG), "Mixtral")
+    lm = shard_lm(dense, "v2", ctx.group, moe_parallel=placement)
+    reqs = [Request(i, p, new, i) for i, (p, (_, new)) in enumerate(zip(prompts, SERVE_WORKLOAD))]
+    res = Engine(lm, ctx, chunk_size=4, max_batched_tokens=12).run(reqs)
+    return [r["output_ids"] for r in res.requests], res.ledger_matches_model
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_served_mixtral_tokens_equal_transformers_generate(mixtral_lm, p):
+    """tp and ep on the serving engine (chunked prefill, mixed iterations, paged KV): greedy tokens equal
+    transformers' generate; every iteration's collectives equal the model's (the routing does not change them)."""
+    state, prompts, want = mixtral_lm
+    for placement in ("tp", "ep"):
+        got, ledger_ok = run_ranks(p, _serve_mixtral, state, prompts, placement)[0]
+        assert got == want, (p, placement)
+        assert ledger_ok
+
+
+def test_serve_mixtral_tiny_with_whole_experts_per_rank(tmp_path):
+    import json
+
+    from tests.launching import launch_on_pool
+
+    proc, _ = launch_on_pool(4, "model=mixtral_tiny", "moe_parallel=ep", "prompt_count=4", "prompt_mean=8",
+                             "max_new_tokens=4", run_dir=tmp_path, script="serve.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["config"]["moe_parallel"] == "ep" and report["check"]["ok"] is True
+    assert report["ledger_matches_model"] and "8 experts of ffn=192, top_k=2, moe_parallel=ep" in proc.stdout
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model=mixtral_tiny", "moe_parallel=ep_a2a"], "moe_parallel=ep_a2a is not served: data-parallel attention"),
+    (["model=mixtral_tiny", "moe_parallel=ep", "model.n_experts=3"], "model.n_experts=3 is not divisible by p=2"),
+    (["moe_parallel=tp"], "moe_parallel=tp is for MoE models"),
+])
+def test_bad_moe_serving_settings_fail_in_one_line(overrides, message):
+    from tests.launching import settings_phase
+
+    proc = settings_phase(overrides, world=2, script="serve.py")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
