@@ -22,6 +22,7 @@ import torch.distributed as dist
 from launch.report import format_table, kib
 from launch.timing import sample, slowest
 from layers.dense import DenseStack, Stack, init_weights, weights_checksum
+from layers.hf import load_stack
 from layers.moe import MOE_PARALLEL, dense_routing, moe_block
 from layers.shard import DenseSource, load_plan
 from layers.varlen import Requests
@@ -43,6 +44,8 @@ def run_moe_check(cfg, *, lengths: list[int], dtype: torch.dtype, seed: int, pla
     p, rank = ctx.world_size, ctx.rank
     requests = Requests.from_lengths(lengths)
     dense = init_weights(DenseStack(cfg, dtype, ctx.device), seed)
+    if weights is not None:  # a Mixtral checkpoint (layers/hf_mixtral.py), one whole tensor at a time
+        load_stack(dense, weights)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(sum(lengths), cfg.d_model, generator=gen, dtype=torch.float64).to(ctx.device, dtype)
     if not same_on_every_rank(torch.cat([weights_checksum(dense), x.to("cpu", torch.float64).sum()[None]])

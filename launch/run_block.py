@@ -144,7 +144,7 @@ def check_and_report(settings: Settings, out_dir: Path, ctx) -> int:
     if settings.moe_parallel:
         results = run_moe_check(settings.model, lengths=settings.lengths, dtype=settings.dtype, seed=settings.seed,
                                 placements=list(settings.moe_parallel), tolerance=settings.tolerance,
-                                repeats=settings.repeats, ctx=ctx)
+                                repeats=settings.repeats, ctx=ctx, weights=settings.weights)
         report = build_moe_report(settings, ctx, results)
         publish(report, render_moe, out_dir / settings.report, ctx)
         return 0 if report["equivalent"] and report["traffic_ok"] else 1

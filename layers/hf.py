@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from layers import hf_gpt2, hf_llama
+from layers import hf_gpt2, hf_llama, hf_mixtral
 from layers.checkpoint import Checkpoint
 from layers.config import ModelConfig
 from layers.llama import LlamaConfig
 from layers.shard import Cut
 from tp.dist import ConfigError
 
-FAMILIES = {"gpt2": hf_gpt2, "llama": hf_llama}
+FAMILIES = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral}
 
 
 def config_from_hf(hf: dict) -> ModelConfig | LlamaConfig:
@@ -32,7 +32,8 @@ def config_from_hf(hf: dict) -> ModelConfig | LlamaConfig:
         raise ConfigError(f"a model config must be a JSON object, got {type(hf).__name__}")
     kind = hf.get("model_type", "gpt2")
     if kind not in FAMILIES:
-        raise ConfigError(f"model_type={kind!r} is not supported: GPT-2 (gpt2) and Llama (llama) checkpoints are")
+        raise ConfigError(f"model_type={kind!r} is not supported: GPT-2 (gpt2), Llama (llama) and Mixtral (mixtral) "
+                          f"checkpoints are")
     return FAMILIES[kind].config_from_hf(hf)
 
 
@@ -92,10 +93,19 @@ class CheckpointSource:
         self.checkpoint, self.cfg, self.dtype, self.device = checkpoint, cfg, dtype, device
         self.names = FAMILIES[cfg.family].names(cfg, checkpoint, cfg.n_layers, lm=True)
 
+    def _experts(self, name: str) -> int | None:
+        """E where our parameter is an [E, rows, cols] stack the files hold expert by expert (Mixtral)."""
+        family = FAMILIES[self.cfg.family]
+        return family.experts_of(name, self.cfg) if hasattr(family, "experts_of") and len(self.names[name][0]) > 1 \
+            else None
+
     def shape(self, name: str) -> tuple[int, ...]:
         keys, transpose = self.names[name]
         parts = [self.checkpoint.shapes[k] for k in keys]
         full = (sum(s[0] for s in parts),) + tuple(parts[0][1:])
+        experts = self._experts(name)
+        if experts:  # the files' rows are those of our [E·rows, cols] view
+            full = (experts, full[0] // experts, full[1])
         return full[::-1] if transpose else full
 
     def fill(self, dest: torch.Tensor, name: str, cut: Cut) -> None:
@@ -103,6 +113,23 @@ class CheckpointSource:
         if transpose:  # the file holds our [out, in] as [in, out]: fill the transposed view along the other dim
             self.checkpoint.fill(dest.t(), keys[0], 1 - cut.dim, cut.ranges)
             return
+        experts = self._experts(name)
+        if experts:  # our [E, R, C] from E·(rows) files: the same cut on the [E·R, C] view
+            rows = self.shape(name)[1]
+            if cut.ranges is None:
+                flat = cut
+            elif cut.dim == 0:  # whole experts (ep)
+                flat = Cut(0, tuple((a * rows, b * rows) for a, b in cut.ranges))
+            elif cut.dim == 1:  # rows within every expert (tp)
+                flat = Cut(0, tuple((e * rows + a, e * rows + b) for e in range(experts) for a, b in cut.ranges))
+            else:
+                flat = Cut(1, cut.ranges)
+            self._stacked(dest.view(-1, dest.shape[-1]), keys, flat)
+            return
+        self._stacked(dest, keys, cut)
+
+    def _stacked(self, dest: torch.Tensor, keys: tuple[str, ...], cut: Cut) -> None:
+        """dest <- the cut of the keys' tensors stacked along rows."""
         if len(keys) == 1:
             self.checkpoint.fill(dest, keys[0], cut.dim, cut.ranges)
             return

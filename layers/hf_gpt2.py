@@ -74,7 +74,11 @@ def load_named(module: torch.nn.Module, state, named: dict[str, tuple[tuple[str,
             if key not in state:
                 raise KeyError(f"{what} state dict has no {key!r}")
         value = torch.cat([state[key] for key in keys]) if len(keys) > 1 else state[keys[0]]
-        copy_checked(module.get_parameter(ours), value.t() if transpose else value, "+".join(keys), ours)
+        target = module.get_parameter(ours)
+        if value.dim() == target.dim() - 1 and value.numel() == target.numel():  # experts stacked row by row
+            value = value.reshape(target.shape)
+        copy_checked(target, value.t() if transpose else value,
+                     "+".join(keys) if len(keys) <= 2 else f"{keys[0]} .. {keys[-1]}", ours)
     return module
 
 

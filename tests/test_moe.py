@@ -306,3 +306,59 @@ def test_bad_moe_serving_settings_fail_in_one_line(overrides, message):
 
     proc = settings_phase(overrides, world=2, script="serve.py")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+# ---- Mixtral checkpoints (save_pretrained's per-expert layout) --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mixtral_ckpt(tmp_path_factory, mixtral_lm):
+    """The served model above, saved sharded: block_sparse_moe.experts.<j>.w1/w2/w3 in several files."""
+    transformers = pytest.importorskip("transformers")
+    state, prompts, want = mixtral_lm
+    model = transformers.MixtralForCausalLM(hf_mixtral(CFG).config).double()
+    model.load_state_dict(state)
+    path = tmp_path_factory.mktemp("mixtral") / "ckpt"
+    model.save_pretrained(path, max_shard_size="60KB")
+    return str(path), prompts, want
+
+
+def _per_rank_against_dense(ctx, path):
+    from layers.hf import CheckpointSource, load_lm, read_config, read_state
+    from layers.lm import dense_lm, shard_lm
+
+    cfg, out = read_config(path), {}
+    for placement in ("tp", "ep"):
+        ckpt = read_state(path)
+        lazy = shard_lm(CheckpointSource(ckpt, cfg, torch.float64), "v2", ctx.group, moe_parallel=placement)
+        ref = shard_lm(load_lm(dense_lm(cfg, torch.float64), read_state(path)), "v2", ctx.group,
+                       moe_parallel=placement)
+        mine, theirs = lazy.state_dict(), ref.state_dict()
+        out[placement] = (all(torch.equal(mine[k], theirs[k]) for k in mine) and mine.keys() == theirs.keys(),
+                          ckpt.bytes_read, sum(p.numel() * 8 for p in lazy.parameters()))
+    return out
+
+
+def test_a_saved_mixtral_loads_per_rank_bitwise_and_serves_transformers_tokens(mixtral_ckpt, tmp_path):
+    import json
+
+    from layers.checkpoint import Checkpoint
+    from tests.launching import launch_on_pool
+
+    path, prompts, want = mixtral_ckpt
+    ckpt = Checkpoint(path)
+    assert "model.layers.1.block_sparse_moe.experts.7.w2.weight" in ckpt and len(ckpt.files) > 3
+    for rank in run_ranks(4, _per_rank_against_dense, path):  # vocab 100 over 4 ranks: no padding rows
+        for placement, (same, read, held) in rank.items():
+            assert same and read == held, (placement, read, held)  # ep: only its 2 experts' w1, w2, w3 read
+    proc, _ = launch_on_pool(2, f"hf_checkpoint={path}", "moe_parallel=ep", "dtype=float64", "chunk_size=4",
+                             f"prompts={json.dumps(prompts).replace(' ', '')}",
+                             f"max_new_tokens={json.dumps([n for _, n in SERVE_WORKLOAD]).replace(' ', '')}",
+                             run_dir=tmp_path / "serve", script="serve.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "serve" / "report.json").read_text())
+    assert [r["output_ids"] for r in report["requests"]] == want and report["check"]["ok"] is True
+    assert report["load"]["read_bytes"] == report["load"]["weights_bytes"]
+    proc, _ = launch_on_pool(2, f"hf_checkpoint={path}", "moe_parallel=ep_a2a", "dtype=float64", "repeats=1",
+                             run_dir=tmp_path / "block")
+    assert proc.returncode == 0, proc.stdout + proc.stderr

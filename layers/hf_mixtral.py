@@ -1,0 +1,106 @@
+"""Import transformers Mixtral weights (MixtralForCausalLM / MixtralModel) into the dense MoE stack or LM (layers/moe.py).
+
+Attention, norms, embedding and head are Llama's (layers/hf_llama.py). The routed FFN comes in two layouts:
+
+    files written by save_pretrained      block_sparse_moe.gate.weight [E, d], and per expert j
+                                          block_sparse_moe.experts.<j>.w1 (gate) [f, d], .w3 (up) [f, d], .w2 (down) [d, f]
+    transformers 5.x in memory            mlp.gate.weight [E, d], mlp.experts.gate_up_proj [E, 2f, d], .down_proj [E, d, f]
+
+Ours is the second: gate_up [E, 2f, d] (each expert's gate rows, then its up rows) and down [E, d, f]. From the
+first, gate_up is the rows w1_0, w3_0, w1_1, w3_1, ... of its [E·2f, d] view, down the rows w2_0, w2_1, ... of its
+[E·d, f] view: a stack of rows, which the dense loader and the per-rank one (layers/hf.CheckpointSource) both read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from layers import hf_llama
+from layers.hf_gpt2 import load_named
+from layers.moe import HF_LAYER_KEYS, DenseMoEBlock, MoEConfig
+from tp.dist import ConfigError
+
+STACKED = ("gate_up", "down")  # our [E, rows, cols] parameters
+
+
+def config_from_hf(hf: dict) -> MoEConfig:
+    """MoEConfig from a Mixtral config.json: Llama's fields (and refusals), num_local_experts, num_experts_per_tok."""
+    for key in ("num_local_experts", "num_experts_per_tok"):
+        value = hf.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key}={value!r} in config.json must be a positive integer")
+    window = hf.get("sliding_window")
+    if window is not None and window < hf.get("max_position_embeddings", 4096):
+        raise ConfigError(f"sliding_window={window} is not supported: the blocks attend to the whole prefix")
+    llama = hf_llama.config_from_hf(hf)
+    return MoEConfig(**dataclasses.asdict(llama), n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"])
+
+
+def block_prefix(state) -> str:
+    return hf_llama.block_prefix(state)
+
+
+def _legacy(state, prefix: str) -> bool:
+    return f"{prefix}0.block_sparse_moe.gate.weight" in state
+
+
+def _layer_keys(cfg: MoEConfig, state, prefix: str, i: int) -> dict[str, tuple[str, ...]]:
+    keys = {ours: (f"{prefix}{i}.{theirs}",) for ours, theirs in HF_LAYER_KEYS.items()}
+    if _legacy(state, prefix):
+        moe = f"{prefix}{i}.block_sparse_moe."
+        keys["router"] = (moe + "gate.weight",)
+        keys["gate_up"] = tuple(f"{moe}experts.{j}.{w}.weight" for j in range(cfg.n_experts) for w in ("w1", "w3"))
+        keys["down"] = tuple(f"{moe}experts.{j}.w2.weight" for j in range(cfg.n_experts))
+    return keys
+
+
+def names(cfg: MoEConfig, state, n_layers: int, lm: bool) -> dict[str, tuple[tuple[str, ...], bool]]:
+    """Our dense parameter (of a DenseLlamaLM of MoE blocks when lm, else of a DenseStack) -> (checkpoint keys,
+    False): several keys are stacked along rows (the experts of the files' layout)."""
+    prefix, base = block_prefix(state), "stack." if lm else ""
+    out = {f"{base}blocks.{i}.{ours}": (keys, False)
+           for i in range(n_layers) for ours, keys in _layer_keys(cfg, state, prefix, i).items()}
+    if lm:
+        top = prefix.removesuffix("layers.")
+        out.update({"embed.weight": ((top + "embed_tokens.weight",), False), "norm.weight": ((top + "norm.weight",),
+                                                                                          False)})
+        if not cfg.tie_word_embeddings:
+            out["lm_head.weight"] = (("lm_head.weight",), False)
+    return out
+
+
+def experts_of(name: str, cfg: MoEConfig) -> int | None:
+    """E for our stacked expert parameters (gate_up, down), None for the rest."""
+    return cfg.n_experts if name.rsplit(".", 1)[-1] in STACKED else None
+
+
+def load_stack(stack, state):
+    return load_named(stack, state, names(stack.cfg, state, len(stack.blocks), lm=False), "Mixtral")
+
+
+def load_lm(lm, state):
+    return load_named(lm, state, names(lm.cfg, state, len(lm.stack.blocks), lm=True), "Mixtral")
+
+
+def expected_shapes(cfg: MoEConfig, state, lm: bool) -> dict[str, tuple]:
+    """Every checkpoint key the config needs, with its shape (from a meta-device block: no memory)."""
+    try:
+        prefix = block_prefix(state)
+    except KeyError as exc:
+        raise ConfigError(str(exc).strip("'\"")) from None
+    block = DenseMoEBlock(cfg, device="meta")
+    out = {}
+    for i in range(cfg.n_layers):
+        for ours, keys in _layer_keys(cfg, state, prefix, i).items():
+            shape = tuple(block.get_parameter(ours).shape)
+            if len(keys) > 1:  # an expert's w1 / w3 [f, d] or w2 [d, f]: its rows of the [E·rows, cols] view
+                shape = (shape[0] * shape[1] // len(keys), shape[2])
+            for key in keys:
+                out[key] = shape
+    if lm:
+        top = prefix.removesuffix("layers.")
+        out[top + "embed_tokens.weight"] = (cfg.vocab_size, cfg.d_model)
+        out[top + "norm.weight"] = (cfg.d_model,)
+        if not cfg.tie_word_embeddings:
+            out["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
+    return out
