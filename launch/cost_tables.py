@@ -81,12 +81,14 @@ def main() -> int:
     d, k = v3["d"], v3["top_k"]
     rows = []
     for phase, n in (("prefill", B * S), ("decode", B)):
-        rows.append((f"TP={TP} {phase}", 1.75, tp_allreduce_elems_per_gpu(n, d, TP) / (n * d)))
-        rows.append((f"TP+SP={TP} {phase}", 1.75, tp_sp_elems_per_gpu(n, d, TP) / (n * d)))
-        rows.append((f"EP={EP} {phase}", 4 / EP * (EP - 1) / EP * k, ep_alltoall_elems_per_gpu(n, d, k, EP) / (n * d)))
-        rows.append((f"PP {phase}", 1.0, pp_send_elems(n, d) / (n * d)))
+        for name, doc, elems in ((f"TP={TP} {phase}", 1.75, tp_allreduce_elems_per_gpu(n, d, TP)),
+                                 (f"TP+SP={TP} {phase}", 1.75, tp_sp_elems_per_gpu(n, d, TP)),
+                                 (f"EP={EP} {phase}", 4 / EP * (EP - 1) / EP * k, ep_alltoall_elems_per_gpu(n, d, k, EP)),
+                                 (f"PP {phase}", 1.0, pp_send_elems(n, d))):
+            rows.append((name, doc, elems / (n * d), f"{elems * 2 / 2**20:,.2f}"))
     print(table(f"communication per GPU per layer, in units of N·d elements (comm-model doc; B={B}, S={S}, "
-                f"d={d}, k={k})", ["strategy", "doc formula", "model code"], rows))
+                f"d={d}, k={k}, E={v3['n_routed_experts']}, EP={EP}); and MiB in bf16",
+                ["strategy", "doc formula", "model code", "MiB/GPU/layer bf16"], rows))
     print(f"  N = B·S = {B * S:,} tokens in prefill, B = {B} in decode: every volume shrinks S-fold in decode\n"
           f"  TP+SP (not in the doc; SPEC §11): its reduce-scatter + all-gather move exactly the all-reduce's volume\n")
 

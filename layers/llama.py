@@ -161,16 +161,22 @@ def rotary_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Lla
 # ---- the single-device block and its TP counterpart -------------------------------------------------------------
 
 
+def dense_attention(module: nn.Module, cfg: LlamaConfig, dtype, device) -> None:
+    """The whole attention's parameters on `module` (no biases): attn_norm, q [d -> h·dh], k, v [d -> h_kv·dh], o."""
+    kw = dict(dtype=dtype, device=device, bias=False)
+    module.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, device)
+    module.q = nn.Linear(cfg.d_model, cfg.k, **kw)
+    module.k = nn.Linear(cfg.d_model, cfg.k_kv, **kw)
+    module.v = nn.Linear(cfg.d_model, cfg.k_kv, **kw)
+    module.o = nn.Linear(cfg.k, cfg.d_model, **kw)
+
+
 class DenseLlamaBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig, dtype=torch.float32, device=None):
         super().__init__()
         kw = dict(dtype=dtype, device=device, bias=False)
         self.cfg = cfg
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, device)
-        self.q = nn.Linear(cfg.d_model, cfg.k, **kw)
-        self.k = nn.Linear(cfg.d_model, cfg.k_kv, **kw)
-        self.v = nn.Linear(cfg.d_model, cfg.k_kv, **kw)
-        self.o = nn.Linear(cfg.k, cfg.d_model, **kw)
+        dense_attention(self, cfg, dtype, device)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, device)
         self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ffn, **kw)  # rows [gate | up]
         self.down = nn.Linear(cfg.d_ffn, cfg.d_model, **kw)

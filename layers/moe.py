@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from layers.attention import PagedLayer
-from layers.llama import LlamaConfig, RMSNorm, TPLlamaBlock, rotary_attention, validate_llama
+from layers.llama import LlamaConfig, RMSNorm, TPLlamaBlock, dense_attention, rotary_attention, validate_llama
 from layers.shard import Cut, Part, even, whole
 from layers.varlen import Requests
 from tp.comm import all_to_all_rows, reduce_from_region
@@ -137,13 +137,8 @@ class DenseMoEBlock(_MoEFFN):
 
     def __init__(self, cfg: MoEConfig, dtype=torch.float32, device=None):
         super().__init__()
-        kw = dict(dtype=dtype, device=device, bias=False)
         self.cfg = cfg
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, device)
-        self.q = nn.Linear(cfg.d_model, cfg.k, **kw)
-        self.k = nn.Linear(cfg.d_model, cfg.k_kv, **kw)
-        self.v = nn.Linear(cfg.d_model, cfg.k_kv, **kw)
-        self.o = nn.Linear(cfg.k, cfg.d_model, **kw)
+        dense_attention(self, cfg, dtype, device)
         self._make_ffn(cfg, cfg.n_experts, cfg.d_ffn, dtype, device)
 
     def attend(self, x: torch.Tensor, requests) -> torch.Tensor:
@@ -207,12 +202,7 @@ class EPAllToAllBlock(DenseMoEBlock):
         validate_moe(cfg, p, "ep_a2a")
         nn.Module.__init__(self)
         self.cfg, self.group = cfg, group
-        kw = dict(dtype=dtype, device=device, bias=False)
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, device)
-        self.q = nn.Linear(cfg.d_model, cfg.k, **kw)
-        self.k = nn.Linear(cfg.d_model, cfg.k_kv, **kw)
-        self.v = nn.Linear(cfg.d_model, cfg.k_kv, **kw)
-        self.o = nn.Linear(cfg.k, cfg.d_model, **kw)
+        dense_attention(self, cfg, dtype, device)  # replicated: data-parallel attention
         self.per_rank = cfg.n_experts // p
         self._make_ffn(cfg, self.per_rank, cfg.d_ffn, dtype, device)
 

@@ -3,7 +3,7 @@ against the dense block, and the all-to-all bytes against the model computed fro
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 
 import pytest
 import torch
@@ -19,6 +19,7 @@ CFG = MoEConfig(d_model=64, n_heads=8, n_kv_heads=2, d_head=8, d_ffn=48, n_layer
 LENGTHS = [5, 9, 3, 7, 1, 6]  # six requests; under ep_a2a rank r holds requests r, r + p, ...
 
 
+@functools.lru_cache(maxsize=None)
 def hf_mixtral(cfg: MoEConfig):
     """A random transformers MixtralModel in float64. Patched to stay in float64 where transformers computes in
     float32 by design: RMSNorm, the rotary tables, and the router's softmax (MixtralTopKRouter casts the logits to

@@ -218,7 +218,7 @@ def mla_kv_bytes_per_token(n_layers: int, d_latent: int, d_rope: int, elem_bytes
 
 # DeepSeek-V3's attention dims as the comm-model document gives them.
 DEEPSEEK_V3 = dict(d=7168, n_layers=61, n_heads=128, d_head=128, d_latent_kv=512, d_latent_q=1536, d_rope=64,
-                   top_k=8)
+                   top_k=8, n_routed_experts=256, n_shared_experts=1)
 
 
 # ---- one iteration of this project's serving engine, on one rank (benchmarks/bench_serve.py) -----
