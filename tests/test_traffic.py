@@ -55,9 +55,9 @@ def test_ledger_counts_equal_commdebugmode(p, variant):
 # ---- (2) ledger bytes == model bytes, over a grid --------------------------------------------------
 
 
-def check_grid(ctx, dtypes, lengths):
+def check_grid(ctx, dtypes, lengths, shapes=2):
     checked = 0
-    for cfg in (SMALL, OTHER):
+    for cfg in (SMALL, OTHER)[:shapes]:
         for dtype in dtypes:
             for n in lengths:
                 for variant in VARIANTS:
@@ -73,9 +73,11 @@ def check_grid(ctx, dtypes, lengths):
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
 def test_ledger_equals_model_on_a_grid(p):
     """Every (shape, dtype, n, variant, phase) at p = 1, 2; at p = 4, 8 (each collective 4-8 ranks on two cores) one
-    dtype and the shortest and longest n: what the bytes depend on (p, n, the shape, e) is still varied."""
+    shape, one dtype and the shortest and longest n: what the bytes depend on (p, n, the shape, e) is still varied
+    across the grid."""
     dtypes, lengths = ((torch.float32, torch.float64), (1, 7, 33)) if p <= 2 else ((torch.float64,), (1, 33))
-    assert run_ranks(p, check_grid, dtypes, lengths)[0] == 2 * len(dtypes) * len(lengths) * 3 * 2
+    shapes = 2 if p <= 2 else 1
+    assert run_ranks(p, check_grid, dtypes, lengths, shapes)[0] == shapes * len(dtypes) * len(lengths) * 3 * 2
 
 
 # ---- (3) a profiler trace, parsed back, lists what the ledger saw ----------------------------------
