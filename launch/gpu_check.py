@@ -9,6 +9,10 @@ It adapts to the GPUs it finds and writes one summary, outputs/gpu_check/summary
     the largest p            serve on NCCL (v2, float32, checked against the dense oracle)
     Llama (llama_tiny)       run_block (v2, v2sp) and serve on NCCL at the largest p; one GPU: 4 ranks sharing it (gloo+cuda);
                              serve in bfloat16 on NCCL (tokens against the dense oracle, near-ties allowed)
+    MoE (mixtral_tiny)       run_block with tp, ep and ep_a2a (NCCL's all_to_all_single with split sizes) and serve
+                             with moe_parallel=ep, on NCCL at the largest p
+    a sharded checkpoint     a bfloat16 Llama saved by save_pretrained(max_shard_size=...), served on NCCL at the
+                             largest p with each rank reading only its slices straight onto its GPU
     P/D (at least 2 GPUs)    serve with prefill and decode groups of half the GPUs each, on NCCL (pair
                              communicators warmed up, K,V streamed layer by layer); skipped with the reason on one
     tests marked nccl        pytest -m nccl with the rank pools on NCCL (TPREF_TEST_BACKEND=nccl)
@@ -74,6 +78,22 @@ def steps(n_gpus: int) -> list[tuple[str, list[str], dict, float]]:
     out.append((f"serve llama_tiny nccl p={valid[-1]} bfloat16",
                 torchrun + [f"--nproc_per_node={valid[-1]}", "launch/serve.py", "model=llama_tiny", "backend=nccl",
                             "dtype=bfloat16", f"hydra.run.dir={OUT}/serve_llama_nccl_bf16_p{valid[-1]}"], {}, 300))
+    p = valid[-1]
+    out.append((f"run_block mixtral_tiny nccl p={p}",
+                torchrun + [f"--nproc_per_node={p}", "launch/run_block.py", "model=mixtral_tiny", "backend=nccl",
+                            "repeats=3", f"hydra.run.dir={OUT}/moe_nccl_p{p}"], {}, 300))
+    out.append((f"serve mixtral_tiny nccl p={p} moe_parallel=ep",
+                torchrun + [f"--nproc_per_node={p}", "launch/serve.py", "model=mixtral_tiny", "moe_parallel=ep",
+                            "backend=nccl", f"hydra.run.dir={OUT}/serve_moe_nccl_p{p}"], {}, 300))
+    ckpt = OUT / "llama_sharded_bf16"
+    out.append(("save a sharded bfloat16 Llama checkpoint",
+                [py, "-c", "import sys, torch, transformers; torch.manual_seed(0); transformers.LlamaForCausalLM("
+                 "transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_attention_heads=8, "
+                 "num_key_value_heads=2, num_hidden_layers=4, vocab_size=32000)).to(torch.bfloat16)"
+                 ".save_pretrained(sys.argv[1], max_shard_size='4MB')", str(ckpt)], {}, 300))
+    out.append((f"serve hf_checkpoint (sharded, per-rank slices) nccl p={p} bfloat16",
+                torchrun + [f"--nproc_per_node={p}", "launch/serve.py", f"hf_checkpoint={ckpt}", "backend=nccl",
+                            "dtype=bfloat16", f"hydra.run.dir={OUT}/serve_ckpt_nccl_p{p}"], {}, 300))
     if n_gpus >= 2:  # prefill/decode disaggregation: two NCCL groups, point-to-point K,V between them
         half = min(n_gpus, 8) // 2
         out.append((f"serve pd nccl {half}+{half}",

@@ -167,6 +167,9 @@ def test_gpu_check_plans_every_valid_p():
     assert "run_block llama_tiny p=4 bfloat16, ranks sharing one GPU (gloo, CUDA tensors)" in one
     assert "serve llama_tiny nccl p=1 bfloat16" in one and "serve llama_tiny nccl p=8 bfloat16" in eight
     assert "serve pd nccl 4+4" in eight and not [n for n in one if "pd" in n]
+    assert "run_block mixtral_tiny nccl p=8" in eight and "serve mixtral_tiny nccl p=8 moe_parallel=ep" in eight
+    saved = eight.index("save a sharded bfloat16 Llama checkpoint")
+    assert eight[saved + 1] == "serve hf_checkpoint (sharded, per-rank slices) nccl p=8 bfloat16"
     from launch.gpu_check import skipped
 
     assert [name for name, _ in skipped(1)] == ["serve pd nccl"] and skipped(8) == []
