@@ -57,7 +57,8 @@ def make_checkpoint(path: Path, layers: int, shard_bytes: int) -> Path:
 
     config = dict(SHAPE, model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=layers,
                   hidden_act="silu", torch_dtype="bfloat16")
-    if (path / "config.json").is_file() and json.loads((path / "config.json").read_text()) == config:
+    made = {"config": config, "shard_bytes": shard_bytes}  # what a cached checkpoint must have been made with
+    if (path / "bench_load_made.json").is_file() and json.loads((path / "bench_load_made.json").read_text()) == made:
         return path
     path.mkdir(parents=True, exist_ok=True)
     for old in path.glob("model-*.safetensors"):
@@ -84,6 +85,7 @@ def make_checkpoint(path: Path, layers: int, shard_bytes: int) -> Path:
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                     "weight_map": weight_map}, indent=2))
     (path / "config.json").write_text(json.dumps(config))
+    (path / "bench_load_made.json").write_text(json.dumps(made))
     return path
 
 
@@ -195,7 +197,7 @@ def write_docs(data: dict, docs: Path = Path("docs/benchmarks.md")) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--shard-mb", type=int, default=256, help="size of each checkpoint file (MB)")
+    ap.add_argument("--shard-mb", type=int, default=256, help="size of each checkpoint file (MiB)")
     ap.add_argument("--p", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--out", default=str(OUT / "bench_load.json"))
     ap.add_argument("--docs", action="store_true", help="rewrite this section of docs/benchmarks.md")

@@ -73,18 +73,36 @@ def run_moe_check(cfg, *, lengths: list[int], dtype: torch.dtype, seed: int, pla
             got = forward()
         scale = [float(w.abs().max()) for w in want]
         errs = [float((g - w[rows]).abs().max()) / s if len(rows) else 0.0 for g, w, s in zip(got, want, scale)]
-        predicted = [t for i, layer in enumerate(ids)
-                     for t in predict_moe_layer(cfg, placement, p, rank, i, dtype, [layer[h] for h in held],
-                                                n=x.shape[0])]
+        routed = [[layer[h] for h in held] for layer in ids]  # tp, ep: the bytes do not depend on it
+        same_routing = True
+        if placement == "ep_a2a":  # the routing every rank took (a near-tie in low precision may differ from dense)
+            every_ids: list = [None] * p
+            dist.all_gather_object(every_ids, [b.routed.cpu() for b in stack.blocks], group=ctx.group)
+            routed = [[every_ids[s_][i].to(x.device) for s_ in range(p)] for i in range(len(ids))]
+            same_routing = all(torch.equal(r.cpu(), layer[h].cpu()) for taken, layer in zip(routed, ids)
+                               for r, h in zip(taken, held))
+        predicted = [t for i, taken in enumerate(routed)
+                     for t in predict_moe_layer(cfg, placement, p, rank, i, dtype, taken, n=x.shape[0])]
         seen = [r.traffic() for r in ledger.records]
         times = sample({placement: forward}, repeats, ctx)[placement]
         mine = {"errs": errs, "ledger_matches_model": seen == predicted, "records": [r.__dict__ for r in seen],
-                "tokens": len(rows)}
+                "tokens": len(rows), "routing_matches_dense": same_routing}
         every: list = [None] * p
         dist.all_gather_object(every, mine, group=ctx.group)
-        results[placement] = summarize(cfg, placement, every, ids, held, lengths, dtype, tolerance, p,
+        taken = [torch.cat(layer) for layer in routed] if placement == "ep_a2a" else ids  # token order: by rank
+        results[placement] = summarize(cfg, placement, every, taken, held if placement != "ep_a2a" else
+                                       _by_rank(held), lengths, dtype, tolerance, p,
                                        slowest([statistics.median(times)], ctx)[0])
     return {"placements": results, "min_top_k_gap": gap}
+
+
+def _by_rank(held: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each rank's rows of the ranks' routings concatenated in rank order."""
+    out, at = [], 0
+    for h in held:
+        out.append(torch.arange(at, at + len(h), device=h.device))
+        at += len(h)
+    return out
 
 
 def expert_load(cfg, placement: str, ids: list[torch.Tensor], p: int) -> list[dict]:
@@ -117,7 +135,8 @@ def summarize(cfg, placement: str, every: list[dict], ids, held, lengths, dtype,
                                             for r in e["records"]}),
            "collectives_per_layer_count": len(every[0]["records"]) // layers if every[0]["records"] else 0,
            "bytes_sent_per_rank_per_layer": sent, "load": expert_load(cfg, placement, ids, p),
-           "tokens_per_rank": [e["tokens"] for e in every], "time_s": time_s}
+           "tokens_per_rank": [e["tokens"] for e in every], "time_s": time_s,
+           "routing_matches_dense": all(e["routing_matches_dense"] for e in every)}
     if placement == "ep_a2a":
         n, e_bytes = sum(lengths), dtype.itemsize
         # sent + received rows of both all-to-alls on each rank (what the seed's 4·N·k·d/EP·(EP−1)/EP counts)
@@ -166,7 +185,9 @@ def render_moe(r: dict) -> str:
                   "pairs per rank, per layer: " + "; ".join(
                       f"layer {i}: {layer['pairs_per_rank']} (max/mean {layer['max_over_mean']:.2f})"
                       for i, layer in enumerate(a2a["load"])),
-                  "tokens held per rank (data-parallel attention): " + str(a2a["tokens_per_rank"])]
+                  "tokens held per rank (data-parallel attention): " + str(a2a["tokens_per_rank"])
+                  + f"; the routing they took equals the dense stack's: {str(a2a['routing_matches_dense']).lower()} "
+                    f"(the model predicts the all-to-alls from the routing taken)"]
     verdict = r["equivalent"] and r["traffic_ok"]
     lines += ["", ("PASS" if verdict else "FAIL") + f": moe_parallel {', '.join(r['placements'])} at "
               f"tp={r['world_size']} match the dense MoE block and the traffic model"]

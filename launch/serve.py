@@ -170,9 +170,9 @@ def parse_moe_parallel(cfg: DictConfig, model, world_size: int, layout) -> str:
         raise ConfigError("moe_parallel=ep_a2a is not served: data-parallel attention needs a scheduler per rank and "
                           "every rank joining each layer's all-to-alls even in iterations where it holds no request "
                           "(empty dispatches); serve with moe_parallel=tp or ep, or check ep_a2a with run_block")
-    validate_moe(model, world_size, placement)
     if layout is not None:
         raise ConfigError("pd with an MoE model is not built: serve it colocated (drop pd.*)")
+    validate_moe(model, world_size, placement)
     return placement
 
 
@@ -195,7 +195,8 @@ def check_and_memory(check: str, common: dict, requests: list[Request], tp_sizes
     dense = check == "true" or weights is None
     check_memory(model, dtype, p, local_world_size, True, device, dense, read_transient(weights) if dense else 0,
                  hint=("set check=false (each rank then reads only its slices), " if weights is not None and dense
-                       else "") + "run fewer ranks, or a smaller dtype")
+                       else "lower model.n_layers (e.g. model.n_layers=1), " if weights is None else "")
+                 + "run fewer ranks, or a smaller dtype")
     return check == "true"
 
 
@@ -379,6 +380,8 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     with meter:
         weights, dense = prepare(s, ctx)
         lm = shard_lm(weights, s.variant, ctx.group, s.vocab_parallel, s.moe_parallel)
+        if s.weights is not None:
+            s.weights.close()  # a .bin file stays mapped only while it is read
     load = meter.report(ctx, lm)
     agree(s, ctx, dense)
     dense = dense_oracle(s, ctx, dense)  # after the load: neither in its peak nor in its bytes read

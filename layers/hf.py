@@ -70,16 +70,26 @@ def check_state(cfg: ModelConfig | LlamaConfig, state, lm: bool = False) -> None
             raise ConfigError(f"{key} has shape {tuple(shapes[key])}, config.json's model needs {shape}")
     if lm and cfg.family == "gpt2":
         hf_gpt2.check_tied(state)
+    if isinstance(state, Checkpoint):
+        state.close()  # a .bin file mapped for the comparison
 
 
 def load_stack(stack, state):
     """A checkpoint's blocks into the dense stack of the same family and shape."""
-    return FAMILIES[stack.cfg.family].load_stack(stack, state)
+    try:
+        return FAMILIES[stack.cfg.family].load_stack(stack, state)
+    finally:
+        if isinstance(state, Checkpoint):
+            state.close()
 
 
 def load_lm(lm, state):
     """A checkpoint into the dense LM of the same family and shape (layers/lm.dense_lm), one tensor at a time."""
-    return FAMILIES[lm.cfg.family].load_lm(lm, state)
+    try:
+        return FAMILIES[lm.cfg.family].load_lm(lm, state)
+    finally:
+        if isinstance(state, Checkpoint):
+            state.close()
 
 
 class CheckpointSource:
@@ -96,8 +106,9 @@ class CheckpointSource:
     def _experts(self, name: str) -> int | None:
         """E where our parameter is an [E, rows, cols] stack the files hold expert by expert (Mixtral)."""
         family = FAMILIES[self.cfg.family]
-        return family.experts_of(name, self.cfg) if hasattr(family, "experts_of") and len(self.names[name][0]) > 1 \
-            else None
+        keys = self.names[name][0]
+        return family.experts_of(name, self.cfg) if hasattr(family, "experts_of") and \
+            len(self.checkpoint.shapes[keys[0]]) == 2 else None
 
     def shape(self, name: str) -> tuple[int, ...]:
         keys, transpose = self.names[name]

@@ -67,18 +67,30 @@ def copy_checked(target: torch.Tensor, value: torch.Tensor, key: str, ours: str)
 
 
 def load_named(module: torch.nn.Module, state, named: dict[str, tuple[tuple[str, ...], bool]], what: str):
-    """Copy each of our parameters from its checkpoint key(s) (several: stacked along rows), transposed where
-    marked, converting to the parameter's dtype; KeyError naming a missing key, ValueError a shape that differs."""
+    """Copy each of our parameters from its checkpoint key(s), transposed where marked, converting to the parameter's
+    dtype. Several keys are stacked along rows (of our [E·rows, cols] view for stacked experts), each copied
+    straight into its rows: no concatenated copy. KeyError naming a missing key, ValueError a shape that differs."""
     for ours, (keys, transpose) in named.items():
         for key in keys:
             if key not in state:
                 raise KeyError(f"{what} state dict has no {key!r}")
-        value = torch.cat([state[key] for key in keys]) if len(keys) > 1 else state[keys[0]]
         target = module.get_parameter(ours)
-        if value.dim() == target.dim() - 1 and value.numel() == target.numel():  # experts stacked row by row
-            value = value.reshape(target.shape)
-        copy_checked(target, value.t() if transpose else value,
-                     "+".join(keys) if len(keys) <= 2 else f"{keys[0]} .. {keys[-1]}", ours)
+        shape = state.shapes[keys[0]] if hasattr(state, "shapes") else state[keys[0]].shape  # no read for a shape
+        if len(keys) == 1 and not (target.dim() == 3 and len(shape) == 2):
+            value = state[keys[0]]
+            copy_checked(target, value.t() if transpose else value, keys[0], ours)
+            continue
+        rows = target.view(-1, target.shape[-1]) if target.dim() == 3 else target
+        at = 0
+        for key in keys:
+            value = state[key]
+            n = value.shape[0]
+            if at + n > rows.shape[0]:
+                raise ValueError(f"{key}: rows {at}..{at + n} do not fit {ours} {tuple(target.shape)}")
+            copy_checked(rows.narrow(0, at, n), value, key, ours)
+            at += n
+        if at != rows.shape[0]:
+            raise ValueError(f"{keys[0]} .. {keys[-1]}: {at} rows do not fill {ours} {tuple(target.shape)}")
     return module
 
 

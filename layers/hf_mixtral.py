@@ -29,8 +29,10 @@ def config_from_hf(hf: dict) -> MoEConfig:
         value = hf.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{key}={value!r} in config.json must be a positive integer")
-    window = hf.get("sliding_window")
-    if window is not None and window < hf.get("max_position_embeddings", 4096):
+    window, positions = hf.get("sliding_window"), hf.get("max_position_embeddings", 4096)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ConfigError(f"sliding_window={window!r} in config.json must be a positive integer or null")
+    if window is not None and isinstance(positions, int) and window < positions:
         raise ConfigError(f"sliding_window={window} is not supported: the blocks attend to the whole prefix")
     llama = hf_llama.config_from_hf(hf)
     return MoEConfig(**dataclasses.asdict(llama), n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"])
@@ -88,12 +90,12 @@ def expected_shapes(cfg: MoEConfig, state, lm: bool) -> dict[str, tuple]:
         prefix = block_prefix(state)
     except KeyError as exc:
         raise ConfigError(str(exc).strip("'\"")) from None
-    block = DenseMoEBlock(cfg, device="meta")
+    block, legacy = DenseMoEBlock(cfg, device="meta"), _legacy(state, prefix)
     out = {}
     for i in range(cfg.n_layers):
         for ours, keys in _layer_keys(cfg, state, prefix, i).items():
             shape = tuple(block.get_parameter(ours).shape)
-            if len(keys) > 1:  # an expert's w1 / w3 [f, d] or w2 [d, f]: its rows of the [E·rows, cols] view
+            if legacy and ours in STACKED:  # an expert's w1 / w3 [f, d] or w2 [d, f]: its rows of the [E·rows, cols] view
                 shape = (shape[0] * shape[1] // len(keys), shape[2])
             for key in keys:
                 out[key] = shape

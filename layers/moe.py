@@ -13,11 +13,13 @@ Parameters grow with E, the work per token with k. Three placements on p ranks (
     ep_a2a  data-parallel attention (DeepSeek): each rank holds its own tokens and the whole attention; experts as
             in ep. ★ all-to-all dispatch sends each (token, expert) pair's row to its expert's rank, the experts
             run, ★ all-to-all combine brings the rows back, and the token's rank weights and sums them. The split
-            sizes come first (★ an all-to-all of p counts) and are read on the host: the one wait MoE adds
-            per layer (fused MoE kernels keep them on the device)
+            sizes come first (★ an all-to-all of p counts) and are read on the host
 
-The pairs are grouped by expert with one stable sort; each expert's group runs as one matmul (a loop over the
-E/p local experts, never over requests or tokens). Expert weights are stacked as transformers stores them:
+The pairs are grouped by expert with one stable sort and each group's size is read on the host: the waits MoE adds
+per layer, one (tp, ep) or two (ep_a2a: the split sizes, then the received rows' groups); fused MoE kernels keep
+them on the device.
+
+Each expert's group runs as one matmul (a loop over the E/p local experts, never over requests or tokens). Expert weights are stacked as transformers stores them:
 gate_up [E, 2f, d] (each expert's gate rows, then its up rows) and down [E, d, f].
 """
 
@@ -212,6 +214,7 @@ class EPAllToAllBlock(DenseMoEBlock):
         p = dist.get_world_size(g)
         x = self.attend(x, requests) if x.shape[0] else x
         h, weights, ids = self.routing(x)
+        self.routed = ids  # the routing this rank took (run_block predicts the all-to-alls from it)
         flat = ids.flatten()  # [T_r·k] pairs, token-major
         dest = flat // per  # the rank holding each pair's expert
         by_dest = torch.argsort(dest, stable=True)

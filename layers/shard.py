@@ -147,16 +147,19 @@ class DenseSource:
 
 @torch.no_grad()
 def load_plan(module: torch.nn.Module, plan: list[Part], source: Source) -> torch.nn.Module:
-    """Copy every Part of `plan` from `source` into `module`. Every parameter must be named and covered row by row
-    exactly once (a ValueError names the first that is not): a plan cannot silently leave a slice uninitialised."""
+    """Copy every Part of `plan` from `source` into `module`. Every parameter must be covered row by row exactly
+    once (a ValueError names the first row left uninitialised or written twice): a plan cannot silently leave a
+    slice of torch.empty behind, nor write one slice over another."""
     params = dict(module.named_parameters())
-    covered = {name: 0 for name in params}
+    covered = {name: torch.zeros(p.shape[0], dtype=torch.bool) for name, p in params.items()}
     for part in plan:
         if part.param not in params:
             raise ValueError(f"the plan names {part.param!r}, which {type(module).__name__} does not have")
         param = params[part.param]
         if part.source is None:  # zero rows
             n = part.cut.ranges[0][1] - part.cut.ranges[0][0]
+            if part.row + n > param.shape[0]:
+                raise ValueError(f"zero rows {part.row}..{part.row + n} do not fit {part.param} {tuple(param.shape)}")
             param.narrow(0, part.row, n).zero_()
         else:
             want = part.cut.shape(source.shape(part.source))
@@ -165,10 +168,14 @@ def load_plan(module: torch.nn.Module, plan: list[Part], source: Source) -> torc
                 raise ValueError(f"{part.source}: the slice {want} does not fit {part.param} "
                                  f"{tuple(param.shape)} at row {part.row}")
             source.fill(param.narrow(0, part.row, n), part.source, part.cut)
-        covered[part.param] += n
-    short = next((name for name, n in covered.items() if n != params[name].shape[0]), None)
+        rows = covered[part.param][part.row:part.row + n]
+        if rows.any():
+            raise ValueError(f"the plan writes rows of {part.param} twice (from row {part.row}, {part.source})")
+        rows.fill_(True)
+    short = next((name for name, rows in covered.items() if not bool(rows.all())), None)
     if short is not None:
-        raise ValueError(f"the plan covers {covered[short]} rows of {short}, which has {params[short].shape[0]}")
+        raise ValueError(f"the plan leaves {int((~covered[short]).sum())} of {covered[short].numel()} rows of "
+                         f"{short} unset")
     return module
 
 

@@ -77,3 +77,17 @@ def check_module_shards(ctx, variant):
 def test_module_shards_per_rank(p, variant):
     shapes = run_ranks(p, check_module_shards, variant)
     assert len(set(map(tuple, shapes))) == 1  # every rank holds pieces of the same shape
+
+
+def test_a_plan_must_cover_every_row_exactly_once():
+    """load_plan refuses a plan that writes rows twice or leaves rows of torch.empty behind."""
+    from layers.shard import DenseSource, Part, load_plan, rows
+
+    module = torch.nn.Linear(2, 4, bias=False)  # weight [4, 2]
+    dense = DenseSource({"w": torch.arange(8.0).reshape(4, 2)})
+    load_plan(module, [Part("weight", "w", rows((0, 2))), Part("weight", "w", rows((2, 4)), row=2)], dense)
+    assert torch.equal(module.weight.detach(), torch.arange(8.0).reshape(4, 2))
+    with pytest.raises(ValueError, match="writes rows of weight twice"):
+        load_plan(module, [Part("weight", "w", rows((0, 3))), Part("weight", "w", rows((2, 3)), row=2)], dense)
+    with pytest.raises(ValueError, match="leaves 2 of 4 rows of weight unset"):
+        load_plan(module, [Part("weight", "w", rows((0, 2)))], dense)
