@@ -380,8 +380,6 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     with meter:
         weights, dense = prepare(s, ctx)
         lm = shard_lm(weights, s.variant, ctx.group, s.vocab_parallel, s.moe_parallel)
-        if s.weights is not None:
-            s.weights.close()  # a .bin file stays mapped only while it is read
     load = meter.report(ctx, lm)
     agree(s, ctx, dense)
     dense = dense_oracle(s, ctx, dense)  # after the load: neither in its peak nor in its bytes read

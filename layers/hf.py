@@ -76,20 +76,12 @@ def check_state(cfg: ModelConfig | LlamaConfig, state, lm: bool = False) -> None
 
 def load_stack(stack, state):
     """A checkpoint's blocks into the dense stack of the same family and shape."""
-    try:
-        return FAMILIES[stack.cfg.family].load_stack(stack, state)
-    finally:
-        if isinstance(state, Checkpoint):
-            state.close()
+    return FAMILIES[stack.cfg.family].load_stack(stack, state)
 
 
 def load_lm(lm, state):
     """A checkpoint into the dense LM of the same family and shape (layers/lm.dense_lm), one tensor at a time."""
-    try:
-        return FAMILIES[lm.cfg.family].load_lm(lm, state)
-    finally:
-        if isinstance(state, Checkpoint):
-            state.close()
+    return FAMILIES[lm.cfg.family].load_lm(lm, state)
 
 
 class CheckpointSource:
@@ -102,6 +94,10 @@ class CheckpointSource:
     def __init__(self, checkpoint: Checkpoint, cfg: ModelConfig | LlamaConfig, dtype: torch.dtype, device=None):
         self.checkpoint, self.cfg, self.dtype, self.device = checkpoint, cfg, dtype, device
         self.names = FAMILIES[cfg.family].names(cfg, checkpoint, cfg.n_layers, lm=True)
+
+    def close(self) -> None:
+        """The load is done (shard_lm): release what the checkpoint holds mapped."""
+        self.checkpoint.close()
 
     def _experts(self, name: str) -> int | None:
         """E where our parameter is an [E, rows, cols] stack the files hold expert by expert (Mixtral)."""

@@ -70,6 +70,13 @@ def load_named(module: torch.nn.Module, state, named: dict[str, tuple[tuple[str,
     """Copy each of our parameters from its checkpoint key(s), transposed where marked, converting to the parameter's
     dtype. Several keys are stacked along rows (of our [E·rows, cols] view for stacked experts), each copied
     straight into its rows: no concatenated copy. KeyError naming a missing key, ValueError a shape that differs."""
+    try:
+        return _load_named(module, state, named, what)
+    finally:
+        getattr(state, "close", lambda: None)()  # a lazily read checkpoint: release a mapped .bin file
+
+
+def _load_named(module, state, named, what):
     for ours, (keys, transpose) in named.items():
         for key in keys:
             if key not in state:

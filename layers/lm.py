@@ -175,7 +175,10 @@ def shard_lm(weights: DenseLM | DenseLlamaLM | Source, variant: str, group: dist
     moe_parallel: an MoE model's placement of its experts (tp or ep; layers/moe.py)."""
     source = weights if hasattr(weights, "fill") else DenseSource(weights)
     lm = tp_lm(source.cfg, variant, group, vocab_parallel, source.dtype, source.device, moe_parallel)
-    return load_plan(lm, lm.plan(), source)
+    try:
+        return load_plan(lm, lm.plan(), source)
+    finally:
+        getattr(source, "close", lambda: None)()  # a checkpoint's source: release a mapped .bin file
 
 
 def tp_lm(cfg: ModelConfig | LlamaConfig, variant: str, group: dist.ProcessGroup, vocab_parallel: bool = True,

@@ -468,8 +468,6 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
     ctx = context(prefill_group if is_prefill else decode_group, world.backend, world.device)
     with meter or contextlib.nullcontext():
         lm = shard_lm(weights, variant, ctx.group, vocab_parallel)
-        if hasattr(weights, "checkpoint"):
-            weights.checkpoint.close()  # a .bin file stays mapped only while it is read
     by_id = {r.id: r for r in requests}
     schedule = prefill_schedule(requests, chunk_size, max_batched_tokens, max_running, block_size, prefix_cache)
     handed = [rids for rids in ([rid for rid in done if by_id[rid].max_new_tokens > 1] for _, done in schedule) if rids]
