@@ -1,10 +1,27 @@
-"""Serving on the TP stack: per-iteration plans, the ORCA scheduler over paged KV memory, the engine loop.
+"""Serving on the TP stack: the engine as a library, and the pieces it is made of.
 
-    plan.py           the per-iteration plan: each request's (q_start, q_end, kv_length) triple and block table
-    block_manager.py  KV memory as pages (plain Python, no torch): block tables, prefix caching, reference counts
-    scheduler.py      who runs this iteration (plain Python, no torch): finish, carry, chunk, admit, preempt
-    inputs.py         a plan -> the iteration's tensors (ids, positions, slot mapping, attention groups), once
-    kv_cache.py       each rank's pool of blocks: K,V of its own heads only, one tensor allocated once
-    engine.py         the loop: plan -> inputs -> one forward through the TP LM -> greedy tokens
-    disagg.py         prefill/decode disaggregation: two engines, K,V handed over between two groups of ranks
+    from serve import LLM, SamplingParams
+    LLM("article03", tensor_parallel_size=2).generate([[464, 3290]], SamplingParams(max_tokens=8))
+
+    llm.py             LLM: starts the ranks, text in and out, generate(); vLLM's online calls (add_request, step, ...)
+    engine.py          LLMEngine (every rank): control message -> schedule -> agree -> run -> update; Engine: the
+                       launcher's batch loop over a known workload (launch/serve.py, P/D)
+    scheduler.py       who runs this iteration (plain Python, no torch): finish, carry, chunk, admit, preempt
+    block_manager.py   KV memory as pages (plain Python, no torch): block tables, prefix caching, reference counts
+    model_runner.py    a plan -> the step's tensors -> one forward through the TP model -> sampled ids
+    request.py         one request's tokens and status; sampling_params.py: how it is decoded; outputs.py: results
+    config.py          EngineConfig: every engine setting, its default and its check, once
+    plan.py            the per-iteration plan: each request's (q_start, q_end, kv_length) triple and block table
+    inputs.py          a plan -> the iteration's tensors (ids, positions, slot mapping, attention groups), once
+    kv_cache.py        each rank's pool of blocks: K,V of its own heads only, one tensor allocated once
+    detokenizer.py     ids -> text as they arrive (no split characters), stop strings
+    worker.py          the rank processes behind LLM
+    disagg.py          prefill/decode disaggregation: two engines, K,V handed over between two groups of ranks
 """
+
+from serve.config import EngineConfig
+from serve.llm import LLM
+from serve.outputs import CompletionOutput, RequestOutput
+from serve.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]

@@ -31,14 +31,19 @@ import torch
 
 from layers.lm import TPLM, TPLlamaLM
 from serve.block_manager import BlockManager
-from serve.inputs import ATTENTION_MODES, prepare_step
+from serve.config import EngineConfig
+from serve.inputs import ATTENTION_MODES
+from serve.model_runner import ModelRunner
 from serve.kv_cache import KVPool
+from serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from serve.plan import FINGERPRINT_SIZE, IterationPlan
-from serve.scheduler import Request, Scheduler, SchedulerError, worst_case_blocks
-from tp.comm import gather_from_region
+from serve.request import Request, RequestStatus
+from serve.sampling_params import SamplingParams
+from serve.scheduler import Scheduler, SchedulerError, worst_case_blocks
+from tp.comm import broadcast_from_main, gather_from_region
 from tp.dist import TPContext, control_device, host_control, wait_for_stream
 from tp.ledger import TrafficLedger
-from tp.traffic_model import predict_iteration
+from tp.traffic_model import predict_control, predict_iteration
 
 
 class PlanMismatch(RuntimeError):
@@ -150,10 +155,8 @@ class Engine:
     def run(self, requests: list[Request]) -> ServeResult:
         sched = self.scheduler(requests)
         n_blocks = sched.blocks.num_blocks
-        cfg = self.lm.cfg
-        # K,V heads this rank caches: h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention)
-        self.cache = KVPool(cfg.n_layers, n_blocks, self.block_size, self.lm.cache_heads, cfg.d_head, self.dtype,
-                            self.ctx.device)
+        self.runner = ModelRunner(self.lm, self.ctx, n_blocks, self.block_size, self.attention)
+        self.cache = self.runner.cache
         result = ServeResult(kv_blocks=n_blocks, block_size=self.block_size, kv_pool_bytes_per_rank=self.cache.bytes)
         arrived_at: dict[int, float] = {}
         token_times: dict[int, list[float]] = {r.id: [] for r in requests}
@@ -248,9 +251,7 @@ class Engine:
                 float(sum((i + 1) * (j + 1) * v for i, x in enumerate(per_request) for j, v in enumerate(x)))]
 
     def _forward(self, plan: IterationPlan, sched: Scheduler) -> tuple[torch.Tensor, torch.Tensor]:
-        step = prepare_step(plan, {c.request: sched.by_id[c.request].tokens for c in plan.chunks}, self.block_size,
-                            self.ctx.device, self.attention)
-        return self.lm.step(step.ids, step.positions, self.cache.layers(step.batch), step.sample_rows)
+        return self.runner.run(plan, {c.request: sched.by_id[c.request].tokens for c in plan.chunks})
 
     def _record(self, plan: IterationPlan, finished: list[int], ledger: TrafficLedger, elapsed: float,
                 blocks_used: int) -> dict:
@@ -273,3 +274,262 @@ class Engine:
             "blocks_used": blocks_used, "kv_bytes_per_rank": blocks_used * self.cache.bytes_per_block,
             "time_s": elapsed,
         }
+
+
+# ---- the online engine: requests added and aborted between any two steps ----------------------------------------
+
+CONTROL_HEADER = 4  # (new requests, aborted requests, payload length, flag), float64
+REQUEST_FIELDS = 12  # per new request, before its stop ids and prompt: see _encode
+RUN, IDLE, STOP = 0, 1, 2  # the header's flag: run a step | rank 0 is idle (keep-alive, no step) | end the loop
+
+
+def validate_prompt(ids: list[int], max_tokens: int, vocab_size: int, max_seq_len: int, num_blocks: int,
+                    block_size: int) -> None:
+    """ValueError (one line) unless the prompt can be served: token ids of the vocabulary, room for max_tokens in
+    the model's context, and a pool that can hold the request alone."""
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise ValueError("empty prompt: a request needs at least one token")
+    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt holds {bad!r}, not a token id of the vocabulary [0, {vocab_size})")
+    need = len(ids) + max_tokens - 1
+    if need > max_seq_len:
+        raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={max_tokens} needs {need} positions, more than "
+                         f"the model's context of {max_seq_len}; shorten the prompt or lower max_tokens")
+    blocks = -(-need // block_size)
+    if blocks > num_blocks:
+        raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={max_tokens} needs {blocks} KV blocks of "
+                         f"block_size={block_size}, more than the pool's kv_blocks={num_blocks}; raise kv_blocks")
+
+
+class LLMEngine:
+    """The online engine, on every rank of one TP group (SPMD): vLLM's add_request / step / abort_request.
+
+    Requests arrive at rank 0 (`add_request`, `abort_request` queue them). Each `step`, on every rank:
+
+        control   ★ rank 0 broadcasts what arrived and what was aborted since the last step (one message: a
+                  header, then the payload when there is one), so that every rank's scheduler sees the same
+                  requests at the same step
+        schedule  Scheduler.schedule: finish, carry decodes, chunk, admit, preempt (host data, same on every rank)
+        agree     ★ all-gather of the plan's fingerprint: a rank that planned otherwise raises PlanMismatch
+        run       ModelRunner.run: the step's tensors, one forward through the TP model, the head's pick
+        update    one read of the sampled ids (the step's wait), Scheduler.update: append, finish, free blocks
+
+    and rank 0 returns a RequestOutput for each request that produced a token or finished. The ranks other than 0
+    call `step` in a loop until the control message says STOP (`shutdown`); while rank 0 has nothing to do it
+    sends IDLE messages (`keep_alive`), so their wait in the broadcast never reaches the group's timeout.
+    Every collective of a step goes into the ledger and is compared with the model (check_ledger).
+    """
+
+    def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, config: EngineConfig | None = None,
+                 eos_token_ids: tuple[int, ...] = ()):
+        self.lm, self.ctx, self.config = lm, ctx, config or EngineConfig()
+        c, m = self.config, lm.cfg
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.num_blocks = c.pool_blocks(m.max_seq_len)
+        self.scheduler = Scheduler([], c.chunk_size, c.max_batched_tokens, c.max_running,
+                                   blocks=BlockManager(self.num_blocks, c.block_size, c.prefix_cache))
+        self.runner = ModelRunner(lm, ctx, self.num_blocks, c.block_size, c.attention)
+        self.dtype = self.runner.dtype
+        self.ledger = TrafficLedger(ctx.world_size, ctx.device, timing=c.comm_timing)
+        self.index = 0  # the next step's iteration number
+        self.stopped = False
+        self.last_iteration: dict | None = None  # the record of the last step that ran a forward
+        self.iterations = 0
+        # rank 0 only: what arrived since the last step, and the request ids users gave
+        self._new: list[Request] = []
+        self._aborts: list[int] = []
+        self._ids: dict[str, int] = {}
+        self._outputs: dict[int, RequestOutput] = {}
+        self._next = 0
+
+    # -- rank 0: requests in -----------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    prompt: str | None = None) -> None:
+        """Queue a request for the next step (rank 0). Bad input raises ValueError here, before any collective."""
+        if not self.ctx.is_main:
+            raise RuntimeError("add_request is called on rank 0; the other ranks receive requests in step()")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, not {type(params).__name__}")
+        if request_id in self._ids:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        if (why := params.unsupported()) is not None:
+            raise ValueError(why)
+        m = self.lm.cfg
+        validate_prompt(prompt_token_ids, params.max_tokens, m.vocab_size, m.max_seq_len, self.num_blocks,
+                        self.config.block_size)
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        r = Request(self._next, list(prompt_token_ids), params.max_tokens, self.index, stop_ids=frozenset(stop),
+                    params=params)
+        self._next += 1
+        self._ids[request_id] = r.id
+        self._outputs[r.id] = RequestOutput(request_id, prompt, r.prompt, [CompletionOutput(0, "", r.output)], False,
+                                            RequestMetrics(time.time()))
+        self._new.append(r)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort at the next step: its blocks go back to the pool before anything is scheduled (rank 0). False if
+        no such request is running."""
+        rid = self._ids.get(request_id)
+        if rid is None or rid in self._aborts:
+            return False
+        self._aborts.append(rid)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._new or self._aborts) or self.scheduler.has_work()
+
+    @property
+    def free_blocks(self) -> int:
+        return self.scheduler.blocks.num_free
+
+    # -- every rank: one step ----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> list[RequestOutput]:
+        """One iteration on every rank; rank 0 returns the outputs of the requests it moved (the others: [])."""
+        self.ledger.clear()
+        with self.ledger.attach(self.lm.stack):
+            flag, new, aborts, payload = self._control(RUN)  # ★ broadcast: what arrived, what was aborted
+            if flag != RUN:
+                self.stopped = flag == STOP
+                return []
+            for r in new:
+                self.scheduler.add(r)
+            for rid in aborts:
+                self.scheduler.abort(rid)
+            plan = self.scheduler.schedule(self.index)
+            if plan is not None:
+                self._agree(plan.fingerprint(), f"iteration {plan.index}: ranks scheduled different rows")  # ★
+                tokens, logits = self.runner.run(plan, {c.request: self.scheduler.by_id[c.request].tokens
+                                                        for c in plan.chunks})
+        if plan is None:  # nothing to run this step (nothing arrived, or all waiting requests were aborted)
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise SchedulerError(f"requests {[r.id for r in self.scheduler.waiting]} wait for KV blocks that "
+                                     f"nothing running will give back")
+            self._check_ledger(None, payload)
+            return self._outputs_of([], aborts)
+        sampled = [c.request for c in plan.chunks if c.sample]
+        token_list = tokens.tolist()  # ★ the step's one wait for the device
+        finished = self.scheduler.update(plan, dict(zip(sampled, token_list)))
+        self._check_ledger(plan, payload)
+        self.index += 1
+        self.iterations += 1
+        return self._outputs_of(sampled, aborts + finished)
+
+    def keep_alive(self) -> None:
+        """Rank 0 with nothing to do: an IDLE control message, so the other ranks' wait never times out."""
+        self._control(IDLE)
+
+    def shutdown(self) -> None:
+        """Rank 0: tell every rank to leave its step loop (they see STOP in their next control message)."""
+        if not self.stopped:
+            self._control(STOP)
+            self.stopped = True
+
+    # -- the pieces ---------------------------------------------------------------------------------------------------
+
+    def _control(self, flag: int) -> tuple[int, list[Request], list[int], int]:
+        """★ rank 0's control message to every rank: (flag, new requests, aborted ids, payload length)."""
+        device = control_device(self.ctx.group)
+        with host_control():  # CPU tensors over the group's gloo backend: no wait for the GPU
+            if self.ctx.is_main:
+                new, aborts = (self._new, self._aborts) if flag == RUN else ([], [])
+                payload = self._encode(new, aborts)
+                header = torch.tensor([len(new), len(aborts), len(payload), flag], dtype=torch.float64, device=device)
+                broadcast_from_main(header, self.ctx.group, "engine/control header")
+                if payload:
+                    broadcast_from_main(torch.tensor(payload, dtype=torch.float64, device=device), self.ctx.group,
+                                        "engine/control payload")
+                if flag == RUN:
+                    self._new, self._aborts = [], []
+                return flag, new, aborts, len(payload)
+            header = broadcast_from_main(torch.zeros(CONTROL_HEADER, dtype=torch.float64, device=device),
+                                         self.ctx.group, "engine/control header")
+            n_new, n_abort, length, flag = (int(v) for v in header.tolist())
+            if not length:
+                return flag, [], [], 0
+            payload = broadcast_from_main(torch.zeros(length, dtype=torch.float64, device=device), self.ctx.group,
+                                          "engine/control payload").tolist()
+            new, aborts = self._decode(payload, n_new, n_abort)
+            return flag, new, aborts, length
+
+    @staticmethod
+    def _encode(new: list[Request], aborts: list[int]) -> list[float]:
+        """Each new request: REQUEST_FIELDS numbers, its stop ids, its prompt; then the aborted ids. float64 holds
+        ids and seeds below 2**53 exactly (SamplingParams refuses larger seeds)."""
+        out: list[float] = []
+        for r in new:
+            q = r.params
+            out += [r.id, r.arrival, r.max_new_tokens, len(r.prompt), len(r.stop_ids), q.temperature, q.top_k, q.top_p,
+                    q.min_p, q.seed is not None, q.seed or 0, -1 if q.logprobs is None else q.logprobs]
+            out += sorted(r.stop_ids) + r.prompt
+        return out + aborts
+
+    @staticmethod
+    def _decode(payload: list[float], n_new: int, n_abort: int) -> tuple[list[Request], list[int]]:
+        new, at = [], 0
+        for _ in range(n_new):
+            rid, arrival, max_tokens, n_prompt, n_stop, temp, top_k, top_p, min_p, has_seed, seed, logprobs = \
+                payload[at:at + REQUEST_FIELDS]
+            at += REQUEST_FIELDS
+            stop = frozenset(int(t) for t in payload[at:at + int(n_stop)])
+            at += int(n_stop)
+            prompt = [int(t) for t in payload[at:at + int(n_prompt)]]
+            at += int(n_prompt)
+            params = SamplingParams(int(max_tokens), temp, int(top_k), top_p, min_p, int(seed) if has_seed else None,
+                                    logprobs=None if logprobs < 0 else int(logprobs))
+            new.append(Request(int(rid), prompt, int(max_tokens), int(arrival), stop_ids=stop, params=params))
+        return new, [int(t) for t in payload[at:at + n_abort]]
+
+    def _agree(self, fingerprint: list[float], what: str) -> None:
+        with host_control():
+            mine = torch.tensor([fingerprint], dtype=torch.float64, device=control_device(self.ctx.group))
+            every = gather_from_region(mine, self.ctx.group, "engine/plan check").view(-1, FINGERPRINT_SIZE).tolist()
+        if any(row != every[0] for row in every):
+            raise PlanMismatch(f"{what} (fingerprints {every})")
+
+    def _check_ledger(self, plan: IterationPlan | None, payload: int) -> None:
+        """This step's collectives against the model: the control message, then (when a forward ran) the iteration's."""
+        seen = [r.traffic() for r in self.ledger.records]
+        p = self.ctx.world_size
+        predicted = predict_control(p, payload, CONTROL_HEADER)
+        if plan is not None:
+            predicted += predict_iteration(self.lm.cfg, p, plan.rows, len(plan.sample_rows), self.dtype,
+                                           self.lm.variant, self.lm.vocab_parallel, FINGERPRINT_SIZE)
+        record = {"iteration": None if plan is None else plan.index, "rows": 0 if plan is None else plan.rows,
+                  "collectives": dict(Counter(t.kind for t in seen)),
+                  "bytes_per_rank": sum(t.bytes_per_rank for t in seen),
+                  "predicted_bytes_per_rank": sum(t.bytes_per_rank for t in predicted),
+                  "ledger_matches_model": seen == predicted}
+        if plan is not None:
+            self.last_iteration = record
+        if self.config.check_ledger and not record["ledger_matches_model"]:
+            raise RuntimeError(f"step {self.index}: the collectives seen ({seen}) differ from the model's "
+                               f"({predicted})")
+
+    def _outputs_of(self, sampled: list[int], ended: list[int]) -> list[RequestOutput]:
+        """Rank 0: a RequestOutput per request that got a token or ended (finished, aborted) this step."""
+        if not self.ctx.is_main:
+            return []
+        now, out = time.time(), []
+        for rid in dict.fromkeys(sampled + ended):
+            o = self._outputs.get(rid)
+            if o is None:
+                continue
+            r = self.scheduler.by_id[rid]
+            if o.metrics.first_token_time is None and r.output:
+                o.metrics.first_token_time = now
+            o.outputs[0].token_ids = list(r.output)
+            o.num_cached_tokens = r.prefix_hit
+            if r.finished:
+                o.finished, o.metrics.finished_time = True, now
+                o.outputs[0].finish_reason = r.status.finish_reason
+                if r.status is RequestStatus.FINISHED_STOPPED:
+                    o.outputs[0].stop_reason = r.output[-1]
+                del self._outputs[rid], self._ids[o.request_id]
+                self.scheduler.forget(rid)
+            out.append(o)
+        return out

@@ -29,41 +29,14 @@ computed (as in vLLM's v1 scheduler).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from serve.block_manager import BlockManager
 from serve.plan import Chunk, IterationPlan
+from serve.request import Request, RequestStatus
 
 
 class SchedulerError(ValueError):
     """Settings with which the scheduler cannot make progress."""
-
-
-@dataclass
-class Request:
-    id: int
-    prompt: list[int]
-    max_new_tokens: int
-    arrival: int = 0  # the iteration at which it arrives
-    output: list[int] = field(default_factory=list)
-    computed: int = 0  # tokens whose K,V are cached (a request built mid-stream may start above 0)
-    finished: bool = False
-    prefix_hit: int = 0  # prompt tokens whose K,V came from the prefix cache (summed over its admissions)
-    preemptions: int = 0
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
-    def decoding(self) -> bool:
-        """One token left to compute, and it is a generated one: the next row is a decode."""
-        return bool(self.output) and len(self.prompt) + len(self.output) - self.computed == 1
-
-    @property
-    def capacity(self) -> int:
-        """Cache positions it can ever need: the last sampled token's K,V are never computed."""
-        return len(self.prompt) + self.max_new_tokens - 1
 
 
 def blocks_needed(request: Request, block_size: int) -> int:
@@ -96,12 +69,7 @@ class Scheduler:
         self.blocks = blocks or BlockManager(worst_case_blocks(requests, 16), 16, prefix_cache=False)
         too_big = [r for r in requests if blocks_needed(r, self.blocks.block_size) > self.blocks.num_blocks]
         if too_big:
-            r = max(too_big, key=lambda r: r.capacity)
-            raise SchedulerError(
-                f"kv_blocks={self.blocks.num_blocks} cannot hold request {r.id} even alone: prompt {len(r.prompt)} + "
-                f"max_new_tokens {r.max_new_tokens} - 1 = {r.capacity} positions need "
-                f"{blocks_needed(r, self.blocks.block_size)} blocks of block_size={self.blocks.block_size}; "
-                f"raise kv_blocks to at least {blocks_needed(r, self.blocks.block_size)}")
+            self.check_fits(max(too_big, key=lambda r: r.capacity))
         if reserve_capacity and self.blocks.prefix_cache:
             raise SchedulerError("reserve_capacity (the pre-paging rule) shares nothing: turn prefix_cache off")
         # The pre-paging rule, kept to measure what paging frees: a request takes blocks for its whole capacity
@@ -121,11 +89,52 @@ class Scheduler:
             raise SchedulerError(f"{len(self.running)} requests start mid-stream, more than max_running={max_running}")
         for r in self.running:
             self.hold_computed(r)
+            r.status = RequestStatus.RUNNING
         started = {r.id for r in self.running}
         self.pending = deque(sorted((r for r in requests if r.id not in started and not r.finished),
                                     key=lambda r: (r.arrival, r.id)))
         self.waiting: deque[Request] = deque()
         self.by_id = {r.id: r for r in requests}
+
+    def check_fits(self, r: Request) -> None:
+        """SchedulerError unless the pool can hold r alone at its largest."""
+        need = blocks_needed(r, self.blocks.block_size)
+        if need > self.blocks.num_blocks:
+            raise SchedulerError(
+                f"kv_blocks={self.blocks.num_blocks} cannot hold request {r.id} even alone: prompt {len(r.prompt)} + "
+                f"max_new_tokens {r.max_new_tokens} - 1 = {r.capacity} positions need {need} blocks of "
+                f"block_size={self.blocks.block_size}; raise kv_blocks to at least {need}")
+
+    def add(self, r: Request) -> None:
+        """A request arriving while the engine runs (LLMEngine.add_request): it waits from iteration r.arrival on."""
+        self.check_fits(r)
+        if r.id in self.by_id:
+            raise SchedulerError(f"request {r.id} was added twice")
+        self.by_id[r.id] = r
+        self.pending.append(r)
+        if len(self.pending) > 1 and (self.pending[-2].arrival, self.pending[-2].id) > (r.arrival, r.id):
+            self.pending = deque(sorted(self.pending, key=lambda q: (q.arrival, q.id)))
+
+    def abort(self, request_id: int) -> bool:
+        """End a request now, wherever it is (pending, waiting, running); its blocks go back to the pool at once.
+        False if it had finished already (or is unknown)."""
+        r = self.by_id.get(request_id)
+        if r is None or r.finished:
+            return False
+        for queue in (self.pending, self.waiting):
+            if r in queue:
+                queue.remove(r)
+        if r in self.running:
+            self.running.remove(r)
+        if r.id in self.blocks.tables:
+            self.blocks.release(r.id)
+        r.abort()
+        return True
+
+    def forget(self, request_id: int) -> None:
+        """Drop a finished request's record (an online engine that runs for long does not keep them all)."""
+        r = self.by_id.pop(request_id)
+        assert r.finished, f"request {request_id} is still running"
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.pending)
@@ -188,6 +197,7 @@ class Scheduler:
                     r.prefix_hit += min(r.computed, len(r.prompt))
             self.waiting.popleft()
             self.running.append(r)
+            r.status = RequestStatus.RUNNING
             admitted.append(r.id)
             self._reserve(r, 1 if r.decoding else self.chunk_size, preempted)  # fits: checked above, never preempts
         for victim in preempted:  # back to the front of the queue, after admission: not re-admitted at once
@@ -230,6 +240,7 @@ class Scheduler:
             start, end = self._rows.pop(victim.id)
             self._left += end - start
         victim.computed = 0
+        victim.status = RequestStatus.PREEMPTED
         victim.preemptions += 1
         self.preemptions += 1
         preempted.append(victim)
@@ -242,10 +253,7 @@ class Scheduler:
             r = self.by_id[c.request]
             r.computed = c.q_end
             if c.sample:
-                token = sampled[c.request]
-                r.output.append(token)
-                if len(r.output) >= r.max_new_tokens or token == self.eos_id:
-                    r.finished = True
+                if r.append(sampled[c.request], self.eos_id):
                     finished.append(r.id)
             self.blocks.commit(r.id, r.tokens, r.computed)
         for rid in finished:

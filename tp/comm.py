@@ -276,6 +276,17 @@ def scatter_to_region(x: torch.Tensor, group: dist.ProcessGroup, site: str | Non
     return _ScatterToRegion.apply(x, group, site)
 
 
+def broadcast_from_main(x: torch.Tensor, group: dist.ProcessGroup, site: str | None = None) -> torch.Tensor:
+    """★ broadcast from the group's first rank: every rank returns rank 0's x (the others pass a tensor of the same
+    shape and dtype to receive into). Control traffic, not autograd: the serving engine's per-step message."""
+    if dist.get_world_size(group) == 1:
+        return x
+    x = x.contiguous()
+    src = dist.get_global_rank(group, 0)
+    _Where(site).run(lambda: dist.broadcast(x, src=src, group=group), "broadcast", "forward", x.shape, x.dtype)
+    return x
+
+
 # ---- all-to-all (expert parallelism: forward only) ---------------------------------------------
 
 

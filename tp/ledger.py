@@ -35,7 +35,7 @@ _profiling = torch._C._autograd._profiler_enabled
 
 _ACTIVE: contextvars.ContextVar["TrafficLedger | None"] = contextvars.ContextVar("tp_traffic_ledger", default=None)
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 
 def collective_kind(op) -> str:
@@ -49,17 +49,22 @@ def collective_kind(op) -> str:
         return "reduce_scatter"
     if "alltoall" in name or "all_to_all" in name:
         return "all_to_all"
+    if "broadcast" in name:
+        return "broadcast"
     return name.rsplit(".", 1)[-1].strip("_")
 
 
 def ring_bytes_per_rank(kind: str, elements: int, p: int, elem_bytes: int) -> float:
     """Bytes one rank sends in a ring collective. `elements`: the reduced tensor (all-reduce, reduce-scatter: the
-    full input each rank holds), or the gathered output (all-gather). A reduce-scatter is the all-reduce's first
+    full input each rank holds), the gathered output (all-gather), or the message (broadcast: p-1 copies of it are
+sent in all, counted here as an average over the p ranks). A reduce-scatter is the all-reduce's first
     half: (p-1)/p·M·e, like the all-gather that is its second half. An all-to-all's bytes follow its split sizes,
     not its shape: they are given to the ledger and the model (sent_bytes)."""
     if kind == "all_reduce":
         return 2 * (p - 1) * elements * elem_bytes / p
     if kind in ("all_gather", "reduce_scatter"):
+        return (p - 1) * elements * elem_bytes / p
+    if kind == "broadcast":  # p - 1 copies of M leave some rank (a chain or a tree), spread over p ranks
         return (p - 1) * elements * elem_bytes / p
     raise ValueError(f"unknown collective kind {kind!r}")
 

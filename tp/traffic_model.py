@@ -142,6 +142,21 @@ def predict_iteration(cfg: ModelConfig, p: int, rows: int, sampled: int, dtype: 
     return out
 
 
+def predict_control(p: int, payload: int, header: int) -> list[Traffic]:
+    """The online engine's per-step control message (serve/engine.py's LLMEngine): rank 0 broadcasts a header of
+    `header` float64 numbers (how many requests arrive, how many are aborted, the payload's length), then, when
+    something arrived or was aborted, the payload: `payload` float64 numbers (each new request's fields, stop ids
+    and prompt; the aborted ids)."""
+    if p == 1:
+        return []
+    msg = [Traffic.of(layer=None, sublayer="engine", site="control header", phase="forward", kind="broadcast",
+                      shape=(header,), dtype=torch.float64, p=p)]
+    if payload:
+        msg.append(Traffic.of(layer=None, sublayer="engine", site="control payload", phase="forward",
+                              kind="broadcast", shape=(payload,), dtype=torch.float64, p=p))
+    return msg
+
+
 # ---- prefill/decode disaggregation: K,V moved between two TP groups (SPEC §8, serve/disagg.py) ----------------
 
 

@@ -1,0 +1,61 @@
+"""Generate text from the command line, on p ranks started here (no torchrun):
+
+    python -m serve --model DIR --tensor-parallel-size 2 --prompt "Once upon a time" --max-tokens 32
+    python -m serve --model llama_tiny --prompt-ids 1,2,3 --max-tokens 8     # a preset: token ids (no tokenizer)
+
+Prints the completion (its text; its token ids where the model has no tokenizer) and a line on stderr with the
+finish reason and the time. Engine settings as --block-size, --max-num-batched-tokens, --max-num-seqs, ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m serve", description="Generate a completion on the TP engine.")
+    ap.add_argument("--model", required=True, help="a save_pretrained directory, or a preset (conf/model/*.yaml)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--prompt", help="the prompt text (the model's tokenizer encodes it)")
+    ap.add_argument("--prompt-ids", help="the prompt as comma-separated token ids, for models without a tokenizer")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seed", type=int, default=0, help="random weights of a preset are drawn from it")
+    ap.add_argument("--block-size", type=int)
+    ap.add_argument("--max-num-batched-tokens", type=int)
+    ap.add_argument("--max-num-seqs", type=int)
+    ap.add_argument("--num-gpu-blocks", type=int)
+    args = ap.parse_args(argv)
+    if (args.prompt is None) == (args.prompt_ids is None):
+        ap.error("give one of --prompt TEXT or --prompt-ids 1,2,3")
+    from serve import LLM, SamplingParams
+
+    settings = {k: v for k, v in (("block_size", args.block_size), ("max_num_batched_tokens", args.max_num_batched_tokens),
+                                  ("max_num_seqs", args.max_num_seqs), ("num_gpu_blocks_override", args.num_gpu_blocks))
+                if v is not None}
+    try:
+        prompt = args.prompt if args.prompt is not None else [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
+        start = time.perf_counter()
+        with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, seed=args.seed,
+                 **settings) as llm:
+            ready = time.perf_counter()
+            out = llm.generate([prompt] if isinstance(prompt, str) else [prompt], params)[0]
+            done = time.perf_counter()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    c = out.outputs[0]
+    print(c.text if llm.tokenizer is not None else " ".join(map(str, c.token_ids)))
+    print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}, start-up {ready - start:.1f} s, "
+          f"generate {done - ready:.2f} s, tensor_parallel_size={args.tensor_parallel_size}, {llm.backend}]",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The engine's settings in one frozen object, each with its default written once and checked once.
+
+    EngineConfig()                                   # the defaults
+    EngineConfig.from_kwargs(max_num_seqs=8)         # vLLM's names are taken too (the table below)
+
+    setting             vLLM's name               meaning
+    chunk_size          long_prefill_token_threshold  most prompt rows one request gets in one iteration
+    max_batched_tokens  max_num_batched_tokens    rows per iteration (decodes first, then prompt chunks)
+    max_running         max_num_seqs              requests running at once
+    block_size          block_size                token positions per KV block
+    kv_blocks           num_gpu_blocks_override   blocks in each rank's pool (None: max_running requests at
+                                                  the model's full context, so nothing is ever preempted)
+    prefix_cache        enable_prefix_caching     share full blocks of identical prompt prefixes
+    attention           -                         batched (one cache write and a few attention calls per
+                                                  layer) | reference (the per-request loop)
+    comm_timing         -                         per-collective wall times in the ledger (two waits each)
+    check_ledger        -                         compare every iteration's collectives with the model
+
+A bad value is a ValueError with one line that names the setting, raised where the object is made, before
+any process starts or any collective runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from serve.inputs import ATTENTION_MODES
+
+VLLM_NAMES = {"long_prefill_token_threshold": "chunk_size", "max_num_batched_tokens": "max_batched_tokens",
+              "max_num_seqs": "max_running", "num_gpu_blocks_override": "kv_blocks",
+              "enable_prefix_caching": "prefix_cache"}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    chunk_size: int = 256
+    max_batched_tokens: int = 512
+    max_running: int = 16
+    block_size: int = 16
+    kv_blocks: int | None = None
+    prefix_cache: bool = True
+    attention: str = "batched"
+    comm_timing: bool = False
+    check_ledger: bool = True
+
+    def __post_init__(self):
+        for name in ("chunk_size", "max_batched_tokens", "max_running", "block_size", "kv_blocks"):
+            v = getattr(self, name)
+            if name == "kv_blocks" and v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an integer of at least 1")
+        for name in ("prefix_cache", "comm_timing", "check_ledger"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"attention={self.attention!r}: choose {' or '.join(ATTENTION_MODES)}")
+        if self.max_running > self.max_batched_tokens:
+            raise ValueError(f"max_batched_tokens={self.max_batched_tokens} is smaller than a full decode batch of "
+                             f"max_running={self.max_running} requests (one row each per iteration); raise "
+                             f"max_batched_tokens or lower max_running")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Settings by our names or vLLM's (VLLM_NAMES); an unknown name is a ValueError listing the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        out = {}
+        for key, value in kwargs.items():
+            name = VLLM_NAMES.get(key, key)
+            if name not in known:
+                raise ValueError(f"unknown engine setting {key!r}; known: {', '.join(sorted(known | set(VLLM_NAMES)))}")
+            if name in out:
+                raise ValueError(f"{key!r} and {name!r} set the same thing: give one")
+            out[name] = value
+        return cls(**out)
+
+    def pool_blocks(self, max_seq_len: int) -> int:
+        """Blocks in each rank's pool: kv_blocks, or enough for max_running requests at the full context."""
+        return self.kv_blocks or self.max_running * -(-max_seq_len // self.block_size)

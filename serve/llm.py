@@ -1,0 +1,391 @@
+"""The engine as a library: `LLM(model, tensor_parallel_size=p).generate(prompts, SamplingParams(...))`.
+
+    from serve import LLM, SamplingParams
+    with LLM("path/to/save_pretrained_dir", tensor_parallel_size=2) as llm:
+        out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
+        print(out[0].outputs[0].text)
+
+The caller's process is a driver: it starts p rank processes itself (no torchrun), which meet in a file store and
+form one TP group (gloo on CPU; NCCL with one GPU per rank where there are enough GPUs: tp/dist.py decides). Rank 0
+takes the driver's calls over a pipe and every rank runs the same LLMEngine (serve/engine.py); the driver holds
+no process group and no model, only the tokenizer: text in (encoded here), text out (decoded here as tokens
+arrive, serve/detokenizer.py), stop strings matched on that text.
+
+Online use, vLLM's LLMEngine calls on the same object: `add_request(request_id, prompt, params)`, `step()` (a
+RequestOutput per request that moved), `abort_request(request_id)`, `has_unfinished_requests()`.
+
+Every bad input is a one-line ValueError in the caller before anything runs; a rank that fails or dies makes the
+next call raise RuntimeError within a second, and every rank is stopped. Ranks never outlive the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from multiprocessing.connection import Listener
+from pathlib import Path
+
+from serve.config import EngineConfig
+from serve.detokenizer import IncrementalDetokenizer
+from serve.outputs import RequestOutput
+from serve.sampling_params import SamplingParams
+from serve.worker import AUTHKEY_ENV, RankSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESETS = ROOT / "conf" / "model"
+START_TIMEOUT_S = 600.0  # building the ranks (imports, weights) may take long on a laptop; a dead rank is seen at once
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def resolve_model(model: str, p: int, moe_parallel: str):
+    """(model config, checkpoint directory or None, preset name or None), valid at tensor-parallel size p."""
+    from layers.config import validate_model
+    from layers.hf import read_config
+    from layers.llama import validate_llama
+    from layers.moe import validate_moe
+    from tp.dist import ConfigError
+
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model={model!r} must be a save_pretrained directory or a preset name")
+    path = Path(model)
+    try:
+        if path.is_dir():
+            cfg, checkpoint = read_config(path), str(path)
+        elif (PRESETS / f"{model}.yaml").is_file():
+            cfg, checkpoint = _preset(str(model)), None
+        else:
+            presets = sorted(f.stem for f in PRESETS.glob("*.yaml"))
+            raise ValueError(f"model={str(model)!r} is neither a directory nor a preset; presets: {', '.join(presets)}")
+        if cfg.family == "mixtral":
+            validate_moe(cfg, p, moe_parallel)
+        elif moe_parallel != "tp":
+            raise ValueError(f"moe_parallel={moe_parallel!r} is for MoE models; this model's FFN is dense")
+        else:
+            (validate_llama if cfg.family == "llama" else validate_model)(cfg, p)
+    except ConfigError as exc:
+        raise ValueError(f"tensor_parallel_size={p}: {exc}" if "divisible" in str(exc) or "split" in str(exc)
+                         else str(exc)) from None
+    return cfg, checkpoint
+
+
+def _preset(name: str):
+    from omegaconf import OmegaConf
+
+    from layers.config import ModelConfig
+    from layers.llama import LlamaConfig
+    from layers.moe import MoEConfig
+
+    fields = OmegaConf.to_container(OmegaConf.load(PRESETS / f"{name}.yaml"), resolve=True)
+    family = fields.pop("family", "gpt2")
+    return {"llama": LlamaConfig, "mixtral": MoEConfig}.get(family, ModelConfig)(**fields)
+
+
+def eos_of(checkpoint: str | None, vocab_size: int) -> tuple[int, ...]:
+    """The checkpoint's EOS ids: generation_config.json's eos_token_id, else config.json's (an int or a list)."""
+    if checkpoint is None:
+        return ()
+    for name in ("generation_config.json", "config.json"):
+        f = Path(checkpoint) / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                ids = eos if isinstance(eos, list) else [eos]
+                return tuple(int(t) for t in ids if isinstance(t, int) and 0 <= t < vocab_size)
+    return ()
+
+
+def load_tokenizer(source: str | None):
+    """transformers' AutoTokenizer from a directory that has tokenizer files; None where there are none."""
+    if source is None or not any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)
+
+
+class LLM:
+    def __init__(self, model: str, tensor_parallel_size: int = 1, dtype: str = "float32", seed: int = 0, *,
+                 tokenizer: str | None = None, backend: str = "auto", device: str = "auto", moe_parallel: str = "tp",
+                 timeout_s: float = 120.0, **engine_settings):
+        """model: a save_pretrained directory (GPT-2, Llama, Mixtral; sharded or not) or a preset (conf/model/).
+        engine_settings: EngineConfig's fields, by our names or vLLM's (serve/config.py)."""
+        from layers.config import parse_dtype
+        from tp.dist import ConfigError, resolve_backend, resolve_device
+
+        self._procs: list = []
+        self._closed = True
+        p = tensor_parallel_size
+        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+            raise ValueError(f"tensor_parallel_size={p!r} must be a positive integer")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed={seed!r} must be an integer")
+        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
+        self.config = EngineConfig.from_kwargs(**engine_settings)
+        try:
+            parse_dtype(str(dtype))
+            backend = resolve_backend(backend, p)
+            device = resolve_device(device, backend)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        self.model_config, checkpoint = resolve_model(model, p, moe_parallel)
+        if checkpoint is not None:
+            from layers.checkpoint import Checkpoint
+            from layers.hf import check_state
+
+            try:
+                check_state(self.model_config, Checkpoint(checkpoint), lm=True)  # headers only: no tensor is read
+            except (ConfigError, OSError) as exc:
+                raise ValueError(f"model={checkpoint}: {exc}") from None
+        self.tokenizer = load_tokenizer(tokenizer or checkpoint)
+        self.eos_token_ids = eos_of(checkpoint, self.model_config.vocab_size)
+        self.tensor_parallel_size = p
+        self.num_blocks = self.config.pool_blocks(self.model_config.max_seq_len)
+        spec = RankSpec(self.model_config, checkpoint, str(dtype), seed, backend, device, moe_parallel, self.config,
+                        self.eos_token_ids, float(timeout_s))
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._stopped: set[str] = set()  # ended by a stop string here: the engine's later output is dropped
+        self._count = 0
+        self._start(spec)
+
+    # -- the rank processes -------------------------------------------------------------------------------------------
+
+    def _start(self, spec: RankSpec) -> None:
+        self._dir = tempfile.mkdtemp(prefix="tpref-llm-")
+        with open(os.path.join(self._dir, "spec.pkl"), "wb") as f:
+            pickle.dump(spec, f)
+        key = secrets.token_bytes(16)
+        listener = Listener(os.path.join(self._dir, "driver.sock"), "AF_UNIX", authkey=key)
+        env = dict(os.environ, **{AUTHKEY_ENV: key.hex()})
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [v for v in [env.get("PYTHONPATH")] if v])
+        p = self.tensor_parallel_size
+        for rank in range(p):
+            self._procs.append(subprocess.Popen(
+                [sys.executable, "-c", "from serve.worker import main; main()", "--rank", str(rank), "--world-size", str(p), "--dir", self._dir],
+                env=env if rank == 0 else {k: v for k, v in env.items() if k != AUTHKEY_ENV}, cwd=ROOT))
+        self._closed = False
+        self._conn = None
+        self._link: dict = {}  # what the finalizer needs (not self: that would keep this object alive)
+        self._finalizer = weakref.finalize(self, LLM._stop, self._procs, self._link, self._dir)
+        accepted: list = []
+        accepting = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
+        accepting.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while accepting.is_alive():
+            accepting.join(0.05)
+            self._check_ranks("start", deadline)
+        listener.close()
+        self._conn = self._link["conn"] = accepted[0]
+        _, info = self._wait("start", deadline)
+        self.backend, self.device = info["backend"], info["device"]
+
+    def _check_ranks(self, what: str, deadline: float | None = None) -> None:
+        dead = [(r, proc.returncode) for r, proc in enumerate(self._procs) if proc.poll() is not None]
+        if dead or (deadline is not None and time.monotonic() > deadline):
+            self._fail(what, dead)
+
+    def _wait(self, what: str, deadline: float | None = None):
+        """The reply of rank 0 to the last call; RuntimeError at once if a rank failed or died."""
+        while not self._conn.poll(0.05):
+            self._check_ranks(what, deadline)
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            self._fail(what, [(0, self._procs[0].poll())])
+        if kind == "ValueError":
+            raise ValueError(value)
+        return kind, value
+
+    def _fail(self, what: str, dead: list) -> None:
+        time.sleep(0.2)  # a failing rank writes its traceback before it exits
+        errors = []
+        for r in range(len(self._procs)):
+            f = Path(self._dir) / f"error-{r}.txt"
+            if f.is_file():
+                errors.append((r, f.read_text()))
+        self.shutdown()
+        if errors:
+            rank, text = errors[0]
+            raise RuntimeError(f"{what}: rank {rank} failed: {text}")
+        if dead:
+            raise RuntimeError(f"{what}: rank {dead[0][0]} exited (code {dead[0][1]}); every rank is stopped")
+        raise RuntimeError(f"{what}: no answer from rank 0; every rank is stopped")
+
+    def _call(self, op: str, *args):
+        if self._closed:
+            raise RuntimeError("this LLM is shut down")
+        self._conn.send((op, args))
+        return self._wait(op)[1]
+
+    @staticmethod
+    def _stop(procs, link, directory) -> None:
+        conn = link.get("conn")
+        try:
+            if conn is not None and procs and procs[0].poll() is None:
+                conn.send(("shutdown", ()))
+        except (OSError, ValueError):
+            pass
+        end = time.monotonic() + 10
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if conn is not None:
+            conn.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+    def shutdown(self) -> None:
+        """Stop every rank (harmless when called again)."""
+        if not self._closed:
+            self._closed = True
+            self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- online: vLLM's LLMEngine calls --------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        """prompt: a string (needs a tokenizer), a list of token ids, or {"prompt_token_ids": [...]}/{"prompt": ...}."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
+        text, ids = self._encode(prompt)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={list(params.stop)}: stop strings need a tokenizer (this model has none)")
+        self._call("add_request", request_id, ids, params, text)
+        if self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+
+    def abort_request(self, request_id: str) -> bool:
+        self._detok.pop(request_id, None)
+        return self._call("abort_request", request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self._call("has_unfinished_requests")
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration on every rank; a RequestOutput for each request that got a token or finished."""
+        out = []
+        for o in self._call("step"):
+            rid = o.request_id
+            if rid in self._stopped:  # already ended here by a stop string
+                if o.finished:
+                    self._stopped.discard(rid)
+                continue
+            detok = self._detok.get(rid)
+            if detok is not None:
+                c = o.outputs[0]
+                detok.add(c.token_ids[len(detok.ids):])
+                if detok.stopped_by is not None and not o.finished:  # ended by a stop string: abort it in the engine
+                    self._call("abort_request", rid)
+                    self._stopped.add(rid)
+                    o.finished, c.finish_reason, c.stop_reason = True, "stop", detok.stopped_by
+                    o.metrics.finished_time = time.time()
+                    c.token_ids = c.token_ids[:len(detok.ids)]
+                elif detok.stopped_by is not None:
+                    c.finish_reason, c.stop_reason = "stop", detok.stopped_by
+                if o.finished:
+                    detok.finish()
+                    del self._detok[rid]
+                c.text = detok.text
+            out.append(o)
+        return out
+
+    def stats(self) -> dict:
+        """Rank 0's view: num_blocks, free_blocks, running, waiting, iterations, and the last iteration's record
+        (its collectives, bytes per rank, and whether they equal the model's)."""
+        return self._call("stats")
+
+    # -- offline: generate --------------------------------------------------------------------------------------------
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, a list of token-id lists, or vLLM's {"prompt_token_ids": [...]}
+        (one or a list). sampling_params: one for all, or one per prompt. One RequestOutput per prompt, in order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a string, a list of strings, token-id lists or dicts (and not empty)")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            raise ValueError("prompts is one flat list of ints: pass a list of token-id lists ([[464, 3290]]) or "
+                             "{'prompt_token_ids': [...]}")
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
+        params = [SamplingParams() if q is None else q for q in params]
+        for q in params:
+            if not isinstance(q, SamplingParams):
+                raise ValueError(f"sampling params must be SamplingParams, not {type(q).__name__}")
+            if (why := q.unsupported()) is not None:
+                raise ValueError(why)
+        encoded = [self._encode(pr) for pr in prompts]
+        for (_, ids), q in zip(encoded, params):  # every prompt is checked before the first one is added
+            self._check(ids, q)
+        names = []
+        for (text, ids), q in zip(encoded, params):
+            names.append(f"generate-{self._count}")
+            self._count += 1
+            self.add_request(names[-1], {"prompt_token_ids": ids, "prompt": text}, q)
+        done: dict[str, RequestOutput] = {}
+        bar = _progress(len(names)) if use_tqdm else None
+        while len(done) < len(names):
+            for o in self.step():
+                if o.finished:
+                    done[o.request_id] = o
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[n] for n in names]
+
+    def _encode(self, prompt) -> tuple[str | None, list[int]]:
+        text = None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer: this model has none (a preset, or a directory "
+                                 "without tokenizer files); pass token ids, or tokenizer=DIR")
+            text, ids = prompt, self.tokenizer(prompt)["input_ids"]
+        elif not isinstance(prompt, dict):
+            ids = prompt
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"a prompt is a string, a list of token ids or a dict, not {type(ids).__name__}")
+        return text, list(ids)
+
+    def _check(self, ids: list[int], params: SamplingParams) -> None:
+        from serve.engine import validate_prompt
+
+        validate_prompt(ids, params.max_tokens, self.model_config.vocab_size, self.model_config.max_seq_len,
+                        self.num_blocks, self.config.block_size)
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="requests", unit="req")

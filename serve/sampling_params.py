@@ -1,0 +1,76 @@
+"""How one request is decoded: vLLM's `SamplingParams`, with vLLM's names and meanings.
+
+    SamplingParams(max_tokens=16)                      # greedy, 16 new tokens at most
+    SamplingParams(max_tokens=64, stop_token_ids=[13]) # ... or until token 13 is sampled
+    SamplingParams(ignore_eos=True)                    # the checkpoint's EOS does not end it
+
+Every value is checked when the object is made (a one-line ValueError). Decoding is greedy
+(temperature 0): the fields of random sampling (temperature > 0, top_k, top_p, min_p, seed,
+logprobs) are named here so that code written against vLLM reads the same, and the engine refuses
+values other than their defaults with a one-line ValueError until the sampler takes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16  # new tokens at most: finish_reason "length" when reached
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0: off
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # finish_reason "stop" when one is sampled
+    stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings: the text is cut before the first one
+    ignore_eos: bool = False  # the checkpoint's EOS does not finish the request
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer of at least 1")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not self.temperature >= 0:
+            raise ValueError(f"temperature={self.temperature!r} must be a number >= 0 (0: greedy)")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k!r} must be an integer >= -1 (0 or -1: off)")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1] (1: off)")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p!r} must be in [0, 1] (0: off)")
+        if self.seed is not None and (not _is_int(self.seed) or not -2 ** 53 < self.seed < 2 ** 53):
+            raise ValueError(f"seed={self.seed!r} must be None or an integer of magnitude below 2**53")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs={self.logprobs!r} must be None or an integer >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False")
+        ids = self.stop_token_ids
+        ids = () if ids is None else (ids,) if _is_int(ids) else ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a list of token ids")
+        stop = self.stop
+        stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop={self.stop!r} must be a string or a list of non-empty strings")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        object.__setattr__(self, "stop", tuple(stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def unsupported(self) -> str | None:
+        """What this engine cannot do yet with these values, in one line (None: it can)."""
+        asked = [f"{name}={getattr(self, name)!r}" for name, off in
+                 (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("seed", None),
+                  ("logprobs", None)) if getattr(self, name) != off and not (name == "top_k" and self.top_k == -1)]
+        if not asked:
+            return None
+        return (f"{', '.join(asked)}: this engine decodes greedily (temperature=0, no top_k/top_p/min_p/seed/"
+                f"logprobs)")

@@ -1,0 +1,159 @@
+"""The rank processes behind `LLM`: each joins the TP group, builds its shard of the model and its LLMEngine, then
+loops on steps. Rank 0 also takes the driver's calls over a pipe (add_request, abort_request, step, ...).
+
+    driver (the caller's process)  --pipe-->  rank 0  --★ control broadcast-->  ranks 1 .. p-1
+
+Each rank is a fresh `python -c "from serve.worker import main; main()"` process (not multiprocessing: the caller's script is never
+re-imported, so it needs no `if __name__ == "__main__"` guard). The ranks meet in a file store in the driver's
+directory; rank 0 connects to the driver's socket there (authenticated with a key from the environment).
+
+Every rank ends when it is told (shutdown), when its step raises (the traceback goes to error-RANK.txt for the
+driver, and the exit code is 1), or when the driver's process is gone (a watcher thread sees the parent change and
+exits at once: no orphan ranks, even when the caller is killed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+KEEP_ALIVE_S = 5.0  # rank 0 idle this long sends an IDLE control message (the group's timeout is far longer)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank needs to build its part of the engine (pickled to each)."""
+
+    model: object  # ModelConfig | LlamaConfig | MoEConfig
+    checkpoint: str | None  # a save_pretrained directory, or None: random weights from seed
+    dtype: str
+    seed: int
+    backend: str
+    device: str
+    moe_parallel: str
+    engine: object  # EngineConfig
+    eos_token_ids: tuple[int, ...]
+    timeout_s: float
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit the moment the driver is gone (its pid is no longer our parent)."""
+    while True:
+        if os.getppid() != parent:
+            os._exit(3)
+        time.sleep(0.5)
+
+
+AUTHKEY_ENV = "TPREF_LLM_AUTHKEY"
+
+
+def main() -> None:
+    args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    args.add_argument("--rank", type=int, required=True)
+    args.add_argument("--world-size", type=int, required=True)
+    args.add_argument("--dir", required=True)
+    args = args.parse_args()
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    os.environ.update(RANK=str(args.rank), LOCAL_RANK=str(args.rank), WORLD_SIZE=str(args.world_size),
+                      LOCAL_WORLD_SIZE=str(args.world_size))
+    code = 0
+    try:
+        with open(os.path.join(args.dir, "spec.pkl"), "rb") as f:
+            spec = pickle.load(f)
+        conn = None
+        if args.rank == 0:
+            from multiprocessing.connection import Client
+
+            conn = Client(os.path.join(args.dir, "driver.sock"), "AF_UNIX",
+                          authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
+        _serve(args.rank, args.world_size, os.path.join(args.dir, "store"), spec, conn)
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the driver, then the rank exits non-zero
+        with open(os.path.join(args.dir, f"error-{args.rank}.txt"), "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without running interpreter teardown: the process group's threads are gone already (destroyed in
+    # _serve) or this rank failed; either way there is nothing left to flush, and no destructor can abort the exit.
+    os._exit(code)
+
+
+def build_engine(ctx, spec: RankSpec):
+    import torch
+
+    from layers.config import parse_dtype
+    from layers.dense import init_weights
+    from layers.hf import CheckpointSource
+    from layers.checkpoint import Checkpoint
+    from layers.lm import dense_lm, shard_lm
+    from serve.engine import LLMEngine
+
+    dtype = parse_dtype(spec.dtype)
+    if spec.checkpoint is not None:
+        weights = CheckpointSource(Checkpoint(spec.checkpoint), spec.model, dtype, ctx.device)  # this rank's slices
+    else:
+        weights = init_weights(dense_lm(spec.model, dtype, ctx.device), spec.seed)  # dense from seed, then cut
+    with torch.no_grad():
+        lm = shard_lm(weights, "v2", ctx.group, True, spec.moe_parallel)
+    del weights
+    return LLMEngine(lm, ctx, spec.engine, spec.eos_token_ids)
+
+
+def _serve(rank: int, world_size: int, store: str, spec: RankSpec, conn) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from tp.dist import init_from_env
+
+    if world_size > 1:
+        torch.set_num_threads(1)  # as torchrun: one intra-op thread per rank when ranks share the cores
+    ctx = init_from_env(spec.backend, timeout_s=spec.timeout_s, init_method=f"file://{store}", device=spec.device)
+    engine = build_engine(ctx, spec)
+    if rank == 0:
+        conn.send(("ready", {"num_blocks": engine.num_blocks, "backend": ctx.backend, "device": str(ctx.device)}))
+        _driven(engine, conn)
+    else:
+        while not engine.stopped:
+            engine.step()
+    dist.barrier(group=ctx.group)  # everyone is out of its loop before the group goes away
+    dist.destroy_process_group()
+
+
+def _driven(engine, conn) -> None:
+    """Rank 0: run the driver's calls until shutdown (or until the driver's end of the pipe closes)."""
+    calls = {
+        "add_request": engine.add_request,
+        "abort_request": engine.abort_request,
+        "step": engine.step,
+        "has_unfinished_requests": engine.has_unfinished_requests,
+        "stats": lambda: {"num_blocks": engine.num_blocks, "free_blocks": engine.free_blocks,
+                          "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
+                          "iterations": engine.iterations, "last_iteration": engine.last_iteration},
+    }
+    while True:
+        if not conn.poll(KEEP_ALIVE_S):
+            engine.keep_alive()
+            continue
+        try:
+            op, args = conn.recv()
+        except EOFError:  # the driver is gone
+            engine.shutdown()
+            return
+        if op == "shutdown":
+            engine.shutdown()
+            conn.send(("ok", None))
+            return
+        try:
+            result = calls[op](*args)
+        except ValueError as exc:
+            if op != "add_request":
+                raise
+            conn.send(("ValueError", str(exc)))  # bad input: the caller's error; the engine is unchanged, goes on
+            continue
+        conn.send(("ok", result))

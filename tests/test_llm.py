@@ -1,0 +1,367 @@
+"""The engine as a library: LLMEngine online on rank pools, LLM from plain Python against transformers' generate.
+
+Oracles: the cache-free dense recompute (greedy_reference) for the online engine, transformers' `generate` and
+`tokenizer.decode` for LLM; the traffic model for every step's collectives (check_ledger raises otherwise)."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from layers.config import ModelConfig
+from layers.dense import init_weights
+from layers.lm import dense_lm, greedy_reference, shard_lm
+from layers.llama import LlamaConfig
+from layers.moe import MoEConfig
+from serve.config import EngineConfig
+from serve.engine import LLMEngine
+from serve.sampling_params import SamplingParams
+from tests.harness import run_ranks
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+GPT2 = ModelConfig(d_model=64, n_heads=8, d_head=8, d_ffn=256, n_layers=2, max_seq_len=96, vocab_size=1001)
+LLAMA = LlamaConfig(d_model=64, n_heads=8, n_kv_heads=2, d_head=8, d_ffn=96, n_layers=2, max_seq_len=96,
+                    vocab_size=1001)
+MOE = MoEConfig(d_model=64, n_heads=8, n_kv_heads=2, d_head=8, d_ffn=48, n_layers=2, max_seq_len=96, vocab_size=1001,
+                n_experts=4, top_k=2)
+SMALL = EngineConfig(chunk_size=5, max_batched_tokens=12, max_running=4, block_size=4, kv_blocks=40)
+
+
+def workload(seed: int, n: int = 6):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 1001, (rng.randint(1, 20),), generator=gen).tolist(), rng.randint(1, 7))
+            for _ in range(n)]
+
+
+def run_online(ctx, cfg, reqs, add_at, abort=None, moe_parallel="tp", config=SMALL):
+    """Every rank steps its LLMEngine; rank 0 adds request i before step add_at[i] (and aborts `abort` = (name, step)).
+    Returns rank 0's finished outputs, the free blocks seen around the abort, and every step's ledger verdict."""
+    dense = init_weights(dense_lm(cfg, torch.float64), seed=0)
+    engine = LLMEngine(shard_lm(dense, "v2", ctx.group, True, moe_parallel), ctx, config)
+    done, seen, verdicts, step = {}, {}, [], 0
+    if not ctx.is_main:
+        while not engine.stopped:
+            engine.step()
+            verdicts.append(engine.last_iteration is None or engine.last_iteration["ledger_matches_model"])
+        return None, None, verdicts
+    while step <= max(add_at) or engine.has_unfinished_requests():
+        for i, ((prompt, new), at) in enumerate(zip(reqs, add_at)):
+            if at == step:
+                if abort is not None and f"r{i}" == abort[0]:
+                    seen["before"] = engine.free_blocks
+                engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=new))
+        if abort is not None and step == abort[1]:
+            assert engine.abort_request(abort[0])
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = (o.outputs[0].token_ids, o.outputs[0].finish_reason)
+        if abort is not None and step == abort[1]:
+            held = sum(len(t) for t in engine.scheduler.blocks.tables.values())
+            seen["after"], seen["held_by_others"] = engine.free_blocks, held
+        verdicts.append(engine.last_iteration is None or engine.last_iteration["ledger_matches_model"])
+        step += 1
+    engine.shutdown()
+    seen["end"] = engine.free_blocks
+    return done, seen, verdicts
+
+
+def reference(cfg, reqs):
+    dense = init_weights(dense_lm(cfg, torch.float64), seed=0)
+    return [greedy_reference(dense, prompt, new).ids for prompt, new in reqs]
+
+
+@pytest.mark.parametrize("cfg,p,moe", [(GPT2, 1, "tp"), (GPT2, 2, "tp"), (LLAMA, 4, "tp"), (MOE, 2, "ep")],
+                         ids=["gpt2-p1", "gpt2-p2", "llama-gqa-replicated-kv-p4", "mixtral-ep-p2"])
+def test_requests_added_between_steps_equal_the_dense_oracle(cfg, p, moe):
+    reqs = workload(seed=p)
+    rng = random.Random(11)
+    add_at = sorted(rng.randint(0, 12) for _ in reqs)  # random steps, some while others decode
+    results = run_ranks(p, run_online, cfg, reqs, add_at, moe_parallel=moe)
+    done, seen, verdicts = results[0]
+    want = reference(cfg, reqs)
+    assert [done[f"r{i}"][0] for i in range(len(reqs))] == want
+    assert all(done[f"r{i}"][1] == "length" for i in range(len(reqs)))
+    assert seen["end"] == SMALL.kv_blocks  # every block back in the pool
+    assert all(all(r[2]) for r in results)  # every step's collectives equal the model's, on every rank
+    # the same requests all given up front: the same tokens (schedule invariance)
+    upfront = run_ranks(p, run_online, cfg, reqs, [0] * len(reqs), moe_parallel=moe)[0][0]
+    assert upfront == done
+
+
+def test_abort_frees_blocks_at_once_and_leaves_the_others_alone():
+    reqs = [(list(range(1, 30)), 12), (list(range(100, 120)), 30), (list(range(200, 210)), 8)]
+    done, seen, verdicts = run_ranks(2, run_online, GPT2, reqs, [0, 1, 2], abort=("r1", 6))[0]
+    assert done["r1"][1] == "abort" and len(done["r1"][0]) < 30
+    # after the abort step, the pool holds only what the two others' tables hold
+    assert seen["after"] == SMALL.kv_blocks - seen["held_by_others"]
+    assert seen["end"] == SMALL.kv_blocks
+    want = reference(GPT2, reqs)
+    assert done["r0"][0] == want[0] and done["r2"][0] == want[2]
+
+
+def control_roundtrip(ctx):
+    dense = init_weights(dense_lm(GPT2, torch.float64), seed=0)
+    engine = LLMEngine(shard_lm(dense, "v2", ctx.group), ctx, SMALL, eos_token_ids=(7,))
+    if ctx.is_main:
+        engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, stop_token_ids=[9, 4]))
+        engine.add_request("b", [1], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step()
+    got = {r.id: (r.prompt, r.max_new_tokens, sorted(r.stop_ids), r.arrival) for r in engine.scheduler.by_id.values()}
+    if ctx.is_main:
+        engine.shutdown()
+    else:
+        engine.step()
+    return got, engine.stopped
+
+
+def test_every_rank_receives_the_same_requests():
+    results = run_ranks(2, control_roundtrip)
+    assert results[0] == results[1]
+    assert results[0][0] == {0: ([5, 6, 7], 3, [4, 7, 9], 0), 1: ([1], 2, [], 0)}  # eos 7 added; ignore_eos drops it
+    assert results[1][1]  # the STOP message ended rank 1's loop
+
+
+def test_bad_requests_are_refused_before_any_collective():
+    # rank 0's checks run before its step's broadcast: a refused request leaves the others waiting for nothing
+    bad = [([], 4, "empty prompt"), ([1] * 90, 10, "more than the model's context"), ([5000], 2, "not a token id"),
+           ([1] * 70, 20, "kv_blocks")]
+    results = run_ranks(1, refuse, bad)
+    assert results[0] == [m for _, _, m in bad]
+
+
+def refuse(ctx, bad):
+    dense = init_weights(dense_lm(GPT2, torch.float64), seed=0)
+    engine = LLMEngine(shard_lm(dense, "v2", ctx.group), ctx, EngineConfig(kv_blocks=5, block_size=16))
+    out = []
+    for prompt, new, msg in bad:
+        with pytest.raises(ValueError) as e:
+            engine.add_request("x", prompt, SamplingParams(max_tokens=new))
+        out.append(msg if msg in str(e.value) else str(e.value))
+    assert not engine.has_unfinished_requests()
+    return out
+
+
+def test_sampling_params_and_engine_config_refuse_bad_values():
+    for kw in (dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(min_p=1.5),
+               dict(stop_token_ids=["a"]), dict(stop=[""]), dict(seed=2 ** 60)):
+        with pytest.raises(ValueError):
+            SamplingParams(**kw)
+    assert SamplingParams(stop="x").stop == ("x",) and SamplingParams(temperature=0.7).unsupported()
+    for kw in (dict(block_size=0), dict(max_running=600), dict(attention="fast"), dict(kv_blocks=0)):
+        with pytest.raises(ValueError):
+            EngineConfig(**kw)
+    assert EngineConfig.from_kwargs(max_num_seqs=8, enable_prefix_caching=False) == \
+        EngineConfig(max_running=8, prefix_cache=False)
+    with pytest.raises(ValueError, match="unknown engine setting"):
+        EngineConfig.from_kwargs(gpu_memory_utilization=0.9)
+
+
+# ---- LLM from plain Python: ranks started here, text in and out ---------------------------------------------------
+
+transformers = pytest.importorskip("transformers", reason="the transformers oracle needs pip install -e .[hf]")
+
+CORPUS = ["the quick brown fox jumps over the lazy dog", "tensor parallel serving is exact",
+          "café naïve résumé über", "中文 字符 测试", "emoji 🙂 🚀 ok", "numbers 12345 67890"] * 20
+
+
+def train_tokenizer(path):
+    """A byte-level BPE trained here (no downloads), saved as transformers saves a tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    fast.save_pretrained(path)
+    return fast
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("llm")
+    out = {}
+    for name in ("gpt2", "llama"):
+        path = root / name
+        tok = train_tokenizer(path)
+        if name == "gpt2":
+            cfg = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=2, n_positions=64, vocab_size=len(tok),
+                                          eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+            model = transformers.GPT2LMHeadModel(cfg)
+        else:
+            cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                           intermediate_size=96, num_hidden_layers=2, max_position_embeddings=64,
+                                           vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                                           bos_token_id=tok.bos_token_id, tie_word_embeddings=False)
+            model = transformers.LlamaForCausalLM(cfg)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                p.add_(0.05 * torch.randn_like(p))  # away from init's symmetric values
+        model.save_pretrained(path)
+        out[name] = path
+    return out
+
+
+PROMPTS = ["the quick brown", "café ü", "中文", "tensor parallel serving is"]
+
+
+def hf_generate(path, prompts, max_new):
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float64).eval()
+    out = []
+    for text in prompts:
+        ids = tok(text, return_tensors="pt")["input_ids"]
+        gen = model.generate(ids, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.eos_token_id)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out, tok
+
+
+@pytest.mark.parametrize("name,p", [("gpt2", 2), ("llama", 2)])
+def test_generate_equals_transformers(checkpoints, name, p):
+    from serve import LLM
+
+    want, tok = hf_generate(checkpoints[name], PROMPTS, 12)
+    with LLM(str(checkpoints[name]), tensor_parallel_size=p, dtype="float64") as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12))
+        stats = llm.stats()
+        if name == "gpt2":  # the online calls and bad input, on the same ranks
+            online_checks(llm, tok)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    for o, text in zip(outs, PROMPTS):
+        c = o.outputs[0]
+        assert o.prompt == text and o.prompt_token_ids == tok(text)["input_ids"]
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+        assert c.finish_reason == ("stop" if c.token_ids[-1] == tok.eos_token_id else "length")
+        assert o.metrics.arrival_time <= o.metrics.first_token_time <= o.metrics.finished_time
+    assert stats["free_blocks"] == stats["num_blocks"] and stats["last_iteration"]["ledger_matches_model"]
+    assert stats["last_iteration"]["collectives"]["broadcast"] == 1  # the step's control header
+
+
+def online_checks(llm, tok):
+    from serve import SamplingParams as SP
+
+    greedy = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SP(max_tokens=10, ignore_eos=True))[0].outputs[0]
+    # a stop token id cuts at its first occurrence; a stop string cuts the text before it
+    stop_id = greedy.token_ids[3]
+    first = greedy.token_ids.index(stop_id)
+    cut = llm.generate([[5, 6, 7]], SP(max_tokens=10, ignore_eos=True, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert cut.token_ids == greedy.token_ids[:first + 1] and cut.finish_reason == "stop" and cut.stop_reason == stop_id
+    full = tok.decode(greedy.token_ids, skip_special_tokens=True)
+    clean = [full[i:i + 2] for i in range(1, len(full) - 1) if "\ufffd" not in full[:i + 2]]
+    if clean and clean[-1].strip():  # random weights may give no clean text; test_detokenizer covers stops for sure
+        needle = clean[-1]
+        s = llm.generate([[5, 6, 7]], SP(max_tokens=10, ignore_eos=True, stop=[needle]))[0].outputs[0]
+        assert s.text == full[:full.index(needle)] and s.finish_reason == "stop" and s.stop_reason == needle
+    # online: add, step, abort between steps
+    llm.add_request("a", "the quick", SP(max_tokens=20, ignore_eos=True))
+    llm.add_request("b", "tensor", SP(max_tokens=5, ignore_eos=True))
+    llm.step()
+    llm.step()
+    assert llm.abort_request("a")
+    ended = {}
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            if o.finished:
+                ended[o.request_id] = o.outputs[0]
+    assert ended["a"].finish_reason == "abort" and ended["b"].finish_reason == "length"
+    assert llm.stats()["free_blocks"] == llm.stats()["num_blocks"]
+    # bad input: one line, in the caller, and the engine goes on
+    for prompt, params, msg in ((["x"], None, "not a token id"), ("", None, "empty prompt"),
+                                ("the " * 40, SP(max_tokens=40), "context"), ([1, 2], SP(temperature=0.8), "greedily")):
+        with pytest.raises(ValueError, match=msg):
+            llm.generate(prompt if isinstance(prompt, str) else [prompt], params)
+    assert llm.generate([[1, 2]], SP(max_tokens=2))[0].outputs[0].finish_reason in ("length", "stop")
+
+
+def test_detokenizer_streams_whole_characters_and_cuts_at_stop_strings(tmp_path):
+    from serve.detokenizer import IncrementalDetokenizer
+
+    tok = train_tokenizer(tmp_path)
+    text = "zebra über 🚀🙂 中字 naïve ok"
+    ids = tok(text)["input_ids"]
+    assert len(ids) > 8
+    d = IncrementalDetokenizer(tok, [])
+    deltas = [d.add([t]) for t in ids]
+    d.finish()
+    assert "".join(deltas) == d.text == tok.decode(ids) == text
+    assert not any("\ufffd" in x for x in deltas)  # no half characters streamed
+    assert sum(1 for x in deltas if x) < len(ids)  # some tokens completed no character on their own
+    for stop in ("ï", "ber 🚀", "🙂", "中字", "ok"):  # within a token and across tokens
+        d = IncrementalDetokenizer(tok, [], stop=(stop, "never there"))
+        for t in ids:
+            d.add([t])
+        d.finish()
+        assert d.text == text[:text.index(stop)] and d.stopped_by == stop
+
+
+def test_llm_refuses_bad_settings_without_starting_ranks(checkpoints, tmp_path):
+    from serve import LLM
+
+    cases = [(dict(model="no_such_preset"), "neither a directory nor a preset"),
+             (dict(model=str(tmp_path)), "config.json"),
+             (dict(model="llama_tiny", tensor_parallel_size=3), "tensor_parallel_size=3"),
+             (dict(model="llama_tiny", tensor_parallel_size=0), "positive integer"),
+             (dict(model="llama_tiny", max_num_seqs=0), "max_running"),
+             (dict(model="llama_tiny", dtype="float8"), "dtype")]
+    for kwargs, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            LLM(**kwargs)
+
+
+def test_a_dead_rank_raises_in_the_caller_and_stops_the_others(checkpoints):
+    from serve import LLM
+
+    llm = LLM(str(checkpoints["gpt2"]), tensor_parallel_size=2)
+    llm.add_request("a", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))
+    llm.step()
+    llm._procs[1].kill()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank"):
+        while True:
+            llm.step()
+    assert time.monotonic() - start < 10
+    assert all(proc.poll() is not None for proc in llm._procs)
+    llm.shutdown()
+    llm.shutdown()  # twice: harmless
+
+
+def test_ranks_do_not_outlive_a_killed_caller(checkpoints):
+    script = textwrap.dedent(f"""
+        from serve import LLM
+        llm = LLM({str(checkpoints['gpt2'])!r}, tensor_parallel_size=2)
+        print(" ".join(str(p.pid) for p in llm._procs), flush=True)
+        import time; time.sleep(120)
+    """)
+    caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(__file__)))
+    pids = [int(p) for p in caller.stdout.readline().split()]
+    assert len(pids) == 2
+    caller.send_signal(signal.SIGKILL)
+    caller.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by init) is gone for our purpose
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
