@@ -7,8 +7,8 @@ DenseLM   the single-device model, and the serving oracle: `logits` recomputes a
           sequence without any cache; `greedy_reference` generates by recomputing every step.
 TPLM      the same weights on p ranks: vocab-parallel (or replicated) embedding and head
           (layers/vocab.py), the v1 or v2 stack, and this rank's paged K,V pool handed in by the
-          engine. `step` runs one serving iteration of flat rows and returns greedy tokens for
-          the rows asked for; the full logits are never formed.
+          engine. `step` runs one serving iteration of flat rows and returns the tokens picked
+          (greedy, or sampled: layers/sampler.py) for the rows asked for; the full logits are never formed.
 DenseLlamaLM, TPLlamaLM   the same for Llama-family models (layers/llama.py): v2 blocks, the embedding and the
           head (separate, or tied) both vocab-parallel, caches of this rank's K,V heads only (`cache_heads`).
 `shard_lm` shards either.
@@ -27,6 +27,7 @@ from layers.attention import PagedLayer
 from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.dense import DenseStack
 from layers.llama import LlamaConfig, RMSNorm
+from layers.sampler import SampleResult, SamplingBatch, nothing_sampled, sample
 from layers.shard import DenseSource, Part, Source, load_plan, prefixed, whole
 from layers.tp_block import TPStack, tp_stack
 from layers.vocab import ReplicatedEmbedding, VocabParallelEmbedding
@@ -124,14 +125,17 @@ class TPLM(nn.Module):
         return self.cfg.n_heads // dist.get_world_size(self.stack.blocks[0].group)
 
     def step(self, ids: torch.Tensor, positions: torch.Tensor, layers: list[PagedLayer],
-             sample_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One iteration. ids, positions: [T]; returns (token ids, their logits) for sample_rows [S], on every rank."""
+             sample_rows: torch.Tensor, sampling: SamplingBatch | None = None) -> SampleResult:
+        """One iteration. ids, positions: [T]; the tokens picked for sample_rows [S] (greedy without `sampling`),
+        the same on every rank."""
         x = self.embed(ids) + self.wpe(positions)  # ★ vocab-parallel: all-reduce [T, d]
         x = self.stack.forward_cached(x, layers)  # ★ v2: 2 all-reduces [T, d] per layer; v1: 4 all-gathers
         if sample_rows.numel() == 0:  # only prompt chunks that do not finish their prompt: nothing to sample
-            return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.float64)
+            return nothing_sampled()
         last = self.ln_f(x[sample_rows])  # [S, d]: LayerNorm is per row, so only the sampled rows need it
-        return self.embed.greedy(last)  # ★ vocab-parallel: all-gather of (max, argmax) pairs [S, 2] per rank
+        # ★ vocab-parallel: greedy, an all-gather of (max, argmax) pairs [S, 2] per rank (sampling: layers/sampler.py)
+        return sample(self.embed.local_logits(last), self.embed.start, self.embed.head_group(), sampling,
+                      self.cfg.vocab_size)
 
 
 class TPLlamaLM(nn.Module):
@@ -159,13 +163,16 @@ class TPLlamaLM(nn.Module):
                 + prefixed(self.stack.plan(), "stack."))
 
     def step(self, ids: torch.Tensor, positions: torch.Tensor, layers: list[PagedLayer],
-             sample_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+             sample_rows: torch.Tensor, sampling: SamplingBatch | None = None) -> SampleResult:
         """As TPLM.step; `positions` is not needed: every block reads its rows' positions off `layers`."""
         x = self.embed(ids)  # ★ all-reduce [T, d]
         x = self.stack.forward_cached(x, layers)  # ★ 2 all-reduces [T, d] per layer
         if sample_rows.numel() == 0:
-            return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.float64)
-        return self.head.greedy(self.norm(x[sample_rows]))  # ★ all-gather of (max, argmax) pairs [S, 2] per rank
+            return nothing_sampled()
+        last = self.norm(x[sample_rows])
+        # ★ greedy: an all-gather of (max, argmax) pairs [S, 2] per rank (sampling: layers/sampler.py)
+        return sample(self.head.local_logits(last), self.head.start, self.head.head_group(), sampling,
+                      self.cfg.vocab_size)
 
 
 def shard_lm(weights: DenseLM | DenseLlamaLM | Source, variant: str, group: dist.ProcessGroup,
@@ -200,7 +207,7 @@ def tp_lm(cfg: ModelConfig | LlamaConfig, variant: str, group: dist.ProcessGroup
         if variant != "v2" or not vocab_parallel:
             raise ValueError("Llama-family models are served with variant v2 and a vocab-parallel embedding and head")
         embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group, **kw)
-        head = embed if cfg.tie_word_embeddings else VocabParallelEmbedding(  # only its greedy() is used
+        head = embed if cfg.tie_word_embeddings else VocabParallelEmbedding(  # only its local_logits() is used
             cfg.vocab_size, cfg.d_model, group, **kw)
         return TPLlamaLM(cfg, embed, stack, RMSNorm(cfg.d_model, cfg.norm_eps, **kw), head)
     embed = (VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group, **kw) if vocab_parallel

@@ -7,10 +7,10 @@ holds embedding rows [r·V'/p, (r+1)·V'/p):
 
   lookup   ids outside this rank's slice give zero rows; ★ one all-reduce of [T, d] sums the p slices.
   LM head  x [S, d] @ wte_rᵀ -> local logits [S, V'/p] (padded ids set to -inf, so they never win);
-           each rank keeps only its (max, argmax) per row; ★ one all-gather of those pairs, [S, 2] per
-           rank, and every rank picks the same winner: the largest value, ties to the lowest rank and
-           so to the lowest token id, exactly as torch.argmax over the full row. The full [S, V]
-           logits never exist anywhere.
+           layers/sampler.py picks the token from the slices: greedy keeps each rank's (max, argmax) per
+           row; ★ one all-gather of those pairs, [S, 2] per rank, and every rank picks the same winner:
+           the largest value, ties to the lowest rank and so to the lowest token id, exactly as
+           torch.argmax over the full row. The full [S, V] logits never exist anywhere.
 
 Replicated (the baseline for bytes and memory): every rank holds all of wte; lookup and
 head are local, no collective, V·d weights per rank instead of V'·d/p.
@@ -22,13 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from einops import rearrange
-
 from layers.shard import DenseSource, Part, load_plan, rows
-from tp.comm import gather_from_region, reduce_from_region
-
-# The (max, argmax) pairs travel as float64: exact for any float32/float64 logit and any id < 2**53.
-PAIR_DTYPE = torch.float64
+from tp.comm import reduce_from_region
 
 
 def padded_vocab(vocab_size: int, p: int) -> int:
@@ -37,7 +32,7 @@ def padded_vocab(vocab_size: int, p: int) -> int:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """This rank's rows of the token embedding; also the tied LM head (`greedy`)."""
+    """This rank's rows of the token embedding; also the tied LM head (`local_logits`)."""
 
     def __init__(self, vocab_size: int, d_model: int, group: dist.ProcessGroup, dtype=None, device=None):
         super().__init__()
@@ -65,17 +60,15 @@ class VocabParallelEmbedding(nn.Module):
         rows = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0)  # [T, d]
         return reduce_from_region(rows, self.group, "embed/all-reduce")  # ★ all-reduce: [T, d], every rank
 
-    def greedy(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [S, d] final hidden rows -> (token ids [S], their logits [S]), the same on every rank."""
-        logits = F.linear(x, self.weight)  # [S, V'/p]: this rank's slice of the vocabulary
-        logits[:, self.n_real:] = float("-inf")  # padded ids never win
-        best = logits.argmax(dim=-1)  # first maximum: the lowest id within the slice
-        pairs = torch.stack([logits.gather(1, best[:, None])[:, 0].to(PAIR_DTYPE),
-                             (best + self.start).to(PAIR_DTYPE)], dim=-1)  # [S, 2]
-        pairs = gather_from_region(pairs, self.group, "head/argmax all-gather")  # ★ all-gather: [S, 2p]
-        values, ids = rearrange(pairs, "s (p two) -> two s p", two=2)
-        winner = values.argmax(dim=-1, keepdim=True)  # first maximum: the lowest rank, so the lowest id
-        return ids.gather(1, winner)[:, 0].long(), values.gather(1, winner)[:, 0]
+    def local_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The tied LM head on this rank's slice: x [S, d] final hidden rows -> logits [S, V'/p] (padding ids -inf,
+        so they never win). The full [S, V] logits never exist: layers/sampler.py picks from the slices."""
+        logits = F.linear(x, self.weight)  # [S, V'/p]
+        logits[:, self.n_real:] = float("-inf")
+        return logits
+
+    def head_group(self) -> dist.ProcessGroup | None:
+        return self.group
 
 
 class ReplicatedEmbedding(nn.Module):
@@ -95,7 +88,10 @@ class ReplicatedEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, d]
         return F.embedding(ids, self.weight)
 
-    def greedy(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)  # [S, V]
-        best = logits.argmax(dim=-1)
-        return best, logits.gather(1, best[:, None])[:, 0].to(PAIR_DTYPE)
+    start = 0  # the whole vocabulary is here
+
+    def local_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)  # [S, V]
+
+    def head_group(self) -> None:
+        return None  # nothing to gather: the pick is local

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from layers.lm import TPLM, TPLlamaLM
+from layers.sampler import SamplingBatch, request_seed
 from serve.block_manager import BlockManager
 from serve.config import EngineConfig
 from serve.inputs import ATTENTION_MODES
@@ -39,6 +40,8 @@ from serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from serve.plan import FINGERPRINT_SIZE, IterationPlan
 from serve.request import Request, RequestStatus
 from serve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams()
 from serve.scheduler import Scheduler, SchedulerError, worst_case_blocks
 from tp.comm import broadcast_from_main, gather_from_region
 from tp.dist import TPContext, control_device, host_control, wait_for_stream
@@ -251,7 +254,8 @@ class Engine:
                 float(sum((i + 1) * (j + 1) * v for i, x in enumerate(per_request) for j, v in enumerate(x)))]
 
     def _forward(self, plan: IterationPlan, sched: Scheduler) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.runner.run(plan, {c.request: sched.by_id[c.request].tokens for c in plan.chunks})
+        out = self.runner.run(plan, {c.request: sched.by_id[c.request].tokens for c in plan.chunks})
+        return out.tokens, out.logits
 
     def _record(self, plan: IterationPlan, finished: list[int], ledger: TrafficLedger, elapsed: float,
                 blocks_used: int) -> dict:
@@ -322,8 +326,9 @@ class LLMEngine:
     """
 
     def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, config: EngineConfig | None = None,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), seed: int = 0):
         self.lm, self.ctx, self.config = lm, ctx, config or EngineConfig()
+        self.seed = seed  # a request without a seed samples with one drawn from this and its id
         c, m = self.config, lm.cfg
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_blocks = c.pool_blocks(m.max_seq_len)
@@ -336,6 +341,7 @@ class LLMEngine:
         self.stopped = False
         self.last_iteration: dict | None = None  # the record of the last step that ran a forward
         self.iterations = 0
+        self.busy_s = 0.0  # wall time inside step() that ran a forward, summed (rank 0's clock)
         # rank 0 only: what arrived since the last step, and the request ids users gave
         self._new: list[Request] = []
         self._aborts: list[int] = []
@@ -355,14 +361,13 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, not {type(params).__name__}")
         if request_id in self._ids:
             raise ValueError(f"request_id {request_id!r} is already running")
-        if (why := params.unsupported()) is not None:
-            raise ValueError(why)
         m = self.lm.cfg
         validate_prompt(prompt_token_ids, params.max_tokens, m.vocab_size, m.max_seq_len, self.num_blocks,
                         self.config.block_size)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         r = Request(self._next, list(prompt_token_ids), params.max_tokens, self.index, stop_ids=frozenset(stop),
                     params=params)
+        r.sampling_seed = params.seed if params.seed is not None else request_seed(self.seed, r.id)
         self._next += 1
         self._ids[request_id] = r.id
         self._outputs[r.id] = RequestOutput(request_id, prompt, r.prompt, [CompletionOutput(0, "", r.output)], False,
@@ -390,6 +395,7 @@ class LLMEngine:
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         """One iteration on every rank; rank 0 returns the outputs of the requests it moved (the others: [])."""
+        start = time.perf_counter()
         self.ledger.clear()
         with self.ledger.attach(self.lm.stack):
             flag, new, aborts, payload = self._control(RUN)  # ★ broadcast: what arrived, what was aborted
@@ -397,14 +403,17 @@ class LLMEngine:
                 self.stopped = flag == STOP
                 return []
             for r in new:
+                if r.sampling_seed is None:
+                    r.sampling_seed = r.params.seed if r.params.seed is not None else request_seed(self.seed, r.id)
                 self.scheduler.add(r)
             for rid in aborts:
                 self.scheduler.abort(rid)
             plan = self.scheduler.schedule(self.index)
             if plan is not None:
                 self._agree(plan.fingerprint(), f"iteration {plan.index}: ranks scheduled different rows")  # ★
-                tokens, logits = self.runner.run(plan, {c.request: self.scheduler.by_id[c.request].tokens
-                                                        for c in plan.chunks})
+                sampling = self._sampling(plan)
+                result = self.runner.run(plan, {c.request: self.scheduler.by_id[c.request].tokens
+                                                for c in plan.chunks}, sampling)
         if plan is None:  # nothing to run this step (nothing arrived, or all waiting requests were aborted)
             if self.scheduler.waiting and not self.scheduler.running:
                 raise SchedulerError(f"requests {[r.id for r in self.scheduler.waiting]} wait for KV blocks that "
@@ -412,9 +421,17 @@ class LLMEngine:
             self._check_ledger(None, payload)
             return self._outputs_of([], aborts)
         sampled = [c.request for c in plan.chunks if c.sample]
-        token_list = tokens.tolist()  # ★ the step's one wait for the device
-        finished = self.scheduler.update(plan, dict(zip(sampled, token_list)))
-        self._check_ledger(plan, payload)
+        read = [result.tokens.double()[:, None], result.logits[:, None]]
+        if result.logprob is not None:
+            read += [result.logprob[:, None], result.top_ids.double(), result.top_logprobs]
+        rows = torch.cat(read, dim=1).tolist()  # ★ the step's one wait for the device
+        finished = self.scheduler.update(plan, {rid: int(row[0]) for rid, row in zip(sampled, rows)})
+        if result.logprob is not None:
+            self._logprobs(sampled, rows, result.top_ids.shape[1])
+        sampler = None if sampling is None or sampling.greedy_only else (result.rounds, sampling.normalisers)
+        self._check_ledger(plan, payload, sampler)
+        self.last_iteration["time_s"] = elapsed = time.perf_counter() - start
+        self.busy_s += elapsed
         self.index += 1
         self.iterations += 1
         return self._outputs_of(sampled, aborts + finished)
@@ -491,14 +508,40 @@ class LLMEngine:
         if any(row != every[0] for row in every):
             raise PlanMismatch(f"{what} (fingerprints {every})")
 
-    def _check_ledger(self, plan: IterationPlan | None, payload: int) -> None:
+    def _sampling(self, plan: IterationPlan) -> SamplingBatch | None:
+        """The sampled rows' parameters as tensors, built once per step (None: every row is greedy)."""
+        rows, logprobs = [], -1
+        for c in plan.chunks:
+            if c.sample:
+                r = self.scheduler.by_id[c.request]
+                q = r.params or GREEDY
+                rows.append((q.temperature, q.top_k, q.top_p, q.min_p, r.sampling_seed, len(r.output)))
+                logprobs = max(logprobs, -1 if q.logprobs is None else q.logprobs)
+        if all(row[0] == 0 for row in rows) and logprobs < 0:
+            return None
+        return SamplingBatch.build(rows, logprobs, self.ctx.device)
+
+    def _logprobs(self, sampled: list[int], rows: list[list[float]], width: int) -> None:
+        """Rank 0: each row's chosen logprob and its top-N into the request's output."""
+        for rid, row in zip(sampled, rows):
+            o = self._outputs.get(rid)
+            n = self.scheduler.by_id[rid].params.logprobs
+            if o is None or n is None:
+                continue
+            step = {int(t): lp for t, lp in zip(row[3:3 + width][:n], row[3 + width:3 + 2 * width][:n])}
+            step[int(row[0])] = row[2]
+            c = o.outputs[0]
+            c.logprobs = (c.logprobs or []) + [step]
+            c.cumulative_logprob = (c.cumulative_logprob or 0.0) + row[2]
+
+    def _check_ledger(self, plan: IterationPlan | None, payload: int, sampler=None) -> None:
         """This step's collectives against the model: the control message, then (when a forward ran) the iteration's."""
         seen = [r.traffic() for r in self.ledger.records]
         p = self.ctx.world_size
         predicted = predict_control(p, payload, CONTROL_HEADER)
         if plan is not None:
             predicted += predict_iteration(self.lm.cfg, p, plan.rows, len(plan.sample_rows), self.dtype,
-                                           self.lm.variant, self.lm.vocab_parallel, FINGERPRINT_SIZE)
+                                           self.lm.variant, self.lm.vocab_parallel, FINGERPRINT_SIZE, sampler)
         record = {"iteration": None if plan is None else plan.index, "rows": 0 if plan is None else plan.rows,
                   "collectives": dict(Counter(t.kind for t in seen)),
                   "bytes_per_rank": sum(t.bytes_per_rank for t in seen),

@@ -334,8 +334,6 @@ class LLM:
         for q in params:
             if not isinstance(q, SamplingParams):
                 raise ValueError(f"sampling params must be SamplingParams, not {type(q).__name__}")
-            if (why := q.unsupported()) is not None:
-                raise ValueError(why)
         encoded = [self._encode(pr) for pr in prompts]
         for (_, ids), q in zip(encoded, params):  # every prompt is checked before the first one is added
             self._check(ids, q)

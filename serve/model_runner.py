@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from layers.lm import TPLM, TPLlamaLM
+from layers.sampler import SampleResult, SamplingBatch
 from serve.inputs import prepare_step
 from serve.kv_cache import KVPool
 from serve.plan import IterationPlan
@@ -29,7 +30,9 @@ class ModelRunner:
         self.cache = KVPool(cfg.n_layers, num_blocks, block_size, lm.cache_heads, cfg.d_head, self.dtype, ctx.device)
 
     @torch.no_grad()
-    def run(self, plan: IterationPlan, tokens_of: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens_of: request id -> its tokens (prompt + output so far). Returns the sampled rows' (ids, logits)."""
+    def run(self, plan: IterationPlan, tokens_of: dict[int, list[int]],
+            sampling: SamplingBatch | None = None) -> SampleResult:
+        """tokens_of: request id -> its tokens (prompt + output so far); sampling: the sampled rows' parameters (None:
+        greedy). Returns the sampled rows' tokens and their logits (and logprobs when asked), on the device."""
         step = prepare_step(plan, tokens_of, self.block_size, self.ctx.device, self.attention)
-        return self.lm.step(step.ids, step.positions, self.cache.layers(step.batch), step.sample_rows)
+        return self.lm.step(step.ids, step.positions, self.cache.layers(step.batch), step.sample_rows, sampling)

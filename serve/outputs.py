@@ -19,6 +19,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while it runs
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[dict[int, float]] | None = None  # with SamplingParams.logprobs=N: per token, its id and top N
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -47,6 +47,7 @@ class Request:
     preemptions: int = 0
     stop_ids: frozenset[int] = frozenset()  # sampling one of these finishes it (eos, stop_token_ids), as eos_id does
     params: SamplingParams | None = None
+    sampling_seed: int | None = None  # the seed of its noise: params.seed, or one drawn from the engine's seed and id
     status: RequestStatus = RequestStatus.WAITING
 
     @property

@@ -4,10 +4,12 @@
     SamplingParams(max_tokens=64, stop_token_ids=[13]) # ... or until token 13 is sampled
     SamplingParams(ignore_eos=True)                    # the checkpoint's EOS does not end it
 
-Every value is checked when the object is made (a one-line ValueError). Decoding is greedy
-(temperature 0): the fields of random sampling (temperature > 0, top_k, top_p, min_p, seed,
-logprobs) are named here so that code written against vLLM reads the same, and the engine refuses
-values other than their defaults with a one-line ValueError until the sampler takes them.
+    SamplingParams(temperature=0.8, top_p=0.95, seed=1)  # sampled; the same tokens at any TP size, in any batch
+
+Every value is checked when the object is made (a one-line ValueError). The sampler (layers/sampler.py) applies
+temperature, then min_p, top_k and top_p (vLLM's order), then draws with noise that depends only on (seed, output
+position, token id). seed None: one drawn from the engine's seed and the request's id (a run is reproducible).
+logprobs=N: each step's chosen token and the top N, log softmax of the raw logits.
 """
 
 from __future__ import annotations
@@ -64,13 +66,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-    def unsupported(self) -> str | None:
-        """What this engine cannot do yet with these values, in one line (None: it can)."""
-        asked = [f"{name}={getattr(self, name)!r}" for name, off in
-                 (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("seed", None),
-                  ("logprobs", None)) if getattr(self, name) != off and not (name == "top_k" and self.top_k == -1)]
-        if not asked:
-            return None
-        return (f"{', '.join(asked)}: this engine decodes greedily (temperature=0, no top_k/top_p/min_p/seed/"
-                f"logprobs)")

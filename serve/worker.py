@@ -102,7 +102,7 @@ def build_engine(ctx, spec: RankSpec):
     with torch.no_grad():
         lm = shard_lm(weights, "v2", ctx.group, True, spec.moe_parallel)
     del weights
-    return LLMEngine(lm, ctx, spec.engine, spec.eos_token_ids)
+    return LLMEngine(lm, ctx, spec.engine, spec.eos_token_ids, spec.seed)
 
 
 def _serve(rank: int, world_size: int, store: str, spec: RankSpec, conn) -> None:
@@ -134,7 +134,8 @@ def _driven(engine, conn) -> None:
         "has_unfinished_requests": engine.has_unfinished_requests,
         "stats": lambda: {"num_blocks": engine.num_blocks, "free_blocks": engine.free_blocks,
                           "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
-                          "iterations": engine.iterations, "last_iteration": engine.last_iteration},
+                          "iterations": engine.iterations, "busy_s": engine.busy_s,
+                          "last_iteration": engine.last_iteration},
     }
     while True:
         if not conn.poll(KEEP_ALIVE_S):
