@@ -39,13 +39,14 @@ from launch.settings import (LaunchSettings, boolean, check_memory, common_setti
 from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.dense import init_weights, weights_checksum
 from layers.hf import CheckpointSource, load_lm
-from layers.lm import DenseLlamaLM, DenseLM, dense_lm, greedy_reference, shard_lm
+from layers.lm import DenseLlamaLM, DenseLM, dense_lm, greedy_reference, sampled_reference, shard_lm
 from layers.moe import validate_moe
 from serve.disagg import Layout, new_groups, serve_pd
 from serve.engine import Engine, ServeResult
 from serve.block_manager import BlockManager
 from serve.inputs import ATTENTION_MODES
 from serve.kv_cache import kv_bytes_per_token
+from serve.sampling_params import SamplingParams
 from serve.scheduler import Request, Scheduler, SchedulerError, worst_case_blocks
 from tp.cost_model import kv_bytes_per_token_per_rank
 from tp.traffic_model import pair_count
@@ -77,12 +78,13 @@ class Settings(LaunchSettings):
     comm_timing: bool = False  # per-collective times in the ledger: two waits for the compute stream per collective
     notes: tuple[str, ...] = ()  # what was changed from what was asked, said by rank 0 and kept in the report
     moe_parallel: str = "tp"  # MoE models: where the experts live (tp: split; ep: whole experts per rank)
+    sampling: dict | None = None  # temperature, top_k, top_p, min_p, sampling_seed; None: greedy
 
     def engine_args(self) -> dict:
         return dict(chunk_size=self.chunk_size, max_batched_tokens=self.max_batched_tokens,
                     max_running=self.max_running, eos_id=self.eos_id, block_size=self.block_size,
                     kv_blocks=self.kv_blocks, prefix_cache=self.prefix_cache, attention=self.attention,
-                    comm_timing=self.comm_timing)
+                    comm_timing=self.comm_timing, seed=(self.sampling or {}).get("sampling_seed", 0))
 
 
 def parse_pd(cfg: DictConfig, world_size: int) -> tuple[Layout | None, bool, float]:
@@ -144,6 +146,7 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
             paging["kv_blocks"] or worst_case_blocks(requests, bs), bs, paging["prefix_cache"]))
     except SchedulerError as exc:
         raise ConfigError(str(exc)) from None
+    sampling = parse_sampling(cfg, requests, layout)
     eos_id = None if cfg.eos_id is None else integer(cfg, "eos_id")
     if eos_id is not None and not 0 <= eos_id < model.vocab_size:
         raise ConfigError(f"eos_id={eos_id} is not a token id of the vocabulary [0, {model.vocab_size})")
@@ -155,7 +158,28 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
                     max_running=max_running, eos_id=eos_id, variant=variant,
                     vocab_parallel=boolean(cfg, "vocab_parallel"), check=check, pd=layout,
                     streaming=streaming, pd_timeout_s=pd_timeout_s, notes=tuple(notes), moe_parallel=moe_parallel,
-                    **paging)
+                    sampling=sampling, **paging)
+
+
+def parse_sampling(cfg: DictConfig, requests: list[Request], layout) -> dict | None:
+    """temperature, top_k, top_p, min_p, sampling_seed: with temperature > 0 every request samples (its own seed drawn
+    from sampling_seed and its id); None when decoding is greedy. Bad values: SamplingParams' one-line reason."""
+    keys = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    values = {k: cfg.get(k, d) for k, d in keys.items()}
+    try:
+        for r in requests:
+            r.params = SamplingParams(max_tokens=r.max_new_tokens, **values)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    seed = integer(cfg, "sampling_seed") if "sampling_seed" in cfg else 0
+    if values["temperature"] == 0:
+        for r in requests:
+            r.params = None  # greedy: the head's own path, as before
+        return None
+    if layout is not None:
+        raise ConfigError(f"temperature={values['temperature']} with pd: the prefill side's first token is greedy "
+                          f"only; sample colocated (drop pd.*)")
+    return {**values, "sampling_seed": seed}
 
 
 def parse_moe_parallel(cfg: DictConfig, model, world_size: int, layout) -> str:
@@ -346,7 +370,8 @@ def oracle_check(dense: DenseLM, s: Settings, result: ServeResult, ctx) -> list[
     for r, served in zip(s.requests, result.requests):
         if r.id % ctx.world_size != ctx.rank:
             continue
-        ref = greedy_reference(dense, r.prompt, r.max_new_tokens, s.eos_id)
+        ref = (greedy_reference(dense, r.prompt, r.max_new_tokens, s.eos_id) if r.params is None else
+               sampled_reference(dense, r.prompt, r.params, r.sampling_seed, s.eos_id))
         mine[r.id] = compare(served, ref, NEAR_TIE[s.dtype])
     gathered = [None] * ctx.world_size
     dist.all_gather_object(gathered, mine, group=ctx.group)
@@ -534,7 +559,7 @@ def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | Non
                    "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed, "check": s.check,
                    "block_size": s.block_size, "kv_blocks": s.kv_blocks, "prefix_cache": s.prefix_cache,
                    "attention": s.attention, "shared_prefix": s.shared_prefix, "comm_timing": s.comm_timing,
-                   "moe_parallel": s.moe_parallel if m.family == "mixtral" else None},
+                   "moe_parallel": s.moe_parallel if m.family == "mixtral" else None, "sampling": s.sampling},
         "notes": list(s.notes),
         "iterations": its,
         "requests": requests,

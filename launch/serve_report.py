@@ -28,6 +28,13 @@ def _moe(c: dict) -> str:
             if "n_experts" in m else "")
 
 
+def _sampling(sp: dict | None) -> str:
+    if not sp:
+        return "decoding: greedy (temperature=0)"
+    return (f"decoding: sampled, temperature={sp['temperature']} top_k={sp['top_k']} top_p={sp['top_p']} "
+            f"min_p={sp['min_p']}, request i seeded from sampling_seed={sp['sampling_seed']} and i")
+
+
 def render(r: dict) -> str:
     c, m, t, kv = r["config"], r["config"]["model"], r["totals"], r["kv_cache"]
     lines = [
@@ -41,6 +48,7 @@ def render(r: dict) -> str:
         f"KV pool of {kv['blocks']} blocks of block_size={kv['block_size']} per rank, prefix_cache="
         f"{str(c['prefix_cache']).lower()}, attention={c['attention']}"
         + (f", shared_prefix={c['shared_prefix']}" if c.get("shared_prefix") else ""),
+        _sampling(c.get("sampling")),
         *([render_load(r["load"])] if r.get("load") else []),
         "",
         "per iteration (collectives and bytes from the traffic ledger; model: the analytic prediction agrees):",

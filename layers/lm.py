@@ -99,6 +99,27 @@ def greedy_reference(lm: DenseLM, prompt: list[int], max_new_tokens: int, eos_id
     return out
 
 
+def sampled_reference(lm: DenseLM | DenseLlamaLM, prompt: list[int], params, seed: int,
+                      eos_id: int | None = None) -> Greedy:
+    """The oracle of a sampled request: the same sampler (layers/sampler.py) on the dense logits, recomputed with no
+    cache every step, with the request's noise (seed, position). margins: each step's lead in the race."""
+    device = next(lm.parameters()).device
+    tokens, out = list(prompt), Greedy([], [], [])
+    for position in range(params.max_tokens):
+        z = lm.logits(torch.tensor(tokens, device=device))[-1:]  # [1, V]
+        batch = SamplingBatch.build([(params.temperature, params.top_k, params.top_p, params.min_p, seed, position)],
+                                    -1, device)
+        res = sample(z, 0, None, batch, lm.cfg.vocab_size)
+        token = int(res.tokens[0])
+        out.ids.append(token)
+        out.logits.append(float(res.logits[0]))
+        out.margins.append(float(res.margin[0]) if res.margin is not None else float(z.topk(2).values.diff().abs()))
+        tokens.append(token)
+        if token == eos_id:
+            break
+    return out
+
+
 class TPLM(nn.Module):
     def __init__(self, cfg: ModelConfig, variant: str, embed: nn.Module, wpe: nn.Embedding, stack: TPStack,
                  ln_f: nn.LayerNorm):

@@ -93,6 +93,7 @@ class SampleResult:
     top_ids: torch.Tensor | None = None  # [S, N] int64, by logprob (desc), ties to the lower id
     top_logprobs: torch.Tensor | None = None  # [S, N] float64
     rounds: tuple[int, ...] = ()  # candidates gathered per rank, per round (the traffic model reads them)
+    margin: torch.Tensor | None = None  # [S]: the winner's lead over the runner-up in the race (single device only)
 
 
 def nothing_sampled() -> SampleResult:
@@ -235,6 +236,9 @@ def sample(local: torch.Tensor, start: int, group: dist.ProcessGroup | None, bat
     values, won, logit = rearrange(triple, "s (p three) -> three s p", three=3)
     winner = values.argmax(dim=-1, keepdim=True)  # the largest, ties to the lowest rank
     out = SampleResult(won.gather(1, winner)[:, 0].long(), logit.gather(1, winner)[:, 0], rounds=tuple(rounds))
+    if group is None and n > 1:  # an oracle's near-tie rule: how close the race was
+        two = race.topk(2, dim=-1).values
+        out.margin = two[:, 0] - two[:, 1]
     if batch.logprobs >= 0:
         log_z = m[:, 0] + torch.log(z_full)
         out.logprob = out.logits - log_z

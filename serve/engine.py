@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from layers.lm import TPLM, TPLlamaLM
-from layers.sampler import SamplingBatch, request_seed
+from layers.sampler import request_seed
 from serve.block_manager import BlockManager
 from serve.config import EngineConfig
 from serve.inputs import ATTENTION_MODES
@@ -41,7 +41,6 @@ from serve.plan import FINGERPRINT_SIZE, IterationPlan
 from serve.request import Request, RequestStatus
 from serve.sampling_params import SamplingParams
 
-GREEDY = SamplingParams()
 from serve.scheduler import Scheduler, SchedulerError, worst_case_blocks
 from tp.comm import broadcast_from_main, gather_from_region
 from tp.dist import TPContext, control_device, host_control, wait_for_stream
@@ -128,7 +127,7 @@ class Engine:
                  max_running: int | None = None, eos_id: int | None = None, block_size: int = 16,
                  kv_blocks: int | None = None, prefix_cache: bool = True, attention: str = "batched",
                  reserve_capacity: bool = False, comm_timing: bool = False, on_iteration=None,
-                 hooks: EngineHooks | None = None):
+                 hooks: EngineHooks | None = None, seed: int = 0):
         if block_size < 1:
             raise SchedulerError(f"block_size={block_size} must be at least 1")
         if kv_blocks is not None and kv_blocks < 1:
@@ -143,6 +142,7 @@ class Engine:
         self.comm_timing = comm_timing  # per-collective times in the ledger (comm_time_s): waits on the stream
         self.on_iteration = on_iteration  # called with each iteration's record (progress lines)
         self.hooks = hooks or EngineHooks()
+        self.seed = seed  # sampled requests without a seed of their own: one drawn from this and the request's id
         self.dtype = next(lm.parameters()).dtype
         self.cache: KVPool | None = None  # allocated by run(): its size may depend on the requests
 
@@ -156,6 +156,9 @@ class Engine:
 
     @torch.no_grad()
     def run(self, requests: list[Request]) -> ServeResult:
+        for r in requests:
+            if r.params is not None and r.sampling_seed is None:
+                r.sampling_seed = r.params.seed if r.params.seed is not None else request_seed(self.seed, r.id)
         sched = self.scheduler(requests)
         n_blocks = sched.blocks.num_blocks
         self.runner = ModelRunner(self.lm, self.ctx, n_blocks, self.block_size, self.attention)
@@ -187,7 +190,7 @@ class Engine:
             with ledger.attach(self.lm.stack):
                 self._check_plan(plan)
                 self.hooks.before_forward(plan)
-                tokens, token_logits = self._forward(plan, sched)
+                tokens, token_logits, sampler = self._forward(plan, sched)
             # The iteration's one wait for the device: tokens and logits in one copy (ids < 2^53 are exact in float64)
             token_list, logit_list = torch.stack([tokens.double(), token_logits.double()]).tolist()
             token_list = [int(t) for t in token_list]
@@ -198,7 +201,7 @@ class Engine:
                 logits[rid].append(lg)
             finished = sched.update(plan, dict(zip(sampled_ids, token_list)))
             self.hooks.after_update(plan, finished, sched, self.cache)
-            record = self._record(plan, finished, ledger, t1 - t0, blocks_used)
+            record = self._record(plan, finished, ledger, t1 - t0, blocks_used, sampler)
             record["prefix_hit_tokens"] = sum(r.prefix_hit for r in requests) - hits_before
             record["positions_held"], record["running"] = positions_held, running
             record["start_s"] = t0 - start  # when this iteration began, from the run's start (timelines)
@@ -253,15 +256,15 @@ class Engine:
                 float(sum((i + 1) * sum(x) for i, x in enumerate(per_request))),
                 float(sum((i + 1) * (j + 1) * v for i, x in enumerate(per_request) for j, v in enumerate(x)))]
 
-    def _forward(self, plan: IterationPlan, sched: Scheduler) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.runner.run(plan, {c.request: sched.by_id[c.request].tokens for c in plan.chunks})
-        return out.tokens, out.logits
+    def _forward(self, plan: IterationPlan, sched: Scheduler) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+        out, sampling = self.runner.run(plan, sched.by_id)
+        return out.tokens, out.logits, None if sampling is None else (out.rounds, sampling.normalisers)
 
     def _record(self, plan: IterationPlan, finished: list[int], ledger: TrafficLedger, elapsed: float,
-                blocks_used: int) -> dict:
+                blocks_used: int, sampler: tuple | None = None) -> dict:
         seen = [r.traffic() for r in ledger.records]
         predicted = predict_iteration(self.lm.cfg, self.ctx.world_size, plan.rows, len(plan.sample_rows), self.dtype,
-                                      self.lm.variant, self.lm.vocab_parallel, FINGERPRINT_SIZE)
+                                      self.lm.variant, self.lm.vocab_parallel, FINGERPRINT_SIZE, sampler)
         return {
             "iteration": plan.index, "rows": plan.rows, "prefill_chunks": plan.prefill_chunks,
             "decodes": plan.decodes, "admitted": list(plan.admitted), "finished": finished,
@@ -411,9 +414,7 @@ class LLMEngine:
             plan = self.scheduler.schedule(self.index)
             if plan is not None:
                 self._agree(plan.fingerprint(), f"iteration {plan.index}: ranks scheduled different rows")  # ★
-                sampling = self._sampling(plan)
-                result = self.runner.run(plan, {c.request: self.scheduler.by_id[c.request].tokens
-                                                for c in plan.chunks}, sampling)
+                result, sampling = self.runner.run(plan, self.scheduler.by_id)
         if plan is None:  # nothing to run this step (nothing arrived, or all waiting requests were aborted)
             if self.scheduler.waiting and not self.scheduler.running:
                 raise SchedulerError(f"requests {[r.id for r in self.scheduler.waiting]} wait for KV blocks that "
@@ -428,8 +429,7 @@ class LLMEngine:
         finished = self.scheduler.update(plan, {rid: int(row[0]) for rid, row in zip(sampled, rows)})
         if result.logprob is not None:
             self._logprobs(sampled, rows, result.top_ids.shape[1])
-        sampler = None if sampling is None or sampling.greedy_only else (result.rounds, sampling.normalisers)
-        self._check_ledger(plan, payload, sampler)
+        self._check_ledger(plan, payload, None if sampling is None else (result.rounds, sampling.normalisers))
         self.last_iteration["time_s"] = elapsed = time.perf_counter() - start
         self.busy_s += elapsed
         self.index += 1
@@ -507,19 +507,6 @@ class LLMEngine:
             every = gather_from_region(mine, self.ctx.group, "engine/plan check").view(-1, FINGERPRINT_SIZE).tolist()
         if any(row != every[0] for row in every):
             raise PlanMismatch(f"{what} (fingerprints {every})")
-
-    def _sampling(self, plan: IterationPlan) -> SamplingBatch | None:
-        """The sampled rows' parameters as tensors, built once per step (None: every row is greedy)."""
-        rows, logprobs = [], -1
-        for c in plan.chunks:
-            if c.sample:
-                r = self.scheduler.by_id[c.request]
-                q = r.params or GREEDY
-                rows.append((q.temperature, q.top_k, q.top_p, q.min_p, r.sampling_seed, len(r.output)))
-                logprobs = max(logprobs, -1 if q.logprobs is None else q.logprobs)
-        if all(row[0] == 0 for row in rows) and logprobs < 0:
-            return None
-        return SamplingBatch.build(rows, logprobs, self.ctx.device)
 
     def _logprobs(self, sampled: list[int], rows: list[list[float]], width: int) -> None:
         """Rank 0: each row's chosen logprob and its top-N into the request's output."""

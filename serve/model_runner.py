@@ -18,6 +18,7 @@ from layers.sampler import SampleResult, SamplingBatch
 from serve.inputs import prepare_step
 from serve.kv_cache import KVPool
 from serve.plan import IterationPlan
+from serve.request import Request
 from tp.dist import TPContext
 
 
@@ -30,9 +31,29 @@ class ModelRunner:
         self.cache = KVPool(cfg.n_layers, num_blocks, block_size, lm.cache_heads, cfg.d_head, self.dtype, ctx.device)
 
     @torch.no_grad()
-    def run(self, plan: IterationPlan, tokens_of: dict[int, list[int]],
-            sampling: SamplingBatch | None = None) -> SampleResult:
-        """tokens_of: request id -> its tokens (prompt + output so far); sampling: the sampled rows' parameters (None:
-        greedy). Returns the sampled rows' tokens and their logits (and logprobs when asked), on the device."""
-        step = prepare_step(plan, tokens_of, self.block_size, self.ctx.device, self.attention)
-        return self.lm.step(step.ids, step.positions, self.cache.layers(step.batch), step.sample_rows, sampling)
+    def run(self, plan: IterationPlan, requests: dict[int, Request]) -> tuple[SampleResult, SamplingBatch | None]:
+        """requests: id -> Request (its tokens so far, its sampling parameters). Returns the sampled rows' tokens and
+        their logits (and logprobs when asked), on the device, and the sampling batch (None: every row greedy)."""
+        step = prepare_step(plan, {c.request: requests[c.request].tokens for c in plan.chunks}, self.block_size,
+                            self.ctx.device, self.attention)
+        sampling = sampling_batch(plan, requests, self.ctx.device)
+        out = self.lm.step(step.ids, step.positions, self.cache.layers(step.batch), step.sample_rows, sampling)
+        return out, sampling
+
+
+def sampling_batch(plan: IterationPlan, requests: dict[int, Request], device) -> SamplingBatch | None:
+    """The sampled rows' parameters as tensors, built once per step; None when every row is greedy (the head's own
+    greedy path, bit for bit)."""
+    rows, logprobs = [], -1
+    for c in plan.chunks:
+        if c.sample:
+            r = requests[c.request]
+            q = r.params
+            if q is None:  # a request of the launcher's greedy runs
+                rows.append((0.0, 0, 1.0, 0.0, 0, len(r.output)))
+                continue
+            rows.append((q.temperature, q.top_k, q.top_p, q.min_p, r.sampling_seed or 0, len(r.output)))
+            logprobs = max(logprobs, -1 if q.logprobs is None else q.logprobs)
+    if all(row[0] == 0 for row in rows) and logprobs < 0:
+        return None
+    return SamplingBatch.build(rows, logprobs, device)

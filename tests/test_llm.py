@@ -263,6 +263,13 @@ def online_checks(llm, tok):
         needle = clean[-1]
         s = llm.generate([[5, 6, 7]], SP(max_tokens=10, ignore_eos=True, stop=[needle]))[0].outputs[0]
         assert s.text == full[:full.index(needle)] and s.finish_reason == "stop" and s.stop_reason == needle
+    # sampled with a seed: the same tokens alone and in a batch; logprobs for each token
+    q = SP(max_tokens=8, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True, logprobs=2)
+    alone = llm.generate([[5, 6, 7]], q)[0].outputs[0]
+    crowd = llm.generate([[9, 9], [5, 6, 7], "the quick"], [SP(max_tokens=5, temperature=0.7), q, SP()])[1].outputs[0]
+    assert crowd.token_ids == alone.token_ids and len(alone.logprobs) == 8
+    assert all(t in step and len(step) <= 3 for t, step in zip(alone.token_ids, alone.logprobs))
+    assert abs(alone.cumulative_logprob - sum(step[t] for t, step in zip(alone.token_ids, alone.logprobs))) < 1e-9
     # online: add, step, abort between steps
     llm.add_request("a", "the quick", SP(max_tokens=20, ignore_eos=True))
     llm.add_request("b", "tensor", SP(max_tokens=5, ignore_eos=True))

@@ -76,6 +76,23 @@ def test_bad_settings_fail_before_any_collective(tmp_path, overrides, message):
     assert message in alone.stderr, alone.stderr
 
 
+def test_serve_samples_and_checks_against_the_same_sampler_on_the_oracle(tmp_path):
+    """temperature / top_k / top_p / min_p: every sampled token checked against the dense oracle with the same noise,
+    every iteration's collectives (the sampler's included) against the model; the settings in report.json."""
+    args = [*SMALL, "temperature=1.1", "top_p=0.9", "top_k=50", "min_p=0.01", "sampling_seed=3"]
+    proc, _ = launch_on_pool(2, *args, run_dir=tmp_path / "a", script="serve.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "decoding: sampled, temperature=1.1" in proc.stdout
+    report = json.loads((tmp_path / "a" / "report.json").read_text())
+    assert report["config"]["sampling"] == {"temperature": 1.1, "top_k": 50, "top_p": 0.9, "min_p": 0.01,
+                                            "sampling_seed": 3}
+    assert report["check"]["verdicts"]["match"] == 5 and report["ledger_matches_model"] is True
+    assert any(it["collectives"]["all_gather"] > 2 for it in report["iterations"])  # the sampler's gathers
+    greedy, _ = launch_on_pool(2, *SMALL, run_dir=tmp_path / "b", script="serve.py")
+    greedy = json.loads((tmp_path / "b" / "report.json").read_text())
+    assert [r["output_ids"] for r in greedy["requests"]] != [r["output_ids"] for r in report["requests"]]
+
+
 def test_an_unknown_preset_fails_fast_on_a_lone_rank(tmp_path):
     """The last rank as its own process, with nobody to meet, exits 2 on a preset Hydra would not find (checked
     before Hydra starts). Every rank failing under torchrun: tests/test_launcher.py (the same launch.settings)."""
@@ -94,6 +111,9 @@ MORE_BAD = [
     (["variant=intra_head"], "unknown variant 'intra_head' for serving"),
     (["variant=v2sp"], "unknown variant 'v2sp' for serving; choose v2 or v1 (intra_head and v2sp cut one forward"),
     (["prompt_dist=zipf"], "unknown prompt_dist 'zipf'"),
+    (["temperature=-1"], "temperature=-1 must be a number >= 0"),
+    (["temperature=0.8", "top_p=0"], "top_p=0 must be in (0, 1]"),
+    (["temperature=0.8", "pd.prefill_ranks=1", "pd.decode_ranks=1"], "temperature=0.8 with pd"),
     (["prompt_mean=100000"], "prompt_mean=100000 cannot be met: random prompts have at most 1009 tokens here "
                              "(model.max_seq_len=1024, max_new_tokens=16, shared_prefix=0)"),
 ]

@@ -1,0 +1,133 @@
+"""Sampling under the vocab-parallel head: bytes per sampled row against all-gathering the logits, and its cost.
+
+    python benchmarks/bench_sampling.py [--parts bytes,cost] [--repeats 2]
+
+  bytes  p = 2, 4, 8 ranks (started here, gloo), vocab 50257 and 128256 (GPT-2's, Llama 3's), 8 rows of random
+         float32 logits per rank's slice: each filter's sample() under the traffic ledger, the bytes each rank sent per
+         sampled row, beside tp/traffic_model.predict_sampler (they must be equal) and beside an all-gather of the
+         float32 logits (vLLM's way: every rank gets the [S, V'] logits), measured the same way
+  cost   the article03 GPT-2 LM (float32) through LLM at tensor_parallel_size 2, B requests at once (B = 1, 8, 32;
+         random 32-token prompts, 32 new tokens each, ignore_eos): tokens/s with temperature 0.8 + top_p 0.95
+         against greedy, alternating A B B A within each repeat; the ratio is greedy / sampled time
+
+Writes outputs/bench_sampling.json and prints both tables (markdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+VOCABS = (50257, 128256)
+SIZES = (2, 4, 8)
+ROWS = 8
+FILTERS = {"greedy": dict(temperature=0.0), "temperature": dict(temperature=0.8), "top_k=50": dict(top_k=50),
+           "top_p=0.95": dict(top_p=0.95), "min_p=0.05": dict(min_p=0.05),
+           "top_k+top_p+min_p": dict(top_k=50, top_p=0.95, min_p=0.05), "logprobs=5": dict(logprobs=5)}
+
+
+def measure_bytes(ctx, vocab: int) -> dict:
+    import torch
+
+    from layers.sampler import SamplingBatch, sample
+    from layers.vocab import padded_vocab
+    from tp.comm import gather_from_region
+    from tp.ledger import TrafficLedger
+    from tp.traffic_model import predict_sampler
+
+    p, n = ctx.world_size, padded_vocab(vocab, ctx.world_size) // ctx.world_size
+    start = ctx.rank * n
+    gen = torch.Generator().manual_seed(ctx.rank)
+    local = torch.randn(ROWS, n, generator=gen) * 3  # float32 logits, as a float32 head gives them
+    local[:, max(0, min(n, vocab - start)):] = float("-inf")
+    out = {}
+    for name, f in FILTERS.items():
+        t = f.get("temperature", 1.0)
+        rows = [(t, f.get("top_k", 0), f.get("top_p", 1.0), f.get("min_p", 0.0), i, 0) for i in range(ROWS)]
+        batch = SamplingBatch.build(rows, f.get("logprobs", -1), "cpu")
+        ledger = TrafficLedger(p)
+        with ledger.recording():
+            res = sample(local, start, ctx.group, None if batch.greedy_only else batch, vocab)
+        seen = [r.traffic() for r in ledger.records]
+        model = predict_sampler(p, ROWS, None if batch.greedy_only else (res.rounds, batch.normalisers))
+        out[name] = {"bytes_per_row": sum(r.bytes_per_rank for r in seen) / ROWS,
+                     "model_bytes_per_row": sum(r.bytes_per_rank for r in model) / ROWS,
+                     "collectives": len(seen), "ledger_matches_model": seen == model, "rounds": list(res.rounds)}
+    ledger = TrafficLedger(p)
+    with ledger.recording():
+        gather_from_region(local, ctx.group, "head/logits all-gather")  # [S, V'] on every rank
+    out["all-gather logits (float32)"] = {"bytes_per_row": sum(r.bytes_per_rank for r in ledger.records) / ROWS}
+    return out
+
+
+def bytes_table() -> dict:
+    from launch.spawn import spawn_ranks
+
+    return {f"{vocab}": {f"{p}": spawn_ranks(p, measure_bytes, vocab, backend="gloo") for p in SIZES}
+            for vocab in VOCABS}
+
+
+def cost_table(repeats: int) -> dict:
+    import torch
+
+    from serve import LLM, SamplingParams
+
+    out = {}
+    with LLM("article03", tensor_parallel_size=2, max_running=32, max_batched_tokens=1024, chunk_size=1024) as llm:
+        for B in (1, 8, 32):
+            gen = torch.Generator().manual_seed(B)
+            prompts = [torch.randint(0, 50257, (32,), generator=gen).tolist() for _ in range(B)]
+            greedy = SamplingParams(max_tokens=32, ignore_eos=True)
+            sampled = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8, top_p=0.95)
+
+            def timed(q):
+                t0 = time.perf_counter()
+                llm.generate(prompts, q)
+                return time.perf_counter() - t0
+
+            timed(greedy)  # warm-up
+            ratios = []
+            for _ in range(repeats):
+                a1, b1, b2, a2 = timed(greedy), timed(sampled), timed(sampled), timed(greedy)
+                ratios.append((b1 + b2) / (a1 + a2))
+            out[f"{B}"] = {"sampled_over_greedy_time": statistics.median(ratios), "runs": ratios}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="bytes,cost")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "outputs/bench_sampling.json"))
+    args = ap.parse_args()
+    parts = args.parts.split(",")
+    result = {}
+    if "bytes" in parts:
+        result["bytes"] = b = bytes_table()
+        names = list(FILTERS) + ["all-gather logits (float32)"]
+        print("| vocab | p | " + " | ".join(names) + " |")
+        print("|---|---|" + "---|" * len(names))
+        for vocab, per_p in b.items():
+            for p, ranks in per_p.items():
+                r0 = ranks
+                cells = [f"{r0[n]['bytes_per_row']:,.0f}" + ("" if r0[n].get("ledger_matches_model", True) else " (≠ model)")
+                         for n in names]
+                print(f"| {vocab} | {p} | " + " | ".join(cells) + " |")
+    if "cost" in parts:
+        result["cost"] = c = cost_table(args.repeats)
+        print("\n| B | sampled / greedy time (median) | runs |\n|---|---|---|")
+        for B, row in c.items():
+            print(f"| {B} | {row['sampled_over_greedy_time']:.3f} | {', '.join(f'{x:.3f}' for x in row['runs'])} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
