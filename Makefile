@@ -55,6 +55,8 @@ bench: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=4 benchmarks/bench_pd.py
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=8 benchmarks/bench_kv.py
 	$(PY) benchmarks/bench_load.py
+	$(PY) benchmarks/bench_llm.py
+	$(PY) benchmarks/bench_sampling.py
 	$(PY) benchmarks/report.py
 
 gpu-check: setup

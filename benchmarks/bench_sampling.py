@@ -2,13 +2,16 @@
 
     python benchmarks/bench_sampling.py [--parts bytes,cost] [--repeats 2]
 
-  bytes  p = 2, 4, 8 ranks (started here, gloo), vocab 50257 and 128256 (GPT-2's, Llama 3's), 8 rows of random
-         float32 logits per rank's slice: each filter's sample() under the traffic ledger, the bytes each rank sent per
+  bytes  p = 2, 4, 8 ranks (started here, gloo), vocab 50257 and 128256 (GPT-2's, Llama 3's), 8 rows of float32
+         logits per rank's slice (flat: normal with std 3, the worst case for top-p; peaked: -1.5·log(rank), Zipf-like, over the
+         ids in random order, a language model's shape): each filter's sample() under the traffic ledger, the bytes each rank sent per
          sampled row, beside tp/traffic_model.predict_sampler (they must be equal) and beside an all-gather of the
          float32 logits (vLLM's way: every rank gets the [S, V'] logits), measured the same way
-  cost   the article03 GPT-2 LM (float32) through LLM at tensor_parallel_size 2, B requests at once (B = 1, 8, 32;
-         random 32-token prompts, 32 new tokens each, ignore_eos): tokens/s with temperature 0.8 + top_p 0.95
-         against greedy, alternating A B B A within each repeat; the ratio is greedy / sampled time
+  cost   the article03 GPT-2 LM (float32, random weights) through LLM at tensor_parallel_size 2, B requests at once
+         (B = 1, 8, 32; random 32-token prompts, 32 new tokens each, ignore_eos): generate()'s time with temperature
+         0.8 alone, with top_k 50, with top_p 0.95, against greedy, alternating A B B A within each repeat; the
+         ratio is sampled / greedy time. Random weights give nearly flat logits: top_p 0.95 then keeps most of the
+         vocabulary, its worst case (the logits gathered and sorted every step)
 
 Writes outputs/bench_sampling.json and prints both tables (markdown).
 """
@@ -29,7 +32,8 @@ VOCABS = (50257, 128256)
 SIZES = (2, 4, 8)
 ROWS = 8
 FILTERS = {"greedy": dict(temperature=0.0), "temperature": dict(temperature=0.8), "top_k=50": dict(top_k=50),
-           "top_p=0.95": dict(top_p=0.95), "min_p=0.05": dict(min_p=0.05),
+           "top_p=0.9 (peaked)": dict(top_p=0.9, peaked=True), "top_p=0.95 (flat)": dict(top_p=0.95),
+           "min_p=0.05": dict(min_p=0.05),
            "top_k+top_p+min_p": dict(top_k=50, top_p=0.95, min_p=0.05), "logprobs=5": dict(logprobs=5)}
 
 
@@ -45,10 +49,15 @@ def measure_bytes(ctx, vocab: int) -> dict:
     p, n = ctx.world_size, padded_vocab(vocab, ctx.world_size) // ctx.world_size
     start = ctx.rank * n
     gen = torch.Generator().manual_seed(ctx.rank)
-    local = torch.randn(ROWS, n, generator=gen) * 3  # float32 logits, as a float32 head gives them
-    local[:, max(0, min(n, vocab - start)):] = float("-inf")
+    flat = torch.randn(ROWS, n, generator=gen) * 3  # float32 logits, as a float32 head gives them
+    flat[:, max(0, min(n, vocab - start)):] = float("-inf")
+    # peaked: a language model's shape, a few ids far ahead (Zipf-like: logit -1.5 log rank), the ids shuffled
+    ranks = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[start:start + n].float() + 1
+    peaked = torch.full((ROWS, n), float("-inf"))
+    peaked[:, :ranks.numel()] = -1.5 * torch.log(ranks)
     out = {}
     for name, f in FILTERS.items():
+        local = peaked if f.get("peaked") else flat
         t = f.get("temperature", 1.0)
         rows = [(t, f.get("top_k", 0), f.get("top_p", 1.0), f.get("min_p", 0.0), i, 0) for i in range(ROWS)]
         batch = SamplingBatch.build(rows, f.get("logprobs", -1), "cpu")
@@ -56,13 +65,14 @@ def measure_bytes(ctx, vocab: int) -> dict:
         with ledger.recording():
             res = sample(local, start, ctx.group, None if batch.greedy_only else batch, vocab)
         seen = [r.traffic() for r in ledger.records]
-        model = predict_sampler(p, ROWS, None if batch.greedy_only else (res.rounds, batch.normalisers))
+        model = predict_sampler(p, ROWS, None if batch.greedy_only else (res.rounds, batch.normalisers, res.race), vocab,
+                                local.dtype)
         out[name] = {"bytes_per_row": sum(r.bytes_per_rank for r in seen) / ROWS,
                      "model_bytes_per_row": sum(r.bytes_per_rank for r in model) / ROWS,
                      "collectives": len(seen), "ledger_matches_model": seen == model, "rounds": list(res.rounds)}
     ledger = TrafficLedger(p)
     with ledger.recording():
-        gather_from_region(local, ctx.group, "head/logits all-gather")  # [S, V'] on every rank
+        gather_from_region(flat, ctx.group, "head/logits all-gather")  # [S, V'] on every rank
     out["all-gather logits (float32)"] = {"bytes_per_row": sum(r.bytes_per_rank for r in ledger.records) / ROWS}
     return out
 
@@ -72,6 +82,10 @@ def bytes_table() -> dict:
 
     return {f"{vocab}": {f"{p}": spawn_ranks(p, measure_bytes, vocab, backend="gloo") for p in SIZES}
             for vocab in VOCABS}
+
+
+COST = {"temperature 0.8": dict(temperature=0.8), "temperature 0.8 + top_k 50": dict(temperature=0.8, top_k=50),
+        "temperature 0.8 + top_p 0.95": dict(temperature=0.8, top_p=0.95)}
 
 
 def cost_table(repeats: int) -> dict:
@@ -85,7 +99,6 @@ def cost_table(repeats: int) -> dict:
             gen = torch.Generator().manual_seed(B)
             prompts = [torch.randint(0, 50257, (32,), generator=gen).tolist() for _ in range(B)]
             greedy = SamplingParams(max_tokens=32, ignore_eos=True)
-            sampled = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8, top_p=0.95)
 
             def timed(q):
                 t0 = time.perf_counter()
@@ -93,11 +106,14 @@ def cost_table(repeats: int) -> dict:
                 return time.perf_counter() - t0
 
             timed(greedy)  # warm-up
-            ratios = []
-            for _ in range(repeats):
-                a1, b1, b2, a2 = timed(greedy), timed(sampled), timed(sampled), timed(greedy)
-                ratios.append((b1 + b2) / (a1 + a2))
-            out[f"{B}"] = {"sampled_over_greedy_time": statistics.median(ratios), "runs": ratios}
+            for name, kw in COST.items():
+                sampled = SamplingParams(max_tokens=32, ignore_eos=True, **kw)
+                ratios = []
+                for _ in range(repeats):
+                    a1, b1, b2, a2 = timed(greedy), timed(sampled), timed(sampled), timed(greedy)
+                    ratios.append((b1 + b2) / (a1 + a2))
+                out.setdefault(name, {})[f"{B}"] = {"sampled_over_greedy_time": statistics.median(ratios),
+                                                    "runs": ratios}
     return out
 
 
@@ -122,9 +138,10 @@ def main() -> None:
                 print(f"| {vocab} | {p} | " + " | ".join(cells) + " |")
     if "cost" in parts:
         result["cost"] = c = cost_table(args.repeats)
-        print("\n| B | sampled / greedy time (median) | runs |\n|---|---|---|")
-        for B, row in c.items():
-            print(f"| {B} | {row['sampled_over_greedy_time']:.3f} | {', '.join(f'{x:.3f}' for x in row['runs'])} |")
+        print("\n| sampling | B = 1 | B = 8 | B = 32 |\n|---|---|---|---|")
+        for name, per_b in c.items():
+            print(f"| {name} | " + " | ".join(f"{per_b[B]['sampled_over_greedy_time']:.2f}×" for B in ("1", "8", "32"))
+                  + " |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
 

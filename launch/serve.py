@@ -46,11 +46,12 @@ from serve.engine import Engine, ServeResult
 from serve.block_manager import BlockManager
 from serve.inputs import ATTENTION_MODES
 from serve.kv_cache import kv_bytes_per_token
+from serve.config import EngineConfig
 from serve.sampling_params import SamplingParams
 from serve.scheduler import Request, Scheduler, SchedulerError, worst_case_blocks
 from tp.cost_model import kv_bytes_per_token_per_rank
 from tp.traffic_model import pair_count
-from tp.dist import ConfigError, context, env_world, same_on_every_rank
+from tp.dist import DEFAULT_TIMEOUT_S, ConfigError, context, env_world, same_on_every_rank
 from tp.ledger import ring_bytes_per_rank
 
 ORACLE_AUTO_ROWS = 200_000  # check=auto runs the oracle when it recomputes at most this many rows in all
@@ -69,11 +70,11 @@ class Settings(LaunchSettings):
     check: bool
     pd: Layout | None = None  # prefill/decode disaggregation: the two groups' sizes
     streaming: bool = True
-    pd_timeout_s: float = 120.0  # pd.timeout_s: the longest wait for one hand-over message
-    block_size: int = 16  # token positions per KV block
+    pd_timeout_s: float = DEFAULT_TIMEOUT_S  # pd.timeout_s: the longest wait for one hand-over message
+    block_size: int = EngineConfig.block_size  # token positions per KV block
     kv_blocks: int | None = None  # blocks in each rank's pool; None: enough for every request at its largest
-    prefix_cache: bool = True
-    attention: str = "batched"
+    prefix_cache: bool = EngineConfig.prefix_cache
+    attention: str = EngineConfig.attention
     shared_prefix: int = 0
     comm_timing: bool = False  # per-collective times in the ledger: two waits for the compute stream per collective
     notes: tuple[str, ...] = ()  # what was changed from what was asked, said by rank 0 and kept in the report
@@ -91,7 +92,7 @@ def parse_pd(cfg: DictConfig, world_size: int) -> tuple[Layout | None, bool, flo
     """pd.prefill_ranks / pd.decode_ranks (both or neither), pd.streaming and pd.timeout_s."""
     pd = cfg.get("pd") or {}
     try:
-        timeout_s = float(pd.get("timeout_s", 120.0))
+        timeout_s = float(pd.get("timeout_s", DEFAULT_TIMEOUT_S))
     except (TypeError, ValueError):
         raise ConfigError(f"pd.timeout_s={pd.get('timeout_s')!r} must be a number of seconds") from None
     if not timeout_s > 0:

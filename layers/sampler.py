@@ -13,7 +13,8 @@ row, with temperature T > 0 and s = z / T (greedy rows, T = 0: s = z, no filter,
                 kept iff the survivors' mass before it is < top_p. The mass needs the survivors' normaliser
                 Z_K = sum exp(s_i - m/T)                                      ★ all-reduce [S, 2] (with logprobs'
                 Z = sum exp(z_i - m)); the cut is inside the merged candidates when their kept mass reaches top_p,
-                else c doubles and the candidates are gathered again (exact, rare)
+                else (a flat distribution) 1024 candidates are gathered, and if the cut lies past those too, the
+                logits themselves [S, V'/p] (what vLLM moves every step, here only then): exact either way
     race        E_i ~ Exp(1) for every id from a counter-based hash of (seed, position, id): each rank draws its own
                 ids only, the same numbers at any p; the kept id with the largest s_i - log E_i (Gumbel-max) is a
                 sample of softmax(s) restricted to the kept ids; each rank's winner (value, id, z)
@@ -39,7 +40,8 @@ from einops import rearrange
 
 from tp.comm import gather_from_region, reduce_from_region
 
-TOP_P_CANDIDATES = 32  # candidates per rank gathered for top-p at first; doubled until the cut is inside them
+TOP_P_CANDIDATES = 64  # candidates per rank gathered for top-p at first
+TOP_P_SECOND = 1024  # then this many, while their 16-byte pairs cost less than the slice's logits; then all
 _M1, _M2, _GOLDEN = -4658895280553007687, -7723592293110705685, -7046029254386353131  # splitmix64's constants
 
 
@@ -92,8 +94,9 @@ class SampleResult:
     logprob: torch.Tensor | None = None  # [S] float64: log softmax(z) of the chosen id
     top_ids: torch.Tensor | None = None  # [S, N] int64, by logprob (desc), ties to the lower id
     top_logprobs: torch.Tensor | None = None  # [S, N] float64
-    rounds: tuple[int, ...] = ()  # candidates gathered per rank, per round (the traffic model reads them)
+    rounds: tuple[int, ...] = ()  # candidates gathered per rank, per round; 0: the logits themselves (traffic model)
     margin: torch.Tensor | None = None  # [S]: the winner's lead over the runner-up in the race (single device only)
+    race: bool = False  # whether the race over the slices ran (its all-gather): some row was greedy or open
 
 
 def nothing_sampled() -> SampleResult:
@@ -123,12 +126,32 @@ def request_seed(engine_seed: int, request_id: int) -> int:
 
 
 def exponential_noise(seed: torch.Tensor, position: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """E ~ Exp(1) for every (row, id): seed, position [S], ids [n] -> [S, n] float64. Counter-based: each rank draws
-    its own ids and gets the numbers a single device would."""
+    """E ~ Exp(1) for every (row, id): seed, position [S], ids [n] (or [S, n], each row its own ids) -> [S, n]
+    float64. Counter-based: each rank draws its own ids and gets the numbers a single device would."""
     row = _mix(_mix(seed + _GOLDEN) + position * _GOLDEN)  # [S]
-    bits = _mix(row[:, None] + (ids[None, :] + 1) * _GOLDEN)  # [S, n]
+    ids = ids if ids.dim() == 2 else ids[None, :]
+    bits = _mix(row[:, None] + (ids + 1) * _GOLDEN)  # [S, n]
     u = (_shr(bits, 11).double() + 0.5) / 2.0 ** 53  # (0, 1), 53 random bits
     return -torch.log(u)
+
+
+def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """-log E for the same (row, id) as exponential_noise, bit for bit, computed in place (the race's hot loop: one
+    [S, n] int64 buffer and one float64 buffer instead of a fresh tensor per operation)."""
+    row = _mix(_mix(seed + _GOLDEN) + position * _GOLDEN)  # [S]
+    ids = ids if ids.dim() == 2 else ids[None, :]
+    x = row[:, None] + (ids + 1) * _GOLDEN  # [S, n]
+    t = torch.empty_like(x)
+    for shift, mult in ((30, _M1), (27, _M2), (31, None)):  # _mix, in place
+        torch.bitwise_right_shift(x, shift, out=t)
+        t.bitwise_and_((1 << (64 - shift)) - 1)
+        x.bitwise_xor_(t)
+        if mult is not None:
+            x.mul_(mult)
+    torch.bitwise_right_shift(x, 11, out=t)
+    t.bitwise_and_((1 << 53) - 1)
+    u = t.double().add_(0.5).div_(2.0 ** 53)
+    return u.log_().neg_().log_().neg_()  # -log(-log u) = -log E
 
 
 # ---- the sampler ------------------------------------------------------------------------------------------------------
@@ -147,13 +170,13 @@ def greedy_pick(local: torch.Tensor, start: int, group: dist.ProcessGroup | None
     return ids.gather(1, winner)[:, 0].long(), values.gather(1, winner)[:, 0]
 
 
-def _candidates(z: torch.Tensor, ids: torch.Tensor, c: int, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global top-c (z, id) of each row, sorted (z desc, id asc): [S, c] each; when c is every id a rank holds
-    (c = V'/p), all p·c of them (the whole vocabulary, exact whatever is asked of it). ★ all-gather of every rank's
-    top-c pairs [S, 2c] -> [S, 2cp]."""
-    n = z.shape[1]
-    top, where = z.topk(c, dim=-1)  # [S, c], sorted desc
-    pairs = rearrange(torch.stack([top, ids[where].double()], dim=-1), "s c two -> s (c two)")
+def _candidates(local: torch.Tensor, ids: torch.Tensor, c: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global top-c (z, id) of each row, sorted (z desc, id asc), float64: [S, c] each; when c is every id a rank
+    holds (c = V'/p), all p·c of them (the whole vocabulary, exact whatever is asked of it). ★ all-gather of every
+    rank's top-c pairs [S, 2c] -> [S, 2cp]."""
+    n = local.shape[1]
+    top, where = local.topk(c, dim=-1)  # [S, c], sorted desc
+    pairs = rearrange(torch.stack([top.double(), ids[where].double()], dim=-1), "s c two -> s (c two)")
     if group is not None:
         pairs = gather_from_region(pairs, group, "head/candidates all-gather")  # ★ all-gather: [S, 2cp]
     values, cand = rearrange(pairs, "s (pc two) -> two s pc", two=2)
@@ -164,87 +187,137 @@ def _candidates(z: torch.Tensor, ids: torch.Tensor, c: int, group) -> tuple[torc
     return values.gather(1, order)[:, :certain], cand.gather(1, order)[:, :certain]
 
 
-def _at_least(z, ids, cut_z, cut_id):
-    """(z, -id) >= (cut_z, -cut_id), row-wise: the ids ranked at or above the cut."""
-    return (z > cut_z[:, None]) | ((z == cut_z[:, None]) & (ids[None, :] <= cut_id[:, None]))
+def _all_logits(local: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every id of the (padded) vocabulary, sorted (z desc, id asc): ★ all-gather of the logits in their own dtype
+    [S, V'/p] -> [S, V'] (the slices are contiguous: an id is its column)."""
+    full = local if group is None else gather_from_region(local.contiguous(), group, "head/logits all-gather")
+    values = full.double()
+    order = torch.argsort(values, dim=-1, descending=True, stable=True)  # ties keep id order: the lower id first
+    return values.gather(1, order), order.double()
 
 
 def sample(local: torch.Tensor, start: int, group: dist.ProcessGroup | None, batch: SamplingBatch | None,
            vocab_size: int) -> SampleResult:
     """local: this rank's logits [S, V'/p] (padding ids -inf); start: its first id; group: the vocab-parallel group
-    (None: the whole vocabulary is here). One batched pass, no loop over rows."""
+    (None: the whole vocabulary is here). One batched pass, no loop over rows.
+
+    A row whose kept ids all lie among the merged candidates (top-k; top-p or min-p cutting inside them) is closed:
+    every rank races the same candidates with the same noise and gets the same winner, with no more communication
+    and no noise drawn over the slice. The other rows (temperature alone, or a cut past the candidates; greedy rows)
+    race over each rank's slice, and the race's all-gather picks the winner."""
     if batch is None or batch.greedy_only:
         return SampleResult(*greedy_pick(local, start, group))
-    z = local.double()  # [S, n]
-    S, n = z.shape
-    ids = torch.arange(start, start + n, device=z.device)
-    p = 1 if group is None else dist.get_world_size(group)
+    S, n = local.shape
+    dev = local.device
+    ids = torch.arange(start, start + n, device=dev)
     greedy = batch.temperature == 0
+    sampled = ~greedy
     T = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)[:, None]
-    s = z / T
-    keep = torch.isfinite(z)
+    log_min_p = torch.log(batch.min_p)[:, None]  # min_p 0: -inf, keeps all
     rounds: list[int] = []
-    c = max(batch.candidates, TOP_P_CANDIDATES if batch.any_top_p else 0)
-    top_z = top_id = None
+    c = min(n, max(batch.candidates, TOP_P_CANDIDATES if batch.any_top_p else 0))
+    closed = torch.zeros(S, dtype=torch.bool, device=dev)
+    top_z = top_id = m = None
     if c:
-        c = min(c, n)
-        top_z, top_id = _candidates(z, ids, c, group)
+        top_z, top_id = _candidates(local, ids, c, group)
         rounds.append(c)
         m = top_z[:, :1]  # the global max of z
-        certain = top_z.shape[1]
-        sampled = ~greedy[:, None]
-        # min-p on s: s_i >= m/T + log(min_p) (min_p 0: log 0 = -inf keeps all)
-        keep &= ~sampled | (s >= m / T + torch.log(batch.min_p)[:, None])
-        # top-k: at or above the k-th candidate
-        k = batch.top_k.clamp(max=certain)
-        on = (batch.top_k > 0) & ~greedy
-        kth = (k - 1).clamp(min=0)[:, None]
-        cut = _at_least(z, ids, top_z.gather(1, kth)[:, 0], top_id.gather(1, kth)[:, 0])
-        keep &= ~on[:, None] | cut
+        kept_c = _kept_candidates(top_z, T, m, batch, greedy)  # survivors of min-p and top-k among the candidates
+        closed = sampled & ((batch.top_k > 0) | ~kept_c[:, -1] | (top_z.shape[1] >= n * _size(group)))
+    top_p_on = sampled & (batch.top_p < 1)
     if batch.normalisers:
-        # ★ all-reduce of each row's normalisers: the survivors' Z_K on s, and (logprobs) the full Z on z
-        sums = torch.stack([torch.where(keep, torch.exp(s - m / T), 0).sum(-1),
-                            torch.where(torch.isfinite(z), torch.exp(z - m), 0).sum(-1)], dim=-1)  # [S, 2]
+        # ★ all-reduce of each row's normalisers: top-p's Z_K over the survivors of min-p (on its slice; a row closed
+        # by top-k or min-p has them all among the candidates) and logprobs' Z over every id, both from max m
+        slice_rows = top_p_on & ~closed
+        z = local.double()
+        zk = torch.zeros(S, dtype=torch.float64, device=dev)
+        if bool(slice_rows.any()):
+            s_rows = z[slice_rows] / T[slice_rows]
+            alive = s_rows >= m[slice_rows] / T[slice_rows] + log_min_p[slice_rows]
+            zk[slice_rows] = torch.where(alive, torch.exp(s_rows - m[slice_rows] / T[slice_rows]), 0).sum(-1)
+        zf = torch.exp(z - m).sum(-1) if batch.logprobs >= 0 else torch.zeros_like(zk)  # padding: exp(-inf) = 0
+        sums = torch.stack([zk, zf], dim=-1)  # [S, 2]
         if group is not None:
             sums = reduce_from_region(sums, group, "head/normaliser all-reduce")
-        z_kept, z_full = sums[:, 0], sums[:, 1]
+        cand_zk = torch.where(kept_c, torch.exp(top_z / T - m / T), 0).sum(-1)
+        z_kept = torch.where(slice_rows, sums[:, 0], cand_zk)
+        z_full = sums[:, 1]
+    cut_c = None
     if batch.any_top_p:
-        on = (batch.top_p < 1) & ~greedy
         while True:
-            cand_kept = _kept_candidates(top_z, T, m, batch, greedy)  # [S, certain]: survivors of min-p, top-k
-            mass = torch.where(cand_kept, torch.exp(top_z / T - m / T), 0) / z_kept[:, None]
+            mass = torch.where(kept_c, torch.exp(top_z / T - m / T), 0) / z_kept[:, None]
             before = mass.cumsum(-1) - mass  # the survivors' mass ranked before each candidate
-            inside = (mass.sum(-1) >= batch.top_p) | (c >= n)  # the cut is among the candidates (or all ids are)
-            if bool((inside | ~on).all()):
+            inside = (mass.sum(-1) >= batch.top_p) | (top_z.shape[1] >= n * _size(group))
+            if bool((inside | ~top_p_on).all()):
                 break
-            c = min(2 * c, n)  # rare: the cut lies past every rank's candidates; gather more
-            top_z, top_id = _candidates(z, ids, c, group)
-            rounds.append(c)
-        order = torch.arange(top_z.shape[1], device=z.device)
-        last = torch.where(cand_kept & (before < batch.top_p[:, None]), order, -1).amax(-1)
-        last = last.clamp(min=0)[:, None]
-        cut = _at_least(z, ids, top_z.gather(1, last)[:, 0], top_id.gather(1, last)[:, 0])
-        keep &= ~(on & inside)[:, None] | cut
-    noise = exponential_noise(batch.seed, batch.position, ids)  # [S, n]
-    race = torch.where(greedy[:, None], z, s - torch.log(noise))
-    race = torch.where(keep, race, float("-inf"))
-    best = race.argmax(dim=-1)  # first maximum: the lowest id within the slice
-    triple = torch.stack([race.gather(1, best[:, None])[:, 0], (best + start).double(),
-                          z.gather(1, best[:, None])[:, 0]], dim=-1)  # [S, 3]
+            # The cut lies past every rank's candidates (a flat distribution): more candidates while their 16-byte
+            # pairs cost less than the slice's logits, else the logits themselves (what all-gathering them costs)
+            if c < TOP_P_SECOND and 16 * TOP_P_SECOND < n * local.element_size():
+                c = TOP_P_SECOND
+                top_z, top_id = _candidates(local, ids, c, group)
+            else:
+                c = n
+                top_z, top_id = _all_logits(local, group)
+            rounds.append(c if c < n else 0)
+            kept_c = _kept_candidates(top_z, T, m, batch, greedy)
+        cut_c = kept_c & ~(top_p_on[:, None] & (before >= batch.top_p[:, None]))  # top-p's prefix
+        closed |= top_p_on
+    result = SampleResult(torch.empty(S, dtype=torch.long, device=dev),
+                          torch.empty(S, dtype=torch.float64, device=dev), rounds=tuple(rounds))
+    if bool(closed.any()):  # race the candidates: the same on every rank, nothing to gather
+        kept = (cut_c if cut_c is not None else kept_c)[closed]
+        cz, cid = top_z[closed], top_id[closed].long()
+        race = torch.where(kept, gumbel_noise(batch.seed[closed], batch.position[closed], cid) + cz / T[closed],
+                           float("-inf"))
+        best = race.max(dim=-1, keepdim=True).values
+        pick = torch.where(race == best, cid, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)  # ties: lowest id
+        result.tokens[closed], result.logits[closed] = cid.gather(1, pick)[:, 0], cz.gather(1, pick)[:, 0]
+        if group is None and race.shape[1] > 1:
+            two = race.topk(2, dim=-1).values
+            result.margin = torch.zeros(S, dtype=torch.float64, device=dev)
+            result.margin[closed] = two[:, 0] - two[:, 1]
+    if not bool(closed.all()):
+        result.race = True
+        _race_slices(local, ids, start, group, batch, T, log_min_p, m, ~closed, result)
+    if batch.logprobs >= 0:
+        log_z = m[:, 0] + torch.log(z_full)
+        result.logprob = result.logits - log_z
+        result.top_ids = top_id[:, :batch.logprobs].long()
+        result.top_logprobs = top_z[:, :batch.logprobs] - log_z[:, None]
+    return result
+
+
+def _race_slices(local, ids, start, group, batch: SamplingBatch, T, log_min_p, m, rows, result: SampleResult) -> None:
+    """The open rows race over every rank's slice: each rank's winner of s_i - log E_i among its kept ids (greedy rows:
+    z_i, no noise), ★ all-gather of (value, id, z) [S, 3] -> [S, 3p] (closed rows send -inf), the largest wins, ties
+    to the lowest rank and so the lowest id."""
+    S = local.shape[0]
+    z = local[rows].double()
+    greedy = batch.temperature[rows] == 0
+    s = z / T[rows]
+    keep = torch.isfinite(z)
+    if m is not None:  # min-p on the open rows (top-k and top-p rows are closed)
+        keep &= greedy[:, None] | (s >= m[rows] / T[rows] + log_min_p[rows])
+    race = gumbel_noise(batch.seed[rows], batch.position[rows], ids).add_(s)  # s - log E
+    race = torch.where(keep, torch.where(greedy[:, None], z, race), float("-inf"))
+    best = race.argmax(dim=-1, keepdim=True)  # first maximum: the lowest id within the slice
+    triple = torch.full((S, 3), float("-inf"), dtype=torch.float64, device=local.device)
+    triple[rows] = torch.cat([race.gather(1, best), (best + start).double(), z.gather(1, best)], dim=-1)
     if group is not None:
         triple = gather_from_region(triple, group, "head/sample all-gather")  # ★ all-gather: [S, 3p]
     values, won, logit = rearrange(triple, "s (p three) -> three s p", three=3)
     winner = values.argmax(dim=-1, keepdim=True)  # the largest, ties to the lowest rank
-    out = SampleResult(won.gather(1, winner)[:, 0].long(), logit.gather(1, winner)[:, 0], rounds=tuple(rounds))
-    if group is None and n > 1:  # an oracle's near-tie rule: how close the race was
+    result.tokens[rows] = won.gather(1, winner)[rows, 0].long()
+    result.logits[rows] = logit.gather(1, winner)[rows, 0]
+    if group is None and race.shape[1] > 1:  # an oracle's near-tie rule: how close the race was
         two = race.topk(2, dim=-1).values
-        out.margin = two[:, 0] - two[:, 1]
-    if batch.logprobs >= 0:
-        log_z = m[:, 0] + torch.log(z_full)
-        out.logprob = out.logits - log_z
-        out.top_ids = top_id[:, :batch.logprobs].long()
-        out.top_logprobs = top_z[:, :batch.logprobs] - log_z[:, None]
-    return out
+        if result.margin is None:
+            result.margin = torch.zeros(S, dtype=torch.float64, device=local.device)
+        result.margin[rows] = two[:, 0] - two[:, 1]
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
 
 
 def _kept_candidates(top_z, T, m, batch: SamplingBatch, greedy) -> torch.Tensor:

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from serve.config import EngineConfig
+
 
 ROOT = 0  # the chain's start: the "previous hash" of a request's first block
 
@@ -47,7 +49,7 @@ def slot_mapping(table, block_size: int, start: int, end: int) -> list[int]:
 class BlockManager:
     num_blocks: int
     block_size: int
-    prefix_cache: bool = True
+    prefix_cache: bool = EngineConfig.prefix_cache
     blocks: list[Block] = field(init=False)
     free: OrderedDict = field(init=False)  # block id -> None, least recently freed first
     cached: dict[int, int] = field(init=False)  # hash -> block id

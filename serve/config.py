@@ -16,7 +16,8 @@
     comm_timing         -                         per-collective wall times in the ledger (two waits each)
     check_ledger        -                         compare every iteration's collectives with the model
 
-A bad value is a ValueError with one line that names the setting, raised where the object is made, before
+Plain Python, no torch: the scheduler and the block manager read their defaults from here too (each default is
+written once, here; tests/test_llm.py checks it). A bad value is a ValueError with one line that names the setting, raised where the object is made, before
 any process starts or any collective runs.
 """
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from serve.inputs import ATTENTION_MODES
+ATTENTION_MODES = ("batched", "reference")  # serve/inputs.py builds each mode's tensors
 
 VLLM_NAMES = {"long_prefill_token_threshold": "chunk_size", "max_num_batched_tokens": "max_batched_tokens",
               "max_num_seqs": "max_running", "num_gpu_blocks_override": "kv_blocks",

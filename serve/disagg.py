@@ -46,12 +46,13 @@ import torch.distributed as dist
 from layers.config import validate_model
 from layers.llama import validate_llama
 from layers.lm import shard_lm
+from serve.config import EngineConfig
 from serve.engine import Engine, EngineHooks, PlanMismatch, new_scheduler, schedule_loop
 from serve.inputs import slots_of
 from serve.kv_cache import KVPool
 from serve.plan import IterationPlan
 from serve.scheduler import Request, Scheduler
-from tp.dist import ConfigError, TPContext, context, control_device, host_control, same_on_every_rank
+from tp.dist import DEFAULT_TIMEOUT_S, ConfigError, TPContext, context, control_device, host_control, same_on_every_rank
 from tp.ledger import TrafficLedger, TransferRecord
 from tp.traffic_model import head_overlaps, kv_head_range, predict_transfers
 
@@ -82,8 +83,8 @@ def validate_layout(cfg, layout: Layout, world_size: int) -> None:
 
 
 def prefill_schedule(requests: list[Request], chunk_size: int, max_batched_tokens: int,
-                     max_running: int | None = None, block_size: int = 16,
-                     prefix_cache: bool = True) -> list[tuple[int, list[int]]]:
+                     max_running: int | None = None, block_size: int = EngineConfig.block_size,
+                     prefix_cache: bool = EngineConfig.prefix_cache) -> list[tuple[int, list[int]]]:
     """[(prefill iteration, ids of the requests whose prompt completes in it, in plan order)]: what the prefill side's
     engine will do, computed on every rank from the requests and settings alone, by the engine's own code (its
     scheduler, serve.engine.new_scheduler, and its loop, serve.engine.schedule_loop), so the two cannot differ."""
@@ -199,7 +200,7 @@ class PrefillSide(EngineHooks):
     """Sends each completed prompt's K,V (its own heads' share to each overlapping decode rank) and token 1."""
 
     def __init__(self, lm, layout: Layout, rank: int, streaming: bool, ledger: TrafficLedger, handed: set[int],
-                 timeout_s: float = 120.0):
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         cfg = lm.cfg
         self.cfg, self.layout, self.rank, self.streaming, self.ledger, self.handed = \
             cfg, layout, rank, streaming, ledger, handed
@@ -302,7 +303,7 @@ class DecodeSide(EngineHooks):
 
     def __init__(self, cfg, layout: Layout, rank: int, streaming: bool, ledger: TrafficLedger, group,
                  groups: list[list[int]], eos_id: int | None, keep_kv: bool = False, window: int = 4,
-                 timeout_s: float = 120.0):
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         self.cfg, self.layout, self.rank, self.streaming, self.ledger, self.group, self.eos_id = \
             cfg, layout, rank, streaming, ledger, group, eos_id
         self.kept: dict[int, torch.Tensor] | None = {} if keep_kv else None  # what was placed, for tests
@@ -447,8 +448,8 @@ def new_groups(layout: Layout) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
 def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request], *, chunk_size: int,
              max_batched_tokens: int, max_running: int | None = None, eos_id: int | None = None, variant: str = "v2",
              vocab_parallel: bool = True, streaming: bool = True, groups=None, keep_kv: bool = False,
-             block_size: int = 16, prefix_cache: bool = True, attention: str = "batched",
-             timeout_s: float = 120.0, meter=None) -> PDResult:
+             block_size: int = EngineConfig.block_size, prefix_cache: bool = EngineConfig.prefix_cache,
+             attention: str = EngineConfig.attention, timeout_s: float = DEFAULT_TIMEOUT_S, meter=None) -> PDResult:
     """Serve `requests` with prefill on ranks [0, p_P) and decode on [p_P, p_P + p_D). Every rank of the world
     calls this with the same arguments (checked first: a mismatch raises PlanMismatch on every rank).
     weights: a dense LM, or a per-rank source (layers/hf.CheckpointSource), that shard_lm cuts this rank's model

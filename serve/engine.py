@@ -90,8 +90,9 @@ class EngineHooks:
 
 
 def new_scheduler(requests: list[Request], *, chunk_size: int, max_batched_tokens: int, max_running: int | None = None,
-                  eos_id: int | None = None, reserve_capacity: bool = False, block_size: int = 16,
-                  kv_blocks: int | None = None, prefix_cache: bool = True) -> Scheduler:
+                  eos_id: int | None = None, reserve_capacity: bool = False,
+                  block_size: int = EngineConfig.block_size, kv_blocks: int | None = None,
+                  prefix_cache: bool = EngineConfig.prefix_cache) -> Scheduler:
     """The scheduler a run starts with: its settings, and a block pool of kv_blocks (or, null, enough for every
     request at its largest at once: such a run never preempts)."""
     n_blocks = kv_blocks or worst_case_blocks(requests, block_size)
@@ -124,8 +125,9 @@ def schedule_loop(sched: Scheduler, before_schedule=None):
 
 class Engine:
     def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, *, chunk_size: int, max_batched_tokens: int,
-                 max_running: int | None = None, eos_id: int | None = None, block_size: int = 16,
-                 kv_blocks: int | None = None, prefix_cache: bool = True, attention: str = "batched",
+                 max_running: int | None = None, eos_id: int | None = None,
+                 block_size: int = EngineConfig.block_size, kv_blocks: int | None = None,
+                 prefix_cache: bool = EngineConfig.prefix_cache, attention: str = EngineConfig.attention,
                  reserve_capacity: bool = False, comm_timing: bool = False, on_iteration=None,
                  hooks: EngineHooks | None = None, seed: int = 0):
         if block_size < 1:
@@ -258,7 +260,7 @@ class Engine:
 
     def _forward(self, plan: IterationPlan, sched: Scheduler) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
         out, sampling = self.runner.run(plan, sched.by_id)
-        return out.tokens, out.logits, None if sampling is None else (out.rounds, sampling.normalisers)
+        return out.tokens, out.logits, None if sampling is None else (out.rounds, sampling.normalisers, out.race)
 
     def _record(self, plan: IterationPlan, finished: list[int], ledger: TrafficLedger, elapsed: float,
                 blocks_used: int, sampler: tuple | None = None) -> dict:
@@ -429,7 +431,7 @@ class LLMEngine:
         finished = self.scheduler.update(plan, {rid: int(row[0]) for rid, row in zip(sampled, rows)})
         if result.logprob is not None:
             self._logprobs(sampled, rows, result.top_ids.shape[1])
-        self._check_ledger(plan, payload, None if sampling is None else (result.rounds, sampling.normalisers))
+        self._check_ledger(plan, payload, None if sampling is None else (result.rounds, sampling.normalisers, result.race))
         self.last_iteration["time_s"] = elapsed = time.perf_counter() - start
         self.busy_s += elapsed
         self.index += 1

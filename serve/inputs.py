@@ -27,9 +27,9 @@ import torch
 
 from layers.attention import AttentionGroup, DecodeGroup, PagedBatch
 from serve.block_manager import slot_mapping
+from serve.config import ATTENTION_MODES
 from serve.plan import Chunk, IterationPlan
 
-ATTENTION_MODES = ("batched", "reference")
 
 
 @dataclass(frozen=True)

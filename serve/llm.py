@@ -39,6 +39,7 @@ from serve.detokenizer import IncrementalDetokenizer
 from serve.outputs import RequestOutput
 from serve.sampling_params import SamplingParams
 from serve.worker import AUTHKEY_ENV, RankSpec
+from tp.dist import DEFAULT_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ROOT / "conf" / "model"
@@ -115,7 +116,7 @@ def load_tokenizer(source: str | None):
 class LLM:
     def __init__(self, model: str, tensor_parallel_size: int = 1, dtype: str = "float32", seed: int = 0, *,
                  tokenizer: str | None = None, backend: str = "auto", device: str = "auto", moe_parallel: str = "tp",
-                 timeout_s: float = 120.0, **engine_settings):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, **engine_settings):
         """model: a save_pretrained directory (GPT-2, Llama, Mixtral; sharded or not) or a preset (conf/model/).
         engine_settings: EngineConfig's fields, by our names or vLLM's (serve/config.py)."""
         from layers.config import parse_dtype

@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections import deque
 
 from serve.block_manager import BlockManager
+from serve.config import EngineConfig
 from serve.plan import Chunk, IterationPlan
 from serve.request import Request, RequestStatus
 
@@ -66,7 +67,8 @@ class Scheduler:
                 f"max_running={max_running} requests (each running request needs one row per iteration); "
                 f"raise max_batched_tokens or lower max_running")
         # None: the pre-paging scheduler's world, memory for every request at its largest and nothing shared
-        self.blocks = blocks or BlockManager(worst_case_blocks(requests, 16), 16, prefix_cache=False)
+        bs = EngineConfig.block_size
+        self.blocks = blocks or BlockManager(worst_case_blocks(requests, bs), bs, prefix_cache=False)
         too_big = [r for r in requests if blocks_needed(r, self.blocks.block_size) > self.blocks.num_blocks]
         if too_big:
             self.check_fits(max(too_big, key=lambda r: r.capacity))

@@ -372,3 +372,25 @@ def alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+def test_every_engine_default_is_written_once():
+    """The engine's defaults live in serve/config.py (EngineConfig) and tp/dist.py (DEFAULT_TIMEOUT_S); the scheduler,
+    the block manager, both engines, P/D, LLM and the launcher's settings refer to them instead of restating them."""
+    import dataclasses
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    sources = {p: p.read_text() for d in ("serve", "launch", "tp", "layers") for p in (root / d).glob("*.py")}
+    config = root / "serve" / "config.py"
+    for f in dataclasses.fields(EngineConfig):
+        if f.default is None or f.name == "check_ledger":
+            continue
+        value = f"[\"']{re.escape(f.default)}[\"']" if isinstance(f.default, str) else re.escape(repr(f.default))
+        literal = re.compile(rf"\b{f.name}(: [\w| ]+)?\s*=\s*{value}\s*[,)\n]")
+        where = [p.name for p, text in sources.items() if literal.search(text)]
+        assert where == [config.name] if f.name not in ("comm_timing",) else config.name in where, (f.name, where)
+    timeouts = [p.name for p, text in sources.items() if re.search(r"timeout_s\w*(: float)?\s*=\s*120", text)]
+    assert timeouts == [], timeouts
+    assert "DEFAULT_TIMEOUT_S = 120.0" in sources[root / "tp" / "dist.py"]

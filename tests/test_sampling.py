@@ -226,3 +226,30 @@ def test_frequencies_match_the_filtered_softmax(T, top_k, top_p, min_p):
             assert chi2(counts, wrong) > 100 * CHI2_LIMIT
     if (T, top_p) == (2.0, 0.6):  # the case above where the order of temperature and filter matters
         assert expected(T, top_k, top_p, min_p, scale_first=False)[1] != kept
+
+
+def top_p_rounds(ctx, slope: float):
+    """A 20,000-id vocabulary split over the ranks, logits -slope·log(rank) with the ids shuffled: the nucleus inside
+    the first candidates (steep), inside the second round's (medium), or past them (flat: the logits gathered)."""
+    from tp.ledger import TrafficLedger
+    from tp.traffic_model import predict_sampler
+
+    V, S = 20000, 4
+    z = -slope * torch.log(torch.randperm(V, generator=torch.Generator().manual_seed(1)).double() + 1)
+    z = z.expand(S, -1).clone()
+    n = V // ctx.world_size
+    rows = [(1.0, 0, 0.9, 0.0, seed, 0) for seed in range(S)]
+    batch = SamplingBatch.build(rows, -1, "cpu")
+    ledger = TrafficLedger(ctx.world_size)
+    with ledger.recording():
+        res = sample(z[:, ctx.rank * n:(ctx.rank + 1) * n], ctx.rank * n, ctx.group, batch, V)
+    E = exponential_noise(batch.seed, batch.position, torch.arange(V))
+    want = [reference_pick(z[i].tolist(), 1.0, 0, 0.9, 0.0, E[i].tolist()) for i in range(S)]
+    model = predict_sampler(ctx.world_size, S, (res.rounds, batch.normalisers, res.race), V, torch.float64)
+    return res.tokens.tolist() == want, res.rounds, [r.traffic() for r in ledger.records] == model
+
+
+@pytest.mark.parametrize("slope,rounds", [(2.0, (64,)), (1.3, (64, 1024)), (0.5, (64, 1024, 0))])
+def test_top_p_past_the_candidates_stays_exact(slope, rounds):
+    for exact, got, ledger_ok in run_ranks(2, top_p_rounds, slope):
+        assert exact and got == rounds and ledger_ok

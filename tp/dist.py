@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 BACKENDS = ("auto", "nccl", "gloo")
+DEFAULT_TIMEOUT_S = 120.0  # the longest wait for one collective or hand-over message before it fails
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -129,7 +130,7 @@ def wait_for_stream(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def init_from_env(backend: str = "auto", timeout_s: float = 120.0, init_method: str | None = None,
+def init_from_env(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, init_method: str | None = None,
                   device: str = "auto") -> TPContext:
     """Join the torchrun job (or a one-rank job when run without torchrun).
 

@@ -124,11 +124,12 @@ def bytes_per_rank_per_layer(cfg: ModelConfig, p: int, n: int, dtype: torch.dtyp
 
 
 def predict_iteration(cfg: ModelConfig, p: int, rows: int, sampled: int, dtype: torch.dtype, variant: str,
-                      vocab_parallel: bool, plan_check: int, sampler: tuple[tuple[int, ...], bool] | None = None
+                      vocab_parallel: bool, plan_check: int, sampler: tuple[tuple[int, ...], bool, bool] | None = None
                       ) -> list[Traffic]:
     """Every collective of one serving iteration, in issue order. plan_check: fingerprint elements per rank.
-    sampler: None for a greedy head (one all-gather of (max, argmax) pairs); else (rounds, normalisers) of
-    layers/sampler.py: the candidates each rank gave per round, and whether the normalisers were all-reduced."""
+    sampler: None for a greedy head (one all-gather of (max, argmax) pairs); else (rounds, normalisers, race) of
+    layers/sampler.py: the candidates each rank gave per round, whether the normalisers were all-reduced, and
+    whether any row raced over the slices (rows whose kept ids are all candidates need no more communication)."""
     if p == 1:
         return []
 
@@ -141,28 +142,31 @@ def predict_iteration(cfg: ModelConfig, p: int, rows: int, sampled: int, dtype: 
         out.append(extra("embed", "all-reduce", "all_reduce", (rows, cfg.d_model), dtype))
     out += predict(cfg, p, rows, dtype, variant, "forward")
     if vocab_parallel and sampled:
-        out += predict_sampler(p, sampled, sampler)
+        out += predict_sampler(p, sampled, sampler, cfg.vocab_size, dtype)
     return out
 
 
-def predict_sampler(p: int, sampled: int, sampler: tuple[tuple[int, ...], bool] | None) -> list[Traffic]:
+def predict_sampler(p: int, sampled: int, sampler: tuple[tuple[int, ...], bool, bool] | None, vocab_size: int = 0,
+                    dtype: torch.dtype = torch.float32) -> list[Traffic]:
     """The vocab-parallel head's pick (layers/sampler.py) for `sampled` rows: greedy, one all-gather of (max, argmax)
     pairs [S, 2p]; sampling, per round of c candidates an all-gather [S, 2cp] (the first followed by the
-    normalisers' all-reduce [S, 2] when top-p or logprobs need them), then the race's all-gather [S, 3p]."""
-    def gather(site, width):
+    normalisers' all-reduce [S, 2] when top-p or logprobs need them; a round of 0: the logits themselves, [S, V'] in
+    the model's dtype), then, when some row races over the slices, the race's all-gather [S, 3p]."""
+    def gather(site, width, dt=torch.float64):
         return Traffic.of(layer=None, sublayer="head", site=site, phase="forward", kind="all_gather",
-                          shape=(sampled, width), dtype=torch.float64, p=p)
+                          shape=(sampled, width), dtype=dt, p=p)
 
     if sampler is None:
         return [gather("argmax all-gather", 2 * p)]
-    rounds, normalisers = sampler
+    rounds, normalisers, race = sampler
     out = []
     for i, c in enumerate(rounds):
-        out.append(gather("candidates all-gather", 2 * c * p))
+        out.append(gather("candidates all-gather", 2 * c * p) if c else
+                   gather("logits all-gather", -(-vocab_size // p) * p, dtype))  # V' = V padded to a multiple of p
         if i == 0 and normalisers:
             out.append(Traffic.of(layer=None, sublayer="head", site="normaliser all-reduce", phase="forward",
                                   kind="all_reduce", shape=(sampled, 2), dtype=torch.float64, p=p))
-    return out + [gather("sample all-gather", 3 * p)]
+    return out + ([gather("sample all-gather", 3 * p)] if race else [])
 
 
 def predict_control(p: int, payload: int, header: int) -> list[Traffic]:
