@@ -41,7 +41,7 @@ from einops import rearrange
 from tp.comm import gather_from_region, reduce_from_region
 
 TOP_P_CANDIDATES = 64  # candidates per rank gathered for top-p at first
-TOP_P_SECOND = 1024  # then this many, while their 16-byte pairs cost less than the slice's logits; then all
+TOP_P_SECOND = 1024  # then this many, where their 16-byte pairs cost under a quarter of the slice's logits; then all
 _M1, _M2, _GOLDEN = -4658895280553007687, -7723592293110705685, -7046029254386353131  # splitmix64's constants
 
 
@@ -97,6 +97,18 @@ class SampleResult:
     rounds: tuple[int, ...] = ()  # candidates gathered per rank, per round; 0: the logits themselves (traffic model)
     margin: torch.Tensor | None = None  # [S]: the winner's lead over the runner-up in the race (single device only)
     race: bool = False  # whether the race over the slices ran (its all-gather): some row was greedy or open
+
+    def to_host(self) -> list[list[float]]:
+        """One device-to-host copy of everything the host needs, a row per sampled row: (id, logit[, logprob, top-N
+        ids, top-N logprobs]); ids < 2**53 are exact in float64."""
+        read = [self.tokens.double()[:, None], self.logits[:, None]]
+        if self.logprob is not None:
+            read += [self.logprob[:, None], self.top_ids.double(), self.top_logprobs]
+        return torch.cat(read, dim=1).tolist()
+
+    def traffic(self, batch: "SamplingBatch | None") -> tuple[tuple[int, ...], bool, bool] | None:
+        """What the traffic model needs to predict this pick's collectives (None: the greedy path)."""
+        return None if batch is None or batch.greedy_only else (self.rounds, batch.normalisers, self.race)
 
 
 def nothing_sampled() -> SampleResult:
@@ -250,9 +262,9 @@ def sample(local: torch.Tensor, start: int, group: dist.ProcessGroup | None, bat
             inside = (mass.sum(-1) >= batch.top_p) | (top_z.shape[1] >= n * _size(group))
             if bool((inside | ~top_p_on).all()):
                 break
-            # The cut lies past every rank's candidates (a flat distribution): more candidates while their 16-byte
-            # pairs cost less than the slice's logits, else the logits themselves (what all-gathering them costs)
-            if c < TOP_P_SECOND and 16 * TOP_P_SECOND < n * local.element_size():
+            # The cut lies past every rank's candidates (a flat distribution): more candidates where their 16-byte
+            # pairs cost under a quarter of the slice's logits, else the logits themselves (what gathering them costs)
+            if c < TOP_P_SECOND and 4 * 16 * TOP_P_SECOND < n * local.element_size():
                 c = TOP_P_SECOND
                 top_z, top_id = _candidates(local, ids, c, group)
             else:

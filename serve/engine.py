@@ -260,7 +260,7 @@ class Engine:
 
     def _forward(self, plan: IterationPlan, sched: Scheduler) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
         out, sampling = self.runner.run(plan, sched.by_id)
-        return out.tokens, out.logits, None if sampling is None else (out.rounds, sampling.normalisers, out.race)
+        return out.tokens, out.logits, out.traffic(sampling)
 
     def _record(self, plan: IterationPlan, finished: list[int], ledger: TrafficLedger, elapsed: float,
                 blocks_used: int, sampler: tuple | None = None) -> dict:
@@ -370,9 +370,9 @@ class LLMEngine:
         validate_prompt(prompt_token_ids, params.max_tokens, m.vocab_size, m.max_seq_len, self.num_blocks,
                         self.config.block_size)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        seed = params.seed if params.seed is not None else request_seed(self.seed, self._next)
         r = Request(self._next, list(prompt_token_ids), params.max_tokens, self.index, stop_ids=frozenset(stop),
-                    params=params)
-        r.sampling_seed = params.seed if params.seed is not None else request_seed(self.seed, r.id)
+                    params=params, sampling_seed=seed)
         self._next += 1
         self._ids[request_id] = r.id
         self._outputs[r.id] = RequestOutput(request_id, prompt, r.prompt, [CompletionOutput(0, "", r.output)], False,
@@ -408,8 +408,6 @@ class LLMEngine:
                 self.stopped = flag == STOP
                 return []
             for r in new:
-                if r.sampling_seed is None:
-                    r.sampling_seed = r.params.seed if r.params.seed is not None else request_seed(self.seed, r.id)
                 self.scheduler.add(r)
             for rid in aborts:
                 self.scheduler.abort(rid)
@@ -424,14 +422,11 @@ class LLMEngine:
             self._check_ledger(None, payload)
             return self._outputs_of([], aborts)
         sampled = [c.request for c in plan.chunks if c.sample]
-        read = [result.tokens.double()[:, None], result.logits[:, None]]
-        if result.logprob is not None:
-            read += [result.logprob[:, None], result.top_ids.double(), result.top_logprobs]
-        rows = torch.cat(read, dim=1).tolist()  # ★ the step's one wait for the device
+        rows = result.to_host()  # ★ the step's one wait for the device
         finished = self.scheduler.update(plan, {rid: int(row[0]) for rid, row in zip(sampled, rows)})
         if result.logprob is not None:
             self._logprobs(sampled, rows, result.top_ids.shape[1])
-        self._check_ledger(plan, payload, None if sampling is None else (result.rounds, sampling.normalisers, result.race))
+        self._check_ledger(plan, payload, result.traffic(sampling))
         self.last_iteration["time_s"] = elapsed = time.perf_counter() - start
         self.busy_s += elapsed
         self.index += 1
@@ -487,8 +482,7 @@ class LLMEngine:
             out += sorted(r.stop_ids) + r.prompt
         return out + aborts
 
-    @staticmethod
-    def _decode(payload: list[float], n_new: int, n_abort: int) -> tuple[list[Request], list[int]]:
+    def _decode(self, payload: list[float], n_new: int, n_abort: int) -> tuple[list[Request], list[int]]:
         new, at = [], 0
         for _ in range(n_new):
             rid, arrival, max_tokens, n_prompt, n_stop, temp, top_k, top_p, min_p, has_seed, seed, logprobs = \
@@ -500,7 +494,8 @@ class LLMEngine:
             at += int(n_prompt)
             params = SamplingParams(int(max_tokens), temp, int(top_k), top_p, min_p, int(seed) if has_seed else None,
                                     logprobs=None if logprobs < 0 else int(logprobs))
-            new.append(Request(int(rid), prompt, int(max_tokens), int(arrival), stop_ids=stop, params=params))
+            new.append(Request(int(rid), prompt, int(max_tokens), int(arrival), stop_ids=stop, params=params,
+                               sampling_seed=int(seed) if has_seed else request_seed(self.seed, int(rid))))
         return new, [int(t) for t in payload[at:at + n_abort]]
 
     def _agree(self, fingerprint: list[float], what: str) -> None:
