@@ -169,6 +169,8 @@ class LLM:
         env = dict(os.environ, **{AUTHKEY_ENV: key.hex()})
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [v for v in [env.get("PYTHONPATH")] if v])
         p = self.tensor_parallel_size
+        if p > 1:  # as torchrun: ranks sharing the cores get one OpenMP thread each, set before torch is imported
+            env.setdefault("OMP_NUM_THREADS", "1")
         for rank in range(p):
             self._procs.append(subprocess.Popen(
                 [sys.executable, "-c", "from serve.worker import main; main()", "--rank", str(rank), "--world-size", str(p), "--dir", self._dir],
@@ -284,8 +286,13 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """One iteration on every rank; a RequestOutput for each request that got a token or finished."""
+        return self._receive(self._call("step"))
+
+    def _receive(self, outputs: list[RequestOutput], running: bool = False) -> list[RequestOutput]:
+        """Text for rank 0's outputs, and stop strings: a request whose text now holds one ends here ("stop") and is
+        aborted in the engine (running: rank 0 is inside generate()'s loop, so the abort is sent without waiting)."""
         out = []
-        for o in self._call("step"):
+        for o in outputs:
             rid = o.request_id
             if rid in self._stopped:  # already ended here by a stop string
                 if o.finished:
@@ -296,7 +303,10 @@ class LLM:
                 c = o.outputs[0]
                 detok.add(c.token_ids[len(detok.ids):])
                 if detok.stopped_by is not None and not o.finished:  # ended by a stop string: abort it in the engine
-                    self._call("abort_request", rid)
+                    if running:
+                        self._conn.send(("abort_request", (rid,)))
+                    else:
+                        self._call("abort_request", rid)
                     self._stopped.add(rid)
                     o.finished, c.finish_reason, c.stop_reason = True, "stop", detok.stopped_by
                     o.metrics.finished_time = time.time()
@@ -320,7 +330,9 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """prompts: a string, a list of strings, a list of token-id lists, or vLLM's {"prompt_token_ids": [...]}
-        (one or a list). sampling_params: one for all, or one per prompt. One RequestOutput per prompt, in order."""
+        (one or a list). sampling_params: one for all, or one per prompt. One RequestOutput per prompt, in order.
+        Rank 0 steps until every request has ended (requests added online before are run to their end too; their
+        outputs are not returned here), sending each step's outputs while it goes on with the next."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -344,10 +356,12 @@ class LLM:
             self._count += 1
             self.add_request(names[-1], {"prompt_token_ids": ids, "prompt": text}, q)
         done: dict[str, RequestOutput] = {}
+        wanted = set(names)
         bar = _progress(len(names)) if use_tqdm else None
-        while len(done) < len(names):
-            for o in self.step():
-                if o.finished:
+        self._conn.send(("run", ()))  # rank 0 steps until all have ended, sending each step's outputs as they come
+        while (reply := self._wait("generate"))[0] == "outputs":
+            for o in self._receive(reply[1], running=True):
+                if o.finished and o.request_id in wanted:
                     done[o.request_id] = o
                     if bar is not None:
                         bar.update(1)

@@ -150,6 +150,9 @@ def _driven(engine, conn) -> None:
             engine.shutdown()
             conn.send(("ok", None))
             return
+        if op == "run":  # generate(): step until nothing is left, each step's outputs sent without waiting for the
+            _run(engine, conn)  # driver, which decodes them while the next step runs
+            continue
         try:
             result = calls[op](*args)
         except ValueError as exc:
@@ -158,3 +161,16 @@ def _driven(engine, conn) -> None:
             conn.send(("ValueError", str(exc)))  # bad input: the caller's error; the engine is unchanged, goes on
             continue
         conn.send(("ok", result))
+
+
+def _run(engine, conn) -> None:
+    """Rank 0: step until every request has ended; the only calls taken meanwhile are aborts (a stop string matched
+    in the driver), which need no answer."""
+    while engine.has_unfinished_requests():
+        while conn.poll(0):
+            op, args = conn.recv()
+            if op != "abort_request":
+                raise RuntimeError(f"{op} while generate() runs: only aborts are taken then")
+            engine.abort_request(*args)
+        conn.send(("outputs", engine.step()))
+    conn.send(("ok", None))

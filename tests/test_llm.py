@@ -394,3 +394,38 @@ def test_every_engine_default_is_written_once():
     timeouts = [p.name for p, text in sources.items() if re.search(r"timeout_s\w*(: float)?\s*=\s*120", text)]
     assert timeouts == [], timeouts
     assert "DEFAULT_TIMEOUT_S = 120.0" in sources[root / "tp" / "dist.py"]
+
+
+def test_a_stop_string_ends_the_request_in_the_driver_and_aborts_it_in_the_engine(tmp_path):
+    """The driver's side of stop strings, with rank 0 played by a stub: the text is cut before the match, the request
+    is reported finished ("stop"), the engine is told to abort it (without waiting inside generate's loop), and the
+    engine's later abort output is dropped."""
+    from serve.detokenizer import IncrementalDetokenizer
+    from serve.llm import LLM
+    from serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    tok = train_tokenizer(tmp_path)
+    ids = tok("the quick brown fox jumps")["input_ids"]
+
+    class Pipe:
+        sent = []
+
+        def send(self, message):
+            self.sent.append(message)
+
+    llm = LLM.__new__(LLM)
+    llm._conn, llm._stopped = Pipe(), set()
+    llm._detok = {"a": IncrementalDetokenizer(tok, [], stop=("own f",))}
+
+    def output(n, finished=False, reason=None):
+        return RequestOutput("a", None, [1], [CompletionOutput(0, "", ids[:n], reason)], finished, RequestMetrics(0.0))
+
+    seen = []
+    for n in range(1, len(ids) + 1):
+        seen += llm._receive([output(n)], running=True)
+        if seen[-1].finished:
+            break
+    last = seen[-1].outputs[0]
+    assert seen[-1].finished and last.finish_reason == "stop" and last.stop_reason == "own f"
+    assert last.text == "the quick br" and Pipe.sent == [("abort_request", ("a",))]
+    assert llm._receive([output(len(ids), True, "abort")], running=True) == []  # the engine's abort: dropped
