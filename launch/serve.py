@@ -50,6 +50,7 @@ from serve.config import EngineConfig
 from serve.sampling_params import SamplingParams
 from serve.scheduler import Request, Scheduler, SchedulerError, worst_case_blocks
 from tp.cost_model import kv_bytes_per_token_per_rank
+from tp.partition import kv_heads_per_rank
 from tp.traffic_model import pair_count
 from tp.dist import DEFAULT_TIMEOUT_S, ConfigError, context, env_world, same_on_every_rank
 from tp.ledger import ring_bytes_per_rank
@@ -576,7 +577,7 @@ def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | Non
                      "bytes_per_token_per_rank": result.kv_bytes_per_token_per_rank,
                      "formula_bytes_per_token_per_rank": kv_bytes_per_token_per_rank(m.n_layers, m.n_kv_heads,
                                                                                      m.d_head, p, s.dtype.itemsize),
-                     "kv_heads_per_rank": max(m.n_kv_heads // p, 1), "n_kv_heads": m.n_kv_heads,
+                     "kv_heads_per_rank": kv_heads_per_rank(m.n_kv_heads, p), "n_kv_heads": m.n_kv_heads,
                      "bytes_per_token_dense": dense_per_token,
                      "ratio_to_dense": result.kv_bytes_per_token_per_rank / dense_per_token,
                      "peak_bytes_per_rank": result.kv_peak_bytes_per_rank,

@@ -37,7 +37,7 @@ from layers.shard import Part, cols, even, heads_range, rows, whole
 from layers.varlen import Requests
 from tp.comm import copy_to_region, gather_rows_to_parallel, reduce_scatter_rows
 from tp.dist import ConfigError
-from tp.traffic_model import kv_head_range
+from tp.partition import kv_head_range
 
 
 @dataclass(frozen=True)

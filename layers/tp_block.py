@@ -36,6 +36,7 @@ from layers.linear import ColumnParallelLinear, RowParallelLinear
 from layers.llama import TPLlamaBlock, TPLlamaBlockSP, pad_rows
 from layers.shard import DenseSource, Part, cols, even, head_aligned_cut, intra_head_cut, load_plan, prefixed, rows, whole
 from layers.varlen import Requests, check_cu_seqlens
+from tp.partition import ceil_div
 from tp.comm import (copy_to_region, gather_from_region, gather_rows_from_region, gather_rows_to_parallel,
                      reduce_from_region, reduce_scatter_rows, scatter_rows_to_region)
 
@@ -200,7 +201,7 @@ class TPStack(Stack):
 def sp_rows(n: int, p: int) -> int:
     """Rows each rank holds under sequence parallelism: n padded up to n' = p·⌈n/p⌉ with zero rows at the end
     (which no real row attends to: they come last, and attention is causal), n'/p each."""
-    return -(-n // p)
+    return ceil_div(n, p)
 
 
 class SPStack(TPStack):

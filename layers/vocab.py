@@ -24,11 +24,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from layers.shard import DenseSource, Part, load_plan, rows
 from tp.comm import reduce_from_region
+from tp.partition import padded
 
 
 def padded_vocab(vocab_size: int, p: int) -> int:
     """V' = V rounded up to a multiple of p (GPT-2: 50257 -> 50258 at p = 2, 50264 at p = 8)."""
-    return -(-vocab_size // p) * p
+    return padded(vocab_size, p)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -19,9 +19,16 @@
     disagg.py          prefill/decode disaggregation: two engines, K,V handed over between two groups of ranks
 """
 
-from serve.config import EngineConfig
-from serve.llm import LLM
-from serve.outputs import CompletionOutput, RequestOutput
-from serve.sampling_params import SamplingParams
-
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+_HOMES = {"LLM": "serve.llm", "SamplingParams": "serve.sampling_params", "EngineConfig": "serve.config",
+          "RequestOutput": "serve.outputs", "CompletionOutput": "serve.outputs"}
+
+
+def __getattr__(name: str):
+    """`from serve import LLM` imports serve/llm.py (and torch) only then: the scheduler and the block manager stay
+    plain Python to import."""
+    if name in _HOMES:
+        import importlib
+
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'serve' has no attribute {name!r}")

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from serve.config import EngineConfig
+from tp.partition import ceil_div
 
 
 ROOT = 0  # the chain's start: the "previous hash" of a request's first block
@@ -76,7 +77,7 @@ class BlockManager:
         return self.num_blocks - len(self.free)
 
     def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
+        return ceil_div(tokens, self.block_size)
 
     def match_prefix(self, tokens: list[int]) -> list[int]:
         """The longest run of cached full blocks that starts `tokens`, leaving at least its last token to compute

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 ATTENTION_MODES = ("batched", "reference")  # serve/inputs.py builds each mode's tensors
 
+from tp.partition import ceil_div
+
 VLLM_NAMES = {"long_prefill_token_threshold": "chunk_size", "max_num_batched_tokens": "max_batched_tokens",
               "max_num_seqs": "max_running", "num_gpu_blocks_override": "kv_blocks",
               "enable_prefix_caching": "prefix_cache"}
@@ -78,4 +80,4 @@ class EngineConfig:
 
     def pool_blocks(self, max_seq_len: int) -> int:
         """Blocks in each rank's pool: kv_blocks, or enough for max_running requests at the full context."""
-        return self.kv_blocks or self.max_running * -(-max_seq_len // self.block_size)
+        return self.kv_blocks or self.max_running * ceil_div(max_seq_len, self.block_size)

@@ -45,6 +45,7 @@ from serve.scheduler import Scheduler, SchedulerError, worst_case_blocks
 from tp.comm import broadcast_from_main, gather_from_region
 from tp.dist import TPContext, control_device, host_control, wait_for_stream
 from tp.ledger import TrafficLedger
+from tp.partition import ceil_div
 from tp.traffic_model import predict_control, predict_iteration
 
 
@@ -305,7 +306,7 @@ def validate_prompt(ids: list[int], max_tokens: int, vocab_size: int, max_seq_le
     if need > max_seq_len:
         raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={max_tokens} needs {need} positions, more than "
                          f"the model's context of {max_seq_len}; shorten the prompt or lower max_tokens")
-    blocks = -(-need // block_size)
+    blocks = ceil_div(need, block_size)
     if blocks > num_blocks:
         raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={max_tokens} needs {blocks} KV blocks of "
                          f"block_size={block_size}, more than the pool's kv_blocks={num_blocks}; raise kv_blocks")

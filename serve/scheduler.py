@@ -34,6 +34,7 @@ from serve.block_manager import BlockManager
 from serve.config import EngineConfig
 from serve.plan import Chunk, IterationPlan
 from serve.request import Request, RequestStatus
+from tp.partition import ceil_div
 
 
 class SchedulerError(ValueError):
@@ -42,7 +43,7 @@ class SchedulerError(ValueError):
 
 def blocks_needed(request: Request, block_size: int) -> int:
     """Blocks one request holds at its largest, alone."""
-    return -(-request.capacity // block_size)
+    return ceil_div(request.capacity, block_size)
 
 
 def worst_case_blocks(requests: list[Request], block_size: int) -> int:

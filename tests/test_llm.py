@@ -429,3 +429,13 @@ def test_a_stop_string_ends_the_request_in_the_driver_and_aborts_it_in_the_engin
     assert seen[-1].finished and last.finish_reason == "stop" and last.stop_reason == "own f"
     assert last.text == "the quick br" and Pipe.sent == [("abort_request", ("a",))]
     assert llm._receive([output(len(ids), True, "abort")], running=True) == []  # the engine's abort: dropped
+
+
+def test_the_scheduler_and_block_manager_import_no_torch():
+    """Plain Python over plain data: importing them (with their config and tp/partition.py) loads no torch."""
+    import subprocess
+
+    code = "import sys, serve.scheduler, serve.block_manager, serve.request; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

@@ -1,18 +1,11 @@
-"""Process groups, devices, the autograd-aware collectives of tensor parallelism, and traffic accounting."""
+"""Process groups, devices, the autograd-aware collectives of tensor parallelism, and traffic accounting.
 
-from tp.comm import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
-from tp.dist import ConfigError, TPContext, init_from_env
-from tp.ledger import CommRecord, Traffic, TrafficLedger
+    dist.py           process groups and devices: the one place that picks NCCL + GPU or gloo + CPU
+    comm.py           the collectives (Megatron's region functions, sequence parallelism's, all-to-all, broadcast)
+    ledger.py         the traffic ledger: every collective as it happens
+    traffic_model.py  the analytic model: the same records from the shapes alone
+    partition.py      what each rank holds (padding to a multiple of p, K,V heads per rank): plain Python
+    cost_model.py, memory_model.py, trace.py
 
-__all__ = [
-    "CommRecord",
-    "ConfigError",
-    "TPContext",
-    "Traffic",
-    "TrafficLedger",
-    "copy_to_region",
-    "gather_from_region",
-    "init_from_env",
-    "reduce_from_region",
-    "scatter_to_region",
-]
+Nothing is imported here, so `tp.partition` can be read without torch.
+"""

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tp.ledger import ring_bytes_per_rank
+from tp.partition import kv_heads_per_rank, padded
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,7 @@ def kv_bytes_per_token_per_rank(n_layers: int, n_kv_heads: int, d_head: int, p: 
     same one on p/h_kv ranks, so the per-rank cache stops shrinking at p = h_kv."""
     if n_kv_heads % p and p % n_kv_heads:
         raise ValueError(f"p={p} splits neither n_kv_heads={n_kv_heads} nor a multiple of it")
-    return 2 * n_layers * max(n_kv_heads // p, 1) * d_head * elem_bytes
+    return 2 * n_layers * kv_heads_per_rank(n_kv_heads, p) * d_head * elem_bytes
 
 
 def mla_kv_bytes_per_token(n_layers: int, d_latent: int, d_rope: int, elem_bytes: int) -> int:
@@ -244,12 +245,12 @@ def serving_iteration(cfg, p: int, chunks: list[tuple[int, int]], sampled: int, 
     d, k, f, L, dh = cfg.d_model, cfg.k, cfg.d_ffn, cfg.n_layers, cfg.d_head
     rows = sum(q_end - q_start for q_start, q_end in chunks)
     if cfg.family == "llama":
-        kv_heads = max(cfg.n_kv_heads // p, 1)
+        kv_heads = kv_heads_per_rank(cfg.n_kv_heads, p)
         block_weights = L * ((d * k + k * d + 3 * d * f) / p + 2 * d * kv_heads * dh)
     else:
         kv_heads = cfg.n_heads / p
         block_weights = L * (d * 3 * k + k * d + 2 * d * f) / p
-    vocab = -(-cfg.vocab_size // p) * p if vocab_parallel else cfg.vocab_size  # V', padded to a multiple of p
+    vocab = padded(cfg.vocab_size, p) if vocab_parallel else cfg.vocab_size  # V', padded to a multiple of p
     head_weights = (vocab / p if vocab_parallel else vocab) * d if sampled else 0
     pairs = sum(q * (q + 1) / 2 if q_start == 0 else q * q_end
                 for q_start, q_end in chunks for q in [q_end - q_start])

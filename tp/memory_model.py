@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from tp.partition import padded
 
 if TYPE_CHECKING:  # shapes only; tp/ does not import layers/ at run time
     from layers.config import ModelConfig
@@ -50,7 +51,7 @@ def activation_bytes_per_layer(cfg: ModelConfig, p: int, n: int, dtype: torch.dt
     shared = 4 * n * k // p + 2 * n * f // p  # attention and MLP activations: split by heads and columns alike
     if variant == "v2":
         return e * (4 * n * d + 4 * n + shared) + e_s * n * h // p
-    rows = p * -(-n // p)
+    rows = padded(n, p)
     return e * (2 * rows * d // p + 2 * rows * d + 4 * rows // p + shared + 6 * d) + e_s * n * h // p
 
 
@@ -64,6 +65,6 @@ def _llama_bytes(cfg, p: int, n: int, e: int, e_s: int, variant: str) -> int:
     if variant == "v2":
         norms = 2 * (e_s * n * d + e_s * n + 2 * e * n * d)
     else:
-        rows = p * -(-n // p)
+        rows = padded(n, p)
         norms = 2 * (e_s * rows * d // p + e_s * rows // p + e * rows * d // p + e * rows * d)
     return norms + 2 * e * n * dh + 4 * e * n * (h // p) * dh + e_s * n * h // p + 4 * e * n * f // p

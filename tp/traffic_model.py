@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tp.partition import ceil_div, kv_head_range, padded  # noqa: F401 (kv_head_range: read by serve/disagg.py)
 from tp.ledger import Traffic, Transfer
 
 if TYPE_CHECKING:  # shapes only; tp/ does not import layers/ at run time
@@ -61,7 +62,7 @@ def block_collectives(cfg: ModelConfig, n: int, variant: str, phase: str,
     up = "gate_up dx" if cfg.family == "llama" else "mlp_up dx"  # Llama: gate and up are one column-parallel matmul
     if cfg.family == "llama" and variant not in ("v2", "v2sp"):
         raise ValueError(f"Llama-family blocks are built as v2 or v2sp only, not {variant!r}")
-    rows = p * -(-n // p)  # v2sp: n padded up to a multiple of p
+    rows = padded(n, p)  # v2sp: n padded up to a multiple of p
     dw = ("norm dw", (d,)) if cfg.family == "llama" else ("norm+bias dw", (3 * d,))  # v2sp's replicated parameters
     table = {
         ("v2", "forward"): [("attn", "all-reduce #1", ar, (n, d)), ("mlp", "all-reduce #2", ar, (n, d))],
@@ -107,7 +108,7 @@ def predict_sp_stack(cfg: ModelConfig, p: int, n: int, dtype: torch.dtype, phase
     The input's scatter and the output gather's backward split rows: no communication."""
     if p == 1:
         return []
-    rows = p * -(-n // p)
+    rows = padded(n, p)
     wanted = {"forward": gathered, "backward": input_grad}[phase]
     site = "gather output" if phase == "forward" else "scatter input"
     return [Traffic.of(layer=None, sublayer="stack", site=site, phase=phase, kind="all_gather", shape=(rows, cfg.d_model),
@@ -162,7 +163,7 @@ def predict_sampler(p: int, sampled: int, sampler: tuple[tuple[int, ...], bool, 
     out = []
     for i, c in enumerate(rounds):
         out.append(gather("candidates all-gather", 2 * c * p) if c else
-                   gather("logits all-gather", -(-vocab_size // p) * p, dtype))  # V' = V padded to a multiple of p
+                   gather("logits all-gather", padded(vocab_size, p), dtype))  # V': V padded to a multiple of p
         if i == 0 and normalisers:
             out.append(Traffic.of(layer=None, sublayer="head", site="normaliser all-reduce", phase="forward",
                                   kind="all_reduce", shape=(sampled, 2), dtype=torch.float64, p=p))
@@ -187,16 +188,6 @@ def predict_control(p: int, payload: int, header: int) -> list[Traffic]:
 # ---- prefill/decode disaggregation: K,V moved between two TP groups (SPEC §8, serve/disagg.py) ----------------
 
 
-def kv_head_range(n_kv_heads: int, rank: int, p: int) -> range:
-    """The K,V heads rank r of p holds under head-aligned TP (SPEC §9): h_kv/p of them while p ≤ h_kv; once
-    p > h_kv one, the same head on p/h_kv ranks. Multi-head attention is h_kv = h."""
-    if p <= n_kv_heads:
-        per = n_kv_heads // p
-        return range(rank * per, (rank + 1) * per)
-    head = rank * n_kv_heads // p
-    return range(head, head + 1)
-
-
 def head_overlaps(n_kv_heads: int, p_src: int, p_dst: int) -> list[tuple[int, int, int, int]]:
     """(source rank, destination rank, lo, hi): every destination rank gets its K,V heads [lo, hi) from the lowest
     source rank holding them (a head replicated on several source ranks is sent once per destination rank).
@@ -212,7 +203,7 @@ def head_overlaps(n_kv_heads: int, p_src: int, p_dst: int) -> list[tuple[int, in
 
 
 def _lowest_holder(n_kv_heads: int, head: int, p: int) -> int:
-    return head // (n_kv_heads // p) if p <= n_kv_heads else -(-head * p // n_kv_heads)
+    return head // (n_kv_heads // p) if p <= n_kv_heads else ceil_div(head * p, n_kv_heads)
 
 
 def pair_count(n_kv_heads: int, p_src: int, p_dst: int) -> int:

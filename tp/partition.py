@@ -1,0 +1,33 @@
+"""What each rank holds under head-aligned tensor parallelism: the few facts every layer, model and engine reads,
+each in one function. Plain Python (no torch), so the scheduler and the block manager can read them too.
+
+    ceil_div(n, b)              blocks of b that hold n (KV blocks for n positions, rows per rank)
+    padded(n, p)                n rounded up to a multiple of p: v2sp's rows n', the padded vocabulary V'
+    kv_head_range(h_kv, r, p)   the K,V heads rank r holds (grouped-query attention: replicated once p > h_kv)
+    kv_heads_per_rank(h_kv, p)  how many: h_kv/p, at least 1
+"""
+
+from __future__ import annotations
+
+
+def ceil_div(n: int, b: int) -> int:
+    return -(-n // b)
+
+
+def padded(n: int, p: int) -> int:
+    """n rounded up to a multiple of p (GPT-2's vocabulary 50257 -> 50258 at p = 2, 50264 at p = 8)."""
+    return p * ceil_div(n, p)
+
+
+def kv_head_range(n_kv_heads: int, rank: int, p: int) -> range:
+    """The K,V heads rank r of p holds under head-aligned TP (SPEC §9): h_kv/p of them while p ≤ h_kv; once
+    p > h_kv one, the same head on p/h_kv ranks. Multi-head attention is h_kv = h."""
+    if p <= n_kv_heads:
+        per = n_kv_heads // p
+        return range(rank * per, (rank + 1) * per)
+    head = rank * n_kv_heads // p
+    return range(head, head + 1)
+
+
+def kv_heads_per_rank(n_kv_heads: int, p: int) -> int:
+    return max(n_kv_heads // p, 1)
