@@ -39,7 +39,8 @@ from launch.settings import (LaunchSettings, boolean, check_memory, common_setti
 from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.dense import init_weights, weights_checksum
 from layers.hf import CheckpointSource, load_lm
-from layers.lm import DenseLlamaLM, DenseLM, dense_lm, greedy_reference, sampled_reference, shard_lm
+from layers.lm import (NEAR_TIE, DenseLlamaLM, DenseLM, dense_lm, greedy_reference, oracle_verdict,
+                       sampled_reference, shard_lm)
 from layers.moe import validate_moe
 from serve.disagg import Layout, new_groups, serve_pd
 from serve.engine import Engine, ServeResult
@@ -56,7 +57,6 @@ from tp.dist import DEFAULT_TIMEOUT_S, ConfigError, context, env_world, same_on_
 from tp.ledger import ring_bytes_per_rank
 
 ORACLE_AUTO_ROWS = 200_000  # check=auto runs the oracle when it recomputes at most this many rows in all
-NEAR_TIE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 3e-2, torch.float16: 4e-3}  # a top-1/top-2 margin this small (relative) is a near-tie
 
 
 @dataclass(frozen=True)
@@ -381,19 +381,7 @@ def oracle_check(dense: DenseLM, s: Settings, result: ServeResult, ctx) -> list[
 
 
 def compare(served: dict, ref, near_tie: float) -> dict:
-    got, want = served["output_ids"], ref.ids
-    same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-    upto = len(got) if same is None else same
-    rel = [abs(a - b) / max(abs(b), 1e-300) for a, b in zip(served["logits"][:upto], ref.logits[:upto])]
-    out = {"request": served["request"], "oracle_ids": want, "max_logit_rel_err": max(rel, default=0.0)}
-    if same is None and len(got) == len(want):
-        out["verdict"] = "match"
-    elif same is not None and ref.margins[same] <= near_tie * max(1.0, abs(ref.logits[same])):
-        out["verdict"], out["first_difference"] = "near-tie", same  # rounding picked the other of two equal logits
-    else:
-        out["verdict"], out["first_difference"] = "MISMATCH", upto
-    out["ok"] = out["verdict"] != "MISMATCH"
-    return out
+    return {"request": served["request"], **oracle_verdict(served["output_ids"], served["logits"], ref, near_tie)}
 
 
 def run(cfg: DictConfig) -> int:

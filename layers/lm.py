@@ -82,8 +82,14 @@ def dense_lm(cfg: ModelConfig | LlamaConfig, dtype: torch.dtype = torch.float32,
 
 
 @torch.no_grad()
-def greedy_reference(lm: DenseLM, prompt: list[int], max_new_tokens: int, eos_id: int | None = None) -> Greedy:
-    """Greedy decoding with no cache at all: every step runs the whole sequence so far through the model."""
+def _stops(eos_id) -> set[int]:
+    return set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
+
+
+def greedy_reference(lm: DenseLM, prompt: list[int], max_new_tokens: int, eos_id=None) -> Greedy:
+    """Greedy decoding with no cache at all: every step runs the whole sequence so far through the model. eos_id: an
+    id, or the ids, that end it."""
+    stops = _stops(eos_id)
     device = next(lm.parameters()).device
     tokens, out = list(prompt), Greedy([], [], [])
     for _ in range(max_new_tokens):
@@ -94,16 +100,15 @@ def greedy_reference(lm: DenseLM, prompt: list[int], max_new_tokens: int, eos_id
         out.logits.append(float(last[token]))
         out.margins.append(float(top[0] - top[1]))
         tokens.append(token)
-        if token == eos_id:
+        if token in stops:
             break
     return out
 
 
-def sampled_reference(lm: DenseLM | DenseLlamaLM, prompt: list[int], params, seed: int,
-                      eos_id: int | None = None) -> Greedy:
+def sampled_reference(lm: DenseLM | DenseLlamaLM, prompt: list[int], params, seed: int, eos_id=None) -> Greedy:
     """The oracle of a sampled request: the same sampler (layers/sampler.py) on the dense logits, recomputed with no
     cache every step, with the request's noise (seed, position). margins: each step's lead in the race."""
-    device = next(lm.parameters()).device
+    device, stops = next(lm.parameters()).device, _stops(eos_id)
     tokens, out = list(prompt), Greedy([], [], [])
     for position in range(params.max_tokens):
         z = lm.logits(torch.tensor(tokens, device=device))[-1:]  # [1, V]
@@ -115,8 +120,30 @@ def sampled_reference(lm: DenseLM | DenseLlamaLM, prompt: list[int], params, see
         out.logits.append(float(res.logits[0]))
         out.margins.append(float(res.margin[0]) if res.margin is not None else float(z.topk(2).values.diff().abs()))
         tokens.append(token)
-        if token == eos_id:
+        if token in stops:
             break
+    return out
+
+
+# a top-1/top-2 margin this small (relative to the logit) is a near-tie: rounding may pick either
+NEAR_TIE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+def oracle_verdict(got: list[int], got_logits: list[float], ref: Greedy, near_tie: float) -> dict:
+    """Served tokens against an oracle's: "match", "near-tie" (they part where the oracle's top two were within
+    near_tie: rounding picked the other), or "MISMATCH"; with the largest relative logit error before they part."""
+    want = ref.ids
+    same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    upto = len(got) if same is None else same
+    rel = [abs(a - b) / max(abs(b), 1e-300) for a, b in zip(got_logits[:upto], ref.logits[:upto])]
+    out = {"oracle_ids": want, "max_logit_rel_err": max(rel, default=0.0)}
+    if same is None and len(got) == len(want):
+        out["verdict"] = "match"
+    elif same is not None and ref.margins[same] <= near_tie * max(1.0, abs(ref.logits[same])):
+        out["verdict"], out["first_difference"] = "near-tie", same
+    else:
+        out["verdict"], out["first_difference"] = "MISMATCH", upto
+    out["ok"] = out["verdict"] != "MISMATCH"
     return out
 
 

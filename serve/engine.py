@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from layers.lm import TPLM, TPLlamaLM
+from layers.lm import TPLM, TPLlamaLM, greedy_reference, oracle_verdict, sampled_reference
 from layers.sampler import request_seed
 from serve.block_manager import BlockManager
 from serve.config import EngineConfig
@@ -312,6 +312,78 @@ def validate_prompt(ids: list[int], max_tokens: int, vocab_size: int, max_seq_le
                          f"block_size={block_size}, more than the pool's kv_blocks={num_blocks}; raise kv_blocks")
 
 
+@dataclass
+class StepRecord:
+    """What one LLMEngine step did, for its hooks (the same on every rank)."""
+
+    plan: IterationPlan | None  # None: nothing ran (nothing to schedule)
+    payload: int  # the control message's payload length
+    sampler: tuple | None  # what the head's pick moved (SampleResult.traffic); None: greedy
+    sampled: list[int] = field(default_factory=list)  # requests that got a token, in row order
+    rows: list[list[float]] = field(default_factory=list)  # their host rows: id, logit[, logprobs]
+    ended: list[int] = field(default_factory=list)  # requests that finished or were aborted this step
+
+
+class StepHook:
+    """A check or a record run after every LLMEngine step, on every rank; does nothing here."""
+
+    def after_step(self, engine: "LLMEngine", step: StepRecord) -> None:
+        pass
+
+
+class LedgerCheck(StepHook):
+    """Every step's collectives against the model: the control message, and when a forward ran the plan check, the
+    embedding, the blocks and the head's pick (tp/traffic_model.py). A difference raises (on by default:
+    EngineConfig.check_ledger). The record is the engine's last_iteration."""
+
+    def after_step(self, engine: "LLMEngine", step: StepRecord) -> None:
+        seen = [r.traffic() for r in engine.ledger.records]
+        p, plan = engine.ctx.world_size, step.plan
+        predicted = predict_control(p, step.payload, CONTROL_HEADER)
+        if plan is not None:
+            predicted += predict_iteration(engine.lm.cfg, p, plan.rows, len(plan.sample_rows), engine.dtype,
+                                           engine.lm.variant, engine.lm.vocab_parallel, FINGERPRINT_SIZE, step.sampler)
+        record = {"iteration": None if plan is None else plan.index, "rows": 0 if plan is None else plan.rows,
+                  "collectives": dict(Counter(t.kind for t in seen)),
+                  "bytes_per_rank": sum(t.bytes_per_rank for t in seen),
+                  "predicted_bytes_per_rank": sum(t.bytes_per_rank for t in predicted),
+                  "ledger_matches_model": seen == predicted}
+        if plan is not None:
+            engine.last_iteration = record
+        if not record["ledger_matches_model"]:
+            raise RuntimeError(f"step {engine.index}: the collectives seen ({seen}) differ from the model's "
+                               f"({predicted})")
+
+
+class OracleCheck(StepHook):
+    """Rank 0: each request that finishes (aborted ones aside) against the dense model recomputed with no cache at
+    every step (greedy_reference, or sampled_reference with the request's noise), until the same stop ids; the
+    verdict ("match", "near-tie", "MISMATCH") goes into its RequestOutput.oracle."""
+
+    def __init__(self, dense, near_tie: float):
+        self.dense, self.near_tie = dense, near_tie
+        self.logits: dict[int, list[float]] = {}
+        self.verdicts: Counter = Counter()
+
+    def after_step(self, engine: "LLMEngine", step: StepRecord) -> None:
+        if not engine.ctx.is_main:
+            return
+        for rid, row in zip(step.sampled, step.rows):
+            self.logits.setdefault(rid, []).append(row[1])
+        for rid in step.ended:
+            r, logits = engine.scheduler.by_id[rid], self.logits.pop(rid, [])
+            if r.status is RequestStatus.FINISHED_ABORTED:
+                continue
+            with torch.no_grad():
+                ref = (greedy_reference(self.dense, r.prompt, r.max_new_tokens, r.stop_ids)
+                       if r.params is None or r.params.greedy else
+                       sampled_reference(self.dense, r.prompt, r.params, r.sampling_seed, r.stop_ids))
+            verdict = oracle_verdict(r.output, logits, ref, self.near_tie)
+            self.verdicts[verdict["verdict"]] += 1
+            if rid in engine._outputs:
+                engine._outputs[rid].oracle = verdict
+
+
 class LLMEngine:
     """The online engine, on every rank of one TP group (SPMD): vLLM's add_request / step / abort_request.
 
@@ -332,8 +404,11 @@ class LLMEngine:
     """
 
     def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, config: EngineConfig | None = None,
-                 eos_token_ids: tuple[int, ...] = (), seed: int = 0):
+                 eos_token_ids: tuple[int, ...] = (), seed: int = 0, hooks: list[StepHook] | None = None):
+        """hooks: run after every step; default LedgerCheck when config.check_ledger (an OracleCheck adds the dense
+        oracle: LLM(check=True))."""
         self.lm, self.ctx, self.config = lm, ctx, config or EngineConfig()
+        self.hooks = list(hooks) if hooks is not None else [LedgerCheck()] if self.config.check_ledger else []
         self.seed = seed  # a request without a seed samples with one drawn from this and its id
         c, m = self.config, lm.cfg
         self.eos_token_ids = tuple(eos_token_ids)
@@ -420,19 +495,22 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise SchedulerError(f"requests {[r.id for r in self.scheduler.waiting]} wait for KV blocks that "
                                      f"nothing running will give back")
-            self._check_ledger(None, payload)
+            self._after(StepRecord(None, payload, None, ended=aborts))
             return self._outputs_of([], aborts)
         sampled = [c.request for c in plan.chunks if c.sample]
         rows = result.to_host()  # ★ the step's one wait for the device
         finished = self.scheduler.update(plan, {rid: int(row[0]) for rid, row in zip(sampled, rows)})
         if result.logprob is not None:
             self._logprobs(sampled, rows, result.top_ids.shape[1])
-        self._check_ledger(plan, payload, result.traffic(sampling))
-        self.last_iteration["time_s"] = elapsed = time.perf_counter() - start
-        self.busy_s += elapsed
+        self._after(StepRecord(plan, payload, result.traffic(sampling), sampled, rows, aborts + finished))
+        self.busy_s += time.perf_counter() - start
         self.index += 1
         self.iterations += 1
         return self._outputs_of(sampled, aborts + finished)
+
+    def _after(self, step: StepRecord) -> None:
+        for hook in self.hooks:
+            hook.after_step(self, step)
 
     def keep_alive(self) -> None:
         """Rank 0 with nothing to do: an IDLE control message, so the other ranks' wait never times out."""
@@ -518,25 +596,6 @@ class LLMEngine:
             c = o.outputs[0]
             c.logprobs = (c.logprobs or []) + [step]
             c.cumulative_logprob = (c.cumulative_logprob or 0.0) + row[2]
-
-    def _check_ledger(self, plan: IterationPlan | None, payload: int, sampler=None) -> None:
-        """This step's collectives against the model: the control message, then (when a forward ran) the iteration's."""
-        seen = [r.traffic() for r in self.ledger.records]
-        p = self.ctx.world_size
-        predicted = predict_control(p, payload, CONTROL_HEADER)
-        if plan is not None:
-            predicted += predict_iteration(self.lm.cfg, p, plan.rows, len(plan.sample_rows), self.dtype,
-                                           self.lm.variant, self.lm.vocab_parallel, FINGERPRINT_SIZE, sampler)
-        record = {"iteration": None if plan is None else plan.index, "rows": 0 if plan is None else plan.rows,
-                  "collectives": dict(Counter(t.kind for t in seen)),
-                  "bytes_per_rank": sum(t.bytes_per_rank for t in seen),
-                  "predicted_bytes_per_rank": sum(t.bytes_per_rank for t in predicted),
-                  "ledger_matches_model": seen == predicted}
-        if plan is not None:
-            self.last_iteration = record
-        if self.config.check_ledger and not record["ledger_matches_model"]:
-            raise RuntimeError(f"step {self.index}: the collectives seen ({seen}) differ from the model's "
-                               f"({predicted})")
 
     def _outputs_of(self, sampled: list[int], ended: list[int]) -> list[RequestOutput]:
         """Rank 0: a RequestOutput per request that got a token or ended (finished, aborted) this step."""

@@ -116,9 +116,11 @@ def load_tokenizer(source: str | None):
 class LLM:
     def __init__(self, model: str, tensor_parallel_size: int = 1, dtype: str = "float32", seed: int = 0, *,
                  tokenizer: str | None = None, backend: str = "auto", device: str = "auto", moe_parallel: str = "tp",
-                 timeout_s: float = DEFAULT_TIMEOUT_S, **engine_settings):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, check: bool = False, **engine_settings):
         """model: a save_pretrained directory (GPT-2, Llama, Mixtral; sharded or not) or a preset (conf/model/).
-        engine_settings: EngineConfig's fields, by our names or vLLM's (serve/config.py)."""
+        check: every finished request against the dense model recomputed without a cache (RequestOutput.oracle;
+        rank 0 holds the dense model too). engine_settings: EngineConfig's fields, by our names or vLLM's
+        (serve/config.py); check_ledger (every step's collectives against the model) is on by default."""
         from layers.config import parse_dtype
         from tp.dist import ConfigError, resolve_backend, resolve_device
 
@@ -129,6 +131,8 @@ class LLM:
             raise ValueError(f"tensor_parallel_size={p!r} must be a positive integer")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed={seed!r} must be an integer")
+        if not isinstance(check, bool):
+            raise ValueError(f"check={check!r} must be True or False")
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
         self.config = EngineConfig.from_kwargs(**engine_settings)
@@ -152,7 +156,7 @@ class LLM:
         self.tensor_parallel_size = p
         self.num_blocks = self.config.pool_blocks(self.model_config.max_seq_len)
         spec = RankSpec(self.model_config, checkpoint, str(dtype), seed, backend, device, moe_parallel, self.config,
-                        self.eos_token_ids, float(timeout_s))
+                        self.eos_token_ids, float(timeout_s), check)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._stopped: set[str] = set()  # ended by a stop string here: the engine's later output is dropped
         self._count = 0

@@ -43,3 +43,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     num_cached_tokens: int = 0  # prompt tokens whose K,V came from the prefix cache
+    oracle: dict | None = None  # LLM(check=True): the dense oracle's verdict ("match", "near-tie", "MISMATCH")

@@ -40,6 +40,7 @@ class RankSpec:
     engine: object  # EngineConfig
     eos_token_ids: tuple[int, ...]
     timeout_s: float
+    check: bool = False  # rank 0 checks every finished request against the dense oracle
 
 
 def _watch_parent(parent: int) -> None:
@@ -91,8 +92,9 @@ def build_engine(ctx, spec: RankSpec):
     from layers.dense import init_weights
     from layers.hf import CheckpointSource
     from layers.checkpoint import Checkpoint
-    from layers.lm import dense_lm, shard_lm
-    from serve.engine import LLMEngine
+    from layers.hf import load_lm
+    from layers.lm import NEAR_TIE, dense_lm, shard_lm
+    from serve.engine import LedgerCheck, LLMEngine, OracleCheck
 
     dtype = parse_dtype(spec.dtype)
     if spec.checkpoint is not None:
@@ -101,8 +103,13 @@ def build_engine(ctx, spec: RankSpec):
         weights = init_weights(dense_lm(spec.model, dtype, ctx.device), spec.seed)  # dense from seed, then cut
     with torch.no_grad():
         lm = shard_lm(weights, "v2", ctx.group, True, spec.moe_parallel)
+    hooks = [LedgerCheck()] if spec.engine.check_ledger else []
+    if spec.check and ctx.is_main:  # the dense model, on rank 0 only: random weights as made, a checkpoint read whole
+        dense = weights if spec.checkpoint is None else load_lm(dense_lm(spec.model, dtype, ctx.device),
+                                                                 Checkpoint(spec.checkpoint))
+        hooks.append(OracleCheck(dense, NEAR_TIE[dtype]))
     del weights
-    return LLMEngine(lm, ctx, spec.engine, spec.eos_token_ids, spec.seed)
+    return LLMEngine(lm, ctx, spec.engine, spec.eos_token_ids, spec.seed, hooks)
 
 
 def _serve(rank: int, world_size: int, store: str, spec: RankSpec, conn) -> None:
@@ -135,6 +142,7 @@ def _driven(engine, conn) -> None:
         "stats": lambda: {"num_blocks": engine.num_blocks, "free_blocks": engine.free_blocks,
                           "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
                           "iterations": engine.iterations, "busy_s": engine.busy_s,
+                          "oracle": next((dict(h.verdicts) for h in engine.hooks if hasattr(h, "verdicts")), None),
                           "last_iteration": engine.last_iteration},
     }
     while True:

@@ -232,11 +232,14 @@ def test_generate_equals_transformers(checkpoints, name, p):
     from serve import LLM
 
     want, tok = hf_generate(checkpoints[name], PROMPTS, 12)
-    with LLM(str(checkpoints[name]), tensor_parallel_size=p, dtype="float64") as llm:
+    with LLM(str(checkpoints[name]), tensor_parallel_size=p, dtype="float64", check=name == "gpt2") as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12))
         stats = llm.stats()
-        if name == "gpt2":  # the online calls and bad input, on the same ranks
+        if name == "gpt2":  # the online calls and bad input, on the same ranks, every request against the oracle
             online_checks(llm, tok)
+            verdicts = llm.stats()["oracle"]
+            assert set(verdicts) == {"match"} and verdicts["match"] >= 10, verdicts
+            assert all(o.oracle["verdict"] == "match" for o in outs)
     assert [o.outputs[0].token_ids for o in outs] == want
     for o, text in zip(outs, PROMPTS):
         c = o.outputs[0]
