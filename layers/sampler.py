@@ -187,7 +187,11 @@ def _candidates(local: torch.Tensor, ids: torch.Tensor, c: int, group) -> tuple[
     holds (c = V'/p), all p·c of them (the whole vocabulary, exact whatever is asked of it). ★ all-gather of every
     rank's top-c pairs [S, 2c] -> [S, 2cp]."""
     n = local.shape[1]
-    top, where = local.topk(c, dim=-1)  # [S, c], sorted desc
+    cut = local.topk(c, dim=-1).values[:, -1:]  # the c-th largest value of each row
+    # topk breaks ties at the cut arbitrarily: take every id above it, then the lowest ids at it
+    key = torch.where(local > cut, float("inf"), torch.where(local == cut, -ids.double(), float("-inf")))
+    where = key.topk(c, dim=-1).indices
+    top = local.gather(1, where)
     pairs = rearrange(torch.stack([top.double(), ids[where].double()], dim=-1), "s c two -> s (c two)")
     if group is not None:
         pairs = gather_from_region(pairs, group, "head/candidates all-gather")  # ★ all-gather: [S, 2cp]

@@ -33,12 +33,19 @@ def main(argv: list[str] | None = None) -> int:
     if (args.prompt is None) == (args.prompt_ids is None):
         ap.error("give one of --prompt TEXT or --prompt-ids 1,2,3")
     from serve import LLM, SamplingParams
+    from serve.llm import has_tokenizer
 
     settings = {k: v for k, v in (("block_size", args.block_size), ("max_num_batched_tokens", args.max_num_batched_tokens),
                                   ("max_num_seqs", args.max_num_seqs), ("num_gpu_blocks_override", args.num_gpu_blocks))
                 if v is not None}
     try:
-        prompt = args.prompt if args.prompt is not None else [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        if args.prompt is not None and not has_tokenizer(args.model):
+            raise ValueError(f"--prompt needs a tokenizer: {args.model} has none (a preset, or a directory without "
+                             f"tokenizer files); pass --prompt-ids 1,2,3")
+        try:
+            prompt = args.prompt if args.prompt is not None else [int(t) for t in args.prompt_ids.split(",")]
+        except ValueError:
+            raise ValueError(f"--prompt-ids {args.prompt_ids!r}: give comma-separated token ids, e.g. 464,3290") from None
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
         start = time.perf_counter()
         with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, seed=args.seed,

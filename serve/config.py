@@ -76,7 +76,14 @@ class EngineConfig:
             if name in out:
                 raise ValueError(f"{key!r} and {name!r} set the same thing: give one")
             out[name] = value
-        return cls(**out)
+        try:
+            return cls(**out)
+        except ValueError as exc:  # say it with the name the caller used
+            message = str(exc)
+            for key in kwargs:
+                if key in VLLM_NAMES:
+                    message = message.replace(f"{VLLM_NAMES[key]}=", f"{key}=")
+            raise ValueError(message) from None
 
     def pool_blocks(self, max_seq_len: int) -> int:
         """Blocks in each rank's pool: kv_blocks, or enough for max_running requests at the full context."""

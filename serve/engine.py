@@ -420,6 +420,7 @@ class LLMEngine:
         self.ledger = TrafficLedger(ctx.world_size, ctx.device, timing=c.comm_timing)
         self.index = 0  # the next step's iteration number
         self.stopped = False
+        self.last_control = time.monotonic()  # when rank 0 last broadcast a control message (keep-alives read it)
         self.last_iteration: dict | None = None  # the record of the last step that ran a forward
         self.iterations = 0
         self.busy_s = 0.0  # wall time inside step() that ran a forward, summed (rank 0's clock)
@@ -527,6 +528,7 @@ class LLMEngine:
     def _control(self, flag: int) -> tuple[int, list[Request], list[int], int]:
         """★ rank 0's control message to every rank: (flag, new requests, aborted ids, payload length)."""
         device = control_device(self.ctx.group)
+        self.last_control = time.monotonic()
         with host_control():  # CPU tensors over the group's gloo backend: no wait for the GPU
             if self.ctx.is_main:
                 new, aborts = (self._new, self._aborts) if flag == RUN else ([], [])

@@ -106,7 +106,7 @@ def eos_of(checkpoint: str | None, vocab_size: int) -> tuple[int, ...]:
 
 def load_tokenizer(source: str | None):
     """transformers' AutoTokenizer from a directory that has tokenizer files; None where there are none."""
-    if source is None or not any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
+    if source is None or not has_tokenizer(source):
         return None
     from transformers import AutoTokenizer
 
@@ -129,8 +129,8 @@ class LLM:
         p = tensor_parallel_size
         if isinstance(p, bool) or not isinstance(p, int) or p < 1:
             raise ValueError(f"tensor_parallel_size={p!r} must be a positive integer")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed={seed!r} must be an integer")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
+            raise ValueError(f"seed={seed!r} must be an integer in [0, 2**32)")
         if not isinstance(check, bool):
             raise ValueError(f"check={check!r} must be True or False")
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
@@ -160,6 +160,7 @@ class LLM:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._stopped: set[str] = set()  # ended by a stop string here: the engine's later output is dropped
         self._count = 0
+        self._prefix = f"generate-{secrets.token_hex(4)}-"  # generate()'s request ids: no clash with the caller's
         self._start(spec)
 
     # -- the rank processes -------------------------------------------------------------------------------------------
@@ -213,23 +214,25 @@ class LLM:
         return kind, value
 
     def _fail(self, what: str, dead: list) -> None:
-        time.sleep(0.2)  # a failing rank writes its traceback before it exits
+        time.sleep(0.2)  # a failing rank writes its traceback before it exits; a killed one is reaped meanwhile
+        dead = [(r, proc.returncode) for r, proc in enumerate(self._procs) if proc.poll() is not None]
         errors = []
         for r in range(len(self._procs)):
             f = Path(self._dir) / f"error-{r}.txt"
             if f.is_file():
                 errors.append((r, f.read_text()))
         self.shutdown()
-        if errors:
-            rank, text = errors[0]
-            raise RuntimeError(f"{what}: rank {rank} failed: {text}")
-        if dead:
-            raise RuntimeError(f"{what}: rank {dead[0][0]} exited (code {dead[0][1]}); every rank is stopped")
+        reported = {rank for rank, _ in errors}
+        silent = [f"rank {r} exited (code {code}) without a Python error" for r, code in dead if r not in reported]
+        if silent or errors:  # a rank killed from outside first: it is the cause, the others' errors follow from it
+            raise RuntimeError(f"{what}: " + "; ".join(silent + [f"rank {r} failed: {text}" for r, text in errors])
+                               + "; every rank is stopped")
         raise RuntimeError(f"{what}: no answer from rank 0; every rank is stopped")
 
     def _call(self, op: str, *args):
         if self._closed:
             raise RuntimeError("this LLM is shut down")
+        self._check_ranks(op)  # a rank that died while we were away: say so now, not after a call that hangs
         self._conn.send((op, args))
         return self._wait(op)[1]
 
@@ -271,18 +274,20 @@ class LLM:
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         """prompt: a string (needs a tokenizer), a list of token ids, or {"prompt_token_ids": [...]}/{"prompt": ...}."""
+        _check_id(request_id)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
         text, ids = self._encode(prompt)
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop={list(params.stop)}: stop strings need a tokenizer (this model has none)")
+        self._check(ids, params)
         self._call("add_request", request_id, ids, params, text)
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
 
     def abort_request(self, request_id: str) -> bool:
-        self._detok.pop(request_id, None)
+        """Aborted at the next step (its blocks freed before anything is scheduled); step() then returns it with
+        finish_reason "abort" and the text of the tokens it had. False if no such request is running."""
+        _check_id(request_id)
         return self._call("abort_request", request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -292,9 +297,10 @@ class LLM:
         """One iteration on every rank; a RequestOutput for each request that got a token or finished."""
         return self._receive(self._call("step"))
 
-    def _receive(self, outputs: list[RequestOutput], running: bool = False) -> list[RequestOutput]:
+    def _receive(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Text for rank 0's outputs, and stop strings: a request whose text now holds one ends here ("stop") and is
-        aborted in the engine (running: rank 0 is inside generate()'s loop, so the abort is sent without waiting)."""
+        aborted in the engine (abort_nowait: no answer, so it can never be mistaken for the answer to a later call);
+        the engine's own output for it later is dropped."""
         out = []
         for o in outputs:
             rid = o.request_id
@@ -306,20 +312,17 @@ class LLM:
             if detok is not None:
                 c = o.outputs[0]
                 detok.add(c.token_ids[len(detok.ids):])
-                if detok.stopped_by is not None and not o.finished:  # ended by a stop string: abort it in the engine
-                    if running:
-                        self._conn.send(("abort_request", (rid,)))
-                    else:
-                        self._call("abort_request", rid)
-                    self._stopped.add(rid)
-                    o.finished, c.finish_reason, c.stop_reason = True, "stop", detok.stopped_by
-                    o.metrics.finished_time = time.time()
-                    c.token_ids = c.token_ids[:len(detok.ids)]
-                elif detok.stopped_by is not None:
-                    c.finish_reason, c.stop_reason = "stop", detok.stopped_by
                 if o.finished:
-                    detok.finish()
+                    detok.finish()  # flushes held-back text, which may complete a stop string
                     del self._detok[rid]
+                if detok.stopped_by is not None:
+                    if not o.finished:  # ended here, before the engine would have ended it
+                        self._conn.send(("abort_nowait", (rid,)))
+                        self._stopped.add(rid)
+                        o.finished, o.metrics.finished_time = True, time.time()
+                        del self._detok[rid]
+                    c.finish_reason, c.stop_reason = "stop", detok.stopped_by
+                    c.token_ids = c.token_ids[:len(detok.ids)]
                 c.text = detok.text
             out.append(o)
         return out
@@ -355,16 +358,21 @@ class LLM:
         for (_, ids), q in zip(encoded, params):  # every prompt is checked before the first one is added
             self._check(ids, q)
         names = []
-        for (text, ids), q in zip(encoded, params):
-            names.append(f"generate-{self._count}")
-            self._count += 1
-            self.add_request(names[-1], {"prompt_token_ids": ids, "prompt": text}, q)
+        try:
+            for (text, ids), q in zip(encoded, params):
+                names.append(f"{self._prefix}{self._count}")
+                self._count += 1
+                self.add_request(names[-1], {"prompt_token_ids": ids, "prompt": text}, q)
+        except BaseException:
+            for name in names[:-1]:  # nothing half-added stays behind to run in a later call
+                self._call("abort_request", name)
+            raise
         done: dict[str, RequestOutput] = {}
         wanted = set(names)
         bar = _progress(len(names)) if use_tqdm else None
         self._conn.send(("run", ()))  # rank 0 steps until all have ended, sending each step's outputs as they come
         while (reply := self._wait("generate"))[0] == "outputs":
-            for o in self._receive(reply[1], running=True):
+            for o in self._receive(reply[1]):
                 if o.finished and o.request_id in wanted:
                     done[o.request_id] = o
                     if bar is not None:
@@ -396,8 +404,21 @@ class LLM:
     def _check(self, ids: list[int], params: SamplingParams) -> None:
         from serve.engine import validate_prompt
 
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={list(params.stop)}: stop strings need a tokenizer (this model has none)")
         validate_prompt(ids, params.max_tokens, self.model_config.vocab_size, self.model_config.max_seq_len,
                         self.num_blocks, self.config.block_size)
+
+
+def _check_id(request_id) -> None:
+    if not isinstance(request_id, str):
+        raise ValueError(f"request_id={request_id!r} must be a string")
+
+
+def has_tokenizer(model: str, tokenizer: str | None = None) -> bool:
+    """Whether text prompts can be encoded for this model (a directory with tokenizer files, or tokenizer=DIR)."""
+    source = tokenizer or model
+    return Path(source).is_dir() and any((Path(source) / f).is_file() for f in TOKENIZER_FILES)
 
 
 def _progress(total: int):

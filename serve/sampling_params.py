@@ -17,6 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily (as vLLM)
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -60,6 +63,8 @@ class SamplingParams:
         stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop={self.stop!r} must be a string or a list of non-empty strings")
+        if 0 < self.temperature < GREEDY_BELOW:  # vLLM's rule: z / T would overflow; this close to 0 is greedy
+            object.__setattr__(self, "temperature", 0.0)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         object.__setattr__(self, "stop", tuple(stop))
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
+import shutil
 import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass
 
-KEEP_ALIVE_S = 5.0  # rank 0 idle this long sends an IDLE control message (the group's timeout is far longer)
+KEEP_ALIVE_S = 5.0  # the other ranks hear from rank 0 at least this often (and 4 times per group timeout)
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,13 @@ class RankSpec:
     check: bool = False  # rank 0 checks every finished request against the dense oracle
 
 
-def _watch_parent(parent: int) -> None:
-    """Exit the moment the driver is gone (its pid is no longer our parent)."""
+def _watch_parent(parent: int, directory: str, rank: int) -> None:
+    """Exit the moment the driver is gone (its pid is no longer our parent); rank 0 removes the driver's directory,
+    which the driver, killed, could not."""
     while True:
         if os.getppid() != parent:
+            if rank == 0:
+                shutil.rmtree(directory, ignore_errors=True)
             os._exit(3)
         time.sleep(0.5)
 
@@ -60,7 +64,7 @@ def main() -> None:
     args.add_argument("--world-size", type=int, required=True)
     args.add_argument("--dir", required=True)
     args = args.parse_args()
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(os.getppid(), args.dir, args.rank), daemon=True).start()
     os.environ.update(RANK=str(args.rank), LOCAL_RANK=str(args.rank), WORLD_SIZE=str(args.world_size),
                       LOCAL_WORLD_SIZE=str(args.world_size))
     code = 0
@@ -124,7 +128,7 @@ def _serve(rank: int, world_size: int, store: str, spec: RankSpec, conn) -> None
     engine = build_engine(ctx, spec)
     if rank == 0:
         conn.send(("ready", {"num_blocks": engine.num_blocks, "backend": ctx.backend, "device": str(ctx.device)}))
-        _driven(engine, conn)
+        _driven(engine, conn, spec.timeout_s)
     else:
         while not engine.stopped:
             engine.step()
@@ -132,8 +136,10 @@ def _serve(rank: int, world_size: int, store: str, spec: RankSpec, conn) -> None
     dist.destroy_process_group()
 
 
-def _driven(engine, conn) -> None:
-    """Rank 0: run the driver's calls until shutdown (or until the driver's end of the pipe closes)."""
+def _driven(engine, conn, timeout_s: float) -> None:
+    """Rank 0: run the driver's calls until shutdown (or until the driver's end of the pipe closes). Whenever the
+    other ranks have had no control message for KEEP_ALIVE_S (the driver idle, or busy with calls that are not
+    steps), an IDLE one goes out first, so their wait never reaches the group's timeout."""
     calls = {
         "add_request": engine.add_request,
         "abort_request": engine.abort_request,
@@ -145,9 +151,13 @@ def _driven(engine, conn) -> None:
                           "oracle": next((dict(h.verdicts) for h in engine.hooks if hasattr(h, "verdicts")), None),
                           "last_iteration": engine.last_iteration},
     }
+    every = min(KEEP_ALIVE_S, timeout_s / 4)
     while True:
-        if not conn.poll(KEEP_ALIVE_S):
+        quiet = time.monotonic() - engine.last_control
+        if quiet >= every:
             engine.keep_alive()
+            continue
+        if not conn.poll(every - quiet):
             continue
         try:
             op, args = conn.recv()
@@ -158,26 +168,30 @@ def _driven(engine, conn) -> None:
             engine.shutdown()
             conn.send(("ok", None))
             return
+        if op == "abort_nowait":  # a stop string matched in the driver: no answer is awaited
+            engine.abort_request(*args)
+            continue
         if op == "run":  # generate(): step until nothing is left, each step's outputs sent without waiting for the
             _run(engine, conn)  # driver, which decodes them while the next step runs
             continue
-        try:
+        if op == "step":
+            conn.send(("ok", engine.step()))
+            continue
+        try:  # the other calls change nothing when they refuse: the caller's error, and the engine goes on
             result = calls[op](*args)
-        except ValueError as exc:
-            if op != "add_request":
-                raise
-            conn.send(("ValueError", str(exc)))  # bad input: the caller's error; the engine is unchanged, goes on
+        except (ValueError, TypeError, KeyError) as exc:
+            conn.send(("ValueError", f"{exc}" if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"))
             continue
         conn.send(("ok", result))
 
 
 def _run(engine, conn) -> None:
-    """Rank 0: step until every request has ended; the only calls taken meanwhile are aborts (a stop string matched
-    in the driver), which need no answer."""
+    """Rank 0: step until every request has ended; the only calls taken meanwhile are aborts without an answer (a
+    stop string matched in the driver)."""
     while engine.has_unfinished_requests():
         while conn.poll(0):
             op, args = conn.recv()
-            if op != "abort_request":
+            if op != "abort_nowait":
                 raise RuntimeError(f"{op} while generate() runs: only aborts are taken then")
             engine.abort_request(*args)
         conn.send(("outputs", engine.step()))

@@ -322,7 +322,7 @@ def test_llm_refuses_bad_settings_without_starting_ranks(checkpoints, tmp_path):
              (dict(model=str(tmp_path)), "config.json"),
              (dict(model="llama_tiny", tensor_parallel_size=3), "tensor_parallel_size=3"),
              (dict(model="llama_tiny", tensor_parallel_size=0), "positive integer"),
-             (dict(model="llama_tiny", max_num_seqs=0), "max_running"),
+             (dict(model="llama_tiny", max_num_seqs=0), "max_num_seqs=0 must be"),
              (dict(model="llama_tiny", dtype="float8"), "dtype")]
     for kwargs, msg in cases:
         with pytest.raises(ValueError, match=msg):
@@ -337,13 +337,25 @@ def test_a_dead_rank_raises_in_the_caller_and_stops_the_others(checkpoints):
     llm.step()
     llm._procs[1].kill()
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="rank"):
+    with pytest.raises(RuntimeError, match="rank 1 exited"):  # the killed rank is named, whatever the call
         while True:
-            llm.step()
+            llm.step() if time.monotonic() - start < 0.5 else llm.has_unfinished_requests()
     assert time.monotonic() - start < 10
     assert all(proc.poll() is not None for proc in llm._procs)
     llm.shutdown()
     llm.shutdown()  # twice: harmless
+
+
+def test_a_caller_that_polls_without_stepping_keeps_the_ranks_alive():
+    """Calls that are not steps (here for twice the group's timeout) still let rank 0 send its keep-alives."""
+    from serve import LLM
+
+    with LLM("llama_tiny", tensor_parallel_size=2, timeout_s=1.5) as llm:
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            assert not llm.has_unfinished_requests()
+            time.sleep(0.05)
+        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
 
 
 def test_ranks_do_not_outlive_a_killed_caller(checkpoints):
@@ -425,13 +437,13 @@ def test_a_stop_string_ends_the_request_in_the_driver_and_aborts_it_in_the_engin
 
     seen = []
     for n in range(1, len(ids) + 1):
-        seen += llm._receive([output(n)], running=True)
+        seen += llm._receive([output(n)])
         if seen[-1].finished:
             break
     last = seen[-1].outputs[0]
     assert seen[-1].finished and last.finish_reason == "stop" and last.stop_reason == "own f"
-    assert last.text == "the quick br" and Pipe.sent == [("abort_request", ("a",))]
-    assert llm._receive([output(len(ids), True, "abort")], running=True) == []  # the engine's abort: dropped
+    assert last.text == "the quick br" and Pipe.sent == [("abort_nowait", ("a",))]
+    assert llm._receive([output(len(ids), True, "abort")]) == []  # the engine's abort: dropped
 
 
 def test_the_scheduler_and_block_manager_import_no_torch():

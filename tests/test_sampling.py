@@ -253,3 +253,23 @@ def top_p_rounds(ctx, slope: float):
 def test_top_p_past_the_candidates_stays_exact(slope, rounds):
     for exact, got, ledger_ok in run_ranks(2, top_p_rounds, slope):
         assert exact and got == rounds and ledger_ok
+
+
+def tied_top_k(ctx):
+    """Logits tied across both ranks' slices: top-k keeps the lowest ids among equals, at every p."""
+    V, S = 100, 8
+    z = torch.cat([torch.zeros(50), torch.ones(50)]).double().expand(S, -1).clone()
+    n = V // ctx.world_size
+    batch = SamplingBatch.build([(1.0, 5, 1.0, 0.0, seed, 0) for seed in range(S)], 2, "cpu")
+    res = sample(z[:, ctx.rank * n:(ctx.rank + 1) * n], ctx.rank * n, ctx.group, batch, V)
+    return res.tokens.tolist(), res.top_ids.tolist()
+
+
+def test_top_k_ties_go_to_the_lower_ids_at_every_p():
+    one, two = run_ranks(1, tied_top_k)[0], run_ranks(2, tied_top_k)[0]
+    assert one == two
+    assert all(50 <= t < 55 for t in one[0]) and all(ids == [50, 51] for ids in one[1])
+
+
+def test_a_temperature_near_zero_is_greedy():
+    assert SamplingParams(temperature=1e-320).temperature == 0.0 and SamplingParams(temperature=1e-5).temperature > 0
