@@ -86,6 +86,7 @@ def _stops(eos_id) -> set[int]:
     return set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
 
 
+@torch.no_grad()
 def greedy_reference(lm: DenseLM, prompt: list[int], max_new_tokens: int, eos_id=None) -> Greedy:
     """Greedy decoding with no cache at all: every step runs the whole sequence so far through the model. eos_id: an
     id, or the ids, that end it."""
@@ -105,6 +106,7 @@ def greedy_reference(lm: DenseLM, prompt: list[int], max_new_tokens: int, eos_id
     return out
 
 
+@torch.no_grad()
 def sampled_reference(lm: DenseLM | DenseLlamaLM, prompt: list[int], params, seed: int, eos_id=None) -> Greedy:
     """The oracle of a sampled request: the same sampler (layers/sampler.py) on the dense logits, recomputed with no
     cache every step, with the request's noise (seed, position). margins: each step's lead in the race."""
