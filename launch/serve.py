@@ -446,7 +446,7 @@ def serve_disaggregated(s: Settings, out_dir: Path, ctx) -> int:
 def build_pd_report(s: Settings, ctx, result, colocated: list[list[int]], checks: list[dict] | None) -> dict:
     m, layout = s.model, s.pd
     elem = s.dtype.itemsize
-    k_tok = 2 * m.n_layers * m.n_kv_heads * m.d_head * elem
+    k_tok = kv_bytes_per_token(m.n_layers, m.n_kv_heads, m.d_head, s.dtype)  # the dense cache's bytes per token
     per_decode_rank = kv_bytes_per_token_per_rank(m.n_layers, m.n_kv_heads, m.d_head, layout.decode_ranks, elem)
     requests = result.requests
     for req, ids in zip(requests, colocated):

@@ -18,11 +18,12 @@ from __future__ import annotations
 import torch
 
 from layers.attention import PagedBatch, PagedLayer
+from tp import partition
 
 
 def kv_bytes_per_token(n_layers: int, heads: int, d_head: int, dtype: torch.dtype) -> int:
-    """K and V of `heads` heads in every layer, for one token."""
-    return n_layers * 2 * heads * d_head * dtype.itemsize
+    """K and V of `heads` heads in every layer, for one token (tp/partition.py's formula, in a dtype)."""
+    return partition.kv_bytes_per_token(n_layers, heads, d_head, dtype.itemsize)
 
 
 class KVPool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tp.ledger import ring_bytes_per_rank
-from tp.partition import kv_heads_per_rank, padded
+from tp.partition import kv_bytes_per_token, kv_heads_per_rank, padded
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Shape:
     @property
     def kv_bytes_per_token(self) -> int:
         """K_tok: K and V of one context token, summed over all layers."""
-        return 2 * self.n_layers * self.n_kv_heads * self.d_head * self.bytes_per_elem
+        return kv_bytes_per_token(self.n_layers, self.n_kv_heads, self.d_head, self.bytes_per_elem)
 
     def kv_bytes_per_token_per_rank(self, p: int) -> int:
         """K_tok on one of p head-aligned TP ranks (kv_bytes_per_token_per_rank below)."""
@@ -209,7 +209,7 @@ def kv_bytes_per_token_per_rank(n_layers: int, n_kv_heads: int, d_head: int, p: 
     same one on p/h_kv ranks, so the per-rank cache stops shrinking at p = h_kv."""
     if n_kv_heads % p and p % n_kv_heads:
         raise ValueError(f"p={p} splits neither n_kv_heads={n_kv_heads} nor a multiple of it")
-    return 2 * n_layers * kv_heads_per_rank(n_kv_heads, p) * d_head * elem_bytes
+    return kv_bytes_per_token(n_layers, kv_heads_per_rank(n_kv_heads, p), d_head, elem_bytes)
 
 
 def mla_kv_bytes_per_token(n_layers: int, d_latent: int, d_rope: int, elem_bytes: int) -> int:

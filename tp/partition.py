@@ -5,6 +5,7 @@ each in one function. Plain Python (no torch), so the scheduler and the block ma
     padded(n, p)                n rounded up to a multiple of p: v2sp's rows n', the padded vocabulary V'
     kv_head_range(h_kv, r, p)   the K,V heads rank r holds (grouped-query attention: replicated once p > h_kv)
     kv_heads_per_rank(h_kv, p)  how many: h_kv/p, at least 1
+    kv_bytes_per_token(L, heads, d_head, e)   K and V of `heads` heads in every layer, for one token: 2·L·heads·d_head·e
 """
 
 from __future__ import annotations
@@ -31,3 +32,8 @@ def kv_head_range(n_kv_heads: int, rank: int, p: int) -> range:
 
 def kv_heads_per_rank(n_kv_heads: int, p: int) -> int:
     return max(n_kv_heads // p, 1)
+
+
+def kv_bytes_per_token(n_layers: int, heads: int, d_head: int, elem_bytes: int) -> int:
+    """K and V of `heads` heads in every layer, for one token (a rank's share: heads = kv_heads_per_rank)."""
+    return 2 * n_layers * heads * d_head * elem_bytes
