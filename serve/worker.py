@@ -64,7 +64,8 @@ def main() -> None:
     args.add_argument("--world-size", type=int, required=True)
     args.add_argument("--dir", required=True)
     args = args.parse_args()
-    threading.Thread(target=_watch_parent, args=(os.getppid(), args.dir, args.rank), daemon=True).start()
+    parent = os.getppid()
+    threading.Thread(target=_watch_parent, args=(parent, args.dir, args.rank), daemon=True).start()
     os.environ.update(RANK=str(args.rank), LOCAL_RANK=str(args.rank), WORLD_SIZE=str(args.world_size),
                       LOCAL_WORLD_SIZE=str(args.world_size))
     code = 0
@@ -82,6 +83,8 @@ def main() -> None:
         with open(os.path.join(args.dir, f"error-{args.rank}.txt"), "w") as f:
             f.write(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         code = 1
+    if args.rank == 0 and os.getppid() != parent:  # the driver was killed: nobody else will remove its directory
+        shutil.rmtree(args.dir, ignore_errors=True)
     sys.stdout.flush()
     sys.stderr.flush()
     # Leave without running interpreter teardown: the process group's threads are gone already (destroyed in

@@ -365,19 +365,21 @@ def test_ranks_do_not_outlive_a_killed_caller(checkpoints):
     script = textwrap.dedent(f"""
         from serve import LLM
         llm = LLM({str(checkpoints['gpt2'])!r}, tensor_parallel_size=2)
-        print(" ".join(str(p.pid) for p in llm._procs), flush=True)
+        print(" ".join(str(p.pid) for p in llm._procs), llm._dir, flush=True)
         import time; time.sleep(120)
     """)
     caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                               cwd=os.path.dirname(os.path.dirname(__file__)))
-    pids = [int(p) for p in caller.stdout.readline().split()]
-    assert len(pids) == 2
+    *pids, directory = caller.stdout.readline().split()
+    pids = [int(p) for p in pids]
+    assert len(pids) == 2 and os.path.isdir(directory)
     caller.send_signal(signal.SIGKILL)
     caller.wait()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.1)
     assert not any(alive(p) for p in pids)
+    assert not os.path.exists(directory)  # rank 0 removed the driver's directory
 
 
 def alive(pid: int) -> bool:
