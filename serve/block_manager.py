@@ -11,7 +11,9 @@ Prefix caching: once a block is full of computed tokens it is named by a chained
 hash((previous block's hash, its token ids)), and entered in `cached`. A new request whose prompt starts
 with the same full blocks shares them (reference counts) instead of recomputing them. A block whose count
 drops to 0 goes to the back of the free queue keeping its hash: a later request can still revive it until it
-is taken for new tokens, least recently freed first. No torch here, and no collectives.
+is taken for new tokens, least recently freed first. Two requests that computed the same prefix side by side
+hold two blocks with one name; `cached` keeps both, so the prefix stays findable until the last copy is
+taken. No torch here, and no collectives.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class BlockManager:
     prefix_cache: bool = EngineConfig.prefix_cache
     blocks: list[Block] = field(init=False)
     free: OrderedDict = field(init=False)  # block id -> None, least recently freed first
-    cached: dict[int, int] = field(init=False)  # hash -> block id
+    cached: dict[int, dict[int, None]] = field(init=False)  # hash -> the blocks carrying it, oldest name first
     tables: dict[int, list[int]] = field(init=False)  # request -> its block table
     hashed: dict[int, int] = field(init=False)  # request -> how many of its leading blocks carry a hash
 
@@ -88,8 +90,10 @@ class BlockManager:
         for i in range((len(tokens) - 1) // bs):
             ids = tuple(tokens[i * bs:(i + 1) * bs])
             h = block_hash(previous, ids)
-            b = self.cached.get(h)
-            if b is None or self.blocks[b].token_ids != ids or self.blocks[b].parent != previous:
+            copies = [b for b in self.cached.get(h, ()) if self.blocks[b].token_ids == ids
+                      and self.blocks[b].parent == previous]  # a collision of hashes misses
+            b = min(copies, key=lambda b: self.blocks[b].ref_count == 0, default=None)  # a held copy costs nothing
+            if b is None:
                 break
             out.append(b)
             previous = h
@@ -124,8 +128,11 @@ class BlockManager:
         while len(table) * self.block_size < end:
             b = next(iter(self.free))  # least recently freed
             old = self.blocks[b]
-            if old.hash is not None and self.cached.get(old.hash) == b:
-                del self.cached[old.hash]  # overwritten: the prefix it held is gone
+            if old.hash is not None:  # overwritten: the prefix it held is gone, unless another block holds it too
+                copies = self.cached[old.hash]
+                del copies[b]
+                if not copies:
+                    del self.cached[old.hash]
             old.hash, old.parent, old.token_ids = None, ROOT, ()
             self._take(b)
             table.append(b)
@@ -142,7 +149,7 @@ class BlockManager:
             if block.hash is None:  # a shared block already carries its name
                 block.token_ids, block.parent = tuple(tokens[i * bs:(i + 1) * bs]), previous
                 block.hash = block_hash(previous, block.token_ids)
-                self.cached.setdefault(block.hash, block.id)
+                self.cached.setdefault(block.hash, {})[block.id] = None
             previous = block.hash
             i += 1
         self.hashed[request] = i
@@ -167,7 +174,9 @@ class BlockManager:
         return slot_mapping(self.tables[request], self.block_size, start, end)
 
     def check(self) -> None:
-        """The invariants: counts never below 0, a block is free iff nobody holds it, counts = table entries."""
+        """The invariants: counts never below 0, a block is free iff nobody holds it, counts = table entries; `cached`
+        names exactly the blocks that carry a hash, each under the hash of its (parent, tokens), and a table's named
+        blocks form one chain from ROOT."""
         held = [0] * self.num_blocks
         for table in self.tables.values():
             for b in table:
@@ -176,6 +185,22 @@ class BlockManager:
             if block.ref_count != held[block.id] or (block.ref_count == 0) != (block.id in self.free):
                 raise AssertionError(f"block {block.id}: count {block.ref_count}, held by {held[block.id]} tables, "
                                      f"{'free' if block.id in self.free else 'not free'}")
+        named = {b: h for h, copies in self.cached.items() for b in copies}
+        if sum(map(len, self.cached.values())) != len(named) or any(not c for c in self.cached.values()):
+            raise AssertionError("a block is listed twice in `cached`, or a hash with no block")
+        for block in self.blocks:
+            if named.get(block.id) != block.hash:
+                raise AssertionError(f"block {block.id} carries hash {block.hash} but `cached` lists it under "
+                                     f"{named.get(block.id)}")
+            if block.hash is not None and (len(block.token_ids) != self.block_size
+                                           or block_hash(block.parent, block.token_ids) != block.hash):
+                raise AssertionError(f"block {block.id}: its hash does not name its (parent, tokens)")
+        for request, table in self.tables.items():
+            previous = ROOT
+            for b in table[:self.hashed[request]]:
+                if self.blocks[b].hash is None or self.blocks[b].parent != previous:
+                    raise AssertionError(f"request {request}: block {b} breaks its table's chain of names")
+                previous = self.blocks[b].hash
 
     def _take(self, b: int) -> None:
         if self.blocks[b].ref_count == 0:

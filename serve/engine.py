@@ -612,7 +612,7 @@ class LLMEngine:
             if o.metrics.first_token_time is None and r.output:
                 o.metrics.first_token_time = now
             o.outputs[0].token_ids = list(r.output)
-            o.num_cached_tokens = r.prefix_hit
+            o.num_cached_tokens = r.num_cached_tokens or 0
             if r.finished:
                 o.finished, o.metrics.finished_time = True, now
                 o.outputs[0].finish_reason = r.status.finish_reason

@@ -42,5 +42,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
-    num_cached_tokens: int = 0  # prompt tokens whose K,V came from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens whose K,V came from the prefix cache on its first admission
     oracle: dict | None = None  # LLM(check=True): the dense oracle's verdict ("match", "near-tie", "MISMATCH")

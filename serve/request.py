@@ -44,6 +44,7 @@ class Request:
     computed: int = 0  # tokens whose K,V are cached (a request built mid-stream may start above 0)
     finished: bool = False
     prefix_hit: int = 0  # prompt tokens whose K,V came from the prefix cache (summed over its admissions)
+    num_cached_tokens: int | None = None  # the same on its first admission (vLLM's RequestOutput.num_cached_tokens)
     preemptions: int = 0
     stop_ids: frozenset[int] = frozenset()  # sampling one of these finishes it (eos, stop_token_ids), as eos_id does
     params: SamplingParams | None = None

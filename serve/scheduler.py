@@ -196,8 +196,9 @@ class Scheduler:
                 if self.reserve_capacity:
                     self.blocks.grow(r.id, r.capacity)
                 r.computed = len(hit) * self.blocks.block_size
-                if not r.preemptions:  # a resumed request finding its own earlier blocks is not a prefix hit
-                    r.prefix_hit += min(r.computed, len(r.prompt))
+                r.prefix_hit += min(r.computed, len(r.prompt))  # every admission: a resumed one may find its own
+                if r.num_cached_tokens is None:
+                    r.num_cached_tokens = min(r.computed, len(r.prompt))
             self.waiting.popleft()
             self.running.append(r)
             r.status = RequestStatus.RUNNING

@@ -1,0 +1,237 @@
+"""Model-based tests of the paged state machine: hypothesis drives the real Scheduler and BlockManager with random
+operations (requests from prompt families that share, repeat, reorder and re-use whole blocks after different
+prefixes; steps; aborts) under random block sizes, pool sizes down to the minimum, chunk sizes and budgets, and
+checks them after every operation against a plain reference model written here.
+
+The reference model knows nothing of hashes. It keeps, for every physical block, what each of its slots holds:
+the K,V of position t of a request are a function of that request's tokens [0, t], so a slot holds the token
+prefix it was computed from (written when an iteration's plan runs, lost when the block is taken for new
+tokens). From that alone it says
+  - which blocks a prompt may reuse: those whose every slot holds the prompt's own prefix, so the longest hit at
+    an admission is the longest run of leading blocks that exist somewhere in the pool with exactly that content
+    (leaving the prompt's last token to compute);
+  - that every request reads only K,V of its own tokens: each position < computed holds its own prefix;
+  - what a request generates: the "model" below picks the next token from the tokens so far, so a request's
+    output must equal that function iterated on its prompt, whatever preemptions and prefix hits it went through.
+
+CI runs MAX_EXAMPLES examples of up to STEPS operations (TPREF_HYPOTHESIS_EXAMPLES=N runs more).
+"""
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
+
+from serve.block_manager import BlockManager
+from serve.scheduler import Request, Scheduler
+from tp.partition import ceil_div
+
+MAX_EXAMPLES = int(os.environ.get("TPREF_HYPOTHESIS_EXAMPLES", "60"))
+STEPS = 40
+VOCAB = 5  # few distinct tokens: prompts collide block by block often
+PIECES = 4  # whole-block pieces that prompts are built from
+MAX_PIECES = 5  # per prompt
+MAX_NEW = 6
+
+
+def next_token(tokens: list[int]) -> int:
+    """The reference "model": a fixed function of every token so far (so K,V of a wrong prefix changes it)."""
+    h = 17
+    for t in tokens:
+        h = (h * 31 + t + 1) % 1_000_003
+    return h % (VOCAB + 1)  # VOCAB is the eos id: a request may stop early
+
+
+def reference_output(prompt: list[int], max_new: int, eos: int | None) -> list[int]:
+    out: list[int] = []
+    while len(out) < max_new:
+        out.append(next_token(prompt + out))
+        if out[-1] == eos:
+            break
+    return out
+
+
+class WatchedBlocks(BlockManager):
+    """The BlockManager under test, with the reference model's events: a block taken for new tokens loses its
+    content, and each admission's hit is recorded beside the reference's longest allowed hit at that moment."""
+
+    def setup(self, machine):
+        self.machine = machine
+        self.content = [[None] * self.block_size for _ in range(self.num_blocks)]  # slot -> the prefix it holds
+
+    def grow(self, request, end):
+        before = len(self.tables[request])
+        super().grow(request, end)
+        for b in self.tables[request][before:]:
+            self.content[b] = [None] * self.block_size
+
+    def admit(self, request, hit):
+        r = self.machine.requests[request]
+        allowed = self.machine.longest_allowed_hit(r.tokens)
+        assert len(hit) == allowed, (f"request {request} hits {len(hit)} blocks, the reference allows exactly "
+                                     f"{allowed}")
+        self.machine.reference_hits[request] += min(allowed * self.block_size, len(r.prompt))
+        super().admit(request, hit)
+
+
+class PagedMachine(RuleBasedStateMachine):
+    blocks_class = WatchedBlocks
+
+    @initialize(data=st.data(), block_size=st.integers(1, 8), extra_blocks=st.integers(0, 10),
+                chunk=st.integers(1, 12), max_running=st.integers(1, 4), more_budget=st.integers(0, 12),
+                eos=st.booleans())
+    def setup(self, data, block_size, extra_blocks, chunk, max_running, more_budget, eos):
+        self.bs = block_size
+        self.pieces = [data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=block_size, max_size=block_size))
+                       for _ in range(PIECES)]
+        longest = MAX_PIECES * block_size + block_size + 1 + MAX_NEW - 1  # the largest capacity a prompt can have
+        self.minimum = ceil_div(longest, block_size)
+        self.blocks = self.blocks_class(self.minimum + extra_blocks, block_size)
+        self.blocks.setup(self)
+        self.eos = VOCAB if eos else None
+        self.sched = Scheduler([], chunk_size=chunk, max_batched_tokens=max_running + more_budget,
+                               max_running=max_running, eos_id=self.eos, blocks=self.blocks)
+        self.requests: dict[int, Request] = {}
+        self.reference_hits: dict[int, int] = {}
+        self.index = 0
+        self.prompts: list[list[int]] = []
+
+    # ---- the reference model ---------------------------------------------------------------------------------
+
+    def longest_allowed_hit(self, tokens: list[int]) -> int:
+        bs, have = self.bs, {tuple(c) for c in self.blocks.content if None not in c}
+        k = 0
+        while k < (len(tokens) - 1) // bs and tuple(tuple(tokens[:k * bs + j + 1]) for j in range(bs)) in have:
+            k += 1
+        return k
+
+    # ---- operations ------------------------------------------------------------------------------------------
+
+    def _add(self, prompt, max_new, delay):
+        rid = len(self.requests)
+        r = Request(rid, prompt, max_new, arrival=self.index + delay)
+        self.requests[rid], self.reference_hits[rid] = r, 0
+        self.prompts.append(prompt)
+        self.sched.add(r)
+
+    @rule(pieces=st.lists(st.integers(0, PIECES - 1), max_size=MAX_PIECES), tail=st.data(),
+          max_new=st.integers(1, MAX_NEW), delay=st.integers(0, 2))
+    def add_from_pieces(self, pieces, tail, max_new, delay):
+        """Whole blocks shared, reordered, or re-used after a different prefix; a tail that may shift alignment."""
+        rest = tail.draw(st.lists(st.integers(0, VOCAB - 1), min_size=0 if pieces else 1, max_size=self.bs + 1))
+        self._add([t for i in pieces for t in self.pieces[i]] + rest, max_new, delay)
+
+    @precondition(lambda self: self.prompts)
+    @rule(which=st.data(), cut=st.integers(0, 3), max_new=st.integers(1, MAX_NEW), delay=st.integers(0, 2))
+    def add_repeat(self, which, cut, max_new, delay):
+        """An earlier prompt again, whole or shortened."""
+        prompt = which.draw(st.sampled_from(self.prompts))
+        self._add(prompt[:max(1, len(prompt) - cut)], max_new, delay)
+
+    @precondition(lambda self: any(not r.finished for r in self.requests.values()))
+    @rule(which=st.data())
+    def abort(self, which):
+        rid = which.draw(st.sampled_from(sorted(i for i, r in self.requests.items() if not r.finished)))
+        free_before, held = self.blocks.num_free, self.blocks.tables.get(rid, [])
+        freed = sum(self.blocks.blocks[b].ref_count == 1 for b in held)
+        assert self.sched.abort(rid)
+        assert self.blocks.num_free == free_before + freed and rid not in self.blocks.tables  # freed at once
+
+    @rule()
+    def step(self):
+        plan = self.sched.schedule(self.index)
+        if plan is None:  # nothing to do may only mean nothing has arrived: never a stall with work waiting
+            assert not self.sched.running and not self.sched.waiting, "the scheduler stalls with requests waiting"
+        else:
+            sampled = {}
+            for c in plan.chunks:
+                r = self.requests[c.request]
+                assert list(c.blocks) == self.blocks.tables[r.id]
+                for t in range(c.q_start, c.q_end):  # the iteration's forward writes these slots
+                    b = c.blocks[t // self.bs]
+                    assert self.blocks.blocks[b].ref_count == 1, f"block {b} is written while shared"
+                    self.blocks.content[b][t % self.bs] = tuple(r.tokens[:t + 1])
+                if c.sample:
+                    sampled[r.id] = next_token(r.tokens)
+            self.sched.update(plan, sampled)
+        self.index += 1
+
+    # ---- invariants --------------------------------------------------------------------------------------------
+
+    @invariant()
+    def blocks_are_consistent(self):
+        if not hasattr(self, "blocks"):
+            return
+        self.blocks.check()  # counts = holders, free iff unheld, `cached` names exactly (parent, tokens)
+        used = sum(b.ref_count > 0 for b in self.blocks.blocks)
+        assert self.blocks.num_free + used == self.blocks.num_blocks
+
+    @invariant()
+    def every_request_reads_its_own_prefix(self):
+        if not hasattr(self, "blocks"):
+            return
+        for rid, table in self.blocks.tables.items():
+            r = self.requests[rid]
+            for t in range(r.computed):
+                assert self.blocks.content[table[t // self.bs]][t % self.bs] == tuple(r.tokens[:t + 1]), \
+                    f"request {rid} position {t}: its slot holds another prefix's K,V"
+
+    @invariant()
+    def outputs_and_hit_counts_match_the_reference(self):
+        if not hasattr(self, "blocks"):
+            return
+        for rid, r in self.requests.items():
+            expected = reference_output(r.prompt, r.max_new_tokens, self.eos)
+            assert r.output == expected[:len(r.output)], f"request {rid} generated {r.output}, not {expected}"
+            if r.finished and r.status.finish_reason != "abort":
+                assert r.output == expected
+            assert r.prefix_hit == self.reference_hits[rid]
+
+    def teardown(self):
+        """Run what is left to the end: every request finishes and the pool is whole again."""
+        if not hasattr(self, "blocks"):
+            return
+        for _ in range(10_000):
+            if not self.sched.has_work():
+                break
+            self.step()
+            self.blocks_are_consistent()
+            self.every_request_reads_its_own_prefix()
+        assert not self.sched.has_work(), "the requests never finished"
+        self.outputs_and_hit_counts_match_the_reference()
+        assert all(r.finished for r in self.requests.values())
+        assert self.blocks.num_free == self.blocks.num_blocks and not self.blocks.tables
+
+
+PagedMachine.TestCase.settings = settings(max_examples=MAX_EXAMPLES, stateful_step_count=STEPS, deadline=None,
+                                          suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+test_paged_state_machine = PagedMachine.TestCase
+
+
+class Loose(WatchedBlocks):
+    """A broken prefix cache: it hits on a block's own tokens, whatever came before them."""
+
+    def match_prefix(self, tokens):
+        out = []
+        for i in range((len(tokens) - 1) // self.block_size):
+            ids = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            b = next((b.id for b in self.blocks if b.hash is not None and b.token_ids == ids), None)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+
+class LooseMachine(PagedMachine):
+    blocks_class = Loose
+
+
+def test_the_reference_model_sees_a_broken_prefix_cache():
+    """The same machine fails on a prefix cache that ignores what precedes a block (the check can fail)."""
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(LooseMachine, settings=settings(
+            max_examples=MAX_EXAMPLES, stateful_step_count=STEPS, deadline=None, derandomize=True,
+            phases=[Phase.generate], suppress_health_check=[HealthCheck.too_slow], print_blob=False))
