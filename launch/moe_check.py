@@ -3,7 +3,7 @@
     tp      every expert split over the ranks, TP attention: 2 all-reduces [T, d] per layer
     ep      whole experts per rank, TP attention: 2 all-reduces [T, d] per layer (the same bytes; other work)
     ep_a2a  data-parallel attention (rank r holds requests r, r + p, ...), whole experts per rank: per layer an
-            all-to-all of the p counts, ★ dispatch of the (token, expert) rows, their expert ids, ★ combine
+            all-to-all of the [p, E/p] counts, ★ dispatch of the (token, expert) rows, their expert ids, ★ combine
 
 For each: every layer's output against the dense stack's (on the rows each rank holds), the traffic ledger against
 tp/traffic_model.predict_moe_layer computed from the dense stack's routing (every rank), the expert load per layer

@@ -89,12 +89,14 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
     return F.linear(F.silu(gate) * up, down)
 
 
-def group_by_expert(local: torch.Tensor, n_local: int) -> tuple[torch.Tensor, list[int]]:
+def group_by_expert(local: torch.Tensor, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
     """local [n]: each pair's local expert index, or anything outside [0, n_local) for pairs not here. Returns
-    (the pairs' order grouped by local expert, stable, [n]; each local expert's count, read on the host)."""
-    here = (local >= 0) & (local < n_local)
-    order = torch.argsort(torch.where(here, local, n_local), stable=True)
-    return order, torch.bincount(local[here], minlength=n_local).tolist()
+    (the pairs' order grouped by local expert, stable, [n]; each local expert's count [n_local], on the device).
+    No boolean-mask indexing and no bincount (both make the host wait on a GPU): the pairs not here go to one
+    extra bin, counted by a scatter-add."""
+    slot = torch.where((local >= 0) & (local < n_local), local, n_local)
+    counts = torch.zeros(n_local + 1, dtype=torch.long, device=local.device).scatter_add_(0, slot, torch.ones_like(slot))
+    return torch.argsort(slot, stable=True), counts[:n_local]
 
 
 def experts_apply(x: torch.Tensor, rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor,
@@ -115,6 +117,7 @@ def moe_local(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up
     Each output is weighted in the weights' dtype, then rounded to h's (transformers' order)."""
     k = ids.shape[1]
     order, counts = group_by_expert(ids.flatten() - first, gate_up.shape[0])
+    counts = counts.tolist()  # the layer's one host wait: the group sizes, which shape the matmuls
     pairs = order[:sum(counts)]  # pair i is token i // k's j = i % k
     y = experts_apply(h, pairs // k, counts, gate_up, down)
     y = (y * weights.flatten()[pairs, None]).to(h.dtype)
@@ -216,16 +219,17 @@ class EPAllToAllBlock(DenseMoEBlock):
         h, weights, ids = self.routing(x)
         self.routed = ids  # the routing this rank took (run_block predicts the all-to-alls from it)
         flat = ids.flatten()  # [T_r·k] pairs, token-major
-        dest = flat // per  # the rank holding each pair's expert
-        by_dest = torch.argsort(dest, stable=True)
-        send = torch.bincount(dest, minlength=p)  # pairs for each rank
-        recv = all_to_all_rows(send[:, None], [1] * p, [1] * p, g, "mlp/dispatch counts")[:, 0]  # ★ [p] counts
-        send_counts, recv_counts = send.tolist(), recv.tolist()  # the split sizes, on the host
+        by_dest = torch.argsort(flat // per, stable=True)  # grouped by the rank holding each pair's expert
+        send = group_by_expert(flat, per * p)[1].view(p, per)  # pairs for each (rank, its local expert)
+        recv = all_to_all_rows(send, [1] * p, [1] * p, g, "mlp/dispatch counts")  # ★ [p, E/p] counts, int64
+        # the layer's one host wait: the split sizes both ways and the received rows' group sizes
+        sizes = torch.cat([send.sum(1), recv.sum(1), recv.sum(0)]).tolist()
+        send_counts, recv_counts, counts = sizes[:p], sizes[p:2 * p], sizes[2 * p:]
         rows = h[by_dest // k]
         got = all_to_all_rows(rows, send_counts, recv_counts, g, "mlp/dispatch")  # ★ all-to-all: [Σ recv, d]
         experts = all_to_all_rows((flat[by_dest] % per)[:, None], send_counts, recv_counts, g,
                                   "mlp/dispatch experts")[:, 0]  # ★ each row's expert, local to its rank, int64
-        order, counts = group_by_expert(experts, per)
+        order = torch.argsort(experts, stable=True)
         out = torch.empty_like(got).index_copy_(0, order, experts_apply(got, order, counts, self.gate_up, self.down))
         back = all_to_all_rows(out, recv_counts, send_counts, g, "mlp/combine")  # ★ all-to-all: [T_r·k, d]
         pairs = by_dest  # back[i] is the output of pair by_dest[i]

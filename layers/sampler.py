@@ -131,10 +131,18 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
+def _mix_int(x: int) -> int:
+    """_mix on one Python int (the same 64 bits; plain host arithmetic, no tensor)."""
+    mask = (1 << 64) - 1
+    x &= mask
+    x = ((x ^ (x >> 30)) * _M1) & mask
+    x = ((x ^ (x >> 27)) * _M2) & mask
+    return x ^ (x >> 31)
+
+
 def request_seed(engine_seed: int, request_id: int) -> int:
     """A request without a seed of its own: one drawn from the engine's seed and its id (a run is reproducible)."""
-    x = torch.tensor([engine_seed * 1_000_003 + request_id], dtype=torch.int64)
-    return int(_mix(_mix(x) + _GOLDEN)[0] & ((1 << 53) - 1))
+    return _mix_int(_mix_int(engine_seed * 1_000_003 + request_id) + _GOLDEN) & ((1 << 53) - 1)
 
 
 def exponential_noise(seed: torch.Tensor, position: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

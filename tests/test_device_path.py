@@ -51,6 +51,77 @@ def test_one_host_sync_per_decode_iteration(p):
             assert device == {"tolist": 1, **({"tp.dist.wait_for_stream": 2 * on_device} if p > 1 else {})}, device
 
 
+def _engine_waits(ctx, family: str, moe_parallel: str, attention: str):
+    """LLMEngine.step on every rank over a workload that decodes, chunks prompts, hits the prefix cache and preempts;
+    per step: (what kind of iteration it was, the device waits, the control reads)."""
+    from layers.dense import init_weights
+    from layers.lm import dense_lm, shard_lm
+    from serve.config import EngineConfig
+    from serve.engine import LLMEngine, StepHook
+    from serve.sampling_params import SamplingParams
+    from tests.syncs import SyncCounter
+    from tests.test_moe import CFG as MOE
+    from tests.test_paged import LLAMA
+    from tests.test_serve import CFG
+
+    cfg = {"gpt2": CFG, "llama": LLAMA, "mixtral": MOE}[family]
+    lm = shard_lm(init_weights(dense_lm(cfg, torch.float64), seed=0), "v2", ctx.group, moe_parallel=moe_parallel)
+    counter, steps = SyncCounter(), []
+
+    class Waits(StepHook):
+        def after_step(self, engine, step):
+            plan = step.plan
+            kind = "idle" if plan is None else "+".join(sorted(
+                {"decode" if c.decode else "prefill" for c in plan.chunks}
+                | ({"prefix-hit"} if any(c.q_start > 0 and not c.decode and c.request in plan.admitted
+                                         for c in plan.chunks) else set())
+                | ({"preempt"} if plan.preempted else set())))
+            steps.append((kind, dict(counter.device), dict(counter.control)))
+            counter.device.clear()
+            counter.control.clear()
+
+    config = EngineConfig(chunk_size=8, max_batched_tokens=16, max_running=4, block_size=4, kv_blocks=12,
+                          attention=attention, check_ledger=False)
+    engine = LLMEngine(lm, ctx, config, hooks=[Waits()])
+    gen = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, cfg.vocab_size, (12,), generator=gen).tolist()  # three full blocks every prompt shares
+    prompts = [shared + torch.randint(0, cfg.vocab_size, (3 + 2 * n,), generator=gen).tolist() for n in range(5)]
+    arrivals = {0: 2, 3: 1, 6: 2}  # step -> requests added before it
+    with counter.counting():
+        if ctx.is_main:
+            n = 0
+            for i in range(200):
+                for _ in range(arrivals.get(i, 0)):
+                    engine.add_request(str(n), prompts[n], SamplingParams(max_tokens=8, ignore_eos=True))
+                    n += 1
+                if i > max(arrivals) and not engine.has_unfinished_requests():
+                    break
+                engine.step()
+            engine.shutdown()
+        else:
+            while not engine.stopped:
+                engine.step()
+    return cfg.n_layers, steps
+
+
+@pytest.mark.parametrize("family,moe_parallel,attention", [
+    ("gpt2", "tp", "batched"), ("gpt2", "tp", "reference"), ("llama", "tp", "batched"), ("mixtral", "tp", "batched"),
+    ("mixtral", "ep", "batched")])
+def test_every_iteration_kind_waits_for_the_device_once(family, moe_parallel, attention):
+    """Counted at the dispatcher, so waits inside C++ (boolean-mask indexing, nonzero, bincount, equal) count too:
+    every step that runs a forward waits once for the sampled tokens, plus once per MoE layer for the experts' group
+    sizes; decodes, prompt chunks, prefix hits and preemption alike, GPT-2, Llama and Mixtral, both attention
+    paths. A step with nothing to run waits for nothing."""
+    for L, steps in run_ranks(2, _engine_waits, family, moe_parallel, attention):
+        kinds = {kind for kind, _, _ in steps}
+        assert {"decode", "prefill", "decode+prefill"} <= kinds and any("prefix-hit" in k for k in kinds) \
+            and any("preempt" in k for k in kinds), kinds  # the workload reaches every kind
+        for kind, device, control in steps:
+            want = {} if kind == "idle" else {"tolist": 1 + (L if family == "mixtral" else 0)}
+            assert device == want, (kind, device)
+            assert set(control) <= {"tolist"}, (kind, control)  # control reads host tensors only
+
+
 # ---- half precision: norm statistics in float32 ------------------------------------------------------------------
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # a few roundings of each format (2^-10, 2^-7)

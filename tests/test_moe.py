@@ -121,6 +121,7 @@ def my_requests(rank: int, p: int) -> list[int]:
 
 
 def _placements(ctx, state, scale: float, shift: float):
+    from tests.syncs import SyncCounter
     from tp.ledger import TrafficLedger
     from tp.traffic_model import predict_moe_layer
 
@@ -138,17 +139,17 @@ def _placements(ctx, state, scale: float, shift: float):
     for placement in ("tp", "ep", "ep_a2a"):
         blocks = [moe_block(CFG, placement, ctx.group, torch.float64) for _ in range(CFG.n_layers)]
         stack = Stack(CFG, [load_plan(b, b.plan(), DenseSource(d)) for b, d in zip(blocks, dense.blocks)])
-        ledger = TrafficLedger(p)
+        ledger, waits = TrafficLedger(p), SyncCounter()
         if placement == "ep_a2a":  # this rank's own requests only
             spans = [requests.spans[i] for i in my_requests(rank, p)]
             rows = torch.cat([torch.arange(s, e) for s, e in spans]) if spans else torch.zeros(0, dtype=torch.long)
             lengths = [e - s for s, e in spans]
             cu = Requests.from_lengths(lengths).cu_seqlens if len(lengths) > 1 else None
-            with torch.no_grad(), ledger.attach(stack):
+            with torch.no_grad(), ledger.attach(stack), waits.counting():
                 got = stack(x[rows], cu) if lengths else stack(x[rows])
         else:
             rows = torch.arange(x.shape[0])
-            with torch.no_grad(), ledger.attach(stack):
+            with torch.no_grad(), ledger.attach(stack), waits.counting():
                 got = stack(x, requests.cu_seqlens)
         err = max(float((g - w[rows]).abs().max()) / float(w.abs().max()) if len(rows) else 0.0
                   for g, w in zip(got, want))
@@ -157,7 +158,7 @@ def _placements(ctx, state, scale: float, shift: float):
             predicted += predict_moe_layer(CFG, placement, p, rank, i, torch.float64,
                                            [layer[h] for h in held], n=x.shape[0])
         out[placement] = {"err": err, "ledger_matches_model": [r.traffic() for r in ledger.records] == predicted,
-                          "kinds": sorted({(r.kind, r.site) for r in ledger.records})}
+                          "kinds": sorted({(r.kind, r.site) for r in ledger.records}), "waits": dict(waits.device)}
     return out
 
 
@@ -172,6 +173,8 @@ def test_every_placement_equals_the_dense_block(p):
                 r = res[placement]
                 assert r["err"] < 1e-12, (p, scale, rank, placement, r["err"])
                 assert r["ledger_matches_model"], (p, scale, rank, placement)
+                # one host wait per MoE layer, the group sizes (no bincount or boolean mask waiting inside C++)
+                assert r["waits"] == {"tolist": CFG.n_layers}, (p, placement, rank, r["waits"])
         received = results[0]["received"]  # per layer, the pairs each rank's experts get under ep_a2a
         if p > 1:
             assert results[0]["ep_a2a"]["kinds"] == [("all_to_all", s) for s in

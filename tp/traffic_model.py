@@ -259,8 +259,8 @@ def predict_moe_layer(cfg, placement: str, p: int, rank: int, layer: int, dtype:
 
     tp, ep   attn all-reduce #1 and mlp all-reduce #2 of [n, d]: the routing does not change the bytes.
     ep_a2a   ids_by_rank[s]: the expert ids [T_s, k] of rank s's own tokens. Rank r's pairs bound for rank j are
-             its pairs whose expert is in [j·E/p, (j+1)·E/p); the ones for itself never leave it. In order: the p
-             counts (int64), the dispatch of its pairs' rows [S_r, d], their local expert ids [S_r, 1] (int64), and
+             its pairs whose expert is in [j·E/p, (j+1)·E/p); the ones for itself never leave it. In order: the
+             counts per (rank, local expert) [p, E/p] (int64), the dispatch of its pairs' rows [S_r, d], their local expert ids [S_r, 1] (int64), and
              the combine of the rows it received [R_r, d] back to their ranks."""
     if p == 1:
         return []
@@ -278,5 +278,5 @@ def predict_moe_layer(cfg, placement: str, p: int, rank: int, layer: int, dtype:
         return Traffic.of(layer=layer, sublayer="mlp", site=site, phase="forward", kind="all_to_all", shape=shape,
                           dtype=kind_dtype, p=p, sent_bytes=sent_bytes)
 
-    return [a2a("dispatch counts", (p, 1), (p - 1) * 8, i64), a2a("dispatch", (sum(sent), d), away * d * e),
+    return [a2a("dispatch counts", (p, per), (p - 1) * per * 8, i64), a2a("dispatch", (sum(sent), d), away * d * e),
             a2a("dispatch experts", (sum(sent), 1), away * 8, i64), a2a("combine", (sum(received), d), back * d * e)]
