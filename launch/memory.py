@@ -23,7 +23,10 @@ def saved_bytes_per_layer(stack: TPStack, x: torch.Tensor) -> list[int]:
         storage = t.untyped_storage()
         if storage.data_ptr() not in params:
             current.setdefault(storage.data_ptr(), storage.nbytes())
-        return t
+        # Detached: the same storage without its grad_fn. Kept as it is, a saved output would hold the very node
+        # that saves it, a cycle through C++ that Python's collector cannot see: the graph (and the process group
+        # its nodes hold) would live until interpreter teardown.
+        return t.detach()
 
     out = []
     with torch.enable_grad():

@@ -313,4 +313,8 @@ def launch(cfg: DictConfig, parse, work) -> int:
         print_error(exc)
         return 2
     finally:
-        shutdown()
+        del started  # the last reference to the group (the context) goes, so shutdown() can end its threads
+        left = shutdown()
+        if left:
+            print(f"[rank {env_world()[0]}] warning: the process group's threads outlived shutdown ({', '.join(left)}): "
+                  f"something still refers to the group", file=sys.stderr, flush=True)

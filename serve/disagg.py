@@ -54,6 +54,7 @@ from serve.plan import IterationPlan
 from serve.scheduler import Request, Scheduler
 from tp.dist import DEFAULT_TIMEOUT_S, ConfigError, TPContext, context, control_device, host_control, same_on_every_rank
 from tp.ledger import TrafficLedger, TransferRecord
+from tp.partition import ceil_div
 from tp.traffic_model import head_overlaps, kv_head_range, predict_transfers
 
 
@@ -84,13 +85,15 @@ def validate_layout(cfg, layout: Layout, world_size: int) -> None:
 
 def prefill_schedule(requests: list[Request], chunk_size: int, max_batched_tokens: int,
                      max_running: int | None = None, block_size: int = EngineConfig.block_size,
-                     prefix_cache: bool = EngineConfig.prefix_cache) -> list[tuple[int, list[int]]]:
+                     prefix_cache: bool = EngineConfig.prefix_cache,
+                     kv_blocks: int | None = None) -> list[tuple[int, list[int]]]:
     """[(prefill iteration, ids of the requests whose prompt completes in it, in plan order)]: what the prefill side's
     engine will do, computed on every rank from the requests and settings alone, by the engine's own code (its
     scheduler, serve.engine.new_scheduler, and its loop, serve.engine.schedule_loop), so the two cannot differ."""
     mine = [Request(r.id, list(r.prompt), 1, r.arrival) for r in requests]
     sched = new_scheduler(mine, chunk_size=chunk_size, max_batched_tokens=max_batched_tokens,
-                          max_running=max_running, block_size=block_size, prefix_cache=prefix_cache)
+                          max_running=max_running, block_size=block_size, prefix_cache=prefix_cache,
+                          kv_blocks=kv_blocks)
     out = []
     for plan in schedule_loop(sched):
         done = [c.request for c in plan.chunks if c.sample]
@@ -314,6 +317,7 @@ class DecodeSide(EngineHooks):
         self.first_head = kv_head_range(cfg.n_kv_heads, s, layout.decode_ranks).start
         self.upcoming = deque(groups)  # request ids in the prefill side's order, one list per prefill iteration
         self.posted: deque[_Posted] = deque()
+        self.ready: deque[tuple[Request, list]] = deque()  # landed, waiting for blocks: (request, its messages)
         self.window = window
         self.timeout_s = timeout_s  # the longest wait for a hand-over message
         self.waiter: _Waiter | None = None  # started with the first receives, on the cache's device
@@ -323,26 +327,28 @@ class DecodeSide(EngineHooks):
     def before_schedule(self, index: int, sched: Scheduler, cache: KVPool) -> None:
         while True:
             self._post_ahead(sched, cache)
-            if not self.posted:
-                return  # everything handed over has been taken in
-            idle = not sched.running and not sched.waiting
-            landed = 0
-            for group in self.posted:
-                if not group.landed.is_set():
-                    break
-                landed += 1
-            if landed == 0 and idle:  # nothing to decode: wait for the next group
-                self._wait_landed(self.posted[0])
-                landed = 1
-            with host_control():  # a CPU tensor over the group's gloo backend: the host never waits for the GPU
-                count = torch.tensor([landed], dtype=torch.int64, device=control_device(self.group))
-                dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.group)  # ★ every decode rank takes the same
-                count = int(count)
-            self.agreements += 1
-            for _ in range(count):
-                self._place(self.posted.popleft(), cache, sched, index)
-            if sched.running or sched.waiting:
+            if self.posted:
+                idle = not sched.running and not sched.waiting and not self.ready
+                landed = 0
+                for group in self.posted:
+                    if not group.landed.is_set():
+                        break
+                    landed += 1
+                if landed == 0 and idle:  # nothing to decode: wait for the next group
+                    self._wait_landed(self.posted[0])
+                    landed = 1
+                with host_control():  # a CPU tensor over the group's gloo backend: the host never waits for the GPU
+                    count = torch.tensor([landed], dtype=torch.int64, device=control_device(self.group))
+                    dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self.group)  # ★ every decode rank the same
+                    count = int(count)
+                self.agreements += 1
+                for _ in range(count):
+                    self._land(self.posted.popleft())
+            self._place(cache, sched, index)
+            if sched.running or sched.waiting or not (self.posted or self.ready):
                 return
+            if self.ready:  # nothing runs, so every block is free, and each request fits the pool alone
+                raise AssertionError(f"request {self.ready[0][0].id} does not fit an empty pool")
             # still idle: everything just taken in ended at token 1 (eos_id); the ranks agree on that too
 
     def _wait_landed(self, group: "_Posted") -> None:
@@ -360,7 +366,7 @@ class DecodeSide(EngineHooks):
     def _post_ahead(self, sched: Scheduler, cache: KVPool) -> None:
         """Post the receives of the next groups, in the order the prefill side sends them (per pair)."""
         L, dh = self.cfg.n_layers, self.cfg.d_head
-        while self.upcoming and len(self.posted) < self.window:
+        while self.upcoming and len(self.posted) + len(self.ready) < self.window:  # receive buffers stay bounded
             requests = [sched.by_id[rid] for rid in self.upcoming.popleft()]
             posts = []
 
@@ -386,27 +392,30 @@ class DecodeSide(EngineHooks):
                 self.waiter = _Waiter(cache.device, self.timeout_s)
             self.waiter.submit([work for work, *_ in posts], [_label(f) for _, _, f, _ in posts], group.done)
 
-    def _place(self, group: "_Posted", cache: KVPool, sched: Scheduler, index: int) -> None:
+    def _land(self, group: "_Posted") -> None:
+        """A group whose messages landed on every decode rank: ledger them, and queue its requests for the pool."""
         if group.error is not None:
             raise HandoverTimeout(f"receiving from the prefill group failed: {group.error}") from group.error
-        requests, posts = group.requests, group.posts
-        slots = {}
-        for r in requests:  # blocks for the prompt's N positions, from the decode side's own pool
-            sched.hold_computed(r)
-            slots[r.id] = torch.tensor(sched.blocks.slots(r.id, 0, r.computed), device=cache.device)
-        for work, buf, fields, posted in posts:
+        for work, buf, fields, posted in group.posts:
             self.ledger.transfer(_record(fields, buf, group.landed_at - posted))
-            _, site, rid, layer, _, _, (lo, hi) = fields
-            if site == "pd/first token":
-                continue
-            cache.write(slots[rid], slice(lo - self.first_head, hi - self.first_head), buf, layer)
-        for work, buf, fields, _ in posts:
-            if fields[1] != "pd/first token":
-                continue
-            r = next(q for q in requests if q.id == fields[2])
+        for r in group.requests:
+            self.ready.append((r, [(buf, fields) for _, buf, fields, _ in group.posts if fields[2] == r.id]))
+
+    def _place(self, cache: KVPool, sched: Scheduler, index: int) -> None:
+        """Landed requests into the pool, in order, while blocks are free for their prompt and their first decode row
+        (a request that does not fit waits in its receive buffers, and the ones behind it wait too). The decode
+        ranks hold the same queue and the same blocks, so they place the same requests."""
+        while self.ready and sched.blocks.blocks_for(self.ready[0][0].computed + 1) <= sched.blocks.num_free:
+            r, posts = self.ready.popleft()
+            sched.hold_computed(r)  # blocks for the prompt's N positions, from the decode side's own pool
+            slots = torch.tensor(sched.blocks.slots(r.id, 0, r.computed), device=cache.device)
+            for buf, (_, site, _, layer, _, _, (lo, hi)) in posts:
+                if site == "pd/kv":
+                    cache.write(slots, slice(lo - self.first_head, hi - self.first_head), buf, layer)
+                else:  # pd/first token
+                    r.output = [int(buf[0])]
             if self.kept is not None:
-                self.kept[r.id] = cache.read(slots[r.id], slice(None))
-            r.output = [int(buf[0])]
+                self.kept[r.id] = cache.read(slots, slice(None))
             self.received_at[r.id] = time.perf_counter()
             if r.output[0] == self.eos_id or r.max_new_tokens <= 1:
                 r.finished = True  # token 1 ended it: nothing to decode
@@ -449,16 +458,32 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
              max_batched_tokens: int, max_running: int | None = None, eos_id: int | None = None, variant: str = "v2",
              vocab_parallel: bool = True, streaming: bool = True, groups=None, keep_kv: bool = False,
              block_size: int = EngineConfig.block_size, prefix_cache: bool = EngineConfig.prefix_cache,
-             attention: str = EngineConfig.attention, timeout_s: float = DEFAULT_TIMEOUT_S, meter=None) -> PDResult:
+             attention: str = EngineConfig.attention, timeout_s: float = DEFAULT_TIMEOUT_S, meter=None,
+             kv_blocks: int | None = None, decode_block_size: int | None = None) -> PDResult:
     """Serve `requests` with prefill on ranks [0, p_P) and decode on [p_P, p_P + p_D). Every rank of the world
     calls this with the same arguments (checked first: a mismatch raises PlanMismatch on every rank).
     weights: a dense LM, or a per-rank source (layers/hf.CheckpointSource), that shard_lm cuts this rank's model
     from on its side's group (under `meter`, launch/loading.LoadMeter, when given).
-    timeout_s bounds every wait for a hand-over message (HandoverTimeout, naming the message and the pair)."""
+    timeout_s bounds every wait for a hand-over message (HandoverTimeout, naming the message and the pair).
+    kv_blocks: each side's pool (None: enough for its workload at its largest); block_size: the prefill side's
+    blocks, decode_block_size the decode side's (None: the same). With a bounded pool the prefill side preempts as
+    any engine does, and the decode side takes a landed request into its pool only when blocks are free for it
+    (it waits in its receive buffers until then); a request preempted on the decode side recomputes its prompt
+    and tokens there."""
+    decode_block_size = block_size if decode_block_size is None else decode_block_size
     cfg = weights.cfg
     validate_layout(cfg, layout, world.world_size)
+    if kv_blocks is not None:  # every rank finds it, before any collective
+        for r in requests:
+            sides = (("prefill", len(r.prompt), block_size), ("decode", r.capacity, decode_block_size))
+            for side, positions, bs in sides:
+                if ceil_div(positions, bs) > kv_blocks:
+                    raise ConfigError(f"kv_blocks={kv_blocks} cannot hold request {r.id} on the {side} side: "
+                                      f"{positions} positions need {ceil_div(positions, bs)} blocks of "
+                                      f"block_size={bs}; raise kv_blocks")
     settings = [layout.prefill_ranks, layout.decode_ranks, int(streaming), chunk_size, max_batched_tokens,
                 max_running or -1, -1 if eos_id is None else eos_id, len(requests), block_size, int(prefix_cache),
+                kv_blocks or -1, decode_block_size,
                 sum((i + 1) * (r.id + len(r.prompt) * 3 + r.max_new_tokens * 5 + r.arrival * 7 + sum(r.prompt))
                     for i, r in enumerate(requests))]
     if not same_on_every_rank(torch.tensor(settings, dtype=torch.float64), world.group):
@@ -470,7 +495,8 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
     with meter or contextlib.nullcontext():
         lm = shard_lm(weights, variant, ctx.group, vocab_parallel)
     by_id = {r.id: r for r in requests}
-    schedule = prefill_schedule(requests, chunk_size, max_batched_tokens, max_running, block_size, prefix_cache)
+    schedule = prefill_schedule(requests, chunk_size, max_batched_tokens, max_running, block_size, prefix_cache,
+                                kv_blocks)
     handed = [rids for rids in ([rid for rid in done if by_id[rid].max_new_tokens > 1] for _, done in schedule) if rids]
     ledger = TrafficLedger(world.world_size, world.device)
     start = time.perf_counter()
@@ -487,8 +513,8 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
                         computed=len(by_id[rid].prompt)) for rids in handed for rid in rids]
         engine_eos = eos_id
     engine = Engine(lm, ctx, chunk_size=chunk_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
-                    eos_id=engine_eos, block_size=block_size, prefix_cache=prefix_cache, attention=attention,
-                    hooks=side)
+                    eos_id=engine_eos, block_size=block_size if is_prefill else decode_block_size, kv_blocks=kv_blocks,
+                    prefix_cache=prefix_cache, attention=attention, hooks=side)
     try:
         res = engine.run(mine)
     except BaseException:

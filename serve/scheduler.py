@@ -14,10 +14,12 @@ Between two iterations, and identically on every rank:
              first chunk in the same iteration, starting after the longest run of cached full blocks its prompt
              shares with earlier requests (prefix caching), or its first decode row if it arrives with its
              prompt already in the cache (a decode side taking over prefilled requests, serve/disagg.py)
-    preempt  a running request that needs a block when none is free takes one from the most recently admitted
+    preempt  a running request that needs a block when none is free takes one from a waiting request that holds
+             blocks (a decode side's handed-over request not yet admitted), else from the most recently admitted
              running request (itself, if it is that one): the victim gives every block back and waits again,
              to recompute its prompt and the tokens it generated so far (vLLM's preemption by recompute;
-             greedy tokens come out the same)
+             greedy tokens come out the same). So only running requests ever hold blocks for long, and a pool
+             that holds each request alone always makes progress
 
 Memory: a BlockManager (serve/block_manager.py) holds every request's block table; a plan's chunks carry the
 tables, so the engine turns a plan into slot mappings without asking anything else. A request's state is
@@ -85,6 +87,7 @@ class Scheduler:
         self.max_running = max_running
         self.eos_id = eos_id
         self.preemptions = 0
+        self.preempted_waiting: list[int] = []  # this iteration: waiting requests that gave their blocks back
         # Requests that already hold cache at iteration 0 (built mid-stream, e.g. to replay a trace) start
         # running; one that holds cache but arrives later (handed over by a prefill group) waits for its arrival.
         self.running = [r for r in requests if r.computed > 0 and r.arrival <= 0 and not r.finished]
@@ -171,6 +174,7 @@ class Scheduler:
                 self.waiting.append(r)
         self._rows, self._left = {}, self.budget
         preempted: list[Request] = []
+        self.preempted_waiting: list[int] = []
         decodes = [r for r in self.running if r.decoding]
         carried = [r for r in self.running if not r.decoding]
         for r in decodes + carried:  # decodes first: one row each (max_running <= budget: they always fit)
@@ -179,19 +183,27 @@ class Scheduler:
         admitted = []
         while self.waiting and self._left > 0 and len(self.running) < self.max_running:
             r = self.waiting[0]
+            if r.id in self.preempted_waiting:  # preempted in this iteration: not admitted again at once
+                break
             if r.id in self.blocks.tables:  # its cached positions already hold blocks (a decode side placed them)
-                if self.blocks.rows_that_fit(r.id, r.computed, 1) == 0:
-                    break
+                fits = self.blocks.rows_that_fit(r.id, r.computed, 1) > 0
             elif r.computed > 0:  # arrives with cached positions: blocks for them and its first decode row, at once
-                if self.blocks.blocks_for(r.computed + 1) > self.blocks.num_free:
-                    break
-                self.hold_computed(r)
+                fits = self.blocks.blocks_for(r.computed + 1) <= self.blocks.num_free
             else:  # fresh, or preempted: blocks for its next chunk, which starts after its cached prefix
                 hit, need = self.blocks.admit_cost(r.tokens, min(self.chunk_size, self._left))
                 if self.reserve_capacity:
                     need = self.blocks.blocks_for(r.capacity)
-                if need > self.blocks.num_free:
-                    break  # first come, first served: nobody overtakes the oldest waiting request
+                fits = need <= self.blocks.num_free
+            if not fits:  # first come, first served: nobody overtakes the oldest waiting request; a request waiting
+                # behind it that holds blocks (placed by a decode side) gives them back for it
+                holder = next((w for w in reversed(self.waiting) if w is not r and w.id in self.blocks.tables), None)
+                if holder is None:
+                    break
+                self._preempt(holder, preempted, waiting=True)
+                continue
+            if r.id not in self.blocks.tables and r.computed > 0:
+                self.hold_computed(r)
+            elif r.id not in self.blocks.tables:
                 self.blocks.admit(r.id, hit)
                 if self.reserve_capacity:
                     self.blocks.grow(r.id, r.capacity)
@@ -215,7 +227,8 @@ class Scheduler:
         chunks.sort(key=lambda c: not c.decode)  # decodes first in the flat rows; stable: admission order inside
         if not chunks:
             return None
-        return IterationPlan(index, tuple(chunks), tuple(admitted), tuple(v.id for v in preempted))
+        return IterationPlan(index, tuple(chunks), tuple(admitted),
+                             tuple(v.id for v in preempted) + tuple(self.preempted_waiting))
 
     def positions_held(self) -> int:
         """Token positions whose K,V the running requests hold once this iteration's rows are written (a shared
@@ -228,6 +241,10 @@ class Scheduler:
         itself, if it is that request). False if r got no rows."""
         want = min(most, len(r.tokens) - r.computed, self._left)
         while (rows := self.blocks.rows_that_fit(r.id, r.computed, want)) == 0:
+            holder = next((w for w in reversed(self.waiting) if w.id in self.blocks.tables), None)
+            if holder is not None:  # a handed-over request still waiting holds blocks: it gives them back first
+                self._preempt(holder, preempted, waiting=True)
+                continue
             victim = self.running[-1]
             self._preempt(victim, preempted)
             if victim is r:
@@ -237,8 +254,13 @@ class Scheduler:
         self._left -= rows
         return True
 
-    def _preempt(self, victim: Request, preempted: list[Request]) -> None:
-        self.running.remove(victim)
+    def _preempt(self, victim: Request, preempted: list[Request], waiting: bool = False) -> None:
+        """waiting: the victim is a request not yet running that holds blocks (its K,V placed by a decode side); it
+        keeps its place in the queue and recomputes its tokens when admitted, as any preempted request does."""
+        if waiting:
+            self.preempted_waiting.append(victim.id)
+        else:
+            self.running.remove(victim)
         self.blocks.release(victim.id)
         if victim.id in self._rows:  # scheduled earlier in this iteration: its rows are given back
             start, end = self._rows.pop(victim.id)
@@ -247,7 +269,8 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.preemptions += 1
         self.preemptions += 1
-        preempted.append(victim)
+        if not waiting:
+            preempted.append(victim)
 
     def update(self, plan: IterationPlan, sampled: dict[int, int]) -> list[int]:
         """Apply an iteration's results (request id -> new token); return the ids that finished now, whose blocks

@@ -41,6 +41,9 @@ def torchrun(nproc: int, *overrides: str, run_dir: Path, timeout: float = 240, s
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
         stdout, stderr = proc.communicate()
         pytest.fail(f"launcher hung for {timeout}s:\n{stdout}\n{stderr}")
+    # An orderly end on every rank: the process group's threads joined before interpreter teardown (a rank whose
+    # group outlives shutdown() says so; left to teardown it can abort after the run passed)
+    assert "outlived shutdown" not in stderr and "terminate called" not in stderr, stderr[-3000:]
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), time.monotonic() - start
 
 

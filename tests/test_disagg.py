@@ -288,3 +288,60 @@ def eos_groups(ctx):
 def test_groups_that_end_at_token_one_leave_the_decode_group_waiting_for_the_next():
     got, want, eos = run_ranks(2, eos_groups)[0]
     assert got == want and got[0] == [eos] and got[1] == [eos] and len(got[2]) == 5
+
+
+# ---- P/D on a bounded paged cache: prefix hits on the prefill side, preemption on the decode side ------------------
+
+SHARED = 12  # every prompt starts with the same 12 tokens: prefix hits on the prefill side
+PAGED_WORKLOAD = [(3, 8, 0), (8, 6, 0), (1, 9, 1), (10, 5, 2), (5, 7, 3), (2, 4, 3)]  # (tail, max_new, arrival)
+# (layout, prefill block_size, decode block_size, kv_blocks per side, streaming, the decode side preempts): 8 blocks
+# of 4 hold the largest request (26 positions) and not much more; 9 blocks of 3 hold one request at a time, so
+# landed requests wait for blocks
+PAGED_CASES = [((1, 1), 4, 4, 8, True, True), ((1, 1), 4, 3, 9, False, False), ((2, 2), 1, 8, 26, True, False),
+               ((1, 2), 8, 2, 14, True, False), ((2, 1), 3, 5, 9, False, True)]
+
+
+def paged_requests():
+    gen = torch.Generator().manual_seed(11)
+    shared = torch.randint(0, CFG.vocab_size, (SHARED,), generator=gen).tolist()
+    return [Request(i, shared + torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist(), new, arrival)
+            for i, (n, new, arrival) in enumerate(PAGED_WORKLOAD)]
+
+
+def pd_paged(ctx, layout, block_size, decode_block_size, kv_blocks, streaming, _=None):
+    res = serve_pd(dense_lm(), ctx, Layout(*layout), paged_requests(), chunk_size=5, max_batched_tokens=12,
+                   streaming=streaming, block_size=block_size, decode_block_size=decode_block_size,
+                   kv_blocks=kv_blocks)
+    return {"ids": [r["output_ids"] for r in res.requests], "logits": [r["logits"] for r in res.requests],
+            "ok": res.ledger_matches_model,
+            "prefill_hits": sum(it["prefix_hit_tokens"] for it in res.prefill_iterations),
+            "decode_preempted": sum(len(it["preempted"]) for it in res.decode_iterations)}
+
+
+@pytest.mark.parametrize("case", PAGED_CASES)
+def test_pd_on_a_bounded_pool_with_prefix_hits_preemption_and_other_block_sizes_equals_the_oracle(case):
+    layout, *_ = case
+    dense = dense_lm()
+    want = [greedy_reference(dense, r.prompt, r.max_new_tokens) for r in paged_requests()]
+    assert all(min(w.margins) > 1e-9 for w in want)
+    results = run_ranks(sum(layout), pd_paged, *case)
+    for res in results:
+        assert res["ids"] == [w.ids for w in want], case
+        assert all(abs(a - b) <= 1e-12 * max(1, abs(b)) for got, w in zip(res["logits"], want)
+                   for a, b in zip(got, w.logits)), case
+        assert res["ok"], case  # every message and collective equals the model
+        assert res["prefill_hits"] > 0, case
+    assert (results[-1]["decode_preempted"] > 0) == case[-1], case  # a preempted request recomputes there
+
+
+def _refuse_small_pool(ctx):
+    from tp.dist import ConfigError
+
+    with pytest.raises(ConfigError, match="on the decode side"):  # 26 positions in blocks of 2: 13 > 7
+        serve_pd(dense_lm(), ctx, Layout(1, 1), paged_requests(), chunk_size=5, max_batched_tokens=12,
+                 block_size=4, decode_block_size=2, kv_blocks=7)
+    return True
+
+
+def test_pd_refuses_a_pool_too_small_for_a_request_on_either_side():
+    assert run_ranks(2, _refuse_small_pool) == [True, True]  # on every rank, before any collective

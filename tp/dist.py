@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -190,6 +191,39 @@ def max_over_ranks(values: list[float], group: dist.ProcessGroup) -> list[float]
     return t.tolist()
 
 
-def shutdown() -> None:
+GROUP_THREAD_PREFIXES = ("pt_gloo", "gloo_", "pt_nccl")  # the native threads of gloo and NCCL process groups
+
+
+def group_threads() -> list[str]:
+    """The names of this process's native threads that belong to a process group (gloo's work loops and transport
+    loop, NCCL's watchdog and heartbeat), read from /proc (empty where there is no /proc)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    names = []
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended while we looked
+            pass
+    return sorted(n for n in names if n.startswith(GROUP_THREAD_PREFIXES))
+
+
+def shutdown() -> list[str]:
+    """Leave the process group and end its threads now, while the interpreter is whole. Returns the process-group
+    threads still running (none, unless something still refers to the group).
+
+    destroy_process_group() forgets the group, but the C++ group and its worker threads live on while any Python
+    object refers to it (a TPContext, a layer's .group). Left to interpreter teardown, a gloo worker that frees the
+    last collective's tensors needs the GIL, finds the interpreter finalizing, and its thread exit unwinds through a
+    noexcept destructor: "terminate called without an active exception", SIGABRT, a non-zero exit after the run
+    has passed (about 1 exit in 10 on a loaded machine). Callers drop their references to the group first (a
+    launcher's work returns; the context goes out of scope); cycles are collected here, and the last reference
+    going away joins the group's threads (torch releases the GIL while it waits for them)."""
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
+    gc.collect()
+    return group_threads()
