@@ -42,7 +42,7 @@ from layers.hf import CheckpointSource, load_lm
 from layers.lm import (NEAR_TIE, DenseLlamaLM, DenseLM, dense_lm, greedy_reference, oracle_verdict,
                        sampled_reference, shard_lm)
 from layers.moe import validate_moe
-from serve.disagg import Layout, new_groups, serve_pd
+from serve.disagg import Layout, check_pools, new_groups, serve_pd
 from serve.engine import Engine, ServeResult
 from serve.block_manager import BlockManager
 from serve.inputs import ATTENTION_MODES
@@ -72,6 +72,7 @@ class Settings(LaunchSettings):
     pd: Layout | None = None  # prefill/decode disaggregation: the two groups' sizes
     streaming: bool = True
     pd_timeout_s: float = DEFAULT_TIMEOUT_S  # pd.timeout_s: the longest wait for one hand-over message
+    decode_block_size: int | None = None  # pd.decode_block_size: the decode side's blocks (None: block_size)
     block_size: int = EngineConfig.block_size  # token positions per KV block
     kv_blocks: int | None = None  # blocks in each rank's pool; None: enough for every request at its largest
     prefix_cache: bool = EngineConfig.prefix_cache
@@ -89,9 +90,14 @@ class Settings(LaunchSettings):
                     comm_timing=self.comm_timing, seed=(self.sampling or {}).get("sampling_seed", 0))
 
 
-def parse_pd(cfg: DictConfig, world_size: int) -> tuple[Layout | None, bool, float]:
-    """pd.prefill_ranks / pd.decode_ranks (both or neither), pd.streaming and pd.timeout_s."""
+def parse_pd(cfg: DictConfig, world_size: int) -> tuple[Layout | None, bool, float, int | None]:
+    """pd.prefill_ranks / pd.decode_ranks (both or neither), pd.streaming, pd.timeout_s and pd.decode_block_size."""
     pd = cfg.get("pd") or {}
+    decode_block_size = pd.get("decode_block_size")
+    if decode_block_size is not None and (isinstance(decode_block_size, bool) or not isinstance(decode_block_size, int)
+                                          or decode_block_size < 1):
+        raise ConfigError(f"pd.decode_block_size={decode_block_size!r} must be a positive integer, or null (the "
+                          f"decode side's blocks as block_size)")
     try:
         timeout_s = float(pd.get("timeout_s", DEFAULT_TIMEOUT_S))
     except (TypeError, ValueError):
@@ -100,7 +106,10 @@ def parse_pd(cfg: DictConfig, world_size: int) -> tuple[Layout | None, bool, flo
         raise ConfigError(f"pd.timeout_s={timeout_s} must be positive (seconds a hand-over message may take)")
     sizes = [pd.get("prefill_ranks"), pd.get("decode_ranks")]
     if sizes == [None, None]:
-        return None, True, timeout_s
+        if decode_block_size is not None:
+            raise ConfigError(f"pd.decode_block_size={decode_block_size} without pd: set pd.prefill_ranks and "
+                              f"pd.decode_ranks too (or drop it)")
+        return None, True, timeout_s, None
     if None in sizes:
         raise ConfigError(f"pd.prefill_ranks={sizes[0]} and pd.decode_ranks={sizes[1]}: set both (or neither)")
     for name, v in zip(("pd.prefill_ranks", "pd.decode_ranks"), sizes):
@@ -113,12 +122,12 @@ def parse_pd(cfg: DictConfig, world_size: int) -> tuple[Layout | None, bool, flo
     streaming = pd.get("streaming", True)
     if not isinstance(streaming, bool):
         raise ConfigError(f"pd.streaming={streaming!r} must be true or false")
-    return layout, streaming, timeout_s
+    return layout, streaming, timeout_s, decode_block_size
 
 
 def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> Settings:
     """Every check that needs no communication. Raises ConfigError; identical on every rank."""
-    layout, streaming, pd_timeout_s = parse_pd(cfg, world_size)
+    layout, streaming, pd_timeout_s, decode_block_size = parse_pd(cfg, world_size)
     tp_sizes = None if layout is None else {"pd.prefill_ranks": layout.prefill_ranks,
                                             "pd.decode_ranks": layout.decode_ranks}
     common = common_settings(cfg, world_size, local_world_size, lm=True, tp_sizes=tp_sizes, dense=None)
@@ -135,9 +144,6 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
         raise ConfigError(f"unknown variant {variant!r} for serving; choose v2 or v1 (intra_head and v2sp cut one "
                           f"forward, not a serving iteration: see run_block)")
     paging = parse_paging(cfg)
-    if layout is not None and paging["kv_blocks"] is not None:
-        raise ConfigError(f"kv_blocks={paging['kv_blocks']} with pd: the decode side takes handed-over requests in "
-                          f"without waiting for blocks, so pd sizes each pool for its workload (kv_blocks=null)")
     notes: list[str] = []
     requests = parse_requests(cfg, model, common["seed"], paging["shared_prefix"], notes)
     chunk_size, budget = integer(cfg, "chunk_size"), integer(cfg, "max_batched_tokens")
@@ -148,6 +154,8 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
             paging["kv_blocks"] or worst_case_blocks(requests, bs), bs, paging["prefix_cache"]))
     except SchedulerError as exc:
         raise ConfigError(str(exc)) from None
+    if layout is not None:  # each side's pool holds every request alone
+        check_pools(requests, paging["kv_blocks"], paging["block_size"], decode_block_size or paging["block_size"])
     sampling = parse_sampling(cfg, requests, layout)
     eos_id = None if cfg.eos_id is None else integer(cfg, "eos_id")
     if eos_id is not None and not 0 <= eos_id < model.vocab_size:
@@ -159,7 +167,8 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     return Settings(**common, requests=requests, chunk_size=chunk_size, max_batched_tokens=budget,
                     max_running=max_running, eos_id=eos_id, variant=variant,
                     vocab_parallel=boolean(cfg, "vocab_parallel"), check=check, pd=layout,
-                    streaming=streaming, pd_timeout_s=pd_timeout_s, notes=tuple(notes), moe_parallel=moe_parallel,
+                    streaming=streaming, pd_timeout_s=pd_timeout_s, decode_block_size=decode_block_size,
+                    notes=tuple(notes), moe_parallel=moe_parallel,
                     sampling=sampling, **paging)
 
 
@@ -423,7 +432,8 @@ def serve_disaggregated(s: Settings, out_dir: Path, ctx) -> int:
     result = serve_pd(weights, ctx, s.pd, requests(), chunk_size=s.chunk_size, max_batched_tokens=s.max_batched_tokens,
                       max_running=s.max_running, eos_id=s.eos_id, variant=s.variant, vocab_parallel=s.vocab_parallel,
                       streaming=s.streaming, groups=groups, block_size=s.block_size, prefix_cache=s.prefix_cache,
-                      attention=s.attention, timeout_s=s.pd_timeout_s, meter=meter)
+                      attention=s.attention, timeout_s=s.pd_timeout_s, meter=meter, kv_blocks=s.kv_blocks,
+                      decode_block_size=s.decode_block_size)
     load = meter.report(ctx, result.lm)
     dense = dense_oracle(s, ctx, dense)  # after the load: neither in its peak nor in its bytes read
     colocated = None
@@ -475,7 +485,8 @@ def build_pd_report(s: Settings, ctx, result, colocated: list[list[int]], checks
                    "block_size": s.block_size, "prefix_cache": s.prefix_cache, "attention": s.attention,
                    "shared_prefix": s.shared_prefix},
         "notes": list(s.notes),
-        "kv_cache": {"block_size": s.block_size,  # each side's pool: enough for its workload (kv_blocks=null)
+        "kv_cache": {"block_size": s.block_size, "decode_block_size": s.decode_block_size or s.block_size,
+                     "kv_blocks": s.kv_blocks,  # each side's pool; null: enough for its workload at its largest
                      "prefix_hit_tokens": sum(it["prefix_hit_tokens"] for it in result.prefill_iterations),
                      "peak_blocks_used": {side: max((it["blocks_used"] for it in its), default=0) for side, its in
                                           (("prefill", result.prefill_iterations),

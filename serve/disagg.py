@@ -51,6 +51,7 @@ from serve.engine import Engine, EngineHooks, PlanMismatch, new_scheduler, sched
 from serve.inputs import slots_of
 from serve.kv_cache import KVPool
 from serve.plan import IterationPlan
+from serve.request import RequestStatus
 from serve.scheduler import Request, Scheduler
 from tp.dist import DEFAULT_TIMEOUT_S, ConfigError, TPContext, context, control_device, host_control, same_on_every_rank
 from tp.ledger import TrafficLedger, TransferRecord
@@ -101,6 +102,21 @@ def prefill_schedule(requests: list[Request], chunk_size: int, max_batched_token
             out.append((plan.index, done))
         sched.update(plan, {rid: 0 for rid in done})  # max_new_tokens = 1: the token's value changes nothing
     return out
+
+
+def check_pools(requests: list[Request], kv_blocks: int | None, block_size: int, decode_block_size: int) -> None:
+    """ConfigError unless each side's pool holds every request alone: the prefill side its prompt, the decode side
+    its prompt and every generated token but the last. Pure: every rank finds the same answer."""
+    if decode_block_size < 1:
+        raise ConfigError(f"pd.decode_block_size={decode_block_size} must be at least 1")
+    if kv_blocks is None:
+        return
+    for r in requests:
+        for side, positions, bs in (("prefill", len(r.prompt), block_size), ("decode", r.capacity, decode_block_size)):
+            if ceil_div(positions, bs) > kv_blocks:
+                raise ConfigError(f"kv_blocks={kv_blocks} cannot hold request {r.id} on the {side} side: {positions} "
+                                  f"positions need {ceil_div(positions, bs)} blocks of block_size={bs}; raise "
+                                  f"kv_blocks to at least {ceil_div(positions, bs)}")
 
 
 HANDOVER = 2**40  # a decode-side request's arrival until the hand-over sets it (Scheduler.arrive)
@@ -417,8 +433,10 @@ class DecodeSide(EngineHooks):
             if self.kept is not None:
                 self.kept[r.id] = cache.read(slots, slice(None))
             self.received_at[r.id] = time.perf_counter()
-            if r.output[0] == self.eos_id or r.max_new_tokens <= 1:
-                r.finished = True  # token 1 ended it: nothing to decode
+            if r.output[0] == self.eos_id or r.max_new_tokens <= 1:  # token 1 ended it: nothing to decode
+                r.finished = True
+                r.status = (RequestStatus.FINISHED_STOPPED if r.output[0] == self.eos_id
+                            else RequestStatus.FINISHED_LENGTH)
                 sched.blocks.release(r.id)
             sched.arrive(r.id, index)
 
@@ -473,14 +491,7 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
     decode_block_size = block_size if decode_block_size is None else decode_block_size
     cfg = weights.cfg
     validate_layout(cfg, layout, world.world_size)
-    if kv_blocks is not None:  # every rank finds it, before any collective
-        for r in requests:
-            sides = (("prefill", len(r.prompt), block_size), ("decode", r.capacity, decode_block_size))
-            for side, positions, bs in sides:
-                if ceil_div(positions, bs) > kv_blocks:
-                    raise ConfigError(f"kv_blocks={kv_blocks} cannot hold request {r.id} on the {side} side: "
-                                      f"{positions} positions need {ceil_div(positions, bs)} blocks of "
-                                      f"block_size={bs}; raise kv_blocks")
+    check_pools(requests, kv_blocks, block_size, decode_block_size)  # every rank, before any collective
     settings = [layout.prefill_ranks, layout.decode_ranks, int(streaming), chunk_size, max_batched_tokens,
                 max_running or -1, -1 if eos_id is None else eos_id, len(requests), block_size, int(prefix_cache),
                 kv_blocks or -1, decode_block_size,

@@ -164,6 +164,7 @@ class Scheduler:
                                  f"only {self.blocks.num_free} blocks are free")
         self.blocks.admit(r.id, [])
         self.blocks.grow(r.id, r.computed)
+        self.blocks.commit(r.id, r.tokens, r.computed)  # its full blocks are named at once: later prompts can hit
 
     def schedule(self, index: int) -> IterationPlan | None:
         """The plan of iteration `index`; None when no request gets a row: nothing has arrived yet and nothing runs

@@ -293,7 +293,11 @@ PAGING_BAD = [
     (["shared_prefix=1009"], "shared_prefix=1009 is too long: with max_new_tokens=16 a prompt has at most 1009 "
                              "positions in model.max_seq_len=1024, and needs one token of its own; use shared_prefix <= 1008"),
     (["shared_prefix=4", "prompts=[[1,2]]"], "shared_prefix=4 applies to random prompts"),
-    (["pd.prefill_ranks=1", "pd.decode_ranks=1", "kv_blocks=64"], "kv_blocks=64 with pd"),
+    (["pd.prefill_ranks=1", "pd.decode_ranks=1", "prompts=[[1,2,3,4,5,6,7,8,9]]", "max_new_tokens=8", "block_size=8",
+      "kv_blocks=2", "pd.decode_block_size=4"],
+     "kv_blocks=2 cannot hold request 0 on the decode side: 16 positions need 4 blocks of block_size=4"),
+    (["pd.decode_block_size=4"], "pd.decode_block_size=4 without pd"),
+    (["pd.prefill_ranks=1", "pd.decode_ranks=1", "pd.decode_block_size=0"], "pd.decode_block_size=0 must be a positive"),
 ]
 
 
@@ -339,6 +343,22 @@ def test_serve_launcher_with_a_shared_prefix_and_a_small_pool(tmp_path):
     assert totals["preemptions"] > 0 and report["check"]["ok"] is True  # preempted, recomputed, still the oracle's
     assert all(0 < it["blocks_used"] <= 14 for it in report["iterations"])
     assert kv["prefix_hit_tokens"] == sum(r["prefix_hit_tokens"] for r in report["requests"])
+
+
+def test_pd_launcher_on_bounded_pools_with_a_shared_prefix_and_its_own_decode_block_size(tmp_path):
+    import json
+
+    from tests.launching import launch_on_pool
+    from tests.test_serve_launcher import SMALL
+
+    proc, _ = launch_on_pool(2, *SMALL, "shared_prefix=24", "block_size=4", "kv_blocks=18", "pd.prefill_ranks=1",
+                             "pd.decode_ranks=1", "pd.decode_block_size=3", run_dir=tmp_path, script="serve.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    kv = report["kv_cache"]
+    assert (kv["block_size"], kv["decode_block_size"], kv["kv_blocks"]) == (4, 3, 18) and kv["prefix_hit_tokens"] > 0
+    assert max(kv["peak_blocks_used"].values()) <= 18
+    assert report["check"]["ok"] is True and report["same_as_colocated"] and report["ledger_matches_model"]
 
 
 def test_prompt_chunks_are_grouped_by_length_into_a_fixed_number_of_calls():

@@ -29,7 +29,7 @@ from serve.block_manager import BlockManager
 from serve.scheduler import Request, Scheduler
 from tp.partition import ceil_div
 
-MAX_EXAMPLES = int(os.environ.get("TPREF_HYPOTHESIS_EXAMPLES", "60"))
+MAX_EXAMPLES = int(os.environ.get("TPREF_HYPOTHESIS_EXAMPLES", "200"))
 STEPS = 40
 VOCAB = 5  # few distinct tokens: prompts collide block by block often
 PIECES = 4  # whole-block pieces that prompts are built from
@@ -70,6 +70,8 @@ class WatchedBlocks(BlockManager):
 
     def admit(self, request, hit):
         r = self.machine.requests[request]
+        if r.computed:  # a handed-over request placed with its K,V (a decode side): not a prefix lookup
+            return super().admit(request, hit)
         allowed = self.machine.longest_allowed_hit(r.tokens)
         assert len(hit) == allowed, (f"request {request} hits {len(hit)} blocks, the reference allows exactly "
                                      f"{allowed}")
@@ -98,6 +100,7 @@ class PagedMachine(RuleBasedStateMachine):
         self.reference_hits: dict[int, int] = {}
         self.index = 0
         self.prompts: list[list[int]] = []
+        self.ready: list[Request] = []  # handed over with their prompt's K,V, waiting for blocks to be placed
 
     # ---- the reference model ---------------------------------------------------------------------------------
 
@@ -131,10 +134,36 @@ class PagedMachine(RuleBasedStateMachine):
         prompt = which.draw(st.sampled_from(self.prompts))
         self._add(prompt[:max(1, len(prompt) - cut)], max_new, delay)
 
+    @rule(pieces=st.lists(st.integers(0, PIECES - 1), max_size=MAX_PIECES), tail=st.data(),
+          max_new=st.integers(2, MAX_NEW))
+    def hand_over(self, pieces, tail, max_new):
+        """A request prefilled elsewhere (P/D): it arrives with its prompt's K,V and its first token, and is placed
+        into the pool when blocks are free for its prompt and its first decode row, as serve/disagg.py does."""
+        rest = tail.draw(st.lists(st.integers(0, VOCAB - 1), min_size=0 if pieces else 1, max_size=self.bs + 1))
+        prompt = [t for i in pieces for t in self.pieces[i]] + rest
+        rid = len(self.requests)
+        r = Request(rid, prompt, max_new, arrival=2**40, output=[next_token(prompt)], computed=len(prompt))
+        self.requests[rid], self.reference_hits[rid] = r, 0
+        self.prompts.append(prompt)
+        self.sched.add(r)
+        self.ready.append(r)
+
+    def _place(self):
+        while self.ready and self.blocks.blocks_for(self.ready[0].computed + 1) <= self.blocks.num_free:
+            r = self.ready.pop(0)
+            self.sched.hold_computed(r)
+            for t in range(r.computed):  # the K,V that came with it
+                self.blocks.content[self.blocks.tables[r.id][t // self.bs]][t % self.bs] = tuple(r.tokens[:t + 1])
+            if r.output[0] == self.eos:  # its first token ended it: nothing to decode
+                r.finished = True
+                self.blocks.release(r.id)
+            self.sched.arrive(r.id, self.index)
+
     @precondition(lambda self: any(not r.finished for r in self.requests.values()))
     @rule(which=st.data())
     def abort(self, which):
         rid = which.draw(st.sampled_from(sorted(i for i, r in self.requests.items() if not r.finished)))
+        self.ready = [r for r in self.ready if r.id != rid]
         free_before, held = self.blocks.num_free, self.blocks.tables.get(rid, [])
         freed = sum(self.blocks.blocks[b].ref_count == 1 for b in held)
         assert self.sched.abort(rid)
@@ -142,9 +171,11 @@ class PagedMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
+        self._place()
         plan = self.sched.schedule(self.index)
         if plan is None:  # nothing to do may only mean nothing has arrived: never a stall with work waiting
             assert not self.sched.running and not self.sched.waiting, "the scheduler stalls with requests waiting"
+            assert not self.ready, "handed-over requests wait for blocks that nothing holds"
         else:
             sampled = {}
             for c in plan.chunks:
@@ -195,7 +226,7 @@ class PagedMachine(RuleBasedStateMachine):
         if not hasattr(self, "blocks"):
             return
         for _ in range(10_000):
-            if not self.sched.has_work():
+            if not self.sched.has_work() and not self.ready:
                 break
             self.step()
             self.blocks_are_consistent()
