@@ -15,6 +15,8 @@ It adapts to the GPUs it finds and writes one summary, outputs/gpu_check/summary
                              largest p with each rank reading only its slices straight onto its GPU
     P/D (at least 2 GPUs)    serve with prefill and decode groups of half the GPUs each, on NCCL (pair
                              communicators warmed up, K,V streamed layer by layer); skipped with the reason on one
+    host waits               launch/sync_check.py at the largest p: GPT-2, Llama, Mixtral (tp, ep) serving steps
+                             under CUDA's sync debugger after a warm-up: one wait per step, plus one per MoE layer
     tests marked nccl        pytest -m nccl with the rank pools on NCCL (TPREF_TEST_BACKEND=nccl)
     bench_tp                 v2 vs DTensor at the valid p, 40 and 1024 tokens, 3 repeats
 
@@ -100,6 +102,8 @@ def steps(n_gpus: int) -> list[tuple[str, list[str], dict, float]]:
                     torchrun + [f"--nproc_per_node={2 * half}", "launch/serve.py", "backend=nccl",
                                 f"pd.prefill_ranks={half}", f"pd.decode_ranks={half}",
                                 f"hydra.run.dir={OUT}/serve_pd_nccl_{half}x2"], {}, 300))
+    out.append((f"sync_check nccl p={p}: each serving step's waits under torch.cuda.set_sync_debug_mode",
+                torchrun + [f"--nproc_per_node={p}", "launch/sync_check.py"], {}, 300))
     out.append(("pytest -m nccl", [py, "-m", "pytest", "-q", "-m", "nccl", "-p", "no:cacheprovider"],
                 {"TPREF_TEST_BACKEND": "nccl"}, 600))
     out.append(("bench_tp", [py, "benchmarks/bench_tp.py", "--p", *map(str, valid), "--repeats", "3",

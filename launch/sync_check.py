@@ -1,0 +1,122 @@
+"""The serving iterations on CUDA, every synchronizing call caught by CUDA's own sync debugger (a step of make gpu-check).
+
+    torchrun --nproc_per_node=P launch/sync_check.py      (P ranks on NCCL, one GPU each; P = 1 works too)
+
+tests/test_device_path.py counts the host's waits for the device at the dispatcher, on the CPU. Here the same
+iterations (decodes, prompt chunks, prefix hits, preemption; GPT-2, Llama, Mixtral with tp and ep) run on GPUs
+under torch.cuda.set_sync_debug_mode after a warm-up run, so a wait that the CPU count misses cannot hide. The
+engine is meant to wait, once per step for the sampled tokens and once per MoE layer for the experts' group
+sizes, so the mode is "warn" and each step's warnings are counted against that number ("error" would stop at
+the first of the intended waits). Exit 1 if any step differs; without CUDA it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from layers.config import ModelConfig  # noqa: E402
+from layers.dense import init_weights  # noqa: E402
+from layers.llama import LlamaConfig  # noqa: E402
+from layers.lm import dense_lm, shard_lm  # noqa: E402
+from layers.moe import MoEConfig  # noqa: E402
+from serve.config import EngineConfig  # noqa: E402
+from serve.engine import LLMEngine, StepHook  # noqa: E402
+from serve.sampling_params import SamplingParams  # noqa: E402
+from tp.dist import init_from_env, shutdown  # noqa: E402
+
+V = 1001
+MODELS = {
+    "gpt2": (ModelConfig(d_model=64, n_heads=8, d_head=8, d_ffn=256, n_layers=3, max_seq_len=96, vocab_size=V), "tp"),
+    "llama": (LlamaConfig(d_model=64, n_heads=8, n_kv_heads=2, d_head=8, d_ffn=96, n_layers=2, max_seq_len=96,
+                          vocab_size=V), "tp"),
+    "mixtral tp": (MoEConfig(d_model=64, n_heads=8, n_kv_heads=2, d_head=8, d_ffn=48, n_layers=2, max_seq_len=64,
+                             vocab_size=V, n_experts=8, top_k=2), "tp"),
+}
+MODELS["mixtral ep"] = (MODELS["mixtral tp"][0], "ep")
+
+
+class Syncs(StepHook):
+    """Each step's synchronizing calls, as CUDA's sync debugger reports them (warnings recorded since the last)."""
+
+    def __init__(self, caught: list):
+        self.caught, self.steps = caught, []
+
+    def after_step(self, engine, step):
+        kind = "idle" if step.plan is None else "+".join(sorted(
+            {"decode" if c.decode else "prefill" for c in step.plan.chunks}
+            | ({"preempt"} if step.plan.preempted else set())))
+        syncs = [w for w in self.caught if "synchronizing" in str(w.message)]
+        self.steps.append((kind, len(syncs)))
+        self.caught.clear()
+
+
+def run(ctx, name: str, record: bool) -> list[tuple[str, int]]:
+    cfg, placement = MODELS[name]
+    dense = init_weights(dense_lm(cfg, torch.float32), seed=0)
+    lm = shard_lm(dense.to(ctx.device), "v2", ctx.group, moe_parallel=placement)
+    caught: list = []
+    hook = Syncs(caught)
+    engine = LLMEngine(lm, ctx, EngineConfig(chunk_size=8, max_batched_tokens=16, max_running=4, block_size=4,
+                                             kv_blocks=12, check_ledger=False), hooks=[hook])
+    gen = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, V, (12,), generator=gen).tolist()
+    prompts = [shared + torch.randint(0, V, (3 + 2 * n,), generator=gen).tolist() for n in range(5)]
+    arrivals = {0: 2, 3: 1, 6: 2}
+    with warnings.catch_warnings(record=True) as log:
+        warnings.simplefilter("always")
+        if record:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            if ctx.is_main:
+                n = 0
+                for i in range(200):
+                    for _ in range(arrivals.get(i, 0)):
+                        engine.add_request(str(n), prompts[n], SamplingParams(max_tokens=8, ignore_eos=True))
+                        n += 1
+                    if i > max(arrivals) and not engine.has_unfinished_requests():
+                        break
+                    caught.extend(log)
+                    log.clear()
+                    engine.step()
+                    caught.extend(log)
+                    log.clear()
+                engine.shutdown()
+            else:
+                while not engine.stopped:
+                    engine.step()
+        finally:
+            if record:
+                torch.cuda.set_sync_debug_mode("default")
+    return hook.steps
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("sync_check: no CUDA device visible; skipping (run it on a GPU node)")
+        return 0
+    ctx = init_from_env()
+    bad = 0
+    try:
+        for name, (cfg, _) in MODELS.items():
+            run(ctx, name, record=False)  # warm-up: allocator, kernels, communicators
+            steps = run(ctx, name, record=True)
+            want = 1 + (cfg.n_layers if name.startswith("mixtral") else 0)
+            wrong = [(k, n) for k, n in steps if n != (0 if k == "idle" else want)]
+            bad += bool(wrong)
+            if ctx.is_main:
+                kinds = sorted({k for k, _ in steps})
+                print(f"{name}: {len(steps)} steps ({', '.join(kinds)}), {want} wait(s) per step expected: "
+                      f"{'PASS' if not wrong else f'FAIL {wrong[:5]}'}")
+    finally:
+        shutdown()
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
