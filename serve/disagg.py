@@ -414,8 +414,12 @@ class DecodeSide(EngineHooks):
             raise HandoverTimeout(f"receiving from the prefill group failed: {group.error}") from group.error
         for work, buf, fields, posted in group.posts:
             self.ledger.transfer(_record(fields, buf, group.landed_at - posted))
+        tokens = [(fields[2], buf) for _, buf, fields, _ in group.posts if fields[1] == "pd/first token"]
+        first = dict(zip((rid for rid, _ in tokens), torch.cat([b for _, b in tokens]).tolist()))  # one host read
         for r in group.requests:
-            self.ready.append((r, [(buf, fields) for _, buf, fields, _ in group.posts if fields[2] == r.id]))
+            r.output = [int(first[r.id])]
+            self.ready.append((r, [(buf, fields) for _, buf, fields, _ in group.posts
+                                   if fields[2] == r.id and fields[1] == "pd/kv"]))
 
     def _place(self, cache: KVPool, sched: Scheduler, index: int) -> None:
         """Landed requests into the pool, in order, while blocks are free for their prompt and their first decode row
@@ -425,11 +429,8 @@ class DecodeSide(EngineHooks):
             r, posts = self.ready.popleft()
             sched.hold_computed(r)  # blocks for the prompt's N positions, from the decode side's own pool
             slots = torch.tensor(sched.blocks.slots(r.id, 0, r.computed), device=cache.device)
-            for buf, (_, site, _, layer, _, _, (lo, hi)) in posts:
-                if site == "pd/kv":
-                    cache.write(slots, slice(lo - self.first_head, hi - self.first_head), buf, layer)
-                else:  # pd/first token
-                    r.output = [int(buf[0])]
+            for buf, (_, _, _, layer, _, _, (lo, hi)) in posts:
+                cache.write(slots, slice(lo - self.first_head, hi - self.first_head), buf, layer)
             if self.kept is not None:
                 self.kept[r.id] = cache.read(slots, slice(None))
             self.received_at[r.id] = time.perf_counter()
