@@ -51,13 +51,14 @@ def test_one_host_sync_per_decode_iteration(p):
             assert device == {"tolist": 1, **({"tp.dist.wait_for_stream": 2 * on_device} if p > 1 else {})}, device
 
 
-def _engine_waits(ctx, family: str, moe_parallel: str, attention: str):
+def _engine_waits(ctx, family: str, moe_parallel: str, attention: str, workload: str = "mixed"):
     """LLMEngine.step on every rank over a workload that decodes, chunks prompts, hits the prefix cache and preempts;
     per step: (what kind of iteration it was, the device waits, the control reads)."""
     from layers.dense import init_weights
     from layers.lm import dense_lm, shard_lm
     from serve.config import EngineConfig
     from serve.engine import LLMEngine, StepHook
+    from serve.inputs import RAGGED_BELOW
     from serve.sampling_params import SamplingParams
     from tests.syncs import SyncCounter
     from tests.test_moe import CFG as MOE
@@ -75,18 +76,29 @@ def _engine_waits(ctx, family: str, moe_parallel: str, attention: str):
                 {"decode" if c.decode else "prefill" for c in plan.chunks}
                 | ({"prefix-hit"} if any(c.q_start > 0 and not c.decode and c.request in plan.admitted
                                          for c in plan.chunks) else set())
-                | ({"preempt"} if plan.preempted else set())))
+                | ({"preempt"} if plan.preempted else set())
+                | ({"ragged"} if ragged(plan) else set())))
             steps.append((kind, dict(counter.device), dict(counter.control)))
             counter.device.clear()
             counter.control.clear()
 
-    config = EngineConfig(chunk_size=8, max_batched_tokens=16, max_running=4, block_size=4, kv_blocks=12,
-                          attention=attention, check_ledger=False)
-    engine = LLMEngine(lm, ctx, config, hooks=[Waits()])
+    def ragged(plan) -> bool:  # the decodes attend in one ragged pass (serve/inputs.py's rule)
+        keys = [c.q_end for c in plan.chunks if c.decode]
+        return attention == "batched" and bool(keys) and sum(keys) * RAGGED_BELOW < len(keys) * max(keys)
+
     gen = torch.Generator().manual_seed(1)
-    shared = torch.randint(0, cfg.vocab_size, (12,), generator=gen).tolist()  # three full blocks every prompt shares
-    prompts = [shared + torch.randint(0, cfg.vocab_size, (3 + 2 * n,), generator=gen).tolist() for n in range(5)]
-    arrivals = {0: 2, 3: 1, 6: 2}  # step -> requests added before it
+    if workload == "ragged":  # one long context beside seven short ones: padding would dominate
+        config = EngineConfig(chunk_size=16, max_batched_tokens=16, max_running=8, attention=attention,
+                              check_ledger=False)
+        prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in [40] + [1] * 7]
+        arrivals = {0: 8}
+    else:  # a shared prefix (prefix hits), a pool that runs short (preemption), prompts chunked beside decodes
+        config = EngineConfig(chunk_size=8, max_batched_tokens=16, max_running=4, block_size=4, kv_blocks=12,
+                              attention=attention, check_ledger=False)
+        shared = torch.randint(0, cfg.vocab_size, (12,), generator=gen).tolist()  # three full blocks they all share
+        prompts = [shared + torch.randint(0, cfg.vocab_size, (3 + 2 * n,), generator=gen).tolist() for n in range(5)]
+        arrivals = {0: 2, 3: 1, 6: 2}  # step -> requests added before it
+    engine = LLMEngine(lm, ctx, config, hooks=[Waits()])
     with counter.counting():
         if ctx.is_main:
             n = 0
@@ -120,6 +132,14 @@ def test_every_iteration_kind_waits_for_the_device_once(family, moe_parallel, at
             want = {} if kind == "idle" else {"tolist": 1 + (L if family == "mixtral" else 0)}
             assert device == want, (kind, device)
             assert set(control) <= {"tolist"}, (kind, control)  # control reads host tensors only
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_ragged_decode_pass_waits_for_nothing_more(family):
+    for _, steps in run_ranks(2, _engine_waits, family, "tp", "batched", "ragged"):
+        assert any("ragged" in kind for kind, _, _ in steps), steps  # the workload reaches the ragged pass
+        for kind, device, _ in steps:
+            assert device == ({} if kind == "idle" else {"tolist": 1}), (kind, device)
 
 
 # ---- half precision: norm statistics in float32 ------------------------------------------------------------------
