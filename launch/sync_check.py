@@ -56,40 +56,41 @@ class Syncs(StepHook):
         self.caught.clear()
 
 
+def drive(engine: LLMEngine, prompts: list[list[int]], arrivals: dict[int, int], max_tokens: int = 8) -> None:
+    """Every rank: step the engine until the workload is served. Rank 0 adds arrivals[i] of the prompts, in order,
+    before step i (greedy, max_tokens each, eos ignored), then stops the other ranks' loops."""
+    if not engine.ctx.is_main:
+        while not engine.stopped:
+            engine.step()
+        return
+    n = 0
+    for i in range(10_000):
+        for _ in range(arrivals.get(i, 0)):
+            engine.add_request(str(n), prompts[n], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            n += 1
+        if i > max(arrivals) and not engine.has_unfinished_requests():
+            break
+        engine.step()
+    engine.shutdown()
+
+
 def run(ctx, name: str, record: bool) -> list[tuple[str, int]]:
     cfg, placement = MODELS[name]
     dense = init_weights(dense_lm(cfg, torch.float32), seed=0)
     lm = shard_lm(dense.to(ctx.device), "v2", ctx.group, moe_parallel=placement)
-    caught: list = []
-    hook = Syncs(caught)
+    hook = Syncs([])
     engine = LLMEngine(lm, ctx, EngineConfig(chunk_size=8, max_batched_tokens=16, max_running=4, block_size=4,
                                              kv_blocks=12, check_ledger=False), hooks=[hook])
     gen = torch.Generator().manual_seed(1)
     shared = torch.randint(0, V, (12,), generator=gen).tolist()
     prompts = [shared + torch.randint(0, V, (3 + 2 * n,), generator=gen).tolist() for n in range(5)]
-    arrivals = {0: 2, 3: 1, 6: 2}
     with warnings.catch_warnings(record=True) as log:
         warnings.simplefilter("always")
+        hook.caught = log  # the hook reads and clears each step's warnings
         if record:
             torch.cuda.set_sync_debug_mode("warn")
         try:
-            if ctx.is_main:
-                n = 0
-                for i in range(200):
-                    for _ in range(arrivals.get(i, 0)):
-                        engine.add_request(str(n), prompts[n], SamplingParams(max_tokens=8, ignore_eos=True))
-                        n += 1
-                    if i > max(arrivals) and not engine.has_unfinished_requests():
-                        break
-                    caught.extend(log)
-                    log.clear()
-                    engine.step()
-                    caught.extend(log)
-                    log.clear()
-                engine.shutdown()
-            else:
-                while not engine.stopped:
-                    engine.step()
+            drive(engine, prompts, {0: 2, 3: 1, 6: 2})
         finally:
             if record:
                 torch.cuda.set_sync_debug_mode("default")

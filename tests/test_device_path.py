@@ -59,7 +59,7 @@ def _engine_waits(ctx, family: str, moe_parallel: str, attention: str, workload:
     from serve.config import EngineConfig
     from serve.engine import LLMEngine, StepHook
     from serve.inputs import RAGGED_BELOW
-    from serve.sampling_params import SamplingParams
+    from launch.sync_check import drive
     from tests.syncs import SyncCounter
     from tests.test_moe import CFG as MOE
     from tests.test_paged import LLAMA
@@ -100,19 +100,7 @@ def _engine_waits(ctx, family: str, moe_parallel: str, attention: str, workload:
         arrivals = {0: 2, 3: 1, 6: 2}  # step -> requests added before it
     engine = LLMEngine(lm, ctx, config, hooks=[Waits()])
     with counter.counting():
-        if ctx.is_main:
-            n = 0
-            for i in range(200):
-                for _ in range(arrivals.get(i, 0)):
-                    engine.add_request(str(n), prompts[n], SamplingParams(max_tokens=8, ignore_eos=True))
-                    n += 1
-                if i > max(arrivals) and not engine.has_unfinished_requests():
-                    break
-                engine.step()
-            engine.shutdown()
-        else:
-            while not engine.stopped:
-                engine.step()
+        drive(engine, prompts, arrivals)
     return cfg.n_layers, steps
 
 
