@@ -115,8 +115,11 @@ def main() -> int:
                 print(f"{name}: {len(steps)} steps ({', '.join(kinds)}), {want} wait(s) per step expected: "
                       f"{'PASS' if not wrong else f'FAIL {wrong[:5]}'}")
     finally:
-        shutdown()
-    return 1 if bad else 0
+        del ctx  # the last reference to the group, so shutdown() ends its threads (tp.dist.shutdown)
+        left = shutdown()
+    if left:
+        print(f"sync_check: the process group's threads outlived shutdown ({', '.join(left)})", file=sys.stderr)
+    return 1 if bad or left else 0
 
 
 if __name__ == "__main__":
