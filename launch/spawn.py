@@ -26,6 +26,7 @@ def _entry(rank: int, world_size: int, store: str, backend: str, fn, args, out: 
     try:
         result = fn(ctx, *args)
     finally:
+        del ctx  # the last reference to the group, so shutdown() ends its threads before teardown
         shutdown()
     if rank == 0:
         Path(out).write_bytes(pickle.dumps(result))
