@@ -15,6 +15,9 @@
                                                   layer) | reference (the per-request loop)
     comm_timing         -                         per-collective wall times in the ledger (two waits each)
     check_ledger        -                         compare every iteration's collectives with the model
+    reserve_capacity    -                         the pre-paging rule, kept to measure what paging frees: a
+                                                  request takes blocks for its whole capacity when admitted
+                                                  (needs prefix_cache off)
 
 Plain Python, no torch: the scheduler and the block manager read their defaults from here too (each default is
 written once, here; tests/test_llm.py checks it). A bad value is a ValueError with one line that names the setting, raised where the object is made, before
@@ -46,6 +49,7 @@ class EngineConfig:
     attention: str = "batched"
     comm_timing: bool = False
     check_ledger: bool = True
+    reserve_capacity: bool = False
 
     def __post_init__(self):
         for name in ("chunk_size", "max_batched_tokens", "max_running", "block_size", "kv_blocks"):
@@ -54,11 +58,13 @@ class EngineConfig:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an integer of at least 1")
-        for name in ("prefix_cache", "comm_timing", "check_ledger"):
+        for name in ("prefix_cache", "comm_timing", "check_ledger", "reserve_capacity"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.attention not in ATTENTION_MODES:
             raise ValueError(f"attention={self.attention!r}: choose {' or '.join(ATTENTION_MODES)}")
+        if self.reserve_capacity and self.prefix_cache:
+            raise ValueError("reserve_capacity (the pre-paging rule) shares nothing: set prefix_cache=False")
         if self.max_running > self.max_batched_tokens:
             raise ValueError(f"max_batched_tokens={self.max_batched_tokens} is smaller than a full decode batch of "
                              f"max_running={self.max_running} requests (one row each per iteration); raise "

@@ -47,7 +47,7 @@ from layers.config import validate_model
 from layers.llama import validate_llama
 from layers.lm import shard_lm
 from serve.config import EngineConfig
-from serve.engine import Engine, EngineHooks, PlanMismatch, new_scheduler, schedule_loop
+from serve.engine import Engine, PlanMismatch, StepHook, new_scheduler, schedule_loop
 from serve.inputs import slots_of
 from serve.kv_cache import KVPool
 from serve.plan import IterationPlan
@@ -215,7 +215,7 @@ def warm_up_pairs(cfg, layout: Layout, rank: int, ledger: TrafficLedger, device:
 _WARM_UP_TAG = 2**30  # above every request's tags for any workload that fits in memory
 
 
-class PrefillSide(EngineHooks):
+class PrefillSide(StepHook):
     """Sends each completed prompt's K,V (its own heads' share to each overlapping decode rank) and token 1."""
 
     def __init__(self, lm, layout: Layout, rank: int, streaming: bool, ledger: TrafficLedger, handed: set[int],
@@ -239,10 +239,10 @@ class PrefillSide(EngineHooks):
         self.hooks = [block.register_forward_hook(lambda m, a, o, i=i: self._layer_done(i))
                       for i, block in enumerate(lm.stack.blocks)] if streaming else []
 
-    def before_schedule(self, index: int, sched: Scheduler, cache: KVPool) -> None:
-        self.sched, self.cache = sched, cache
+    def before_schedule(self, engine) -> None:
+        self.sched, self.cache = engine.scheduler, engine.runner.cache
 
-    def before_forward(self, plan: IterationPlan) -> None:
+    def before_forward(self, engine, plan: IterationPlan) -> None:
         """The prompts this iteration completes, and where their K,V lie (their block tables, read off the plan: the
         blocks are given back when the request finishes at token 1, their contents stay until the next forward)."""
         bs = self.cache.block_size
@@ -256,7 +256,10 @@ class PrefillSide(EngineHooks):
                 heads = slice(lo - self.first_head, hi - self.first_head)
                 self._send(self.cache.read(slots, heads, layer), peer, rid, layer, (lo, hi), "pd/kv")
 
-    def after_update(self, plan: IterationPlan, finished: list[int], sched: Scheduler, cache: KVPool) -> None:
+    def after_step(self, engine, step) -> None:
+        plan, sched, cache = step.plan, engine.scheduler, engine.runner.cache
+        if plan is None:
+            return
         now = time.perf_counter()
         for rid in [c.request for c in plan.chunks if c.sample]:
             self.done_at[rid] = now
@@ -309,7 +312,7 @@ class _Posted:
         self.landed.set()
 
 
-class DecodeSide(EngineHooks):
+class DecodeSide(StepHook):
     """Takes each handed-over request in at an iteration boundary: blocks filled with its K,V, and token 1.
 
     Receives are posted ahead (the next `window` groups of requests, a group being those whose prompts complete in
@@ -340,7 +343,8 @@ class DecodeSide(EngineHooks):
         self.received_at: dict[int, float] = {}
         self.agreements = 0  # all-reduces over the decode group (one per iteration boundary)
 
-    def before_schedule(self, index: int, sched: Scheduler, cache: KVPool) -> None:
+    def before_schedule(self, engine) -> None:
+        index, sched, cache = engine.index, engine.scheduler, engine.runner.cache
         while True:
             self._post_ahead(sched, cache)
             if self.posted:

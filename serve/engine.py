@@ -1,24 +1,29 @@
-"""The serving loop on the TP stack: plan -> tensors -> one forward -> greedy tokens -> finish/admit/preempt.
+"""The serving engine on the TP stack: nano-vllm's spine with vLLM's names.
 
-Memory is paged (SPEC §10): the scheduler's BlockManager decides every request's block table on the host,
-identically on every rank, and each rank's KVPool (one tensor, allocated once per run) stores K,V of the rank's
-own heads at the slots those tables name. serve/inputs.py turns each plan into the iteration's tensors, once.
+    LLMEngine.step  ->  Scheduler.schedule  ->  BlockManager  ->  ModelRunner  ->  the TP model  ->  Sampler
+                                                                                                 ->  Scheduler.update
 
-Every rank runs this loop with the same requests and settings, so every rank's scheduler
-makes the same plan; the engine checks that cheaply: once at the start (a fingerprint of the
-requests and scheduler settings), before each forward (one all-gather of a four-number plan
-fingerprint, in the iteration's ledger), and once when its loop ends (so a rank that thinks it
-is done meets a rank that still plans in the same all-gather). Any difference raises
-PlanMismatch on every rank, before a forward could issue collectives of different sizes. The
-fingerprints are control traffic: CPU tensors over the group's gloo backend (under NCCL too:
-tp/dist.py), so the check never waits for a GPU. The traffic ledger records every collective of
-every iteration, and each iteration is compared with the analytic model (tp/traffic_model.py:
-predict_iteration).
+`LLMEngine` (below) is the online engine: rank 0 adds and aborts requests between any two steps and every rank runs
+the same steps. `Engine` is the offline driver over it that launch/serve.py, the benchmarks and the oracle tests
+use: it adds each request before the step its `arrival` names, steps until every request has finished, and records
+every iteration (rows, collectives against the model, blocks, times) into a ServeResult.
 
-What the host waits for, per iteration: one read of the sampled tokens and their logits (one
-device-to-host copy; it also ends the iteration's clock, so timing costs no extra wait). The
-inputs go over in one host-to-device copy (serve/inputs.py), the ledger counts without waiting,
-and per-collective times (comm_timing=True) add two waits for the compute stream per collective.
+Memory is paged (docs/background.md, paged KV cache): the scheduler's BlockManager decides every request's block
+table on the host, identically on every rank, and each rank's KVPool (one tensor, allocated once) stores K,V of the
+rank's own heads at the slots those tables name. serve/inputs.py turns each plan into the iteration's tensors, once.
+
+Every rank's scheduler makes the same plan because every rank sees the same requests at the same step (rank 0's
+control message); the engine checks that cheaply: once at the start (a fingerprint of the settings, and for
+`Engine` of the requests), and before each forward (one all-gather of a four-number plan fingerprint, in the
+iteration's ledger). Any difference raises PlanMismatch on every rank, before a forward could issue collectives of
+different sizes. Control traffic is CPU tensors over the group's gloo backend (under NCCL too: tp/dist.py), so it
+never waits for a GPU. The traffic ledger records every collective of every step, and each step is compared with
+the analytic model (tp/traffic_model.py: predict_control + predict_iteration).
+
+What the host waits for, per step: one read of the sampled tokens and their logits (one device-to-host copy; it also
+ends the iteration's clock, so timing costs no extra wait). The inputs go over in one host-to-device copy
+(serve/inputs.py), the ledger counts without waiting, and per-collective times (comm_timing=True) add two waits for
+the compute stream per collective.
 """
 
 from __future__ import annotations
@@ -32,15 +37,12 @@ import torch
 from layers.lm import TPLM, TPLlamaLM, greedy_reference, oracle_verdict, sampled_reference
 from layers.sampler import request_seed
 from serve.block_manager import BlockManager
-from serve.config import EngineConfig
-from serve.inputs import ATTENTION_MODES
+from serve.config import ATTENTION_MODES, EngineConfig
 from serve.model_runner import ModelRunner
-from serve.kv_cache import KVPool
 from serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from serve.plan import FINGERPRINT_SIZE, IterationPlan
 from serve.request import Request, RequestStatus
 from serve.sampling_params import SamplingParams
-
 from serve.scheduler import Scheduler, SchedulerError, worst_case_blocks
 from tp.comm import broadcast_from_main, gather_from_region
 from tp.dist import TPContext, control_device, host_control, wait_for_stream
@@ -69,227 +71,63 @@ class ServeResult:
     free_blocks_at_end: int = 0  # = kv_blocks when every finished request gave its blocks back
     time_s: float = 0.0
     started_at: float = 0.0  # time.perf_counter() when the loop started: start_s and token_times_s count from it
+    idle_steps_match: bool = True  # steps that ran nothing (control message alone) == the model, all of them
 
     @property
     def ledger_matches_model(self) -> bool:
-        return all(it["ledger_matches_model"] for it in self.iterations)
-
-
-class EngineHooks:
-    """Steps a caller can add to the loop; each does nothing here. serve/disagg.py's prefill and decode
-    sides use them to hand requests and their K,V from one group of ranks to another."""
-
-    def before_schedule(self, index: int, sched: Scheduler, cache: KVPool) -> None:
-        """Before iteration `index` is planned (a decode side receives the requests arriving now)."""
-
-    def before_forward(self, plan: IterationPlan) -> None:
-        """The plan about to run (a prefill side streaming K,V layer by layer needs to know it)."""
-
-    def after_update(self, plan: IterationPlan, finished: list[int], sched: Scheduler, cache: KVPool) -> None:
-        """After the tokens are applied. The finished requests' blocks are free already, their contents intact
-        until the next forward (plan.chunks still carries their block tables)."""
+        return self.idle_steps_match and all(it["ledger_matches_model"] for it in self.iterations)
 
 
 def new_scheduler(requests: list[Request], *, chunk_size: int, max_batched_tokens: int, max_running: int | None = None,
-                  eos_id: int | None = None, reserve_capacity: bool = False,
+                  eos_id: int | None = None, reserve_capacity: bool = EngineConfig.reserve_capacity,
                   block_size: int = EngineConfig.block_size, kv_blocks: int | None = None,
                   prefix_cache: bool = EngineConfig.prefix_cache) -> Scheduler:
-    """The scheduler a run starts with: its settings, and a block pool of kv_blocks (or, null, enough for every
-    request at its largest at once: such a run never preempts)."""
+    """A scheduler holding `requests` from the start, with a block pool of kv_blocks (or, null, enough for every
+    request at its largest at once: such a run never preempts). Host only: serve/disagg.py replays the prefill side's
+    schedule with it, and Engine checks a workload with it before anything runs."""
     n_blocks = kv_blocks or worst_case_blocks(requests, block_size)
     return Scheduler(requests, chunk_size, max_batched_tokens, max_running, eos_id,
                      blocks=BlockManager(n_blocks, block_size, prefix_cache), reserve_capacity=reserve_capacity)
 
 
-def schedule_loop(sched: Scheduler, before_schedule=None):
-    """The serving loop's control flow, in one place: yields each iteration's plan; the caller runs it and applies
-    its tokens (sched.update) before asking for the next. Iterations with nothing to run are skipped (no plan), and
-    waiting requests that can never get KV blocks raise instead of spinning. before_schedule(index): called before
-    each iteration is planned. The engine and the prefill schedule every P/D rank computes (serve/disagg.py) both
-    run this loop, so they cannot drift apart."""
-    index = 0
-    while sched.has_work():
+def next_plan(sched: Scheduler, index: int, before_schedule=None) -> tuple[IterationPlan | None, int]:
+    """The plan of the next iteration that runs, from iteration `index` on, and its index. Iterations with nothing to
+    run are skipped when a request arrives later (no forward for the idle stretch); waiting requests that can never
+    get KV blocks raise instead of spinning; (None, index) when nothing is left. before_schedule(index): called before
+    each iteration is planned. LLMEngine.step and the prefill schedule every P/D rank computes (serve/disagg.py) both
+    plan with this, so they cannot drift apart."""
+    while True:
         if before_schedule is not None:
             before_schedule(index)
         plan = sched.schedule(index)
-        if plan is None:  # nothing running, the next request arrives later: skip ahead, no forward
-            upcoming = sched.next_arrival()
-            if sched.waiting and (upcoming is None or upcoming <= index):
-                raise SchedulerError(f"iteration {index}: requests {[r.id for r in sched.waiting]} wait for KV "
-                                     f"blocks that nothing running will give back ({sched.blocks.num_free} of "
-                                     f"{sched.blocks.num_blocks} free); raise kv_blocks")
-            index = upcoming or index  # None: all finished, the loop ends
-            continue
+        if plan is not None:
+            return plan, index
+        upcoming = sched.next_arrival()  # after schedule(), always later than index when there is one
+        if sched.waiting and not sched.running and upcoming is None:
+            raise SchedulerError(f"iteration {index}: requests {[r.id for r in sched.waiting]} wait for KV blocks "
+                                 f"that nothing running will give back ({sched.blocks.num_free} of "
+                                 f"{sched.blocks.num_blocks} free); raise kv_blocks")
+        if upcoming is None:
+            return None, index
+        index = upcoming
+
+
+def schedule_loop(sched: Scheduler, before_schedule=None):
+    """Every plan of a workload held from the start, in order (host only); the caller applies each plan's tokens
+    (sched.update) before asking for the next."""
+    index = 0
+    while sched.has_work():
+        plan, index = next_plan(sched, index, before_schedule)
+        if plan is None:
+            return
         yield plan
         index += 1
-
-
-class Engine:
-    def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, *, chunk_size: int, max_batched_tokens: int,
-                 max_running: int | None = None, eos_id: int | None = None,
-                 block_size: int = EngineConfig.block_size, kv_blocks: int | None = None,
-                 prefix_cache: bool = EngineConfig.prefix_cache, attention: str = EngineConfig.attention,
-                 reserve_capacity: bool = False, comm_timing: bool = False, on_iteration=None,
-                 hooks: EngineHooks | None = None, seed: int = 0):
-        if block_size < 1:
-            raise SchedulerError(f"block_size={block_size} must be at least 1")
-        if kv_blocks is not None and kv_blocks < 1:
-            raise SchedulerError(f"kv_blocks={kv_blocks} must be at least 1 (or null: enough for the workload)")
-        if attention not in ATTENTION_MODES:
-            raise SchedulerError(f"attention={attention!r}: choose {' or '.join(ATTENTION_MODES)}")
-        self.lm, self.ctx = lm, ctx
-        self.sched_args = dict(chunk_size=chunk_size, max_batched_tokens=max_batched_tokens,
-                               max_running=max_running, eos_id=eos_id, reserve_capacity=reserve_capacity)
-        self.block_size, self.kv_blocks, self.prefix_cache, self.attention = \
-            block_size, kv_blocks, prefix_cache, attention
-        self.comm_timing = comm_timing  # per-collective times in the ledger (comm_time_s): waits on the stream
-        self.on_iteration = on_iteration  # called with each iteration's record (progress lines)
-        self.hooks = hooks or EngineHooks()
-        self.seed = seed  # sampled requests without a seed of their own: one drawn from this and the request's id
-        self.dtype = next(lm.parameters()).dtype
-        self.cache: KVPool | None = None  # allocated by run(): its size may depend on the requests
-
-    def pool_blocks(self, requests: list[Request]) -> int:
-        """kv_blocks, or (null) enough for every request at its largest at once: such a run never preempts."""
-        return self.kv_blocks or worst_case_blocks(requests, self.block_size)
-
-    def scheduler(self, requests: list[Request]) -> Scheduler:
-        return new_scheduler(requests, **self.sched_args, block_size=self.block_size, kv_blocks=self.kv_blocks,
-                             prefix_cache=self.prefix_cache)
-
-    @torch.no_grad()
-    def run(self, requests: list[Request]) -> ServeResult:
-        for r in requests:
-            if r.params is not None and r.sampling_seed is None:
-                r.sampling_seed = r.params.seed if r.params.seed is not None else request_seed(self.seed, r.id)
-        sched = self.scheduler(requests)
-        n_blocks = sched.blocks.num_blocks
-        self.runner = ModelRunner(self.lm, self.ctx, n_blocks, self.block_size, self.attention)
-        self.cache = self.runner.cache
-        result = ServeResult(kv_blocks=n_blocks, block_size=self.block_size, kv_pool_bytes_per_rank=self.cache.bytes)
-        arrived_at: dict[int, float] = {}
-        token_times: dict[int, list[float]] = {r.id: [] for r in requests}
-        logits: dict[int, list[float]] = {r.id: [] for r in requests}
-        ledger = TrafficLedger(self.ctx.world_size, self.ctx.device, timing=self.comm_timing)
-        self._agree(self._settings_fingerprint(requests), "requests or scheduler settings differ")
-        wait_for_stream(self.ctx.device)  # the pool's zeroing is not billed to the first iteration
-        start = result.started_at = time.perf_counter()
-        now = {}  # what the loop's before_schedule step saw: the iteration's start, prefix hits before it
-
-        def before_schedule(index: int) -> None:
-            now["t0"] = t0 = time.perf_counter()
-            self.hooks.before_schedule(index, sched, self.cache)
-            for r in requests:
-                if r.arrival <= index and r.id not in arrived_at:
-                    arrived_at[r.id] = t0
-            now["hits"] = sum(r.prefix_hit for r in requests)
-
-        index = 0
-        for plan in schedule_loop(sched, before_schedule):
-            t0, hits_before, index = now["t0"], now["hits"], plan.index + 1
-            blocks_used = sched.blocks.num_used  # this iteration's tables, before finishing requests give theirs back
-            positions_held, running = sched.positions_held(), len(sched.running)
-            ledger.clear()
-            with ledger.attach(self.lm.stack):
-                self._check_plan(plan)
-                self.hooks.before_forward(plan)
-                tokens, token_logits, sampler = self._forward(plan, sched)
-            # The iteration's one wait for the device: tokens and logits in one copy (ids < 2^53 are exact in float64)
-            token_list, logit_list = torch.stack([tokens.double(), token_logits.double()]).tolist()
-            token_list = [int(t) for t in token_list]
-            t1 = time.perf_counter()
-            sampled_ids = [c.request for c in plan.chunks if c.sample]
-            for rid, lg in zip(sampled_ids, logit_list):
-                token_times[rid].append(t1)
-                logits[rid].append(lg)
-            finished = sched.update(plan, dict(zip(sampled_ids, token_list)))
-            self.hooks.after_update(plan, finished, sched, self.cache)
-            record = self._record(plan, finished, ledger, t1 - t0, blocks_used, sampler)
-            record["prefix_hit_tokens"] = sum(r.prefix_hit for r in requests) - hits_before
-            record["positions_held"], record["running"] = positions_held, running
-            record["start_s"] = t0 - start  # when this iteration began, from the run's start (timelines)
-            result.iterations.append(record)
-            result.peak_blocks_used = max(result.peak_blocks_used, blocks_used)
-            result.rows_computed += plan.rows
-            if self.on_iteration is not None:
-                self.on_iteration(record, sched)
-        self._check_plan(IterationPlan(index, ()))  # "done": differs from any plan a rank still running makes
-        wait_for_stream(self.ctx.device)
-        result.time_s = time.perf_counter() - start
-        sched.blocks.check()  # every count back to 0, every block free (or a bug in the block manager)
-        result.free_blocks_at_end = sched.blocks.num_free
-        result.kv_peak_bytes_per_rank = result.peak_blocks_used * self.cache.bytes_per_block
-        result.prefix_hit_tokens = sum(r.prefix_hit for r in requests)
-        result.preemptions = sched.preemptions
-        # measured, not computed: the bytes the pool tensor holds per token position
-        per_token = self.cache.measured_bytes_per_token()
-        result.kv_bytes_per_token_per_rank = int(per_token) if per_token == int(per_token) else per_token
-        for r in requests:
-            times = token_times[r.id]
-            gaps = [b - a for a, b in zip(times[:-1], times[1:])]
-            result.requests.append({
-                "request": r.id, "arrival": r.arrival, "prompt_length": len(r.prompt),
-                "generated": len(r.output), "output_ids": list(r.output), "logits": logits[r.id],
-                "prefix_hit_tokens": r.prefix_hit, "preemptions": r.preemptions,
-                "ttft_s": times[0] - arrived_at[r.id] if times else None,
-                "mean_tbt_s": sum(gaps) / len(gaps) if gaps else None,
-                "max_tbt_s": max(gaps) if gaps else None,
-                "token_times_s": [t - start for t in times],  # when each token was ready, from the run's start
-            })
-        return result
-
-    def _check_plan(self, plan: IterationPlan) -> None:
-        """★ all-gather of every rank's plan fingerprint [1, 4] -> [1, 4p]; all ranks reach the same verdict."""
-        self._agree(plan.fingerprint(), f"iteration {plan.index}: ranks scheduled different rows")
-
-    def _agree(self, fingerprint: list[float], what: str) -> None:
-        with host_control():  # CPU tensors, the group's gloo backend: no wait for the GPU
-            mine = torch.tensor([fingerprint], dtype=torch.float64, device=control_device(self.ctx.group))
-            every = gather_from_region(mine, self.ctx.group, "engine/plan check").view(-1, FINGERPRINT_SIZE).tolist()
-        if any(row != every[0] for row in every):
-            raise PlanMismatch(f"{what} (fingerprints {every}); every rank must get the same requests and settings")
-
-    def _settings_fingerprint(self, requests: list[Request]) -> list[float]:
-        a = self.sched_args
-        knobs = [a["chunk_size"], a["max_batched_tokens"], a["max_running"] or -1,
-                 -1 if a["eos_id"] is None else a["eos_id"], self.block_size, self.pool_blocks(requests),
-                 int(self.prefix_cache), ATTENTION_MODES.index(self.attention), int(a["reserve_capacity"])]
-        per_request = [(r.id, len(r.prompt), sum(r.prompt), r.max_new_tokens, r.arrival, r.computed) for r in requests]
-        return [float(len(requests)), float(sum((i + 1) * k for i, k in enumerate(knobs))),
-                float(sum((i + 1) * sum(x) for i, x in enumerate(per_request))),
-                float(sum((i + 1) * (j + 1) * v for i, x in enumerate(per_request) for j, v in enumerate(x)))]
-
-    def _forward(self, plan: IterationPlan, sched: Scheduler) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
-        out, sampling = self.runner.run(plan, sched.by_id)
-        return out.tokens, out.logits, out.traffic(sampling)
-
-    def _record(self, plan: IterationPlan, finished: list[int], ledger: TrafficLedger, elapsed: float,
-                blocks_used: int, sampler: tuple | None = None) -> dict:
-        seen = [r.traffic() for r in ledger.records]
-        predicted = predict_iteration(self.lm.cfg, self.ctx.world_size, plan.rows, len(plan.sample_rows), self.dtype,
-                                      self.lm.variant, self.lm.vocab_parallel, FINGERPRINT_SIZE, sampler)
-        return {
-            "iteration": plan.index, "rows": plan.rows, "prefill_chunks": plan.prefill_chunks,
-            "decodes": plan.decodes, "admitted": list(plan.admitted), "finished": finished,
-            "preempted": list(plan.preempted),
-            "triples": [[c.request, *c.triple] for c in plan.chunks],
-            "sampled": len(plan.sample_rows),
-            "collectives": dict(Counter(t.kind for t in seen)),
-            "logical_bytes": sum(t.logical_bytes for t in seen),
-            "bytes_per_rank": sum(t.bytes_per_rank for t in seen),
-            "comm_time_s": sum(r.time_s for r in ledger.records) if ledger.timing else None,
-            "ledger_matches_model": seen == predicted,
-            "predicted_bytes_per_rank": sum(t.bytes_per_rank for t in predicted),
-            "score_entries": plan.score_entries(), "cache_rows_read": plan.cache_rows_read(),
-            "blocks_used": blocks_used, "kv_bytes_per_rank": blocks_used * self.cache.bytes_per_block,
-            "time_s": elapsed,
-        }
 
 
 # ---- the online engine: requests added and aborted between any two steps ----------------------------------------
 
 CONTROL_HEADER = 4  # (new requests, aborted requests, payload length, flag), float64
-REQUEST_FIELDS = 12  # per new request, before its stop ids and prompt: see _encode
+REQUEST_FIELDS = 15  # per new request, before its stop ids, prompt and output: see _encode
 RUN, IDLE, STOP = 0, 1, 2  # the header's flag: run a step | rank 0 is idle (keep-alive, no step) | end the loop
 
 
@@ -325,24 +163,41 @@ class StepRecord:
 
 
 class StepHook:
-    """A check or a record run after every LLMEngine step, on every rank; does nothing here."""
+    """A check, a record or a hand-over run inside every LLMEngine step, on every rank; each does nothing here.
+    serve/disagg.py's prefill and decode sides are hooks too: they hand requests and their K,V from one group of
+    ranks to another."""
+
+    def before_schedule(self, engine: "LLMEngine") -> None:
+        """Before iteration engine.index is planned, after the step's new requests were added (a decode side takes
+        in the requests whose K,V have landed). Called again for each idle iteration skipped."""
+
+    def before_forward(self, engine: "LLMEngine", plan: IterationPlan) -> None:
+        """The plan about to run, its blocks reserved (a prefill side streaming K,V layer by layer needs to know it)."""
 
     def after_step(self, engine: "LLMEngine", step: StepRecord) -> None:
-        pass
+        """After the tokens are applied. Finished requests' blocks are free already, their contents intact until the
+        next forward (step.plan.chunks still carries their block tables)."""
+
+
+def step_traffic(engine: "LLMEngine", step: StepRecord) -> tuple[list, list]:
+    """The collectives the step's ledger saw, and the model's: the control message, and when a forward ran the plan
+    check, the embedding, the blocks and the head's pick (tp/traffic_model.py)."""
+    seen = [r.traffic() for r in engine.ledger.records]
+    p, plan = engine.ctx.world_size, step.plan
+    predicted = predict_control(p, step.payload, CONTROL_HEADER)
+    if plan is not None:
+        predicted += predict_iteration(engine.lm.cfg, p, plan.rows, len(plan.sample_rows), engine.dtype,
+                                       engine.lm.variant, engine.lm.vocab_parallel, FINGERPRINT_SIZE, step.sampler)
+    return seen, predicted
 
 
 class LedgerCheck(StepHook):
-    """Every step's collectives against the model: the control message, and when a forward ran the plan check, the
-    embedding, the blocks and the head's pick (tp/traffic_model.py). A difference raises (on by default:
+    """Every step's collectives against the model (step_traffic). A difference raises (on by default:
     EngineConfig.check_ledger). The record is the engine's last_iteration."""
 
     def after_step(self, engine: "LLMEngine", step: StepRecord) -> None:
-        seen = [r.traffic() for r in engine.ledger.records]
-        p, plan = engine.ctx.world_size, step.plan
-        predicted = predict_control(p, step.payload, CONTROL_HEADER)
-        if plan is not None:
-            predicted += predict_iteration(engine.lm.cfg, p, plan.rows, len(plan.sample_rows), engine.dtype,
-                                           engine.lm.variant, engine.lm.vocab_parallel, FINGERPRINT_SIZE, step.sampler)
+        seen, predicted = step_traffic(engine, step)
+        plan = step.plan
         record = {"iteration": None if plan is None else plan.index, "rows": 0 if plan is None else plan.rows,
                   "collectives": dict(Counter(t.kind for t in seen)),
                   "bytes_per_rank": sum(t.bytes_per_rank for t in seen),
@@ -414,7 +269,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_blocks = c.pool_blocks(m.max_seq_len)
         self.scheduler = Scheduler([], c.chunk_size, c.max_batched_tokens, c.max_running,
-                                   blocks=BlockManager(self.num_blocks, c.block_size, c.prefix_cache))
+                                   blocks=BlockManager(self.num_blocks, c.block_size, c.prefix_cache),
+                                   reserve_capacity=c.reserve_capacity)
         self.runner = ModelRunner(lm, ctx, self.num_blocks, c.block_size, c.attention)
         self.dtype = self.runner.dtype
         self.ledger = TrafficLedger(ctx.world_size, ctx.device, timing=c.comm_timing)
@@ -456,6 +312,18 @@ class LLMEngine:
                                             RequestMetrics(time.time()))
         self._new.append(r)
 
+    def add(self, r: Request) -> None:
+        """Queue a request built by the caller (rank 0): its id, arrival, stop ids, and any tokens it brings already
+        computed (a P/D decode side's hand-over) are kept as they are; no RequestOutput is made for it (the caller
+        reads the Request, which the scheduler updates in place). Engine, the offline driver, adds with this."""
+        if not self.ctx.is_main:
+            raise RuntimeError("add is called on rank 0; the other ranks receive requests in step()")
+        self.scheduler.check_fits(r)
+        if r.id in self.scheduler.by_id or any(q.id == r.id for q in self._new):
+            raise ValueError(f"request {r.id} was added twice")
+        self._next = max(self._next, r.id + 1)
+        self._new.append(r)
+
     def abort_request(self, request_id: str) -> bool:
         """Abort at the next step: its blocks go back to the pool before anything is scheduled (rank 0). False if
         no such request is running."""
@@ -488,14 +356,13 @@ class LLMEngine:
                 self.scheduler.add(r)
             for rid in aborts:
                 self.scheduler.abort(rid)
-            plan = self.scheduler.schedule(self.index)
+            plan, self.index = next_plan(self.scheduler, self.index, self._before_schedule)
             if plan is not None:
+                for hook in self.hooks:
+                    hook.before_forward(self, plan)
                 self._agree(plan.fingerprint(), f"iteration {plan.index}: ranks scheduled different rows")  # ★
                 result, sampling = self.runner.run(plan, self.scheduler.by_id)
         if plan is None:  # nothing to run this step (nothing arrived, or all waiting requests were aborted)
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise SchedulerError(f"requests {[r.id for r in self.scheduler.waiting]} wait for KV blocks that "
-                                     f"nothing running will give back")
             self._after(StepRecord(None, payload, None, ended=aborts))
             return self._outputs_of([], aborts)
         sampled = [c.request for c in plan.chunks if c.sample]
@@ -505,9 +372,14 @@ class LLMEngine:
             self._logprobs(sampled, rows, result.top_ids.shape[1])
         self._after(StepRecord(plan, payload, result.traffic(sampling), sampled, rows, aborts + finished))
         self.busy_s += time.perf_counter() - start
-        self.index += 1
+        self.index = plan.index + 1
         self.iterations += 1
         return self._outputs_of(sampled, aborts + finished)
+
+    def _before_schedule(self, index: int) -> None:
+        self.index = index  # an idle stretch skipped: hooks see the iteration about to be planned
+        for hook in self.hooks:
+            hook.before_schedule(self)
 
     def _after(self, step: StepRecord) -> None:
         for hook in self.hooks:
@@ -553,30 +425,34 @@ class LLMEngine:
 
     @staticmethod
     def _encode(new: list[Request], aborts: list[int]) -> list[float]:
-        """Each new request: REQUEST_FIELDS numbers, its stop ids, its prompt; then the aborted ids. float64 holds
-        ids and seeds below 2**53 exactly (SamplingParams refuses larger seeds)."""
+        """Each new request: REQUEST_FIELDS numbers (its seed is the one it samples with: every rank draws the same
+        noise), its stop ids, its prompt, the tokens it already has; then the aborted ids. float64 holds ids and seeds
+        below 2**53 exactly (SamplingParams refuses larger seeds, request_seed draws below 2**53)."""
         out: list[float] = []
         for r in new:
-            q = r.params
-            out += [r.id, r.arrival, r.max_new_tokens, len(r.prompt), len(r.stop_ids), q.temperature, q.top_k, q.top_p,
-                    q.min_p, q.seed is not None, q.seed or 0, -1 if q.logprobs is None else q.logprobs]
-            out += sorted(r.stop_ids) + r.prompt
+            q = r.params or SamplingParams(max_tokens=r.max_new_tokens)
+            out += [r.id, r.arrival, r.max_new_tokens, len(r.prompt), len(r.stop_ids), len(r.output), r.computed,
+                    r.params is not None, q.temperature, q.top_k, q.top_p, q.min_p, q.seed is not None, r.sampling_seed or 0,
+                    -1 if q.logprobs is None else q.logprobs]
+            out += sorted(r.stop_ids) + r.prompt + r.output
         return out + aborts
 
     def _decode(self, payload: list[float], n_new: int, n_abort: int) -> tuple[list[Request], list[int]]:
         new, at = [], 0
         for _ in range(n_new):
-            rid, arrival, max_tokens, n_prompt, n_stop, temp, top_k, top_p, min_p, has_seed, seed, logprobs = \
-                payload[at:at + REQUEST_FIELDS]
+            (rid, arrival, max_tokens, n_prompt, n_stop, n_output, computed, has_params, temp, top_k, top_p, min_p,
+             has_seed, seed, logprobs) = payload[at:at + REQUEST_FIELDS]
             at += REQUEST_FIELDS
             stop = frozenset(int(t) for t in payload[at:at + int(n_stop)])
             at += int(n_stop)
             prompt = [int(t) for t in payload[at:at + int(n_prompt)]]
             at += int(n_prompt)
+            output = [int(t) for t in payload[at:at + int(n_output)]]
+            at += int(n_output)
             params = SamplingParams(int(max_tokens), temp, int(top_k), top_p, min_p, int(seed) if has_seed else None,
-                                    logprobs=None if logprobs < 0 else int(logprobs))
-            new.append(Request(int(rid), prompt, int(max_tokens), int(arrival), stop_ids=stop, params=params,
-                               sampling_seed=int(seed) if has_seed else request_seed(self.seed, int(rid))))
+                                    logprobs=None if logprobs < 0 else int(logprobs)) if has_params else None
+            new.append(Request(int(rid), prompt, int(max_tokens), int(arrival), output, int(computed), stop_ids=stop,
+                               params=params, sampling_seed=None if params is None else int(seed)))
         return new, [int(t) for t in payload[at:at + n_abort]]
 
     def _agree(self, fingerprint: list[float], what: str) -> None:
@@ -622,3 +498,185 @@ class LLMEngine:
                 self.scheduler.forget(rid)
             out.append(o)
         return out
+
+
+# ---- the offline driver: a workload known up front, every iteration recorded ---------------------------------------
+
+
+class Recorder(StepHook):
+    """Every iteration that ran, as a record (rows, collectives seen and predicted, blocks, times), and each request's
+    token times and logits: what Engine.run returns in its ServeResult. on_iteration(record, scheduler): called with
+    each record (launch/serve.py's progress lines)."""
+
+    def __init__(self, result: ServeResult, on_iteration=None):
+        self.result, self.on_iteration = result, on_iteration
+        self.arrived_at: dict[int, float] = {}
+        self.token_times: dict[int, list[float]] = {}
+        self.logits: dict[int, list[float]] = {}
+        self.t0 = self.hits_before = 0.0
+        self.before: tuple[int, int, int] = (0, 0, 0)
+
+    def before_schedule(self, engine: "LLMEngine") -> None:
+        self.t0 = time.perf_counter()
+        self.hits_before = sum(r.prefix_hit for r in engine.scheduler.by_id.values())
+
+    def before_forward(self, engine: "LLMEngine", plan: IterationPlan) -> None:
+        sched = engine.scheduler
+        for r in (*sched.waiting, *sched.running):  # arrived by now: its time to first token counts from here
+            self.arrived_at.setdefault(r.id, self.t0)
+        # this iteration's tables, before finishing requests give theirs back
+        self.before = (sched.blocks.num_used, sched.positions_held(), len(sched.running))
+
+    def after_step(self, engine: "LLMEngine", step: StepRecord) -> None:
+        seen, predicted = step_traffic(engine, step)
+        plan = step.plan
+        if plan is None:  # a step that ran nothing (the control message alone)
+            self.result.idle_steps_match &= seen == predicted
+            return
+        t1 = time.perf_counter()
+        for rid, row in zip(step.sampled, step.rows):
+            self.token_times.setdefault(rid, []).append(t1)
+            self.logits.setdefault(rid, []).append(row[1])
+        sched, ledger = engine.scheduler, engine.ledger
+        blocks_used, positions_held, running = self.before
+        record = {
+            "iteration": plan.index, "rows": plan.rows, "prefill_chunks": plan.prefill_chunks,
+            "decodes": plan.decodes, "admitted": list(plan.admitted), "finished": list(step.ended),
+            "preempted": list(plan.preempted),
+            "triples": [[c.request, *c.triple] for c in plan.chunks],
+            "sampled": len(plan.sample_rows),
+            "control_payload": step.payload,  # float64 numbers of rank 0's control message past its header
+            "collectives": dict(Counter(t.kind for t in seen)),
+            "logical_bytes": sum(t.logical_bytes for t in seen),
+            "bytes_per_rank": sum(t.bytes_per_rank for t in seen),
+            "comm_time_s": sum(r.time_s for r in ledger.records) if ledger.timing else None,
+            "ledger_matches_model": seen == predicted,
+            "predicted_bytes_per_rank": sum(t.bytes_per_rank for t in predicted),
+            "score_entries": plan.score_entries(), "cache_rows_read": plan.cache_rows_read(),
+            "blocks_used": blocks_used, "kv_bytes_per_rank": blocks_used * engine.runner.cache.bytes_per_block,
+            "time_s": t1 - self.t0,
+            "prefix_hit_tokens": sum(r.prefix_hit for r in sched.by_id.values()) - self.hits_before,
+            "positions_held": positions_held, "running": running,
+            "start_s": self.t0 - self.result.started_at,  # when this iteration began, from the run's start
+        }
+        self.result.iterations.append(record)
+        self.result.peak_blocks_used = max(self.result.peak_blocks_used, blocks_used)
+        self.result.rows_computed += plan.rows
+        if self.on_iteration is not None:
+            self.on_iteration(record, sched)
+
+    def request(self, r: Request, start: float) -> dict:
+        times = self.token_times.get(r.id, [])
+        gaps = [b - a for a, b in zip(times[:-1], times[1:])]
+        return {
+            "request": r.id, "arrival": r.arrival, "prompt_length": len(r.prompt),
+            "generated": len(r.output), "output_ids": list(r.output), "logits": self.logits.get(r.id, []),
+            "prefix_hit_tokens": r.prefix_hit, "preemptions": r.preemptions,
+            "ttft_s": times[0] - self.arrived_at[r.id] if times else None,
+            "mean_tbt_s": sum(gaps) / len(gaps) if gaps else None,
+            "max_tbt_s": max(gaps) if gaps else None,
+            "token_times_s": [t - start for t in times],  # when each token was ready, from the run's start
+        }
+
+
+class Engine:
+    """A workload known up front, served by an LLMEngine on every rank of the group (SPMD: every rank calls run with
+    the same requests): rank 0 adds each request before the step its `arrival` names (when nothing runs, the next
+    arrivals at once: the engine skips the idle stretch without a forward) and steps until every request has
+    finished; the other ranks step until rank 0 stops them. Every iteration is recorded (Recorder) and returned with
+    the requests' tokens, logits and times in a ServeResult. launch/serve.py, the benchmarks and the oracle tests
+    serve through this; LLM.generate (serve/llm.py) is the same loop over add_request with text in and out.
+
+    eos_id joins every request's stop ids; max_running None: as many as max_batched_tokens rows allow; kv_blocks
+    None: enough for every request at its largest at once (such a run never preempts). hooks: more StepHooks
+    (a P/D side, a capture in a test), run after the Recorder."""
+
+    def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, *, chunk_size: int, max_batched_tokens: int,
+                 max_running: int | None = None, eos_id: int | None = None,
+                 block_size: int = EngineConfig.block_size, kv_blocks: int | None = None,
+                 prefix_cache: bool = EngineConfig.prefix_cache, attention: str = EngineConfig.attention,
+                 reserve_capacity: bool = EngineConfig.reserve_capacity,
+                 comm_timing: bool = EngineConfig.comm_timing, on_iteration=None,
+                 hooks: StepHook | list[StepHook] | None = None, seed: int = 0):
+        self.lm, self.ctx = lm, ctx
+        self.settings = dict(chunk_size=chunk_size, max_batched_tokens=max_batched_tokens,
+                             max_running=max_running or max_batched_tokens, block_size=block_size, kv_blocks=kv_blocks,
+                             prefix_cache=prefix_cache, attention=attention, comm_timing=comm_timing,
+                             reserve_capacity=reserve_capacity, check_ledger=False)  # the Recorder compares instead
+        try:
+            EngineConfig(**self.settings)
+        except ValueError as exc:
+            raise SchedulerError(str(exc)) from None
+        self.eos_id = eos_id
+        self.on_iteration = on_iteration
+        self.hooks = [] if hooks is None else [hooks] if isinstance(hooks, StepHook) else list(hooks)
+        self.seed = seed  # sampled requests without a seed of their own: one drawn from this and the request's id
+        self.engine: LLMEngine | None = None  # built by run(): its pool's size may depend on the requests
+        self.cache = None
+
+    @torch.no_grad()
+    def run(self, requests: list[Request]) -> ServeResult:
+        c = self.settings
+        for r in requests:
+            if r.params is not None and r.sampling_seed is None:
+                r.sampling_seed = r.params.seed if r.params.seed is not None else request_seed(self.seed, r.id)
+            if self.eos_id is not None:
+                r.stop_ids = r.stop_ids | {self.eos_id}
+        # every rank checks the workload against the settings (SchedulerError on every rank, before any collective)
+        n_blocks = new_scheduler(requests, chunk_size=c["chunk_size"], max_batched_tokens=c["max_batched_tokens"],
+                                 max_running=c["max_running"], reserve_capacity=c["reserve_capacity"],
+                                 block_size=c["block_size"], kv_blocks=c["kv_blocks"],
+                                 prefix_cache=c["prefix_cache"]).blocks.num_blocks
+        config = EngineConfig(**{**c, "kv_blocks": n_blocks})
+        result = ServeResult(kv_blocks=n_blocks, block_size=config.block_size)
+        recorder = Recorder(result, self.on_iteration)
+        engine = self.engine = LLMEngine(self.lm, self.ctx, config, seed=self.seed, hooks=[recorder, *self.hooks])
+        self.cache = engine.runner.cache
+        result.kv_pool_bytes_per_rank = self.cache.bytes
+        engine._agree(self._fingerprint(requests, config), "requests or scheduler settings differ")
+        wait_for_stream(self.ctx.device)  # the pool's zeroing is not billed to the first iteration
+        start = result.started_at = time.perf_counter()
+        if self.ctx.is_main:
+            pending = sorted(requests, key=lambda q: (q.arrival, q.id))[::-1]  # the next arrival last
+            while True:
+                # add what has arrived; with nothing running, the next arrivals now (the step skips ahead to them)
+                horizon = engine.index if engine.has_unfinished_requests() or not pending else \
+                    max(engine.index, pending[-1].arrival)
+                while pending and pending[-1].arrival <= horizon:
+                    engine.add(pending.pop())
+                if not engine.has_unfinished_requests():
+                    break
+                engine.step()
+            engine.shutdown()
+        else:
+            while not engine.stopped:
+                engine.step()
+        wait_for_stream(self.ctx.device)
+        result.time_s = time.perf_counter() - start
+        sched = engine.scheduler
+        sched.blocks.check()  # every count back to 0, every block free (or a bug in the block manager)
+        result.free_blocks_at_end = sched.blocks.num_free
+        result.kv_peak_bytes_per_rank = result.peak_blocks_used * self.cache.bytes_per_block
+        result.preemptions = sched.preemptions
+        # measured, not computed: the bytes the pool tensor holds per token position
+        per_token = self.cache.measured_bytes_per_token()
+        result.kv_bytes_per_token_per_rank = int(per_token) if per_token == int(per_token) else per_token
+        for r in requests:
+            served = sched.by_id[r.id]
+            if served is not r:  # ranks other than 0 served the copies rank 0 sent: the caller's requests get the end
+                for name in ("output", "computed", "finished", "prefix_hit", "num_cached_tokens", "preemptions",
+                             "status", "arrival"):
+                    setattr(r, name, getattr(served, name))
+            result.requests.append(recorder.request(r, start))
+        result.prefix_hit_tokens = sum(r.prefix_hit for r in requests)
+        return result
+
+    def _fingerprint(self, requests: list[Request], config: EngineConfig) -> list[float]:
+        """Four numbers from the scheduler settings and the requests: ranks given different ones disagree here."""
+        knobs = [config.chunk_size, config.max_batched_tokens, config.max_running,
+                 -1 if self.eos_id is None else self.eos_id, config.block_size, config.kv_blocks,
+                 int(config.prefix_cache), ATTENTION_MODES.index(config.attention), int(config.reserve_capacity)]
+        per_request = [(r.id, len(r.prompt), sum(r.prompt), r.max_new_tokens, r.arrival, r.computed) for r in requests]
+        return [float(len(requests)), float(sum((i + 1) * k for i, k in enumerate(knobs))),
+                float(sum((i + 1) * sum(x) for i, x in enumerate(per_request))),
+                float(sum((i + 1) * (j + 1) * v for i, x in enumerate(per_request) for j, v in enumerate(x)))]

@@ -56,7 +56,7 @@ def worst_case_blocks(requests: list[Request], block_size: int) -> int:
 class Scheduler:
     def __init__(self, requests: list[Request], chunk_size: int, max_batched_tokens: int,
                  max_running: int | None = None, eos_id: int | None = None, blocks: BlockManager | None = None,
-                 reserve_capacity: bool = False):
+                 reserve_capacity: bool = EngineConfig.reserve_capacity):
         if chunk_size < 1:
             raise SchedulerError(f"chunk_size={chunk_size} must be at least 1")
         if max_batched_tokens < 1:

@@ -9,7 +9,7 @@ import torch
 from layers.lm import greedy_reference, shard_lm
 from serve.disagg import Layout, new_groups, prefill_schedule, serve_pd
 from serve.inputs import slots_of
-from serve.engine import Engine, EngineHooks, PlanMismatch
+from serve.engine import Engine, PlanMismatch, StepHook
 from serve.scheduler import Request
 from tests.harness import run_ranks
 from tests.test_serve import CFG, dense_lm, make_requests
@@ -33,14 +33,15 @@ def oracle():
     return out
 
 
-class Capture(EngineHooks):
+class Capture(StepHook):
     """Each request's K,V for positions [0, N) at the iteration its prompt completes (colocated engine)."""
 
     def __init__(self):
         self.kv = {}
 
-    def after_update(self, plan, finished, sched, cache):
-        for c in plan.chunks:
+    def after_step(self, engine, step):
+        cache = engine.runner.cache
+        for c in step.plan.chunks:
             if c.sample and not c.decode:  # read through the block table the plan carries (blocks of a finished
                 slots = torch.tensor(slots_of(c, 0, c.q_end, cache.block_size))  # request keep their contents)
                 self.kv[c.request] = cache.read(slots, slice(None))
