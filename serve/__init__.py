@@ -4,8 +4,8 @@
     LLM("article03", tensor_parallel_size=2).generate([[464, 3290]], SamplingParams(max_tokens=8))
 
     llm.py             LLM: starts the ranks, text in and out, generate(); vLLM's online calls (add_request, step, ...)
-    engine.py          LLMEngine (every rank): control message -> schedule -> agree -> run -> update; Engine: the
-                       launcher's batch loop over a known workload (launch/serve.py, P/D)
+    engine.py          LLMEngine (every rank): control message -> schedule -> agree -> run -> update; Engine: a
+                       known workload added at its arrivals and stepped through (launch/serve.py, P/D, tests)
     scheduler.py       who runs this iteration (plain Python, no torch): finish, carry, chunk, admit, preempt
     block_manager.py   KV memory as pages (plain Python, no torch): block tables, prefix caching, reference counts
     model_runner.py    a plan -> the step's tensors -> one forward through the TP model -> sampled ids

@@ -18,8 +18,11 @@ Each group runs the TP stack sharded over itself (its own TPLM) and the engine o
                    decode rank from the lowest prefill rank overlapping it. Either sent after the prefill (one
                    message per pair) or streamed: layer ℓ leaves as soon as the prompt's last chunk has passed
                    layer ℓ, while the later layers still compute.
-    decode side    each handed-over request arrives with its prompt in the cache and token 1 in its output,
-                   and joins the continuous batch as a decode row.
+    decode side    each handed-over request is added to the decode group's engine with its prompt already
+                   computed and token 1 in its output (LLMEngine.add_computed: blocks for its prompt, its K,V
+                   written at their slots), and joins the continuous batch as a decode row.
+
+Each side is an LLMEngine driven by serve.engine.Engine, and PrefillSide / DecodeSide are its StepHooks.
 
 No control messages cross the groups. Which requests complete their prefill in which prefill iteration depends
 only on the requests and the scheduler settings, so every rank computes it (`prefill_schedule`): the decode ranks
@@ -52,7 +55,7 @@ from serve.inputs import slots_of
 from serve.kv_cache import KVPool
 from serve.plan import IterationPlan
 from serve.request import RequestStatus
-from serve.scheduler import Request, Scheduler
+from serve.scheduler import Request, Scheduler, worst_case_blocks
 from tp.dist import DEFAULT_TIMEOUT_S, ConfigError, TPContext, context, control_device, host_control, same_on_every_rank
 from tp.ledger import TrafficLedger, TransferRecord
 from tp.partition import ceil_div
@@ -90,7 +93,7 @@ def prefill_schedule(requests: list[Request], chunk_size: int, max_batched_token
                      kv_blocks: int | None = None) -> list[tuple[int, list[int]]]:
     """[(prefill iteration, ids of the requests whose prompt completes in it, in plan order)]: what the prefill side's
     engine will do, computed on every rank from the requests and settings alone, by the engine's own code (its
-    scheduler, serve.engine.new_scheduler, and its loop, serve.engine.schedule_loop), so the two cannot differ."""
+    scheduler, serve.engine.new_scheduler, and its planning, serve.engine.next_plan), so the two cannot differ."""
     mine = [Request(r.id, list(r.prompt), 1, r.arrival) for r in requests]
     sched = new_scheduler(mine, chunk_size=chunk_size, max_batched_tokens=max_batched_tokens,
                           max_running=max_running, block_size=block_size, prefix_cache=prefix_cache,
@@ -117,9 +120,6 @@ def check_pools(requests: list[Request], kv_blocks: int | None, block_size: int,
                 raise ConfigError(f"kv_blocks={kv_blocks} cannot hold request {r.id} on the {side} side: {positions} "
                                   f"positions need {ceil_div(positions, bs)} blocks of block_size={bs}; raise "
                                   f"kv_blocks to at least {ceil_div(positions, bs)}")
-
-
-HANDOVER = 2**40  # a decode-side request's arrival until the hand-over sets it (Scheduler.arrive)
 
 
 def _tag(request: int, layer: int | None, n_layers: int) -> int:
@@ -324,10 +324,13 @@ class DecodeSide(StepHook):
     for the next group. Nothing depends on timing but *when* a request joins, and all decode ranks agree on that."""
 
     def __init__(self, cfg, layout: Layout, rank: int, streaming: bool, ledger: TrafficLedger, group,
-                 groups: list[list[int]], eos_id: int | None, keep_kv: bool = False, window: int = 4,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 groups: list[list[int]], requests: dict[int, Request], eos_id: int | None, keep_kv: bool = False,
+                 window: int = 4, timeout_s: float = DEFAULT_TIMEOUT_S):
+        """requests: the handed-over requests by id, each with its prompt marked computed; groups: their ids in the
+        prefill side's order, one list per prefill iteration."""
         self.cfg, self.layout, self.rank, self.streaming, self.ledger, self.group, self.eos_id = \
             cfg, layout, rank, streaming, ledger, group, eos_id
+        self.requests = requests
         self.kept: dict[int, torch.Tensor] | None = {} if keep_kv else None  # what was placed, for tests
         s = rank - layout.prefill_ranks
         pairs = head_overlaps(cfg.n_kv_heads, layout.prefill_ranks, layout.decode_ranks)
@@ -343,12 +346,15 @@ class DecodeSide(StepHook):
         self.received_at: dict[int, float] = {}
         self.agreements = 0  # all-reduces over the decode group (one per iteration boundary)
 
+    def has_pending(self) -> bool:
+        return bool(self.upcoming or self.posted or self.ready)
+
     def before_schedule(self, engine) -> None:
-        index, sched, cache = engine.index, engine.scheduler, engine.runner.cache
+        sched, cache = engine.scheduler, engine.runner.cache
         while True:
-            self._post_ahead(sched, cache)
+            self._post_ahead(cache)
             if self.posted:
-                idle = not sched.running and not sched.waiting and not self.ready
+                idle = not sched.has_work() and not self.ready
                 landed = 0
                 for group in self.posted:
                     if not group.landed.is_set():
@@ -364,8 +370,8 @@ class DecodeSide(StepHook):
                 self.agreements += 1
                 for _ in range(count):
                     self._land(self.posted.popleft())
-            self._place(cache, sched, index)
-            if sched.running or sched.waiting or not (self.posted or self.ready):
+            self._place(engine)
+            if sched.has_work() or not (self.posted or self.ready):
                 return
             if self.ready:  # nothing runs, so every block is free, and each request fits the pool alone
                 raise AssertionError(f"request {self.ready[0][0].id} does not fit an empty pool")
@@ -383,11 +389,11 @@ class DecodeSide(StepHook):
         if self.waiter is not None:
             self.waiter.close(join)
 
-    def _post_ahead(self, sched: Scheduler, cache: KVPool) -> None:
+    def _post_ahead(self, cache: KVPool) -> None:
         """Post the receives of the next groups, in the order the prefill side sends them (per pair)."""
         L, dh = self.cfg.n_layers, self.cfg.d_head
         while self.upcoming and len(self.posted) + len(self.ready) < self.window:  # receive buffers stay bounded
-            requests = [sched.by_id[rid] for rid in self.upcoming.popleft()]
+            requests = [self.requests[rid] for rid in self.upcoming.popleft()]
             posts = []
 
             def post(buf, src, tag, fields):
@@ -425,25 +431,26 @@ class DecodeSide(StepHook):
             self.ready.append((r, [(buf, fields) for _, buf, fields, _ in group.posts
                                    if fields[2] == r.id and fields[1] == "pd/kv"]))
 
-    def _place(self, cache: KVPool, sched: Scheduler, index: int) -> None:
-        """Landed requests into the pool, in order, while blocks are free for their prompt and their first decode row
-        (a request that does not fit waits in its receive buffers, and the ones behind it wait too). The decode
-        ranks hold the same queue and the same blocks, so they place the same requests."""
-        while self.ready and sched.blocks.blocks_for(self.ready[0][0].computed + 1) <= sched.blocks.num_free:
+    def _place(self, engine) -> None:
+        """Landed requests into the engine, in order, while blocks are free for their prompt and their first decode
+        row (a request that does not fit waits in its receive buffers, and the ones behind it wait too): each is
+        added with its prompt computed (LLMEngine.add_computed: its blocks now), and its K,V written at their slots.
+        The decode ranks hold the same queue and the same blocks, so they add the same requests at the same step."""
+        blocks, cache = engine.scheduler.blocks, engine.runner.cache
+        while self.ready and blocks.blocks_for(self.ready[0][0].computed + 1) <= blocks.num_free:
             r, posts = self.ready.popleft()
-            sched.hold_computed(r)  # blocks for the prompt's N positions, from the decode side's own pool
-            slots = torch.tensor(sched.blocks.slots(r.id, 0, r.computed), device=cache.device)
-            for buf, (_, _, _, layer, _, _, (lo, hi)) in posts:
-                cache.write(slots, slice(lo - self.first_head, hi - self.first_head), buf, layer)
-            if self.kept is not None:
-                self.kept[r.id] = cache.read(slots, slice(None))
             self.received_at[r.id] = time.perf_counter()
             if r.output[0] == self.eos_id or r.max_new_tokens <= 1:  # token 1 ended it: nothing to decode
                 r.finished = True
                 r.status = (RequestStatus.FINISHED_STOPPED if r.output[0] == self.eos_id
                             else RequestStatus.FINISHED_LENGTH)
-                sched.blocks.release(r.id)
-            sched.arrive(r.id, index)
+                continue
+            engine.add_computed(r)  # blocks for the prompt's N positions, from the decode side's own pool
+            slots = torch.tensor(blocks.slots(r.id, 0, r.computed), device=cache.device)
+            for buf, (_, _, _, layer, _, _, (lo, hi)) in posts:
+                cache.write(slots, slice(lo - self.first_head, hi - self.first_head), buf, layer)
+            if self.kept is not None:
+                self.kept[r.id] = cache.read(slots, slice(None))
 
     def _post_token(self, r: Request, post, device) -> None:
         buf = torch.empty(1, dtype=torch.int64, device=device)
@@ -521,15 +528,17 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
         side = PrefillSide(lm, layout, world.rank, streaming, ledger, {rid for rids in handed for rid in rids},
                            timeout_s)
         mine = [Request(r.id, list(r.prompt), 1, r.arrival) for r in requests]
-        engine_eos = None
+        engine_eos, pool = None, kv_blocks
     else:  # the handed-over requests, arriving with their prompts cached
-        side = DecodeSide(cfg, layout, world.rank, streaming, ledger, ctx.group, handed, eos_id, keep_kv,
+        coming = {rid: Request(rid, list(by_id[rid].prompt), by_id[rid].max_new_tokens, computed=len(by_id[rid].prompt),
+                               stop_ids=frozenset(() if eos_id is None else (eos_id,)))
+                  for rids in handed for rid in rids}
+        side = DecodeSide(cfg, layout, world.rank, streaming, ledger, ctx.group, handed, coming, eos_id, keep_kv,
                           timeout_s=timeout_s)
-        mine = [Request(rid, list(by_id[rid].prompt), by_id[rid].max_new_tokens, HANDOVER,
-                        computed=len(by_id[rid].prompt)) for rids in handed for rid in rids]
-        engine_eos = eos_id
+        mine = []  # the decode side adds each request as its K,V land (DecodeSide._place)
+        engine_eos, pool = eos_id, kv_blocks or worst_case_blocks(list(coming.values()), decode_block_size)
     engine = Engine(lm, ctx, chunk_size=chunk_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
-                    eos_id=engine_eos, block_size=block_size if is_prefill else decode_block_size, kv_blocks=kv_blocks,
+                    eos_id=engine_eos, block_size=block_size if is_prefill else decode_block_size, kv_blocks=pool,
                     prefix_cache=prefix_cache, attention=attention, hooks=side)
     try:
         res = engine.run(mine)

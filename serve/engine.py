@@ -178,6 +178,11 @@ class StepHook:
         """After the tokens are applied. Finished requests' blocks are free already, their contents intact until the
         next forward (step.plan.chunks still carries their block tables)."""
 
+    def has_pending(self) -> bool:
+        """Requests this hook will still add to the engine (a decode side's hand-overs still to come): a driver
+        keeps stepping while any hook has some. The same on every rank at a step's boundary."""
+        return False
+
 
 def step_traffic(engine: "LLMEngine", step: StepRecord) -> tuple[list, list]:
     """The collectives the step's ledger saw, and the model's: the control message, and when a forward ran the plan
@@ -323,6 +328,14 @@ class LLMEngine:
             raise ValueError(f"request {r.id} was added twice")
         self._next = max(self._next, r.id + 1)
         self._new.append(r)
+
+    def add_computed(self, r: Request) -> None:
+        """Every rank, at the same point of the same step (inside a hook's before_schedule, no control message: the
+        ranks have agreed on it): a request whose first r.computed positions' K,V this rank holds already, from
+        another group (serve/disagg.py's decode side). It gets its blocks now (the caller writes its K,V at their
+        slots: `self.scheduler.blocks.slots(r.id, 0, r.computed)`) and is admitted as a decode from this step on."""
+        self.scheduler.add_computed(r, self.index)
+        self._next = max(self._next, r.id + 1)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort at the next step: its blocks go back to the pool before anything is scheduled (rank 0). False if
@@ -644,7 +657,7 @@ class Engine:
                     max(engine.index, pending[-1].arrival)
                 while pending and pending[-1].arrival <= horizon:
                     engine.add(pending.pop())
-                if not engine.has_unfinished_requests():
+                if not engine.has_unfinished_requests() and not any(h.has_pending() for h in self.hooks):
                     break
                 engine.step()
             engine.shutdown()
@@ -667,8 +680,10 @@ class Engine:
                 for name in ("output", "computed", "finished", "prefix_hit", "num_cached_tokens", "preemptions",
                              "status", "arrival"):
                     setattr(r, name, getattr(served, name))
-            result.requests.append(recorder.request(r, start))
-        result.prefix_hit_tokens = sum(r.prefix_hit for r in requests)
+        given = {r.id for r in requests}
+        served = requests + sorted((r for r in sched.by_id.values() if r.id not in given), key=lambda r: r.id)
+        result.requests = [recorder.request(r, start) for r in served]  # and those hooks added (a decode side's)
+        result.prefix_hit_tokens = sum(r.prefix_hit for r in served)
         return result
 
     def _fingerprint(self, requests: list[Request], config: EngineConfig) -> list[float]:

@@ -148,14 +148,15 @@ class Scheduler:
     def next_arrival(self) -> int | None:
         return self.pending[0].arrival if self.pending else None
 
-    def arrive(self, request_id: int, index: int) -> None:
-        """A pending request arrives now, at iteration `index`, whatever its planned arrival was (a decode side
-        takes a request in when its hand-over completes); a finished one just leaves the pending queue."""
-        r = self.by_id[request_id]
-        self.pending.remove(r)
+    def add_computed(self, r: Request, index: int) -> None:
+        """A request arriving at iteration `index` with the K,V of its first r.computed positions already computed
+        (a P/D decode side takes a handed-over request in): blocks for those positions now, their K,V written by
+        the caller; then it waits for admission like any request, holding its blocks (a running request that
+        needs one takes them back first: it recomputes when admitted, as any preempted request does)."""
+        self.check_fits(r)
         r.arrival = index
-        if not r.finished:
-            self.waiting.append(r)
+        self.hold_computed(r)
+        self.add(r)
 
     def hold_computed(self, r: Request) -> None:
         """Blocks for the `computed` positions a request brings with it (resumed mid-stream, or handed over)."""

@@ -26,6 +26,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 from serve.block_manager import BlockManager
+from serve.request import RequestStatus
 from serve.scheduler import Request, Scheduler
 from tp.partition import ceil_div
 
@@ -142,28 +143,29 @@ class PagedMachine(RuleBasedStateMachine):
         rest = tail.draw(st.lists(st.integers(0, VOCAB - 1), min_size=0 if pieces else 1, max_size=self.bs + 1))
         prompt = [t for i in pieces for t in self.pieces[i]] + rest
         rid = len(self.requests)
-        r = Request(rid, prompt, max_new, arrival=2**40, output=[next_token(prompt)], computed=len(prompt))
+        r = Request(rid, prompt, max_new, output=[next_token(prompt)], computed=len(prompt))
         self.requests[rid], self.reference_hits[rid] = r, 0
         self.prompts.append(prompt)
-        self.sched.add(r)
-        self.ready.append(r)
+        self.ready.append(r)  # the scheduler meets it when it is placed
 
     def _place(self):
         while self.ready and self.blocks.blocks_for(self.ready[0].computed + 1) <= self.blocks.num_free:
             r = self.ready.pop(0)
-            self.sched.hold_computed(r)
+            if r.output[0] == self.eos:  # its first token ended it: nothing to decode, never added
+                r.finished, r.status = True, RequestStatus.FINISHED_STOPPED
+                continue
+            self.sched.add_computed(r, self.index)
             for t in range(r.computed):  # the K,V that came with it
                 self.blocks.content[self.blocks.tables[r.id][t // self.bs]][t % self.bs] = tuple(r.tokens[:t + 1])
-            if r.output[0] == self.eos:  # its first token ended it: nothing to decode
-                r.finished = True
-                self.blocks.release(r.id)
-            self.sched.arrive(r.id, self.index)
 
     @precondition(lambda self: any(not r.finished for r in self.requests.values()))
     @rule(which=st.data())
     def abort(self, which):
         rid = which.draw(st.sampled_from(sorted(i for i, r in self.requests.items() if not r.finished)))
-        self.ready = [r for r in self.ready if r.id != rid]
+        if any(r.id == rid for r in self.ready):  # handed over, not placed yet: the scheduler never saw it
+            self.ready = [r for r in self.ready if r.id != rid]
+            self.requests[rid].abort()
+            return
         free_before, held = self.blocks.num_free, self.blocks.tables.get(rid, [])
         freed = sum(self.blocks.blocks[b].ref_count == 1 for b in held)
         assert self.sched.abort(rid)
