@@ -28,6 +28,7 @@ if __package__ in (None, ""):  # run as a script by torchrun: make the repositor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import hydra
+from hydra.core.config_store import ConfigStore
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
@@ -43,13 +44,11 @@ from layers.lm import (NEAR_TIE, DenseLlamaLM, DenseLM, dense_lm, greedy_referen
                        sampled_reference, shard_lm)
 from layers.moe import validate_moe
 from serve.disagg import Layout, check_pools, new_groups, serve_pd
-from serve.engine import Engine, ServeResult
-from serve.block_manager import BlockManager
-from serve.inputs import ATTENTION_MODES
+from serve.engine import Engine, ServeResult, new_scheduler
 from serve.kv_cache import kv_bytes_per_token
 from serve.config import EngineConfig
 from serve.sampling_params import SamplingParams
-from serve.scheduler import Request, Scheduler, SchedulerError, worst_case_blocks
+from serve.scheduler import Request, SchedulerError
 from tp.cost_model import kv_bytes_per_token_per_rank
 from tp.partition import kv_heads_per_rank
 from tp.traffic_model import pair_count
@@ -143,15 +142,15 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     if variant not in SERVING_VARIANTS:
         raise ConfigError(f"unknown variant {variant!r} for serving; choose v2 or v1 (intra_head and v2sp cut one "
                           f"forward, not a serving iteration: see run_block)")
-    paging = parse_paging(cfg)
+    engine = parse_engine(cfg)
+    paging = parse_paging(cfg, engine)
     notes: list[str] = []
     requests = parse_requests(cfg, model, common["seed"], paging["shared_prefix"], notes)
-    chunk_size, budget = integer(cfg, "chunk_size"), integer(cfg, "max_batched_tokens")
-    max_running = None if cfg.max_running is None else integer(cfg, "max_running")
-    try:  # the scheduler's own checks: chunk_size >= 1, a budget that fits a full decode batch, every request fits
-        bs = paging["block_size"]
-        Scheduler(requests, chunk_size, budget, max_running, blocks=BlockManager(
-            paging["kv_blocks"] or worst_case_blocks(requests, bs), bs, paging["prefix_cache"]))
+    chunk_size, budget = engine.chunk_size, engine.max_batched_tokens
+    max_running = None if cfg.max_running is None else engine.max_running
+    try:  # every request fits the pool alone
+        new_scheduler(requests, chunk_size=chunk_size, max_batched_tokens=budget, max_running=max_running,
+                      block_size=engine.block_size, kv_blocks=engine.kv_blocks, prefix_cache=engine.prefix_cache)
     except SchedulerError as exc:
         raise ConfigError(str(exc)) from None
     if layout is not None:  # each side's pool holds every request alone
@@ -235,22 +234,29 @@ def check_and_memory(check: str, common: dict, requests: list[Request], tp_sizes
     return check == "true"
 
 
-def parse_paging(cfg: DictConfig) -> dict:
-    """block_size, kv_blocks, prefix_cache, attention, shared_prefix (SPEC §10)."""
-    block_size = integer(cfg, "block_size")
-    if block_size < 1:
-        raise ConfigError(f"block_size={block_size} must be at least 1 (token positions per KV block)")
-    kv_blocks = None if cfg.kv_blocks is None else integer(cfg, "kv_blocks")
-    if kv_blocks is not None and kv_blocks < 1:
-        raise ConfigError(f"kv_blocks={kv_blocks} must be at least 1, or null (enough for the workload)")
-    attention = str(cfg.attention)
-    if attention not in ATTENTION_MODES:
-        raise ConfigError(f"attention={attention!r}: choose {' or '.join(ATTENTION_MODES)}")
+def parse_engine(cfg: DictConfig) -> EngineConfig:
+    """The engine's settings, checked once by EngineConfig itself (its one-line ValueError becomes a ConfigError).
+    max_running null: as many as max_batched_tokens rows allow; kv_blocks null: decided per workload by Engine
+    (every request at its largest at once)."""
+    budget = integer(cfg, "max_batched_tokens")
+    try:
+        return EngineConfig(chunk_size=integer(cfg, "chunk_size"), max_batched_tokens=budget,
+                            max_running=budget if cfg.max_running is None else integer(cfg, "max_running"),
+                            block_size=integer(cfg, "block_size"),
+                            kv_blocks=None if cfg.kv_blocks is None else integer(cfg, "kv_blocks"),
+                            prefix_cache=boolean(cfg, "prefix_cache"), attention=str(cfg.attention),
+                            comm_timing=boolean(cfg, "comm_timing"))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def parse_paging(cfg: DictConfig, engine: EngineConfig) -> dict:
+    """block_size, kv_blocks, prefix_cache, attention, comm_timing (from the checked EngineConfig), shared_prefix."""
     shared_prefix = integer(cfg, "shared_prefix")
     if shared_prefix < 0:
         raise ConfigError(f"shared_prefix={shared_prefix} must be 0 or more (random tokens before every prompt)")
-    return dict(block_size=block_size, kv_blocks=kv_blocks, prefix_cache=boolean(cfg, "prefix_cache"),
-                attention=attention, shared_prefix=shared_prefix, comm_timing=boolean(cfg, "comm_timing"))
+    return dict(block_size=engine.block_size, kv_blocks=engine.kv_blocks, prefix_cache=engine.prefix_cache,
+                attention=engine.attention, shared_prefix=shared_prefix, comm_timing=engine.comm_timing)
 
 
 def parse_requests(cfg: DictConfig, model: ModelConfig, seed: int, shared_prefix: int = 0,
@@ -589,6 +595,13 @@ def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | Non
                                                            for v in ("match", "near-tie", "MISMATCH")},
                   "max_logit_rel_err": None if checks is None else max(c["max_logit_rel_err"] for c in checks)},
     }
+
+
+# The engine settings whose launcher default is the library's: conf/serve.yaml takes them from here, so each default
+# is written once (serve/config.py). block_size: token positions per KV block; prefix_cache: share full blocks of
+# identical prompt prefixes; attention: batched | reference (the per-request loop); comm_timing: per-collective times.
+ENGINE_DEFAULTS = ("block_size", "prefix_cache", "attention", "comm_timing")
+ConfigStore.instance().store(name="engine_defaults", node={k: getattr(EngineConfig, k) for k in ENGINE_DEFAULTS})
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="serve")

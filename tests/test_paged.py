@@ -282,8 +282,8 @@ def serve_settings(*overrides):
 
 
 PAGING_BAD = [
-    (["block_size=0"], "block_size=0 must be at least 1"),
-    (["kv_blocks=0"], "kv_blocks=0 must be at least 1"),
+    (["block_size=0"], "block_size=0 must be an integer of at least 1"),
+    (["kv_blocks=0"], "kv_blocks=0 must be an integer of at least 1"),
     (["prompts=[[1,2,3,4,5,6,7,8,9]]", "max_new_tokens=8", "block_size=4", "kv_blocks=3"],
      "kv_blocks=3 cannot hold request 0 even alone: prompt 9 + max_new_tokens 8 - 1 = 16 positions need 4 blocks of "
      "block_size=4; raise kv_blocks to at least 4"),

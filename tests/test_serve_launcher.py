@@ -51,7 +51,7 @@ BAD = [
     (["prompts=[[1,2,3],[]]"], "prompts[1]=[]: every prompt needs at least one token id"),
     (["prompts=[[1,50257]]"], "prompts[0] holds 50257, not a token id of the vocabulary [0, 50257)"),
     (["prompts=[[1,2,3,4,5]]", "model.max_seq_len=4"], "prompt 0 has 5 tokens, more than model.max_seq_len=4"),
-    (["chunk_size=0"], "chunk_size=0 must be at least 1"),
+    (["chunk_size=0"], "chunk_size=0 must be an integer of at least 1"),
     (["max_batched_tokens=4", "max_running=8"], "max_batched_tokens=4 is smaller than a full decode batch"),
     (["model=gpt9"], "unknown model preset 'gpt9'; choose one of article03, gpt2_small"),
     (["hf_checkpoint=CORRUPT"], "cannot read the weights"),
