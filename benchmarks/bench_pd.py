@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=4 benchmarks/bench_pd.py [--prefill-ranks 2] [--repeats 3]
 
-The article03 GPT-2 LM (L=8), float32, v2: prefill on ranks [0, p_P), decode on the rest (serve/disagg.py).
+The article03 GPT-2 LM (L=8), float32, v2: prefill on ranks [0, p_P), decode on the rest (serve/pd/).
 Requests with long prompts (whole-prompt prefill) arrive one after another with few new tokens each, so the
 decode group is mostly waiting for the next hand-over. Per request: prefill (arrival -> token 1, on the
 prefill group), transfer (prefill done -> K,V and token 1 placed on the decode group, including any wait for
@@ -27,7 +27,7 @@ import torch
 from layers.config import ARTICLE03
 from layers.dense import init_weights
 from layers.lm import DenseLM
-from serve.disagg import Layout, new_groups, serve_pd
+from serve.pd import Layout, new_groups, serve_pd
 from serve.scheduler import Request
 from tp.dist import init_from_env, shutdown
 

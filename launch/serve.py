@@ -43,7 +43,7 @@ from layers.hf import CheckpointSource, load_lm
 from layers.lm import (NEAR_TIE, DenseLlamaLM, DenseLM, dense_lm, greedy_reference, oracle_verdict,
                        sampled_reference, shard_lm)
 from layers.moe import validate_moe
-from serve.disagg import Layout, check_pools, new_groups, serve_pd
+from serve.pd import Layout, check_pools, new_groups, serve_pd
 from serve.engine import Engine, ServeResult, new_scheduler
 from serve.kv_cache import kv_bytes_per_token
 from serve.config import EngineConfig

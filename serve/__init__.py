@@ -16,7 +16,7 @@
     kv_cache.py        each rank's pool of blocks: K,V of its own heads only, one tensor allocated once
     detokenizer.py     ids -> text as they arrive (no split characters), stop strings
     worker.py          the rank processes behind LLM
-    disagg.py          prefill/decode disaggregation: two engines, K,V handed over between two groups of ranks
+    pd/                prefill/decode disaggregation: two engines, K,V handed over between two groups of ranks
 """
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]

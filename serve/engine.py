@@ -83,7 +83,7 @@ def new_scheduler(requests: list[Request], *, chunk_size: int, max_batched_token
                   block_size: int = EngineConfig.block_size, kv_blocks: int | None = None,
                   prefix_cache: bool = EngineConfig.prefix_cache) -> Scheduler:
     """A scheduler holding `requests` from the start, with a block pool of kv_blocks (or, null, enough for every
-    request at its largest at once: such a run never preempts). Host only: serve/disagg.py replays the prefill side's
+    request at its largest at once: such a run never preempts). Host only: serve/pd/ replays the prefill side's
     schedule with it, and Engine checks a workload with it before anything runs."""
     n_blocks = kv_blocks or worst_case_blocks(requests, block_size)
     return Scheduler(requests, chunk_size, max_batched_tokens, max_running, eos_id,
@@ -94,7 +94,7 @@ def next_plan(sched: Scheduler, index: int, before_schedule=None) -> tuple[Itera
     """The plan of the next iteration that runs, from iteration `index` on, and its index. Iterations with nothing to
     run are skipped when a request arrives later (no forward for the idle stretch); waiting requests that can never
     get KV blocks raise instead of spinning; (None, index) when nothing is left. before_schedule(index): called before
-    each iteration is planned. LLMEngine.step and the prefill schedule every P/D rank computes (serve/disagg.py) both
+    each iteration is planned. LLMEngine.step and the prefill schedule every P/D rank computes (serve/pd/) both
     plan with this, so they cannot drift apart."""
     while True:
         if before_schedule is not None:
@@ -164,7 +164,7 @@ class StepRecord:
 
 class StepHook:
     """A check, a record or a hand-over run inside every LLMEngine step, on every rank; each does nothing here.
-    serve/disagg.py's prefill and decode sides are hooks too: they hand requests and their K,V from one group of
+    serve/pd/'s prefill and decode sides are hooks too: they hand requests and their K,V from one group of
     ranks to another."""
 
     def before_schedule(self, engine: "LLMEngine") -> None:
@@ -332,7 +332,7 @@ class LLMEngine:
     def add_computed(self, r: Request) -> None:
         """Every rank, at the same point of the same step (inside a hook's before_schedule, no control message: the
         ranks have agreed on it): a request whose first r.computed positions' K,V this rank holds already, from
-        another group (serve/disagg.py's decode side). It gets its blocks now (the caller writes its K,V at their
+        another group (serve/pd/'s decode side). It gets its blocks now (the caller writes its K,V at their
         slots: `self.scheduler.blocks.slots(r.id, 0, r.computed)`) and is admitted as a decode from this step on."""
         self.scheduler.add_computed(r, self.index)
         self._next = max(self._next, r.id + 1)

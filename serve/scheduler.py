@@ -13,7 +13,7 @@ Between two iterations, and identically on every rank:
              running limit (max_running, at most max_batched_tokens) and free blocks allow; each brings its
              first chunk in the same iteration, starting after the longest run of cached full blocks its prompt
              shares with earlier requests (prefix caching), or its first decode row if it arrives with its
-             prompt already in the cache (a decode side taking over prefilled requests, serve/disagg.py)
+             prompt already in the cache (a decode side taking over prefilled requests, serve/pd/)
     preempt  a running request that needs a block when none is free takes one from a waiting request that holds
              blocks (a decode side's handed-over request not yet admitted), else from the most recently admitted
              running request (itself, if it is that one): the victim gives every block back and waits again,

@@ -192,13 +192,20 @@ def checkpoints(tmp_path_factory):
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("llm")
     out = {}
-    for name in ("gpt2", "llama"):
+    for name in ("gpt2", "llama", "mixtral"):
         path = root / name
         tok = train_tokenizer(path)
         if name == "gpt2":
             cfg = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=2, n_positions=64, vocab_size=len(tok),
                                           eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
             model = transformers.GPT2LMHeadModel(cfg)
+        elif name == "mixtral":
+            cfg = transformers.MixtralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                             intermediate_size=48, num_hidden_layers=2, max_position_embeddings=64,
+                                             num_local_experts=4, num_experts_per_tok=2, vocab_size=len(tok),
+                                             eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                                             tie_word_embeddings=False)
+            model = transformers.MixtralForCausalLM(cfg)
         else:
             cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                            intermediate_size=96, num_hidden_layers=2, max_position_embeddings=64,
@@ -218,7 +225,8 @@ PROMPTS = ["the quick brown", "café ü", "中文", "tensor parallel serving is"
 
 def hf_generate(path, prompts, max_new):
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float64).eval()
+    extra = {"experts_implementation": "eager"} if "mixtral" in str(path) else {}  # grouped_mm has no float64
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float64, **extra).eval()
     out = []
     for text in prompts:
         ids = tok(text, return_tensors="pt")["input_ids"]
@@ -227,14 +235,17 @@ def hf_generate(path, prompts, max_new):
     return out, tok
 
 
-@pytest.mark.parametrize("name,p", [("gpt2", 1), ("gpt2", 2), ("gpt2", 4), ("llama", 2), ("llama", 4)],
-                         ids=["gpt2-p1", "gpt2-p2", "gpt2-p4", "llama-gqa-p2", "llama-gqa-replicated-kv-p4"])
-def test_generate_equals_transformers(checkpoints, name, p):
+@pytest.mark.parametrize("name,p,moe", [("gpt2", 1, "tp"), ("gpt2", 2, "tp"), ("gpt2", 4, "tp"), ("llama", 2, "tp"),
+                                        ("llama", 4, "tp"), ("mixtral", 2, "tp"), ("mixtral", 2, "ep")],
+                         ids=["gpt2-p1", "gpt2-p2", "gpt2-p4", "llama-gqa-p2", "llama-gqa-replicated-kv-p4",
+                              "mixtral-tp-p2", "mixtral-ep-p2"])
+def test_generate_equals_transformers(checkpoints, name, p, moe):
     from serve import LLM
 
     want, tok = hf_generate(checkpoints[name], PROMPTS, 12)
     online = (name, p) == ("gpt2", 2)
-    with LLM(str(checkpoints[name]), tensor_parallel_size=p, dtype="float64", check=online) as llm:
+    with LLM(str(checkpoints[name]), tensor_parallel_size=p, dtype="float64", check=online,
+             moe_parallel=moe) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12))
         stats = llm.stats()
         if online:  # the online calls and bad input, on the same ranks, every request against the oracle
@@ -414,6 +425,19 @@ def test_every_engine_default_is_written_once():
     timeouts = [p.name for p, text in sources.items() if re.search(r"timeout_s\w*(: float)?\s*=\s*120", text)]
     assert timeouts == [], timeouts
     assert "DEFAULT_TIMEOUT_S = 120.0" in sources[root / "tp" / "dist.py"]
+
+
+def test_the_spine_reads_in_one_screen():
+    """LLMEngine.step is the decode path in order (control, schedule, agree, run, update, hooks), short enough to
+    read at once; the offline driver (Engine.run) is a loop over it, not a second copy of the loop."""
+    import inspect
+
+    from serve.engine import Engine, LLMEngine
+
+    step = inspect.getsource(LLMEngine.step).splitlines()
+    assert len(step) <= 40, len(step)
+    run = inspect.getsource(Engine.run)
+    assert "engine.step()" in run and "runner.run" not in run and ".schedule(" not in run
 
 
 def test_a_stop_string_ends_the_request_in_the_driver_and_aborts_it_in_the_engine(tmp_path):

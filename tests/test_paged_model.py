@@ -139,7 +139,7 @@ class PagedMachine(RuleBasedStateMachine):
           max_new=st.integers(2, MAX_NEW))
     def hand_over(self, pieces, tail, max_new):
         """A request prefilled elsewhere (P/D): it arrives with its prompt's K,V and its first token, and is placed
-        into the pool when blocks are free for its prompt and its first decode row, as serve/disagg.py does."""
+        into the pool when blocks are free for its prompt and its first decode row, as serve/pd/ does."""
         rest = tail.draw(st.lists(st.integers(0, VOCAB - 1), min_size=0 if pieces else 1, max_size=self.bs + 1))
         prompt = [t for i in pieces for t in self.pieces[i]] + rest
         rid = len(self.requests)

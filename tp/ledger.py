@@ -106,7 +106,7 @@ class CommRecord(Traffic):
 
 @dataclass(frozen=True)
 class Transfer:
-    """One point-to-point message (prefill/decode hand-over, serve/disagg.py) as the model predicts it.
+    """One point-to-point message (prefill/decode hand-over, serve/pd/) as the model predicts it.
 
     rank and peer are global ranks; heads is the global range [lo, hi) of attention heads whose K,V the
     message carries ((0, 0) for the first-token message); layer is None when one message carries every layer."""
@@ -148,7 +148,7 @@ class TrafficLedger:
         self.device = torch.device(device)
         self.timing = timing  # per-collective wall times: two waits for the compute stream per collective
         self.records: list[CommRecord] = []
-        self.transfers: list[TransferRecord] = []  # point-to-point messages (serve/disagg.py)
+        self.transfers: list[TransferRecord] = []  # point-to-point messages (serve/pd/)
         self.layer: int | None = None
 
     # -- switching on and off ---------------------------------------------------------------------

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tp.partition import ceil_div, kv_head_range, padded  # noqa: F401 (kv_head_range: read by serve/disagg.py)
+from tp.partition import ceil_div, kv_head_range, padded  # noqa: F401 (kv_head_range: read by serve/pd/)
 from tp.ledger import Traffic, Transfer
 
 if TYPE_CHECKING:  # shapes only; tp/ does not import layers/ at run time
@@ -185,7 +185,7 @@ def predict_control(p: int, payload: int, header: int) -> list[Traffic]:
     return msg
 
 
-# ---- prefill/decode disaggregation: K,V moved between two TP groups (SPEC §8, serve/disagg.py) ----------------
+# ---- prefill/decode disaggregation: K,V moved between two TP groups (SPEC §8, serve/pd/) ----------------
 
 
 def head_overlaps(n_kv_heads: int, p_src: int, p_dst: int) -> list[tuple[int, int, int, int]]:
@@ -231,7 +231,7 @@ def predict_transfers(cfg: ModelConfig, p_prefill: int, p_decode: int, handovers
     for r, s, _, _ in pairs:
         first.setdefault(s, r)
     out = []
-    for r, s, _, _ in pairs:  # set-up: one warm-up message per pair (serve/disagg.warm_up_pairs)
+    for r, s, _, _ in pairs:  # set-up: one warm-up message per pair (serve/pd/handover.warm_up_pairs)
         if rank in (r, p_prefill + s):
             side, peer = ("send", p_prefill + s) if rank == r else ("recv", r)
             out.append(Transfer(side, "pd/warm-up", -1, None, rank, peer, (0, 0), (1,), "int64", 8))

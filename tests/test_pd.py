@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from layers.lm import greedy_reference, shard_lm
-from serve.disagg import Layout, new_groups, prefill_schedule, serve_pd
+from serve.pd import Layout, new_groups, prefill_schedule, serve_pd
 from serve.inputs import slots_of
 from serve.engine import Engine, PlanMismatch, StepHook
 from serve.scheduler import Request
@@ -130,7 +130,7 @@ def test_handover_waits_are_bounded_and_name_the_message(raises):
     import threading
     from types import SimpleNamespace
 
-    from serve.disagg import DecodeSide, HandoverTimeout, _label, _Posted, _Waiter
+    from serve.pd.handover import DecodeSide, HandoverTimeout, _label, _Posted, _Waiter
 
     fields = ("recv", "pd/kv", 3, 1, 2, 0, (0, 4))
     assert _label(fields) == "pd/kv of request 3, layer 1, prefill rank 0 -> decode rank 2"

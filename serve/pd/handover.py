@@ -1,37 +1,6 @@
-"""Prefill/decode disaggregation (SPEC §8, seeds/06): a prefill group and a decode group of TP ranks, one world.
-
-    global ranks 0 .. p_P−1: the prefill group;  p_P .. p_P+p_D−1: the decode group
-
-Each group runs the TP stack sharded over itself (its own TPLM) and the engine of serve/engine.py:
-
-    prefill side   every request as if max_new_tokens were 1: (chunked) prefill, and the chunk that
-                   completes a prompt samples the request's first token. The prefill side emits token 1,
-                   as in seeds/06's flow (time to first token = the prefill; the hand-over and the first
-                   decode iteration come before token 2).
-    hand-over      the request's K,V for positions [0, N) of every layer go to the decode group by
-                   point-to-point messages. Prefill rank r holds heads [r·h/p_P, (r+1)·h/p_P), decode rank s
-                   needs [s·h/p_D, (s+1)·h/p_D): every overlapping (r, s) pair moves the heads they share
-                   (tp/traffic_model.head_overlaps: p_P + p_D − gcd pairs, L_p·K_tok bytes in all, 1/p_D of
-                   it to each decode rank), re-sharding heads in flight when p_P ≠ p_D. With grouped-query
-                   attention (Llama) the heads are the h_kv K,V heads; a head replicated on several prefill
-                   ranks is sent by the lowest, and each decode rank holding a replica receives it. Token 1 goes to each
-                   decode rank from the lowest prefill rank overlapping it. Either sent after the prefill (one
-                   message per pair) or streamed: layer ℓ leaves as soon as the prompt's last chunk has passed
-                   layer ℓ, while the later layers still compute.
-    decode side    each handed-over request is added to the decode group's engine with its prompt already
-                   computed and token 1 in its output (LLMEngine.add_computed: blocks for its prompt, its K,V
-                   written at their slots), and joins the continuous batch as a decode row.
-
-Each side is an LLMEngine driven by serve.engine.Engine, and PrefillSide / DecodeSide are its StepHooks.
-
-No control messages cross the groups. Which requests complete their prefill in which prefill iteration depends
-only on the requests and the scheduler settings, so every rank computes it (`prefill_schedule`): the decode ranks
-know what will come, from whom and in which order, and post their receives ahead. A request joins the decode
-batch at the first iteration boundary at which its K,V have landed on every decode rank (★ one all-reduce of a
-count over the decode group per boundary: every decode rank takes in the same requests). Every message goes
-through the traffic ledger (`TrafficLedger.transfers`) and equals tp/traffic_model.predict_transfers.
-Times across the two groups compare time.perf_counter() of processes on one host (CLOCK_MONOTONIC).
-"""
+"""The hand-over: each completed prompt's K,V (and token 1) from the prefill ranks that hold its heads to the decode
+ranks that need them, by point-to-point messages, as two StepHooks on the groups' engines (PrefillSide sends,
+DecodeSide receives and adds the request to its engine). Every message goes into the traffic ledger."""
 
 from __future__ import annotations
 
@@ -40,86 +9,22 @@ import datetime
 import queue
 import threading
 import time
-from collections import Counter, deque
-from dataclasses import asdict, dataclass, field
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from layers.config import validate_model
-from layers.llama import validate_llama
-from layers.lm import shard_lm
-from serve.config import EngineConfig
-from serve.engine import Engine, PlanMismatch, StepHook, new_scheduler, schedule_loop
+from serve.engine import StepHook
 from serve.inputs import slots_of
 from serve.kv_cache import KVPool
 from serve.plan import IterationPlan
+from serve.pd.plan import Layout
 from serve.request import RequestStatus
-from serve.scheduler import Request, Scheduler, worst_case_blocks
-from tp.dist import DEFAULT_TIMEOUT_S, ConfigError, TPContext, context, control_device, host_control, same_on_every_rank
+from serve.scheduler import Request, Scheduler
+from tp.dist import DEFAULT_TIMEOUT_S, control_device, host_control
 from tp.ledger import TrafficLedger, TransferRecord
-from tp.partition import ceil_div
-from tp.traffic_model import head_overlaps, kv_head_range, predict_transfers
-
-
-@dataclass(frozen=True)
-class Layout:
-    prefill_ranks: int
-    decode_ranks: int
-
-    @property
-    def world_size(self) -> int:
-        return self.prefill_ranks + self.decode_ranks
-
-
-def validate_layout(cfg, layout: Layout, world_size: int) -> None:
-    """ConfigError unless the two groups fill the world and each can split the model's heads. Pure."""
-    p_p, p_d = layout.prefill_ranks, layout.decode_ranks
-    if p_p < 1 or p_d < 1:
-        raise ConfigError(f"pd.prefill_ranks={p_p} and pd.decode_ranks={p_d} must both be at least 1")
-    if p_p + p_d != world_size:
-        raise ConfigError(f"pd.prefill_ranks={p_p} + pd.decode_ranks={p_d} = {p_p + p_d} must equal the world size "
-                          f"{world_size} (torchrun --nproc_per_node)")
-    for name, p in (("pd.prefill_ranks", p_p), ("pd.decode_ranks", p_d)):
-        try:
-            (validate_llama if cfg.family == "llama" else validate_model)(cfg, p)
-        except ConfigError as exc:
-            raise ConfigError(f"{name}={p}: {exc}") from None
-
-
-def prefill_schedule(requests: list[Request], chunk_size: int, max_batched_tokens: int,
-                     max_running: int | None = None, block_size: int = EngineConfig.block_size,
-                     prefix_cache: bool = EngineConfig.prefix_cache,
-                     kv_blocks: int | None = None) -> list[tuple[int, list[int]]]:
-    """[(prefill iteration, ids of the requests whose prompt completes in it, in plan order)]: what the prefill side's
-    engine will do, computed on every rank from the requests and settings alone, by the engine's own code (its
-    scheduler, serve.engine.new_scheduler, and its planning, serve.engine.next_plan), so the two cannot differ."""
-    mine = [Request(r.id, list(r.prompt), 1, r.arrival) for r in requests]
-    sched = new_scheduler(mine, chunk_size=chunk_size, max_batched_tokens=max_batched_tokens,
-                          max_running=max_running, block_size=block_size, prefix_cache=prefix_cache,
-                          kv_blocks=kv_blocks)
-    out = []
-    for plan in schedule_loop(sched):
-        done = [c.request for c in plan.chunks if c.sample]
-        if done:
-            out.append((plan.index, done))
-        sched.update(plan, {rid: 0 for rid in done})  # max_new_tokens = 1: the token's value changes nothing
-    return out
-
-
-def check_pools(requests: list[Request], kv_blocks: int | None, block_size: int, decode_block_size: int) -> None:
-    """ConfigError unless each side's pool holds every request alone: the prefill side its prompt, the decode side
-    its prompt and every generated token but the last. Pure: every rank finds the same answer."""
-    if decode_block_size < 1:
-        raise ConfigError(f"pd.decode_block_size={decode_block_size} must be at least 1")
-    if kv_blocks is None:
-        return
-    for r in requests:
-        for side, positions, bs in (("prefill", len(r.prompt), block_size), ("decode", r.capacity, decode_block_size)):
-            if ceil_div(positions, bs) > kv_blocks:
-                raise ConfigError(f"kv_blocks={kv_blocks} cannot hold request {r.id} on the {side} side: {positions} "
-                                  f"positions need {ceil_div(positions, bs)} blocks of block_size={bs}; raise "
-                                  f"kv_blocks to at least {ceil_div(positions, bs)}")
+from tp.traffic_model import head_overlaps, kv_head_range
 
 
 def _tag(request: int, layer: int | None, n_layers: int) -> int:
@@ -462,129 +367,3 @@ def _record(fields: tuple, buf: torch.Tensor, elapsed: float) -> TransferRecord:
     kind, site, rid, layer, rank, peer, heads = fields
     return TransferRecord(kind, site, rid, layer, rank, peer, heads, tuple(buf.shape),
                           str(buf.dtype).removeprefix("torch."), buf.numel() * buf.element_size(), elapsed)
-
-
-@dataclass
-class PDResult:
-    requests: list[dict] = field(default_factory=list)  # per request: ids, and time to token 1 / token 2 in parts
-    transfers: list[dict] = field(default_factory=list)  # every message, from every rank
-    prefill_iterations: list[dict] = field(default_factory=list)
-    decode_iterations: list[dict] = field(default_factory=list)
-    ledger_matches_model: bool = False  # every rank's transfers == predict_transfers, and each side's collectives
-    time_s: float = 0.0
-    kv: dict[int, torch.Tensor] = field(default_factory=dict)  # keep_kv: this decode rank's received K,V
-    agreements: int = 0  # the decode group's all-reduces of one int64 count, one per iteration boundary
-    lm: object = None  # this rank's model (on its side's group)
-
-
-def new_groups(layout: Layout) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """The prefill and decode groups; every rank of the world must call this, in the same order."""
-    return (dist.new_group(list(range(layout.prefill_ranks))),
-            dist.new_group(list(range(layout.prefill_ranks, layout.world_size))))
-
-
-@torch.no_grad()
-def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request], *, chunk_size: int,
-             max_batched_tokens: int, max_running: int | None = None, eos_id: int | None = None, variant: str = "v2",
-             vocab_parallel: bool = True, streaming: bool = True, groups=None, keep_kv: bool = False,
-             block_size: int = EngineConfig.block_size, prefix_cache: bool = EngineConfig.prefix_cache,
-             attention: str = EngineConfig.attention, timeout_s: float = DEFAULT_TIMEOUT_S, meter=None,
-             kv_blocks: int | None = None, decode_block_size: int | None = None) -> PDResult:
-    """Serve `requests` with prefill on ranks [0, p_P) and decode on [p_P, p_P + p_D). Every rank of the world
-    calls this with the same arguments (checked first: a mismatch raises PlanMismatch on every rank).
-    weights: a dense LM, or a per-rank source (layers/hf.CheckpointSource), that shard_lm cuts this rank's model
-    from on its side's group (under `meter`, launch/loading.LoadMeter, when given).
-    timeout_s bounds every wait for a hand-over message (HandoverTimeout, naming the message and the pair).
-    kv_blocks: each side's pool (None: enough for its workload at its largest); block_size: the prefill side's
-    blocks, decode_block_size the decode side's (None: the same). With a bounded pool the prefill side preempts as
-    any engine does, and the decode side takes a landed request into its pool only when blocks are free for it
-    (it waits in its receive buffers until then); a request preempted on the decode side recomputes its prompt
-    and tokens there."""
-    decode_block_size = block_size if decode_block_size is None else decode_block_size
-    cfg = weights.cfg
-    validate_layout(cfg, layout, world.world_size)
-    check_pools(requests, kv_blocks, block_size, decode_block_size)  # every rank, before any collective
-    settings = [layout.prefill_ranks, layout.decode_ranks, int(streaming), chunk_size, max_batched_tokens,
-                max_running or -1, -1 if eos_id is None else eos_id, len(requests), block_size, int(prefix_cache),
-                kv_blocks or -1, decode_block_size,
-                sum((i + 1) * (r.id + len(r.prompt) * 3 + r.max_new_tokens * 5 + r.arrival * 7 + sum(r.prompt))
-                    for i, r in enumerate(requests))]
-    if not same_on_every_rank(torch.tensor(settings, dtype=torch.float64), world.group):
-        raise PlanMismatch("the prefill and decode ranks got different requests or settings (pd.*, chunk_size, "
-                           "max_batched_tokens, max_running, eos_id): every rank needs the same")
-    prefill_group, decode_group = groups or new_groups(layout)
-    is_prefill = world.rank < layout.prefill_ranks
-    ctx = context(prefill_group if is_prefill else decode_group, world.backend, world.device)
-    with meter or contextlib.nullcontext():
-        lm = shard_lm(weights, variant, ctx.group, vocab_parallel)
-    by_id = {r.id: r for r in requests}
-    schedule = prefill_schedule(requests, chunk_size, max_batched_tokens, max_running, block_size, prefix_cache,
-                                kv_blocks)
-    handed = [rids for rids in ([rid for rid in done if by_id[rid].max_new_tokens > 1] for _, done in schedule) if rids]
-    ledger = TrafficLedger(world.world_size, world.device)
-    start = time.perf_counter()
-    warm_up_pairs(cfg, layout, world.rank, ledger, world.device, timeout_s)  # set-up, before any forward
-    if is_prefill:  # every request as if max_new_tokens were 1; no eos_id: each ends at its first token anyway
-        side = PrefillSide(lm, layout, world.rank, streaming, ledger, {rid for rids in handed for rid in rids},
-                           timeout_s)
-        mine = [Request(r.id, list(r.prompt), 1, r.arrival) for r in requests]
-        engine_eos, pool = None, kv_blocks
-    else:  # the handed-over requests, arriving with their prompts cached
-        coming = {rid: Request(rid, list(by_id[rid].prompt), by_id[rid].max_new_tokens, computed=len(by_id[rid].prompt),
-                               stop_ids=frozenset(() if eos_id is None else (eos_id,)))
-                  for rids in handed for rid in rids}
-        side = DecodeSide(cfg, layout, world.rank, streaming, ledger, ctx.group, handed, coming, eos_id, keep_kv,
-                          timeout_s=timeout_s)
-        mine = []  # the decode side adds each request as its K,V land (DecodeSide._place)
-        engine_eos, pool = eos_id, kv_blocks or worst_case_blocks(list(coming.values()), decode_block_size)
-    engine = Engine(lm, ctx, chunk_size=chunk_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
-                    eos_id=engine_eos, block_size=block_size if is_prefill else decode_block_size, kv_blocks=pool,
-                    prefix_cache=prefix_cache, attention=attention, hooks=side)
-    try:
-        res = engine.run(mine)
-    except BaseException:
-        side.finish(join=False)  # do not wait on messages a failed peer will never complete
-        raise
-    side.finish()
-    times = ({"done_at": side.done_at} if is_prefill
-             else {"received_at": side.received_at, "agreements": side.agreements})
-    elapsed = time.perf_counter() - start
-    predicted = predict_transfers(cfg, layout.prefill_ranks, layout.decode_ranks,
-                                  [(rid, len(by_id[rid].prompt)) for rids in handed for rid in rids],
-                                  next(lm.parameters()).dtype, streaming, world.rank)
-    seen = [t.transfer() for t in ledger.transfers]
-    local = {"rank": world.rank, "prefill": is_prefill, "started_at": res.started_at, "requests": res.requests,
-             "iterations": res.iterations, "times": times, "transfers": [asdict(t) for t in ledger.transfers],
-             "ok": Counter(seen) == Counter(predicted) and res.ledger_matches_model, "time_s": elapsed}
-    every = [None] * world.world_size
-    dist.all_gather_object(every, local, group=world.group)
-    result = _combine(every, layout, requests)
-    if keep_kv and not is_prefill:
-        result.kv = side.kept
-    result.lm = lm
-    return result
-
-
-def _combine(every: list[dict], layout: Layout, requests: list[Request]) -> PDResult:
-    pre, dec = every[0], every[layout.prefill_ranks]
-    pre_req = {r["request"]: r for r in pre["requests"]}
-    dec_req = {r["request"]: r for r in dec["requests"]}
-    out = PDResult(transfers=[t for e in every for t in e["transfers"]], prefill_iterations=pre["iterations"],
-                   decode_iterations=dec["iterations"], ledger_matches_model=all(e["ok"] for e in every),
-                   time_s=max(e["time_s"] for e in every), agreements=dec["times"]["agreements"])
-    for r in requests:
-        p = pre_req[r.id]
-        row = {"request": r.id, "prompt_length": len(r.prompt), "max_new_tokens": r.max_new_tokens,
-               "output_ids": p["output_ids"], "logits": p["logits"], "prefill_s": p["ttft_s"], "transfer_s": None,
-               "first_decode_s": None,
-               "kv_bytes": sum(t["bytes"] for t in out.transfers if t["request"] == r.id and t["kind"] == "send"
-                               and t["site"] == "pd/kv")}
-        d = dec_req.get(r.id)
-        if d is not None:
-            row["output_ids"], row["logits"] = d["output_ids"], p["logits"] + d["logits"]
-            received = dec["times"]["received_at"][r.id]
-            row["transfer_s"] = received - pre["times"]["done_at"][r.id]
-            if d["token_times_s"]:
-                row["first_decode_s"] = dec["started_at"] + d["token_times_s"][0] - received
-        out.requests.append(row)
-    return out

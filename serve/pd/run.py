@@ -1,0 +1,147 @@
+"""serve_pd: both groups' engines on one world, and the per-request result assembled from every rank."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from layers.lm import shard_lm
+from serve.config import EngineConfig
+from serve.engine import Engine, PlanMismatch
+from serve.pd.handover import DecodeSide, PrefillSide, warm_up_pairs
+from serve.pd.plan import Layout, check_pools, prefill_schedule, validate_layout
+from serve.scheduler import Request, worst_case_blocks
+from tp.dist import DEFAULT_TIMEOUT_S, TPContext, context, same_on_every_rank
+from tp.ledger import TrafficLedger
+from tp.traffic_model import predict_transfers
+
+
+@dataclass
+class PDResult:
+    requests: list[dict] = field(default_factory=list)  # per request: ids, and time to token 1 / token 2 in parts
+    transfers: list[dict] = field(default_factory=list)  # every message, from every rank
+    prefill_iterations: list[dict] = field(default_factory=list)
+    decode_iterations: list[dict] = field(default_factory=list)
+    ledger_matches_model: bool = False  # every rank's transfers == predict_transfers, and each side's collectives
+    time_s: float = 0.0
+    kv: dict[int, torch.Tensor] = field(default_factory=dict)  # keep_kv: this decode rank's received K,V
+    agreements: int = 0  # the decode group's all-reduces of one int64 count, one per iteration boundary
+    lm: object = None  # this rank's model (on its side's group)
+
+
+def new_groups(layout: Layout) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """The prefill and decode groups; every rank of the world must call this, in the same order."""
+    return (dist.new_group(list(range(layout.prefill_ranks))),
+            dist.new_group(list(range(layout.prefill_ranks, layout.world_size))))
+
+
+@torch.no_grad()
+def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request], *, chunk_size: int,
+             max_batched_tokens: int, max_running: int | None = None, eos_id: int | None = None, variant: str = "v2",
+             vocab_parallel: bool = True, streaming: bool = True, groups=None, keep_kv: bool = False,
+             block_size: int = EngineConfig.block_size, prefix_cache: bool = EngineConfig.prefix_cache,
+             attention: str = EngineConfig.attention, timeout_s: float = DEFAULT_TIMEOUT_S, meter=None,
+             kv_blocks: int | None = None, decode_block_size: int | None = None) -> PDResult:
+    """Serve `requests` with prefill on ranks [0, p_P) and decode on [p_P, p_P + p_D). Every rank of the world
+    calls this with the same arguments (checked first: a mismatch raises PlanMismatch on every rank).
+    weights: a dense LM, or a per-rank source (layers/hf.CheckpointSource), that shard_lm cuts this rank's model
+    from on its side's group (under `meter`, launch/loading.LoadMeter, when given).
+    timeout_s bounds every wait for a hand-over message (HandoverTimeout, naming the message and the pair).
+    kv_blocks: each side's pool (None: enough for its workload at its largest); block_size: the prefill side's
+    blocks, decode_block_size the decode side's (None: the same). With a bounded pool the prefill side preempts as
+    any engine does, and the decode side takes a landed request into its pool only when blocks are free for it
+    (it waits in its receive buffers until then); a request preempted on the decode side recomputes its prompt
+    and tokens there."""
+    decode_block_size = block_size if decode_block_size is None else decode_block_size
+    cfg = weights.cfg
+    validate_layout(cfg, layout, world.world_size)
+    check_pools(requests, kv_blocks, block_size, decode_block_size)  # every rank, before any collective
+    settings = [layout.prefill_ranks, layout.decode_ranks, int(streaming), chunk_size, max_batched_tokens,
+                max_running or -1, -1 if eos_id is None else eos_id, len(requests), block_size, int(prefix_cache),
+                kv_blocks or -1, decode_block_size,
+                sum((i + 1) * (r.id + len(r.prompt) * 3 + r.max_new_tokens * 5 + r.arrival * 7 + sum(r.prompt))
+                    for i, r in enumerate(requests))]
+    if not same_on_every_rank(torch.tensor(settings, dtype=torch.float64), world.group):
+        raise PlanMismatch("the prefill and decode ranks got different requests or settings (pd.*, chunk_size, "
+                           "max_batched_tokens, max_running, eos_id): every rank needs the same")
+    prefill_group, decode_group = groups or new_groups(layout)
+    is_prefill = world.rank < layout.prefill_ranks
+    ctx = context(prefill_group if is_prefill else decode_group, world.backend, world.device)
+    with meter or contextlib.nullcontext():
+        lm = shard_lm(weights, variant, ctx.group, vocab_parallel)
+    by_id = {r.id: r for r in requests}
+    schedule = prefill_schedule(requests, chunk_size, max_batched_tokens, max_running, block_size, prefix_cache,
+                                kv_blocks)
+    handed = [rids for rids in ([rid for rid in done if by_id[rid].max_new_tokens > 1] for _, done in schedule) if rids]
+    ledger = TrafficLedger(world.world_size, world.device)
+    start = time.perf_counter()
+    warm_up_pairs(cfg, layout, world.rank, ledger, world.device, timeout_s)  # set-up, before any forward
+    if is_prefill:  # every request as if max_new_tokens were 1; no eos_id: each ends at its first token anyway
+        side = PrefillSide(lm, layout, world.rank, streaming, ledger, {rid for rids in handed for rid in rids},
+                           timeout_s)
+        mine = [Request(r.id, list(r.prompt), 1, r.arrival) for r in requests]
+        engine_eos, pool = None, kv_blocks
+    else:  # the handed-over requests, arriving with their prompts cached
+        coming = {rid: Request(rid, list(by_id[rid].prompt), by_id[rid].max_new_tokens, computed=len(by_id[rid].prompt),
+                               stop_ids=frozenset(() if eos_id is None else (eos_id,)))
+                  for rids in handed for rid in rids}
+        side = DecodeSide(cfg, layout, world.rank, streaming, ledger, ctx.group, handed, coming, eos_id, keep_kv,
+                          timeout_s=timeout_s)
+        mine = []  # the decode side adds each request as its K,V land (DecodeSide._place)
+        engine_eos, pool = eos_id, kv_blocks or worst_case_blocks(list(coming.values()), decode_block_size)
+    engine = Engine(lm, ctx, chunk_size=chunk_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
+                    eos_id=engine_eos, block_size=block_size if is_prefill else decode_block_size, kv_blocks=pool,
+                    prefix_cache=prefix_cache, attention=attention, hooks=side)
+    try:
+        res = engine.run(mine)
+    except BaseException:
+        side.finish(join=False)  # do not wait on messages a failed peer will never complete
+        raise
+    side.finish()
+    times = ({"done_at": side.done_at} if is_prefill
+             else {"received_at": side.received_at, "agreements": side.agreements})
+    elapsed = time.perf_counter() - start
+    predicted = predict_transfers(cfg, layout.prefill_ranks, layout.decode_ranks,
+                                  [(rid, len(by_id[rid].prompt)) for rids in handed for rid in rids],
+                                  next(lm.parameters()).dtype, streaming, world.rank)
+    seen = [t.transfer() for t in ledger.transfers]
+    local = {"rank": world.rank, "prefill": is_prefill, "started_at": res.started_at, "requests": res.requests,
+             "iterations": res.iterations, "times": times, "transfers": [asdict(t) for t in ledger.transfers],
+             "ok": Counter(seen) == Counter(predicted) and res.ledger_matches_model, "time_s": elapsed}
+    every = [None] * world.world_size
+    dist.all_gather_object(every, local, group=world.group)
+    result = _combine(every, layout, requests)
+    if keep_kv and not is_prefill:
+        result.kv = side.kept
+    result.lm = lm
+    return result
+
+
+def _combine(every: list[dict], layout: Layout, requests: list[Request]) -> PDResult:
+    pre, dec = every[0], every[layout.prefill_ranks]
+    pre_req = {r["request"]: r for r in pre["requests"]}
+    dec_req = {r["request"]: r for r in dec["requests"]}
+    out = PDResult(transfers=[t for e in every for t in e["transfers"]], prefill_iterations=pre["iterations"],
+                   decode_iterations=dec["iterations"], ledger_matches_model=all(e["ok"] for e in every),
+                   time_s=max(e["time_s"] for e in every), agreements=dec["times"]["agreements"])
+    for r in requests:
+        p = pre_req[r.id]
+        row = {"request": r.id, "prompt_length": len(r.prompt), "max_new_tokens": r.max_new_tokens,
+               "output_ids": p["output_ids"], "logits": p["logits"], "prefill_s": p["ttft_s"], "transfer_s": None,
+               "first_decode_s": None,
+               "kv_bytes": sum(t["bytes"] for t in out.transfers if t["request"] == r.id and t["kind"] == "send"
+                               and t["site"] == "pd/kv")}
+        d = dec_req.get(r.id)
+        if d is not None:
+            row["output_ids"], row["logits"] = d["output_ids"], p["logits"] + d["logits"]
+            received = dec["times"]["received_at"][r.id]
+            row["transfer_s"] = received - pre["times"]["done_at"][r.id]
+            if d["token_times_s"]:
+                row["first_decode_s"] = dec["started_at"] + d["token_times_s"][0] - received
+        out.requests.append(row)
+    return out
