@@ -32,8 +32,8 @@ from omegaconf import DictConfig, OmegaConf
 from launch.check import run_check
 from launch.moe_check import build_moe_report, render_moe, run_moe_check
 from launch.report import render
-from launch.settings import (LaunchSettings, boolean, common_settings, exit_on_unknown_preset, fitted_lengths, integer,
-                             launch, overridden, positive_float, publish)
+from launch.settings import (LaunchSettings, boolean, common_settings, fitted_lengths, integer, launch, overridden,
+                             positive_float, publish, refuse_bad_arguments)
 from layers.config import DEFAULT_TOLERANCE, ModelConfig, parse_variants, validate_tokens, validate_variants
 from layers.llama import LlamaConfig
 from layers.moe import MOE_PARALLEL, validate_moe
@@ -199,7 +199,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    exit_on_unknown_preset(sys.argv, env_world()[0])
+    refuse_bad_arguments(sys.argv, env_world()[0], "config")
     if env_world()[0] != 0:
         # Only rank 0 writes Hydra's .hydra/ record into the shared run directory.
         sys.argv.append("hydra.output_subdir=null")

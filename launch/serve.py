@@ -35,8 +35,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from launch.serve_report import render, render_pd
 from launch.loading import LoadMeter
-from launch.settings import (LaunchSettings, boolean, check_memory, common_settings, exit_on_unknown_preset,
-                             fitted_lengths, integer, launch, memory_need, publish, read_transient)
+from launch.settings import (LaunchSettings, boolean, check_memory, common_settings, fitted_lengths, integer, launch,
+                             memory_need, publish, read_transient, refuse_bad_arguments)
 from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.dense import init_weights, weights_checksum
 from layers.hf import CheckpointSource, load_lm
@@ -610,7 +610,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    exit_on_unknown_preset(sys.argv, env_world()[0])
+    refuse_bad_arguments(sys.argv, env_world()[0], "serve")
     if env_world()[0] != 0:
         sys.argv.append("hydra.output_subdir=null")  # only rank 0 writes Hydra's .hydra/ record
     main()

@@ -35,6 +35,11 @@ def _sampling(sp: dict | None) -> str:
             f"min_p={sp['min_p']}, request i seeded from sampling_seed={sp['sampling_seed']} and i")
 
 
+def first_ids(ids: list[int], n: int = 4) -> str:
+    """The first n generated ids, as the request table shows them: '464 3290 318 …'."""
+    return " ".join(map(str, ids[:n])) + (" …" if len(ids) > n else "")
+
+
 def render(r: dict) -> str:
     c, m, t, kv = r["config"], r["config"]["model"], r["totals"], r["kv_cache"]
     lines = [
@@ -64,12 +69,13 @@ def render(r: dict) -> str:
     lines.append(format_table(["iter", "rows", "prefill chunks", "decodes", "finished", "admitted", "preempted",
                                "blocks used", "prefix hits", "collectives",
                                "sent/rank KiB", "time ms", "model"], rows))
-    lines += ["", "per request (times from arrival; match: tokens vs the dense oracle):"]
+    lines += ["", "per request (times from arrival; match: tokens vs the dense oracle; every generated id: report.json's "
+                  "requests[i].output_ids):"]
     rows = [[q["request"], q["arrival"], q["prompt_length"], q.get("prefix_hit_tokens", 0), q["generated"],
-             q.get("preemptions", 0), _ms(q["ttft_s"]), _ms(q["mean_tbt_s"]), q.get("match", "not checked")]
-            for q in r["requests"]]
-    lines.append(format_table(["request", "arrives at iter", "prompt", "prefix hits", "generated", "preempted",
-                               "TTFT ms", "mean TBT ms", "match"], rows))
+             first_ids(q["output_ids"]), q.get("preemptions", 0), _ms(q["ttft_s"]), _ms(q["mean_tbt_s"]),
+             q.get("match", "not checked")] for q in r["requests"]]
+    lines.append(format_table(["request", "arrives at iter", "prompt", "prefix hits", "generated", "first ids",
+                               "preempted", "TTFT ms", "mean TBT ms", "match"], rows))
     lines += [
         "",
         f"generated {t['generated_tokens']} tokens in {t['iterations']} iterations, {t['time_s']:.2f} s "
@@ -128,11 +134,12 @@ def render_pd(r: dict) -> str:
     rows = []
     for q in r["requests"]:
         to2 = None if q["first_decode_s"] is None else q["prefill_s"] + q["transfer_s"] + q["first_decode_s"]
-        rows.append([q["request"], q["prompt_length"], len(q["output_ids"]), _ms(q["prefill_s"]), _ms(q["transfer_s"]),
-                     _ms(q["first_decode_s"]), _ms(to2), kib(q["kv_bytes"]),
+        rows.append([q["request"], q["prompt_length"], len(q["output_ids"]), first_ids(q["output_ids"]),
+                     _ms(q["prefill_s"]), _ms(q["transfer_s"]), _ms(q["first_decode_s"]), _ms(to2), kib(q["kv_bytes"]),
                      "yes" if q["same_as_colocated"] else "NO", q.get("match", "not checked")])
-    lines.append(format_table(["request", "prompt", "generated", "prefill (TTFT) ms", "transfer ms", "first decode ms",
-                               "to token 2 ms", "K,V sent KiB", "= colocated", "oracle"], rows))
+    lines.append(format_table(["request", "prompt", "generated", "first ids", "prefill (TTFT) ms", "transfer ms",
+                               "first decode ms", "to token 2 ms", "K,V sent KiB", "= colocated", "oracle"], rows))
+    lines.append("(every generated id: report.json's requests[i].output_ids)")
     lines += ["", f"K,V transfer (point-to-point; ledger vs tp/traffic_model.predict_transfers: "
                   f"{'equal' if r['ledger_matches_model'] else 'DIFFERENT'}):"]
     rows = [[p["prefill_rank"], p["decode_rank"], f"{p['heads'][0]}-{p['heads'][1] - 1}", p["messages"],

@@ -242,14 +242,60 @@ def boolean(cfg: DictConfig, key: str) -> bool:
     return cfg[key]
 
 
-def exit_on_unknown_preset(argv: list[str], rank: int) -> None:
-    """Hydra reports a missing config group option with its own traceback and exit code 1; say it our way."""
-    presets = sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "model").glob("*.yaml"))
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def refuse_bad_arguments(argv: list[str], rank: int, config_name: str) -> None:
+    """Before Hydra sees the command line, each one line and exit 2 on every rank:
+    - an unknown model preset (Hydra would print its own traceback and exit 1);
+    - `+key=value` or `++key=value` naming a setting the launcher does not have: Hydra would add it to the config
+      and the run would ignore it without a word (`+temperature=0.7` to run_block, a misspelt setting);
+    - `+key=value` naming a setting it has: the '+' is not needed (Hydra would refuse it with a traceback).
+    `++key=value` of an existing setting is an ordinary override, and Hydra's own `hydra.*` settings pass."""
+    presets = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+    known = known_settings(config_name)
+    script = Path(argv[0]).name if argv else config_name
     for arg in argv[1:]:
+        key, _, value = arg.lstrip("+").partition("=")
+        message = None
         if arg.startswith("model=") and arg.split("=", 1)[1] not in presets:
-            print(f"[rank {rank}] error: unknown model preset {arg.split('=', 1)[1]!r}; choose one of "
-                  f"{', '.join(presets)} (or set model.* fields, or hf_checkpoint=DIR)", file=sys.stderr, flush=True)
+            message = (f"unknown model preset {arg.split('=', 1)[1]!r}; choose one of {', '.join(presets)} (or set "
+                       f"model.* fields, or hf_checkpoint=DIR)")
+        elif arg.startswith("+") and key.split(".")[0] != "hydra":
+            if key not in known:
+                message = (f"unknown setting {key!r} ({arg}): {script} has no such setting and would ignore it; its "
+                           f"settings are the keys of conf/{config_name}.yaml and conf/model/*.yaml")
+            elif not arg.startswith("++"):
+                message = f"{arg}: {key} is a setting already; write {key}={value}"
+        if message is not None:
+            print(f"[rank {rank}] error: {message}", file=sys.stderr, flush=True)
             sys.exit(2)
+
+
+def known_settings(config_name: str) -> set[str]:
+    """Every setting a launcher's config can hold, dotted (`chunk_size`, `pd.timeout_s`, `model.d_ffn`): the keys of
+    conf/<config_name>.yaml, of the structured nodes its defaults list names (ConfigStore), of every model preset."""
+    from hydra.core.config_store import ConfigStore
+
+    keys: set[str] = set()
+
+    def walk(node, prefix: str = "") -> None:
+        for k, v in node.items():
+            if not prefix and k in ("defaults", "hydra"):
+                continue
+            keys.add(prefix + str(k))
+            if isinstance(v, (dict, DictConfig)):
+                walk(v, f"{prefix}{k}.")
+
+    base = OmegaConf.load(CONF / f"{config_name}.yaml")
+    walk(base)
+    for entry in base.get("defaults", []):
+        stored = ConfigStore.instance().repo.get(f"{entry}.yaml") if isinstance(entry, str) else None
+        if stored is not None:
+            walk(stored.node)
+    for preset in (CONF / "model").glob("*.yaml"):
+        walk(OmegaConf.load(preset), "model.")
+    return keys
 
 
 def read_checkpoint(path: str):

@@ -127,7 +127,7 @@ def settings_phase(overrides, world: int = 2, script: str = "serve.py") -> subpr
     out, err = io.StringIO(), io.StringIO()
     with _as_rank(_lone_env(world), "init_from_env", join, out, err):
         try:
-            settings.exit_on_unknown_preset([script, *overrides], world - 1)
+            settings.refuse_bad_arguments([script, *overrides], world - 1, CONFIG_NAME[script])
             code = settings.launch(_compose(script, overrides, None), module.parse_settings, join)
         except SystemExit as exc:
             code = exc.code

@@ -99,6 +99,11 @@ BAD = [
                                               "at least one per rank", "drop v2sp from variants"),
     (2, ["model.d_head=3", "model.d_model=24", "model.d_ffn=96", "variants=[intra_head]"],
      "variant intra_head splits every head's d_head=3 over p=2 ranks", "drop intra_head"),
+    # a setting Hydra would add and the run would ignore: refused, in every spelling
+    (2, ["+temperature=0.7"], "unknown setting 'temperature' (+temperature=0.7): run_block.py has no such setting",
+     "conf/config.yaml"),
+    (2, ["++model.n_expertz=4"], "unknown setting 'model.n_expertz'", ""),
+    (2, ["+repeats=2"], "+repeats=2: repeats is a setting already; write repeats=2", ""),
 ]
 if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     BAD.append((2, ["backend=nccl"], "backend=nccl needs one GPU per rank", "use backend=gloo"))
@@ -139,6 +144,10 @@ def test_settings_phase_joins_the_group_for_good_settings():
 
     with pytest.raises(JoinedTheGroup):
         settings_phase(["n_tokens=4"], world=2, script="run_block.py")
+    # ++ of a setting that exists is an ordinary override (the engine's defaults come from EngineConfig), and
+    # Hydra's own settings pass
+    with pytest.raises(JoinedTheGroup):
+        settings_phase(["++block_size=8", "++pd.timeout_s=5", "+hydra.job.name=x"], world=2, script="serve.py")
 
 
 def test_gpu_check_skips_cleanly_without_gpus():

@@ -28,6 +28,8 @@ def test_serve_end_to_end(tmp_path):
     for req in report["requests"]:
         assert len(req["output_ids"]) == 5 and req["output_ids"] == req["check"]["oracle_ids"]
         assert req["ttft_s"] > 0 and req["mean_tbt_s"] > 0
+        # the request table shows what was generated: its first four ids
+        assert " ".join(map(str, req["output_ids"][:4])) + " …" in out
     for it in report["iterations"]:
         assert it["rows"] == sum(qe - qs for _, qs, qe, _ in it["triples"]) <= 12
         assert all(kv == qe for _, _, qe, kv in it["triples"])
@@ -55,6 +57,8 @@ BAD = [
     (["max_batched_tokens=4", "max_running=8"], "max_batched_tokens=4 is smaller than a full decode batch"),
     (["model=gpt9"], "unknown model preset 'gpt9'; choose one of article03, gpt2_small"),
     (["hf_checkpoint=CORRUPT"], "cannot read the weights"),
+    (["+temprature=0.7"], "unknown setting 'temprature' (+temprature=0.7): serve.py has no such setting"),
+    (["++pd.timeout=5"], "unknown setting 'pd.timeout'"),
 ]
 
 

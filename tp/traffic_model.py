@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tp.partition import ceil_div, kv_head_range, padded  # noqa: F401 (kv_head_range: read by serve/pd/)
+from tp.partition import ceil_div, kv_head_range, padded
 from tp.ledger import Traffic, Transfer
 
 if TYPE_CHECKING:  # shapes only; tp/ does not import layers/ at run time

@@ -24,7 +24,8 @@ from serve.request import RequestStatus
 from serve.scheduler import Request, Scheduler
 from tp.dist import DEFAULT_TIMEOUT_S, control_device, host_control
 from tp.ledger import TrafficLedger, TransferRecord
-from tp.traffic_model import head_overlaps, kv_head_range
+from tp.partition import kv_head_range
+from tp.traffic_model import head_overlaps
 
 
 def _tag(request: int, layer: int | None, n_layers: int) -> int:
