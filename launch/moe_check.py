@@ -161,7 +161,8 @@ def render_moe(r: dict) -> str:
     lines = [f"tpref: MoE block check  (tp = {r['world_size']}, backend {r['backend']}, device {r['device']})",
              f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} h_kv={m['n_kv_heads']} d_head={m['d_head']} "
              f"E={m['n_experts']} experts of ffn={m['d_ffn']}, top_k={m['top_k']}, L={m['n_layers']}; "
-             f"dtype={c['dtype']}; requests {c['requests']} (ep_a2a: rank r holds requests r, r+p, ...)",
+             f"dtype={c['dtype']}" + (f" ({c['dtype_from']})" if c.get("dtype_from") else "")
+             + f"; requests {c['requests']} (ep_a2a: rank r holds requests r, r+p, ...)",
              f"smallest gap between a token's k-th and (k+1)-th router probability: {r['min_top_k_gap']:.3g} "
              f"(a near-tie would make a routing depend on rounding)", ""]
     rows = []
@@ -198,7 +199,8 @@ def build_moe_report(s, ctx, results: dict) -> dict:
     placements = results["placements"]
     return {"world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device),
             "config": {"model_name": s.model_name, "family": s.model.family, "model": s.model.asdict(),
-                       "requests": s.lengths, "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed,
+                       "requests": s.lengths, "dtype": str(s.dtype).removeprefix("torch."),
+                       "dtype_from": s.dtype_from, "seed": s.seed,
                        "moe_parallel": list(placements), "tolerance": s.tolerance, "repeats": s.repeats},
             "notes": list(getattr(s, "notes", ())), "min_top_k_gap": results["min_top_k_gap"],
             "placements": placements,

@@ -130,7 +130,7 @@ def render(report: dict) -> str:
         f"model {c['model_name']} ({'Llama' if llama else 'GPT-2'} blocks): d={m['d_model']} h={m['n_heads']} "
         + (f"h_kv={m['n_kv_heads']} " if llama else "")
         + f"d_head={m['d_head']} k={m['n_heads'] * m['d_head']} ffn={m['d_ffn']} L={m['n_layers']}; "
-        f"dtype={c['dtype']} seed={c['seed']}",
+        f"dtype={c['dtype']}" + (f" ({c['dtype_from']})" if c.get("dtype_from") else "") + f" seed={c['seed']}",
     ]
     out.append(f"weights: {'Llama' if llama else 'GPT-2'} checkpoint {c['hf_checkpoint']}" if c.get("hf_checkpoint")
                else f"weights: random (seed {c['seed']}), " + ("RMSNorm weights included (no biases)" if llama

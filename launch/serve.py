@@ -39,7 +39,7 @@ from launch.settings import (LaunchSettings, boolean, check_memory, common_setti
                              memory_need, publish, read_transient, refuse_bad_arguments)
 from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.dense import init_weights, weights_checksum
-from layers.hf import CheckpointSource, load_lm
+from layers.hf import CheckpointSource, checkpoint_eos, load_lm
 from layers.lm import (NEAR_TIE, DenseLlamaLM, DenseLM, dense_lm, greedy_reference, oracle_verdict,
                        sampled_reference, shard_lm)
 from layers.moe import validate_moe
@@ -64,7 +64,7 @@ class Settings(LaunchSettings):
     chunk_size: int
     max_batched_tokens: int
     max_running: int | None
-    eos_id: int | None
+    eos_id: int | tuple[int, ...] | None  # the id(s) that finish a request
     variant: str
     vocab_parallel: bool
     check: bool
@@ -81,6 +81,7 @@ class Settings(LaunchSettings):
     notes: tuple[str, ...] = ()  # what was changed from what was asked, said by rank 0 and kept in the report
     moe_parallel: str = "tp"  # MoE models: where the experts live (tp: split; ep: whole experts per rank)
     sampling: dict | None = None  # temperature, top_k, top_p, min_p, sampling_seed; None: greedy
+    eos_from: str | None = None  # eos_id=auto: where the id(s) came from (printed beside them)
 
     def engine_args(self) -> dict:
         return dict(chunk_size=self.chunk_size, max_batched_tokens=self.max_batched_tokens,
@@ -156,19 +157,32 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     if layout is not None:  # each side's pool holds every request alone
         check_pools(requests, paging["kv_blocks"], paging["block_size"], decode_block_size or paging["block_size"])
     sampling = parse_sampling(cfg, requests, layout)
-    eos_id = None if cfg.eos_id is None else integer(cfg, "eos_id")
-    if eos_id is not None and not 0 <= eos_id < model.vocab_size:
-        raise ConfigError(f"eos_id={eos_id} is not a token id of the vocabulary [0, {model.vocab_size})")
+    eos_id, eos_from = parse_eos(cfg, model, common["hf_checkpoint"])
     check = str(cfg.check).lower()
     if check not in ("auto", "true", "false"):
         raise ConfigError(f"check={cfg.check!r} must be auto, true or false")
     check = check_and_memory(check, common, requests, tp_sizes, world_size, local_world_size, notes)
     return Settings(**common, requests=requests, chunk_size=chunk_size, max_batched_tokens=budget,
-                    max_running=max_running, eos_id=eos_id, variant=variant,
+                    max_running=max_running, eos_id=eos_id, eos_from=eos_from, variant=variant,
                     vocab_parallel=boolean(cfg, "vocab_parallel"), check=check, pd=layout,
                     streaming=streaming, pd_timeout_s=pd_timeout_s, decode_block_size=decode_block_size,
                     notes=tuple(notes), moe_parallel=moe_parallel,
                     sampling=sampling, **paging)
+
+
+def parse_eos(cfg: DictConfig, model: ModelConfig, hf_checkpoint: str | None) -> tuple[int | tuple | None, str | None]:
+    """eos_id: an id, null (off), or auto: the checkpoint's eos_token_id (generation_config.json, else config.json;
+    one id or several), off for random weights (every id is as likely as any other there). Returns (eos, where it
+    came from: None when given)."""
+    if str(cfg.eos_id) == "auto":
+        ids = checkpoint_eos(hf_checkpoint, model.vocab_size)
+        if not ids:
+            return None, None
+        return (ids[0] if len(ids) == 1 else ids), "auto: the checkpoint's eos_token_id"
+    eos_id = None if cfg.eos_id is None else integer(cfg, "eos_id")
+    if eos_id is not None and not 0 <= eos_id < model.vocab_size:
+        raise ConfigError(f"eos_id={eos_id} is not a token id of the vocabulary [0, {model.vocab_size})")
+    return eos_id, None
 
 
 def parse_sampling(cfg: DictConfig, requests: list[Request], layout) -> dict | None:
@@ -487,7 +501,8 @@ def build_pd_report(s: Settings, ctx, result, colocated: list[list[int]], checks
         "pd": {"prefill_ranks": layout.prefill_ranks, "decode_ranks": layout.decode_ranks, "streaming": s.streaming},
         "config": {"model_name": s.model_name, "model": m.asdict(), "requests": len(s.requests),
                    "chunk_size": s.chunk_size, "max_batched_tokens": s.max_batched_tokens, "variant": s.variant,
-                   "vocab_parallel": s.vocab_parallel, "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed,
+                   "vocab_parallel": s.vocab_parallel, "dtype": str(s.dtype).removeprefix("torch."),
+                   "dtype_from": s.dtype_from, "seed": s.seed,
                    "block_size": s.block_size, "prefix_cache": s.prefix_cache, "attention": s.attention,
                    "shared_prefix": s.shared_prefix},
         "notes": list(s.notes),
@@ -561,9 +576,11 @@ def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | Non
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "config": {"model_name": s.model_name, "model": m.asdict(), "hf_checkpoint": s.hf_checkpoint,
                    "requests": len(s.requests), "chunk_size": s.chunk_size,
-                   "max_batched_tokens": s.max_batched_tokens, "max_running": s.max_running, "eos_id": s.eos_id,
+                   "max_batched_tokens": s.max_batched_tokens, "max_running": s.max_running,
+                   "eos_id": list(s.eos_id) if isinstance(s.eos_id, tuple) else s.eos_id, "eos_from": s.eos_from,
                    "variant": s.variant, "vocab_parallel": s.vocab_parallel,
-                   "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed, "check": s.check,
+                   "dtype": str(s.dtype).removeprefix("torch."), "dtype_from": s.dtype_from, "seed": s.seed,
+                   "check": s.check,
                    "block_size": s.block_size, "kv_blocks": s.kv_blocks, "prefix_cache": s.prefix_cache,
                    "attention": s.attention, "shared_prefix": s.shared_prefix, "comm_timing": s.comm_timing,
                    "moe_parallel": s.moe_parallel if m.family == "mixtral" else None, "sampling": s.sampling},

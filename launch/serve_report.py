@@ -35,6 +35,16 @@ def _sampling(sp: dict | None) -> str:
             f"min_p={sp['min_p']}, request i seeded from sampling_seed={sp['sampling_seed']} and i")
 
 
+def _from(c: dict) -> str:
+    """dtype=auto: where the dtype came from, beside it."""
+    return f" ({c['dtype_from']})" if c.get("dtype_from") else ""
+
+
+def _eos(c: dict) -> str:
+    eos = c.get("eos_id")
+    return "" if eos is None else f"; eos_id={eos}" + (f" ({c['eos_from']})" if c.get("eos_from") else "")
+
+
 def first_ids(ids: list[int], n: int = 4) -> str:
     """The first n generated ids, as the request table shows them: '464 3290 318 …'."""
     return " ".join(map(str, ids[:n])) + (" …" if len(ids) > n else "")
@@ -47,7 +57,7 @@ def render(r: dict) -> str:
         f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} {_kv(m)}d_head={m['d_head']} ffn={m['d_ffn']} "
         f"L={m['n_layers']} vocab={m['vocab_size']}; variant {c['variant']}, "
         f"{'vocab-parallel' if c['vocab_parallel'] else 'replicated'} embedding and LM head; dtype={c['dtype']}"
-        + _moe(c),
+        + _from(c) + _moe(c) + _eos(c),
         f"{c['requests']} requests; chunk_size={c['chunk_size']} max_batched_tokens={c['max_batched_tokens']} "
         f"max_running={c['max_running'] if c['max_running'] is not None else c['max_batched_tokens']}; "
         f"KV pool of {kv['blocks']} blocks of block_size={kv['block_size']} per rank, prefix_cache="
@@ -121,7 +131,7 @@ def render_pd(r: dict) -> str:
         f"tpref: prefill/decode disaggregation  (prefill ranks 0-{pd['prefill_ranks'] - 1}, decode ranks "
         f"{pd['prefill_ranks']}-{r['world_size'] - 1}; backend {r['backend']}, device {r['device']})",
         f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} {_kv(m)}d_head={m['d_head']} L={m['n_layers']} "
-        f"vocab={m['vocab_size']}; variant {c['variant']}; dtype={c['dtype']}; K,V "
+        f"vocab={m['vocab_size']}; variant {c['variant']}; dtype={c['dtype']}{_from(c)}; K,V "
         f"{'streamed layer by layer' if pd['streaming'] else 'sent after prefill'}",
         f"{c['requests']} requests; chunk_size={c['chunk_size']} max_batched_tokens={c['max_batched_tokens']}; "
         f"{r['prefill_iterations']} prefill iterations, {r['decode_iterations']} decode iterations",

@@ -24,7 +24,7 @@ from layers.lm import dense_lm
 from layers.llama import LlamaConfig, validate_llama
 from layers.moe import MoEConfig, validate_moe
 from layers.checkpoint import Checkpoint
-from layers.hf import check_state, read_config, read_state
+from layers.hf import check_state, checkpoint_dtype, read_config, read_state
 from tp.dist import ConfigError, env_world, init_from_env, resolve_backend, resolve_device, shutdown
 
 
@@ -41,6 +41,7 @@ class LaunchSettings:
     backend: str
     device: str  # cpu or cuda (with gloo: ranks share the GPUs)
     report: str
+    dtype_from: str | None  # dtype=auto: where the dtype came from (printed beside it); None: given
 
 
 def common_settings(cfg: DictConfig, world_size: int, local_world_size: int, lm: bool = False,
@@ -50,7 +51,8 @@ def common_settings(cfg: DictConfig, world_size: int, local_world_size: int, lm:
     dense: every rank also builds the dense model (run_block's reference); None: the launcher checks the memory
     itself once it knows (serve: only with check, or random weights)."""
     model, model_name, hf_checkpoint = parse_model(cfg, world_size, tp_sizes)
-    dtype, where = parse_dtype(str(cfg.dtype)), placement(cfg, local_world_size)
+    dtype, dtype_from = resolve_dtype(str(cfg.dtype), hf_checkpoint)
+    where = placement(cfg, local_world_size)
     weights = None if hf_checkpoint is None else read_checkpoint(hf_checkpoint)  # the headers only
     p = min((tp_sizes or {"tp": world_size}).values())
     if dense is not None:
@@ -61,7 +63,18 @@ def common_settings(cfg: DictConfig, world_size: int, local_world_size: int, lm:
         except ConfigError as exc:
             raise ConfigError(f"hf_checkpoint={hf_checkpoint}: {exc}") from None
     return dict(model=model, model_name=model_name, hf_checkpoint=hf_checkpoint, weights=weights,
-                dtype=dtype, seed=integer(cfg, "seed"), **where, report=str(cfg.report))
+                dtype=dtype, seed=integer(cfg, "seed"), **where, report=str(cfg.report), dtype_from=dtype_from)
+
+
+def resolve_dtype(name: str, hf_checkpoint: str | None) -> tuple[torch.dtype, str | None]:
+    """dtype=auto: the checkpoint's torch_dtype (float32 where it names none), float32 for presets and random weights;
+    returns (dtype, where it came from), the second None when the dtype was given."""
+    if name != "auto":
+        return parse_dtype(name), None
+    saved = None if hf_checkpoint is None else checkpoint_dtype(hf_checkpoint)
+    if saved is not None:
+        return parse_dtype(saved), "auto: the checkpoint's torch_dtype"
+    return torch.float32, ("auto: the checkpoint names no dtype" if hf_checkpoint else "auto: random weights")
 
 
 def read_transient(weights) -> int:

@@ -52,6 +52,32 @@ def read_config(path: str | Path) -> ModelConfig | LlamaConfig:
         raise ConfigError(f"hf_checkpoint={path}: {exc}") from None
 
 
+def checkpoint_dtype(path: str | Path) -> str | None:
+    """The dtype config.json says the weights were saved in (`torch_dtype`, or `dtype` in newer transformers), when it
+    is one of ours (layers/config.DTYPES); None if it names none."""
+    from layers.config import DTYPES
+
+    f = Path(path) / "config.json"
+    hf = json.loads(f.read_text()) if f.is_file() else {}
+    name = hf.get("torch_dtype") or hf.get("dtype")
+    return name if isinstance(name, str) and name in DTYPES else None
+
+
+def checkpoint_eos(path: str | Path | None, vocab_size: int) -> tuple[int, ...]:
+    """The checkpoint's EOS ids: generation_config.json's eos_token_id, else config.json's (an int or a list); ()
+    for none (or no checkpoint)."""
+    if path is None:
+        return ()
+    for name in ("generation_config.json", "config.json"):
+        f = Path(path) / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                ids = eos if isinstance(eos, list) else [eos]
+                return tuple(int(t) for t in ids if isinstance(t, int) and 0 <= t < vocab_size)
+    return ()
+
+
 def read_state(path: str | Path) -> Checkpoint:
     """The weights of a directory saved by `save_pretrained` (model.safetensors, sharded safetensors with their
     index, or pytorch_model.bin): a lazy Mapping of the tensors by name, read on demand (layers/checkpoint.py)."""

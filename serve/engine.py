@@ -41,7 +41,7 @@ from serve.config import ATTENTION_MODES, EngineConfig
 from serve.model_runner import ModelRunner
 from serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from serve.plan import FINGERPRINT_SIZE, IterationPlan
-from serve.request import Request, RequestStatus
+from serve.request import Request, RequestStatus, eos_ids, eos_key
 from serve.sampling_params import SamplingParams
 from serve.scheduler import Scheduler, SchedulerError, worst_case_blocks
 from tp.comm import broadcast_from_main, gather_from_region
@@ -445,7 +445,8 @@ class LLMEngine:
         for r in new:
             q = r.params or SamplingParams(max_tokens=r.max_new_tokens)
             out += [r.id, r.arrival, r.max_new_tokens, len(r.prompt), len(r.stop_ids), len(r.output), r.computed,
-                    r.params is not None, q.temperature, q.top_k, q.top_p, q.min_p, q.seed is not None, r.sampling_seed or 0,
+                    r.params is not None, q.temperature, q.top_k, q.top_p, q.min_p, q.seed is not None,
+                    r.sampling_seed or 0,
                     -1 if q.logprobs is None else q.logprobs]
             out += sorted(r.stop_ids) + r.prompt + r.output
         return out + aborts
@@ -600,12 +601,12 @@ class Engine:
     the requests' tokens, logits and times in a ServeResult. launch/serve.py, the benchmarks and the oracle tests
     serve through this; LLM.generate (serve/llm.py) is the same loop over add_request with text in and out.
 
-    eos_id joins every request's stop ids; max_running None: as many as max_batched_tokens rows allow; kv_blocks
-    None: enough for every request at its largest at once (such a run never preempts). hooks: more StepHooks
-    (a P/D side, a capture in a test), run after the Recorder."""
+    eos_id (an id, or several) joins every request's stop ids; max_running None: as many as max_batched_tokens rows
+    allow; kv_blocks None: enough for every request at its largest at once (such a run never preempts). hooks: more
+    StepHooks (a P/D side, a capture in a test), run after the Recorder."""
 
     def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, *, chunk_size: int, max_batched_tokens: int,
-                 max_running: int | None = None, eos_id: int | None = None,
+                 max_running: int | None = None, eos_id: int | tuple[int, ...] | None = None,
                  block_size: int = EngineConfig.block_size, kv_blocks: int | None = None,
                  prefix_cache: bool = EngineConfig.prefix_cache, attention: str = EngineConfig.attention,
                  reserve_capacity: bool = EngineConfig.reserve_capacity,
@@ -633,8 +634,7 @@ class Engine:
         for r in requests:
             if r.params is not None and r.sampling_seed is None:
                 r.sampling_seed = r.params.seed if r.params.seed is not None else request_seed(self.seed, r.id)
-            if self.eos_id is not None:
-                r.stop_ids = r.stop_ids | {self.eos_id}
+            r.stop_ids = r.stop_ids | eos_ids(self.eos_id)
         # every rank checks the workload against the settings (SchedulerError on every rank, before any collective)
         n_blocks = new_scheduler(requests, chunk_size=c["chunk_size"], max_batched_tokens=c["max_batched_tokens"],
                                  max_running=c["max_running"], reserve_capacity=c["reserve_capacity"],
@@ -689,7 +689,7 @@ class Engine:
     def _fingerprint(self, requests: list[Request], config: EngineConfig) -> list[float]:
         """Four numbers from the scheduler settings and the requests: ranks given different ones disagree here."""
         knobs = [config.chunk_size, config.max_batched_tokens, config.max_running,
-                 -1 if self.eos_id is None else self.eos_id, config.block_size, config.kv_blocks,
+                 eos_key(self.eos_id), config.block_size, config.kv_blocks,
                  int(config.prefix_cache), ATTENTION_MODES.index(config.attention), int(config.reserve_capacity)]
         per_request = [(r.id, len(r.prompt), sum(r.prompt), r.max_new_tokens, r.arrival, r.computed) for r in requests]
         return [float(len(requests)), float(sum((i + 1) * k for i, k in enumerate(knobs))),

@@ -20,7 +20,6 @@ next call raise RuntimeError within a second, and every rank is stopped. Ranks n
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import secrets
@@ -90,20 +89,6 @@ def _preset(name: str):
     return {"llama": LlamaConfig, "mixtral": MoEConfig}.get(family, ModelConfig)(**fields)
 
 
-def eos_of(checkpoint: str | None, vocab_size: int) -> tuple[int, ...]:
-    """The checkpoint's EOS ids: generation_config.json's eos_token_id, else config.json's (an int or a list)."""
-    if checkpoint is None:
-        return ()
-    for name in ("generation_config.json", "config.json"):
-        f = Path(checkpoint) / name
-        if f.is_file():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            if eos is not None:
-                ids = eos if isinstance(eos, list) else [eos]
-                return tuple(int(t) for t in ids if isinstance(t, int) and 0 <= t < vocab_size)
-    return ()
-
-
 def load_tokenizer(source: str | None):
     """transformers' AutoTokenizer from a directory that has tokenizer files; None where there are none."""
     if source is None or not has_tokenizer(source):
@@ -152,7 +137,9 @@ class LLM:
             except (ConfigError, OSError) as exc:
                 raise ValueError(f"model={checkpoint}: {exc}") from None
         self.tokenizer = load_tokenizer(tokenizer or checkpoint)
-        self.eos_token_ids = eos_of(checkpoint, self.model_config.vocab_size)
+        from layers.hf import checkpoint_eos
+
+        self.eos_token_ids = checkpoint_eos(checkpoint, self.model_config.vocab_size)
         self.tensor_parallel_size = p
         self.num_blocks = self.config.pool_blocks(self.model_config.max_seq_len)
         spec = RankSpec(self.model_config, checkpoint, str(dtype), seed, backend, device, moe_parallel, self.config,

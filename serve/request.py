@@ -19,6 +19,16 @@ from dataclasses import dataclass, field
 from serve.sampling_params import SamplingParams
 
 
+def eos_ids(eos_id) -> frozenset[int]:
+    """An end-of-sequence setting as the set of ids that finish a request: None (none), an id, or several ids."""
+    return frozenset() if eos_id is None else frozenset((eos_id,) if isinstance(eos_id, int) else eos_id)
+
+
+def eos_key(eos_id) -> int:
+    """One number for an eos setting, for the ranks' settings fingerprints (-1: none)."""
+    return sum((i + 1) * (t + 1) for i, t in enumerate(sorted(eos_ids(eos_id)))) or -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -278,3 +278,25 @@ def test_check_auto_turns_the_oracle_off_where_the_dense_model_would_not_fit(mon
         serve.check_and_memory("true", common, requests, None, 4, 4, [])
     monkeypatch.setattr(settings, "available_host_memory", lambda: int(20 * n * 4))
     assert serve.check_and_memory("auto", common, requests, None, 4, 4, notes) is True and len(notes) == 1
+
+
+def test_dtype_and_eos_auto_come_from_the_checkpoint(checkpoints):
+    """dtype=auto and eos_id=auto (the defaults): a saved bfloat16 Llama is served in bfloat16 and stops at its
+    eos_token_id, each said beside the value; given values win; presets stay float32 with no EOS."""
+    from hydra import compose, initialize_config_dir
+
+    from launch.run_block import parse_settings as block_settings
+    from tests.launching import ROOT
+    from tests.test_paged import serve_settings
+
+    s = serve_settings(f"hf_checkpoint={checkpoints['llama-bfloat16-single']}")
+    assert s.dtype == torch.bfloat16 and s.dtype_from == "auto: the checkpoint's torch_dtype"
+    assert s.eos_id == transformers.LlamaConfig().eos_token_id and s.eos_from == "auto: the checkpoint's eos_token_id"
+    given = serve_settings(f"hf_checkpoint={checkpoints['llama-bfloat16-single']}", "dtype=float64", "eos_id=null")
+    assert given.dtype == torch.float64 and given.dtype_from is None and given.eos_id is None
+    preset = serve_settings()
+    assert preset.dtype == torch.float32 and preset.dtype_from == "auto: random weights" and preset.eos_id is None
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        block = block_settings(compose("config", overrides=[f"hf_checkpoint={checkpoints['gpt2-bfloat16-sharded']}",
+                                                            "n_tokens=8"]), 2, 2)
+    assert block.dtype == torch.bfloat16 and block.dtype_from == "auto: the checkpoint's torch_dtype"

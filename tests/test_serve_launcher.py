@@ -30,6 +30,7 @@ def test_serve_end_to_end(tmp_path):
         assert req["ttft_s"] > 0 and req["mean_tbt_s"] > 0
         # the request table shows what was generated: its first four ids
         assert " ".join(map(str, req["output_ids"][:4])) + " …" in out
+    assert "; dtype=float64\n" in out  # given (no "auto: ..." beside it: tests/test_checkpoint.py checks auto)
     for it in report["iterations"]:
         assert it["rows"] == sum(qe - qs for _, qs, qe, _ in it["triples"]) <= 12
         assert all(kv == qe for _, _, qe, kv in it["triples"])

@@ -230,12 +230,12 @@ class DecodeSide(StepHook):
     for the next group. Nothing depends on timing but *when* a request joins, and all decode ranks agree on that."""
 
     def __init__(self, cfg, layout: Layout, rank: int, streaming: bool, ledger: TrafficLedger, group,
-                 groups: list[list[int]], requests: dict[int, Request], eos_id: int | None, keep_kv: bool = False,
+                 groups: list[list[int]], requests: dict[int, Request], eos: frozenset[int], keep_kv: bool = False,
                  window: int = 4, timeout_s: float = DEFAULT_TIMEOUT_S):
         """requests: the handed-over requests by id, each with its prompt marked computed; groups: their ids in the
         prefill side's order, one list per prefill iteration."""
-        self.cfg, self.layout, self.rank, self.streaming, self.ledger, self.group, self.eos_id = \
-            cfg, layout, rank, streaming, ledger, group, eos_id
+        self.cfg, self.layout, self.rank, self.streaming, self.ledger, self.group, self.eos = \
+            cfg, layout, rank, streaming, ledger, group, eos
         self.requests = requests
         self.kept: dict[int, torch.Tensor] | None = {} if keep_kv else None  # what was placed, for tests
         s = rank - layout.prefill_ranks
@@ -346,9 +346,9 @@ class DecodeSide(StepHook):
         while self.ready and blocks.blocks_for(self.ready[0][0].computed + 1) <= blocks.num_free:
             r, posts = self.ready.popleft()
             self.received_at[r.id] = time.perf_counter()
-            if r.output[0] == self.eos_id or r.max_new_tokens <= 1:  # token 1 ended it: nothing to decode
+            if r.output[0] in self.eos or r.max_new_tokens <= 1:  # token 1 ended it: nothing to decode
                 r.finished = True
-                r.status = (RequestStatus.FINISHED_STOPPED if r.output[0] == self.eos_id
+                r.status = (RequestStatus.FINISHED_STOPPED if r.output[0] in self.eos
                             else RequestStatus.FINISHED_LENGTH)
                 continue
             engine.add_computed(r)  # blocks for the prompt's N positions, from the decode side's own pool

@@ -15,6 +15,7 @@ from serve.config import EngineConfig
 from serve.engine import Engine, PlanMismatch
 from serve.pd.handover import DecodeSide, PrefillSide, warm_up_pairs
 from serve.pd.plan import Layout, check_pools, prefill_schedule, validate_layout
+from serve.request import eos_ids, eos_key
 from serve.scheduler import Request, worst_case_blocks
 from tp.dist import DEFAULT_TIMEOUT_S, TPContext, context, same_on_every_rank
 from tp.ledger import TrafficLedger
@@ -42,7 +43,8 @@ def new_groups(layout: Layout) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
 
 @torch.no_grad()
 def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request], *, chunk_size: int,
-             max_batched_tokens: int, max_running: int | None = None, eos_id: int | None = None, variant: str = "v2",
+             max_batched_tokens: int, max_running: int | None = None, eos_id: int | tuple[int, ...] | None = None,
+             variant: str = "v2",
              vocab_parallel: bool = True, streaming: bool = True, groups=None, keep_kv: bool = False,
              block_size: int = EngineConfig.block_size, prefix_cache: bool = EngineConfig.prefix_cache,
              attention: str = EngineConfig.attention, timeout_s: float = DEFAULT_TIMEOUT_S, meter=None,
@@ -62,7 +64,7 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
     validate_layout(cfg, layout, world.world_size)
     check_pools(requests, kv_blocks, block_size, decode_block_size)  # every rank, before any collective
     settings = [layout.prefill_ranks, layout.decode_ranks, int(streaming), chunk_size, max_batched_tokens,
-                max_running or -1, -1 if eos_id is None else eos_id, len(requests), block_size, int(prefix_cache),
+                max_running or -1, eos_key(eos_id), len(requests), block_size, int(prefix_cache),
                 kv_blocks or -1, decode_block_size,
                 sum((i + 1) * (r.id + len(r.prompt) * 3 + r.max_new_tokens * 5 + r.arrival * 7 + sum(r.prompt))
                     for i, r in enumerate(requests))]
@@ -88,9 +90,10 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
         engine_eos, pool = None, kv_blocks
     else:  # the handed-over requests, arriving with their prompts cached
         coming = {rid: Request(rid, list(by_id[rid].prompt), by_id[rid].max_new_tokens, computed=len(by_id[rid].prompt),
-                               stop_ids=frozenset(() if eos_id is None else (eos_id,)))
+                               stop_ids=eos_ids(eos_id))
                   for rids in handed for rid in rids}
-        side = DecodeSide(cfg, layout, world.rank, streaming, ledger, ctx.group, handed, coming, eos_id, keep_kv,
+        side = DecodeSide(cfg, layout, world.rank, streaming, ledger, ctx.group, handed, coming, eos_ids(eos_id),
+                          keep_kv,
                           timeout_s=timeout_s)
         mine = []  # the decode side adds each request as its K,V land (DecodeSide._place)
         engine_eos, pool = eos_id, kv_blocks or worst_case_blocks(list(coming.values()), decode_block_size)
