@@ -6,7 +6,7 @@ One launch of W ranks (8 by default). For every p in 1, 2, 4, 8 (up to W) the fi
 serve the same requests, llama_tiny's shape (h = 8 query heads of d_head = 32, L = 4, float32) with h_kv = 8 (MHA),
 2 (GQA) and 1 (MQA). Each rank reports what its cache allocated: peak bytes / the token capacity held at that
 peak (serve/kv_cache.py), and the tokens it served are compared with the single-device oracle. Beside each
-measurement, the formula (SPEC §9; tp/cost_model.kv_bytes_per_token_per_rank):
+measurement, the formula (tp/cost_model.kv_bytes_per_token_per_rank):
 
     2 · L · max(h_kv / p, 1) · d_head · e          K and V, every layer, this rank's K,V heads (replicated once p > h_kv)
 

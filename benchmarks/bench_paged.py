@@ -1,4 +1,4 @@
-"""Paged KV cache benchmarks (SPEC §10): a shared prefix, memory, launch shape.
+"""Paged KV cache benchmarks: a shared prefix, memory, launch shape.
 
     torchrun --nproc_per_node=P benchmarks/bench_paged.py [--parts prefix,memory,shape] [--repeats 3]
 

@@ -1,4 +1,4 @@
-"""Serving benchmarks (SPEC §6, §7; seeds/05 §3-§6): chunked prefill's spread and stalls, the engine
+"""Serving benchmarks (seeds/05 §3-§6): chunked prefill's spread and stalls, the engine
 against transformers' generate, the cost model against every measured iteration, the engine's overhead.
 
     torchrun --nproc_per_node=P benchmarks/bench_serve.py [--parts stall,hf,overhead] [--repeats 3]

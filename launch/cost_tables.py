@@ -90,7 +90,7 @@ def main() -> int:
                 f"d={d}, k={k}, E={v3['n_routed_experts']}, EP={EP}); and MiB in bf16",
                 ["strategy", "doc formula", "model code", "MiB/GPU/layer bf16"], rows))
     print(f"  N = B·S = {B * S:,} tokens in prefill, B = {B} in decode: every volume shrinks S-fold in decode\n"
-          f"  TP+SP (not in the doc; SPEC §11): its reduce-scatter + all-gather move exactly the all-reduce's volume\n")
+          f"  TP+SP (not in the doc): its reduce-scatter + all-gather move exactly the all-reduce's volume\n")
 
     rows = []
     for tp in (1, 8, 16, 28, 32):
@@ -109,7 +109,7 @@ def main() -> int:
         mha, grouped = LLAMA2_7B.kv_bytes_per_token_per_rank(tp), gqa.kv_bytes_per_token_per_rank(tp)
         mla = mla_kv_bytes_per_token(v3["n_layers"], v3["d_latent_kv"], v3["d_rope"], 2)
         rows.append((tp, mha / KI, grouped / KI, mla / KI, mha / grouped))
-    print(table("KV cache per token per GPU, all layers, fp16 KiB (SPEC §9): 2·L·max(h_kv/TP, 1)·d_head·e",
+    print(table("KV cache per token per GPU, all layers, fp16 KiB: 2·L·max(h_kv/TP, 1)·d_head·e",
                 ["TP", "MHA h_kv=32", "GQA h_kv=8", "MLA (V3, 61 L)", "MHA/GQA"], rows))
     print("  GQA stops shrinking at TP = h_kv = 8: beyond it each K,V head is replicated on TP/8 GPUs, and MHA\n"
           "  catches up (equal at TP = 32); MLA's latent never shrinks (benchmarks/bench_kv.py measures the engine)")

@@ -9,7 +9,7 @@ layers/varlen.py) each request attends causally within itself only, and only
 its own [Lᵢ × Lᵢ] block of scores is computed: the work is Σ Lᵢ², not (Σ Lᵢ)².
 `requests.padded` selects the baseline: pad every request to the longest, mask.
 
-With `PagedLayer` (serving, SPEC §6 and §10) each request brings only its new rows, positions
+With `PagedLayer` (serving) each request brings only its new rows, positions
 [q_start, q_end); their K,V are written into the paged pool at their slots (the slot mapping) and the
 queries attend to the request's keys [0, kv_length = q_end), read through its block table:
 

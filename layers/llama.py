@@ -1,4 +1,4 @@
-"""Llama-family blocks on the same TP machinery (SPEC §9): RMSNorm, rotary positions, SwiGLU, grouped-query attention.
+"""Llama-family blocks on the same TP machinery: RMSNorm, rotary positions, SwiGLU, grouped-query attention.
 
     x -> RMSNorm -> q [d -> h·dh], k, v [d -> h_kv·dh] -> RoPE(q, k) -> causal GQA -> o [h·dh -> d] -> +x
       -> RMSNorm -> gate|up [d -> 2f] -> silu(gate)·up -> down [f -> d] -> +x              (no biases)
@@ -10,7 +10,7 @@ of [n, d] per block. Head alignment keeps each query head with its K,V head: ran
     p ≤ h_kv   K,V heads [r·h_kv/p, (r+1)·h_kv/p)          (each K,V head on exactly one rank)
     p > h_kv   K,V head r·h_kv // p, replicated on p/h_kv ranks (vLLM's rule): the per-rank KV cache
                stops shrinking once p reaches h_kv
-Valid p: h % p == 0, d_ffn % p == 0, and h_kv % p == 0 or p % h_kv == 0 (SPEC §9).
+Valid p: h % p == 0, d_ffn % p == 0, and h_kv % p == 0 or p % h_kv == 0.
 gate and up are one column-parallel matmul (rank r's rows of gate, then of up, so silu(gate)·up is local);
 down is row-parallel.
 
@@ -232,7 +232,7 @@ class TPLlamaBlock(nn.Module):
 
 
 class TPLlamaBlockSP(TPLlamaBlock):
-    """v2sp (SPEC §11): TPLlamaBlock with sequence parallelism. Between sub-layers each rank holds its T'/p rows
+    """v2sp: TPLlamaBlock with sequence parallelism. Between sub-layers each rank holds its T'/p rows
     (T' = T padded up to a multiple of p); RMSNorm and the residual adds run on those rows. Before each
     column-parallel matmul an all-gather rebuilds the T rows; after each row-parallel one a reduce-scatter leaves
     each rank its rows of the sum. The norm weights' gradients are partial over each rank's rows: one all-reduce

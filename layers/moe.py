@@ -1,4 +1,4 @@
-"""Mixture-of-experts blocks (SPEC §12): Llama attention, then Mixtral's routed FFN, on one device and on p ranks.
+"""Mixture-of-experts blocks: Llama attention, then Mixtral's routed FFN, on one device and on p ranks.
 
     x -> RMSNorm -> attention (layers/llama.py: RoPE, GQA) -> +x
       -> RMSNorm -> h -> router [d -> E] -> softmax (float32 at least) -> top-k experts per token, the k weights

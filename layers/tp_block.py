@@ -7,7 +7,7 @@ v1 (every matmul column-parallel): 4 all-gathers per block, of [n, k], [n, d],
 intra_head (the counterfactual of seeds/03 §6): v2 with the QKV cut falling
     INSIDE every head; the partial Q·Kᵀ scores [h, n, n] must be all-reduced
     before softmax, a third collective that grows with n².
-v2sp (sequence parallelism, SPEC §11): v2 with each all-reduce split into a
+v2sp (sequence parallelism): v2 with each all-reduce split into a
     reduce-scatter (after the row-parallel linear) and an all-gather (before the
     next column-parallel one): between sub-layers each rank holds n/p rows, and
     LayerNorm and the residual adds run on those rows only. 4 collectives of

@@ -1,4 +1,4 @@
-"""KV memory as pages (SPEC §10): a pool of `num_blocks` blocks of `block_size` token positions, on the host only.
+"""KV memory as pages: a pool of `num_blocks` blocks of `block_size` token positions, on the host only.
 
     request r's block table   [7, 2, 9]         logical block i -> physical block table[i]
     token position t          block table[t // block_size], slot t % block_size

@@ -1,13 +1,13 @@
 """Each rank's KV cache: one pool of blocks, allocated once, holding K and V of the rank's own heads only.
 
     pool on rank s:  [L, 2, kv_blocks · block_size, heads, d_head]     (layer, K|V, slot, head, dim)
-                     heads = h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention, SPEC §9)
+                     heads = h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention)
 
 A slot is one token position of one block: block b's positions are slots [b·block_size, (b+1)·block_size).
 Which blocks a request holds is decided on the host, identically on every rank (serve/block_manager.py); the
 pool only stores. Attention writes each new row's K,V at its slot and reads a request's context through its
 block table (layers/attention.py). Per layer per token a rank holds 2·heads·d_head·e bytes: exactly 1/p of the
-dense cache, because head-aligned TP gives each rank h/p whole heads (SPEC §6, §10).
+dense cache, because head-aligned TP gives each rank h/p whole heads.
 
 The pool starts zeroed, not empty: batched attention gathers padding keys from slot 0 and masks them, and a
 masked score is still computed first (NaN from uninitialized memory would survive the mask).

@@ -1,4 +1,4 @@
-"""One iteration's plan: which rows of which requests go through the model (SPEC §6).
+"""One iteration's plan: which rows of which requests go through the model.
 
 Every request in an iteration is a triple (q_start, q_end, kv_length = q_end):
 

@@ -1,4 +1,4 @@
-"""Llama-family blocks (SPEC §9): the dense block against transformers' LlamaModel, the TP block against the dense
+"""Llama-family blocks: the dense block against transformers' LlamaModel, the TP block against the dense
 one at every valid p, including K,V heads replicated once p exceeds h_kv. float64."""
 
 import functools

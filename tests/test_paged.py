@@ -1,4 +1,4 @@
-"""The paged KV cache (SPEC §10): block tables, prefix caching, preemption, and attention batched per layer.
+"""The paged KV cache: block tables, prefix caching, preemption, and attention batched per layer.
 
 Oracles: the cache-free dense recompute (greedy_reference), the per-request reference attention, and the same run
 without prefix caching. Float64 throughout.

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation (SPEC §8): tokens, K,V bytes and message counts against independent references."""
+"""Prefill/decode disaggregation: tokens, K,V bytes and message counts against independent references."""
 
 import math
 from collections import Counter

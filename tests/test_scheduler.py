@@ -1,4 +1,4 @@
-"""The ORCA scheduler and its plans, on host data only (no process group): SPEC §6's rules and seeds/05's numbers."""
+"""The ORCA scheduler and its plans, on host data only (no process group): its rules and seeds/05's numbers."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""v2sp (sequence parallelism, SPEC §11) against the dense stack, forward and backward, and its traffic against the
+"""v2sp (sequence parallelism) against the dense stack, forward and backward, and its traffic against the
 model: GPT-2 and Llama blocks, one sequence and varlen requests, T divisible by p and not."""
 
 from collections import Counter

@@ -9,7 +9,7 @@ pass, and its adjoint in the backward pass:
     gather_from_region    all-gather, last dim        split, last dim
     scatter_to_region     split, last dim             all-gather, last dim
 
-Sequence parallelism (SPEC §11) adds their row-wise counterparts, named as in Megatron-core:
+Sequence parallelism adds their row-wise counterparts, named as in Megatron-core:
 
     name                          forward                     backward
     scatter_rows_to_region        split, first dim            all-gather, first dim

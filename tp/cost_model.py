@@ -1,4 +1,4 @@
-"""The compute and memory side of the analytic model (SPEC §7; seeds/05 §3, seeds/06 §2-§6).
+"""The compute and memory side of the analytic model (seeds/05 §3, seeds/06 §2-§6).
 
 tp/traffic_model.py predicts the bytes a tensor-parallel block sends; this module
 adds what an iteration computes and loads, so one set of formulas answers
@@ -203,7 +203,7 @@ def mla_kv_elems_per_token_per_gpu(d_latent: int, d_rope: int = 0) -> float:
 
 
 def kv_bytes_per_token_per_rank(n_layers: int, n_kv_heads: int, d_head: int, p: int, elem_bytes: int) -> int:
-    """K and V of one token, every layer, on one of p head-aligned TP ranks (SPEC §9): 2·L·max(h_kv/p, 1)·d_head·e.
+    """K and V of one token, every layer, on one of p head-aligned TP ranks: 2·L·max(h_kv/p, 1)·d_head·e.
 
     p ≤ h_kv: h_kv/p K,V heads per rank (MHA, h_kv = h: 1/p of the whole cache); p > h_kv: one K,V head, the
     same one on p/h_kv ranks, so the per-rank cache stops shrinking at p = h_kv."""

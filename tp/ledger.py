@@ -8,7 +8,7 @@ finding none, does nothing more. Switched on with
         stack(x)
     ledger.records                  # one CommRecord per collective issued, forward and backward
 
-Bytes follow the ring model (SPEC §4) for the bytes each rank sends:
+Bytes follow the ring model for the bytes each rank sends:
 all-reduce of M elements 2(p-1)/p·M·e, all-gather to M elements and reduce-scatter of M elements (p-1)/p·M·e.
 Counting costs the host nothing: a record is written when the collective is issued, and nothing waits
 for the device. Per-collective times only when asked (`TrafficLedger(..., timing=True)`; run_block's

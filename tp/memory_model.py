@@ -1,4 +1,4 @@
-"""Activation memory per layer and rank: what autograd saves for backward in one block (SPEC §11).
+"""Activation memory per layer and rank: what autograd saves for backward in one block.
 
 The bytes of every tensor a block's forward keeps for its backward (launch/memory.py measures them, each storage
 once, parameters excluded), from the shapes alone, for one sequence of T rows on p ranks, e bytes per element

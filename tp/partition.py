@@ -21,7 +21,7 @@ def padded(n: int, p: int) -> int:
 
 
 def kv_head_range(n_kv_heads: int, rank: int, p: int) -> range:
-    """The K,V heads rank r of p holds under head-aligned TP (SPEC §9): h_kv/p of them while p ≤ h_kv; once
+    """The K,V heads rank r of p holds under head-aligned TP: h_kv/p of them while p ≤ h_kv; once
     p > h_kv one, the same head on p/h_kv ranks. Multi-head attention is h_kv = h."""
     if p <= n_kv_heads:
         per = n_kv_heads // p

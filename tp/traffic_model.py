@@ -26,7 +26,7 @@ K,V heads replicated (p > h_kv) would add an all-reduce of those heads' weight g
 their p/h_kv replicas, which is not modelled: nothing here trains. Their LM has the vocab-parallel embedding and an untied vocab-parallel head,
 so a serving iteration adds exactly what GPT-2's vocab-parallel LM adds.
 
-A serving iteration (SPEC §6; layers/lm.py) of T rows, S of them sampled, adds to the stack's
+A serving iteration (layers/lm.py) of T rows, S of them sampled, adds to the stack's
 collectives, outside any block: an all-gather of every rank's plan fingerprint (the engine
 checks that all ranks scheduled the same rows), and with the vocab-parallel embedding one
 all-reduce of [T, d] after the lookup and one all-gather of (max, argmax) pairs [S, 2] float64
@@ -185,7 +185,7 @@ def predict_control(p: int, payload: int, header: int) -> list[Traffic]:
     return msg
 
 
-# ---- prefill/decode disaggregation: K,V moved between two TP groups (SPEC §8, serve/pd/) ----------------
+# ---- prefill/decode disaggregation: K,V moved between two TP groups (serve/pd/) ----------------
 
 
 def head_overlaps(n_kv_heads: int, p_src: int, p_dst: int) -> list[tuple[int, int, int, int]]:

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation (SPEC §8, seeds/06): a prefill group and a decode group of TP ranks, one world.
+"""Prefill/decode disaggregation (seeds/06): a prefill group and a decode group of TP ranks, one world.
 
     global ranks 0 .. p_P−1: the prefill group;  p_P .. p_P+p_D−1: the decode group
 
