@@ -4,11 +4,11 @@
     torchrun --nproc_per_node=2 launch/run_block.py model=gpt2_small n_tokens=128   # one sequence
     torchrun --nproc_per_node=4 launch/run_block.py request_dist=lognormal request_count=16 request_mean=100
 
-    torchrun --nproc_per_node=4 launch/run_block.py model=llama_tiny                 # Llama blocks, GQA (v2)
+    torchrun --nproc_per_node=4 launch/run_block.py model=llama_tiny                 # Llama blocks, GQA (v2, v2sp)
 
 tp = WORLD_SIZE. Every rank validates the settings before the first collective,
 builds the same dense stack from `seed` (or hf_checkpoint), shards it, runs each
-variant (v1, v2, intra_head; Llama-family blocks: v2) and compares every layer's
+variant (v1, v2, intra_head; Llama-family blocks: v2 and v2sp) and compares every layer's
 output with the dense stack's. The traffic
 ledger then records every collective of a forward and a backward; it must equal
 the analytic model and CommDebugMode's counts (and, with profile=true, what a

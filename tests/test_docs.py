@@ -1,0 +1,104 @@
+"""The commands the README and docs/ show, checked against the code without running them: every launcher command's
+settings compose into the launcher's config (Hydra, and the launcher's own check of the command line), and every
+flag given to a script exists in that script's argument parser. A renamed setting or flag fails here, not in a
+newcomer's terminal. (make docs-check runs the quick commands themselves.)"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LAUNCHERS = {"launch/run_block.py": "config", "launch/serve.py": "serve"}
+COMMAND = re.compile(r"\.venv/bin/(torchrun|python)\s+([^`#\n]*)")
+
+
+def documented_commands() -> list[tuple[str, str, list[str]]]:
+    """(page:line, script or module, its arguments) for every `.venv/bin/torchrun ...` and `.venv/bin/python ...`
+    in the pages, in code blocks or inline; a line ending in a backslash continues on the next."""
+    out = []
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        for n, line in enumerate(lines):
+            for m in COMMAND.finditer(line):
+                if "#" in line[:m.start()]:  # inside a comment ("make serve  # = ..."): prose
+                    continue
+                text, k = m.group(2).rstrip(), n
+                while text.endswith("\\") and k + 1 < len(lines):
+                    k += 1
+                    text = text[:-1] + " " + lines[k].split("#")[0].strip()
+                try:
+                    argv = shlex.split(text)
+                except ValueError:  # an unbalanced quote inside prose: not a command
+                    continue
+                if m.group(1) == "torchrun":
+                    argv = [a for a in argv if not a.startswith("--")] if argv else argv
+                    script = next((a for a in argv if a.endswith(".py")), None)
+                    args = argv[argv.index(script) + 1:] if script else []
+                elif argv[:1] == ["-m"]:
+                    script, args = f"{argv[1]}/__main__.py", argv[2:]
+                elif argv and argv[0].endswith(".py"):
+                    script, args = argv[0], argv[1:]
+                else:
+                    continue
+                if script is not None:
+                    out.append((f"{page.relative_to(ROOT)}:{n + 1}", script, args))
+    return out
+
+
+COMMANDS = documented_commands()
+
+
+def test_the_pages_show_commands():
+    """The parser can fail: it finds the commands the pages are known to show."""
+    scripts = {script for _, script, _ in COMMANDS}
+    assert {"launch/run_block.py", "launch/serve.py", "serve/__main__.py", "benchmarks/bench_llm.py"} <= scripts
+    assert len(COMMANDS) >= 40
+
+
+def test_every_documented_launcher_setting_exists():
+    from hydra import compose, initialize_config_dir
+
+    import launch.serve  # noqa: F401 (registers the engine defaults conf/serve.yaml names)
+    from launch.settings import refuse_bad_arguments
+
+    bad = []
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        for where, script, args in COMMANDS:
+            if script not in LAUNCHERS:
+                continue
+            overrides = [a for a in args if "=" in a]
+            try:
+                refuse_bad_arguments([script, *overrides], 0, LAUNCHERS[script])
+                compose(LAUNCHERS[script], overrides=overrides)
+            except SystemExit:
+                bad.append(f"{where}: {script} {' '.join(overrides)} (refused by the launcher)")
+            except Exception as exc:  # Hydra: no such key, or a malformed override
+                bad.append(f"{where}: {script} {' '.join(overrides)} ({str(exc).splitlines()[0]})")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_documented_script_flag_exists():
+    bad = []
+    for where, script, args in COMMANDS:
+        if script in LAUNCHERS:
+            continue
+        path = ROOT / script
+        if not path.is_file():
+            bad.append(f"{where}: {script} does not exist")
+            continue
+        source = path.read_text()
+        for flag in (a.split("=", 1)[0] for a in args if a.startswith("--")):
+            if not re.search(rf"add_argument\(\s*[\"']{re.escape(flag)}[\"']", source):
+                bad.append(f"{where}: {script} has no flag {flag}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("page", [p.relative_to(ROOT) for p in PAGES], ids=str)
+def test_no_page_cites_a_document_the_reader_does_not_have(page):
+    text = (ROOT / page).read_text()
+    assert not re.search(r"SPEC §|SPEC\.md", text), "cite docs/background.md (or the page that explains it)"
