@@ -3,6 +3,7 @@
 # make serve  -- set up (once) and serve requests on SERVE_NPROC ranks, checked against the dense oracle
 # make bench  -- every benchmark, then docs/benchmarks.md
 # make gpu-check -- on a GPU node: NCCL runs, GPU-marked tests, bench_tp; one summary (skips without GPUs)
+# make docs-check -- every quick command of the README and docs/, run as written, its verdict beside the page's
 VENV    ?= .venv
 PYTHON  ?= python3
 NPROC   ?= 8
@@ -11,7 +12,7 @@ ARGS    ?=
 TORCH_VERSION ?= 2.13.0
 PY      := $(VENV)/bin/python
 
-.PHONY: setup demo serve test bench gpu-check clean
+.PHONY: setup demo serve test bench gpu-check docs-check clean
 
 setup: $(VENV)/.installed
 
@@ -61,6 +62,10 @@ bench: setup
 
 gpu-check: setup
 	$(PY) launch/gpu_check.py
+
+# Every quick command the README and docs/ show, run as written, its verdict beside the page's (slow: not in CI).
+docs-check: setup
+	$(PY) launch/docs_check.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache *.egg-info

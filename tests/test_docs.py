@@ -17,9 +17,10 @@ LAUNCHERS = {"launch/run_block.py": "config", "launch/serve.py": "serve"}
 COMMAND = re.compile(r"\.venv/bin/(torchrun|python)\s+([^`#\n]*)")
 
 
-def documented_commands() -> list[tuple[str, str, list[str]]]:
+def documented_commands(with_raw: bool = False) -> list[tuple]:
     """(page:line, script or module, its arguments) for every `.venv/bin/torchrun ...` and `.venv/bin/python ...`
-    in the pages, in code blocks or inline; a line ending in a backslash continues on the next."""
+    in the pages, in code blocks or inline; a line ending in a backslash continues on the next. with_raw: each also
+    with the whole command line as written (launch/docs_check.py runs it)."""
     out = []
     for page in PAGES:
         lines = page.read_text().splitlines()
@@ -32,7 +33,7 @@ def documented_commands() -> list[tuple[str, str, list[str]]]:
                     k += 1
                     text = text[:-1] + " " + lines[k].split("#")[0].strip()
                 try:
-                    argv = shlex.split(text)
+                    argv = raw = shlex.split(text)
                 except ValueError:  # an unbalanced quote inside prose: not a command
                     continue
                 if m.group(1) == "torchrun":
@@ -46,7 +47,7 @@ def documented_commands() -> list[tuple[str, str, list[str]]]:
                 else:
                     continue
                 if script is not None:
-                    out.append((f"{page.relative_to(ROOT)}:{n + 1}", script, args))
+                    out.append((f"{page.relative_to(ROOT)}:{n + 1}", script, args) + ((raw,) if with_raw else ()))
     return out
 
 
