@@ -14,7 +14,9 @@ before a change to the docs lands, not in CI.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -30,6 +32,20 @@ PLACEHOLDER = re.compile(r"DIR|/path/to|=P\b|=D\b|\.\.\.|<|>")
 RUNNABLE = ("launch/run_block.py", "launch/serve.py", "serve/__main__.py")
 
 
+def run(argv: list[str], timeout: float) -> subprocess.CompletedProcess | None:
+    """The command in a session of its own, so that past the timeout every process it started (torchrun's ranks)
+    is killed with it; None then."""
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 def verdict(proc: subprocess.CompletedProcess) -> str:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
     if lines:
@@ -38,7 +54,7 @@ def verdict(proc: subprocess.CompletedProcess) -> str:
     if errors:
         return errors[0][errors[0].index("error: "):]
     tail = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
-    return f"exit {proc.returncode}: {tail[:100]}"
+    return f"exit {proc.returncode}: {tail[:100]}"  # python -m serve prints the completion and exits 0
 
 
 def shown(line: str, page: str) -> bool:
@@ -56,8 +72,8 @@ def main() -> int:
     rows = []
     for where, script, rest, raw in documented_commands(with_raw=True):
         page = where.split(":")[0]
-        if script not in RUNNABLE or (args.only and page != args.only):
-            continue
+        if script not in RUNNABLE or (args.only and page != args.only) or (script == "serve/__main__.py" and not rest):
+            continue  # not runnable here, another page, or a mention of the command rather than a command
         if PLACEHOLDER.search(" ".join(rest)):
             rows.append((where, "skipped (a placeholder to fill in)", ""))
             continue
@@ -70,10 +86,10 @@ def main() -> int:
                 if "--standalone" not in torchrun:
                     argv.insert(1, "--standalone")
             start = time.monotonic()
-            try:
-                proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
-            except subprocess.TimeoutExpired:
+            proc = run(argv, args.timeout)
+            if proc is None:
                 rows.append((where, f"skipped (over {args.timeout:g} s)", ""))
+                print(f"{where}: {rows[-1][1]}", flush=True)
                 continue
         line = verdict(proc)
         on_page = shown(line, page)

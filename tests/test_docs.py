@@ -103,3 +103,19 @@ def test_every_documented_script_flag_exists():
 def test_no_page_cites_a_document_the_reader_does_not_have(page):
     text = (ROOT / page).read_text()
     assert not re.search(r"SPEC §|SPEC\.md", text), "cite docs/background.md (or the page that explains it)"
+
+
+@pytest.mark.parametrize("config,page", [("config", "docs/block.md"), ("serve", "docs/serving.md")])
+def test_each_launcher_page_names_every_setting(config, page):
+    """Every setting of a launcher's config (its top-level keys; pd.* and model.* as groups) is named, in backticks,
+    on the page that documents the launcher: a new setting without a word there fails."""
+    from launch.settings import known_settings
+
+    import launch.serve  # noqa: F401 (the engine defaults conf/serve.yaml takes from EngineConfig)
+
+    text = (ROOT / page).read_text()
+    named = set(re.findall(r"`([\w.]+)(?:[=`\s(])", text)) | {k.split(".")[0] + ".*" for k in
+                                                             re.findall(r"`(\w+)\.\*`", text)}
+    keys = {k for k in known_settings(config) if "." not in k}
+    missing = sorted(k for k in keys if k not in named and f"{k}.*" not in named)
+    assert not missing, f"{page} does not name {missing}"
