@@ -431,6 +431,8 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     result = engine.run(s.requests)
     checks = oracle_check(dense, s, result, ctx) if s.check else None
     report = build_report(s, ctx, result, checks)
+    if ctx.is_main:
+        add_text(report["requests"], s.hf_checkpoint)
     report["load"] = load
     report["embedding_bytes_per_rank"] = lm.embed.weight.numel() * lm.embed.weight.element_size()
     report["lm_head_tied"] = s.model.family == "gpt2" or s.model.tie_word_embeddings  # Llama: mostly a separate head
@@ -559,6 +561,16 @@ class Progress:
             tokens = sum(len(r.output) for r in sched.by_id.values())
             print(f"progress: iteration {record['iteration']}, {done}/{self.n} requests finished, "
                   f"{tokens} tokens generated", flush=True)
+
+
+def add_text(requests: list[dict], hf_checkpoint: str | None) -> None:
+    """A checkpoint with tokenizer files: each request's generated ids decoded (requests[i].text); nothing otherwise."""
+    from serve.llm import load_tokenizer
+
+    tok = load_tokenizer(hf_checkpoint)
+    if tok is not None:
+        for req in requests:
+            req["text"] = tok.decode(req["output_ids"], skip_special_tokens=True)
 
 
 def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | None) -> dict:

@@ -45,6 +45,20 @@ def _eos(c: dict) -> str:
     return "" if eos is None else f"; eos_id={eos}" + (f" ({c['eos_from']})" if c.get("eos_from") else "")
 
 
+def render_texts(requests: list[dict], most: int = 8, width: int = 100) -> list[str]:
+    """With a checkpoint's tokenizer (launch/serve.add_text): each request's generated text, one line each."""
+    texts = [(q["request"], q["text"]) for q in requests if "text" in q]
+    if not texts:
+        return []
+    lines = ["", "generated text (the checkpoint's tokenizer; report.json: requests[i].text):"]
+    for rid, text in texts[:most]:
+        shown = repr(text)
+        lines.append(f"  {rid}: {shown if len(shown) <= width else shown[:width - 1] + '…'}")
+    if len(texts) > most:
+        lines.append(f"  ... and {len(texts) - most} more")
+    return lines
+
+
 def first_ids(ids: list[int], n: int = 4) -> str:
     """The first n generated ids, as the request table shows them: '464 3290 318 …'."""
     return " ".join(map(str, ids[:n])) + (" …" if len(ids) > n else "")
@@ -86,6 +100,7 @@ def render(r: dict) -> str:
              q.get("match", "not checked")] for q in r["requests"]]
     lines.append(format_table(["request", "arrives at iter", "prompt", "prefix hits", "generated", "first ids",
                                "preempted", "TTFT ms", "mean TBT ms", "match"], rows))
+    lines += render_texts(r["requests"])
     lines += [
         "",
         f"generated {t['generated_tokens']} tokens in {t['iterations']} iterations, {t['time_s']:.2f} s "

@@ -483,3 +483,21 @@ def test_the_scheduler_and_block_manager_import_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_the_launcher_shows_the_generated_text_when_the_checkpoint_has_a_tokenizer(checkpoints, tmp_path):
+    """launch/serve.py with a checkpoint that has tokenizer files: report.json keeps each request's text, decoded by
+    the checkpoint's tokenizer, and the report prints it; without tokenizer files, nothing is added."""
+    from launch.serve import add_text
+    from launch.serve_report import render_texts
+
+    tok = transformers.AutoTokenizer.from_pretrained(checkpoints["gpt2"])
+    ids = tok("café naïve 中文")["input_ids"]
+    requests = [{"request": 0, "output_ids": ids}, {"request": 1, "output_ids": ids[:2]}]
+    add_text(requests, str(checkpoints["gpt2"]))
+    assert requests[0]["text"] == "café naïve 中文" and requests[1]["text"] == tok.decode(ids[:2])
+    lines = render_texts(requests)
+    assert lines[1].startswith("generated text") and lines[2] == "  0: 'café naïve 中文'"
+    bare = [{"request": 0, "output_ids": ids}]
+    add_text(bare, str(tmp_path))  # a directory without tokenizer files
+    assert "text" not in bare[0] and render_texts(bare) == []
