@@ -266,7 +266,8 @@ def refuse_bad_arguments(argv: list[str], rank: int, config_name: str) -> None:
     - `+key=value` naming a setting it has: the '+' is not needed (Hydra would refuse it with a traceback).
     `++key=value` of an existing setting is an ordinary override, and Hydra's own `hydra.*` settings pass."""
     presets = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
-    known = known_settings(config_name)
+    chosen = [a.split("=", 1)[1] for a in argv[1:] if a.startswith("model=")]
+    known = known_settings(config_name, chosen[-1] if chosen and chosen[-1] in presets else None)
     script = Path(argv[0]).name if argv else config_name
     for arg in argv[1:]:
         key, _, value = arg.lstrip("+").partition("=")
@@ -285,9 +286,10 @@ def refuse_bad_arguments(argv: list[str], rank: int, config_name: str) -> None:
             sys.exit(2)
 
 
-def known_settings(config_name: str) -> set[str]:
+def known_settings(config_name: str, preset: str | None = None) -> set[str]:
     """Every setting a launcher's config can hold, dotted (`chunk_size`, `pd.timeout_s`, `model.d_ffn`): the keys of
-    conf/<config_name>.yaml, of the structured nodes its defaults list names (ConfigStore), of every model preset."""
+    conf/<config_name>.yaml, of the structured nodes its defaults list names (ConfigStore), and of the model preset
+    (`preset`, or the config's default one)."""
     from hydra.core.config_store import ConfigStore
 
     keys: set[str] = set()
@@ -303,11 +305,14 @@ def known_settings(config_name: str) -> set[str]:
     base = OmegaConf.load(CONF / f"{config_name}.yaml")
     walk(base)
     for entry in base.get("defaults", []):
-        stored = ConfigStore.instance().repo.get(f"{entry}.yaml") if isinstance(entry, str) else None
-        if stored is not None:
-            walk(stored.node)
-    for preset in (CONF / "model").glob("*.yaml"):
-        walk(OmegaConf.load(preset), "model.")
+        if isinstance(entry, str):
+            stored = ConfigStore.instance().repo.get(f"{entry}.yaml")
+            if stored is not None:
+                walk(stored.node)
+        elif preset is None and "model" in entry:
+            preset = entry["model"]
+    if preset is not None:
+        walk(OmegaConf.load(CONF / "model" / f"{preset}.yaml"), "model.")
     return keys
 
 

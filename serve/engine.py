@@ -480,8 +480,7 @@ class LLMEngine:
         """Rank 0: each row's chosen logprob and its top-N into the request's output."""
         for rid, row in zip(sampled, rows):
             o = self._outputs.get(rid)
-            n = self.scheduler.by_id[rid].params.logprobs
-            if o is None or n is None:
+            if o is None or (n := self.scheduler.by_id[rid].params.logprobs) is None:
                 continue
             step = {int(t): lp for t, lp in zip(row[3:3 + width][:n], row[3 + width:3 + 2 * width][:n])}
             step[int(row[0])] = row[2]
@@ -631,6 +630,12 @@ class Engine:
     @torch.no_grad()
     def run(self, requests: list[Request]) -> ServeResult:
         c = self.settings
+        ids = [r.id for r in requests]  # every rank refuses what rank 0 alone would (before any collective)
+        if len(set(ids)) != len(ids):
+            raise SchedulerError(f"request ids {sorted({i for i in ids if ids.count(i) > 1})} are given twice")
+        done = [r.id for r in requests if r.finished]
+        if done:
+            raise SchedulerError(f"requests {done} have finished already: give new Request objects")
         for r in requests:
             if r.params is not None and r.sampling_seed is None:
                 r.sampling_seed = r.params.seed if r.params.seed is not None else request_seed(self.seed, r.id)

@@ -171,9 +171,7 @@ class Scheduler:
         """The plan of iteration `index`; None when no request gets a row: nothing has arrived yet and nothing runs
         (or waiting requests cannot get blocks while nothing runs: the engine refuses to spin on that)."""
         while self.pending and self.pending[0].arrival <= index:
-            r = self.pending.popleft()
-            if not r.finished:  # a handed-over request can finish on arrival (its first token was eos_id)
-                self.waiting.append(r)
+            self.waiting.append(self.pending.popleft())
         self._rows, self._left = {}, self.budget
         preempted: list[Request] = []
         self.preempted_waiting: list[int] = []

@@ -103,6 +103,7 @@ BAD = [
     (2, ["+temperature=0.7"], "unknown setting 'temperature' (+temperature=0.7): run_block.py has no such setting",
      "conf/config.yaml"),
     (2, ["++model.n_expertz=4"], "unknown setting 'model.n_expertz'", ""),
+    (2, ["model=article03", "+model.n_kv_heads=2"], "unknown setting 'model.n_kv_heads'", ""),  # a GPT-2 preset
     (2, ["+repeats=2"], "+repeats=2: repeats is a setting already; write repeats=2", ""),
 ]
 if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
@@ -148,6 +149,8 @@ def test_settings_phase_joins_the_group_for_good_settings():
     # Hydra's own settings pass
     with pytest.raises(JoinedTheGroup):
         settings_phase(["++block_size=8", "++pd.timeout_s=5", "+hydra.job.name=x"], world=2, script="serve.py")
+    with pytest.raises(JoinedTheGroup):  # a key of the chosen preset
+        settings_phase(["model=llama_tiny", "++model.n_kv_heads=4", "n_tokens=8"], world=2, script="run_block.py")
 
 
 def test_gpu_check_skips_cleanly_without_gpus():

@@ -260,7 +260,8 @@ def eos_first(ctx):
     reqs = make_requests([(9, 4, 0)])
     first = greedy_reference(dense, reqs[0].prompt, 1).ids[0]
     res = serve_pd(dense, ctx, Layout(1, 1), reqs, chunk_size=5, max_batched_tokens=12, eos_id=first)
-    return res.requests[0]["output_ids"] == [first] and res.requests[0]["first_decode_s"] is None
+    q = res.requests[0]  # handed over (its K,V moved), ended by token 1: no decode row, but a transfer time
+    return q["output_ids"] == [first] and q["first_decode_s"] is None and q["transfer_s"] is not None
 
 
 def test_requests_arriving_with_their_prompt_cached_join_as_decodes():

@@ -139,11 +139,12 @@ def _combine(every: list[dict], layout: Layout, requests: list[Request]) -> PDRe
                "first_decode_s": None,
                "kv_bytes": sum(t["bytes"] for t in out.transfers if t["request"] == r.id and t["kind"] == "send"
                                and t["site"] == "pd/kv")}
-        d = dec_req.get(r.id)
+        received = dec["times"]["received_at"].get(r.id)  # every handed-over request, even one token 1 ended
+        if received is not None:
+            row["transfer_s"] = received - pre["times"]["done_at"][r.id]
+        d = dec_req.get(r.id)  # None: never handed over, or ended at token 1 (never added to the decode engine)
         if d is not None:
             row["output_ids"], row["logits"] = d["output_ids"], p["logits"] + d["logits"]
-            received = dec["times"]["received_at"][r.id]
-            row["transfer_s"] = received - pre["times"]["done_at"][r.id]
             if d["token_times_s"]:
                 row["first_decode_s"] = dec["started_at"] + d["token_times_s"][0] - received
         out.requests.append(row)
