@@ -61,41 +61,41 @@ def test_the_pages_show_commands():
     assert len(COMMANDS) >= 40
 
 
-def test_every_documented_launcher_setting_exists():
+PLACEHOLDER = re.compile(r"DIR|/path/to|=P\b|=D\b|\.\.\.")
+
+
+def test_every_documented_launcher_command_passes_the_settings_phase():
+    """Each launcher command's settings exist (Hydra composes them after the launcher's own argument check), and
+    where it names no placeholder, the settings phase of its last rank passes at the page's rank count (in process,
+    tests/launching.py: everything a rank checks before it meets the others, e.g. heads that split over p)."""
     from hydra import compose, initialize_config_dir
 
     import launch.serve  # noqa: F401 (registers the engine defaults conf/serve.yaml names)
     from launch.settings import refuse_bad_arguments
+    from tests.launching import JoinedTheGroup, settings_phase
 
     bad = []
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        for where, script, args in COMMANDS:
-            if script not in LAUNCHERS:
-                continue
-            overrides = [a for a in args if "=" in a]
-            try:
+    for where, script, args, raw in documented_commands(with_raw=True):
+        if script not in LAUNCHERS:
+            continue
+        overrides = [a for a in args if "=" in a]
+        nproc = next((int(a.split("=")[1]) for a in raw if re.fullmatch(r"--nproc_per_node=\d+", a)), 1)
+        try:
+            if PLACEHOLDER.search(" ".join(overrides)):  # a value to fill in: the settings must still exist
                 refuse_bad_arguments([script, *overrides], 0, LAUNCHERS[script])
-                compose(LAUNCHERS[script], overrides=overrides)
-            except SystemExit:
-                bad.append(f"{where}: {script} {' '.join(overrides)} (refused by the launcher)")
-            except Exception as exc:  # Hydra: no such key, or a malformed override
-                bad.append(f"{where}: {script} {' '.join(overrides)} ({str(exc).splitlines()[0]})")
-    assert not bad, "\n".join(bad)
-
-
-def test_every_documented_script_flag_exists():
-    bad = []
-    for where, script, args in COMMANDS:
-        if script in LAUNCHERS:
+                with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+                    compose(LAUNCHERS[script], overrides=overrides)
+                continue
+            proc = settings_phase(overrides, world=nproc, script=Path(script).name)
+        except JoinedTheGroup:  # the settings passed: a real rank would now meet the others
             continue
-        path = ROOT / script
-        if not path.is_file():
-            bad.append(f"{where}: {script} does not exist")
+        except SystemExit:
+            bad.append(f"{where}: {script} {' '.join(overrides)} (refused by the launcher)")
             continue
-        source = path.read_text()
-        for flag in (a.split("=", 1)[0] for a in args if a.startswith("--")):
-            if not re.search(rf"add_argument\(\s*[\"']{re.escape(flag)}[\"']", source):
-                bad.append(f"{where}: {script} has no flag {flag}")
+        except Exception as exc:  # Hydra: no such key, or a malformed override
+            bad.append(f"{where}: {script} {' '.join(overrides)} ({str(exc).splitlines()[0]})")
+            continue
+        bad.append(f"{where}: {script} {' '.join(overrides)} on {nproc} ranks: {proc.stderr.strip()}")
     assert not bad, "\n".join(bad)
 
 
