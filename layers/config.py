@@ -10,8 +10,9 @@ from tp.dist import ConfigError
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The default check: max |tp - dense| / max |dense| per layer. float32 is the strict check; the
-# half-precision bounds are measured rounding of p partial sums (docs/precision.md).
-DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+# half-precision bounds are about 1.6x (bfloat16) and 1.9x (float16) the worst measured rounding of every default
+# variant, v2sp included, at p = 2, 4, 8 (docs/precision.md).
+DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 5e-2, torch.float16: 6e-3}
 VARIANTS = ("v1", "v2", "intra_head")  # every rank holds the whole residual stream [n, d]
 SP_VARIANTS = ("v2sp",)  # sequence parallelism: each rank holds n/p rows between sub-layers (layers/tp_block.SPStack)
 ALL_VARIANTS = VARIANTS + SP_VARIANTS  # what run_block runs

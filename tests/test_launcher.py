@@ -66,10 +66,10 @@ def test_bfloat16_end_to_end(tmp_path):
     proc, _ = launch_on_pool(2, "dtype=bfloat16", "variants=[v2]", "repeats=1", run_dir=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["config"]["dtype"] == "bfloat16" and report["config"]["tolerance"] == 3e-2
+    assert report["config"]["dtype"] == "bfloat16" and report["config"]["tolerance"] == 5e-2
     assert report["equivalent"] is True and report["traffic_ok"] is True
     first = report["variants"]["v2"]["layers"][0]
-    assert 0 < first["max_rel_err"] <= 3e-2
+    assert 0 < first["max_rel_err"] <= 3e-2  # v2's rounding: 1.3e-2 measured (docs/precision.md)
     assert first["collectives"][0]["logical_bytes"] == 40 * 512 * 2  # [10 + 30 tokens, d] of 2-byte elements
 
 
