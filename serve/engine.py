@@ -526,12 +526,11 @@ class Recorder(StepHook):
         self.arrived_at: dict[int, float] = {}
         self.token_times: dict[int, list[float]] = {}
         self.logits: dict[int, list[float]] = {}
-        self.t0 = self.hits_before = 0.0
+        self.t0 = 0.0
         self.before: tuple[int, int, int] = (0, 0, 0)
 
     def before_schedule(self, engine: "LLMEngine") -> None:
         self.t0 = time.perf_counter()
-        self.hits_before = sum(r.prefix_hit for r in engine.scheduler.by_id.values())
 
     def before_forward(self, engine: "LLMEngine", plan: IterationPlan) -> None:
         sched = engine.scheduler
@@ -568,7 +567,7 @@ class Recorder(StepHook):
             "score_entries": plan.score_entries(), "cache_rows_read": plan.cache_rows_read(),
             "blocks_used": blocks_used, "kv_bytes_per_rank": blocks_used * engine.runner.cache.bytes_per_block,
             "time_s": t1 - self.t0,
-            "prefix_hit_tokens": sum(r.prefix_hit for r in sched.by_id.values()) - self.hits_before,
+            "prefix_hit_tokens": plan.prefix_hits,
             "positions_held": positions_held, "running": running,
             "start_s": self.t0 - self.result.started_at,  # when this iteration began, from the run's start
         }

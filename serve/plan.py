@@ -45,6 +45,7 @@ class IterationPlan:
     chunks: tuple[Chunk, ...]
     admitted: tuple[int, ...] = ()  # requests that joined the running set at this iteration
     preempted: tuple[int, ...] = ()  # requests that gave their blocks back at this iteration, to recompute later
+    prefix_hits: int = 0  # prompt tokens whose K,V the requests admitted now found in the prefix cache
 
     @property
     def rows(self) -> int:

@@ -180,7 +180,7 @@ class Scheduler:
         for r in decodes + carried:  # decodes first: one row each (max_running <= budget: they always fit)
             if r in self.running and self._left > 0:
                 self._reserve(r, 1 if r.decoding else self.chunk_size, preempted)
-        admitted = []
+        admitted, hits = [], 0
         while self.waiting and self._left > 0 and len(self.running) < self.max_running:
             r = self.waiting[0]
             if r.id in self.preempted_waiting:  # preempted in this iteration: not admitted again at once
@@ -208,6 +208,7 @@ class Scheduler:
                 if self.reserve_capacity:
                     self.blocks.grow(r.id, r.capacity)
                 r.computed = len(hit) * self.blocks.block_size
+                hits += min(r.computed, len(r.prompt))
                 r.prefix_hit += min(r.computed, len(r.prompt))  # every admission: a resumed one may find its own
                 if r.num_cached_tokens is None:
                     r.num_cached_tokens = min(r.computed, len(r.prompt))
@@ -228,7 +229,7 @@ class Scheduler:
         if not chunks:
             return None
         return IterationPlan(index, tuple(chunks), tuple(admitted),
-                             tuple(v.id for v in preempted) + tuple(self.preempted_waiting))
+                             tuple(v.id for v in preempted) + tuple(self.preempted_waiting), hits)
 
     def positions_held(self) -> int:
         """Token positions whose K,V the running requests hold once this iteration's rows are written (a shared

@@ -208,6 +208,7 @@ def prefix_rows(ctx, block_size):
                      prefix_cache=cache).run(workload())
         runs[cache] = ([r["output_ids"] for r in res.requests], res.rows_computed, res.prefix_hit_tokens,
                        [r["prefix_hit_tokens"] for r in res.requests])
+        assert sum(it["prefix_hit_tokens"] for it in res.iterations) == res.prefix_hit_tokens  # per iteration too
     return runs, want, [len(r.prompt) for r in workload()]
 
 
