@@ -31,7 +31,7 @@ $(VENV)/.installed: pyproject.toml
 	else \
 	  $(PY) -m pip install "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu; \
 	fi
-	$(PY) -m pip install -q -e ".[test,hf]"
+	$(PY) -m pip install -q -e ".[test,hf,api]"
 	touch $@
 
 demo: setup

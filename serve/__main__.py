@@ -5,13 +5,17 @@
 
 Prints the completion (its text; its token ids where the model has no tokenizer) and a line on stderr with the
 finish reason and the time. Engine settings as --block-size, --max-num-batched-tokens, --max-num-seqs, ...
+(serve/config.py FLAGS: vLLM's flag names).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
+
+from serve.config import add_engine_flags, engine_from_flags
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,20 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0, help="random weights of a preset are drawn from it")
-    ap.add_argument("--block-size", type=int)
-    ap.add_argument("--max-num-batched-tokens", type=int)
-    ap.add_argument("--max-num-seqs", type=int)
-    ap.add_argument("--num-gpu-blocks", type=int)
+    add_engine_flags(ap)
     args = ap.parse_args(argv)
     if (args.prompt is None) == (args.prompt_ids is None):
         ap.error("give one of --prompt TEXT or --prompt-ids 1,2,3")
     from serve import LLM, SamplingParams
     from serve.llm import has_tokenizer
 
-    settings = {k: v for k, v in (("block_size", args.block_size), ("max_num_batched_tokens", args.max_num_batched_tokens),
-                                  ("max_num_seqs", args.max_num_seqs), ("num_gpu_blocks_override", args.num_gpu_blocks))
-                if v is not None}
     try:
+        config = engine_from_flags(args)
         if args.prompt is not None and not has_tokenizer(args.model):
             raise ValueError(f"--prompt needs a tokenizer: {args.model} has none (a preset, or a directory without "
                              f"tokenizer files); pass --prompt-ids 1,2,3")
@@ -49,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
         start = time.perf_counter()
         with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, seed=args.seed,
-                 **settings) as llm:
+                 **dataclasses.asdict(config)) as llm:
             ready = time.perf_counter()
             out = llm.generate([prompt] if isinstance(prompt, str) else [prompt], params)[0]
             done = time.perf_counter()

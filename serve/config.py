@@ -94,3 +94,41 @@ class EngineConfig:
     def pool_blocks(self, max_seq_len: int) -> int:
         """Blocks in each rank's pool: kv_blocks, or enough for max_running requests at the full context."""
         return self.kv_blocks or self.max_running * ceil_div(max_seq_len, self.block_size)
+
+
+# The engine's settings as command-line flags (python -m serve, python -m serve.api): vLLM's flag names where vLLM has
+# the setting, ours where it has not.
+FLAGS = {"--block-size": "block_size", "--max-num-batched-tokens": "max_batched_tokens",
+         "--max-num-seqs": "max_running", "--long-prefill-token-threshold": "chunk_size",
+         "--num-gpu-blocks-override": "kv_blocks", "--enable-prefix-caching": "prefix_cache",
+         "--attention": "attention"}
+
+
+def add_engine_flags(parser) -> None:
+    """Add the engine's flags to an argparse parser; each defaults to EngineConfig's own default."""
+    import argparse
+
+    group = parser.add_argument_group("engine settings (EngineConfig; vLLM's flag names)")
+    for flag, name in FLAGS.items():
+        default = getattr(EngineConfig, name)
+        if name == "prefix_cache":
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default,
+                               help=f"{name} (default: on)")
+        elif name == "attention":
+            group.add_argument(flag, dest=name, choices=ATTENTION_MODES, default=default, help=f"{name}")
+        else:
+            aliases = ["--num-gpu-blocks"] if name == "kv_blocks" else []
+            group.add_argument(flag, *aliases, dest=name, type=int, default=default,
+                               help=f"{name} (default: {default})")
+
+
+def engine_from_flags(args) -> "EngineConfig":
+    """The EngineConfig the parsed flags describe (ValueError, one line naming the flag, when a value is bad)."""
+    values = {name: getattr(args, name) for name in FLAGS.values()}
+    try:
+        return EngineConfig(**values)
+    except ValueError as exc:
+        message = str(exc)
+        for flag, name in FLAGS.items():
+            message = message.replace(f"{name}=", f"{flag}=")
+        raise ValueError(message) from None

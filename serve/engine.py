@@ -285,6 +285,10 @@ class LLMEngine:
         self.last_iteration: dict | None = None  # the record of the last step that ran a forward
         self.iterations = 0
         self.busy_s = 0.0  # wall time inside step() that ran a forward, summed (rank 0's clock)
+        # running totals for a server's /metrics (stats())
+        self.prefix_hit_tokens = 0  # prompt tokens whose K,V the prefix cache gave, at every admission
+        self.prefix_queried_tokens = 0  # prompt tokens of every admission (the hit rate's denominator)
+        self.collective_bytes_per_rank = 0.0  # sent by each rank in the steps' collectives (the ledger's count)
         # rank 0 only: what arrived since the last step, and the request ids users gave
         self._new: list[Request] = []
         self._aborts: list[int] = []
@@ -353,6 +357,17 @@ class LLMEngine:
     def free_blocks(self) -> int:
         return self.scheduler.blocks.num_free
 
+    def stats(self) -> dict:
+        """Rank 0's view, cheap enough for every step: the pool, the queues, running totals, the last iteration's
+        traffic record."""
+        return {"num_blocks": self.num_blocks, "free_blocks": self.free_blocks,
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "iterations": self.iterations, "busy_s": self.busy_s, "preemptions": self.scheduler.preemptions,
+                "prefix_hit_tokens": self.prefix_hit_tokens, "prefix_queried_tokens": self.prefix_queried_tokens,
+                "collective_bytes_per_rank": self.collective_bytes_per_rank,
+                "oracle": next((dict(h.verdicts) for h in self.hooks if hasattr(h, "verdicts")), None),
+                "last_iteration": self.last_iteration}
+
     # -- every rank: one step ----------------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -380,6 +395,9 @@ class LLMEngine:
             return self._outputs_of([], aborts)
         sampled = [c.request for c in plan.chunks if c.sample]
         rows = result.to_host()  # ★ the step's one wait for the device
+        self.prefix_hit_tokens += plan.prefix_hits
+        self.prefix_queried_tokens += sum(len(self.scheduler.by_id[rid].prompt) for rid in plan.admitted)
+        self.collective_bytes_per_rank += sum(r.traffic().bytes_per_rank for r in self.ledger.records)
         finished = self.scheduler.update(plan, {rid: int(row[0]) for rid, row in zip(sampled, rows)})
         if result.logprob is not None:
             self._logprobs(sampled, rows, result.top_ids.shape[1])

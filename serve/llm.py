@@ -147,6 +147,7 @@ class LLM:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._stopped: set[str] = set()  # ended by a stop string here: the engine's later output is dropped
         self._count = 0
+        self.last_stats: dict | None = None  # rank 0's stats() after the last step()
         self._prefix = f"generate-{secrets.token_hex(4)}-"  # generate()'s request ids: no clash with the caller's
         self._start(spec)
 
@@ -282,7 +283,8 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """One iteration on every rank; a RequestOutput for each request that got a token or finished."""
-        return self._receive(self._call("step"))
+        outputs, self.last_stats = self._call("step")
+        return self._receive(outputs)
 
     def _receive(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Text for rank 0's outputs, and stop strings: a request whose text now holds one ends here ("stop") and is
@@ -314,10 +316,18 @@ class LLM:
             out.append(o)
         return out
 
+    def check_health(self) -> None:
+        """RuntimeError (every rank stopped) if a rank has failed or died; nothing is sent to the ranks."""
+        if self._closed:
+            raise RuntimeError("this LLM is shut down")
+        self._check_ranks("check_health")
+
     def stats(self) -> dict:
-        """Rank 0's view: num_blocks, free_blocks, running, waiting, iterations, and the last iteration's record
-        (its collectives, bytes per rank, and whether they equal the model's)."""
-        return self._call("stats")
+        """Rank 0's view: num_blocks, free_blocks, running, waiting, iterations, preemptions, prefix-cache hit and
+        queried tokens, collective bytes sent per rank so far, and the last iteration's record (its collectives,
+        bytes per rank, and whether they equal the model's). After each step() the same dict is in last_stats."""
+        self.last_stats = self._call("stats")
+        return self.last_stats
 
     # -- offline: generate --------------------------------------------------------------------------------------------
 

@@ -148,11 +148,7 @@ def _driven(engine, conn, timeout_s: float) -> None:
         "abort_request": engine.abort_request,
         "step": engine.step,
         "has_unfinished_requests": engine.has_unfinished_requests,
-        "stats": lambda: {"num_blocks": engine.num_blocks, "free_blocks": engine.free_blocks,
-                          "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
-                          "iterations": engine.iterations, "busy_s": engine.busy_s,
-                          "oracle": next((dict(h.verdicts) for h in engine.hooks if hasattr(h, "verdicts")), None),
-                          "last_iteration": engine.last_iteration},
+        "stats": engine.stats,
     }
     every = min(KEEP_ALIVE_S, timeout_s / 4)
     while True:
@@ -177,8 +173,9 @@ def _driven(engine, conn, timeout_s: float) -> None:
         if op == "run":  # generate(): step until nothing is left, each step's outputs sent without waiting for the
             _run(engine, conn)  # driver, which decodes them while the next step runs
             continue
-        if op == "step":
-            conn.send(("ok", engine.step()))
+        if op == "step":  # the step's outputs, and the pool and queues after it (a server's /metrics reads them)
+            outputs = engine.step()
+            conn.send(("ok", (outputs, engine.stats())))
             continue
         try:  # the other calls change nothing when they refuse: the caller's error, and the engine goes on
             result = calls[op](*args)

@@ -1,0 +1,134 @@
+"""python -m serve.api --model DIR --tensor-parallel-size N --host 127.0.0.1 --port 8000 [engine flags]
+
+Starts the ranks (as `LLM` does), then serves OpenAI's API on host:port until SIGTERM or SIGINT: taking no new
+requests, it lets those in flight finish for --shutdown-timeout seconds, aborts the rest, stops the ranks and exits 0.
+If a rank fails, in-flight requests get an error, new ones a 503, and the process exits 1 with no rank left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+import sys
+import time
+
+from serve.config import add_engine_flags, engine_from_flags
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m serve.api", description="An OpenAI-compatible server on the TP engine.")
+    ap.add_argument("--model", required=True, help="a save_pretrained directory with tokenizer files")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000, help="0: a free port (printed when ready)")
+    ap.add_argument("--served-model-name", help="the name requests give as `model` (default: --model as given)")
+    ap.add_argument("--tokenizer", help="a directory with tokenizer files (default: the model's)")
+    ap.add_argument("--dtype", default="auto", help="auto (the checkpoint's torch_dtype, else float32) or a dtype")
+    ap.add_argument("--seed", type=int, default=0, help="seeds requests that give none (reproducible per server run)")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    ap.add_argument("--moe-parallel", default="tp", help="tp | ep | ep_a2a (Mixtral checkpoints)")
+    ap.add_argument("--queue-timeout", type=float, default=300.0,
+                    help="seconds a request may wait for its first token before it is answered 503")
+    ap.add_argument("--shutdown-timeout", type=float, default=10.0,
+                    help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are aborted")
+    ap.add_argument("--iteration-log", help="write one JSON line per engine step here (who got tokens, who joined)")
+    ap.add_argument("--log-level", default="warning", help="uvicorn's: info shows every request")
+    add_engine_flags(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        config = engine_from_flags(args)
+        for name in ("queue_timeout", "shutdown_timeout"):
+            if not getattr(args, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be a positive number of seconds")
+        dtype = resolve_dtype(args.dtype, args.model)
+        sock = bind(args.host, args.port)  # before the ranks start: a port in use fails fast
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from serve import LLM
+    from serve.api.app import build_app
+    from serve.api.async_engine import AsyncEngine
+    from serve.api.metrics import ServerMetrics
+
+    start = time.perf_counter()
+    try:
+        llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=dtype, seed=args.seed,
+                  tokenizer=args.tokenizer, device=args.device, moe_parallel=args.moe_parallel,
+                  **dataclasses.asdict(config))
+    except ValueError as exc:
+        sock.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if llm.tokenizer is None:
+        llm.shutdown()
+        sock.close()
+        print(f"error: {args.model} has no tokenizer files; the server takes and returns text: pass --tokenizer DIR",
+              file=sys.stderr)
+        return 2
+    name = args.served_model_name or args.model
+    metrics = ServerMetrics()
+    server: uvicorn.Server | None = None
+
+    def failed() -> None:
+        if server is not None:
+            server.should_exit = True
+
+    engine = AsyncEngine(llm, queue_timeout_s=args.queue_timeout, iteration_log=args.iteration_log, metrics=metrics,
+                         on_failure=failed)
+    metrics.engine = engine
+    app = build_app(engine, model_name=name, tokenizer=llm.tokenizer, max_model_len=llm.model_config.max_seq_len,
+                    metrics=metrics)
+    grace = args.shutdown_timeout
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # SIGTERM / SIGINT: no new requests; in-flight ones get grace
+            engine.drain(grace)
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=grace + 2,
+                                   timeout_keep_alive=5))
+    engine.start()
+    host, port = sock.getsockname()[:2]
+    print(f"serving {name} on http://{host}:{port}/v1 (tensor_parallel_size={args.tensor_parallel_size}, "
+          f"{llm.backend}, {llm.device}, dtype {dtype}; ready in {time.perf_counter() - start:.1f} s)", flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.drain(0)
+        engine.done.wait(grace + 15)  # the ranks stop within LLM.shutdown's own 10 s
+    if engine.failed is not None:
+        print(f"error: the engine failed: {engine.detail}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def resolve_dtype(name: str, model: str) -> str:
+    if name != "auto":
+        return name
+    from layers.hf import checkpoint_dtype
+
+    return (checkpoint_dtype(model) if os.path.isdir(model) else None) or "float32"
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""The HTTP routes: OpenAI's completions, chat completions and models, plus /health and /metrics.
+
+Each request becomes one engine request per prompt (ids `cmpl-<hex>-<i>`), whose events arrive in one asyncio
+queue. A stream's response starts once every prompt has its first token (so a request refused or timed out in the
+queue still gets a proper status), then sends one server-sent event per new piece of text. A client that goes
+away, streaming or not, is noticed within a poll (POLL_S) or at the next send, and its requests are aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from serve.api.metrics import CONTENT_TYPE
+from serve.api.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Logprobs, created, new_id, parse,
+                                render_chat, usage)
+
+POLL_S = 0.25  # while waiting for the engine: how often a handler asks whether its client is still there
+
+
+class Submission:
+    """One HTTP request's engine requests and their events, (index, event), in arrival order."""
+
+    def __init__(self, engine, base: str, prompts: list[tuple[str | None, list[int]]], params: list):
+        self.engine, self.loop, self.queue = engine, asyncio.get_running_loop(), asyncio.Queue()
+        self.ids = [f"{base}-{i}" for i in range(len(prompts))]
+        self.open = set(range(len(prompts)))  # not yet finished: aborted if the client goes away
+        for i, ((text, ids), q) in enumerate(zip(prompts, params)):
+            engine.submit(self.ids[i], ids, text, q, self._sink(i))
+
+    def _sink(self, i: int):
+        def put(event) -> None:  # on the engine thread
+            try:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, event))
+            except RuntimeError:  # the loop has closed (the server is stopping): nobody is listening
+                pass
+        return put
+
+    async def next(self, request: Request):
+        """The next event, or None when the client has gone away."""
+        get = asyncio.ensure_future(self.queue.get())
+        while True:
+            done, _ = await asyncio.wait({get}, timeout=POLL_S)
+            if done:
+                i, event = get.result()
+                if event[0] != "output" or event[1].finished:
+                    self.open.discard(i)
+                return i, event
+            if await request.is_disconnected():
+                get.cancel()
+                return None
+
+    def abort_open(self) -> None:
+        for i in self.open:
+            self.engine.abort(self.ids[i])
+        self.open.clear()
+
+
+def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, metrics) -> FastAPI:
+    app = FastAPI(title="tpref OpenAI-compatible server")
+
+    def error(exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def body_of(request: Request):
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(400, f"the model `{name}` does not exist; this server serves `{model_name}`", "model",
+                           "model_not_found")
+        if not engine.accepting:
+            raise APIError(503, "the server is shutting down" if engine.failed is None else
+                           f"the engine has failed: {engine.failed}", code="unavailable")
+
+    def encode(text: str, special: bool = True) -> list[int]:
+        return tokenizer(text, add_special_tokens=special)["input_ids"]
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error(exc)
+
+    @app.get("/health")
+    async def health():
+        if engine.failed is not None:
+            return error(APIError(503, f"the engine has failed: {engine.failed}", code="engine_failed"))
+        if not engine.accepting:
+            return error(APIError(503, "the server is shutting down", code="shutting_down"))
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created(),
+                                            "owned_by": "tpref", "max_model_len": max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse(CompletionRequest, await body_of(request))
+        req.refuse_unsupported()
+        check_model(req.model)
+        prompts = [(p, encode(p)) if isinstance(p, str) else (None, list(p)) for p in req.prompts()]
+        params = [req.sampling_params(req.max_tokens or 16, req.logprobs) for _ in prompts]
+        return await answer(request, "completion", req, prompts, params, req.logprobs)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = parse(ChatCompletionRequest, await body_of(request))
+        req.refuse_unsupported()
+        check_model(req.model)
+        text = render_chat(tokenizer, req.messages)
+        ids = encode(text, special=False)  # a template writes its own special tokens
+        most = req.max_completion_tokens or req.max_tokens or max(1, max_model_len - len(ids) + 1)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        return await answer(request, "chat", req, [(text, ids)], [req.sampling_params(most, top)], top)
+
+    async def answer(request: Request, kind: str, req, prompts, params, top: int | None):
+        sub = Submission(engine, new_id("cmpl" if kind == "completion" else "chatcmpl"), prompts, params)
+        shape = Shape(kind, sub.ids[0].rsplit("-", 1)[0], model_name, tokenizer, top)
+        try:
+            if not req.stream:
+                finals: dict[int, object] = {}
+                while len(finals) < len(prompts):
+                    event = await sub.next(request)
+                    if event is None:
+                        return Response(status_code=499)  # the client is gone; nobody reads this
+                    i, (what, value) = event
+                    if what == "error":
+                        raise value
+                    if what == "abort" or value.finished:
+                        finals[i] = value
+                return shape.full([finals[i] for i in range(len(prompts))], [len(ids) for _, ids in prompts])
+            started: list = []  # each prompt's events until it has its first token (or has ended)
+            waiting = set(range(len(prompts)))
+            while waiting:
+                event = await sub.next(request)
+                if event is None:
+                    sub.abort_open()
+                    return Response(status_code=499)
+                i, (what, value) = event
+                if what == "error":
+                    raise value
+                started.append(event)
+                waiting.discard(i)
+        except BaseException:
+            sub.abort_open()
+            raise
+        if not req.stream:
+            return None
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return StreamingResponse(stream(request, sub, shape, started, [len(ids) for _, ids in prompts],
+                                        include_usage), media_type="text/event-stream")
+
+    async def stream(request, sub: Submission, shape: "Shape", started: list, prompt_tokens: list[int],
+                     include_usage: bool):
+        sent = [Sent() for _ in prompt_tokens]
+        try:
+            if shape.kind == "chat":
+                for i in range(len(prompt_tokens)):
+                    yield shape.sse(shape.chunk(i, None, role=True))
+            pending = list(started)
+            while sub.open or pending:
+                event = pending.pop(0) if pending else await sub.next(request)
+                if event is None:
+                    return
+                i, (what, value) = event
+                if what == "error":
+                    yield f"data: {json.dumps(value.body())}\n\n"
+                    return
+                piece = shape.piece(i, value, sent[i])
+                if piece is not None:
+                    yield shape.sse(piece)
+            if include_usage:
+                done = sum(s.tokens for s in sent)
+                yield shape.sse(dict(shape.head(), choices=[], usage=usage(sum(prompt_tokens), done)))
+            yield "data: [DONE]\n\n"
+        finally:
+            sub.abort_open()
+
+    return app
+
+
+class Sent:
+    """What a stream has sent of one choice: characters of text, tokens."""
+
+    def __init__(self):
+        self.chars = self.tokens = 0
+
+
+class Shape:
+    """The response objects of one endpoint (OpenAI's text_completion or chat.completion, full or as chunks)."""
+
+    def __init__(self, kind: str, rid: str, model: str, tokenizer, top: int | None):
+        self.kind, self.rid, self.model = kind, rid, model
+        self.logprobs = None if top is None else Logprobs(tokenizer, top)
+        self.created = created()
+
+    def head(self, chunk: bool = True) -> dict:
+        obj = ("text_completion" if self.kind == "completion" else
+               "chat.completion.chunk" if chunk else "chat.completion")
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    @staticmethod
+    def sse(obj: dict) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    def _logprobs(self, c, start: int, offset: int):
+        if self.logprobs is None or c is None or c.logprobs is None:
+            return None
+        ids, steps = c.token_ids[start:], c.logprobs[start:len(c.token_ids)]
+        return (self.logprobs.completion(ids, steps, offset) if self.kind == "completion" else
+                self.logprobs.chat(ids, steps))
+
+    def chunk(self, i: int, c, *, role: bool = False, text: str = "", reason=None, logprobs=None) -> dict:
+        if self.kind == "completion":
+            choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        else:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return dict(self.head(), choices=[choice])
+
+    def piece(self, i: int, value, sent: Sent) -> dict | None:
+        """The chunk for what is new in a choice since the last one sent (None: nothing new to say)."""
+        if value is None:  # aborted by the server's shutdown
+            return self.chunk(i, None, reason="abort")
+        c = value.outputs[0]
+        text = c.text[sent.chars:]
+        if not text and not value.finished:
+            return None  # tokens whose text is held back (half a character, or maybe a stop string)
+        logprobs = self._logprobs(c, sent.tokens, sent.chars)
+        sent.chars, sent.tokens = len(c.text), len(c.token_ids)
+        return self.chunk(i, c, text=text, reason=c.finish_reason if value.finished else None, logprobs=logprobs)
+
+    def full(self, finals: list, prompt_tokens: list[int]) -> dict:
+        choices, done = [], 0
+        for i, value in enumerate(finals):
+            c = None if value is None else value.outputs[0]
+            text, reason = ("", "abort") if c is None else (c.text, c.finish_reason)
+            done += 0 if c is None else len(c.token_ids)
+            logprobs = self._logprobs(c, 0, 0)
+            if self.kind == "completion":
+                choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
+            else:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                                "finish_reason": reason})
+        return dict(self.head(chunk=False), choices=choices, usage=usage(sum(prompt_tokens), done))

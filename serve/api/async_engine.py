@@ -1,0 +1,219 @@
+"""The engine behind the HTTP server: one thread owns the `LLM` (its pipe to rank 0) and steps it while there is
+work; the server's handlers, on the asyncio loop, only put operations in its queue and read their requests' events.
+
+    handlers (asyncio)  --ops queue-->  engine thread: take ops, step, hand out outputs  --pipe-->  rank 0 ...
+                        <--events---
+
+Continuous batching: a request added while others run is in the control message of the very next step, so it joins
+the running batch there (the scheduler admits it when the budget allows), not after the batch drains. With no
+request live the thread blocks on its queue (no spin; rank 0 keeps the other ranks alive meanwhile, serve/worker.py)
+and checks every half second that no rank has died.
+
+Events a request's sink receives, on the engine thread (the sink hands them to the loop):
+
+    ("output", RequestOutput)   the request moved (cumulative tokens and text; finished=True at the end)
+    ("error", APIError)         refused (400), timed out in the queue (503), or the engine failed (503)
+    ("abort", None)             ended by the server's shutdown after the grace period
+
+A client that goes away is aborted at the next step (its blocks go back to the pool there); nothing more is sent to
+it. A request that has not produced its first token queue_timeout_s after it arrived is aborted and answered 503.
+When a rank fails, every live request gets an error, `failed` says why, and on_failure() is called (the server
+exits non-zero); the ranks are stopped either way when the thread ends.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from serve.api.protocol import APIError
+
+IDLE_CHECK_S = 0.5  # with nothing live: how often the thread looks at the ranks
+
+
+@dataclass
+class Live:
+    sink: Callable
+    arrival: float  # time.monotonic() when submitted
+    prompt_tokens: int
+    first: float | None = None  # when its first token arrived here
+    tokens: int = 0
+
+
+class AsyncEngine:
+    def __init__(self, llm, *, queue_timeout_s: float = 300.0, iteration_log: str | None = None, metrics=None,
+                 on_failure: Callable[[], None] | None = None):
+        self.llm, self.queue_timeout_s, self.metrics = llm, queue_timeout_s, metrics
+        self.on_failure = on_failure
+        self.failed: str | None = None  # why the engine failed (one line)
+        self.detail: str | None = None
+        self.stats: dict = llm.stats()  # rank 0's pool and queues, after the last step
+        self.steps = 0
+        self._ops: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, Live] = {}
+        self._aborted: list[str] = []  # since the last step, for the iteration log
+        self._settle = False  # aborts sent since the engine was last seen empty: step until it has applied them
+        self._accepting = True
+        self._deadline: float | None = None  # draining: live requests are aborted at this time
+        self._log = open(iteration_log, "w", buffering=1) if iteration_log else None
+        self._start = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.done = threading.Event()
+
+    # -- the loop's side ---------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request_id: str, prompt_ids: list[int], text: str | None, params, sink: Callable) -> None:
+        """Queue a request; its events go to sink (called on the engine thread). APIError(503) at once when the
+        server is failing or shutting down."""
+        if self.failed is not None:
+            raise APIError(503, f"the engine has failed: {self.failed}", code="engine_failed")
+        if not self._accepting:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        self._ops.put(("add", (request_id, prompt_ids, text, params, sink, time.monotonic())))
+
+    def abort(self, request_id: str) -> None:
+        """The client is gone: abort at the next step, send it nothing more."""
+        self._ops.put(("abort", request_id))
+
+    def drain(self, grace_s: float) -> None:
+        """Stop taking requests; live ones may finish for grace_s, then they are aborted and the ranks stopped."""
+        self._accepting = False
+        self._ops.put(("drain", time.monotonic() + grace_s))
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self.failed is None
+
+    # -- the engine thread -------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                busy = bool(self._live)
+                self._take(block=not busy and not self._settle)
+                self._expire()
+                if self._live:
+                    self._step()
+                elif self._settle:  # the engine may still hold aborted requests: the next step frees their blocks
+                    self._settle = False
+                    if self.llm.has_unfinished_requests():
+                        self._step()
+                        self._settle = True
+                elif self._deadline is not None:
+                    return  # drained
+                else:
+                    self.llm.check_health()
+        except BaseException as exc:  # noqa: BLE001 - a rank failed or died: every live request hears it
+            self.detail = str(exc) or type(exc).__name__  # with the ranks' tracebacks: the server's log prints it
+            self.failed = self.detail.splitlines()[0]
+            self._accepting = False
+            error = APIError(503, f"the engine failed: {self.failed}", code="engine_failed")
+            for live in self._live.values():
+                live.sink(("error", error))
+            self._live.clear()
+            if self.on_failure is not None:
+                self.on_failure()
+        finally:
+            try:
+                self.llm.shutdown()
+            finally:
+                if self._log is not None:
+                    self._log.close()
+                self.done.set()
+
+    def _take(self, block: bool) -> None:
+        """Apply every queued operation; with block, wait up to IDLE_CHECK_S for the first."""
+        try:
+            op = self._ops.get(timeout=IDLE_CHECK_S) if block else self._ops.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, arg = op
+            if kind == "add":
+                self._add(*arg)
+            elif kind == "abort":
+                if self._live.pop(arg, None) is not None:
+                    self._send_abort(arg)
+            elif kind == "drain":
+                self._deadline = arg
+            try:
+                op = self._ops.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, request_id, prompt_ids, text, params, sink, arrival) -> None:
+        if not self._accepting:
+            sink(("error", APIError(503, "the server is shutting down", code="shutting_down")))
+            return
+        try:
+            self.llm.add_request(request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params)
+        except ValueError as exc:
+            message = str(exc)
+            param = "max_tokens" if "max_tokens" in message else "prompt"
+            sink(("error", APIError(400, message, param)))
+            return
+        self._live[request_id] = Live(sink, arrival, len(prompt_ids))
+
+    def _send_abort(self, request_id: str) -> None:
+        self.llm.abort_request(request_id)
+        self._aborted.append(request_id)
+        self._settle = True
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid, live in list(self._live.items()):
+            if live.first is None and now - live.arrival > self.queue_timeout_s:
+                del self._live[rid]
+                self._send_abort(rid)
+                live.sink(("error", APIError(503, f"no token after {now - live.arrival:.1f} s in the queue (the "
+                                                  f"server's queue timeout is {self.queue_timeout_s:g} s); try "
+                                                  f"again later", code="queue_timeout")))
+        if self._deadline is not None and now >= self._deadline:
+            for rid, live in list(self._live.items()):
+                del self._live[rid]
+                self._send_abort(rid)
+                live.sink(("abort", None))
+
+    def _step(self) -> None:
+        outputs = self.llm.step()
+        self.stats = self.llm.last_stats
+        self.steps += 1
+        now = time.monotonic()
+        new_tokens, first, finished = {}, [], {}
+        for o in outputs:
+            live = self._live.get(o.request_id)
+            if live is None:  # aborted here already (its client is gone)
+                continue
+            n = len(o.outputs[0].token_ids)
+            if n > live.tokens:
+                new_tokens[o.request_id] = n - live.tokens
+                if live.first is None:
+                    live.first = now
+                    first.append(o.request_id)
+                    if self.metrics is not None:
+                        self.metrics.first_token(now - live.arrival)
+                live.tokens = n
+            if o.finished:
+                del self._live[o.request_id]
+                finished[o.request_id] = o.outputs[0].finish_reason
+                self._settle = True  # a stop string ended it here: the engine aborts it at its next step
+                if self.metrics is not None:
+                    self.metrics.finished(o.outputs[0].finish_reason, live.prompt_tokens, n,
+                                          (now - live.first) / (n - 1) if live.first is not None and n > 1 else None)
+            live.sink(("output", o))
+        if self.metrics is not None:
+            self.metrics.generated(sum(new_tokens.values()))
+        if self._log is not None:
+            s = self.stats
+            self._log.write(json.dumps({"step": self.steps, "t": round(now - self._start, 6),
+                                        "running": s["running"], "waiting": s["waiting"],
+                                        "free_blocks": s["free_blocks"], "tokens": new_tokens, "first": first,
+                                        "finished": finished, "aborted": self._aborted}) + "\n")
+        self._aborted = []

@@ -1,0 +1,112 @@
+"""GET /metrics: Prometheus text, vLLM's metric names under the `tpref:` prefix.
+
+    tpref:num_requests_running / _waiting        the engine's queues after the last step (gauges)
+    tpref:kv_blocks_used / tpref:kv_blocks_free  each rank's pool of KV blocks (every rank holds the same tables)
+    tpref:prefix_cache_hit_rate                  prompt tokens found in the prefix cache / prompt tokens admitted
+    tpref:prefix_cache_hits_total, tpref:prefix_cache_queries_total   the same, as counters (tokens)
+    tpref:num_preemptions_total                  requests preempted (recomputed later) so far
+    tpref:time_to_first_token_seconds            histogram: request arrived here -> its first token here
+    tpref:time_per_output_token_seconds          histogram: per request, (finished - first token) / (tokens - 1)
+    tpref:prompt_tokens_total, tpref:generation_tokens_total   tokens of finished requests' prompts; tokens made
+    tpref:generation_tokens_per_second           tokens made in the last WINDOW_S seconds / WINDOW_S
+    tpref:request_success_total{finished_reason} requests ended: stop, length, abort
+    tpref:collective_bytes_per_rank_total        bytes each rank sent in the steps' collectives (the ledger's count,
+                                                 which every step checks against the analytic model)
+    tpref:engine_steps_total                     steps run
+
+The engine's numbers are rank 0's stats() after the last step (serve/async_engine.py keeps them); the times are
+taken in the server's process, so they include the HTTP side's queueing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+WINDOW_S = 10.0
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram("tpref:time_to_first_token_seconds", "Time to first token (s)", buckets=TTFT_BUCKETS,
+                              registry=self.registry)
+        self.tpot = Histogram("tpref:time_per_output_token_seconds", "Time per output token after the first (s)",
+                              buckets=TPOT_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Counter("tpref:prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=self.registry)
+        self.generation_tokens = Counter("tpref:generation_tokens", "Tokens generated", registry=self.registry)
+        self.success = Counter("tpref:request_success", "Requests ended, by finish reason", ["finished_reason"],
+                               registry=self.registry)
+        self._window: deque[tuple[float, int]] = deque()
+        self._lock = threading.Lock()
+        self.engine = None  # the AsyncEngine whose stats the gauges read
+        self.registry.register(_EngineCollector(self))
+
+    # called by the engine thread
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def generated(self, n: int) -> None:
+        if n:
+            self.generation_tokens.inc(n)
+            with self._lock:
+                self._window.append((time.monotonic(), n))
+
+    def finished(self, reason: str | None, prompt_tokens: int, tokens: int, tpot: float | None) -> None:
+        self.success.labels(finished_reason=reason or "abort").inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        if tpot is not None:
+            self.tpot.observe(tpot)
+
+    def tokens_per_second(self) -> float:
+        with self._lock:
+            cut = time.monotonic() - WINDOW_S
+            while self._window and self._window[0][0] < cut:
+                self._window.popleft()
+            return sum(n for _, n in self._window) / WINDOW_S
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """The gauges and counters read off the engine at each scrape."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        engine = self.metrics.engine
+        if engine is None:
+            return
+        s = engine.stats
+
+        def gauge(name, doc, value):
+            return GaugeMetricFamily(name, doc, value=value)
+
+        def counter(name, doc, value):
+            return CounterMetricFamily(name, doc, value=value)
+
+        yield gauge("tpref:num_requests_running", "Requests running in the engine", s["running"])
+        yield gauge("tpref:num_requests_waiting", "Requests waiting in the engine", s["waiting"])
+        yield gauge("tpref:kv_blocks_used", "KV blocks in use (each rank's pool)", s["num_blocks"] - s["free_blocks"])
+        yield gauge("tpref:kv_blocks_free", "KV blocks free (each rank's pool)", s["free_blocks"])
+        queried = s["prefix_queried_tokens"]
+        yield gauge("tpref:prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens admitted",
+                    s["prefix_hit_tokens"] / queried if queried else 0.0)
+        yield counter("tpref:prefix_cache_hits", "Prompt tokens found in the prefix cache", s["prefix_hit_tokens"])
+        yield counter("tpref:prefix_cache_queries", "Prompt tokens admitted", queried)
+        yield counter("tpref:num_preemptions", "Requests preempted", s["preemptions"])
+        yield counter("tpref:collective_bytes_per_rank", "Bytes each rank sent in collectives",
+                      s["collective_bytes_per_rank"])
+        yield counter("tpref:engine_steps", "Engine steps run", engine.steps)
+        yield gauge("tpref:generation_tokens_per_second", f"Tokens generated per second over the last {WINDOW_S:g} s",
+                    self.metrics.tokens_per_second())
