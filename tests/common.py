@@ -4,7 +4,7 @@ import torch
 
 from layers.config import ARTICLE03, DEFAULT_TOLERANCE, ModelConfig
 
-__all__ = ["ARTICLE03", "REL_TOL", "SMALL", "collective_counts", "dense_and_input", "rel_err"]
+__all__ = ["ARTICLE03", "REL_TOL", "SMALL", "collective_counts", "dense_and_input", "rel_err", "train_tokenizer"]
 from layers.dense import DenseStack, init_weights
 from tp.ledger import collective_kind
 
@@ -32,3 +32,22 @@ def collective_counts(counts: dict) -> dict[str, int]:
             kind = collective_kind(op)
             out[kind] = out.get(kind, 0) + n
     return out
+
+
+CORPUS = ["the quick brown fox jumps over the lazy dog", "tensor parallel serving is exact",
+          "café naïve résumé über", "中文 字符 测试", "emoji 🙂 🚀 ok", "numbers 12345 67890"] * 20
+
+
+def train_tokenizer(path):
+    """A byte-level BPE trained here (no downloads), saved as transformers saves a tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    fast.save_pretrained(path)
+    return fast

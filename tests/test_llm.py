@@ -22,6 +22,7 @@ from layers.moe import MoEConfig
 from serve.config import EngineConfig
 from serve.engine import LLMEngine
 from serve.sampling_params import SamplingParams
+from tests.common import train_tokenizer
 from tests.harness import run_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -167,25 +168,6 @@ def test_sampling_params_and_engine_config_refuse_bad_values():
 # ---- LLM from plain Python: ranks started here, text in and out ---------------------------------------------------
 
 transformers = pytest.importorskip("transformers", reason="the transformers oracle needs pip install -e .[hf]")
-
-CORPUS = ["the quick brown fox jumps over the lazy dog", "tensor parallel serving is exact",
-          "café naïve résumé über", "中文 字符 测试", "emoji 🙂 🚀 ok", "numbers 12345 67890"] * 20
-
-
-def train_tokenizer(path):
-    """A byte-level BPE trained here (no downloads), saved as transformers saves a tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
-    fast.save_pretrained(path)
-    return fast
-
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):

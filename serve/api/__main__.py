@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import socket
 import sys
 import time
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
 
     server = Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=grace + 2,
                                    timeout_keep_alive=5))
+    for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn restores these and re-sends the signal it caught when it
+        signal.signal(sig, lambda *_: None)      # returns: ignored then, so the ranks are stopped below and we exit 0
     engine.start()
     host, port = sock.getsockname()[:2]
     print(f"serving {name} on http://{host}:{port}/v1 (tensor_parallel_size={args.tensor_parallel_size}, "

@@ -156,7 +156,9 @@ class AsyncEngine:
             self.llm.add_request(request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params)
         except ValueError as exc:
             message = str(exc)
-            param = "max_tokens" if "max_tokens" in message else "prompt"
+            context = getattr(getattr(self.llm, "model_config", None), "max_seq_len", None)
+            alone_fits = context is None or len(prompt_ids) <= context
+            param = "max_tokens" if "max_tokens" in message and alone_fits else "prompt"
             sink(("error", APIError(400, message, param)))
             return
         self._live[request_id] = Live(sink, arrival, len(prompt_ids))

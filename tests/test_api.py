@@ -1,0 +1,485 @@
+"""The OpenAI-compatible server (python -m serve.api) at p = 2 on loopback, driven by the official `openai` client.
+
+Oracle: `LLM.generate` on the same checkpoint with the same seeds and settings (float64), itself checked against
+transformers in test_llm.py; every step's collectives are checked against the traffic model inside the server's
+engine (check_ledger), so a step that moved other bytes would fail the request. The engine thread's queue
+timeout, drain and failure paths are also run against a scripted stand-in for LLM (no processes)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+import transformers
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve.api.async_engine import AsyncEngine
+from serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from serve.sampling_params import SamplingParams
+from tests.common import train_tokenizer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "tiny-gpt2"
+PROMPTS = ["the quick brown", "café ü", "tensor parallel serving is"]
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick brown"}]
+CHAT_TEXT = "system: be brief\nuser: the quick brown\nassistant:"  # the plain template, written out by hand
+LIVE = [f"{w} {i}" for i, w in enumerate(["the quick", "tensor", "café", "numbers", "emoji", "serving",
+                                          "the lazy", "parallel"] * 2)]
+SAMPLED = dict(temperature=0.8, top_p=0.9, seed=7)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(1)
+    path = tmp_path_factory.mktemp("api") / "gpt2"
+    tok = train_tokenizer(path)
+    cfg = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=2, n_positions=128, vocab_size=len(tok),
+                                  eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    model = transformers.GPT2LMHeadModel(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """Every request the server tests send, through LLM.generate (the offline run)."""
+    from serve import LLM
+
+    with LLM(str(checkpoint), tensor_parallel_size=2, dtype="float64") as llm:
+        chat_ids = llm.tokenizer(CHAT_TEXT, add_special_tokens=False)["input_ids"]
+        return {
+            "greedy": llm.generate(PROMPTS, SamplingParams(max_tokens=10, logprobs=1)),
+            "sampled": llm.generate(PROMPTS[2], SamplingParams(max_tokens=12, ignore_eos=True, **SAMPLED))[0],
+            "chat": llm.generate([chat_ids], SamplingParams(max_tokens=8, ignore_eos=True))[0],
+            "live": llm.generate(LIVE, [SamplingParams(max_tokens=16, temperature=1.0, seed=100 + i, ignore_eos=True)
+                                        for i in range(len(LIVE))]),
+            "chat_ids": chat_ids,
+        }
+
+
+class Server:
+    """python -m serve.api in a subprocess, on a free port; its output drained in the background."""
+
+    def __init__(self, checkpoint, *flags, timeout=180):
+        self.log = Path(str(checkpoint) + f"-{time.monotonic_ns()}.jsonl")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "serve.api", "--model", str(checkpoint), "--tensor-parallel-size", "2",
+             "--port", "0", "--dtype", "float64", "--served-model-name", MODEL, "--iteration-log", str(self.log),
+             *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        self.lines: list[str] = []
+        deadline = time.monotonic() + timeout
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("serving "):
+                break
+            assert time.monotonic() < deadline, "".join(self.lines)
+        else:
+            raise AssertionError(f"the server exited ({self.proc.wait()}): {''.join(self.lines)}")
+        self.url = line.split(" on ", 1)[1].split()[0]  # http://127.0.0.1:PORT/v1
+        self.ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
+                                                     text=True).stdout.split()]
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+        self.client = openai.OpenAI(base_url=self.url, api_key="none", max_retries=0, timeout=60)
+
+    def post(self, path: str, body) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url.removesuffix("/v1") + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return {(s.name + ("" if not s.labels else str(sorted(s.labels.items())))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def steps(self) -> list[dict]:
+        return [json.loads(line) for line in self.log.read_text().splitlines()]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").is_file() and Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    s = Server(checkpoint, "--shutdown-timeout", "1")
+    yield s
+    s.stop()
+
+
+def test_the_openai_client_gets_what_generate_gives(server, reference):
+    c = server.client
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    # completions: a batch of prompts, greedy, with logprobs (the chosen tokens' logprobs identify the tokens)
+    got = c.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=10, temperature=0, logprobs=1)
+    for choice, want in zip(sorted(got.choices, key=lambda ch: ch.index), reference["greedy"]):
+        w = want.outputs[0]
+        assert choice.text == w.text and choice.finish_reason == w.finish_reason
+        assert len(choice.logprobs.token_logprobs) == len(w.token_ids)
+        for lp, t, step in zip(choice.logprobs.token_logprobs, w.token_ids, w.logprobs):
+            assert abs(lp - step[t]) < 1e-9
+    assert got.usage.completion_tokens == sum(len(o.outputs[0].token_ids) for o in reference["greedy"])
+    assert got.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in reference["greedy"])
+    # streamed and sampled with a seed: the pieces add up to generate's text
+    want = reference["sampled"].outputs[0]
+    chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, stream=True,
+                                       extra_body={"ignore_eos": True},
+                                       stream_options={"include_usage": True}, **SAMPLED))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want.text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert len([ch for ch in chunks if ch.choices]) >= 3  # pieces as they were made, not one at the end
+    # chat, whole and streamed: the plain template (this tokenizer has none)
+    want = reference["chat"].outputs[0]
+    full = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert full.choices[0].message.content == want.text and full.choices[0].message.role == "assistant"
+    assert full.usage.prompt_tokens == len(reference["chat_ids"]) and full.usage.completion_tokens == 8
+    parts = list(c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True}))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == want.text
+    assert parts[-1].choices[0].finish_reason == "length"
+
+
+def stream_text(client, i: int, out: dict, delay: float) -> None:
+    time.sleep(delay)
+    stream = client.completions.create(model=MODEL, prompt=LIVE[i], max_tokens=16, temperature=1.0, seed=100 + i,
+                                       stream=True, extra_body={"ignore_eos": True})  # ignore_eos: vLLM's extra
+    texts, rid = [], None
+    for chunk in stream:
+        rid = chunk.id
+        texts.append(chunk.choices[0].text)
+    out[i] = (rid + "-0", "".join(texts))
+
+
+def test_live_clients_join_the_running_batch_and_get_the_offline_tokens(server, reference):
+    out: dict = {}
+    threads = [threading.Thread(target=stream_text, args=(server.client, i, out, 0.12 * i)) for i in range(len(LIVE))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(out) == list(range(len(LIVE)))
+    for i, want in enumerate(reference["live"]):
+        assert out[i][1] == want.outputs[0].text, i
+    steps = server.steps()
+    first = {rid: s["step"] for s in steps for rid in s["first"]}
+    end = {rid: s["step"] for s in steps for rid in s["finished"]}
+    ids = [rid for rid, _ in out.values()]
+    # a request joined a running batch: its first token came while another one was between its first and last
+    joined = [r for r in ids if any(first[q] < first[r] < end[q] for q in ids if q != r)]
+    assert len(joined) >= len(ids) // 2, (joined, first, end)
+    assert max(s["running"] for s in steps) >= 4
+
+
+def test_a_client_that_disconnects_is_aborted_at_the_next_step(server):
+    total = server.metrics()["tpref:kv_blocks_free"]
+    stream = server.client.completions.create(model=MODEL, prompt="the quick brown", max_tokens=100,
+                                              stream=True, extra_body={"ignore_eos": True})
+    rid = None
+    for n, chunk in enumerate(stream):
+        rid = chunk.id + "-0"
+        if n == 2:
+            break
+    stream.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["tpref:kv_blocks_free"] == total and m["tpref:num_requests_running"] == 0:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"blocks not freed: {m}")
+    steps = server.steps()
+    at = next(i for i, s in enumerate(steps) if rid in s["aborted"])
+    # the step that carried the abort freed its blocks; it got no token from then on
+    assert steps[at]["free_blocks"] == total and steps[at]["running"] == 0
+    assert not any(rid in s["tokens"] for s in steps[at:])
+    assert sum(s["tokens"].get(rid, 0) for s in steps) < 100
+
+
+BAD = [
+    (b"{not json", None, "invalid_json"),
+    ([1, 2], None, None),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, "max_tokens", None),
+    ({"model": MODEL, "prompt": 5}, "prompt", None),
+    ({"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature", None),
+    ({"model": MODEL, "prompt": "the " * 130, "max_tokens": 4}, "prompt", None),  # longer than the context
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 200}, "max_tokens", None),  # cannot fit in 128 positions
+    ({"model": "gpt-4o", "prompt": "hi"}, "model", "model_not_found"),
+    ({"model": MODEL, "prompt": "hi", "n": 2}, "n", None),
+    ({"model": MODEL, "prompt": "hi", "stop": [1]}, "stop", None),
+]
+BAD_CHAT = [
+    ({"model": MODEL, "messages": []}, "messages", None),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", None),
+]
+
+
+def test_bad_requests_get_400_with_openais_error_and_the_server_goes_on(server):
+    for path, cases in (("/completions", BAD), ("/chat/completions", BAD_CHAT)):
+        for body, param, code in cases:
+            status, answer = server.post(path, body)
+            assert status == 400, (body, answer)
+            err = answer["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+            assert err["param"] == param and err["code"] == code and err["message"], (body, err)
+    with pytest.raises(openai.BadRequestError, match="does not exist"):
+        server.client.completions.create(model="gpt-4o", prompt="hi")
+    ok = server.client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens >= 1 and ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_metrics_count_what_was_served(server):
+    before = server.metrics()
+    long = "the quick brown fox jumps over the lazy dog " * 3  # shares its first blocks with the second request
+    a = server.client.completions.create(model=MODEL, prompt=long, max_tokens=5, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    b = server.client.completions.create(model=MODEL, prompt=long + "again", max_tokens=5, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    after = server.metrics()
+
+    def delta(name):
+        return after[name] - before.get(name, 0.0)
+
+    assert delta("tpref:generation_tokens_total") == 10
+    assert delta("tpref:prompt_tokens_total") == a.usage.prompt_tokens + b.usage.prompt_tokens
+    assert delta("tpref:request_success_total[('finished_reason', 'length')]") == 2
+    assert delta("tpref:time_to_first_token_seconds_count") == 2
+    assert delta("tpref:time_per_output_token_seconds_count") == 2
+    assert delta("tpref:prefix_cache_hits_total") >= 16  # at least one block of 16 found cached
+    assert delta("tpref:prefix_cache_queries_total") == a.usage.prompt_tokens + b.usage.prompt_tokens
+    assert delta("tpref:collective_bytes_per_rank_total") > 0 and delta("tpref:engine_steps_total") >= 10
+    assert after["tpref:kv_blocks_used"] == 0 and after["tpref:num_requests_waiting"] == 0
+    assert 0 < after["tpref:prefix_cache_hit_rate"] <= 1 and after["tpref:generation_tokens_per_second"] > 0
+
+
+def cpu_ticks(pids: list[int]) -> int:
+    return sum(sum(int(v) for v in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[11:13])
+               for p in pids)
+
+
+def test_an_idle_server_sleeps(server):
+    time.sleep(0.5)
+    pids = [server.proc.pid] + server.ranks
+    start, t0 = cpu_ticks(pids), time.monotonic()
+    time.sleep(2.0)
+    used = (cpu_ticks(pids) - start) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - t0)
+    assert used < 0.15, f"an idle server used {used:.0%} of a core"  # measured: about 2%
+
+
+def test_sigterm_finishes_or_aborts_in_flight_requests_and_leaves_nothing(server):
+    """Last on the shared server: in-flight streams get the grace period (1 s here), then end with "abort" and
+    [DONE]; the server exits 0 and its ranks are gone."""
+    results: dict = {}
+
+    def read(i):
+        req = urllib.request.Request(server.url + "/completions", json.dumps(
+            {"model": MODEL, "prompt": LIVE[i], "max_tokens": 120, "ignore_eos": True, "stream": True}).encode(),
+            {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            results[i] = [line.decode().strip() for line in r if line.strip()]
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=20) == 0, "".join(server.lines)
+    took = time.monotonic() - t0
+    for t in threads:
+        t.join(10)
+    assert took < 1 + 6, took
+    for i in range(2):
+        lines = results[i]
+        assert lines[-1] == "data: [DONE]"
+        last = json.loads(lines[-2].removeprefix("data: "))
+        assert last["choices"][0]["finish_reason"] == "abort", last
+    deadline = time.monotonic() + 5
+    while not all(gone(p) for p in server.ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(gone(p) for p in server.ranks)
+
+
+def test_a_killed_rank_fails_requests_and_the_server_exits_nonzero(checkpoint):
+    s = Server(checkpoint)
+    try:
+        events: list = []
+
+        def read():
+            req = urllib.request.Request(s.url + "/completions", json.dumps(
+                {"model": MODEL, "prompt": "the", "max_tokens": 120, "ignore_eos": True, "stream": True}).encode(),
+                {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                events.extend(line.decode().strip() for line in r if line.strip())
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        os.kill(s.ranks[1], signal.SIGKILL)
+        code = s.proc.wait(timeout=10)
+        took = time.monotonic() - t0
+        reader.join(10)
+        assert code == 1 and took < 10, (code, took)
+        error = json.loads(events[-1].removeprefix("data: "))["error"]
+        assert "rank 1 exited" in error["message"] and error["code"] == "engine_failed", error
+        assert "rank 1 exited" in "".join(s.lines)
+        with pytest.raises(OSError):  # nothing listens any more
+            urllib.request.urlopen(s.url + "/models", timeout=5)
+        time.sleep(0.5)
+        assert all(gone(p) for p in s.ranks)
+    finally:
+        s.stop()
+
+
+# ---- the engine thread against a scripted LLM (no processes) ------------------------------------------------------
+
+
+class ScriptedLLM:
+    """LLM's online calls: each live request gets one token per step (none while `hold` is set); step raises once
+    `fail` is set."""
+
+    def __init__(self):
+        self.live: dict[str, RequestOutput] = {}
+        self.aborted: list[str] = []
+        self.hold = False
+        self.fail = False
+        self.closed = False
+        self.last_stats = self.stats()
+
+    def stats(self):
+        return {"running": len(self.live), "waiting": 0, "free_blocks": 8, "num_blocks": 8}
+
+    def add_request(self, rid, prompt, params):
+        if len(prompt["prompt_token_ids"]) > 4:
+            raise ValueError("prompt holds 5, not a token id of the vocabulary [0, 4)")
+        self.live[rid] = RequestOutput(rid, None, prompt["prompt_token_ids"], [CompletionOutput(0, "", [])], False,
+                                       RequestMetrics(time.time()))
+        self.live[rid].max_tokens = params.max_tokens
+
+    def step(self):
+        time.sleep(0.002)  # a step takes time
+        if self.fail:
+            raise RuntimeError("step: rank 1 exited (code -9) without a Python error\ntraceback ...")
+        out = []
+        for rid, o in list(self.live.items()):
+            if self.hold:
+                continue
+            c = o.outputs[0]
+            c.token_ids = c.token_ids + [7]
+            c.text += "x"
+            if len(c.token_ids) == o.max_tokens:
+                o.finished, c.finish_reason = True, "length"
+                del self.live[rid]
+            out.append(RequestOutput(rid, None, o.prompt_token_ids, [CompletionOutput(0, c.text, list(c.token_ids),
+                                     c.finish_reason)], o.finished))
+        self.last_stats = self.stats()
+        return out
+
+    def abort_request(self, rid):
+        self.aborted.append(rid)
+        return self.live.pop(rid, None) is not None
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+    def check_health(self):
+        pass
+
+    def shutdown(self):
+        self.closed = True
+
+
+def collect(engine, rid, prompt, max_tokens=3):
+    events: list = []
+    engine.submit(rid, prompt, None, SamplingParams(max_tokens=max_tokens), events.append)
+    return events
+
+
+def wait_for(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_the_engine_thread_refuses_times_out_drains_and_fails_cleanly():
+    llm = ScriptedLLM()
+    failures = []
+    engine = AsyncEngine(llm, queue_timeout_s=0.3, on_failure=lambda: failures.append(1))
+    engine.start()
+    ok = collect(engine, "ok", [1, 2], max_tokens=3)
+    bad = collect(engine, "bad", [1, 2, 3, 4, 5])
+    wait_for(lambda: ok and ok[-1][0] == "output" and ok[-1][1].finished)
+    assert [e[1].outputs[0].text for e in ok] == ["x", "xx", "xxx"]
+    assert bad[0][0] == "error" and bad[0][1].status == 400 and bad[0][1].param == "prompt"
+    # a request that gets no token within the queue timeout: aborted in the engine, answered 503
+    llm.hold = True
+    stuck = collect(engine, "stuck", [1])
+    wait_for(lambda: stuck)
+    assert stuck[0][0] == "error" and stuck[0][1].status == 503 and stuck[0][1].code == "queue_timeout"
+    assert "stuck" in llm.aborted
+    # a client gone: aborted, nothing more sent
+    llm.hold = False
+    gone_events = collect(engine, "gone", [1], max_tokens=10 ** 6)
+    wait_for(lambda: gone_events)
+    engine.abort("gone")
+    wait_for(lambda: "gone" in llm.aborted)
+    n = len(gone_events)
+    time.sleep(0.1)
+    assert len(gone_events) == n
+    # a rank fails: every live request hears it once, on_failure runs, new requests are refused, ranks stopped
+    live = collect(engine, "live", [1], max_tokens=500)
+    wait_for(lambda: live)
+    llm.fail = True
+    wait_for(lambda: live[-1][0] == "error")
+    assert live[-1][1].status == 503 and "rank 1 exited" in live[-1][1].message
+    assert "\n" not in engine.failed and "traceback" in engine.detail
+    assert failures == [1] and engine.done.wait(5) and llm.closed
+    with pytest.raises(Exception, match="failed"):
+        engine.submit("late", [1], None, SamplingParams(), print)
+
+
+def test_draining_lets_requests_finish_then_aborts_the_rest():
+    llm = ScriptedLLM()
+    engine = AsyncEngine(llm, queue_timeout_s=60)
+    engine.start()
+    short = collect(engine, "short", [1], max_tokens=2)
+    long = collect(engine, "long", [1], max_tokens=10 ** 6)
+    wait_for(lambda: short and short[-1][1].finished)
+    engine.drain(0.3)
+    assert engine.done.wait(5) and llm.closed
+    assert long[-1] == ("abort", None) and "long" in llm.aborted
+    with pytest.raises(Exception, match="shutting down"):
+        engine.submit("late", [1], None, SamplingParams(), print)
