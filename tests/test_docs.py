@@ -41,7 +41,7 @@ def documented_commands(with_raw: bool = False) -> list[tuple]:
                     script = next((a for a in argv if a.endswith(".py")), None)
                     args = argv[argv.index(script) + 1:] if script else []
                 elif argv[:1] == ["-m"]:
-                    script, args = f"{argv[1]}/__main__.py", argv[2:]
+                    script, args = f"{argv[1].replace('.', '/')}/__main__.py", argv[2:]
                 elif argv and argv[0].endswith(".py"):
                     script, args = argv[0], argv[1:]
                 else:
@@ -57,8 +57,27 @@ COMMANDS = documented_commands()
 def test_the_pages_show_commands():
     """The parser can fail: it finds the commands the pages are known to show."""
     scripts = {script for _, script, _ in COMMANDS}
-    assert {"launch/run_block.py", "launch/serve.py", "serve/__main__.py", "benchmarks/bench_llm.py"} <= scripts
+    assert {"launch/run_block.py", "launch/serve.py", "serve/__main__.py", "serve/api/__main__.py",
+            "benchmarks/bench_llm.py"} <= scripts
     assert len(COMMANDS) >= 40
+
+
+def test_every_documented_flag_exists():
+    """Each --flag a page gives a script (python -m serve, python -m serve.api, benchmarks/*.py, ...) is one its
+    parser declares: a string literal of the script, or an engine flag (serve/config.py FLAGS) where it adds them."""
+    from serve.config import FLAGS
+
+    bad = []
+    for where, script, args in COMMANDS:
+        path = ROOT / script
+        if script in LAUNCHERS or not path.is_file():
+            continue
+        source = path.read_text()
+        known = set(re.findall(r"[\"'](--[\w-]+)[\"']", source))
+        if "add_engine_flags(" in source:
+            known |= set(FLAGS) | {"--no-enable-prefix-caching", "--num-gpu-blocks"}
+        bad += [f"{where}: {script} {a}" for a in args if a.startswith("--") and a.split("=")[0] not in known]
+    assert not bad, "\n".join(bad)
 
 
 PLACEHOLDER = re.compile(r"DIR|/path/to|=P\b|=D\b|\.\.\.")

@@ -39,19 +39,24 @@ class Submission:
                 pass
         return put
 
-    async def next(self, request: Request):
-        """The next event, or None when the client has gone away."""
-        get = asyncio.ensure_future(self.queue.get())
-        while True:
-            done, _ = await asyncio.wait({get}, timeout=POLL_S)
-            if done:
-                i, event = get.result()
-                if event[0] != "output" or event[1].finished:
-                    self.open.discard(i)
-                return i, event
-            if await request.is_disconnected():
-                get.cancel()
-                return None
+    async def next(self, request: Request | None):
+        """The next event, or None when the client has gone away. request None: no polling (a streaming response
+        notices a disconnect itself, and cancels the task that waits here)."""
+        if not self.queue.empty() or request is None:
+            i, event = await self.queue.get()
+        else:
+            get = asyncio.ensure_future(self.queue.get())
+            while True:
+                done, _ = await asyncio.wait({get}, timeout=POLL_S)
+                if done:
+                    i, event = get.result()
+                    break
+                if await request.is_disconnected():
+                    get.cancel()
+                    return None
+        if event[0] != "output" or event[1].finished:
+            self.open.discard(i)
+        return i, event
 
     def abort_open(self) -> None:
         for i in self.open:
@@ -170,7 +175,7 @@ def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, metrics
                     yield shape.sse(shape.chunk(i, None, role=True))
             pending = list(started)
             while sub.open or pending:
-                event = pending.pop(0) if pending else await sub.next(request)
+                event = pending.pop(0) if pending else await sub.next(None)
                 if event is None:
                     return
                 i, (what, value) = event
