@@ -15,6 +15,7 @@ import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bench_http import section as http_section  # noqa: E402
 from benchmarks.bench_load import section as load_section  # noqa: E402
 from benchmarks.report_paged import section as paged_section  # noqa: E402
 from benchmarks.report_serve import pd_section, plot_timeline, section as serving_section  # noqa: E402
@@ -115,6 +116,9 @@ def main() -> int:
     kv = _load("bench_kv.json")
     if kv:
         lines += kv_section(kv)
+    http = _load("bench_http.json")
+    if http:
+        lines += http_section(http)
     load = _load("bench_load.json")
     if load:
         lines += load_section(load)

@@ -260,22 +260,31 @@ class LLM:
 
     # -- online: vLLM's LLMEngine calls --------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
-        """prompt: a string (needs a tokenizer), a list of token ids, or {"prompt_token_ids": [...]}/{"prompt": ...}."""
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, wait: bool = True) -> None:
+        """prompt: a string (needs a tokenizer), a list of token ids, or {"prompt_token_ids": [...]}/{"prompt": ...}.
+        Checked here (ValueError); wait=False: sent without waiting for rank 0's answer (as under serve()), for
+        callers whose request ids never repeat while running: rank 0 refusing it then fails the engine."""
         _check_id(request_id)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
         text, ids = self._encode(prompt)
         self._check(ids, params)
-        self._call("add_request", request_id, ids, params, text)
+        if wait:
+            self._call("add_request", request_id, ids, params, text)
+        else:
+            self._conn.send(("add_nowait", (request_id, ids, params, text)))
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: str, wait: bool = True) -> bool | None:
         """Aborted at the next step (its blocks freed before anything is scheduled); step() then returns it with
-        finish_reason "abort" and the text of the tokens it had. False if no such request is running."""
+        finish_reason "abort" and the text of the tokens it had. False if no such request is running. wait=False:
+        sent without waiting for the answer (None), as under serve()."""
         _check_id(request_id)
+        if not wait:
+            self._conn.send(("abort_nowait", (request_id,)))
+            return None
         return self._call("abort_request", request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -284,6 +293,39 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """One iteration on every rank; a RequestOutput for each request that got a token or finished."""
         outputs, self.last_stats = self._call("step")
+        return self._receive(outputs)
+
+    # -- serving: rank 0 steps on its own ----------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """From now on rank 0 steps by itself whenever a request is unfinished, sending each step's outputs without
+        waiting (a server's loop: its own work never delays a step). Then only add_request / abort_request with
+        wait=False, serve_outputs() and serve_end() (or shutdown()) may be called."""
+        if self._closed:
+            raise RuntimeError("this LLM is shut down")
+        self._check_ranks("serve")
+        self._conn.send(("serve", ()))
+
+    def serve_outputs(self, timeout: float) -> list[RequestOutput] | None:
+        """The next step's outputs as rank 0 sent them (rank 0's stats after it in last_stats), or None if none came
+        within timeout seconds; RuntimeError (every rank stopped) if a rank has died. Text: detokenize(outputs)."""
+        end = time.monotonic() + timeout
+        while not self._conn.poll(max(0.0, min(0.05, end - time.monotonic()))):
+            self._check_ranks("serve")
+            if time.monotonic() >= end:
+                return None
+        kind, value = self._wait("serve")
+        outputs, self.last_stats = value
+        return outputs
+
+    def serve_end(self) -> None:
+        """Back to calls answered one by one (outputs still on their way are dropped)."""
+        self._conn.send(("serve_end", ()))
+        while self._wait("serve_end")[0] == "outputs":
+            pass
+
+    def detokenize(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Text (and stop strings) for outputs taken from serve_outputs(), in the order they came."""
         return self._receive(outputs)
 
     def _receive(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

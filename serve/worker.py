@@ -167,11 +167,15 @@ def _driven(engine, conn, timeout_s: float) -> None:
             engine.shutdown()
             conn.send(("ok", None))
             return
-        if op == "abort_nowait":  # a stop string matched in the driver: no answer is awaited
+        if op == "abort_nowait":  # a stop string matched in the driver, or a caller that does not wait
             engine.abort_request(*args)
             continue
         if op == "run":  # generate(): step until nothing is left, each step's outputs sent without waiting for the
             _run(engine, conn)  # driver, which decodes them while the next step runs
+            continue
+        if op == "serve":  # a server: step on its own while there is work, until serve_end or shutdown
+            if not _serve_requests(engine, conn, every):
+                return
             continue
         if op == "step":  # the step's outputs, and the pool and queues after it (a server's /metrics reads them)
             outputs = engine.step()
@@ -196,3 +200,38 @@ def _run(engine, conn) -> None:
             engine.abort_request(*args)
         conn.send(("outputs", engine.step()))
     conn.send(("ok", None))
+
+
+def _serve_requests(engine, conn, every: float) -> bool:
+    """Rank 0 under a server (LLM.serve): step while any request is unfinished, sending each step's outputs and stats
+    without waiting for the driver (its work is off the step's path); between steps, take the requests and aborts
+    that came (add_nowait: checked by the driver already, so a refusal here, e.g. a repeated id, fails the engine).
+    Idle, wait for a message, keeping the other ranks alive. True after serve_end; False after shutdown or when the
+    driver is gone (the ranks are told to stop)."""
+    while True:
+        busy = engine.has_unfinished_requests()
+        if not busy and not conn.poll(max(0.0, every - (time.monotonic() - engine.last_control))):
+            engine.keep_alive()
+            continue
+        while conn.poll(0):
+            try:
+                op, args = conn.recv()
+            except EOFError:
+                engine.shutdown()
+                return False
+            if op == "add_nowait":
+                engine.add_request(*args)
+            elif op == "abort_nowait":
+                engine.abort_request(*args)
+            elif op == "serve_end":
+                conn.send(("ok", None))
+                return True
+            elif op == "shutdown":
+                engine.shutdown()
+                conn.send(("ok", None))
+                return False
+            else:
+                raise RuntimeError(f"{op} while serving: only add_nowait, abort_nowait, serve_end, shutdown")
+        if engine.has_unfinished_requests():
+            outputs = engine.step()
+            conn.send(("outputs", (outputs, engine.stats())))

@@ -381,12 +381,25 @@ class ScriptedLLM:
     def stats(self):
         return {"running": len(self.live), "waiting": 0, "free_blocks": 8, "num_blocks": 8}
 
-    def add_request(self, rid, prompt, params):
+    def add_request(self, rid, prompt, params, wait=True):
         if len(prompt["prompt_token_ids"]) > 4:
             raise ValueError("prompt holds 5, not a token id of the vocabulary [0, 4)")
         self.live[rid] = RequestOutput(rid, None, prompt["prompt_token_ids"], [CompletionOutput(0, "", [])], False,
                                        RequestMetrics(time.time()))
         self.live[rid].max_tokens = params.max_tokens
+
+    def serve(self):
+        self.serving = True
+
+    def serve_outputs(self, timeout):
+        assert self.serving, "serve_outputs before serve()"
+        if self.live and (self.fail or not self.hold):
+            return self.step()
+        time.sleep(min(timeout, 0.01))
+        return None
+
+    def detokenize(self, outputs):
+        return outputs
 
     def step(self):
         time.sleep(0.002)  # a step takes time
@@ -407,7 +420,7 @@ class ScriptedLLM:
         self.last_stats = self.stats()
         return out
 
-    def abort_request(self, rid):
+    def abort_request(self, rid, wait=True):
         self.aborted.append(rid)
         return self.live.pop(rid, None) is not None
 

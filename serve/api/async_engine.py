@@ -1,13 +1,14 @@
-"""The engine behind the HTTP server: one thread owns the `LLM` (its pipe to rank 0) and steps it while there is
-work; the server's handlers, on the asyncio loop, only put operations in its queue and read their requests' events.
+"""The engine behind the HTTP server: one thread owns the `LLM` (its pipe to rank 0); the server's handlers, on the
+asyncio loop, only put operations in its queue and read their requests' events.
 
-    handlers (asyncio)  --ops queue-->  engine thread: take ops, step, hand out outputs  --pipe-->  rank 0 ...
-                        <--events---
+    handlers (asyncio)  --ops queue-->  engine thread  --add/abort, no wait-->  rank 0: steps on its own while it
+                        <--events---                   <--each step's outputs--  has work (LLM.serve) --★--> ranks
 
-Continuous batching: a request added while others run is in the control message of the very next step, so it joins
-the running batch there (the scheduler admits it when the budget allows), not after the batch drains. With no
-request live the thread blocks on its queue (no spin; rank 0 keeps the other ranks alive meanwhile, serve/worker.py)
-and checks every half second that no rank has died.
+Rank 0 does not wait for this thread between steps: the thread's work (text, events, metrics, the log) is off the
+step's path. Continuous batching: a request added while others run is in the control message of the step after the
+one running, so it joins the running batch there (the scheduler admits it when the budget allows), not after the
+batch drains. With no request live the thread blocks on its queue (no spin; rank 0 keeps the other ranks alive
+meanwhile, serve/worker.py) and checks every half second that no rank has died.
 
 Events a request's sink receives, on the engine thread (the sink hands them to the loop):
 
@@ -55,8 +56,6 @@ class AsyncEngine:
         self.steps = 0
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, Live] = {}
-        self._aborted: list[str] = []  # since the last step, for the iteration log
-        self._settle = False  # aborts sent since the engine was last seen empty: step until it has applied them
         self._accepting = True
         self._deadline: float | None = None  # draining: live requests are aborted at this time
         self._log = open(iteration_log, "w", buffering=1) if iteration_log else None
@@ -94,22 +93,19 @@ class AsyncEngine:
     # -- the engine thread -------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        """Rank 0 steps on its own while it has work (LLM.serve): this thread sends it the queued operations (without
+        waiting), and hands out each step's outputs as they come (text, events, metrics, the log), off the step's
+        path. An operation lands in the step after the one running when it was sent."""
         try:
+            self.llm.serve()
             while True:
-                busy = bool(self._live)
-                self._take(block=not busy and not self._settle)
+                self._take(block=not self._live)
                 self._expire()
-                if self._live:
-                    self._step()
-                elif self._settle:  # the engine may still hold aborted requests: the next step frees their blocks
-                    self._settle = False
-                    if self.llm.has_unfinished_requests():
-                        self._step()
-                        self._settle = True
-                elif self._deadline is not None:
+                if not self._live and self._deadline is not None:
                     return  # drained
-                else:
-                    self.llm.check_health()
+                outputs = self.llm.serve_outputs(IDLE_CHECK_S if self._live else 0.0)  # also: a dead rank raises
+                if outputs is not None:  # one step's per turn: operations are taken between any two
+                    self._hand_out(outputs, self.llm.last_stats)
         except BaseException as exc:  # noqa: BLE001 - a rank failed or died: every live request hears it
             self.detail = str(exc) or type(exc).__name__  # with the ranks' tracebacks: the server's log prints it
             self.failed = self.detail.splitlines()[0]
@@ -153,7 +149,7 @@ class AsyncEngine:
             sink(("error", APIError(503, "the server is shutting down", code="shutting_down")))
             return
         try:
-            self.llm.add_request(request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params)
+            self.llm.add_request(request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params, wait=False)
         except ValueError as exc:
             message = str(exc)
             context = getattr(getattr(self.llm, "model_config", None), "max_seq_len", None)
@@ -164,9 +160,7 @@ class AsyncEngine:
         self._live[request_id] = Live(sink, arrival, len(prompt_ids))
 
     def _send_abort(self, request_id: str) -> None:
-        self.llm.abort_request(request_id)
-        self._aborted.append(request_id)
-        self._settle = True
+        self.llm.abort_request(request_id, wait=False)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -183,15 +177,18 @@ class AsyncEngine:
                 self._send_abort(rid)
                 live.sink(("abort", None))
 
-    def _step(self) -> None:
-        outputs = self.llm.step()
-        self.stats = self.llm.last_stats
+    def _hand_out(self, outputs: list, stats: dict) -> None:
+        outputs = self.llm.detokenize(outputs)
+        self.stats = stats
         self.steps += 1
         now = time.monotonic()
         new_tokens, first, finished = {}, [], {}
+        aborted = []
         for o in outputs:
             live = self._live.get(o.request_id)
-            if live is None:  # aborted here already (its client is gone)
+            if live is None:  # aborted here already (its client is gone): this step applied the abort
+                if o.finished and o.outputs[0].finish_reason == "abort":
+                    aborted.append(o.request_id)
                 continue
             n = len(o.outputs[0].token_ids)
             if n > live.tokens:
@@ -205,7 +202,6 @@ class AsyncEngine:
             if o.finished:
                 del self._live[o.request_id]
                 finished[o.request_id] = o.outputs[0].finish_reason
-                self._settle = True  # a stop string ended it here: the engine aborts it at its next step
                 if self.metrics is not None:
                     self.metrics.finished(o.outputs[0].finish_reason, live.prompt_tokens, n,
                                           (now - live.first) / (n - 1) if live.first is not None and n > 1 else None)
@@ -217,5 +213,4 @@ class AsyncEngine:
             self._log.write(json.dumps({"step": self.steps, "t": round(now - self._start, 6),
                                         "running": s["running"], "waiting": s["waiting"],
                                         "free_blocks": s["free_blocks"], "tokens": new_tokens, "first": first,
-                                        "finished": finished, "aborted": self._aborted}) + "\n")
-        self._aborted = []
+                                        "finished": finished, "aborted": aborted}) + "\n")
