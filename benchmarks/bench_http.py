@@ -14,8 +14,9 @@ full length), greedy; prompts are sent as token ids, so lengths are exact.
              process, tokens / wall time each; both are up at once (the idle one sleeps), their runs alternate and
              the ratio is taken per pair (the machine is noisy), median of --repeats pairs
   per rate   the first 32 requests sent at Poisson arrivals (rate inf: all at once), each streamed; TTFT = send ->
-             first chunk, TPOT = (last chunk - first chunk) / (tokens - 1), throughput = tokens / (first send ->
-             last chunk)
+             first token's chunk, TPOT = (last token's chunk - first's) / (tokens - 1), throughput = tokens /
+             (first send -> last chunk); chunks carry their token ids (return_token_ids), so a token whose text is
+             held back (half a character, common with random weights) still counts when it comes
 
 Writes outputs/bench_http.json and docs/http_bench.png (TTFT and TPOT p50/p99 against the rate), and prints the
 section of docs/benchmarks.md.
@@ -75,8 +76,9 @@ def pct(xs: list[float], q: float) -> float:
 
 async def stream_completion(url: str, body: dict) -> tuple[list[float], int]:
     """POST a streamed completion over a plain HTTP/1.0 connection (the server closes it at the end, so the events
-    are lines); the times of the events that carried text, and the usage's completion tokens. A client this light
-    (as vLLM's benchmark_serving is) leaves the cores to the server on a small machine."""
+    are lines); the times of the events that carried new tokens (vLLM's return_token_ids: a chunk per step even
+    while the text of a partial character is held back), and the tokens. A client this light (as vLLM's
+    benchmark_serving is) leaves the cores to the server on a small machine."""
     host, port = url.split("//", 1)[1].split("/", 1)[0].split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     data = json.dumps(body).encode()
@@ -92,10 +94,9 @@ async def stream_completion(url: str, body: dict) -> tuple[list[float], int]:
             continue
         now = time.perf_counter()
         event = json.loads(line[6:])
-        if event.get("choices") and event["choices"][0]["text"]:
+        if event.get("choices") and event["choices"][0].get("token_ids"):
             times.append(now)
-        if event.get("usage"):
-            tokens = event["usage"]["completion_tokens"]
+            tokens += len(event["choices"][0]["token_ids"])
     writer.close()
     return times, tokens
 
@@ -109,7 +110,7 @@ async def run_rate(url: str, model: str, work, rate: float, seed: int = 1) -> di
         sent = time.perf_counter()
         times, tokens = await stream_completion(url, {
             "model": model, "prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}})
+            "stream": True, "return_token_ids": True})
         results.append({"sent": sent, "first": times[0], "last": times[-1], "tokens": tokens})
 
     delays, at = [], 0.0
@@ -212,7 +213,8 @@ def section(data: dict) -> list[str]:
              f"{s['n_head']} heads, {s['n_layer']} layers, vocab {data['vocab']}, float32, engine defaults), "
              f"{data['rate_requests']} streamed completions per rate from a raw HTTP client (as light as vLLM's "
              f"benchmark_serving): prompts of 16-128 tokens (half share a 64-token prefix), 8-48 new tokens each, "
-             f"greedy, Poisson arrivals. TTFT = send to first chunk; TPOT = (last chunk - first chunk) / (tokens - 1). "
+             f"greedy, Poisson arrivals. TTFT = send to the first token's chunk; TPOT = (last token's chunk - first's) / "
+             f"(tokens - 1), chunks carrying their token ids (vLLM's `return_token_ids`). "
              f"Client, server and ranks share the machine's cores.", "",
              "| p | rate (req/s) | tokens/s | TTFT p50 / p90 / p99 (s) | TPOT p50 / p90 / p99 (ms) |",
              "|---|---|---|---|---|"]

@@ -60,8 +60,15 @@ def reference(checkpoint):
 
     with LLM(str(checkpoint), tensor_parallel_size=2, dtype="float64") as llm:
         chat_ids = llm.tokenizer(CHAT_TEXT, add_special_tokens=False)["input_ids"]
+        greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=10, logprobs=1))
+        # a stop string: two clean characters from the middle of a greedy text (random weights make partial bytes)
+        full = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, ignore_eos=True))[0].outputs[0].text
+        needle = next(full[i:i + 2] for i in range(len(full) // 2, len(full) - 1)
+                      if "\ufffd" not in full[i:i + 2] and full[i:i + 2].strip())
         return {
-            "greedy": llm.generate(PROMPTS, SamplingParams(max_tokens=10, logprobs=1)),
+            "greedy": greedy,
+            "stop": (needle, llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, ignore_eos=True,
+                                                                     stop=[needle]))[0].outputs[0], full),
             "sampled": llm.generate(PROMPTS[2], SamplingParams(max_tokens=12, ignore_eos=True, **SAMPLED))[0],
             "chat": llm.generate([chat_ids], SamplingParams(max_tokens=8, ignore_eos=True))[0],
             "live": llm.generate(LIVE, [SamplingParams(max_tokens=16, temperature=1.0, seed=100 + i, ignore_eos=True)
@@ -137,9 +144,11 @@ def test_the_openai_client_gets_what_generate_gives(server, reference):
     c = server.client
     assert [m.id for m in c.models.list().data] == [MODEL]
     # completions: a batch of prompts, greedy, with logprobs (the chosen tokens' logprobs identify the tokens)
-    got = c.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=10, temperature=0, logprobs=1)
+    got = c.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=10, temperature=0, logprobs=1,
+                               extra_body={"return_token_ids": True})
     for choice, want in zip(sorted(got.choices, key=lambda ch: ch.index), reference["greedy"]):
         w = want.outputs[0]
+        assert choice.token_ids == w.token_ids  # vLLM's return_token_ids
         assert choice.text == w.text and choice.finish_reason == w.finish_reason
         assert len(choice.logprobs.token_logprobs) == len(w.token_ids)
         for lp, t, step in zip(choice.logprobs.token_logprobs, w.token_ids, w.logprobs):
@@ -149,12 +158,19 @@ def test_the_openai_client_gets_what_generate_gives(server, reference):
     # streamed and sampled with a seed: the pieces add up to generate's text
     want = reference["sampled"].outputs[0]
     chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, stream=True,
-                                       extra_body={"ignore_eos": True},
+                                       extra_body={"ignore_eos": True, "return_token_ids": True},
                                        stream_options={"include_usage": True}, **SAMPLED))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want.text
+    assert sum((ch.choices[0].token_ids for ch in chunks if ch.choices), []) == want.token_ids
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     assert len([ch for ch in chunks if ch.choices]) >= 3  # pieces as they were made, not one at the end
+    # a stop string, streamed: what was sent is never taken back, and it ends where generate's text ends
+    needle, want, full = reference["stop"]
+    parts = list(c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0, stop=[needle],
+                                      stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(p.choices[0].text for p in parts) == want.text == full[:full.index(needle)]
+    assert parts[-1].choices[0].finish_reason == "stop" == want.finish_reason
     # chat, whole and streamed: the plain template (this tokenizer has none)
     want = reference["chat"].outputs[0]
     full = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,

@@ -85,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     engine = AsyncEngine(llm, queue_timeout_s=args.queue_timeout, iteration_log=args.iteration_log, metrics=metrics,
                          on_failure=failed)
     metrics.engine = engine
-    app = build_app(engine, model_name=name, tokenizer=llm.tokenizer, max_model_len=llm.model_config.max_seq_len,
-                    metrics=metrics)
+    context = llm.model_config.max_seq_len
+    app = build_app(engine, model_name=name, tokenizer=llm.tokenizer, max_model_len=context,
+                    max_positions=min(context, llm.num_blocks * llm.config.block_size), metrics=metrics)
     grace = args.shutdown_timeout
 
     class Server(uvicorn.Server):

@@ -64,7 +64,8 @@ class Submission:
         self.open.clear()
 
 
-def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, metrics) -> FastAPI:
+def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, max_positions: int, metrics) -> FastAPI:
+    """max_positions: the most positions one request can hold (the context, or less where the KV pool is smaller)."""
     app = FastAPI(title="tpref OpenAI-compatible server")
 
     def error(exc: APIError) -> JSONResponse:
@@ -125,19 +126,21 @@ def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, metrics
         check_model(req.model)
         text = render_chat(tokenizer, req.messages)
         ids = encode(text, special=False)  # a template writes its own special tokens
-        most = req.max_completion_tokens or req.max_tokens or max(1, max_model_len - len(ids) + 1)
+        most = req.max_completion_tokens or req.max_tokens or max(1, max_positions - len(ids) + 1)  # the rest
         top = (req.top_logprobs or 0) if req.logprobs else None
         return await answer(request, "chat", req, [(text, ids)], [req.sampling_params(most, top)], top)
 
     async def answer(request: Request, kind: str, req, prompts, params, top: int | None):
         sub = Submission(engine, new_id("cmpl" if kind == "completion" else "chatcmpl"), prompts, params)
-        shape = Shape(kind, sub.ids[0].rsplit("-", 1)[0], model_name, tokenizer, top)
+        shape = Shape(kind, sub.ids[0].rsplit("-", 1)[0], model_name, tokenizer, top, params[0].stop,
+                      req.return_token_ids)
         try:
             if not req.stream:
                 finals: dict[int, object] = {}
                 while len(finals) < len(prompts):
                     event = await sub.next(request)
                     if event is None:
+                        sub.abort_open()
                         return Response(status_code=499)  # the client is gone; nobody reads this
                     i, (what, value) = event
                     if what == "error":
@@ -205,10 +208,15 @@ class Sent:
 class Shape:
     """The response objects of one endpoint (OpenAI's text_completion or chat.completion, full or as chunks)."""
 
-    def __init__(self, kind: str, rid: str, model: str, tokenizer, top: int | None):
+    def __init__(self, kind: str, rid: str, model: str, tokenizer, top: int | None, stop: tuple[str, ...] = (),
+                 token_ids: bool = False):
         self.kind, self.rid, self.model = kind, rid, model
         self.logprobs = None if top is None else Logprobs(tokenizer, top)
         self.created = created()
+        # a stream holds back the text's last characters that could still begin a stop string (a match cuts the
+        # text before it, and what was sent cannot be taken back)
+        self.hold = max((len(x) for x in stop), default=1) - 1
+        self.token_ids = token_ids  # vLLM's return_token_ids: each choice and chunk also carries its token ids
 
     def head(self, chunk: bool = True) -> dict:
         obj = ("text_completion" if self.kind == "completion" else
@@ -239,12 +247,16 @@ class Shape:
         if value is None:  # aborted by the server's shutdown
             return self.chunk(i, None, reason="abort")
         c = value.outputs[0]
-        text = c.text[sent.chars:]
-        if not text and not value.finished:
+        end = len(c.text) if value.finished else max(sent.chars, len(c.text) - self.hold)
+        text, ids = c.text[sent.chars:end], c.token_ids[sent.tokens:]
+        if not text and not value.finished and not (self.token_ids and ids):
             return None  # tokens whose text is held back (half a character, or maybe a stop string)
         logprobs = self._logprobs(c, sent.tokens, sent.chars)
-        sent.chars, sent.tokens = len(c.text), len(c.token_ids)
-        return self.chunk(i, c, text=text, reason=c.finish_reason if value.finished else None, logprobs=logprobs)
+        sent.chars, sent.tokens = end, len(c.token_ids)
+        out = self.chunk(i, c, text=text, reason=c.finish_reason if value.finished else None, logprobs=logprobs)
+        if self.token_ids:
+            out["choices"][0]["token_ids"] = ids
+        return out
 
     def full(self, finals: list, prompt_tokens: list[int]) -> dict:
         choices, done = [], 0
@@ -258,4 +270,6 @@ class Shape:
             else:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                                 "finish_reason": reason})
+            if self.token_ids:
+                choices[-1]["token_ids"] = [] if c is None else list(c.token_ids)
         return dict(self.head(chunk=False), choices=choices, usage=usage(sum(prompt_tokens), done))

@@ -64,6 +64,7 @@ class _Common(BaseModel):
     min_p: Number = 0.0
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
+    return_token_ids: StrictBool = False  # each choice (and stream chunk) also carries its new token ids
 
     def refuse_unsupported(self) -> None:
         if self.n != 1:
