@@ -9,6 +9,7 @@ away, streaming or not, is noticed within a poll (POLL_S) or at the next send, a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 from fastapi import FastAPI, Request
@@ -19,6 +20,27 @@ from serve.api.protocol import (APIError, ChatCompletionRequest, CompletionReque
                                 render_chat, usage)
 
 POLL_S = 0.25  # while waiting for the engine: how often a handler asks whether its client is still there
+
+
+def lifespan(engine):
+    """At start-up: the engine thread hands each turn's events to this loop in one call."""
+    @contextlib.asynccontextmanager
+    async def run(app):
+        loop = asyncio.get_running_loop()
+
+        def deliver(batch) -> None:  # on the engine thread
+            try:
+                loop.call_soon_threadsafe(_run_sinks, batch)
+            except RuntimeError:  # the loop has closed (the server is stopping): nobody is listening
+                pass
+        engine.deliver = deliver
+        yield
+    return run
+
+
+def _run_sinks(batch) -> None:
+    for sink, event in batch:
+        sink(event)
 
 
 class Submission:
@@ -32,12 +54,7 @@ class Submission:
             engine.submit(self.ids[i], ids, text, q, self._sink(i))
 
     def _sink(self, i: int):
-        def put(event) -> None:  # on the engine thread
-            try:
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, event))
-            except RuntimeError:  # the loop has closed (the server is stopping): nobody is listening
-                pass
-        return put
+        return lambda event: self.queue.put_nowait((i, event))  # run on the loop (engine.deliver)
 
     async def next(self, request: Request | None):
         """The next event, or None when the client has gone away. request None: no polling (a streaming response
@@ -66,7 +83,7 @@ class Submission:
 
 def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, max_positions: int, metrics) -> FastAPI:
     """max_positions: the most positions one request can hold (the context, or less where the KV pool is smaller)."""
-    app = FastAPI(title="tpref OpenAI-compatible server")
+    app = FastAPI(title="tpref OpenAI-compatible server", lifespan=lifespan(engine))
 
     def error(exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)

@@ -10,7 +10,8 @@ one running, so it joins the running batch there (the scheduler admits it when t
 batch drains. With no request live the thread blocks on its queue (no spin; rank 0 keeps the other ranks alive
 meanwhile, serve/worker.py) and checks every half second that no rank has died.
 
-Events a request's sink receives, on the engine thread (the sink hands them to the loop):
+Events a request's sink receives: all of one turn's go to the loop at once through `deliver` (one wake-up of the
+loop per step, however many streams), or, without one, are called on the engine thread:
 
     ("output", RequestOutput)   the request moved (cumulative tokens and text; finished=True at the end)
     ("error", APIError)         refused (400), timed out in the queue (503), or the engine failed (503)
@@ -49,6 +50,8 @@ class AsyncEngine:
     def __init__(self, llm, *, queue_timeout_s: float = 300.0, iteration_log: str | None = None, metrics=None,
                  on_failure: Callable[[], None] | None = None):
         self.llm, self.queue_timeout_s, self.metrics = llm, queue_timeout_s, metrics
+        self.deliver: Callable[[list], None] | None = None  # takes [(sink, event), ...]: the server's loop runs them
+        self._out: list = []  # this turn's (sink, event) pairs
         self.on_failure = on_failure
         self.failed: str | None = None  # why the engine failed (one line)
         self.detail: str | None = None
@@ -103,17 +106,20 @@ class AsyncEngine:
                 self._expire()
                 if not self._live and self._deadline is not None:
                     return  # drained
+                self._flush()
                 outputs = self.llm.serve_outputs(IDLE_CHECK_S if self._live else 0.0)  # also: a dead rank raises
                 if outputs is not None:  # one step's per turn: operations are taken between any two
                     self._hand_out(outputs, self.llm.last_stats)
+                    self._flush()
         except BaseException as exc:  # noqa: BLE001 - a rank failed or died: every live request hears it
             self.detail = str(exc) or type(exc).__name__  # with the ranks' tracebacks: the server's log prints it
             self.failed = self.detail.splitlines()[0]
             self._accepting = False
             error = APIError(503, f"the engine failed: {self.failed}", code="engine_failed")
             for live in self._live.values():
-                live.sink(("error", error))
+                self._emit(live.sink, ("error", error))
             self._live.clear()
+            self._flush()
             if self.on_failure is not None:
                 self.on_failure()
         finally:
@@ -146,7 +152,7 @@ class AsyncEngine:
 
     def _add(self, request_id, prompt_ids, text, params, sink, arrival) -> None:
         if not self._accepting:
-            sink(("error", APIError(503, "the server is shutting down", code="shutting_down")))
+            self._emit(sink, ("error", APIError(503, "the server is shutting down", code="shutting_down")))
             return
         try:
             self.llm.add_request(request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params, wait=False)
@@ -155,9 +161,22 @@ class AsyncEngine:
             context = getattr(getattr(self.llm, "model_config", None), "max_seq_len", None)
             alone_fits = context is None or len(prompt_ids) <= context
             param = "max_tokens" if "max_tokens" in message and alone_fits else "prompt"
-            sink(("error", APIError(400, message, param)))
+            self._emit(sink, ("error", APIError(400, message, param)))
             return
         self._live[request_id] = Live(sink, arrival, len(prompt_ids))
+
+    def _emit(self, sink: Callable, event: tuple) -> None:
+        self._out.append((sink, event))
+
+    def _flush(self) -> None:
+        if not self._out:
+            return
+        batch, self._out = self._out, []
+        if self.deliver is not None:
+            self.deliver(batch)
+        else:
+            for sink, event in batch:
+                sink(event)
 
     def _send_abort(self, request_id: str) -> None:
         self.llm.abort_request(request_id, wait=False)
@@ -168,14 +187,14 @@ class AsyncEngine:
             if live.first is None and now - live.arrival > self.queue_timeout_s:
                 del self._live[rid]
                 self._send_abort(rid)
-                live.sink(("error", APIError(503, f"no token after {now - live.arrival:.1f} s in the queue (the "
+                self._emit(live.sink, ("error", APIError(503, f"no token after {now - live.arrival:.1f} s in the queue (the "
                                                   f"server's queue timeout is {self.queue_timeout_s:g} s); try "
                                                   f"again later", code="queue_timeout")))
         if self._deadline is not None and now >= self._deadline:
             for rid, live in list(self._live.items()):
                 del self._live[rid]
                 self._send_abort(rid)
-                live.sink(("abort", None))
+                self._emit(live.sink, ("abort", None))
 
     def _hand_out(self, outputs: list, stats: dict) -> None:
         outputs = self.llm.detokenize(outputs)
@@ -205,7 +224,7 @@ class AsyncEngine:
                 if self.metrics is not None:
                     self.metrics.finished(o.outputs[0].finish_reason, live.prompt_tokens, n,
                                           (now - live.first) / (n - 1) if live.first is not None and n > 1 else None)
-            live.sink(("output", o))
+            self._emit(live.sink, ("output", o))
         if self.metrics is not None:
             self.metrics.generated(sum(new_tokens.values()))
         if self._log is not None:
