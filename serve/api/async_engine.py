@@ -104,9 +104,9 @@ class AsyncEngine:
             while True:
                 self._take(block=not self._live)
                 self._expire()
+                self._flush()
                 if not self._live and self._deadline is not None:
                     return  # drained
-                self._flush()
                 outputs = self.llm.serve_outputs(IDLE_CHECK_S if self._live else 0.0)  # also: a dead rank raises
                 if outputs is not None:  # one step's per turn: operations are taken between any two
                     self._hand_out(outputs, self.llm.last_stats)
