@@ -8,6 +8,7 @@ timeout, drain and failure paths are also run against a scripted stand-in for LL
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -54,7 +55,7 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint):
+def reference(checkpoint, servers):
     """Every request the server tests send, through LLM.generate (the offline run)."""
     from serve import LLM
 
@@ -80,13 +81,19 @@ def reference(checkpoint):
 class Server:
     """python -m serve.api in a subprocess, on a free port; its output drained in the background."""
 
-    def __init__(self, checkpoint, *flags, timeout=180):
+    def __init__(self, checkpoint, *flags):
+        """Starts it; ready() waits for it (the module starts its servers early, while the reference runs)."""
         self.log = Path(str(checkpoint) + f"-{time.monotonic_ns()}.jsonl")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "serve.api", "--model", str(checkpoint), "--tensor-parallel-size", "2",
              "--port", "0", "--dtype", "float64", "--served-model-name", MODEL, "--iteration-log", str(self.log),
              *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
         self.lines: list[str] = []
+        self.url = None
+
+    def ready(self, timeout=180) -> "Server":
+        if self.url is not None:
+            return self
         deadline = time.monotonic() + timeout
         for line in self.proc.stdout:
             self.lines.append(line)
@@ -100,6 +107,7 @@ class Server:
                                                      text=True).stdout.split()]
         threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
         self.client = openai.OpenAI(base_url=self.url, api_key="none", max_retries=0, timeout=60)
+        return self
 
     def post(self, path: str, body) -> tuple[int, dict]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -134,10 +142,18 @@ def gone(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint):
-    s = Server(checkpoint, "--shutdown-timeout", "1")
-    yield s
-    s.stop()
+def servers(checkpoint):
+    """Both servers of the module, started at once: the shared one (ended by the SIGTERM test) and the one whose
+    rank the last test kills."""
+    started = {"shared": Server(checkpoint, "--shutdown-timeout", "1"), "doomed": Server(checkpoint)}
+    yield started
+    for s in started.values():
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers, reference):
+    return servers["shared"].ready()
 
 
 def test_the_openai_client_gets_what_generate_gives(server, reference):
@@ -347,8 +363,8 @@ def test_sigterm_finishes_or_aborts_in_flight_requests_and_leaves_nothing(server
     assert all(gone(p) for p in server.ranks)
 
 
-def test_a_killed_rank_fails_requests_and_the_server_exits_nonzero(checkpoint):
-    s = Server(checkpoint)
+def test_a_killed_rank_fails_requests_and_the_server_exits_nonzero(servers):
+    s = servers["doomed"].ready()
     try:
         events: list = []
 
@@ -377,6 +393,24 @@ def test_a_killed_rank_fails_requests_and_the_server_exits_nonzero(checkpoint):
         assert all(gone(p) for p in s.ranks)
     finally:
         s.stop()
+
+
+def test_bad_command_lines_fail_fast_before_any_rank_starts(checkpoint):
+    """Each a one-line error and exit 2, in a second or two: no rank is started for a command that cannot serve."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    for flags, message in ((["--model", "llama_tiny"], "no tokenizer files"),
+                           (["--model", str(checkpoint), "--max-num-seqs", "0"], "--max-num-seqs=0"),
+                           (["--model", str(checkpoint), "--queue-timeout", "0"], "--queue-timeout"),
+                           (["--model", str(checkpoint), "--port", str(port)], f"cannot listen on 127.0.0.1:{port}")):
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "serve.api", *flags], capture_output=True, text=True, cwd=ROOT,
+                              timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr)
+        assert proc.stderr.count("\n") == 1 and time.monotonic() - start < 15
+    taken.close()
 
 
 # ---- the engine thread against a scripted LLM (no processes) ------------------------------------------------------

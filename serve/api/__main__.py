@@ -47,9 +47,19 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("queue_timeout", "shutdown_timeout"):
             if not getattr(args, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be a positive number of seconds")
-        dtype = resolve_dtype(args.dtype, args.model)
         sock = bind(args.host, args.port)  # before the ranks start: a port in use fails fast
     except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        from serve.llm import has_tokenizer
+
+        if not has_tokenizer(args.model, args.tokenizer):
+            raise ValueError(f"{args.model} has no tokenizer files (a preset, or a directory without them); the "
+                             f"server takes and returns text: pass --tokenizer DIR")
+        dtype = resolve_dtype(args.dtype, args.model)
+    except ValueError as exc:
+        sock.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
     import uvicorn
@@ -67,12 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         sock.close()
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if llm.tokenizer is None:
-        llm.shutdown()
-        sock.close()
-        print(f"error: {args.model} has no tokenizer files; the server takes and returns text: pass --tokenizer DIR",
-              file=sys.stderr)
         return 2
     name = args.served_model_name or args.model
     metrics = ServerMetrics()
