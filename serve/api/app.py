@@ -110,6 +110,10 @@ def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, max_pos
     async def _api_error(request: Request, exc: APIError):
         return error(exc)
 
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception):  # a defect here, not the request's: still OpenAI's shape
+        return error(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
+
     @app.get("/health")
     async def health():
         if engine.failed is not None:
@@ -180,14 +184,11 @@ def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, max_pos
         except BaseException:
             sub.abort_open()
             raise
-        if not req.stream:
-            return None
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return StreamingResponse(stream(request, sub, shape, started, [len(ids) for _, ids in prompts],
-                                        include_usage), media_type="text/event-stream")
+        return StreamingResponse(stream(sub, shape, started, [len(ids) for _, ids in prompts], include_usage),
+                                 media_type="text/event-stream")
 
-    async def stream(request, sub: Submission, shape: "Shape", started: list, prompt_tokens: list[int],
-                     include_usage: bool):
+    async def stream(sub: Submission, shape: "Shape", started: list, prompt_tokens: list[int], include_usage: bool):
         sent = [Sent() for _ in prompt_tokens]
         try:
             if shape.kind == "chat":
