@@ -195,7 +195,7 @@ class LLM:
             self._check_ranks(what, deadline)
         try:
             kind, value = self._conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # rank 0 gone mid-message (a reset pipe is an OSError)
             self._fail(what, [(0, self._procs[0].poll())])
         if kind == "ValueError":
             raise ValueError(value)

@@ -116,7 +116,11 @@ class Server:
             with urllib.request.urlopen(req, timeout=60) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+            text = e.read()
+            try:
+                return e.code, json.loads(text)
+            except json.JSONDecodeError:
+                raise AssertionError(f"{e.code} {text!r} is not JSON") from None
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.url.removesuffix("/v1") + "/metrics", timeout=10) as r:
@@ -231,6 +235,13 @@ def test_live_clients_join_the_running_batch_and_get_the_offline_tokens(server, 
     assert max(s["running"] for s in steps) >= 4
 
 
+def wait_until(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
 def test_a_client_that_disconnects_is_aborted_at_the_next_step(server):
     total = server.metrics()["tpref:kv_blocks_free"]
     stream = server.client.completions.create(model=MODEL, prompt="the quick brown", max_tokens=100,
@@ -255,6 +266,19 @@ def test_a_client_that_disconnects_is_aborted_at_the_next_step(server):
     assert steps[at]["free_blocks"] == total and steps[at]["running"] == 0
     assert not any(rid in s["tokens"] for s in steps[at:])
     assert sum(s["tokens"].get(rid, 0) for s in steps) < 100
+    # a client waiting for a whole answer that goes away mid-generation: aborted too (checked for every POLL_S)
+    aborts = server.metrics().get("tpref:request_success_total[('finished_reason', 'abort')]", 0)
+    host, port = server.url.split("//")[1].split("/")[0].split(":")
+    with socket.create_connection((host, int(port))) as conn:
+        body = json.dumps({"model": MODEL, "prompt": "the quick brown", "max_tokens": 120, "ignore_eos": True})
+        conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        wait_until(lambda: server.metrics()["tpref:num_requests_running"] == 1)
+    gone_at = time.monotonic()
+    wait_until(lambda: server.metrics()["tpref:kv_blocks_free"] == total)
+    m = server.metrics()
+    assert m["tpref:request_success_total[('finished_reason', 'abort')]"] == aborts + 1
+    assert time.monotonic() - gone_at < 1.5  # 120 tokens would take several seconds
 
 
 BAD = [
@@ -285,6 +309,13 @@ def test_bad_requests_get_400_with_openais_error_and_the_server_goes_on(server):
             err = answer["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
             assert err["param"] == param and err["code"] == code and err["message"], (body, err)
+    for path in ("/v1/nothere", "/v1/completions"):  # unknown path, wrong method: OpenAI's shape too
+        try:
+            urllib.request.urlopen(server.url.removesuffix("/v1") + path, timeout=10)
+        except urllib.error.HTTPError as e:
+            assert e.code in (404, 405) and set(json.loads(e.read())["error"]) == {"message", "type", "param", "code"}
+        else:
+            raise AssertionError(f"GET {path} answered 200")
     with pytest.raises(openai.BadRequestError, match="does not exist"):
         server.client.completions.create(model="gpt-4o", prompt="hi")
     ok = server.client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0)
@@ -347,6 +378,12 @@ def test_sigterm_finishes_or_aborts_in_flight_requests_and_leaves_nothing(server
     time.sleep(1.0)
     t0 = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)  # draining: still listening, new work refused with OpenAI's 503
+    health = urllib.request.Request(server.url.removesuffix("/v1") + "/health")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(health, timeout=5)
+    assert refused.value.code == 503 and json.loads(refused.value.read())["error"]["code"] == "shutting_down"
+    assert server.post("/completions", {"model": MODEL, "prompt": "hi"})[0] == 503
     assert server.proc.wait(timeout=20) == 0, "".join(server.lines)
     took = time.monotonic() - t0
     for t in threads:
@@ -380,10 +417,18 @@ def test_a_killed_rank_fails_requests_and_the_server_exits_nonzero(servers):
         time.sleep(1.0)
         t0 = time.monotonic()
         os.kill(s.ranks[1], signal.SIGKILL)
+        statuses = []
+        while s.proc.poll() is None and time.monotonic() - t0 < 10:  # new requests: 503 until it stops listening
+            try:
+                statuses.append(s.post("/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})[0])
+            except OSError:
+                break
+            time.sleep(0.05)
         code = s.proc.wait(timeout=10)
         took = time.monotonic() - t0
         reader.join(10)
         assert code == 1 and took < 10, (code, took)
+        assert 503 in statuses and statuses[statuses.index(503):] == [503] * (len(statuses) - statuses.index(503))
         error = json.loads(events[-1].removeprefix("data: "))["error"]
         assert "rank 1 exited" in error["message"] and error["code"] == "engine_failed", error
         assert "rank 1 exited" in "".join(s.lines)
@@ -401,7 +446,8 @@ def test_bad_command_lines_fail_fast_before_any_rank_starts(checkpoint):
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     port = taken.getsockname()[1]
-    for flags, message in ((["--model", "llama_tiny"], "no tokenizer files"),
+    for flags, message in ((["--model", "llama_tiny"], "not a directory"),
+                           (["--model", str(checkpoint), "--tokenizer", str(checkpoint.parent)], "no tokenizer files"),
                            (["--model", str(checkpoint), "--max-num-seqs", "0"], "--max-num-seqs=0"),
                            (["--model", str(checkpoint), "--queue-timeout", "0"], "--queue-timeout"),
                            (["--model", str(checkpoint), "--port", str(port)], f"cannot listen on 127.0.0.1:{port}")):

@@ -13,9 +13,12 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 
 from serve.config import add_engine_flags, engine_from_flags
+
+FAILED_LINGER_S = 1.0  # after a rank failed: how long new requests still get their 503 before the server exits
 
 
 def parser() -> argparse.ArgumentParser:
@@ -54,9 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from serve.llm import has_tokenizer
 
+        if args.tokenizer is None and not os.path.isdir(args.model):
+            raise ValueError(f"--model {args.model}: not a directory (the server takes and returns text: it needs "
+                             f"a save_pretrained directory with tokenizer files, or --tokenizer DIR)")
         if not has_tokenizer(args.model, args.tokenizer):
-            raise ValueError(f"{args.model} has no tokenizer files (a preset, or a directory without them); the "
-                             f"server takes and returns text: pass --tokenizer DIR")
+            raise ValueError(f"{args.tokenizer or args.model} has no tokenizer files; the server takes and returns "
+                             f"text: pass --tokenizer DIR")
         dtype = resolve_dtype(args.dtype, args.model)
     except ValueError as exc:
         sock.close()
@@ -82,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     metrics = ServerMetrics()
     server: uvicorn.Server | None = None
 
-    def failed() -> None:
+    def failed() -> None:  # new requests get 503 for a moment (the engine refuses them), then the server exits
         if server is not None:
-            server.should_exit = True
+            threading.Timer(FAILED_LINGER_S, lambda: setattr(server, "should_exit", True)).start()
 
     engine = AsyncEngine(llm, queue_timeout_s=args.queue_timeout, iteration_log=args.iteration_log, metrics=metrics,
                          on_failure=failed)
@@ -95,9 +101,20 @@ def main(argv: list[str] | None = None) -> int:
     grace = args.shutdown_timeout
 
     class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:  # SIGTERM / SIGINT: no new requests; in-flight ones get grace
+        """SIGTERM / SIGINT: the server keeps listening and answers 503 to new requests while in-flight ones get
+        the grace period (then they are aborted), and closes once the ranks are stopped. A second signal: uvicorn's
+        own exit (connections closed now)."""
+
+        def handle_exit(self, sig, frame) -> None:
+            if not engine.accepting or self.should_exit:
+                super().handle_exit(sig, frame)
+                return
             engine.drain(grace)
-            super().handle_exit(sig, frame)
+            threading.Thread(target=self._exit_when_drained, daemon=True).start()
+
+        def _exit_when_drained(self) -> None:
+            engine.done.wait(grace + 15)
+            self.should_exit = True
 
     server = Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=grace + 2,
                                    timeout_keep_alive=5))

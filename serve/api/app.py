@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.api.metrics import CONTENT_TYPE
 from serve.api.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Logprobs, created, new_id, parse,
@@ -50,6 +52,7 @@ class Submission:
         self.engine, self.loop, self.queue = engine, asyncio.get_running_loop(), asyncio.Queue()
         self.ids = [f"{base}-{i}" for i in range(len(prompts))]
         self.open = set(range(len(prompts)))  # not yet finished: aborted if the client goes away
+        self.asked = time.monotonic()  # when the client was last checked for
         for i, ((text, ids), q) in enumerate(zip(prompts, params)):
             engine.submit(self.ids[i], ids, text, q, self._sink(i))
 
@@ -57,8 +60,13 @@ class Submission:
         return lambda event: self.queue.put_nowait((i, event))  # run on the loop (engine.deliver)
 
     async def next(self, request: Request | None):
-        """The next event, or None when the client has gone away. request None: no polling (a streaming response
-        notices a disconnect itself, and cancels the task that waits here)."""
+        """The next event, or None when the client has gone away (asked at least every POLL_S, also while events
+        keep coming). request None: no polling (a streaming response notices a disconnect itself, and cancels the
+        task that waits here)."""
+        if request is not None and time.monotonic() - self.asked >= POLL_S:
+            self.asked = time.monotonic()
+            if await request.is_disconnected():
+                return None
         if not self.queue.empty() or request is None:
             i, event = await self.queue.get()
         else:
@@ -109,6 +117,11 @@ def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, max_pos
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):  # 404, 405: OpenAI's shape too
+        return error(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                              type_="invalid_request_error"))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception):  # a defect here, not the request's: still OpenAI's shape

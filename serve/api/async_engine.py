@@ -35,6 +35,7 @@ from typing import Callable
 from serve.api.protocol import APIError
 
 IDLE_CHECK_S = 0.5  # with nothing live: how often the thread looks at the ranks
+EXPECT_S = 1.0  # after an abort or a request's end: read the steps still coming for this long, without blocking
 
 
 @dataclass
@@ -61,6 +62,7 @@ class AsyncEngine:
         self._live: dict[str, Live] = {}
         self._accepting = True
         self._deadline: float | None = None  # draining: live requests are aborted at this time
+        self._expect_until = 0.0  # steps may still come until then, with nothing live (an abort's)
         self._log = open(iteration_log, "w", buffering=1) if iteration_log else None
         self._start = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -79,6 +81,8 @@ class AsyncEngine:
         if not self._accepting:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         self._ops.put(("add", (request_id, prompt_ids, text, params, sink, time.monotonic())))
+        if self.done.is_set():  # the thread ended between the check above and the put: answer it here
+            self._refuse_queued()
 
     def abort(self, request_id: str) -> None:
         """The client is gone: abort at the next step, send it nothing more."""
@@ -102,12 +106,14 @@ class AsyncEngine:
         try:
             self.llm.serve()
             while True:
-                self._take(block=not self._live)
+                expecting = time.monotonic() < self._expect_until  # an abort's step, or a last one, to come
+                self._take(block=not self._live and not expecting)
                 self._expire()
                 self._flush()
                 if not self._live and self._deadline is not None:
                     return  # drained
-                outputs = self.llm.serve_outputs(IDLE_CHECK_S if self._live else 0.0)  # also: a dead rank raises
+                wait = IDLE_CHECK_S if self._live else 0.02 if expecting else 0.0
+                outputs = self.llm.serve_outputs(wait)  # also: a dead rank raises
                 if outputs is not None:  # one step's per turn: operations are taken between any two
                     self._hand_out(outputs, self.llm.last_stats)
                     self._flush()
@@ -123,12 +129,27 @@ class AsyncEngine:
             if self.on_failure is not None:
                 self.on_failure()
         finally:
+            self._accepting = False
             try:
                 self.llm.shutdown()
             finally:
+                self._refuse_queued()
                 if self._log is not None:
                     self._log.close()
                 self.done.set()
+
+    def _refuse_queued(self) -> None:
+        """The thread is ending: requests still in the queue are answered 503 (none is left waiting)."""
+        why = (APIError(503, f"the engine failed: {self.failed}", code="engine_failed") if self.failed is not None
+               else APIError(503, "the server is shutting down", code="shutting_down"))
+        while True:
+            try:
+                kind, arg = self._ops.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                self._emit(arg[4], ("error", why))
+        self._flush()
 
     def _take(self, block: bool) -> None:
         """Apply every queued operation; with block, wait up to IDLE_CHECK_S for the first."""
@@ -141,8 +162,8 @@ class AsyncEngine:
             if kind == "add":
                 self._add(*arg)
             elif kind == "abort":
-                if self._live.pop(arg, None) is not None:
-                    self._send_abort(arg)
+                if (live := self._live.pop(arg, None)) is not None:
+                    self._send_abort(arg, live)
             elif kind == "drain":
                 self._deadline = arg
             try:
@@ -178,22 +199,26 @@ class AsyncEngine:
             for sink, event in batch:
                 sink(event)
 
-    def _send_abort(self, request_id: str) -> None:
+    def _send_abort(self, request_id: str, live: Live) -> None:
+        """Abort it in the engine (client gone, queue timeout, shutdown): counted as ended with "abort"."""
         self.llm.abort_request(request_id, wait=False)
+        self._expect_until = time.monotonic() + EXPECT_S
+        if self.metrics is not None:
+            self.metrics.finished("abort", live.prompt_tokens, live.tokens, None)
 
     def _expire(self) -> None:
         now = time.monotonic()
         for rid, live in list(self._live.items()):
             if live.first is None and now - live.arrival > self.queue_timeout_s:
                 del self._live[rid]
-                self._send_abort(rid)
+                self._send_abort(rid, live)
                 self._emit(live.sink, ("error", APIError(503, f"no token after {now - live.arrival:.1f} s in the queue (the "
                                                   f"server's queue timeout is {self.queue_timeout_s:g} s); try "
                                                   f"again later", code="queue_timeout")))
         if self._deadline is not None and now >= self._deadline:
             for rid, live in list(self._live.items()):
                 del self._live[rid]
-                self._send_abort(rid)
+                self._send_abort(rid, live)
                 self._emit(live.sink, ("abort", None))
 
     def _hand_out(self, outputs: list, stats: dict) -> None:
@@ -220,6 +245,7 @@ class AsyncEngine:
                 live.tokens = n
             if o.finished:
                 del self._live[o.request_id]
+                self._expect_until = time.monotonic() + EXPECT_S  # a stop string's abort step may follow
                 finished[o.request_id] = o.outputs[0].finish_reason
                 if self.metrics is not None:
                     self.metrics.finished(o.outputs[0].finish_reason, live.prompt_tokens, n,

@@ -9,7 +9,8 @@
     tpref:time_per_output_token_seconds          histogram: per request, (finished - first token) / (tokens - 1)
     tpref:prompt_tokens_total, tpref:generation_tokens_total   tokens of finished requests' prompts; tokens made
     tpref:generation_tokens_per_second           tokens made in the last WINDOW_S seconds / WINDOW_S
-    tpref:request_success_total{finished_reason} requests ended: stop, length, abort
+    tpref:request_success_total{finished_reason} requests ended: stop, length, abort (the client gone, a queue
+                                                 timeout, the server's shutdown)
     tpref:collective_bytes_per_rank_total        bytes each rank sent in the steps' collectives (the ledger's count,
                                                  which every step checks against the analytic model)
     tpref:engine_steps_total                     steps run
@@ -24,7 +25,7 @@ import threading
 import time
 from collections import deque
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 WINDOW_S = 10.0
@@ -35,6 +36,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 class ServerMetrics:
     def __init__(self):
+        disable_created_metrics()  # no *_created sample beside each counter and histogram (as vLLM)
         self.registry = CollectorRegistry()
         self.ttft = Histogram("tpref:time_to_first_token_seconds", "Time to first token (s)", buckets=TTFT_BUCKETS,
                               registry=self.registry)
