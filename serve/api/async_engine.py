@@ -74,8 +74,8 @@ class AsyncEngine:
         self._thread.start()
 
     def submit(self, request_id: str, prompt_ids: list[int], text: str | None, params, sink: Callable) -> None:
-        """Queue a request; its events go to sink (called on the engine thread). APIError(503) at once when the
-        server is failing or shutting down."""
+        """Queue a request; its events go to sink (run on the server's loop through `deliver`, or on the engine thread
+        without one). APIError(503) at once when the server is failing or shutting down."""
         if self.failed is not None:
             raise APIError(503, f"the engine has failed: {self.failed}", code="engine_failed")
         if not self._accepting:
