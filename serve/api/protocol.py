@@ -199,9 +199,9 @@ class Logprobs:
     def _token(self, t: int) -> str:
         return self.tokenizer.decode([t])
 
-    def _top(self, step: dict[int, float], chosen: int) -> list[tuple[int, float]]:
-        ranked = sorted(step.items(), key=lambda kv: -kv[1])
-        return ranked[:self.top]
+    def _top(self, step: dict[int, float]) -> list[tuple[int, float]]:
+        """The step's top alternatives, best first (the chosen token is among them only if it ranks there)."""
+        return sorted(step.items(), key=lambda kv: -kv[1])[:self.top]
 
     def completion(self, ids: list[int], steps: list[dict[int, float]], offset: int) -> dict:
         tokens = [self._token(t) for t in ids]
@@ -210,7 +210,7 @@ class Logprobs:
             offsets.append(at)
             at += len(s)
         return {"tokens": tokens, "token_logprobs": [step[t] for t, step in zip(ids, steps)],
-                "top_logprobs": [{self._token(a): lp for a, lp in self._top(step, t)} for t, step in zip(ids, steps)],
+                "top_logprobs": [{self._token(a): lp for a, lp in self._top(step)} for t, step in zip(ids, steps)],
                 "text_offset": offsets}
 
     def chat(self, ids: list[int], steps: list[dict[int, float]]) -> dict:
@@ -218,7 +218,7 @@ class Logprobs:
             s = self._token(t)
             return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
 
-        return {"content": [dict(entry(t, step[t]), top_logprobs=[entry(a, lp) for a, lp in self._top(step, t)])
+        return {"content": [dict(entry(t, step[t]), top_logprobs=[entry(a, lp) for a, lp in self._top(step)])
                             for t, step in zip(ids, steps)]}
 
 
