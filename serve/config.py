@@ -118,8 +118,9 @@ def add_engine_flags(parser) -> None:
             group.add_argument(flag, dest=name, choices=ATTENTION_MODES, default=default, help=f"{name}")
         else:
             aliases = ["--num-gpu-blocks"] if name == "kv_blocks" else []
-            group.add_argument(flag, *aliases, dest=name, type=int, default=default,
-                               help=f"{name} (default: {default})")
+            group.add_argument(flag, *aliases, dest=name, type=int, default=default, metavar="N",
+                               help=f"{name} (default: "
+                                    f"{'max-num-seqs requests at the full context' if default is None else default})")
 
 
 def engine_from_flags(args) -> "EngineConfig":
