@@ -300,7 +300,7 @@ class LLM:
     def serve(self) -> None:
         """From now on rank 0 steps by itself whenever a request is unfinished, sending each step's outputs without
         waiting (a server's loop: its own work never delays a step). Then only add_request / abort_request with
-        wait=False, serve_outputs() and serve_end() (or shutdown()) may be called."""
+        wait=False, serve_outputs() and shutdown() may be called."""
         if self._closed:
             raise RuntimeError("this LLM is shut down")
         self._check_ranks("serve")
@@ -317,12 +317,6 @@ class LLM:
         kind, value = self._wait("serve")
         outputs, self.last_stats = value
         return outputs
-
-    def serve_end(self) -> None:
-        """Back to calls answered one by one (outputs still on their way are dropped)."""
-        self._conn.send(("serve_end", ()))
-        while self._wait("serve_end")[0] == "outputs":
-            pass
 
     def detokenize(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Text (and stop strings) for outputs taken from serve_outputs(), in the order they came."""

@@ -173,10 +173,9 @@ def _driven(engine, conn, timeout_s: float) -> None:
         if op == "run":  # generate(): step until nothing is left, each step's outputs sent without waiting for the
             _run(engine, conn)  # driver, which decodes them while the next step runs
             continue
-        if op == "serve":  # a server: step on its own while there is work, until serve_end or shutdown
-            if not _serve_requests(engine, conn, every):
-                return
-            continue
+        if op == "serve":  # a server: step on its own while there is work, until shutdown
+            _serve_requests(engine, conn, every)
+            return
         if op == "step":  # the step's outputs, and the pool and queues after it (a server's /metrics reads them)
             outputs = engine.step()
             conn.send(("ok", (outputs, engine.stats())))
@@ -202,11 +201,11 @@ def _run(engine, conn) -> None:
     conn.send(("ok", None))
 
 
-def _serve_requests(engine, conn, every: float) -> bool:
+def _serve_requests(engine, conn, every: float) -> None:
     """Rank 0 under a server (LLM.serve): step while any request is unfinished, sending each step's outputs and stats
     without waiting for the driver (its work is off the step's path); between steps, take the requests and aborts
     that came (add_nowait: checked by the driver already, so a refusal here, e.g. a repeated id, fails the engine).
-    Idle, wait for a message, keeping the other ranks alive. True after serve_end; False after shutdown or when the
+    Idle, wait for a message, keeping the other ranks alive. It returns after shutdown or when the
     driver is gone (the ranks are told to stop)."""
     while True:
         busy = engine.has_unfinished_requests()
@@ -218,20 +217,17 @@ def _serve_requests(engine, conn, every: float) -> bool:
                 op, args = conn.recv()
             except EOFError:
                 engine.shutdown()
-                return False
+                return
             if op == "add_nowait":
                 engine.add_request(*args)
             elif op == "abort_nowait":
                 engine.abort_request(*args)
-            elif op == "serve_end":
-                conn.send(("ok", None))
-                return True
             elif op == "shutdown":
                 engine.shutdown()
                 conn.send(("ok", None))
-                return False
+                return
             else:
-                raise RuntimeError(f"{op} while serving: only add_nowait, abort_nowait, serve_end, shutdown")
+                raise RuntimeError(f"{op} while serving: only add_nowait, abort_nowait, shutdown")
         if engine.has_unfinished_requests():
             outputs = engine.step()
             conn.send(("outputs", (outputs, engine.stats())))
