@@ -37,6 +37,7 @@ from launch.serve_report import render, render_pd
 from launch.loading import LoadMeter
 from launch.settings import (LaunchSettings, boolean, check_memory, common_settings, fitted_lengths, integer, launch,
                              memory_need, publish, read_transient, refuse_bad_arguments)
+from layers.attention_backends import choose
 from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.dense import init_weights, weights_checksum
 from layers.hf import CheckpointSource, checkpoint_eos, load_lm
@@ -505,7 +506,8 @@ def build_pd_report(s: Settings, ctx, result, colocated: list[list[int]], checks
                    "chunk_size": s.chunk_size, "max_batched_tokens": s.max_batched_tokens, "variant": s.variant,
                    "vocab_parallel": s.vocab_parallel, "dtype": str(s.dtype).removeprefix("torch."),
                    "dtype_from": s.dtype_from, "seed": s.seed,
-                   "block_size": s.block_size, "prefix_cache": s.prefix_cache, "attention": s.attention,
+                   "block_size": s.block_size, "prefix_cache": s.prefix_cache,
+                   "attention": choose(s.attention, ctx.device), "attention_setting": s.attention,
                    "shared_prefix": s.shared_prefix},
         "notes": list(s.notes),
         "kv_cache": {"block_size": s.block_size, "decode_block_size": s.decode_block_size or s.block_size,
@@ -594,7 +596,8 @@ def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | Non
                    "dtype": str(s.dtype).removeprefix("torch."), "dtype_from": s.dtype_from, "seed": s.seed,
                    "check": s.check,
                    "block_size": s.block_size, "kv_blocks": s.kv_blocks, "prefix_cache": s.prefix_cache,
-                   "attention": s.attention, "shared_prefix": s.shared_prefix, "comm_timing": s.comm_timing,
+                   "attention": choose(s.attention, ctx.device), "attention_setting": s.attention,
+                   "shared_prefix": s.shared_prefix, "comm_timing": s.comm_timing,
                    "moe_parallel": s.moe_parallel if m.family == "mixtral" else None, "sampling": s.sampling},
         "notes": list(s.notes),
         "iterations": its,

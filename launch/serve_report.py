@@ -76,6 +76,7 @@ def render(r: dict) -> str:
         f"max_running={c['max_running'] if c['max_running'] is not None else c['max_batched_tokens']}; "
         f"KV pool of {kv['blocks']} blocks of block_size={kv['block_size']} per rank, prefix_cache="
         f"{str(c['prefix_cache']).lower()}, attention={c['attention']}"
+        + (f" ({c['attention_setting']})" if c.get("attention_setting", c["attention"]) != c["attention"] else "")
         + (f", shared_prefix={c['shared_prefix']}" if c.get("shared_prefix") else ""),
         _sampling(c.get("sampling")),
         *([render_load(r["load"])] if r.get("load") else []),

@@ -11,8 +11,10 @@
     kv_blocks           num_gpu_blocks_override   blocks in each rank's pool (None: max_running requests at
                                                   the model's full context, so nothing is ever preempted)
     prefix_cache        enable_prefix_caching     share full blocks of identical prompt prefixes
-    attention           -                         batched (one cache write and a few attention calls per
-                                                  layer) | reference (the per-request loop)
+    attention           -                         the attention backend (layers/attention_backends.py): auto
+                                                  (cpu on a CPU, batched on CUDA) | cpu (one call per request,
+                                                  nothing padded) | batched (one cache write and a few calls
+                                                  per layer, as a GPU runs it) | reference (the readable loop)
     comm_timing         -                         per-collective wall times in the ledger (two waits each)
     check_ledger        -                         compare every iteration's collectives with the model
     reserve_capacity    -                         the pre-paging rule, kept to measure what paging frees: a
@@ -29,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-ATTENTION_MODES = ("batched", "reference")  # serve/inputs.py builds each mode's tensors
+ATTENTION_MODES = ("auto", "cpu", "batched", "reference")  # layers/attention_backends.py: auto picks by device
 
 from tp.partition import ceil_div
 
@@ -46,7 +48,7 @@ class EngineConfig:
     block_size: int = 16
     kv_blocks: int | None = None
     prefix_cache: bool = True
-    attention: str = "batched"
+    attention: str = "auto"
     comm_timing: bool = False
     check_ledger: bool = True
     reserve_capacity: bool = False
@@ -62,7 +64,8 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.attention not in ATTENTION_MODES:
-            raise ValueError(f"attention={self.attention!r}: choose {' or '.join(ATTENTION_MODES)}")
+            raise ValueError(f"attention={self.attention!r}: choose {', '.join(ATTENTION_MODES[:-1])} or "
+                             f"{ATTENTION_MODES[-1]}")
         if self.reserve_capacity and self.prefix_cache:
             raise ValueError("reserve_capacity (the pre-paging rule) shares nothing: set prefix_cache=False")
         if self.max_running > self.max_batched_tokens:
@@ -115,7 +118,9 @@ def add_engine_flags(parser) -> None:
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default,
                                help=f"{name} (default: on)")
         elif name == "attention":
-            group.add_argument(flag, dest=name, choices=ATTENTION_MODES, default=default, help=f"{name}")
+            group.add_argument(flag, dest=name, choices=ATTENTION_MODES, default=default,
+                               help=f"{name}: the attention backend (default: auto, cpu on a CPU device and batched "
+                                    f"on CUDA)")
         else:
             aliases = ["--num-gpu-blocks"] if name == "kv_blocks" else []
             group.add_argument(flag, *aliases, dest=name, type=int, default=default, metavar="N",

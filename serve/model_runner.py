@@ -1,6 +1,7 @@
 """Turns one iteration's plan into tensors and runs it through this rank's TP model: nano-vllm's ModelRunner.
 
-    runner = ModelRunner(lm, ctx, num_blocks, block_size, attention)   # allocates this rank's KV pool, once
+    runner = ModelRunner(lm, ctx, num_blocks, block_size, attention)   # this rank's KV pool, once; attention
+                                                                        # backend: auto resolved by device
     tokens, logits = runner.run(plan, tokens_of)                        # [S] ids and their logits, every rank
 
 It owns the rank's KV pool (serve/kv_cache.py: K,V of the rank's own heads, one tensor), builds the step's
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from layers.attention_backends import choose
 from layers.lm import TPLM, TPLlamaLM
 from layers.sampler import SampleResult, SamplingBatch
 from serve.inputs import prepare_step
@@ -24,7 +26,8 @@ from tp.dist import TPContext
 
 class ModelRunner:
     def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, num_blocks: int, block_size: int, attention: str):
-        self.lm, self.ctx, self.block_size, self.attention = lm, ctx, block_size, attention
+        self.lm, self.ctx, self.block_size = lm, ctx, block_size
+        self.attention = choose(attention, ctx.device)  # the backend's name: auto resolved for this rank's device
         self.dtype = next(lm.parameters()).dtype
         cfg = lm.cfg
         # K,V heads this rank caches: h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention)

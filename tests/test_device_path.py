@@ -60,7 +60,7 @@ def _engine_waits(ctx, family: str, moe_parallel: str, attention: str, workload:
     from layers.lm import dense_lm, shard_lm
     from serve.config import EngineConfig
     from serve.engine import LLMEngine, StepHook
-    from serve.inputs import RAGGED_BELOW
+    from layers.attention_backends import ragged_decodes
     from launch.sync_check import drive
     from tests.syncs import SyncCounter
     from tests.test_moe import CFG as MOE
@@ -84,9 +84,8 @@ def _engine_waits(ctx, family: str, moe_parallel: str, attention: str, workload:
             counter.device.clear()
             counter.control.clear()
 
-    def ragged(plan) -> bool:  # the decodes attend in one ragged pass (serve/inputs.py's rule)
-        keys = [c.q_end for c in plan.chunks if c.decode]
-        return attention == "batched" and bool(keys) and sum(keys) * RAGGED_BELOW < len(keys) * max(keys)
+    def ragged(plan) -> bool:  # the decodes attend in one ragged pass (the batched backend's rule)
+        return attention == "batched" and ragged_decodes(plan.chunks)
 
     gen = torch.Generator().manual_seed(1)
     if workload == "ragged":  # one long context beside seven short ones: padding would dominate
@@ -107,7 +106,8 @@ def _engine_waits(ctx, family: str, moe_parallel: str, attention: str, workload:
 
 
 @pytest.mark.parametrize("family,moe_parallel,attention", [
-    ("gpt2", "tp", "batched"), ("gpt2", "tp", "reference"), ("llama", "tp", "batched"), ("mixtral", "tp", "batched"),
+    ("gpt2", "tp", "batched"), ("gpt2", "tp", "reference"), ("gpt2", "tp", "cpu"), ("llama", "tp", "batched"),
+    ("llama", "tp", "cpu"), ("mixtral", "tp", "batched"),
     ("mixtral", "ep", "batched")])
 def test_every_iteration_kind_waits_for_the_device_once(family, moe_parallel, attention):
     """Counted at the dispatcher, so waits inside C++ (boolean-mask indexing, nonzero, bincount, equal) count too:

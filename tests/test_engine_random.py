@@ -45,7 +45,7 @@ def workload(seed: int) -> dict:
             "config": dict(block_size=bs, kv_blocks=-(-largest // bs) + rng.randint(0, 6),
                            chunk_size=rng.randint(1, 16), max_running=max_running,
                            max_batched_tokens=max_running + rng.randint(0, 16), prefix_cache=seed % 4 != 3,
-                           attention=rng.choice(["batched", "reference"]))}
+                           attention=rng.choice(["batched", "cpu", "reference"]))}
 
 
 def _serve(ctx, w: dict):

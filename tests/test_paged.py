@@ -168,7 +168,7 @@ def paged_equals_oracle(ctx, family, grid):
     out = {}
     for block_size, chunk in grid:
         chunk = longest if chunk is None else chunk  # None: the whole prompt in one chunk
-        for mode in ("batched", "reference"):
+        for mode in ("batched", "cpu", "reference"):
             res = Engine(lm, ctx, chunk_size=chunk, max_batched_tokens=longest + 8, block_size=block_size,
                          attention=mode).run(requests())
             out[block_size, chunk, mode] = ([r["output_ids"] for r in res.requests] == want,
@@ -187,7 +187,7 @@ def test_paged_tokens_equal_the_dense_oracle_and_the_reference(family, p):
     16-position blocks, and the middle; Llama at p = 4 > h_kv = 2 (replicated K,V heads)."""
     grid = FULL_GRID if p == 1 else [(1, 1), (3, 5), (16, None)]
     for res in run_ranks(p, paged_equals_oracle, family, grid):
-        assert len(res) == 2 * len(grid)
+        assert len(res) == 3 * len(grid)
         for key, (same, ledger_ok, preemptions, all_free) in res.items():
             assert same and ledger_ok and all_free, key
             assert preemptions == 0, key  # kv_blocks = null: enough for the worst case
@@ -242,7 +242,8 @@ def preempting(ctx, family, mode):
             res.ledger_matches_model)
 
 
-@pytest.mark.parametrize("family,p,mode", [("gpt2", 2, "batched"), ("llama", 4, "batched"), ("gpt2", 1, "reference")])
+@pytest.mark.parametrize("family,p,mode", [("gpt2", 2, "batched"), ("llama", 4, "batched"), ("gpt2", 1, "reference"),
+                                           ("llama", 2, "cpu")])
 def test_preemption_by_recompute_leaves_the_tokens_unchanged(family, p, mode):
     """paged (preempting) == contiguous (a full reservation per request) == dense"""
     for same, preemptions, free, peak, ledger_ok in run_ranks(p, preempting, family, mode):
@@ -289,7 +290,7 @@ PAGING_BAD = [
      "kv_blocks=3 cannot hold request 0 even alone: prompt 9 + max_new_tokens 8 - 1 = 16 positions need 4 blocks of "
      "block_size=4; raise kv_blocks to at least 4"),
     (["prefix_cache=maybe"], "prefix_cache='maybe' must be true or false"),
-    (["attention=fast"], "attention='fast': choose batched or reference"),
+    (["attention=fast"], "attention='fast': choose auto, cpu, batched or reference"),
     (["shared_prefix=-1"], "shared_prefix=-1 must be 0 or more"),
     (["shared_prefix=1009"], "shared_prefix=1009 is too long: with max_new_tokens=16 a prompt has at most 1009 "
                              "positions in model.max_seq_len=1024, and needs one token of its own; use shared_prefix <= 1008"),
@@ -316,7 +317,7 @@ def test_shared_prefix_is_prepended_to_every_random_prompt():
     prefix = shared.requests[0].prompt[:48]
     assert all(r.prompt[:48] == prefix for r in shared.requests)
     assert [r.prompt[48:] for r in shared.requests] == [r.prompt for r in plain.requests]
-    assert (shared.block_size, shared.kv_blocks, shared.prefix_cache, shared.attention) == (16, None, True, "batched")
+    assert (shared.block_size, shared.kv_blocks, shared.prefix_cache, shared.attention) == (16, None, True, "auto")
 
 
 def test_kv_blocks_too_small_fails_fast_on_a_lone_rank():
@@ -363,7 +364,7 @@ def test_pd_launcher_on_bounded_pools_with_a_shared_prefix_and_its_own_decode_bl
 
 
 def test_prompt_chunks_are_grouped_by_length_into_a_fixed_number_of_calls():
-    from serve.inputs import PROMPT_GROUPS, split
+    from layers.attention_backends import PROMPT_GROUPS, split
 
     chunks = [Chunk(i, 0, n, decode=False, sample=True) for i, n in enumerate([300, 4, 6, 5, 120, 310, 7, 128])]
     groups = split(list(range(len(chunks))), chunks)
@@ -375,16 +376,16 @@ def test_prompt_chunks_are_grouped_by_length_into_a_fixed_number_of_calls():
 
 def ragged(ctx, family):
     """Every decode iteration through the ragged pass (the threshold forced), against the dense oracle."""
-    import serve.inputs
+    from layers import attention_backends as backends
 
     dense = model(family)
     lm = shard_lm(dense, "v2", ctx.group)
     want = oracle(dense, requests())
-    saved, serve.inputs.RAGGED_BELOW = serve.inputs.RAGGED_BELOW, 1e-9
+    saved, backends.RAGGED_BELOW = backends.RAGGED_BELOW, 1e-9
     try:
-        res = Engine(lm, ctx, chunk_size=5, max_batched_tokens=40, block_size=3).run(requests())
+        res = Engine(lm, ctx, chunk_size=5, max_batched_tokens=40, block_size=3, attention="batched").run(requests())
     finally:
-        serve.inputs.RAGGED_BELOW = saved
+        backends.RAGGED_BELOW = saved
     return [r["output_ids"] for r in res.requests] == want and res.ledger_matches_model
 
 
@@ -395,7 +396,8 @@ def test_ragged_decode_pass_equals_the_dense_oracle(family, p):
 
 @pytest.mark.parametrize("kv_heads", [4, 1])
 def test_ragged_and_padded_decodes_equal_the_reference(kv_heads):
-    """One long context among short ones: the batched form takes the ragged pass; both equal the per-request loop."""
+    """One long context among short ones: the batched form takes the ragged pass; it and the cpu backend's calls equal
+    the per-request loop."""
     from layers.attention import PagedLayer, attention
 
     gen = torch.Generator().manual_seed(3)
@@ -408,8 +410,10 @@ def test_ragged_and_padded_decodes_equal_the_reference(kv_heads):
     q = torch.randn(4, len(lengths), 8, generator=gen, dtype=torch.float64)
     kv = torch.randn(2, kv_heads, len(lengths), 8, generator=gen, dtype=torch.float64)
     out = {}
-    for mode in ("batched", "reference"):
+    for mode in ("batched", "cpu", "reference"):
         step = prepare_step(plan, {i: [0] * n for i, n in enumerate(lengths)}, block_size, "cpu", mode)
-        assert (step.batch.decodes is not None) == (mode == "batched")  # 97 keys, padded to 5 x 90: ragged
+        if mode == "batched":
+            assert step.batch.meta.decodes is not None  # 97 keys, padded to 5 x 90: ragged
         out[mode] = attention(q, kv, PagedLayer(step.batch, pool.clone()))
     torch.testing.assert_close(out["batched"], out["reference"], rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(out["cpu"], out["reference"], rtol=1e-12, atol=1e-13)

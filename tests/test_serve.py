@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from layers.attention import PagedLayer, causal_attention, prefix_causal_mask
+from layers.attention import PagedLayer, causal_attention
+from layers.attention_backends import prefix_causal_mask
 from layers.config import ModelConfig
 from layers.dense import init_weights
 from layers.lm import DenseLM, greedy_reference, shard_lm
@@ -38,7 +39,7 @@ def test_prefix_causal_mask():
     assert torch.equal(prefix_causal_mask(0, 4, 4), torch.ones(4, 4, dtype=torch.bool).tril())
 
 
-@pytest.mark.parametrize("mode", ["batched", "reference"])
+@pytest.mark.parametrize("mode", ["batched", "cpu", "reference"])
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 @pytest.mark.parametrize("chunks", [[10], [1] * 10, [3, 3, 3, 1], [4, 6], [7, 1, 1, 1]])
 def test_chunked_attention_over_blocks_equals_causal_attention(chunks, block_size, mode):

@@ -1,0 +1,387 @@
+"""Attention over the paged KV cache, one backend per platform (vLLM's attention backends, in one small module).
+
+A backend does two things, on the two sides of the iteration's one host-to-device copy:
+
+    finish = backend.build(chunks, spans, block_size, slots, put)   host, once per iteration: the integer tensors its
+                                                              forward reads (block tables, slots, groups), appended
+                                                              with put() to the iteration's one copy
+    meta = finish(parts)                                      device: those tensors, masks built from them
+    out = backend.forward(q, kv, pool, batch)                 every layer: write the new rows' K,V at their slots
+                                                              (batch.slot_mapping), attend, return [T, h·d_head]
+
+`chunks` are the iteration's requests in row order, each with q_start, q_rows, kv_length, decode and blocks (its
+block table; serve/plan.py's Chunk); `spans` their rows in the flat batch; `slots(chunk, start, end)` the pool slots
+of positions [start, end) of its request (serve/block_manager.py's slot mapping). The backends:
+
+    reference   the readable one the others are checked against: one request at a time, its own write, its
+                keys read through its block table, one SDPA call.
+    batched     as a GPU runs it: one scatter writes every new row's K,V; all decodes attend in one SDPA call
+                (or, when one long context would pad the others more than RAGGED_BELOW times, in one ragged pass
+                over their keys laid end to end); prompt chunks in at most PROMPT_GROUPS SDPA calls for fresh ones
+                (q_start = 0: causal, no mask) and as many for chunks after a cached prefix, chunks of similar
+                length together, each call padded to its longest and masked. The number of kernels does not
+                grow with the number of requests (the aten-op count is tested constant).
+    cpu         as a CPU wants it, where a launch costs microseconds and padded FLOPs are paid in full: one
+                scatter writes the new rows, then one SDPA call per request on its own lengths, nothing padded.
+                A fresh prompt chunk attends to its own rows' K,V as computed (no read of the pool at all); a
+                decode or a chunk after a prefix reads its whole blocks through its block table (one
+                index_select of whole blocks, then the first kv_length positions), grouped-query heads shared in
+                the kernel (enable_gqa), not copied.
+
+`auto` (the default setting) is `cpu` on a CPU device and `batched` on CUDA. The choice on a CPU was measured
+(benchmarks/bench_attention.py, docs/benchmarks.md): at 32 decodes of lognormal contexts the per-request calls
+take a fifth of the padded call's time per layer, and the ragged pass (segment softmax over all keys at once)
+makes several passes over [keys, heads, d_head] temporaries, so it is slower than the loop on a CPU at every
+batch size measured. A GPU library backend over paged KV (FlashAttention's block_table, FlashInfer) is not here:
+FlashAttention 2's paged KV wants blocks of a multiple of 256 positions, and neither library installs without CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+RAGGED_BELOW = 4  # batched: decodes attend in one ragged pass when padding them to the longest would score > 4x
+PROMPT_GROUPS = 3  # batched: most SDPA calls per layer for fresh prompt chunks, and as many for chunks after a prefix
+CALL_COST = 64 * 64  # batched: a call's fixed cost, in padded score entries: no group is split off for less
+
+
+class ChunkLike(Protocol):
+    q_start: int
+    decode: bool
+    blocks: Sequence[int]
+
+    @property
+    def q_rows(self) -> int: ...
+
+    @property
+    def kv_length(self) -> int: ...
+
+
+Put = Callable[[list[int]], None]  # appends one integer list to the iteration's host-to-device copy
+Slots = Callable[[ChunkLike, int, int], list[int]]  # the pool slots of positions [start, end) of a chunk's request
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """What attention needs for one serving iteration, built once (serve/inputs.py), shared by every layer.
+
+    positions [T]      each row's position in its request (RoPE, GPT-2's position embedding)
+    slot_mapping [T]   where each new row's K,V go in a layer's flat pool view
+    backend, meta      the attention backend and what its build() made for this iteration
+    """
+
+    backend: "AttentionBackend"
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    meta: object = None
+    tables: dict = field(default_factory=dict)  # per-iteration memo (RoPE's cos/sin), filled by the first layer
+
+
+def prefix_causal_mask(q_start: int, q_rows: int, kv_length: int, device=None) -> torch.Tensor:
+    """[q_rows, kv_length] booleans: query i (position q_start + i) sees key j iff j <= q_start + i."""
+    keys = torch.arange(kv_length, device=device)
+    return keys[None, :] <= (q_start + torch.arange(q_rows, device=device))[:, None]
+
+
+class AttentionBackend:
+    name = ""
+
+    def build(self, chunks: Sequence[ChunkLike], spans: Sequence[tuple[int, int]], block_size: int, slots: Slots,
+              put: Put) -> Callable[[Iterator[torch.Tensor]], object]:
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, pool: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        """q [h, T, d_head]; kv [2, h_kv, T, d_head] (this layer's new K,V); pool [2, slots, h_kv, d_head]. Returns
+        [T, h·d_head]; query head j reads K,V head j // (h/h_kv)."""
+        raise NotImplementedError
+
+
+# ---- reference ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReferenceMeta:
+    spans: tuple[tuple[int, int], ...]
+    q_starts: tuple[int, ...]
+    slots: tuple[torch.Tensor, ...]  # per request: the slots of positions [0, kv_length)
+
+
+class ReferenceBackend(AttentionBackend):
+    name = "reference"
+
+    def build(self, chunks, spans, block_size, slots, put):
+        for c in chunks:
+            put(slots(c, 0, c.kv_length))
+        return lambda parts: ReferenceMeta(tuple(spans), tuple(c.q_start for c in chunks),
+                                           tuple(next(parts) for _ in chunks))
+
+    def forward(self, q, kv, pool, batch):
+        """Write, gather, attend, one request at a time."""
+        meta: ReferenceMeta = batch.meta
+        group = q.shape[0] // kv.shape[1]
+        outs = []
+        for (s, e), q_start, slots in zip(meta.spans, meta.q_starts, meta.slots):
+            q_rows, kv_length = e - s, q_start + e - s
+            pool[:, slots[q_start:]] = kv[:, :, s:e].transpose(1, 2)  # [2, q_rows, h_kv, dh] into its new slots
+            context = pool[:, slots].transpose(1, 2)  # [2, h_kv, kv_length, dh]: its block table, read in order
+            if group > 1:
+                context = context.repeat_interleave(group, dim=1)
+            keys, values = context[:, None]  # each [1, h, kv_length, d_head]
+            if q_rows == 1:  # decode: the one new query sees every key
+                mask, causal = None, False
+            elif q_start == 0:  # a whole prompt, or its first chunk: the plain causal square
+                mask, causal = None, True
+            else:  # a chunk after a cached prefix: full on the prefix, causal on the chunk
+                mask, causal = prefix_causal_mask(q_start, q_rows, kv_length, q.device), False
+            outs.append(F.scaled_dot_product_attention(q[None, :, s:e], keys, values, attn_mask=mask,
+                                                       is_causal=causal))
+        return rearrange(torch.cat(outs, dim=2), "1 h n d -> n (h d)")
+
+
+# ---- batched -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Requests that attend in one SDPA call (batched): B requests, queries padded to max_q, keys to max_kv.
+
+    rows [B, max_q]      the flat row of each query (padding: row 0, its output dropped)
+    slots [B, max_kv]    the pool slot of each key position (padding: slot 0, masked)
+    mask [B, 1, max_q, max_kv]   key j visible to query i iff j <= q_start + i and j < kv_length; None for fresh
+                         prompt chunks (q_start = 0): SDPA's is_causal is exact on a right-padded causal square
+    src, dst [n]         real queries: position in the flattened [B·max_q] output -> flat row
+    """
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor | None
+    src: torch.Tensor
+    dst: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Every decode row of an iteration, attending in one ragged pass (batched): no padding at all.
+
+    rows [B]      the flat row of each decode's one query
+    slots [N]     the pool slots of every decode's keys [0, kv_length), one request after another (N = Σ kv_length)
+    owner [N]     which decode (0 .. B-1) each key belongs to
+    """
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    owner: torch.Tensor
+
+
+@dataclass(frozen=True)
+class BatchedMeta:
+    decodes: DecodeGroup | None  # the decodes as one ragged group (when padding would dominate), else in `groups`
+    groups: tuple[AttentionGroup, ...]  # at most 1 + 2·PROMPT_GROUPS: decodes; fresh chunks; chunks after a prefix
+
+
+def split(members: list[int], chunks) -> list[list[int]]:
+    """Prompt chunks of one kind in at most PROMPT_GROUPS groups, so that padding each group to its longest costs
+    least: sorted by length, cut where the padded score entries B·max_q·max_kv (+ CALL_COST a call) are fewest
+    (dynamic programming over the cut points; a handful of chunks per iteration)."""
+    if len(members) <= 1:
+        return [members]
+    order = sorted(members, key=lambda i: (chunks[i].kv_length, chunks[i].q_rows))
+    n, inf = len(order), float("inf")
+    best = [[inf] * (n + 1) for _ in range(PROMPT_GROUPS + 1)]  # best[g][j]: the first j chunks in g groups
+    cut = [[0] * (n + 1) for _ in range(PROMPT_GROUPS + 1)]
+    best[0][0] = 0
+    for g in range(1, PROMPT_GROUPS + 1):
+        for j in range(1, n + 1):
+            max_q = 0
+            for i in range(j - 1, -1, -1):  # the last group: order[i:j]
+                max_q = max(max_q, chunks[order[i]].q_rows)
+                cost = best[g - 1][i] + (j - i) * max_q * chunks[order[j - 1]].kv_length + CALL_COST
+                if cost < best[g][j]:
+                    best[g][j], cut[g][j] = cost, i
+    g = min(range(1, PROMPT_GROUPS + 1), key=lambda k: best[k][n])
+    out, j = [], n
+    while g:
+        out.append(order[cut[g][j]:j])
+        j, g = cut[g][j], g - 1
+    return out[::-1]
+
+
+def ragged_decodes(chunks) -> bool:
+    """The batched rule: the decodes attend in one ragged pass when padding them would score > RAGGED_BELOW times
+    their keys (one long context among short ones)."""
+    keys = [c.kv_length for c in chunks if c.decode]
+    return bool(keys) and sum(keys) * RAGGED_BELOW < len(keys) * max(keys)
+
+
+class BatchedBackend(AttentionBackend):
+    name = "batched"
+
+    def build(self, chunks, spans, block_size, slots, put):
+        fresh = [i for i, c in enumerate(chunks) if not c.decode and c.q_start == 0]
+        later = [i for i, c in enumerate(chunks) if not c.decode and c.q_start > 0]
+        decodes = [i for i, c in enumerate(chunks) if c.decode]
+        ragged = ragged_decodes(chunks)
+        if ragged:  # padding would more than quadruple the keys: the rows, every key's slot end to end, its owner
+            put([spans[i][0] for i in decodes])
+            put([s for i in decodes for s in slots(chunks[i], 0, chunks[i].kv_length)])
+            put([b for b, i in enumerate(decodes) for _ in range(chunks[i].kv_length)])
+        shapes = []  # per group: (B, max_q, max_kv, causal)
+        for members in ([] if ragged else [decodes]) + split(fresh, chunks) + split(later, chunks):
+            if not members:
+                continue
+            chosen = [chunks[i] for i in members]
+            max_q, max_kv = max(c.q_rows for c in chosen), max(c.kv_length for c in chosen)
+            rows, keys, src, dst = [], [], [], []
+            for b, i in enumerate(members):
+                c, (s, e) = chunks[i], spans[i]
+                rows += list(range(s, e)) + [0] * (max_q - c.q_rows)
+                keys += slots(c, 0, c.kv_length) + [0] * (max_kv - c.kv_length)
+                src += range(b * max_q, b * max_q + c.q_rows)
+                dst += range(s, e)
+            for values in (rows, keys, [c.q_start for c in chosen], [c.kv_length for c in chosen], src, dst):
+                put(values)
+            # fresh prompt chunks (q_start = 0): each a causal square padded on the right, so SDPA's is_causal is
+            # exact for every real query (a padding key lies past it) and no mask is built or read
+            shapes.append((len(members), max_q, max_kv, chosen[0].q_start == 0 and not chosen[0].decode))
+
+        def finish(parts):
+            decode_group = DecodeGroup(next(parts), next(parts), next(parts)) if ragged else None
+            groups = []
+            for B, max_q, max_kv, causal in shapes:
+                rows, slots, q_start, kv_length, src, dst = (next(parts) for _ in range(6))
+                if causal:
+                    groups.append(AttentionGroup(rows.view(B, max_q), slots.view(B, max_kv), None, src, dst))
+                    continue
+                device = rows.device
+                keys = torch.arange(max_kv, device=device)
+                query_pos = q_start[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, max_q]
+                # key j visible to query i iff j <= q_start + i (causal) and j < kv_length (the request's own keys;
+                # this also keeps a padding query's row from being all masked)
+                mask = (keys[None, None, :] <= query_pos[:, :, None]) & (keys[None, None, :] < kv_length[:, None, None])
+                groups.append(AttentionGroup(rows.view(B, max_q), slots.view(B, max_kv), mask[:, None], src, dst))
+            return BatchedMeta(decode_group, tuple(groups))
+
+        return finish
+
+    def forward(self, q, kv, pool, batch):
+        meta: BatchedMeta = batch.meta
+        pool.index_copy_(1, batch.slot_mapping, kv.transpose(1, 2))  # one scatter: every new row's K,V into its slot
+        h, T, dh = q.shape
+        group = h // kv.shape[1]
+        out = q.new_empty(T, h, dh)
+        if meta.decodes is not None:
+            out.index_copy_(0, meta.decodes.rows, _ragged_decode(q, pool, meta.decodes))
+        for g in meta.groups:  # at most 7 calls: decodes, fresh prompt chunks, chunks after a prefix
+            B, max_q = g.rows.shape
+            queries = q.index_select(1, g.rows.flatten()).view(h, B, max_q, dh).transpose(0, 1)  # [B, h, max_q, dh]
+            context = pool.index_select(1, g.slots.flatten())  # [2, B·max_kv, h_kv, dh]: the keys through the tables
+            keys, values = context.view(2, B, -1, *pool.shape[2:]).permute(0, 1, 3, 2, 4)  # [B, h_kv, max_kv, dh]
+            if group > 1:  # query head j reads K,V head j // group
+                keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, is_causal=g.mask is None)
+            out.index_copy_(0, g.dst, o.transpose(1, 2).reshape(B * max_q, h, dh).index_select(0, g.src))  # real rows
+        return out.flatten(1)
+
+
+def _ragged_decode(q: torch.Tensor, pool: torch.Tensor, g: DecodeGroup) -> torch.Tensor:
+    """Every decode's one query against its own keys, all decodes at once and without padding: the keys of all
+    requests in one flat [N] run, a softmax per request (segment max and sum by `owner`), the values summed back per
+    request. One long context does not widen the others (a padded SDPA would score every decode to the longest).
+    Scores and sums in float32 at least. Returns [B, h, dh]."""
+    h, _, dh = q.shape
+    h_kv = pool.shape[2]
+    B, N, acc = g.rows.numel(), g.owner.numel(), torch.promote_types(q.dtype, torch.float32)
+    queries = q.index_select(1, g.rows).transpose(0, 1).to(acc).index_select(0, g.owner)  # [N, h, dh]: each key's query
+    keys, values = pool.index_select(1, g.slots)  # each [N, h_kv, dh]: through the block tables
+    queries = queries.view(N, h_kv, h // h_kv, dh)  # query head j reads K,V head j // (h/h_kv)
+    scores = (queries * keys[:, :, None].to(acc)).sum(-1).view(N, h) * dh ** -0.5  # [N, h]
+    owner = g.owner[:, None].expand(N, h)
+    top = scores.new_full((B, h), float("-inf")).scatter_reduce_(0, owner, scores, "amax")  # per request, per head
+    weights = (scores - top.index_select(0, g.owner)).exp()  # [N, h]
+    total = scores.new_zeros(B, h).index_add_(0, g.owner, weights)
+    mixed = (weights.view(N, h_kv, -1, 1) * values[:, :, None].to(acc)).view(N, h, dh)
+    out = scores.new_zeros(B, h, dh).index_add_(0, g.owner, mixed)
+    return (out / total[..., None]).to(q.dtype)
+
+
+# ---- cpu ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CPUSeq:
+    """One request's attention call (cpu): its rows [start, end), its first position, and, unless it is a fresh
+    prompt chunk (which attends to its own new rows only), its block table and, for a chunk after a prefix, its
+    mask [q_rows, kv_length]."""
+
+    start: int
+    end: int
+    kv_length: int
+    blocks: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class CPUMeta:
+    block_size: int
+    seqs: tuple[CPUSeq, ...]
+
+
+class CPUBackend(AttentionBackend):
+    name = "cpu"
+
+    def build(self, chunks, spans, block_size, slots, put):
+        reads = [c.q_start > 0 for c in chunks]  # a fresh chunk (q_start = 0) reads nothing from the pool
+        for c, read in zip(chunks, reads):
+            if read:
+                put(list(c.blocks[:-(-c.kv_length // block_size)]))  # the whole blocks its keys lie in
+
+        def finish(parts):
+            seqs = []
+            for c, (s, e), read in zip(chunks, spans, reads):
+                blocks = next(parts) if read else None
+                mask = (prefix_causal_mask(c.q_start, c.q_rows, c.kv_length, blocks.device)
+                        if read and c.q_rows > 1 else None)
+                seqs.append(CPUSeq(s, e, c.kv_length, blocks, mask))
+            return CPUMeta(block_size, tuple(seqs))
+
+        return finish
+
+    def forward(self, q, kv, pool, batch):
+        meta: CPUMeta = batch.meta
+        pool.index_copy_(1, batch.slot_mapping, kv.transpose(1, 2))  # one scatter: every new row's K,V into its slot
+        h_kv, dh = pool.shape[2:]
+        gqa = q.shape[0] != h_kv
+        by_block = pool.view(2, -1, meta.block_size, h_kv, dh)  # [2, blocks, block_size, h_kv, dh]
+        outs = []
+        for seq in meta.seqs:
+            queries = q[None, :, seq.start:seq.end]  # [1, h, q_rows, dh]
+            if seq.blocks is None:  # a fresh prompt chunk: its keys are its own rows, the plain causal square
+                keys, values = kv[:, None, :, seq.start:seq.end]  # each [1, h_kv, q_rows, dh]
+                o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=gqa)
+            else:  # a decode (sees every key) or a chunk after a prefix (its mask): keys through the block table
+                context = by_block.index_select(1, seq.blocks).flatten(1, 2)[:, :seq.kv_length].transpose(1, 2)
+                keys, values = context[:, None]  # each [1, h_kv, kv_length, dh]
+                o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=seq.mask, enable_gqa=gqa)
+            outs.append(o[0])
+        return rearrange(torch.cat(outs, dim=1), "h n d -> n (h d)")
+
+
+BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (ReferenceBackend(), BatchedBackend(), CPUBackend())}
+
+
+def choose(name: str, device) -> str:
+    """The backend a setting names on a device: `auto` is cpu on a CPU device, batched on CUDA (and any other)."""
+    if name == "auto":
+        return "cpu" if torch.device(device).type == "cpu" else "batched"
+    if name not in BACKENDS:
+        raise ValueError(f"attention={name!r}: choose auto, {', '.join(BACKENDS)}")
+    return name
+
+
+def backend(name: str, device) -> AttentionBackend:
+    return BACKENDS[choose(name, device)]
