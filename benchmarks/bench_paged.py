@@ -1,6 +1,6 @@
 """Paged KV cache benchmarks: a shared prefix, memory, launch shape.
 
-    torchrun --nproc_per_node=P benchmarks/bench_paged.py [--parts prefix,memory,shape] [--repeats 3]
+    torchrun --nproc_per_node=P benchmarks/bench_paged.py [--parts prefix,memory,shape,backends] [--repeats 3]
 
 The article03 GPT-2 LM (d=512, h=8, L=8, vocab 50257), float32, greedy, v2, vocab-parallel, on P ranks:
 
@@ -15,6 +15,9 @@ The article03 GPT-2 LM (d=512, h=8, L=8, vocab 50257), float32, greedy, v2, voca
   shape    aten operations (a TorchDispatchMode count) in one decode-only iteration of 1, 8, 32, 64 requests,
            attention batched against the per-request reference; and one engine decode iteration against the
            same rows through the bare TP forward (benchmarks/bench_serve.py's overhead measure), batched attention
+  backends per attention backend (cpu, batched, reference): one decode-only iteration against the batch size (1, 8,
+           32, 64) and the contexts (all 128, all 512, lognormal with a long tail), and the share of the iteration
+           inside attention (torch.profiler): the table behind `attention: auto`
 
 Against transformers (#10's workload) is bench_serve.py's `hf` part; benchmarks/report.py puts its ratio here.
 Ratios only (one run, a noisy machine). Writes outputs/bench_paged_p{P}.json.
@@ -37,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.bench_serve import bench_overhead, random_prompts
 from launch.settings import generate_lengths
+from launch.timing import medians
 from layers.config import ARTICLE03
 from layers.dense import init_weights
 from layers.lm import DenseLM, TPLM, shard_lm
@@ -50,6 +54,8 @@ from tp.dist import TPContext, init_from_env, shutdown
 PREFIX, PREFIX_REQUESTS, PREFIX_NEW, PREFIX_CHUNK, PREFIX_BUDGET = 512, 32, 8, 256, 512
 MEMORY_POSITIONS, MEMORY_BLOCK, MEMORY_REQUESTS, MEMORY_MEAN, MEMORY_NEW = 1024, 16, 32, 48, 64
 SHAPE_BATCHES = (1, 8, 32, 64)
+BACKEND_NAMES = ("cpu", "batched", "reference")
+BACKEND_CONTEXTS = ("128", "512", "lognormal")
 
 
 # ---- 1. a shared prefix --------------------------------------------------------------------------
@@ -134,6 +140,16 @@ class CountOps(TorchDispatchMode):
 def decode_ops(lm, lengths: list[int], mode: str, block_size: int = 16, device="cpu") -> int:
     """aten operations of one decode-only iteration (inputs built, forward, greedy head): request i decodes at
     position lengths[i], its blocks laid one request after another."""
+    pool, plan, tokens = decode_plan(lm, lengths, block_size, device)
+    with torch.no_grad(), CountOps() as ops:
+        step = prepare_step(plan, tokens, block_size, device, mode)
+        lm.step(step.ids, step.positions, pool.layers(step.batch), step.sample_rows)
+    return ops.n
+
+
+def decode_plan(lm, lengths: list[int], block_size: int, device) -> tuple[KVPool, IterationPlan, dict]:
+    """A pool and a decode-only plan: request i decodes at position lengths[i], its blocks laid one request after
+    another."""
     tables, start = [], 0
     for n in lengths:
         blocks = -(-(n + 1) // block_size)
@@ -143,11 +159,56 @@ def decode_ops(lm, lengths: list[int], mode: str, block_size: int = 16, device="
     pool = KVPool(cfg.n_layers, start, block_size, lm.cache_heads, cfg.d_head, dtype, device)
     plan = IterationPlan(0, tuple(Chunk(i, n, n + 1, decode=True, sample=True, blocks=t)
                                   for i, (n, t) in enumerate(zip(lengths, tables))))
-    tokens = {i: [1] * (n + 1) for i, n in enumerate(lengths)}
-    with torch.no_grad(), CountOps() as ops:
-        step = prepare_step(plan, tokens, block_size, device, mode)
-        lm.step(step.ids, step.positions, pool.layers(step.batch), step.sample_rows)
-    return ops.n
+    return pool, plan, {i: [1] * (n + 1) for i, n in enumerate(lengths)}
+
+
+def context_lengths(kind: str, batch: int) -> list[int]:
+    """Each decode's context: all equal (a number), or lognormal (median 100, a long tail, capped at 1000)."""
+    if kind != "lognormal":
+        return [int(kind)] * batch
+    gen = torch.Generator().manual_seed(batch)
+    return [int(x) for x in torch.empty(batch).log_normal_(4.6, 0.8, generator=gen).clamp(8, 1000)]
+
+
+def bench_backends(lm: TPLM, ctx: TPContext, repeats: int) -> dict:
+    """Per attention backend: one decode-only iteration (inputs built, forward, greedy head) against the batch size
+    and the context lengths, the median of 2 + 3·repeats iterations, and the share of it inside attention (the
+    layers' paged_attention calls: torch.profiler's record_function around each, over `repeats` iterations)."""
+    import layers.attention as attention_module
+
+    inner = attention_module.paged_attention
+
+    def labelled(q, kv, layer):
+        with torch.profiler.record_function("paged_attention"):
+            return inner(q, kv, layer)
+
+    rows = []
+    attention_module.paged_attention = labelled
+    try:
+        for kind in BACKEND_CONTEXTS:
+            for batch in SHAPE_BATCHES:
+                lengths = context_lengths(kind, batch)
+                pool, plan, tokens = decode_plan(lm, lengths, 16, ctx.device)
+                for name in BACKEND_NAMES:
+                    def iteration():
+                        with torch.no_grad():
+                            step = prepare_step(plan, tokens, 16, ctx.device, name)
+                            lm.step(step.ids, step.positions, pool.layers(step.batch), step.sample_rows)
+
+                    times = medians({name: iteration}, 2 + 3 * repeats, ctx)[name]
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                        for _ in range(repeats):
+                            with torch.profiler.record_function("iteration"):
+                                iteration()
+                    totals = {e.key: e.cpu_time_total for e in prof.key_averages()
+                              if e.key in ("iteration", "paged_attention")}
+                    rows.append({"context": kind, "batch": batch, "keys": sum(lengths) + batch,
+                                 "longest": max(lengths) + 1, "attention": name, "iteration_s": times,
+                                 "attention_share": totals.get("paged_attention", 0.0) / totals["iteration"]})
+                del pool
+    finally:
+        attention_module.paged_attention = inner
+    return {"rows": rows, "layers": lm.cfg.n_layers, "block_size": 16}
 
 
 def bench_shape(lm: TPLM, ctx: TPContext, repeats: int) -> dict:
@@ -155,19 +216,21 @@ def bench_shape(lm: TPLM, ctx: TPContext, repeats: int) -> dict:
     ops = [{"batch": b, "batched": decode_ops(lm, lengths(b), "batched", device=ctx.device),
             "reference": decode_ops(lm, lengths(b), "reference", device=ctx.device)} for b in SHAPE_BATCHES]
     overhead = [{k: v for k, v in r.items() if k != "records"}
-                for r in bench_overhead(lm, ctx, repeats, batches=SHAPE_BATCHES)]
+                for r in bench_overhead(lm, ctx, repeats, batches=SHAPE_BATCHES, attention="batched")]
     return {"ops": ops, "overhead": overhead, "layers": lm.cfg.n_layers}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="prefix,memory,shape", help="comma-separated: prefix, memory, shape")
+    ap.add_argument("--parts", default="prefix,memory,shape,backends",
+                    help="comma-separated: prefix, memory, shape, backends")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    if not parts <= {"prefix", "memory", "shape"} or args.repeats < 1:
-        print(f"error: --parts {args.parts!r} must name prefix, memory, shape; --repeats >= 1", file=sys.stderr)
+    if not parts <= {"prefix", "memory", "shape", "backends"} or args.repeats < 1:
+        print(f"error: --parts {args.parts!r} must name prefix, memory, shape, backends; --repeats >= 1",
+              file=sys.stderr)
         return 2
     ctx = init_from_env()
     torch.set_num_threads(1)
@@ -182,6 +245,8 @@ def main() -> int:
             out["memory"] = bench_memory(shard_lm(short, "v2", ctx.group), ctx)
         if "shape" in parts:
             out["shape"] = bench_shape(lm, ctx, args.repeats)
+        if "backends" in parts:
+            out["backends"] = bench_backends(lm, ctx, args.repeats)
         if ctx.rank == 0:
             path = Path(args.out or f"outputs/bench_paged_p{ctx.world_size}.json")
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -212,6 +277,10 @@ def summarize(out: dict) -> None:
                   f"reference {r['reference']}")
         for r in out["shape"]["overhead"]:
             print(f"engine iteration / bare forward, {r['batch']:>2} requests: {r['iteration_over_bare']:.3f}")
+    if "backends" in out:
+        for r in out["backends"]["rows"]:
+            print(f"decode iteration, context {r['context']:>9}, {r['batch']:>2} requests, {r['attention']:>9}: "
+                  f"{r['iteration_s'] * 1e3:8.2f} ms, attention {r['attention_share']:.0%}")
 
 
 if __name__ == "__main__":

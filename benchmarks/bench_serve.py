@@ -47,6 +47,7 @@ from layers.config import ARTICLE03
 from layers.dense import init_weights
 from layers.hf_gpt2 import load_lm
 from layers.lm import DenseLM, TPLM, greedy_reference, shard_lm
+from serve.config import EngineConfig
 from serve.engine import Engine, ServeResult
 from serve.scheduler import Request
 from tp.cost_model import Hardware, serving_iteration
@@ -60,13 +61,18 @@ CHUNKS = (32, 64, 128, 256, 512)
 HF_REQUESTS, HF_PROMPT_MEAN, HF_NEW = 32, 64, (8, 64)
 HF_BATCHES = (1, 4, 8, 16, 32)
 HF_CHUNK, HF_BUDGET = 256, 512
+# the engine's runs on the hf workload: (attention backend, max_running); "default" is EngineConfig's own (16),
+# "all" lets every request run at once (the tuned setting)
+HF_RUNS = (("cpu", "default"), ("batched", "default"), ("reference", "default"), ("cpu", "all"), ("batched", "all"))
 OVERHEAD_BATCHES, OVERHEAD_PROMPT, OVERHEAD_NEW = (1, 8, 32), 16, 16
 
 
-def serve(lm: TPLM, ctx: TPContext, requests: list[Request], chunk: int, budget: int) -> ServeResult:
+def serve(lm: TPLM, ctx: TPContext, requests: list[Request], chunk: int, budget: int, attention: str = "auto",
+          max_running: int | None = None) -> ServeResult:
     # comm_timing: the cost model's table shows each iteration's collective time (comm_time_s); on a CPU the waits
     # for the stream it adds cost nothing
-    return Engine(lm, ctx, chunk_size=chunk, max_batched_tokens=budget, comm_timing=True).run(requests)
+    return Engine(lm, ctx, chunk_size=chunk, max_batched_tokens=budget, comm_timing=True, attention=attention,
+                  max_running=max_running).run(requests)
 
 
 def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
@@ -189,13 +195,26 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def bench_hf(dense: DenseLM, lm: TPLM, ctx: TPContext, model, repeats: int) -> tuple[dict, list[dict]]:
     prompts, new = hf_workload()
     requests = lambda: [Request(i, p, m, 0) for i, (p, m) in enumerate(zip(prompts, new))]  # noqa: E731
-    serve(lm, ctx, requests()[:4], HF_CHUNK, HF_BUDGET)  # warm-up
-    results = [serve(lm, ctx, requests(), HF_CHUNK, HF_BUDGET) for _ in range(repeats)]
-    res = sorted(results, key=lambda r: r.time_s)[len(results) // 2]  # the median run
-    ours = [r["output_ids"] for r in res.requests]
     useful = sum(new)
-    engine = {"time_s": res.time_s, "tokens_per_s": useful / res.time_s, "forwards": len(res.iterations),
-              "rows": sum(it["rows"] for it in res.iterations), "runs": repeats}
+    serve(lm, ctx, requests()[:4], HF_CHUNK, HF_BUDGET)  # warm-up
+    runs: dict[tuple, list[ServeResult]] = {run: [] for run in HF_RUNS}
+    for _ in range(repeats):  # the settings alternate, so that the machine's drift falls on all of them alike
+        for attention, running in HF_RUNS:
+            runs[attention, running].append(serve(lm, ctx, requests(), HF_CHUNK, HF_BUDGET, attention,
+                                                  EngineConfig.max_running if running == "default" else HF_REQUESTS))
+    engines = []
+    for (attention, running), results in runs.items():
+        res = sorted(results, key=lambda r: r.time_s)[len(results) // 2]  # the median run
+        engines.append({"attention": attention, "max_running": running, "time_s": res.time_s,
+                        "tokens_per_s": useful / res.time_s, "forwards": len(res.iterations),
+                        "rows": sum(it["rows"] for it in res.iterations), "runs": repeats,
+                        "ids": [r["output_ids"] for r in res.requests]})
+    main = engines[0]  # the defaults: attention auto (cpu here), max_running 16
+    results = runs[HF_RUNS[0]]
+    ours = main["ids"]
+    for e in engines:
+        e["same_ids"] = e.pop("ids") == ours
+    engine = {k: main[k] for k in ("time_s", "tokens_per_s", "forwards", "rows", "runs")}
     batches = []
     if ctx.rank == 0:  # the other ranks wait at the barrier below
         threads = torch.get_num_threads()
@@ -217,7 +236,8 @@ def bench_hf(dense: DenseLM, lm: TPLM, ctx: TPContext, model, repeats: int) -> t
     records = [dict(it, run="hf workload") for r in results for it in r.iterations]
     return {"requests": HF_REQUESTS, "prompt_lengths": [len(p) for p in prompts], "max_new_tokens": new,
             "useful_tokens": useful, "useful_rows": sum(len(p) + m - 1 for p, m in zip(prompts, new)),
-            "chunk_size": HF_CHUNK, "max_batched_tokens": HF_BUDGET, "engine": engine, "hf": batches,
+            "chunk_size": HF_CHUNK, "max_batched_tokens": HF_BUDGET, "engine": engine, "engines": engines,
+            "max_running": EngineConfig.max_running, "hf": batches,
             "hf_threads": ctx.world_size * torch.get_num_threads()}, records
 
 
@@ -231,14 +251,15 @@ def bare_step(lm: TPLM, ids: torch.Tensor, positions: torch.Tensor, cu: list[int
     return lm.embed.greedy(lm.ln_f(x))
 
 
-def bench_overhead(lm: TPLM, ctx: TPContext, repeats: int, batches=OVERHEAD_BATCHES) -> list[dict]:
+def bench_overhead(lm: TPLM, ctx: TPContext, repeats: int, batches=OVERHEAD_BATCHES,
+                   attention: str = "auto") -> list[dict]:
     rows = []
     for batch in batches:
         prompts = random_prompts([OVERHEAD_PROMPT] * batch, seed=3)
         loops, forwards, decode_records = [], [], []
         for _ in range(repeats + 1):  # the first run warms up
             reqs = [Request(i, p, OVERHEAD_NEW, 0) for i, p in enumerate(prompts)]
-            res = serve(lm, ctx, reqs, OVERHEAD_PROMPT, OVERHEAD_PROMPT * batch)
+            res = serve(lm, ctx, reqs, OVERHEAD_PROMPT, OVERHEAD_PROMPT * batch, attention)
             its = res.iterations
             decode = [i for i, it in enumerate(its[:-1]) if kind(it) == "decode-only"]  # the last has no next start
             loops.append([its[i + 1]["start_s"] - its[i]["start_s"] for i in decode])

@@ -142,19 +142,22 @@ def _serving_counts(ctx, family):
     pool = KVPool(cfg.n_layers, 3, 16, heads, cfg.d_head, torch.float32)
     plan = IterationPlan(0, (Chunk(0, 20, 21, decode=True, sample=True, blocks=(0, 1)),
                              Chunk(1, 8, 13, decode=False, sample=True, blocks=(2,))))
-    # The reference attention: each request's own q_rows x kv_length rectangle, as the cost model counts it (the
-    # batched form pads each group to its longest request).
-    step = prepare_step(plan, {0: list(range(21)), 1: list(range(13))}, 16, "cpu", "reference")
-    # The math backend computes SDPA with matmuls the counter sees: the whole q_rows x kv_length rectangle.
-    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        lm.step(step.ids, step.positions, pool.layers(step.batch), step.sample_rows)
+    # The reference and cpu backends: each request's own q_rows x kv_length rectangle, as the cost model counts it
+    # (the batched form pads each group to its longest request). The math backend computes SDPA with matmuls the
+    # counter sees: the whole q_rows x kv_length rectangle.
+    counted = []
+    for attention in ("reference", "cpu"):
+        step = prepare_step(plan, {0: list(range(21)), 1: list(range(13))}, 16, "cpu", attention)
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            lm.step(step.ids, step.positions, pool.layers(step.batch), step.sample_rows)
+        counted.append(counter.get_total_flops())
     model = serving_iteration(cfg, p, chunks, 2, 4)
     names = ("qkv", "attn_out", "mlp_up", "mlp_down") if family == "gpt2" else ("qkv", "o", "gate_up", "down")
     matmul_weights = sum(getattr(b, name).weight.numel() for b in lm.stack.blocks for name in names)
     head = lm.embed if family == "gpt2" else lm.head  # GPT-2's head is its embedding; Llama's is separate
     held = (matmul_weights + head.weight.numel()) * 4 + sum(e for _, e in chunks) * kv_bytes_per_token(
         cfg.n_layers, heads, cfg.d_head, torch.float32)
-    return counter.get_total_flops(), model.flops, held, model.bytes_loaded
+    return counted, model.flops, held, model.bytes_loaded
 
 
 @pytest.mark.parametrize("family,p", [("gpt2", 1), ("gpt2", 2), ("llama", 1), ("llama", 2), ("llama", 4)])
@@ -163,7 +166,8 @@ def test_serving_iteration_matches_the_flop_counter_and_the_rank_s_weights(famil
     from tests.harness import run_ranks
 
     for counted, modelled, held, loaded in run_ranks(p, _serving_counts, family):
-        assert counted == modelled  # linears, the head on the sampled rows, attention over every visible key
+        assert counted == [modelled] * 2  # linears, the head on the sampled rows, attention over every visible key:
+        # the reference backend and the cpu backend alike (nothing padded)
         assert held == loaded  # the matmul weights and head slice this rank holds, and its K,V over each context
 
 

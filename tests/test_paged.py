@@ -269,6 +269,17 @@ def test_aten_ops_per_decode_iteration_do_not_grow_with_requests():
     assert reference[0] < reference[1] < reference[2]  # the per-request loop: the count can fail
 
 
+def test_auto_picks_the_attention_backend_by_device():
+    from layers.attention_backends import BACKENDS, choose
+    from serve.config import ATTENTION_MODES
+
+    assert set(ATTENTION_MODES) == {"auto", *BACKENDS}  # the settings' list is the backends'
+    assert choose("auto", "cpu") == "cpu" and choose("auto", torch.device("cuda", 1)) == "batched"
+    assert [choose(name, "cpu") for name in BACKENDS] == list(BACKENDS)  # a named backend is taken as named
+    with pytest.raises(ValueError, match="attention='flash': choose auto, reference, batched, cpu"):
+        choose("flash", "cpu")
+
+
 # ---- the launcher's settings ------------------------------------------------------------------------------------
 
 
