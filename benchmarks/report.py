@@ -1,6 +1,9 @@
 """Write docs/benchmarks.md from the JSON files the benchmarks left in outputs/.
 
     make bench      # runs every benchmark, then this
+
+A section whose benchmark left no JSON here (run on another day, or not at all) stays on the page as it stands;
+every section with data is rewritten from it.
 """
 
 from __future__ import annotations
@@ -122,9 +125,28 @@ def main() -> int:
     load = _load("bench_load.json")
     if load:
         lines += load_section(load)
-    Path("docs/benchmarks.md").write_text("\n".join(lines) + "\n")
-    print("wrote docs/benchmarks.md")
+    page = Path("docs/benchmarks.md")
+    text, kept = merge("\n".join(lines) + "\n", page.read_text() if page.exists() else "")
+    page.write_text(text)
+    print("wrote docs/benchmarks.md" + (f"; kept as they stand (no data in outputs/): {', '.join(kept)}" if kept else ""))
     return 0
+
+
+def sections(text: str) -> tuple[str, dict[str, str]]:
+    """The page's preamble, and each "## " section (its heading line -> its whole text), in order."""
+    parts = text.split("\n## ")
+    return parts[0], {("## " + p).split("\n", 1)[0]: "## " + p for p in parts[1:]}
+
+
+def merge(new: str, old: str) -> tuple[str, list[str]]:
+    """The sections rendered now replace theirs on the page; a section the page has and this run has no data for
+    (its benchmark not run here) stays as it stands, in its place. Returns the page and the headings kept."""
+    head, fresh = sections(new)
+    _, before = sections(old)
+    order = list(before) + [h for h in fresh if h not in before]
+    kept = [h for h in before if h not in fresh]
+    body = [fresh.get(h) or before[h] for h in order]
+    return "\n".join([head.rstrip("\n") + "\n"] + [b.rstrip("\n") + "\n" for b in body]), [h[3:] for h in kept]
 
 
 def _kib(b: float) -> str:

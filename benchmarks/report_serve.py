@@ -110,27 +110,34 @@ def hf_section(runs: dict[int, dict]) -> list[str]:
              "thread(s)).",
              "Tokens/s counts the tokens asked for (Σ max_new_tokens); rows computed count every row a forward",
              "pushes through the blocks, padding and finished requests included.", "",
-             "| p | run | tokens/s ÷ transformers' best | forwards | rows computed ÷ useful rows | time per forward ÷ engine's | "
-             "same ids as the engine |", "|---|---|---|---|---|---|---|"]
+             "The matmul FLOPs count the linears over every row computed and the head over every row it scores (the "
+             "engine: each sampled row; transformers: each request of the batch in every forward, prompt and finished "
+             "requests alike), attention left out: at equal FLOP/s their ratio is the most the engine can gain.", "",
+             "| p | run | tokens/s ÷ transformers' best | forwards | rows computed ÷ useful rows | matmul FLOPs ÷ "
+             "engine's | time per forward ÷ engine's | same ids as the engine |", "|---|---|---|---|---|---|---|---|"]
     for p, run in runs.items():
         if "hf" not in run:
             continue
         h = run["hf"]
         e, best = h["engine"], max(h["hf"], key=lambda b: b["tokens_per_s"])
         per_forward = e["time_s"] / e["forwards"]
+        flops = matmul_flops(run["model"], h)
         for x in h.get("engines", [dict(e, attention=None)]):
             name = "engine" if x["attention"] is None else (
                 f"engine, attention={x['attention']}, max_running "
                 f"{h['max_running'] if x['max_running'] == 'default' else h['requests']}")
             same = "-" if x is h.get("engines", [None])[0] or x["attention"] is None else \
                 f"{h['requests'] if x['same_ids'] else 'not all'}/{h['requests']}"
-            lines.append(f"| {p} | {name} | {x['tokens_per_s'] / best['tokens_per_s']:.2f} | {x['forwards']} | "
-                         f"{x['rows'] / h['useful_rows']:.2f} | {x['time_s'] / x['forwards'] / per_forward:.2f} | "
+            lines.append(f"| {p} | {name} | {x.get('ratio_to_best_hf', x['tokens_per_s'] / best['tokens_per_s']):.2f} | "
+                         f"{x['forwards']} | "
+                         f"{x['rows'] / h['useful_rows']:.2f} | {flops(x['rows'], None) / flops(e['rows'], None):.2f} | "
+                         f"{x['time_s'] / x['forwards'] / per_forward:.2f} | "
                          f"{same} |")
         for b in h["hf"]:
             lines.append(f"| {p} | transformers, batch {b['batch']}{' (best)' if b is best else ''} | "
                          f"{b['tokens_per_s'] / best['tokens_per_s']:.2f} | {b['forwards']} | "
-                         f"{b['rows'] / h['useful_rows']:.2f} | {b['time_s'] / b['forwards'] / per_forward:.2f} | "
+                         f"{b['rows'] / h['useful_rows']:.2f} | {flops(b['rows'], b['batch']) / flops(e['rows'], None):.2f} | "
+                         f"{b['time_s'] / b['forwards'] / per_forward:.2f} | "
                          f"{b['same_ids']}/{h['requests']} |")
     diffs = [(p, b["batch"], d) for p, run in runs.items() if "hf" in run for b in run["hf"]["hf"] for d in b["differences"]]
     if diffs:
@@ -293,3 +300,22 @@ def plot_timeline(out: Path) -> str:
     fig.savefig(TIMELINE, dpi=110)
     plt.close(fig)
     return f"wrote {TIMELINE}"
+
+
+def matmul_flops(model: dict, h: dict):
+    """FLOPs of the linears and the head of a run of the hf workload: rows through the blocks (2 · the blocks'
+    parameters each) plus rows scored by the head (2 · V · d each): the engine scores each token it samples (batch
+    None), transformers' static batches every request of the batch in each of the batch's forwards."""
+    from layers.config import ModelConfig
+    from tp.cost_model import shape_of
+
+    cfg = ModelConfig(**{k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__})
+    per_row, per_scored = 2 * shape_of(cfg).n_params, 2 * cfg.vocab_size * cfg.d_model
+    new = h["max_new_tokens"]
+
+    def flops(rows: int, batch: int | None) -> float:
+        scored = sum(new) if batch is None else sum(
+            len(new[s:s + batch]) * max(new[s:s + batch]) for s in range(0, len(new), batch))
+        return rows * per_row + scored * per_scored
+
+    return flops

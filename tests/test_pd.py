@@ -299,8 +299,9 @@ PAGED_WORKLOAD = [(3, 8, 0), (8, 6, 0), (1, 9, 1), (10, 5, 2), (5, 7, 3), (2, 4,
 # (layout, prefill block_size, decode block_size, kv_blocks per side, streaming, tight): 8 blocks of 4 hold the
 # largest request (26 positions) and not much more; 9 blocks of 3 hold one request at a time, so landed requests
 # wait for blocks
-PAGED_CASES = [((1, 1), 4, 4, 8, True, True), ((1, 1), 4, 3, 9, False, False), ((2, 2), 1, 8, 26, True, False),
-               ((1, 2), 8, 2, 14, True, False), ((2, 1), 3, 5, 9, False, True)]
+# (the last field: the attention backend both groups run; every backend meets prefix hits and preemption here)
+PAGED_CASES = [((1, 1), 4, 4, 8, True, "reference"), ((1, 1), 4, 3, 9, False, "cpu"), ((2, 2), 1, 8, 26, True, "batched"),
+               ((1, 2), 8, 2, 14, True, "auto"), ((2, 1), 3, 5, 9, False, "batched")]
 
 
 def paged_requests():
@@ -310,10 +311,10 @@ def paged_requests():
             for i, (n, new, arrival) in enumerate(PAGED_WORKLOAD)]
 
 
-def pd_paged(ctx, layout, block_size, decode_block_size, kv_blocks, streaming, _=None):
+def pd_paged(ctx, layout, block_size, decode_block_size, kv_blocks, streaming, attention):
     res = serve_pd(dense_lm(), ctx, Layout(*layout), paged_requests(), chunk_size=5, max_batched_tokens=12,
                    streaming=streaming, block_size=block_size, decode_block_size=decode_block_size,
-                   kv_blocks=kv_blocks)
+                   kv_blocks=kv_blocks, attention=attention)
     return {"ids": [r["output_ids"] for r in res.requests], "logits": [r["logits"] for r in res.requests],
             "ok": res.ledger_matches_model,
             "prefill_hits": sum(it["prefix_hit_tokens"] for it in res.prefill_iterations),
