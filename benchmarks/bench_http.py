@@ -219,7 +219,7 @@ def section(data: dict) -> list[str]:
     """Its section of docs/benchmarks.md."""
     s = data["shape"]
     lines = ["## HTTP serving: request rate, TTFT and TPOT, the server's overhead", "",
-             f"`python benchmarks/bench_http.py`: `python -m serve.api` on a random GPT-2 (d {s['n_embd']}, "
+             f"`.venv/bin/python benchmarks/bench_http.py`: `.venv/bin/python -m serve.api` on a random GPT-2 (d {s['n_embd']}, "
              f"{s['n_head']} heads, {s['n_layer']} layers, vocab {data['vocab']}, float32, engine defaults), "
              f"{data['rate_requests']} streamed completions per rate from a raw HTTP client (as light as vLLM's "
              f"benchmark_serving): prompts of 16-128 tokens (half share a 64-token prefix), 8-48 new tokens each, "

@@ -154,7 +154,7 @@ def section(data: dict) -> list[str]:
     gib, mib = 2 ** 30, 2 ** 20
     s = data["shape"]
     lines = ["## Loading a checkpoint: per-rank slices", "",
-             f"`python benchmarks/bench_load.py`: a synthetic Llama-shaped checkpoint (d={s['hidden_size']}, "
+             f"`.venv/bin/python benchmarks/bench_load.py`: a synthetic Llama-shaped checkpoint (d={s['hidden_size']}, "
              f"h={s['num_attention_heads']}, h_kv={s['num_key_value_heads']}, ffn={s['intermediate_size']}, "
              f"L={data['layers']}, vocab={s['vocab_size']}, untied head): {data['parameters'] / 1e9:.2f}B parameters, "
              f"{data['checkpoint_bytes'] / gib:.2f} GiB of bfloat16 in {data['files']} safetensors files with "

@@ -172,8 +172,9 @@ def context_lengths(kind: str, batch: int) -> list[int]:
 
 def bench_backends(lm: TPLM, ctx: TPContext, repeats: int) -> dict:
     """Per attention backend: one decode-only iteration (inputs built, forward, greedy head) against the batch size
-    and the context lengths, the median of 2 + 3·repeats iterations, and the share of it inside attention (the
-    layers' paged_attention calls: torch.profiler's record_function around each, over `repeats` iterations)."""
+    and the context lengths, the median of 2 + 3·repeats iterations (the backends in turn, ABBA), and the share of it
+    inside attention (the layers' paged_attention calls: torch.profiler's record_function around each, over
+    `repeats` iterations)."""
     import layers.attention as attention_module
 
     inner = attention_module.paged_attention
@@ -189,21 +190,23 @@ def bench_backends(lm: TPLM, ctx: TPContext, repeats: int) -> dict:
             for batch in SHAPE_BATCHES:
                 lengths = context_lengths(kind, batch)
                 pool, plan, tokens = decode_plan(lm, lengths, 16, ctx.device)
-                for name in BACKEND_NAMES:
-                    def iteration():
-                        with torch.no_grad():
-                            step = prepare_step(plan, tokens, 16, ctx.device, name)
-                            lm.step(step.ids, step.positions, pool.layers(step.batch), step.sample_rows)
 
-                    times = medians({name: iteration}, 2 + 3 * repeats, ctx)[name]
+                def iteration(name):
+                    with torch.no_grad():
+                        step = prepare_step(plan, tokens, 16, ctx.device, name)
+                        lm.step(step.ids, step.positions, pool.layers(step.batch), step.sample_rows)
+
+                # the backends alternate (ABBA), so that the machine's drift falls on all of them alike
+                times = medians({name: (lambda n=name: iteration(n)) for name in BACKEND_NAMES}, 2 + 3 * repeats, ctx)
+                for name in BACKEND_NAMES:
                     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                         for _ in range(repeats):
                             with torch.profiler.record_function("iteration"):
-                                iteration()
+                                iteration(name)
                     totals = {e.key: e.cpu_time_total for e in prof.key_averages()
                               if e.key in ("iteration", "paged_attention")}
                     rows.append({"context": kind, "batch": batch, "keys": sum(lengths) + batch,
-                                 "longest": max(lengths) + 1, "attention": name, "iteration_s": times,
+                                 "longest": max(lengths) + 1, "attention": name, "iteration_s": times[name],
                                  "attention_share": totals.get("paged_attention", 0.0) / totals["iteration"]})
                 del pool
     finally:

@@ -55,7 +55,7 @@ def main() -> int:
     tp = _load("bench_tp.json")
     if tp:
         lines += ["## v2 against DTensor, and the distance to the limit", "",
-                  "`python benchmarks/bench_tp.py`: article03 stack (d=512, h=8, ffn=2048, L=8), float32, forward.",
+                  "`.venv/bin/python benchmarks/bench_tp.py`: article03 stack (d=512, h=8, ffn=2048, L=8), float32, forward.",
                   "DTensor = `parallelize_module` with `ColwiseParallel`/`RowwiseParallel` on the same weights",
                   "(fused QKV rows reordered rank-major so DTensor's contiguous cut is head-aligned); both outputs",
                   "agree to the listed relative difference. Distance = our v2 forward / (the same forward with",
@@ -69,13 +69,13 @@ def main() -> int:
     prof = OUT / "profile_forward.txt"
     if prof.exists():
         lines += ["## Where a forward spends its time", "",
-                  "`torchrun --nproc_per_node=2 benchmarks/profile_forward.py` (torch.profiler's operator table;",
+                  "`.venv/bin/torchrun --nproc_per_node=2 benchmarks/profile_forward.py` (torch.profiler's operator table;",
                   "attention's share fell when SDPA got 4-D inputs, which keep PyTorch on its fused CPU kernel):", "",
                   "```", prof.read_text().rstrip(), "```", ""]
     ledger = [(p, _load(f"bench_ledger_p{p}.json")) for p in (2, 8)]
     if any(d for _, d in ledger):
         lines += ["## Traffic ledger overhead", "",
-                  "`torchrun --nproc_per_node=P benchmarks/bench_ledger.py`: forward with the ledger on / off.", "",
+                  "`.venv/bin/torchrun --nproc_per_node=P benchmarks/bench_ledger.py`: forward with the ledger on / off.", "",
                   "| p | variant | n_tokens | on / off |", "|---|---|---|---|"]
         for p, d in ledger:
             for r in (d or {}).get("rows", []):
@@ -84,7 +84,7 @@ def main() -> int:
     varlen = _load("bench_varlen.json")
     if varlen:
         lines += ["## Varlen against padded attention", "",
-                  f"`torchrun --nproc_per_node={varlen['world_size']} benchmarks/bench_varlen.py`: "
+                  f"`.venv/bin/torchrun --nproc_per_node={varlen['world_size']} benchmarks/bench_varlen.py`: "
                   f"{varlen['variant']}, article03 shapes, 2 layers.", "",
                   "| mix | requests | tokens | varlen entries | padded entries | work varlen/padded | time varlen/padded |",
                   "|---|---|---|---|---|---|---|"]
@@ -157,7 +157,7 @@ def kv_section(kv: dict) -> list[str]:
     """KV cache per token per rank: measured in the engine's cache beside 2·L·max(h_kv/p, 1)·d_head·e."""
     m, sizes = kv["model"], sorted({r["p"] for r in kv["rows"]})
     lines = ["## KV cache per token per rank: MHA vs GQA vs p", "",
-             f"`torchrun --nproc_per_node={kv['world_size']} benchmarks/bench_kv.py`: the serving engine on "
+             f"`.venv/bin/torchrun --nproc_per_node={kv['world_size']} benchmarks/bench_kv.py`: the serving engine on "
              f"llama_tiny's shape (h = {m['n_heads']} query heads of d_head = {m['d_head']}, L = {m['n_layers']}, "
              f"{kv['dtype']}), {len(kv['requests'])} requests, each run's tokens checked against the "
              "single-device oracle. Measured: the bytes the rank's cache tensors held per token position at their "

@@ -10,7 +10,7 @@ def section(paged: dict | None, serve_p1: dict | None) -> list[str]:
         return []
     p = paged["world_size"]
     lines = ["## Paged KV cache: a shared prefix, memory, launch shape", "",
-             f"`torchrun --nproc_per_node={p} benchmarks/bench_paged.py` (article03, float32, v2, p = {p}; medians "
+             f"`.venv/bin/torchrun --nproc_per_node={p} benchmarks/bench_paged.py` (article03, float32, v2, p = {p}; medians "
              "of 3 runs where timed). Ratios from one run each.", ""]
     targets = []
     if "prefix" in paged:
