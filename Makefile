@@ -53,6 +53,7 @@ bench: setup
 	$(PY) launch/traffic_sweep.py
 	for p in 1 2; do $(VENV)/bin/torchrun --standalone --nproc_per_node=$$p benchmarks/bench_serve.py; done
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=1 benchmarks/bench_paged.py
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=1 benchmarks/profile_serve.py
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=4 benchmarks/bench_pd.py
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=8 benchmarks/bench_kv.py
 	$(PY) benchmarks/bench_load.py

@@ -121,7 +121,7 @@ def hf_section(runs: dict[int, dict]) -> list[str]:
         h = run["hf"]
         e, best = h["engine"], max(h["hf"], key=lambda b: b["tokens_per_s"])
         per_forward = e["time_s"] / e["forwards"]
-        flops = matmul_flops(run["model"], h)
+        flops = matmul_flops(run["model"], h) if "model" in run else None
         for x in h.get("engines", [dict(e, attention=None)]):
             name = "engine" if x["attention"] is None else (
                 f"engine, attention={x['attention']}, max_running "
@@ -130,13 +130,13 @@ def hf_section(runs: dict[int, dict]) -> list[str]:
                 f"{h['requests'] if x['same_ids'] else 'not all'}/{h['requests']}"
             lines.append(f"| {p} | {name} | {x.get('ratio_to_best_hf', x['tokens_per_s'] / best['tokens_per_s']):.2f} | "
                          f"{x['forwards']} | "
-                         f"{x['rows'] / h['useful_rows']:.2f} | {flops(x['rows'], None) / flops(e['rows'], None):.2f} | "
+                         f"{x['rows'] / h['useful_rows']:.2f} | {_ratio(flops, x['rows'], None, e['rows'])} | "
                          f"{x['time_s'] / x['forwards'] / per_forward:.2f} | "
                          f"{same} |")
         for b in h["hf"]:
             lines.append(f"| {p} | transformers, batch {b['batch']}{' (best)' if b is best else ''} | "
                          f"{b['tokens_per_s'] / best['tokens_per_s']:.2f} | {b['forwards']} | "
-                         f"{b['rows'] / h['useful_rows']:.2f} | {flops(b['rows'], b['batch']) / flops(e['rows'], None):.2f} | "
+                         f"{b['rows'] / h['useful_rows']:.2f} | {_ratio(flops, b['rows'], b['batch'], e['rows'])} | "
                          f"{b['time_s'] / b['forwards'] / per_forward:.2f} | "
                          f"{b['same_ids']}/{h['requests']} |")
     diffs = [(p, b["batch"], d) for p, run in runs.items() if "hf" in run for b in run["hf"]["hf"] for d in b["differences"]]
@@ -326,3 +326,7 @@ def paired(h: dict) -> float:
     best = max(h["hf"], key=lambda b: b["tokens_per_s"])
     return h["engines"][0].get("ratio_to_best_hf", h["engine"]["tokens_per_s"] / best["tokens_per_s"]) \
         if "engines" in h else h["engine"]["tokens_per_s"] / best["tokens_per_s"]
+
+
+def _ratio(flops, rows: int, batch: int | None, engine_rows: int) -> str:
+    return "-" if flops is None else f"{flops(rows, batch) / flops(engine_rows, None):.2f}"

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from layers.attention_backends import PagedBatch, backend
-from serve.plan import Chunk, IterationPlan
 from serve.block_manager import slot_mapping
+from serve.config import EngineConfig
+from serve.plan import Chunk, IterationPlan
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ def slots_of(c: Chunk, start: int, end: int, block_size: int) -> list[int]:
 
 
 def prepare_step(plan: IterationPlan, tokens: dict[int, list[int]], block_size: int, device,
-                 attention: str = "auto") -> StepInputs:
+                 attention: str = EngineConfig.attention) -> StepInputs:
     """tokens: request id -> its tokens (prompt + generated). attention: a backend's name, or auto (by device).
     Returns the iteration's tensors on `device`."""
     chosen = backend(attention, device)

@@ -44,7 +44,7 @@ def checkpoint(tmp_path_factory):
     torch.manual_seed(1)
     path = tmp_path_factory.mktemp("api") / "gpt2"
     tok = train_tokenizer(path)
-    cfg = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=2, n_positions=128, vocab_size=len(tok),
+    cfg = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=2, n_positions=512, vocab_size=len(tok),
                                   eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     model = transformers.GPT2LMHeadModel(cfg)
     with torch.no_grad():
@@ -270,7 +270,7 @@ def test_a_client_that_disconnects_is_aborted_at_the_next_step(server):
     aborts = server.metrics().get("tpref:request_success_total[('finished_reason', 'abort')]", 0)
     host, port = server.url.split("//")[1].split("/")[0].split(":")
     with socket.create_connection((host, int(port))) as conn:
-        body = json.dumps({"model": MODEL, "prompt": "the quick brown", "max_tokens": 120, "ignore_eos": True})
+        body = json.dumps({"model": MODEL, "prompt": "the quick brown", "max_tokens": 480, "ignore_eos": True})
         conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
         wait_until(lambda: server.metrics()["tpref:num_requests_running"] == 1)
@@ -278,7 +278,7 @@ def test_a_client_that_disconnects_is_aborted_at_the_next_step(server):
     wait_until(lambda: server.metrics()["tpref:kv_blocks_free"] == total)
     m = server.metrics()
     assert m["tpref:request_success_total[('finished_reason', 'abort')]"] == aborts + 1
-    assert time.monotonic() - gone_at < 1.5  # 120 tokens would take several seconds
+    assert time.monotonic() - gone_at < 1.5  # 480 tokens would take several seconds
 
 
 BAD = [
@@ -287,8 +287,8 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, "max_tokens", None),
     ({"model": MODEL, "prompt": 5}, "prompt", None),
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature", None),
-    ({"model": MODEL, "prompt": "the " * 130, "max_tokens": 4}, "prompt", None),  # longer than the context
-    ({"model": MODEL, "prompt": "hi", "max_tokens": 200}, "max_tokens", None),  # cannot fit in 128 positions
+    ({"model": MODEL, "prompt": "the " * 530, "max_tokens": 4}, "prompt", None),  # longer than the context
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 600}, "max_tokens", None),  # cannot fit in 512 positions
     ({"model": "gpt-4o", "prompt": "hi"}, "model", "model_not_found"),
     ({"model": MODEL, "prompt": "hi", "n": 2}, "n", None),
     ({"model": MODEL, "prompt": "hi", "stop": [1]}, "stop", None),
@@ -364,18 +364,23 @@ def test_sigterm_finishes_or_aborts_in_flight_requests_and_leaves_nothing(server
     """Last on the shared server: in-flight streams get the grace period (1 s here), then end with "abort" and
     [DONE]; the server exits 0 and its ranks are gone."""
     results: dict = {}
+    streaming = [threading.Event() for _ in range(2)]
 
-    def read(i):
+    def read(i):  # 480 tokens: far longer than the grace period at any speed this suite runs at
         req = urllib.request.Request(server.url + "/completions", json.dumps(
-            {"model": MODEL, "prompt": LIVE[i], "max_tokens": 120, "ignore_eos": True, "stream": True}).encode(),
+            {"model": MODEL, "prompt": LIVE[i], "max_tokens": 480, "ignore_eos": True, "stream": True}).encode(),
             {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
-            results[i] = [line.decode().strip() for line in r if line.strip()]
+            results[i] = []
+            for line in r:
+                if line.strip():
+                    results[i].append(line.decode().strip())
+                    streaming[i].set()
 
     threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    assert all(e.wait(30) for e in streaming)  # both in flight, their first tokens sent
     t0 = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)  # draining: still listening, new work refused with OpenAI's 503
@@ -404,17 +409,21 @@ def test_a_killed_rank_fails_requests_and_the_server_exits_nonzero(servers):
     s = servers["doomed"].ready()
     try:
         events: list = []
+        streaming = threading.Event()
 
         def read():
             req = urllib.request.Request(s.url + "/completions", json.dumps(
-                {"model": MODEL, "prompt": "the", "max_tokens": 120, "ignore_eos": True, "stream": True}).encode(),
+                {"model": MODEL, "prompt": "the", "max_tokens": 480, "ignore_eos": True, "stream": True}).encode(),
                 {"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=60) as r:
-                events.extend(line.decode().strip() for line in r if line.strip())
+                for line in r:
+                    if line.strip():
+                        events.append(line.decode().strip())
+                        streaming.set()
 
         reader = threading.Thread(target=read)
         reader.start()
-        time.sleep(1.0)
+        assert streaming.wait(30)  # in flight: its first token sent
         t0 = time.monotonic()
         os.kill(s.ranks[1], signal.SIGKILL)
         statuses = []

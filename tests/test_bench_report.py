@@ -81,3 +81,26 @@ def test_kv_section_marks_a_measurement_that_misses_the_formula():
     assert "| GQA | 2 | 1,024 B (1,024), 1 head |" in good and "Every measurement equals the formula" in good
     assert "2,048 B (1,024) **≠**" in bad and "Some measurement or token check failed" in bad
     assert "| M | 2 KiB | 1 KiB |" in good
+
+
+def test_transformers_table_counts_matmul_flops_and_pairs_the_ratio(tmp_path):
+    """With the model and the engine's runs per backend recorded: the FLOPs column is rows · 2·(blocks' parameters)
+    plus scored rows · 2·V·d, and the ratio shown is the one paired round by round."""
+    from layers.config import ARTICLE03
+    from tp.cost_model import shape_of
+
+    r = run()
+    r["model"] = ARTICLE03.asdict()
+    r["hf"]["max_running"] = 16
+    r["hf"]["engines"] = [dict(r["hf"]["engine"], attention="cpu", max_running="default", ratio_to_best_hf=2.5),
+                          dict(r["hf"]["engine"], attention="batched", max_running="default", ratio_to_best_hf=2.0,
+                               same_ids=True)]
+    (tmp_path / "bench_serve_p1.json").write_text(json.dumps(r))
+    text = "\n".join(section(tmp_path))
+    per_row, per_scored = 2 * shape_of(ARTICLE03).n_params, 2 * ARTICLE03.vocab_size * ARTICLE03.d_model
+    engine = 82 * per_row + 72 * per_scored  # 82 rows; the 8 + 64 tokens sampled
+    batch8 = 100 * per_row + 2 * 64 * per_scored  # one static batch of both requests, run to 64 tokens
+    assert f"| 1 | transformers, batch 8 (best) | 1.00 | 20 | 1.22 | {batch8 / engine:.2f} |" in text
+    assert "| 1 | engine, attention=cpu, max_running 16 | 2.50 |" in text
+    assert "| 1 | engine, attention=batched, max_running 16 | 2.00 |" in text
+    assert any(line.startswith("- Throughput, p=1") and "2.50×" in line for line in targets({1: r}))
