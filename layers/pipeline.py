@@ -1,0 +1,193 @@
+"""Pipeline parallelism composed with tensor parallelism: pp stages × tp ranks (docs/background.md, PP's row).
+
+    world rank g  ->  stage s = g // tp, TP rank r = g % tp
+    stage s       =  the TP group of ranks [s·tp, (s+1)·tp): the Megatron blocks of layers stage_layers(L, pp)[s]
+    pipe r        =  ranks {r, tp + r, 2·tp + r, ...}: rank r of every stage, along which the activations flow
+
+Between stage s and s+1 the hidden states [T, d] move one way, point to point, in one of two ways:
+
+    whole      every TP rank r of stage s sends the whole [T, d] to rank r of stage s+1
+               bytes across the boundary per rank: T·d·e
+    scatter    rank r sends its 1/tp of the rows (T padded up to tp·⌈T/tp⌉ with zero rows), and the receiving stage
+               all-gathers them in its TP group (vLLM's way): T·d·e / tp per rank across the boundary, one more
+               collective inside the stage
+
+Every message goes into the traffic ledger as a Transfer (site "pp/boundary", `request` = the micro-batch), and
+tp/traffic_model.predict_pp_transfers predicts each rank's messages; the scatter mode's all-gather is an ordinary
+collective ("pp/all-gather"). With tp = 1 both ways are the same message.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from layers.shard import Part, load_plan
+from layers.tp_block import TPStack, tp_stack
+from tp.comm import gather_rows_to_parallel
+from tp.ledger import TransferRecord, active
+from tp.partition import ceil_div
+
+BOUNDARIES = ("whole", "scatter")
+PP_VARIANTS = ("v1", "v2")  # v2sp and intra_head are refused: their stage boundary is not modelled
+
+
+def stage_layers(n_layers: int, pp: int) -> list[range]:
+    """Layers per stage: L // pp each, and the L % pp left over one each to the stages just before the last (vLLM's
+    rule: the last stage also holds the LM head, so it takes no extra block). pp > L is an error."""
+    if not 1 <= pp <= n_layers:
+        raise ValueError(f"pp={pp} must be between 1 and the model's {n_layers} layers (each stage needs a layer)")
+    sizes = [n_layers // pp] * pp
+    for i in range(2, n_layers % pp + 2):
+        sizes[-i] += 1
+    starts = [sum(sizes[:i]) for i in range(pp)]
+    return [range(a, a + n) for a, n in zip(starts, sizes)]
+
+
+@dataclass(frozen=True)
+class PPLayout:
+    pp: int
+    tp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.tp
+
+    def stage_of(self, rank: int) -> int:
+        return rank // self.tp
+
+    def tp_rank_of(self, rank: int) -> int:
+        return rank % self.tp
+
+    def rank(self, stage: int, tp_rank: int) -> int:
+        return stage * self.tp + tp_rank
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        return [self.rank(stage, r) for r in range(self.tp)]
+
+    def pipe_ranks(self, tp_rank: int) -> list[int]:
+        return [self.rank(s, tp_rank) for s in range(self.pp)]
+
+
+def check_layout(world_size: int, pp: int, n_layers: int, variant: str) -> PPLayout:
+    """The checks run before any collective: pp divides the world, pp <= L, a variant whose boundary is modelled."""
+    if pp < 1 or world_size % pp:
+        raise ValueError(f"pp={pp} must divide the world of {world_size} ranks (tp = world / pp)")
+    if pp > n_layers:
+        raise ValueError(f"pp={pp} is more stages than the model's {n_layers} layers")
+    if pp > 1 and variant not in PP_VARIANTS:
+        raise ValueError(f"pp={pp} runs variant {' or '.join(PP_VARIANTS)}, not {variant!r} (its rows are cut "
+                         "across the TP ranks, a stage boundary this pipeline does not model)")
+    return PPLayout(pp, world_size // pp)
+
+
+def new_pp_groups(layout: PPLayout) -> tuple[list[dist.ProcessGroup], list[dist.ProcessGroup]]:
+    """Every stage's TP group and every pipe's group, built once; every rank of the world calls this, in this order."""
+    stages = [dist.new_group(layout.stage_ranks(s)) for s in range(layout.pp)]
+    pipes = [dist.new_group(layout.pipe_ranks(r)) for r in range(layout.tp)]
+    return stages, pipes
+
+
+class PPStage(nn.Module):
+    """This rank's part of a pp × tp pipeline: the TP blocks of its stage's layers, on its stage's TP group.
+
+    forward(x, microbatch) takes the stage's input (the stack's input on stage 0; None elsewhere: it is received),
+    runs its layers, sends the last output to the next stage, and returns its layers' outputs (each [T, d],
+    replicated in the stage as in TPStack)."""
+
+    def __init__(self, cfg, variant: str, layout: PPLayout, rank: int, group: dist.ProcessGroup, dtype, device,
+                 boundary: str = "whole"):
+        super().__init__()
+        if boundary not in BOUNDARIES:
+            raise ValueError(f"boundary={boundary!r}: choose {' or '.join(BOUNDARIES)}")
+        self.cfg, self.layout, self.boundary, self.global_rank = cfg, layout, boundary, rank
+        self.index, self.tp_rank = layout.stage_of(rank), layout.tp_rank_of(rank)
+        self.layers = stage_layers(cfg.n_layers, layout.pp)[self.index]
+        self.group, self.dtype, self.device = group, dtype, device
+        self.stack: TPStack = tp_stack(cfg, variant, group, dtype, device, len(self.layers))
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.layout.pp - 1
+
+    def plan(self) -> list[Part]:
+        """The stack's plan, its local block j named as the dense stack's block layers[j]."""
+        lo = self.layers.start
+        out = []
+        for part in self.stack.plan():
+            _, j, rest = part.source.split(".", 2)
+            out.append(Part("stack." + part.param, f"blocks.{lo + int(j)}.{rest}", part.cut, part.row))
+        return out
+
+    def forward(self, x: torch.Tensor | None, rows: int, microbatch: int = 0) -> tuple[torch.Tensor, ...]:
+        if not self.first:
+            x = self.receive(rows, microbatch)
+        ledger = active()
+        layer_before = ledger.layer if ledger is not None else None
+        outs = []
+        for j, block in enumerate(self.stack.blocks):
+            if ledger is not None:
+                ledger.layer = self.layers[j]
+            x = block(x, None)
+            outs.append(x)
+        if ledger is not None:
+            ledger.layer = layer_before
+        if not self.last:
+            self.send(x, microbatch)
+        return tuple(outs)
+
+    # -- the stage boundary -------------------------------------------------------------------------------------
+
+    def _piece(self, rows: int) -> tuple[int, int]:
+        """scatter: this TP rank's rows [lo, hi) of the padded tp·⌈T/tp⌉."""
+        per = ceil_div(rows, self.layout.tp)
+        return self.tp_rank * per, (self.tp_rank + 1) * per
+
+    def send(self, x: torch.Tensor, microbatch: int) -> None:
+        peer = self.layout.rank(self.index + 1, self.tp_rank)
+        if self.boundary == "scatter" and self.layout.tp > 1:
+            lo, hi = self._piece(x.shape[0])
+            padded = torch.zeros(hi - lo, x.shape[1], dtype=x.dtype, device=x.device)
+            real = x[lo:min(hi, x.shape[0])]
+            padded[:real.shape[0]] = real
+            x = padded
+        self._message("send", x.contiguous(), peer, microbatch)
+
+    def receive(self, rows: int, microbatch: int) -> torch.Tensor:
+        peer = self.layout.rank(self.index - 1, self.tp_rank)
+        d = self.cfg.d_model
+        if self.boundary == "scatter" and self.layout.tp > 1:
+            lo, hi = self._piece(rows)
+            piece = torch.empty(hi - lo, d, dtype=self.dtype, device=self.device)
+            self._message("recv", piece, peer, microbatch)
+            return gather_rows_to_parallel(piece, self.group, "pp/all-gather")[:rows]  # ★ all-gather [T', d]
+        x = torch.empty(rows, d, dtype=self.dtype, device=self.device)
+        self._message("recv", x, peer, microbatch)
+        return x
+
+    def _message(self, kind: str, t: torch.Tensor, peer: int, microbatch: int) -> None:
+        start = time.perf_counter()
+        (dist.send if kind == "send" else dist.recv)(t, peer)  # ★ point to point, between stages
+        ledger = active()
+        if ledger is not None:
+            ledger.transfer(TransferRecord(kind, "pp/boundary", microbatch, None, self.global_rank, peer, (0, 0),
+                                           tuple(t.shape), str(t.dtype).removeprefix("torch."),
+                                           t.numel() * t.element_size(), time.perf_counter() - start))
+
+
+def shard_stage(dense, variant: str, layout: PPLayout, rank: int, group: dist.ProcessGroup,
+                boundary: str = "whole") -> PPStage:
+    """Load dense (a DenseStack), then shard: this rank's stage, holding its TP slices of its layers' weights."""
+    from layers.shard import DenseSource
+
+    source = DenseSource(dense)
+    stage = PPStage(dense.cfg, variant, layout, rank, group, source.dtype, source.device, boundary)
+    return load_plan(stage, stage.plan(), source)

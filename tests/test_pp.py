@@ -1,0 +1,85 @@
+"""Pipeline parallelism composed with TP (layers/pipeline.py): pp stages × tp ranks against the dense stack, the stage
+boundary's messages and collectives against the traffic model, and bad layouts refused before any collective."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from layers.dense import DenseStack, init_weights
+from layers.pipeline import check_layout, new_pp_groups, shard_stage, stage_layers
+from tests.harness import run_ranks
+from tests.test_paged import LLAMA
+from tests.test_serve import CFG
+from tp.ledger import TrafficLedger
+from tp.traffic_model import pp_stage_layers, predict_pp_stage
+
+
+def pp_forward(ctx, pp, family, n_layers, boundary, rows=13):
+    cfg = replace(CFG if family == "gpt2" else LLAMA, n_layers=n_layers)
+    layout = check_layout(ctx.world_size, pp, n_layers, "v2")
+    stages, _ = new_pp_groups(layout)
+    rank = dist.get_rank()
+    dense = init_weights(DenseStack(cfg, torch.float64), seed=0)
+    x = torch.randn(rows, cfg.d_model, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want = dense(x)  # every layer's output, on the single device
+    stage = shard_stage(dense, "v2", layout, rank, stages[layout.stage_of(rank)], boundary)
+    ledger = TrafficLedger(layout.tp)
+    with torch.no_grad(), ledger.recording():
+        outs = stage(x if stage.first else None, rows)
+    scale = max(w.abs().max().item() for w in want)
+    err = max((o - want[i]).abs().max().item() for o, i in zip(outs, stage.layers)) / scale
+    collectives, messages = predict_pp_stage(cfg, pp, layout.tp, rank, rows, torch.float64, "v2", boundary)
+    return {"layers": list(stage.layers), "err": err,
+            "collectives_match": [r.traffic() for r in ledger.records] == collectives,
+            "messages_match": [t.transfer() for t in ledger.transfers] == messages,
+            "sent": sum(t.bytes for t in ledger.transfers if t.kind == "send"),
+            "received": sum(t.bytes for t in ledger.transfers if t.kind == "recv")}
+
+
+# (pp, tp, family, L, rows): L divisible by pp and not; rows divisible by tp (the scatter mode's exact tp×) and not
+# (its zero padding rows)
+GRID = [(2, 1, "gpt2", 4, 16), (2, 2, "gpt2", 5, 16), (4, 2, "gpt2", 6, 13), (3, 2, "llama", 4, 16),
+        (2, 4, "llama", 3, 13)]
+
+
+@pytest.mark.parametrize("pp,tp,family,n_layers,rows", GRID, ids=[f"pp{a}-tp{b}-{c}-L{d}-T{e}" for a, b, c, d, e in GRID])
+def test_pp_by_tp_equals_the_dense_stack_and_moves_what_the_model_says(pp, tp, family, n_layers, rows):
+    """Every layer's output on its stage equals the dense stack's (float64, 1e-12); each rank's collectives and
+    boundary messages equal the model's, in both boundary modes; the scatter mode sends tp× fewer bytes across the
+    boundary per rank than the whole-tensor mode (from the ledger; ⌈T/tp⌉ rows when tp does not divide T)."""
+    sent = {}
+    for boundary in ("whole", "scatter"):
+        results = run_ranks(pp * tp, pp_forward, pp, family, n_layers, boundary, rows)
+        assert sorted(i for r in results[::tp] for i in r["layers"]) == list(range(n_layers))  # each layer, once
+        for r in results:
+            assert r["err"] < 1e-12, (boundary, r)
+            assert r["collectives_match"] and r["messages_match"], (boundary, r)
+        sent[boundary] = [r["sent"] for r in results]
+        assert [r["received"] for r in results] == [0] * tp + sent[boundary][:-tp]  # stage s+1 gets what s sent
+    d = (CFG if family == "gpt2" else LLAMA).d_model
+    assert sent["whole"] == [rows * d * 8] * ((pp - 1) * tp) + [0] * tp  # [T, d] float64 from every rank but the last
+    piece = -(-rows // tp)
+    assert sent["scatter"] == [piece * d * 8] * ((pp - 1) * tp) + [0] * tp  # [⌈T/tp⌉, d]
+    if rows % tp == 0:
+        assert sum(sent["whole"]) == tp * sum(sent["scatter"])
+
+
+@pytest.mark.parametrize("n_layers,pp,sizes", [(8, 2, [4, 4]), (4, 3, [1, 2, 1]), (6, 4, [1, 2, 2, 1]),
+                                               (7, 3, [2, 3, 2]), (3, 3, [1, 1, 1])])
+def test_stage_layers_follow_the_rule_and_the_model_agrees(n_layers, pp, sizes):
+    """L // pp each, the remainder one each to the stages before the last (vLLM's rule); the model's copy agrees."""
+    got = stage_layers(n_layers, pp)
+    assert [len(r) for r in got] == sizes and got == pp_stage_layers(n_layers, pp)
+    assert [i for r in got for i in r] == list(range(n_layers))
+
+
+@pytest.mark.parametrize("world,pp,n_layers,variant,message", [
+    (8, 3, 8, "v2", "pp=3 must divide the world of 8 ranks"),
+    (8, 8, 4, "v2", "pp=8 is more stages than the model's 4 layers"),
+    (4, 2, 4, "v2sp", "pp=2 runs variant v1 or v2, not 'v2sp'"),
+    (4, 0, 4, "v2", "pp=0 must divide the world of 4 ranks")])
+def test_bad_layouts_are_refused_in_one_line(world, pp, n_layers, variant, message):
+    with pytest.raises(ValueError, match=message):
+        check_layout(world, pp, n_layers, variant)
