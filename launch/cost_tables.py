@@ -84,13 +84,16 @@ def main() -> int:
         for name, doc, elems in ((f"TP={TP} {phase}", 1.75, tp_allreduce_elems_per_gpu(n, d, TP)),
                                  (f"TP+SP={TP} {phase}", 1.75, tp_sp_elems_per_gpu(n, d, TP)),
                                  (f"EP={EP} {phase}", 4 / EP * (EP - 1) / EP * k, ep_alltoall_elems_per_gpu(n, d, k, EP)),
-                                 (f"PP {phase}", 1.0, pp_send_elems(n, d))):
+                                 (f"PP {phase}", 1.0, pp_send_elems(n, d)),
+                                 (f"PP/TP={TP} {phase}", "-", pp_send_elems(n, d) / TP)):
             rows.append((name, doc, elems / (n * d), f"{elems * 2 / 2**20:,.2f}"))
     print(table(f"communication per GPU per layer, in units of N·d elements (comm-model doc; B={B}, S={S}, "
                 f"d={d}, k={k}, E={v3['n_routed_experts']}, EP={EP}); and MiB in bf16",
                 ["strategy", "doc formula", "model code", "MiB/GPU/layer bf16"], rows))
     print(f"  N = B·S = {B * S:,} tokens in prefill, B = {B} in decode: every volume shrinks S-fold in decode\n"
-          f"  TP+SP (not in the doc): its reduce-scatter + all-gather move exactly the all-reduce's volume\n")
+          f"  TP+SP (not in the doc): its reduce-scatter + all-gather move exactly the all-reduce's volume\n"
+          f"  PP: once per stage boundary, not per layer; PP/TP: each of a stage's TP ranks sends its 1/TP of the rows\n"
+          f"  and the next stage all-gathers them (layers/pipeline.py's scatter boundary, vLLM's way)\n")
 
     rows = []
     for tp in (1, 8, 16, 28, 32):
