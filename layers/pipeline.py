@@ -127,8 +127,10 @@ class PPStage(nn.Module):
             out.append(Part("stack." + part.param, f"blocks.{lo + int(j)}.{rest}", part.cut, part.row))
         return out
 
-    def forward(self, x: torch.Tensor | None, rows: int, microbatch: int = 0) -> tuple[torch.Tensor, ...]:
-        if not self.first:
+    def forward(self, x: torch.Tensor | None, rows: int, microbatch: int = 0,
+                received: bool = False) -> tuple[torch.Tensor, ...]:
+        """received: x is this stage's input already (run() received it); else stages after the first receive it."""
+        if not self.first and not received:
             x = self.receive(rows, microbatch)
         ledger = active()
         layer_before = ledger.layer if ledger is not None else None
@@ -143,6 +145,23 @@ class PPStage(nn.Module):
         if not self.last:
             self.send(x, microbatch)
         return tuple(outs)
+
+    def run(self, inputs: list[torch.Tensor] | None, rows: list[int]) -> tuple[list[tuple[torch.Tensor, ...]], dict]:
+        """A forward-only GPipe schedule of len(rows) micro-batches: each stage takes micro-batch m as soon as it
+        arrives, runs it, sends it on and takes m + 1, so stage s works on m while stage s + 1 works on m − 1.
+        inputs: the micro-batches' stack inputs (stage 0; None elsewhere). Returns every micro-batch's layer outputs
+        and this stage's timeline: per micro-batch the time from the schedule's start at which it began and ended
+        its compute, and the time it waited to receive its input (on a GPU the compute would need a stream wait to
+        be timed; here it is the host's time)."""
+        start, timeline, outs = time.perf_counter(), [], []
+        for m, n in enumerate(rows):
+            t0 = time.perf_counter()
+            x = inputs[m] if self.first else self.receive(n, m)
+            t1 = time.perf_counter()
+            outs.append(self.forward(x, n, m, received=True))
+            t2 = time.perf_counter()
+            timeline.append({"microbatch": m, "wait_s": t1 - t0, "begin_s": t1 - start, "end_s": t2 - start})
+        return outs, {"stage": self.index, "total_s": time.perf_counter() - start, "microbatches": timeline}
 
     # -- the stage boundary -------------------------------------------------------------------------------------
 
