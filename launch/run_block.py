@@ -19,7 +19,7 @@ is non-zero when any check fails.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script by torchrun: make the repository importable
@@ -31,12 +31,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from launch.check import run_check
 from launch.moe_check import build_moe_report, render_moe, run_moe_check
+from launch.pp_check import render_pp, run_pp_check
 from launch.report import render
 from launch.settings import (LaunchSettings, boolean, common_settings, fitted_lengths, integer, launch, overridden,
                              positive_float, publish, refuse_bad_arguments)
 from layers.config import DEFAULT_TOLERANCE, ModelConfig, parse_variants, validate_tokens, validate_variants
 from layers.llama import LlamaConfig
 from layers.moe import MOE_PARALLEL, validate_moe
+from layers.pipeline import BOUNDARIES, PP_VARIANTS, check_layout
 from layers.varlen import score_entries
 from tp.dist import ConfigError, env_world
 
@@ -51,14 +53,20 @@ class Settings(LaunchSettings):
     profile: bool
     notes: tuple[str, ...] = ()  # what was changed from what was asked, said by rank 0
     moe_parallel: tuple[str, ...] = ()  # MoE models: the placements to check (tp, ep, ep_a2a)
+    pp: int = 1  # pipeline stages (tp = world / pp); 1: the plain TP check
+    microbatches: int = 1
+    pp_boundary: str = "whole"
 
 
 def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> Settings:
     """Every check that needs no communication. Raises ConfigError; identical on every rank."""
-    common = common_settings(cfg, world_size, local_world_size)
+    pp = parse_pp(cfg, world_size)
+    common = common_settings(cfg, world_size, local_world_size, tp_sizes={"tp": world_size // pp})
     model = common["model"]
     notes: list[str] = []
     lengths = request_lengths(cfg, model, common["seed"], notes)
+    if pp > 1:
+        return parse_pipeline(cfg, common, lengths, notes, pp, world_size)
     moe = parse_moe_parallel(cfg, model, world_size)
     if moe:  # MoE blocks: placements of the routed FFN, not the dense FFN's variants
         if "variants" in overridden(("variants",)):
@@ -78,6 +86,51 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
         raise ConfigError(f"variant v2sp splits the {sum(lengths)} tokens by rows over p={world_size} ranks and needs "
                           f"at least one per rank; use at least {world_size} tokens or drop v2sp from variants")
     return finish_settings(cfg, common, lengths, variants, notes)
+
+
+def parse_pp(cfg: DictConfig, world_size: int) -> int:
+    pp = integer(cfg, "pp")
+    if pp < 1 or world_size % pp:
+        raise ConfigError(f"pp={pp} must divide the world of {world_size} ranks (each stage is a TP group of "
+                          f"world / pp ranks)")
+    if pp == 1:
+        for key, default in (("microbatches", 1), ("pp_boundary", "whole")):
+            if cfg.get(key) != default:
+                raise ConfigError(f"{key}={cfg.get(key)} is for a pipeline: set pp > 1 (or leave {key} at {default})")
+    return pp
+
+
+def parse_pipeline(cfg: DictConfig, common: dict, lengths: list[int], notes: list[str], pp: int,
+                   world_size: int) -> Settings:
+    """pp > 1: variants v1 and v2 only (v2sp and intra_head cut what crosses the boundary differently: refused when
+    asked for, dropped with a note from the default list), dense FFNs only, micro-batches of whole requests."""
+    model = common["model"]
+    if model.family == "mixtral":
+        raise ConfigError(f"pp={pp} with MoE blocks is not built: run model=mixtral_tiny with pp=1")
+    try:
+        check_layout(world_size, pp, model.n_layers, "v2")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    asked = parse_variants(OmegaConf.to_container(cfg.variants) if OmegaConf.is_list(cfg.variants) else cfg.variants)
+    variants = [v for v in asked if v in PP_VARIANTS and (model.family == "gpt2" or v == "v2")]
+    if "variants" in overridden(("variants",)) and variants != asked:
+        raise ConfigError(f"variants={asked}: pp={pp} runs {' and '.join(PP_VARIANTS)} (Llama-family blocks: v2); "
+                          f"v2sp and intra_head cut the rows or the heads' scores across the TP ranks in a way the "
+                          f"stage boundary does not model")
+    if variants != asked:
+        notes.append(f"pp={pp}: variants {', '.join(v for v in asked if v not in variants)} left out (not pipelined)")
+    validate_variants(model, world_size // pp, variants)
+    microbatches = integer(cfg, "microbatches")
+    if not 1 <= microbatches <= len(lengths):
+        raise ConfigError(f"microbatches={microbatches} must be between 1 and the {len(lengths)} request(s) of the "
+                          f"input (each micro-batch is a group of whole requests)")
+    boundary = str(cfg.pp_boundary)
+    if boundary not in BOUNDARIES:
+        raise ConfigError(f"pp_boundary={boundary!r}: choose {' or '.join(BOUNDARIES)}")
+    if boolean(cfg, "profile"):
+        raise ConfigError(f"profile=true is not built for pp={pp}")
+    settings = finish_settings(cfg, common, lengths, variants, notes)
+    return replace(settings, pp=pp, microbatches=microbatches, pp_boundary=boundary)
 
 
 def parse_moe_parallel(cfg: DictConfig, model, world_size: int) -> tuple[str, ...]:
@@ -141,6 +194,14 @@ def run(cfg: DictConfig) -> int:
 
 
 def check_and_report(settings: Settings, out_dir: Path, ctx) -> int:
+    if settings.pp > 1:
+        s = settings
+        res = run_pp_check(s.model, lengths=s.lengths, dtype=s.dtype, seed=s.seed, variants=s.variants,
+                           tolerance=s.tolerance, pp=s.pp, microbatches=s.microbatches, boundary=s.pp_boundary,
+                           ctx=ctx, weights=s.weights)
+        report = build_pp_report(s, ctx, res)
+        publish(report, render_pp, out_dir / s.report, ctx)
+        return 0 if report["equivalent"] and report["traffic_ok"] else 1
     if settings.moe_parallel:
         results = run_moe_check(settings.model, lengths=settings.lengths, dtype=settings.dtype, seed=settings.seed,
                                 placements=list(settings.moe_parallel), tolerance=settings.tolerance,
@@ -192,6 +253,17 @@ def build_report(s: Settings, ctx, variants: dict) -> dict:
         "equivalent": all(v["equivalent"] and all(r["equivalent"] for r in v["requests"]) for v in variants.values()),
         "traffic_ok": traffic_ok,
     }
+
+
+def build_pp_report(s: Settings, ctx, res: dict) -> dict:
+    return {"world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device), **res,
+            "config": {"model_name": s.model_name, "family": s.model.family, "model": s.model.asdict(),
+                       "requests": s.lengths, "hf_checkpoint": s.hf_checkpoint,
+                       "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed, "variants": s.variants,
+                       "tolerance": s.tolerance, "pp": s.pp, "microbatches": s.microbatches,
+                       "pp_boundary": s.pp_boundary},
+            "equivalent": all(v["equivalent"] for v in res["variants"].values()),
+            "traffic_ok": all(v["ledger_matches_model"] for v in res["variants"].values())}
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")

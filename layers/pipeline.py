@@ -127,9 +127,11 @@ class PPStage(nn.Module):
             out.append(Part("stack." + part.param, f"blocks.{lo + int(j)}.{rest}", part.cut, part.row))
         return out
 
-    def forward(self, x: torch.Tensor | None, rows: int, microbatch: int = 0,
-                received: bool = False) -> tuple[torch.Tensor, ...]:
-        """received: x is this stage's input already (run() received it); else stages after the first receive it."""
+    def forward(self, x: torch.Tensor | None, rows: int, microbatch: int = 0, received: bool = False,
+                requests=None, send: bool = True) -> tuple[torch.Tensor, ...]:
+        """received: x is this stage's input already (run() received it); else stages after the first receive it.
+        requests: layers/varlen.Requests, when x flattens several (each attends within itself). send: pass the last
+        output on to the next stage (run() sends it itself, to time the compute alone)."""
         if not self.first and not received:
             x = self.receive(rows, microbatch)
         ledger = active()
@@ -138,29 +140,35 @@ class PPStage(nn.Module):
         for j, block in enumerate(self.stack.blocks):
             if ledger is not None:
                 ledger.layer = self.layers[j]
-            x = block(x, None)
+            x = block(x, requests)
             outs.append(x)
         if ledger is not None:
             ledger.layer = layer_before
-        if not self.last:
+        if send and not self.last:
             self.send(x, microbatch)
         return tuple(outs)
 
-    def run(self, inputs: list[torch.Tensor] | None, rows: list[int]) -> tuple[list[tuple[torch.Tensor, ...]], dict]:
+    def run(self, inputs: list[torch.Tensor] | None, rows: list[int],
+            requests: list | None = None) -> tuple[list[tuple[torch.Tensor, ...]], dict]:
         """A forward-only GPipe schedule of len(rows) micro-batches: each stage takes micro-batch m as soon as it
         arrives, runs it, sends it on and takes m + 1, so stage s works on m while stage s + 1 works on m − 1.
-        inputs: the micro-batches' stack inputs (stage 0; None elsewhere). Returns every micro-batch's layer outputs
+        inputs: the micro-batches' stack inputs (stage 0; None elsewhere); requests: each micro-batch's
+        layers/varlen.Requests when it flattens several (None: one sequence each). Returns every micro-batch's layer outputs
         and this stage's timeline: per micro-batch the time from the schedule's start at which it began and ended
-        its compute, and the time it waited to receive its input (on a GPU the compute would need a stream wait to
-        be timed; here it is the host's time)."""
+        its compute, the time it waited to receive its input and the time its send took (on a GPU the compute would
+        need a stream wait to be timed; here it is the host's time)."""
         start, timeline, outs = time.perf_counter(), [], []
         for m, n in enumerate(rows):
             t0 = time.perf_counter()
             x = inputs[m] if self.first else self.receive(n, m)
             t1 = time.perf_counter()
-            outs.append(self.forward(x, n, m, received=True))
+            out = self.forward(x, n, m, received=True, send=False, requests=None if requests is None else requests[m])
             t2 = time.perf_counter()
-            timeline.append({"microbatch": m, "wait_s": t1 - t0, "begin_s": t1 - start, "end_s": t2 - start})
+            if not self.last:
+                self.send(out[-1], m)
+            outs.append(out)
+            timeline.append({"microbatch": m, "wait_s": t1 - t0, "begin_s": t1 - start, "end_s": t2 - start,
+                             "send_s": time.perf_counter() - t2})
         return outs, {"stage": self.index, "total_s": time.perf_counter() - start, "microbatches": timeline}
 
     # -- the stage boundary -------------------------------------------------------------------------------------

@@ -118,3 +118,53 @@ def test_microbatches_flow_through_the_stages_in_order_and_equal_the_dense_stack
     stage, every message carries its micro-batch's number, the collectives are the model's per micro-batch."""
     for r in run_ranks(pp * tp, pp_microbatches, pp, "gpt2", 5, boundary, [7, 3, 9, 4]):
         assert r["err"] < 1e-12 and r["collectives"] and r["messages"] and r["ordered"], r
+
+
+# ---- run_block with pp ------------------------------------------------------------------------------------------
+
+
+def test_run_block_with_pp_checks_every_stage_and_the_boundary(tmp_path):
+    """pp=2 × tp=2 on a pool of 4 ranks: 3 requests in 2 micro-batches, scattered boundary: every stage's layers
+    match the dense block, every rank's collectives and messages the model; the boundary bytes per rank are
+    ⌈T/tp⌉·d·e per micro-batch."""
+    import json
+
+    from tests.launching import launch_on_pool
+
+    proc, _ = launch_on_pool(4, "pp=2", "microbatches=2", "pp_boundary=scatter", "requests=[5,9,4]",
+                             "variants=[v1,v2]", "model.n_layers=3", "dtype=float64", run_dir=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS: v1, v2 at pp=2 x tp=2 match the single-device block (scatter boundary, 2 micro-batch(es); " \
+           "ledger = model on every rank: yes)" in proc.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["microbatch_requests"] == [[5, 9], [4]]
+    for v in ("v1", "v2"):
+        stages = report["variants"][v]["stages"]
+        assert [[layer["layer"] for layer in st["layers"]] for st in stages] == [[0, 1], [2]]  # the extra one first
+        assert all(layer["max_rel_err"] < 1e-12 for st in stages for layer in st["layers"])
+        assert stages[0]["sent_per_rank"] == stages[1]["received_per_rank"] == (7 + 2) * 512 * 8  # ⌈14/2⌉, ⌈4/2⌉ rows
+        assert 0 <= stages[0]["bubble"] < 1 and 0 <= stages[1]["bubble"] < 1
+    # stage 1: one layer, 2 micro-batches: 2 all-reduces each, and each micro-batch's rows all-gathered once
+    assert report["variants"]["v2"]["stages"][1]["collectives"] == {"all_gather": 2, "all_reduce": 4}
+
+
+PP_BAD = [
+    (8, ["pp=3"], "pp=3 must divide the world of 8 ranks"),
+    (4, ["pp=4", "model.n_layers=2"], "pp=4 is more stages than the model's 2 layers"),
+    (4, ["pp=2", "variants=[v2,v2sp]"], "variants=['v2', 'v2sp']: pp=2 runs v1 and v2"),
+    (4, ["pp=2", "microbatches=3"], "microbatches=3 must be between 1 and the 2 request(s)"),
+    (4, ["microbatches=2"], "microbatches=2 is for a pipeline: set pp > 1"),
+    (4, ["pp=2", "pp_boundary=halves"], "pp_boundary='halves': choose whole or scatter"),
+    (4, ["pp=2", "model=mixtral_tiny"], "pp=2 with MoE blocks is not built"),
+    (4, ["pp=2", "profile=true"], "profile=true is not built for pp=2"),
+]
+
+
+@pytest.mark.parametrize("nproc,overrides,message", PP_BAD, ids=[" ".join(b[1]) for b in PP_BAD])
+def test_bad_pipeline_settings_fail_before_any_collective(nproc, overrides, message):
+    from tests.launching import settings_phase
+
+    alone = settings_phase(overrides, world=nproc, script="run_block.py")
+    assert alone.returncode == 2, alone.stdout + alone.stderr
+    lines = alone.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines

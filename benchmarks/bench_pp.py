@@ -1,0 +1,95 @@
+"""Pipeline bubbles: a forward-only GPipe schedule's idle time per stage against (pp − 1)/(m + pp − 1).
+
+    torchrun --nproc_per_node=P benchmarks/bench_pp.py [--pp 2] [--rows 512] [--repeats 3]
+
+The article03 stack (d=512, L=8), float32, v2, pp stages × tp = P/pp ranks (layers/pipeline.py, boundary whole).
+A batch of --rows rows (one sequence of rows/m tokens per micro-batch) split into m = 1, 2, 4, 8 micro-batches runs
+through the stages; per stage, busy = the sum of its micro-batches' compute, and the bubble = 1 − busy / the
+schedule's span (the last stage's end). The formula assumes equal stages and free messages; on a CPU the ranks share
+cores (two stages computing at once each run slower), so read the measured column beside it, not as a check.
+Writes outputs/bench_pp_pp{pp}.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.distributed as dist
+
+from layers.config import ARTICLE03
+from layers.dense import DenseStack, init_weights
+from layers.pipeline import check_layout, new_pp_groups, shard_stage
+from tp.dist import init_from_env, shutdown
+
+MICROBATCHES = (1, 2, 4, 8)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    ctx = init_from_env()
+    try:
+        layout = check_layout(ctx.world_size, args.pp, ARTICLE03.n_layers, "v2")
+        if args.rows % max(MICROBATCHES) or args.repeats < 1:
+            raise ValueError(f"--rows {args.rows} must split into {max(MICROBATCHES)} micro-batches; --repeats >= 1")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        shutdown()
+        return 2
+    stages, _ = new_pp_groups(layout)
+    rank = dist.get_rank()
+    dense = init_weights(DenseStack(ARTICLE03), seed=0)
+    stage = shard_stage(dense, "v2", layout, rank, stages[layout.stage_of(rank)])
+    x = torch.randn(args.rows, ARTICLE03.d_model, generator=torch.Generator().manual_seed(1))
+    rows_out = []
+    with torch.no_grad():
+        stage.run([x[:8]] if stage.first else None, [8])  # warm-up
+        for m in MICROBATCHES:
+            n = args.rows // m
+            runs = []
+            for _ in range(args.repeats):
+                dist.barrier()
+                _, timeline = stage.run(list(x.split(n)) if stage.first else None, [n] * m)
+                span = [None] * ctx.world_size
+                dist.all_gather_object(span, timeline)
+                runs.append(span)
+            if ctx.is_main:
+                per_stage = []
+                for s in range(layout.pp):
+                    lines = [run[layout.rank(s, 0)] for run in runs]
+                    ends = [max(t["end_s"] for t in run[layout.rank(layout.pp - 1, 0)]["microbatches"]) for run in runs]
+                    busy = [sum(t["end_s"] - t["begin_s"] for t in line["microbatches"]) for line in lines]
+                    per_stage.append(statistics.median(1 - b / e for b, e in zip(busy, ends)))
+                rows_out.append({"microbatches": m, "rows_per_microbatch": n, "bubble_per_stage": per_stage,
+                                 "bubble": statistics.mean(per_stage),
+                                 "formula": (layout.pp - 1) / (m + layout.pp - 1)})
+    shutdown()
+    if ctx.is_main:
+        out = {"pp": layout.pp, "tp": layout.tp, "rows": args.rows, "repeats": args.repeats, "results": rows_out}
+        path = Path(f"outputs/bench_pp_pp{layout.pp}.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1))
+        print(f"pp={layout.pp} tp={layout.tp}, {args.rows} rows, article03 (L=8), float32: bubble = 1 - busy/span, "
+              f"median of {args.repeats}")
+        print(f"{'m':>3} {'rows/mb':>8} {'measured (mean of stages)':>26} {'(pp-1)/(m+pp-1)':>16}   per stage")
+        for r in rows_out:
+            print(f"{r['microbatches']:>3} {r['rows_per_microbatch']:>8} {r['bubble']:>26.3f} {r['formula']:>16.3f}   "
+                  + " ".join(f"{b:.3f}" for b in r["bubble_per_stage"]))
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
