@@ -38,15 +38,7 @@ def run_check(cfg: ModelConfig | LlamaConfig, *, lengths: list[int], dtype: torc
     weights: a checkpoint's state dict (GPT-2 or Llama, as cfg) to load instead of the seeded random weights."""
     requests = Requests.from_lengths(lengths) if len(lengths) > 1 else None
     cu_seqlens = requests.cu_seqlens if requests else None
-    dense = init_weights(DenseStack(cfg, dtype, ctx.device), seed)
-    if weights is not None:
-        load_stack(dense, weights)
-    gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(sum(lengths), cfg.d_model, generator=gen, dtype=torch.float64).to(ctx.device, dtype)
-    fingerprint = torch.cat([weights_checksum(dense), x.detach().to("cpu", torch.float64).sum().reshape(1)])
-    if not same_on_every_rank(fingerprint.to(ctx.device), ctx.group):
-        raise RuntimeError("ranks hold different dense weights or inputs (seed or library mismatch); "
-                           "every rank must build the same model")
+    dense, x = dense_and_input(cfg, sum(lengths), dtype, seed, ctx, weights)
     if cu_seqlens:
         check_same_on_every_rank(cu_seqlens, ctx.group)
     with torch.no_grad():  # the reference: each request alone through the single-device stack
@@ -72,6 +64,22 @@ def run_check(cfg: ModelConfig | LlamaConfig, *, lengths: list[int], dtype: torc
         if profile_dir is not None:
             results[v]["profile"] = profile_variant(stack, x, cu_seqlens, v, ctx, profile_dir)
     return results
+
+
+def dense_and_input(cfg, n_tokens: int, dtype: torch.dtype, seed: int, ctx: TPContext,
+                    weights: dict[str, torch.Tensor] | None = None) -> tuple[DenseStack, torch.Tensor]:
+    """The single-device stack (seeded, or the checkpoint's weights) and the input [n_tokens, d], the same on every
+    rank (checked: a fingerprint of both compared across the group)."""
+    dense = init_weights(DenseStack(cfg, dtype, ctx.device), seed)
+    if weights is not None:
+        load_stack(dense, weights)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(n_tokens, cfg.d_model, generator=gen, dtype=torch.float64).to(ctx.device, dtype)
+    fingerprint = torch.cat([weights_checksum(dense), x.detach().to("cpu", torch.float64).sum().reshape(1)])
+    if not same_on_every_rank(fingerprint.to(ctx.device), ctx.group):
+        raise RuntimeError("ranks hold different dense weights or inputs (seed or library mismatch); "
+                           "every rank must build the same model")
+    return dense, x
 
 
 def activation_memory(stack, x: torch.Tensor, cfg, variant: str, ctx: TPContext) -> dict:

@@ -16,12 +16,11 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from launch.check import dense_and_input
 from launch.report import _counts, format_table, kib
-from layers.dense import DenseStack, init_weights, weights_checksum
-from layers.hf import load_stack
 from layers.pipeline import PPLayout, new_pp_groups, shard_stage
 from layers.varlen import Requests
-from tp.dist import TPContext, same_on_every_rank
+from tp.dist import TPContext
 from tp.ledger import TrafficLedger
 from tp.traffic_model import predict_pp_stage
 
@@ -42,15 +41,7 @@ def run_pp_check(cfg, *, lengths: list[int], dtype: torch.dtype, seed: int, vari
     layout = PPLayout(pp, ctx.world_size // pp)
     stages, _ = new_pp_groups(layout)  # every rank, the same order
     rank = ctx.rank
-    dense = init_weights(DenseStack(cfg, dtype, ctx.device), seed)
-    if weights is not None:
-        load_stack(dense, weights)
-    gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(sum(lengths), cfg.d_model, generator=gen, dtype=torch.float64).to(ctx.device, dtype)
-    fingerprint = torch.cat([weights_checksum(dense), x.detach().to("cpu", torch.float64).sum().reshape(1)])
-    if not same_on_every_rank(fingerprint.to(ctx.device), ctx.group):
-        raise RuntimeError("ranks hold different dense weights or inputs (seed or library mismatch); "
-                           "every rank must build the same model")
+    dense, x = dense_and_input(cfg, sum(lengths), dtype, seed, ctx, weights)
     groups = split_requests(lengths, microbatches)
     rows = [sum(g) for g in groups]
     inputs = list(x.split(rows))

@@ -5,9 +5,10 @@
     torchrun --nproc_per_node=4 launch/run_block.py request_dist=lognormal request_count=16 request_mean=100
 
     torchrun --nproc_per_node=4 launch/run_block.py model=llama_tiny                 # Llama blocks, GQA (v2, v2sp)
+    torchrun --nproc_per_node=8 launch/run_block.py pp=2 microbatches=2              # 2 pipeline stages x tp 4
 
-tp = WORLD_SIZE. Every rank validates the settings before the first collective,
-builds the same dense stack from `seed` (or hf_checkpoint), shards it, runs each
+tp = WORLD_SIZE / pp (pp = 1 by default; pp > 1: launch/pp_check.py). Every rank validates the settings before
+the first collective, builds the same dense stack from `seed` (or hf_checkpoint), shards it, runs each
 variant (v1, v2, intra_head; Llama-family blocks: v2 and v2sp) and compares every layer's
 output with the dense stack's. The traffic
 ledger then records every collective of a forward and a backward; it must equal
