@@ -168,3 +168,35 @@ def test_bad_pipeline_settings_fail_before_any_collective(nproc, overrides, mess
     assert alone.returncode == 2, alone.stdout + alone.stderr
     lines = alone.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_stages_on_two_nodes(tmp_path):
+    """Two torchrun agents (two "nodes" on this machine, a static rendezvous): node 0 holds stage 0's TP group,
+    node 1 stage 1's, and the boundary crosses between them; both exit 0 and rank 0 prints PASS."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from tests.launching import ROOT
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}",
+                                "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
+                                str(ROOT / "launch" / "run_block.py"), "pp=2", "variants=[v2]", "model.n_layers=3",
+                                f"hydra.run.dir={tmp_path / str(n)}"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True) for n in (0, 1)]
+    outs = []
+    try:
+        for agent in agents:
+            outs.append(agent.communicate(timeout=120))
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+    assert [a.returncode for a in agents] == [0, 0], outs
+    assert "PASS: v2 at pp=2 x tp=2 match the single-device block" in outs[0][0], outs[0]
