@@ -27,7 +27,7 @@ import torch.distributed as dist
 from layers.config import ARTICLE03
 from layers.dense import DenseStack, init_weights
 from layers.pipeline import check_layout, new_pp_groups, shard_stage
-from tp.dist import init_from_env, shutdown
+from tp.dist import env_world, init_from_env, shutdown
 
 MICROBATCHES = (1, 2, 4, 8)
 
@@ -39,15 +39,14 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    ctx = init_from_env()
-    try:
-        layout = check_layout(ctx.world_size, args.pp, ARTICLE03.n_layers, "v2")
+    try:  # before joining the group: every rank refuses on its own
+        layout = check_layout(env_world()[2], args.pp, ARTICLE03.n_layers, "v2")
         if args.rows % max(MICROBATCHES) or args.repeats < 1:
             raise ValueError(f"--rows {args.rows} must split into {max(MICROBATCHES)} micro-batches; --repeats >= 1")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        shutdown()
         return 2
+    ctx = init_from_env()
     stages, _ = new_pp_groups(layout)
     rank = dist.get_rank()
     dense = init_weights(DenseStack(ARTICLE03), seed=0)

@@ -61,7 +61,7 @@ LONG_PROMPT, LONG_NEW, LONG_ARRIVAL = 1000, 8, 8  # the long prompt: 1000 + 8 - 
 CHUNKS = (32, 64, 128, 256, 512)
 HF_REQUESTS, HF_PROMPT_MEAN, HF_NEW = 32, 64, (8, 64)
 HF_BATCHES = (1, 4, 8, 16, 32)
-HF_PAIRED = (16, 32)  # transformers' contenders for its best, run again in every round after the first
+HF_CONTENDERS = 2  # transformers' fastest batch sizes in the first round, run again in every round after it
 HF_CHUNK, HF_BUDGET = 256, 512
 # the engine's runs on the hf workload: (attention backend, max_running); "default" is EngineConfig's own (16),
 # "all" lets every request run at once (the tuned setting)
@@ -196,7 +196,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def bench_hf(dense: DenseLM, lm: TPLM, ctx: TPContext, model, repeats: int) -> tuple[dict, list[dict]]:
     """`repeats` rounds, each running every engine setting (HF_RUNS) and then transformers (every static batch in the
-    first round, the contenders HF_PAIRED after it): the ratio to transformers' best is taken within each round and
+    first round, its HF_CONTENDERS fastest after it): the ratio to transformers' best is taken within each round and
     its median reported, so that the machine's drift over the run falls on both sides of each ratio."""
     prompts, new = hf_workload()
     requests = lambda: [Request(i, p, m, 0) for i, (p, m) in enumerate(zip(prompts, new))]  # noqa: E731
@@ -214,7 +214,8 @@ def bench_hf(dense: DenseLM, lm: TPLM, ctx: TPContext, model, repeats: int) -> t
             torch.set_num_threads(ctx.world_size * threads)  # the cores the engine used
             if round_ == 0:
                 hf_generate(model, prompts[:2], [2, 2], 2)  # warm-up
-            batches = HF_BATCHES if round_ == 0 else HF_PAIRED
+            # every batch size in the first round; after it, the HF_CONTENDERS fastest of that round
+            batches = HF_BATCHES if round_ == 0 else sorted(HF_BATCHES, key=lambda b: hf[b][0][1]["time_s"])[:HF_CONTENDERS]
             for batch in batches:
                 hf[batch].append(hf_generate(model, prompts, new, batch))
             best_per_round.append(max(useful / hf[b][-1][1]["time_s"] for b in batches))
@@ -255,7 +256,7 @@ def bench_hf(dense: DenseLM, lm: TPLM, ctx: TPContext, model, repeats: int) -> t
     return {"requests": HF_REQUESTS, "prompt_lengths": [len(p) for p in prompts], "max_new_tokens": new,
             "useful_tokens": useful, "useful_rows": sum(len(p) + m - 1 for p, m in zip(prompts, new)),
             "chunk_size": HF_CHUNK, "max_batched_tokens": HF_BUDGET, "engine": engine, "engines": engines,
-            "max_running": EngineConfig.max_running, "hf": batches, "hf_paired": list(HF_PAIRED),
+            "max_running": EngineConfig.max_running, "hf": batches,
             "hf_threads": ctx.world_size * torch.get_num_threads()}, records
 
 

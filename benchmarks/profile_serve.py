@@ -23,9 +23,11 @@ import torch
 
 import layers.attention as attention_module
 from benchmarks.bench_serve import HF_BUDGET, HF_CHUNK, hf_workload
+from layers.attention_backends import BACKENDS
 from layers.config import ARTICLE03
 from layers.dense import init_weights
 from layers.lm import DenseLM, shard_lm
+from serve.config import EngineConfig
 from serve.engine import Engine
 from serve.scheduler import Request
 from tp.dist import init_from_env, shutdown
@@ -38,6 +40,9 @@ def main() -> int:
     ap.add_argument("--attention", default="cpu,batched,reference")
     args = ap.parse_args()
     names = args.attention.split(",")
+    if not set(names) <= set(BACKENDS):
+        print(f"error: --attention {args.attention!r}: name backends among {', '.join(BACKENDS)}", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
     ctx = init_from_env()
     lm = shard_lm(init_weights(DenseLM(ARTICLE03), seed=0).to(ctx.device), "v2", ctx.group)
@@ -54,7 +59,7 @@ def main() -> int:
     try:
         for name in names:
             engine = lambda: Engine(lm, ctx, chunk_size=HF_CHUNK, max_batched_tokens=HF_BUDGET,  # noqa: E731
-                                    max_running=16, attention=name)
+                                    max_running=EngineConfig.max_running, attention=name)
             engine().run(requests()[:4])  # warm-up
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 with torch.profiler.record_function("run"):
@@ -69,7 +74,7 @@ def main() -> int:
         shutdown()
     if ctx.is_main:
         print(f"the engine on bench_serve's workload ({len(prompts)} requests, {sum(new)} new tokens), chunk_size "
-              f"{HF_CHUNK}, max_batched_tokens {HF_BUDGET}, max_running 16, p={ctx.world_size}, profiled; shares of "
+              f"{HF_CHUNK}, max_batched_tokens {HF_BUDGET}, max_running {EngineConfig.max_running}, p={ctx.world_size}, profiled; shares of "
               f"the run")
         print(f"{'backend':<10} {'attention':>9} {'matmuls':>8} {'the rest':>9}")
         for name, att, mm in rows:

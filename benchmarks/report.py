@@ -140,10 +140,17 @@ def sections(text: str) -> tuple[str, dict[str, str]]:
 
 def merge(new: str, old: str) -> tuple[str, list[str]]:
     """The sections rendered now replace theirs on the page; a section the page has and this run has no data for
-    (its benchmark not run here) stays as it stands, in its place. Returns the page and the headings kept."""
+    (its benchmark not run here) stays as it stands, in its place; a section new to the page goes after the one
+    rendered before it. Returns the page and the headings kept (a renamed heading's old section is kept too: delete
+    it by hand)."""
     head, fresh = sections(new)
     _, before = sections(old)
-    order = list(before) + [h for h in fresh if h not in before]
+    order = list(before)
+    previous = None
+    for h in fresh:
+        if h not in order:
+            order.insert(order.index(previous) + 1 if previous in order else len(order), h)
+        previous = h
     kept = [h for h in before if h not in fresh]
     body = [fresh.get(h) or before[h] for h in order]
     return "\n".join([head.rstrip("\n") + "\n"] + [b.rstrip("\n") + "\n" for b in body]), [h[3:] for h in kept]

@@ -631,7 +631,8 @@ def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | Non
 
 # The engine settings whose launcher default is the library's: conf/serve.yaml takes them from here, so each default
 # is written once (serve/config.py). block_size: token positions per KV block; prefix_cache: share full blocks of
-# identical prompt prefixes; attention: batched | reference (the per-request loop); comm_timing: per-collective times.
+# identical prompt prefixes; attention: the attention backend (auto | cpu | batched | reference); comm_timing:
+# per-collective times.
 ENGINE_DEFAULTS = ("block_size", "prefix_cache", "attention", "comm_timing")
 ConfigStore.instance().store(name="engine_defaults", node={k: getattr(EngineConfig, k) for k in ENGINE_DEFAULTS})
 

@@ -29,10 +29,13 @@ of positions [start, end) of its request (serve/block_manager.py's slot mapping)
                 the kernel (enable_gqa), not copied.
 
 `auto` (the default setting) is `cpu` on a CPU device and `batched` on CUDA. The choice on a CPU was measured
-(benchmarks/bench_attention.py, docs/benchmarks.md): at 32 decodes of lognormal contexts the per-request calls
-take a fifth of the padded call's time per layer, and the ragged pass (segment softmax over all keys at once)
-makes several passes over [keys, heads, d_head] temporaries, so it is slower than the loop on a CPU at every
-batch size measured. A GPU library backend over paged KV (FlashAttention's block_table, FlashInfer) is not here:
+(benchmarks/bench_paged.py's `backends` part, docs/benchmarks.md): a decode iteration with the batched backend
+takes up to 2× the cpu one's (64 requests), 1.47× at 32 requests of 512 positions, and about the same for 1 to 8
+requests; the batched backend's ragged pass (a segment softmax over all keys at once) makes several passes over
+[keys, heads, d_head] temporaries, which a per-request SDPA call does not.
+
+The cpu backend reads whole blocks through a [2, blocks, block_size, h_kv, d_head] view of the pool: it relies on
+slot = block · block_size + offset, the layout serve/block_manager.slot_mapping and serve/kv_cache.KVPool define. A GPU library backend over paged KV (FlashAttention's block_table, FlashInfer) is not here:
 FlashAttention 2's paged KV wants blocks of a multiple of 256 positions, and neither library installs without CUDA.
 """
 

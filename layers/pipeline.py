@@ -13,7 +13,7 @@ Between stage s and s+1 the hidden states [T, d] move one way, point to point, i
                collective inside the stage
 
 Every message goes into the traffic ledger as a Transfer (site "pp/boundary", `request` = the micro-batch), and
-tp/traffic_model.predict_pp_transfers predicts each rank's messages; the scatter mode's all-gather is an ordinary
+tp/traffic_model.predict_pp_stage predicts each rank's messages and collectives; the scatter mode's all-gather is an ordinary
 collective ("pp/all-gather"). With tp = 1 both ways are the same message.
 """
 
@@ -29,6 +29,7 @@ import torch.nn as nn
 from layers.shard import Part, load_plan
 from layers.tp_block import TPStack, tp_stack
 from tp.comm import gather_rows_to_parallel
+from tp.dist import wait_for_stream
 from tp.ledger import TransferRecord, active
 from tp.partition import ceil_div
 
@@ -86,7 +87,9 @@ def check_layout(world_size: int, pp: int, n_layers: int, variant: str) -> PPLay
 
 
 def new_pp_groups(layout: PPLayout) -> tuple[list[dist.ProcessGroup], list[dist.ProcessGroup]]:
-    """Every stage's TP group and every pipe's group, built once; every rank of the world calls this, in this order."""
+    """Every stage's TP group and every pipe's group, built once; every rank of the world calls this, in this order.
+    The stage boundary's messages address global ranks on the default group; the pipe groups are there for
+    collectives along a pipe (none in the block check yet)."""
     stages = [dist.new_group(layout.stage_ranks(s)) for s in range(layout.pp)]
     pipes = [dist.new_group(layout.pipe_ranks(r)) for r in range(layout.tp)]
     return stages, pipes
@@ -95,15 +98,17 @@ def new_pp_groups(layout: PPLayout) -> tuple[list[dist.ProcessGroup], list[dist.
 class PPStage(nn.Module):
     """This rank's part of a pp × tp pipeline: the TP blocks of its stage's layers, on its stage's TP group.
 
-    forward(x, microbatch) takes the stage's input (the stack's input on stage 0; None elsewhere: it is received),
-    runs its layers, sends the last output to the next stage, and returns its layers' outputs (each [T, d],
-    replicated in the stage as in TPStack)."""
+    forward(x, rows, microbatch) takes the stage's input (the stack's input on stage 0; None elsewhere: it is
+    received), runs its layers, sends the last output to the next stage, and returns its layers' outputs (each
+    [rows, d], replicated in the stage as in TPStack). run() drives a schedule of micro-batches."""
 
     def __init__(self, cfg, variant: str, layout: PPLayout, rank: int, group: dist.ProcessGroup, dtype, device,
                  boundary: str = "whole"):
         super().__init__()
         if boundary not in BOUNDARIES:
             raise ValueError(f"boundary={boundary!r}: choose {' or '.join(BOUNDARIES)}")
+        if variant not in PP_VARIANTS:  # forward runs the blocks on replicated rows, as v1 and v2 take them
+            raise ValueError(f"a pipeline stage runs variant {' or '.join(PP_VARIANTS)}, not {variant!r}")
         self.cfg, self.layout, self.boundary, self.global_rank = cfg, layout, boundary, rank
         self.index, self.tp_rank = layout.stage_of(rank), layout.tp_rank_of(rank)
         self.layers = stage_layers(cfg.n_layers, layout.pp)[self.index]
@@ -155,14 +160,16 @@ class PPStage(nn.Module):
         inputs: the micro-batches' stack inputs (stage 0; None elsewhere); requests: each micro-batch's
         layers/varlen.Requests when it flattens several (None: one sequence each). Returns every micro-batch's layer outputs
         and this stage's timeline: per micro-batch the time from the schedule's start at which it began and ended
-        its compute, the time it waited to receive its input and the time its send took (on a GPU the compute would
-        need a stream wait to be timed; here it is the host's time)."""
+        its compute, the time it waited to receive its input and the time its send took (on a GPU each is
+        closed by a wait for the stream, so the compute is the device's time)."""
         start, timeline, outs = time.perf_counter(), [], []
         for m, n in enumerate(rows):
             t0 = time.perf_counter()
             x = inputs[m] if self.first else self.receive(n, m)
+            wait_for_stream(self.device)  # on a GPU: the received rows are there (a no-op on a CPU)
             t1 = time.perf_counter()
             out = self.forward(x, n, m, received=True, send=False, requests=None if requests is None else requests[m])
+            wait_for_stream(self.device)  # on a GPU: its compute is done, so busy is the device's time
             t2 = time.perf_counter()
             if not self.last:
                 self.send(out[-1], m)

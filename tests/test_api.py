@@ -34,6 +34,7 @@ MODEL = "tiny-gpt2"
 PROMPTS = ["the quick brown", "café ü", "tensor parallel serving is"]
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick brown"}]
 CHAT_TEXT = "system: be brief\nuser: the quick brown\nassistant:"  # the plain template, written out by hand
+LIVE_TOKENS = 48  # each live stream's tokens: long enough that the next clients arrive while it runs
 LIVE = [f"{w} {i}" for i, w in enumerate(["the quick", "tensor", "café", "numbers", "emoji", "serving",
                                           "the lazy", "parallel"] * 2)]
 SAMPLED = dict(temperature=0.8, top_p=0.9, seed=7)
@@ -72,8 +73,8 @@ def reference(checkpoint, servers):
                                                                      stop=[needle]))[0].outputs[0], full),
             "sampled": llm.generate(PROMPTS[2], SamplingParams(max_tokens=12, ignore_eos=True, **SAMPLED))[0],
             "chat": llm.generate([chat_ids], SamplingParams(max_tokens=8, ignore_eos=True))[0],
-            "live": llm.generate(LIVE, [SamplingParams(max_tokens=16, temperature=1.0, seed=100 + i, ignore_eos=True)
-                                        for i in range(len(LIVE))]),
+            "live": llm.generate(LIVE, [SamplingParams(max_tokens=LIVE_TOKENS, temperature=1.0, seed=100 + i,
+                                                       ignore_eos=True) for i in range(len(LIVE))]),
             "chat_ids": chat_ids,
         }
 
@@ -204,20 +205,24 @@ def test_the_openai_client_gets_what_generate_gives(server, reference):
     assert parts[-1].choices[0].finish_reason == "length"
 
 
-def stream_text(client, i: int, out: dict, delay: float) -> None:
-    time.sleep(delay)
-    stream = client.completions.create(model=MODEL, prompt=LIVE[i], max_tokens=16, temperature=1.0, seed=100 + i,
-                                       stream=True, extra_body={"ignore_eos": True})  # ignore_eos: vLLM's extra
+def stream_text(client, i: int, out: dict, started: list) -> None:
+    """Client i sends once client i − 1 has its first token (so each arrives while others run, at any speed)."""
+    if i:
+        started[i - 1].wait(60)
+    stream = client.completions.create(model=MODEL, prompt=LIVE[i], max_tokens=LIVE_TOKENS, temperature=1.0,
+                                       seed=100 + i, stream=True, extra_body={"ignore_eos": True})  # vLLM's extra
     texts, rid = [], None
     for chunk in stream:
         rid = chunk.id
         texts.append(chunk.choices[0].text)
+        started[i].set()
     out[i] = (rid + "-0", "".join(texts))
 
 
 def test_live_clients_join_the_running_batch_and_get_the_offline_tokens(server, reference):
     out: dict = {}
-    threads = [threading.Thread(target=stream_text, args=(server.client, i, out, 0.12 * i)) for i in range(len(LIVE))]
+    started = [threading.Event() for _ in LIVE]
+    threads = [threading.Thread(target=stream_text, args=(server.client, i, out, started)) for i in range(len(LIVE))]
     for t in threads:
         t.start()
     for t in threads:

@@ -296,10 +296,10 @@ def test_groups_that_end_at_token_one_leave_the_decode_group_waiting_for_the_nex
 
 SHARED = 12  # every prompt starts with the same 12 tokens: prefix hits on the prefill side
 PAGED_WORKLOAD = [(3, 8, 0), (8, 6, 0), (1, 9, 1), (10, 5, 2), (5, 7, 3), (2, 4, 3)]  # (tail, max_new, arrival)
-# (layout, prefill block_size, decode block_size, kv_blocks per side, streaming, tight): 8 blocks of 4 hold the
-# largest request (26 positions) and not much more; 9 blocks of 3 hold one request at a time, so landed requests
-# wait for blocks
-# (the last field: the attention backend both groups run; every backend meets prefix hits and preemption here)
+# (layout, prefill block_size, decode block_size, kv_blocks per side, streaming, attention backend of both groups):
+# 8 blocks of 4 hold the largest request (26 positions) and not much more; 9 blocks of 3 hold one request at a time,
+# so landed requests wait for blocks. Every backend meets the prefill side's prefix hits; the bounded pools (the
+# first two cases) may preempt on the decode side, which is not asserted (see below)
 PAGED_CASES = [((1, 1), 4, 4, 8, True, "reference"), ((1, 1), 4, 3, 9, False, "cpu"), ((2, 2), 1, 8, 26, True, "batched"),
                ((1, 2), 8, 2, 14, True, "auto"), ((2, 1), 3, 5, 9, False, "batched")]
 

@@ -96,7 +96,7 @@ def pp_microbatches(ctx, pp, family, n_layers, boundary, rows):
     stage = shard_stage(dense, "v2", layout, rank, stages[layout.stage_of(rank)], boundary)
     ledger = TrafficLedger(layout.tp)
     with torch.no_grad(), ledger.recording():
-        outs, timeline = stage.run(xs if stage.first else None, rows)
+        outs, _ = stage.run(xs if stage.first else None, rows)
     err = 0.0
     for x, got in zip(xs, outs):
         want = dense(x)
@@ -108,8 +108,7 @@ def pp_microbatches(ctx, pp, family, n_layers, boundary, rows):
         collectives += c
         messages += [replace(x, request=m) for x in t]
     return {"err": err, "collectives": [r.traffic() for r in ledger.records] == collectives,
-            "messages": sorted([t.transfer() for t in ledger.transfers], key=str) == sorted(messages, key=str),
-            "ordered": [x["microbatch"] for x in timeline["microbatches"]] == list(range(len(rows)))}
+            "messages": [t.transfer() for t in ledger.transfers] == messages}  # in order: recv m, send m, ...
 
 
 @pytest.mark.parametrize("pp,tp,boundary", [(2, 2, "scatter"), (4, 1, "whole"), (3, 2, "whole")])
@@ -117,7 +116,7 @@ def test_microbatches_flow_through_the_stages_in_order_and_equal_the_dense_stack
     """A forward-only GPipe schedule of 4 micro-batches of different sizes: each equals the dense stack on every
     stage, every message carries its micro-batch's number, the collectives are the model's per micro-batch."""
     for r in run_ranks(pp * tp, pp_microbatches, pp, "gpt2", 5, boundary, [7, 3, 9, 4]):
-        assert r["err"] < 1e-12 and r["collectives"] and r["messages"] and r["ordered"], r
+        assert r["err"] < 1e-12 and r["collectives"] and r["messages"], r
 
 
 # ---- run_block with pp ------------------------------------------------------------------------------------------
@@ -143,7 +142,6 @@ def test_run_block_with_pp_checks_every_stage_and_the_boundary(tmp_path):
         assert [[layer["layer"] for layer in st["layers"]] for st in stages] == [[0, 1], [2]]  # the extra one first
         assert all(layer["max_rel_err"] < 1e-12 for st in stages for layer in st["layers"])
         assert stages[0]["sent_per_rank"] == stages[1]["received_per_rank"] == (7 + 2) * 512 * 8  # ⌈14/2⌉, ⌈4/2⌉ rows
-        assert 0 <= stages[0]["bubble"] < 1 and 0 <= stages[1]["bubble"] < 1
     # stage 1: one layer, 2 micro-batches: 2 all-reduces each, and each micro-batch's rows all-gathered once
     assert report["variants"]["v2"]["stages"][1]["collectives"] == {"all_gather": 2, "all_reduce": 4}
 
