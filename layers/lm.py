@@ -178,8 +178,15 @@ class TPLM(nn.Module):
              sample_rows: torch.Tensor, sampling: SamplingBatch | None = None) -> SampleResult:
         """One iteration. ids, positions: [T]; the tokens picked for sample_rows [S] (greedy without `sampling`),
         the same on every rank."""
-        x = self.embed(ids) + self.wpe(positions)  # ★ vocab-parallel: all-reduce [T, d]
+        x = self.embed_rows(ids, positions)
         x = self.stack.forward_cached(x, layers)  # ★ v2: 2 all-reduces [T, d] per layer; v1: 4 all-gathers
+        return self.pick(x, sample_rows, sampling)
+
+    def embed_rows(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids) + self.wpe(positions)  # ★ vocab-parallel: all-reduce [T, d]
+
+    def pick(self, x: torch.Tensor, sample_rows: torch.Tensor, sampling: SamplingBatch | None) -> SampleResult:
+        """The tokens of rows sample_rows of the stack's output x [T, d]."""
         if sample_rows.numel() == 0:  # only prompt chunks that do not finish their prompt: nothing to sample
             return nothing_sampled()
         last = self.ln_f(x[sample_rows])  # [S, d]: LayerNorm is per row, so only the sampled rows need it
@@ -215,8 +222,14 @@ class TPLlamaLM(nn.Module):
     def step(self, ids: torch.Tensor, positions: torch.Tensor, layers: list[PagedLayer],
              sample_rows: torch.Tensor, sampling: SamplingBatch | None = None) -> SampleResult:
         """As TPLM.step; `positions` is not needed: every block reads its rows' positions off `layers`."""
-        x = self.embed(ids)  # ★ all-reduce [T, d]
+        x = self.embed_rows(ids, positions)
         x = self.stack.forward_cached(x, layers)  # ★ 2 all-reduces [T, d] per layer
+        return self.pick(x, sample_rows, sampling)
+
+    def embed_rows(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids)  # ★ all-reduce [T, d]; positions enter in every block (RoPE)
+
+    def pick(self, x: torch.Tensor, sample_rows: torch.Tensor, sampling: SamplingBatch | None) -> SampleResult:
         if sample_rows.numel() == 0:
             return nothing_sampled()
         last = self.norm(x[sample_rows])

@@ -15,6 +15,11 @@ Between stage s and s+1 the hidden states [T, d] move one way, point to point, i
 Every message goes into the traffic ledger as a Transfer (site "pp/boundary", `request` = the micro-batch), and
 tp/traffic_model.predict_pp_stage predicts each rank's messages and collectives; the scatter mode's all-gather is an ordinary
 collective ("pp/all-gather"). With tp = 1 both ways are the same message.
+
+    PPStage   the block check's stage: its layers' TP blocks; run() drives a forward-only GPipe schedule
+    PPLM      a language model's stage for serving: step() has TPLM.step's signature and result on every rank (the
+              first stage embeds, each runs its blocks over its own KV pool, the last picks the tokens and broadcasts
+              them); one iteration in flight at a time
 """
 
 from __future__ import annotations
@@ -105,8 +110,6 @@ class PPStage(nn.Module):
     def __init__(self, cfg, variant: str, layout: PPLayout, rank: int, group: dist.ProcessGroup, dtype, device,
                  boundary: str = "whole"):
         super().__init__()
-        if boundary not in BOUNDARIES:
-            raise ValueError(f"boundary={boundary!r}: choose {' or '.join(BOUNDARIES)}")
         if variant not in PP_VARIANTS:  # forward runs the blocks on replicated rows, as v1 and v2 take them
             raise ValueError(f"a pipeline stage runs variant {' or '.join(PP_VARIANTS)}, not {variant!r}")
         self.cfg, self.layout, self.boundary, self.global_rank = cfg, layout, boundary, rank
@@ -114,6 +117,7 @@ class PPStage(nn.Module):
         self.layers = stage_layers(cfg.n_layers, layout.pp)[self.index]
         self.group, self.dtype, self.device = group, dtype, device
         self.stack: TPStack = tp_stack(cfg, variant, group, dtype, device, len(self.layers))
+        self.link = Boundary(cfg, layout, rank, group, dtype, device, boundary)
 
     @property
     def first(self) -> bool:
@@ -178,7 +182,24 @@ class PPStage(nn.Module):
                              "send_s": time.perf_counter() - t2})
         return outs, {"stage": self.index, "total_s": time.perf_counter() - start, "microbatches": timeline}
 
-    # -- the stage boundary -------------------------------------------------------------------------------------
+    def send(self, x: torch.Tensor, microbatch: int) -> None:
+        self.link.send(x, microbatch)
+
+    def receive(self, rows: int, microbatch: int) -> torch.Tensor:
+        return self.link.receive(rows, microbatch)
+
+
+class Boundary:
+    """One rank's side of the stage boundaries: what it sends to the same TP rank of the next stage and receives
+    from the previous one's, whole or scattered (the module docstring), every message ledgered."""
+
+    def __init__(self, cfg, layout: PPLayout, rank: int, group: dist.ProcessGroup, dtype, device,
+                 mode: str = "whole"):
+        if mode not in BOUNDARIES:
+            raise ValueError(f"boundary={mode!r}: choose {' or '.join(BOUNDARIES)}")
+        self.cfg, self.layout, self.global_rank, self.group, self.dtype, self.device, self.mode = \
+            cfg, layout, rank, group, dtype, device, mode
+        self.index, self.tp_rank = layout.stage_of(rank), layout.tp_rank_of(rank)
 
     def _piece(self, rows: int) -> tuple[int, int]:
         """scatter: this TP rank's rows [lo, hi) of the padded tp·⌈T/tp⌉."""
@@ -187,7 +208,7 @@ class PPStage(nn.Module):
 
     def send(self, x: torch.Tensor, microbatch: int) -> None:
         peer = self.layout.rank(self.index + 1, self.tp_rank)
-        if self.boundary == "scatter" and self.layout.tp > 1:
+        if self.mode == "scatter" and self.layout.tp > 1:
             lo, hi = self._piece(x.shape[0])
             padded = torch.zeros(hi - lo, x.shape[1], dtype=x.dtype, device=x.device)
             real = x[lo:min(hi, x.shape[0])]
@@ -198,7 +219,7 @@ class PPStage(nn.Module):
     def receive(self, rows: int, microbatch: int) -> torch.Tensor:
         peer = self.layout.rank(self.index - 1, self.tp_rank)
         d = self.cfg.d_model
-        if self.boundary == "scatter" and self.layout.tp > 1:
+        if self.mode == "scatter" and self.layout.tp > 1:
             lo, hi = self._piece(rows)
             piece = torch.empty(hi - lo, d, dtype=self.dtype, device=self.device)
             self._message("recv", piece, peer, microbatch)
@@ -225,3 +246,86 @@ def shard_stage(dense, variant: str, layout: PPLayout, rank: int, group: dist.Pr
     source = DenseSource(dense)
     stage = PPStage(dense.cfg, variant, layout, rank, group, source.dtype, source.device, boundary)
     return load_plan(stage, stage.plan(), source)
+
+
+class PPLM(nn.Module):
+    """A whole language model as pp stages × tp ranks, for serving: this rank's TP LM holding its stage's blocks (and,
+    for now, the embedding and the head on every stage: the first stage embeds, the last picks the tokens).
+
+    step(ids, positions, layers, sample_rows, sampling) has TPLM.step's signature and result, on every rank: the first
+    stage embeds the rows and runs its blocks over its KV pool's layers, each next stage receives the hidden states
+    [T, d] (the boundary, as PPStage's), the last picks the tokens, and they are broadcast from the last stage's TP
+    rank 0 to every rank ("pp/tokens": [S, 2] float64, id and logit, or more columns with logprobs). One iteration is
+    in flight at a time (no micro-batches yet)."""
+
+    def __init__(self, lm, layout: PPLayout, rank: int, layers: range, boundary: str = "whole"):
+        super().__init__()
+        self.lm, self.layout, self.global_rank, self.layers = lm, layout, rank, layers
+        self.index = layout.stage_of(rank)
+        self.cfg = lm.cfg
+        param = next(lm.parameters())
+        self.link = Boundary(lm.cfg, layout, rank, lm.stack.blocks[0].group, param.dtype, param.device, boundary)
+
+    @property
+    def cache_heads(self) -> int:
+        return self.lm.cache_heads
+
+    @property
+    def n_cache_layers(self) -> int:
+        return len(self.layers)
+
+    def step(self, ids, positions, layers, sample_rows, sampling=None):
+        from layers.sampler import SampleResult
+
+        first, last = self.index == 0, self.index == self.layout.pp - 1
+        x = self.lm.embed_rows(ids, positions) if first else self.link.receive(ids.shape[0], 0)
+        x = self.lm.stack.forward_cached(x, layers)
+        if not last:
+            self.link.send(x, 0)
+        width = 2 if sampling is None or sampling.logprobs < 0 else 3 + 2 * sampling.logprobs
+        table = torch.empty(sample_rows.numel(), width, dtype=torch.float64, device=ids.device)
+        if last and sample_rows.numel():
+            res = self.lm.pick(x, sample_rows, sampling)
+            read = [res.tokens.double()[:, None], res.logits[:, None]]
+            if width > 2:
+                read += [res.logprob[:, None], res.top_ids.double(), res.top_logprobs]
+            table = torch.cat(read, dim=1)
+        if sample_rows.numel():
+            source = self.layout.rank(self.layout.pp - 1, 0)
+            _ledgered(lambda: dist.broadcast(table, source), "broadcast", "pp/tokens", table)  # ★ to every rank
+        if not sample_rows.numel():
+            from layers.sampler import nothing_sampled
+
+            return nothing_sampled()
+        n = (width - 3) // 2
+        return SampleResult(table[:, 0].long(), table[:, 1],
+                            table[:, 2] if width > 2 else None, table[:, 3:3 + n].long() if width > 2 else None,
+                            table[:, 3 + n:] if width > 2 else None)
+
+
+def _ledgered(fn, kind: str, site: str, t: torch.Tensor):
+    ledger = active()
+    if ledger is None:
+        return fn()
+    return ledger.measure(fn, kind=kind, site=site, phase="forward", layer=None, shape=tuple(t.shape), dtype=t.dtype)
+
+
+def shard_pp_lm(dense, variant: str, layout: PPLayout, rank: int, group: dist.ProcessGroup,
+                boundary: str = "whole") -> PPLM:
+    """Load dense (a DenseLM or DenseLlamaLM), then shard: this rank's PPLM, its stage's blocks and the embedding and
+    head, each cut over the stage's TP group."""
+    from dataclasses import replace as replaced
+
+    from layers.lm import tp_lm
+    from layers.shard import DenseSource
+
+    source = DenseSource(dense)
+    layers = stage_layers(dense.cfg.n_layers, layout.pp)[layout.stage_of(rank)]
+    lm = tp_lm(replaced(dense.cfg, n_layers=len(layers)), variant, group, True, source.dtype, source.device)
+    plan = []
+    for part in lm.plan():
+        if part.param.startswith("stack.blocks."):
+            _, _, j, rest = part.source.split(".", 3)
+            part = Part(part.param, f"stack.blocks.{layers.start + int(j)}.{rest}", part.cut, part.row)
+        plan.append(part)
+    return PPLM(load_plan(lm, plan, source), layout, rank, layers, boundary)

@@ -198,3 +198,64 @@ def test_stages_on_two_nodes(tmp_path):
                 os.killpg(agent.pid, signal.SIGKILL)
     assert [a.returncode for a in agents] == [0, 0], outs
     assert "PASS: v2 at pp=2 x tp=2 match the single-device block" in outs[0][0], outs[0]
+
+
+# ---- serving iterations through the stages (PPLM) ---------------------------------------------------------------
+
+
+def pp_serve(ctx, pp, family, n_layers, boundary, attention, prompts, new):
+    """A greedy run written out by hand, iteration by iteration, through PPLM.step over each stage's paged KV pool:
+    all prompts whole in the first iteration (one in two chunks), then one decode row per request per iteration."""
+    from layers.lm import dense_lm, greedy_reference
+    from layers.pipeline import shard_pp_lm
+    from serve.inputs import prepare_step
+    from serve.kv_cache import KVPool
+    from serve.plan import Chunk, IterationPlan
+
+    cfg = replace(CFG if family == "gpt2" else LLAMA, n_layers=n_layers)
+    layout = check_layout(ctx.world_size, pp, n_layers, "v2")
+    stages, _ = new_pp_groups(layout)
+    rank = dist.get_rank()
+    dense = init_weights(dense_lm(cfg, torch.float64), seed=0)
+    lm = shard_pp_lm(dense, "v2", layout, rank, stages[layout.stage_of(rank)], boundary)
+    block = 4
+    tables = [tuple(range(i * 16, (i + 1) * 16)) for i in range(len(prompts))]
+    pool = KVPool(lm.n_cache_layers, 16 * len(prompts), block, lm.cache_heads, cfg.d_head, torch.float64)
+    tokens = {i: list(p) for i, p in enumerate(prompts)}
+    plans = [IterationPlan(0, (Chunk(0, 0, 3, decode=False, sample=False, blocks=tables[0]),
+                               *(Chunk(i, 0, len(p), decode=False, sample=True, blocks=tables[i])
+                                 for i, p in enumerate(prompts) if i))),
+             IterationPlan(1, (Chunk(0, 3, len(prompts[0]), decode=False, sample=True, blocks=tables[0]),))]
+    ledger = TrafficLedger(layout.tp)
+    with torch.no_grad(), ledger.recording():
+        for it in range(new + 1):
+            plan = plans[it] if it < 2 else IterationPlan(it, tuple(
+                Chunk(i, len(tokens[i]) - 1, len(tokens[i]), decode=True, sample=True, blocks=tables[i])
+                for i in range(len(prompts)) if len(tokens[i]) < len(prompts[i]) + new))
+            step = prepare_step(plan, tokens, block, "cpu", attention)
+            res = lm.step(step.ids, step.positions, pool.layers(step.batch), step.sample_rows)
+            sampled = [c.request for c in plan.chunks if c.sample]
+            for r, t in zip(sampled, res.tokens.tolist()):
+                tokens[r].append(t)
+    want = [greedy_reference(dense, p, new).ids for p in prompts]
+    got = [tokens[i][len(p):] for i, p in enumerate(prompts)]
+    sent = [t for t in ledger.transfers if t.kind == "send"]
+    broadcasts = [r for r in ledger.records if r.kind == "broadcast"]
+    return got == want, len(sent), len(broadcasts), list(lm.layers)
+
+
+@pytest.mark.parametrize("pp,tp,family,n_layers,boundary,attention", [
+    (2, 1, "gpt2", 3, "whole", "cpu"), (2, 2, "gpt2", 4, "scatter", "batched"), (3, 2, "llama", 4, "whole", "cpu"),
+    (2, 2, "llama", 3, "scatter", "reference")])
+def test_serving_iterations_through_the_stages_equal_the_dense_oracle(pp, tp, family, n_layers, boundary, attention):
+    """Greedy tokens through PPLM.step (embedding on the first stage, each stage's blocks over its own KV pool of its
+    own layers, the head on the last, the tokens broadcast to every rank) equal the cache-free dense recompute; every
+    iteration sends across each boundary once and broadcasts the tokens once."""
+    prompts, new = [[5, 9, 2, 7, 1, 3], [4, 4, 8], [11, 2, 6, 6, 13]], 5
+    results = run_ranks(pp * tp, pp_serve, pp, family, n_layers, boundary, attention, prompts, new)
+    iterations = new + 1
+    for r, (same, sent, broadcasts, layers) in enumerate(results):
+        assert same, r
+        assert sent == (iterations if r // tp < pp - 1 else 0), r
+        assert broadcasts == iterations, r  # every iteration here samples a row
+    assert sorted(i for *_, layers in results[::tp] for i in layers) == list(range(n_layers))
