@@ -90,5 +90,27 @@ def main() -> int:
     return 0
 
 
+def section(runs: list[dict]) -> list[str]:
+    """docs/benchmarks.md's pipeline section from outputs/bench_pp_pp*.json (benchmarks/report.py)."""
+    if not runs:
+        return []
+    first = runs[0]
+    lines = ["## Pipeline stages: the GPipe bubble", "",
+             "`.venv/bin/torchrun --nproc_per_node=P benchmarks/bench_pp.py --pp P`: the article03 stack (L=8), float32, "
+             f"v2, pp stages × tp = {first['tp']}, {first['rows']} rows split into m equal micro-batches, a forward-only "
+             "GPipe schedule (layers/pipeline.py); per stage, busy = its micro-batches' compute (sends and waits are "
+             "idle), bubble = 1 − busy / the schedule's span; the mean over stages, median of "
+             f"{first['repeats']} runs.", "",
+             "| pp | m | rows per micro-batch | bubble measured | (pp − 1)/(m + pp − 1) | per stage |",
+             "|---|---|---|---|---|---|"]
+    for run in runs:
+        for r in run["results"]:
+            lines.append(f"| {run['pp']} | {r['microbatches']} | {r['rows_per_microbatch']} | {r['bubble']:.3f} | "
+                         f"{r['formula']:.3f} | {' '.join(f'{b:.3f}' for b in r['bubble_per_stage'])} |")
+    return lines + ["", "The formula takes messages to be free and overlapping stages to run at full speed; here each "
+                        "boundary message is a gloo send between processes and the ranks share the machine's cores, "
+                        "so with more, smaller micro-batches the measured bubble rises above it.", ""]
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -104,3 +104,14 @@ def test_transformers_table_counts_matmul_flops_and_pairs_the_ratio(tmp_path):
     assert "| 1 | engine, attention=cpu, max_running 16 | 2.50 |" in text
     assert "| 1 | engine, attention=batched, max_running 16 | 2.00 |" in text
     assert any(line.startswith("- Throughput, p=1") and "2.50×" in line for line in targets({1: r}))
+
+
+def test_pipeline_section_puts_each_bubble_beside_the_formula():
+    from benchmarks.bench_pp import section as pp_section
+
+    run = {"pp": 2, "tp": 1, "rows": 512, "repeats": 3,
+           "results": [{"microbatches": m, "rows_per_microbatch": 512 // m, "bubble": b, "formula": 1 / (m + 1),
+                        "bubble_per_stage": [b, b]} for m, b in ((1, 0.5), (8, 0.2))]}
+    text = "\n".join(pp_section([run]))
+    assert "| 2 | 1 | 512 | 0.500 | 0.500 | 0.500 0.500 |" in text and "| 2 | 8 | 64 | 0.200 | 0.111 |" in text
+    assert pp_section([]) == []
