@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from layers.shard import Part, load_plan
 from layers.tp_block import TPStack, tp_stack
-from tp.comm import gather_rows_to_parallel
+from tp.comm import broadcast_from, gather_rows_to_parallel
 from tp.dist import wait_for_stream
 from tp.ledger import TransferRecord, active
 from tp.partition import ceil_div
@@ -291,8 +291,8 @@ class PPLM(nn.Module):
                 read += [res.logprob[:, None], res.top_ids.double(), res.top_logprobs]
             table = torch.cat(read, dim=1)
         if sample_rows.numel():
-            source = self.layout.rank(self.layout.pp - 1, 0)
-            _ledgered(lambda: dist.broadcast(table, source), "broadcast", "pp/tokens", table)  # ★ to every rank
+            # ★ from the last stage's TP rank 0 to every rank
+            table = broadcast_from(table, dist.group.WORLD, self.layout.rank(self.layout.pp - 1, 0), "pp/tokens")
         if not sample_rows.numel():
             from layers.sampler import nothing_sampled
 
@@ -301,13 +301,6 @@ class PPLM(nn.Module):
         return SampleResult(table[:, 0].long(), table[:, 1],
                             table[:, 2] if width > 2 else None, table[:, 3:3 + n].long() if width > 2 else None,
                             table[:, 3 + n:] if width > 2 else None)
-
-
-def _ledgered(fn, kind: str, site: str, t: torch.Tensor):
-    ledger = active()
-    if ledger is None:
-        return fn()
-    return ledger.measure(fn, kind=kind, site=site, phase="forward", layer=None, shape=tuple(t.shape), dtype=t.dtype)
 
 
 def shard_pp_lm(dense, variant: str, layout: PPLayout, rank: int, group: dist.ProcessGroup,

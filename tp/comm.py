@@ -279,11 +279,17 @@ def scatter_to_region(x: torch.Tensor, group: dist.ProcessGroup, site: str | Non
 def broadcast_from_main(x: torch.Tensor, group: dist.ProcessGroup, site: str | None = None) -> torch.Tensor:
     """★ broadcast from the group's first rank: every rank returns rank 0's x (the others pass a tensor of the same
     shape and dtype to receive into). Control traffic, not autograd: the serving engine's per-step message."""
+    return broadcast_from(x, group, 0, site)
+
+
+def broadcast_from(x: torch.Tensor, group: dist.ProcessGroup, src: int, site: str | None = None) -> torch.Tensor:
+    """★ broadcast from the group's rank `src`: every rank returns that rank's x (the pipeline's last stage hands its
+    tokens to every rank this way)."""
     if dist.get_world_size(group) == 1:
         return x
     x = x.contiguous()
-    src = dist.get_global_rank(group, 0)
-    _Where(site).run(lambda: dist.broadcast(x, src=src, group=group), "broadcast", "forward", x.shape, x.dtype)
+    root = dist.get_global_rank(group, src)
+    _Where(site).run(lambda: dist.broadcast(x, src=root, group=group), "broadcast", "forward", x.shape, x.dtype)
     return x
 
 

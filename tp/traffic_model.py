@@ -291,31 +291,27 @@ def pp_stage_layers(n_layers: int, pp: int) -> list[range]:
 
 
 def predict_pp_stage(cfg: ModelConfig, pp: int, tp: int, rank: int, n: int, dtype: torch.dtype, variant: str,
-                     boundary: str, microbatches: int = 1) -> tuple[list[Traffic], list[Transfer]]:
-    """What global rank `rank` of a pp × tp pipeline moves in one forward of n rows per micro-batch: its stage's
+                     boundary: str) -> tuple[list[Traffic], list[Transfer]]:
+    """What global rank `rank` of a pp × tp pipeline moves in one forward (one micro-batch) of n rows: its stage's
     layers' collectives on its TP group (and, with the scatter boundary on every stage but the first, the all-gather
     of the received rows, [tp·⌈n/tp⌉, d], outside any layer); and its point-to-point messages, per micro-batch: from
-    the previous stage (recv) and to the next (send), [n, d] each (whole), or this rank's [⌈n/tp⌉, d] (scatter)."""
+    the previous stage (recv) and to the next (send), [n, d] each (whole), or this rank's [⌈n/tp⌉, d] (scatter); the
+    messages are numbered micro-batch 0 (a caller of several renumbers them)."""
     stage, r = rank // tp, rank % tp
     layers = pp_stage_layers(cfg.n_layers, pp)[stage]
     piece = boundary == "scatter" and tp > 1
     shape = (ceil_div(n, tp), cfg.d_model) if piece else (n, cfg.d_model)
     name, size = str(dtype).removeprefix("torch."), math.prod(shape) * dtype.itemsize
     collectives, messages = [], []
-    for _ in range(microbatches):
-        if piece and stage > 0:
-            collectives.append(Traffic.of(layer=None, sublayer="pp", site="all-gather", phase="forward",
-                                          kind="all_gather", shape=(tp * ceil_div(n, tp), cfg.d_model), dtype=dtype,
-                                          p=tp))
-        if tp > 1:
-            collectives += [Traffic.of(layer=i, sublayer=sub, site=site, phase="forward", kind=kind, shape=s,
-                                       dtype=dtype, p=tp)
-                            for i in layers for sub, site, kind, s in block_collectives(cfg, n, variant, "forward")]
-    for m in range(microbatches):
-        if stage > 0:
-            messages.append(Transfer("recv", "pp/boundary", m, None, rank, (stage - 1) * tp + r, (0, 0), shape, name,
-                                     size))
-        if stage < pp - 1:
-            messages.append(Transfer("send", "pp/boundary", m, None, rank, (stage + 1) * tp + r, (0, 0), shape, name,
-                                     size))
+    if piece and stage > 0:
+        collectives.append(Traffic.of(layer=None, sublayer="pp", site="all-gather", phase="forward", kind="all_gather",
+                                      shape=(tp * ceil_div(n, tp), cfg.d_model), dtype=dtype, p=tp))
+    if tp > 1:
+        collectives += [Traffic.of(layer=i, sublayer=sub, site=site, phase="forward", kind=kind, shape=s, dtype=dtype,
+                                   p=tp)
+                        for i in layers for sub, site, kind, s in block_collectives(cfg, n, variant, "forward")]
+    if stage > 0:
+        messages.append(Transfer("recv", "pp/boundary", 0, None, rank, (stage - 1) * tp + r, (0, 0), shape, name, size))
+    if stage < pp - 1:
+        messages.append(Transfer("send", "pp/boundary", 0, None, rank, (stage + 1) * tp + r, (0, 0), shape, name, size))
     return collectives, messages
