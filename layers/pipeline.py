@@ -206,7 +206,10 @@ class Boundary:
         per = ceil_div(rows, self.layout.tp)
         return self.tp_rank * per, (self.tp_rank + 1) * per
 
-    def send(self, x: torch.Tensor, microbatch: int) -> None:
+    def send(self, x: torch.Tensor, microbatch: int, wait: bool = True):
+        """wait=False: post the message and return (work, tensor): the caller waits on work (the tensor stays alive
+        with it) before the receiver could be stuck behind a collective the sender must join (the serving pipeline
+        sends at the end of one tick; the next stage receives at the start of the next)."""
         peer = self.layout.rank(self.index + 1, self.tp_rank)
         if self.mode == "scatter" and self.layout.tp > 1:
             lo, hi = self._piece(x.shape[0])
@@ -214,7 +217,7 @@ class Boundary:
             real = x[lo:min(hi, x.shape[0])]
             padded[:real.shape[0]] = real
             x = padded
-        self._message("send", x.contiguous(), peer, microbatch)
+        return self._message("send", x.contiguous(), peer, microbatch, wait)
 
     def receive(self, rows: int, microbatch: int) -> torch.Tensor:
         peer = self.layout.rank(self.index - 1, self.tp_rank)
@@ -228,14 +231,19 @@ class Boundary:
         self._message("recv", x, peer, microbatch)
         return x
 
-    def _message(self, kind: str, t: torch.Tensor, peer: int, microbatch: int) -> None:
+    def _message(self, kind: str, t: torch.Tensor, peer: int, microbatch: int, wait: bool = True):
         start = time.perf_counter()
-        (dist.send if kind == "send" else dist.recv)(t, peer)  # ★ point to point, between stages
+        work = None
+        if kind == "send" and not wait:
+            work = (dist.isend(t, peer), t)  # ★ point to point, between stages (posted)
+        else:
+            (dist.send if kind == "send" else dist.recv)(t, peer)  # ★ point to point, between stages
         ledger = active()
         if ledger is not None:
             ledger.transfer(TransferRecord(kind, "pp/boundary", microbatch, None, self.global_rank, peer, (0, 0),
                                            tuple(t.shape), str(t.dtype).removeprefix("torch."),
                                            t.numel() * t.element_size(), time.perf_counter() - start))
+        return work
 
 
 def shard_stage(dense, variant: str, layout: PPLayout, rank: int, group: dist.ProcessGroup,
@@ -252,19 +260,38 @@ class PPLM(nn.Module):
     """A whole language model as pp stages × tp ranks, for serving: this rank's TP LM holding its stage's blocks (and,
     for now, the embedding and the head on every stage: the first stage embeds, the last picks the tokens).
 
-    step(ids, positions, layers, sample_rows, sampling) has TPLM.step's signature and result, on every rank: the first
-    stage embeds the rows and runs its blocks over its KV pool's layers, each next stage receives the hidden states
-    [T, d] (the boundary, as PPStage's), the last picks the tokens, and they are broadcast from the last stage's TP
-    rank 0 to every rank ("pp/tokens": [S, 2] float64, id and logit, or more columns with logprobs). One iteration is
-    in flight at a time (no micro-batches yet)."""
+    A micro-batch goes through the stages in three calls, on every rank of the world:
 
-    def __init__(self, lm, layout: PPLayout, rank: int, layers: range, boundary: str = "whole"):
+        forward_stage(ids, positions, layers, microbatch)   the first stage embeds the rows, a later one receives the
+                                                             hidden states [T, d] (the boundary, as PPStage's); its
+                                                             blocks over its KV pool's layers; all but the last post
+                                                             the result to the next stage (flush() waits for it)
+        sample(x, sample_rows, sampling)                     the last stage: the head's pick, as a table [S, w] float64
+                                                             (id, logit[, logprob, top ids, top logprobs])
+        share(table, rows, width)                            ★ broadcast from the last stage's TP rank 0 to every rank
+                                                             ("pp/tokens"): a SampleResult on every rank
+
+    The serving engine (serve/engine.py's PipelineEngine) calls them for up to pp micro-batches in flight at once;
+    step() is the three of them for one iteration alone, with TPLM.step's signature and result."""
+
+    def __init__(self, lm, layout: PPLayout, rank: int, layers: range, boundary: str = "whole", model_cfg=None):
         super().__init__()
         self.lm, self.layout, self.global_rank, self.layers = lm, layout, rank, layers
         self.index = layout.stage_of(rank)
-        self.cfg = lm.cfg
+        self.cfg = lm.cfg  # the stage's: n_layers is this stage's layer count
+        self.model_cfg = model_cfg or lm.cfg  # the whole model's
+        self.variant = lm.variant
         param = next(lm.parameters())
         self.link = Boundary(lm.cfg, layout, rank, lm.stack.blocks[0].group, param.dtype, param.device, boundary)
+        self._posted: list = []  # sends posted and not yet waited for
+
+    @property
+    def stack(self):
+        return self.lm.stack
+
+    @property
+    def vocab_parallel(self) -> bool:
+        return self.lm.vocab_parallel
 
     @property
     def cache_heads(self) -> int:
@@ -274,33 +301,60 @@ class PPLM(nn.Module):
     def n_cache_layers(self) -> int:
         return len(self.layers)
 
-    def step(self, ids, positions, layers, sample_rows, sampling=None):
-        from layers.sampler import SampleResult
+    @property
+    def first(self) -> bool:
+        return self.index == 0
 
-        first, last = self.index == 0, self.index == self.layout.pp - 1
-        x = self.lm.embed_rows(ids, positions) if first else self.link.receive(ids.shape[0], 0)
+    @property
+    def last(self) -> bool:
+        return self.index == self.layout.pp - 1
+
+    def forward_stage(self, ids, positions, layers, microbatch: int = 0) -> torch.Tensor:
+        x = self.lm.embed_rows(ids, positions) if self.first else self.link.receive(ids.shape[0], microbatch)
         x = self.lm.stack.forward_cached(x, layers)
-        if not last:
-            self.link.send(x, 0)
-        width = 2 if sampling is None or sampling.logprobs < 0 else 3 + 2 * sampling.logprobs
-        table = torch.empty(sample_rows.numel(), width, dtype=torch.float64, device=ids.device)
-        if last and sample_rows.numel():
-            res = self.lm.pick(x, sample_rows, sampling)
-            read = [res.tokens.double()[:, None], res.logits[:, None]]
-            if width > 2:
-                read += [res.logprob[:, None], res.top_ids.double(), res.top_logprobs]
-            table = torch.cat(read, dim=1)
-        if sample_rows.numel():
-            # ★ from the last stage's TP rank 0 to every rank
-            table = broadcast_from(table, dist.group.WORLD, self.layout.rank(self.layout.pp - 1, 0), "pp/tokens")
-        if not sample_rows.numel():
-            from layers.sampler import nothing_sampled
+        if not self.last:
+            self.flush()  # the previous tick's send has been received: the next stage took it before this tick's end
+            self._posted.append(self.link.send(x, microbatch, wait=False))
+        return x
 
+    def flush(self) -> None:
+        """Wait for the sends posted so far (their receivers have posted their receives, or will without waiting for
+        this rank)."""
+        for work, _ in self._posted:
+            work.wait()
+        self._posted.clear()
+
+    def sample(self, x, sample_rows, sampling=None):
+        """The last stage: (the head's pick as a table [S, w] float64, its SampleResult for the traffic model)."""
+        res = self.lm.pick(x, sample_rows, sampling)
+        read = [res.tokens.double()[:, None], res.logits[:, None]]
+        if res.logprob is not None:
+            read += [res.logprob[:, None], res.top_ids.double(), res.top_logprobs]
+        return torch.cat(read, dim=1), res
+
+    @staticmethod
+    def width(sampling) -> int:
+        return 2 if sampling is None or sampling.logprobs < 0 else 3 + 2 * sampling.logprobs
+
+    def share(self, table: torch.Tensor | None, rows: int, width: int, device):
+        """★ The last stage's table to every rank (the others pass None); a SampleResult on every rank."""
+        from layers.sampler import SampleResult, nothing_sampled
+
+        if not rows:
             return nothing_sampled()
+        if table is None:
+            table = torch.empty(rows, width, dtype=torch.float64, device=device)
+        table = broadcast_from(table, dist.group.WORLD, self.layout.rank(self.layout.pp - 1, 0), "pp/tokens")
         n = (width - 3) // 2
         return SampleResult(table[:, 0].long(), table[:, 1],
                             table[:, 2] if width > 2 else None, table[:, 3:3 + n].long() if width > 2 else None,
                             table[:, 3 + n:] if width > 2 else None)
+
+    def step(self, ids, positions, layers, sample_rows, sampling=None):
+        x = self.forward_stage(ids, positions, layers)
+        self.flush()
+        table = self.sample(x, sample_rows, sampling)[0] if self.last and sample_rows.numel() else None
+        return self.share(table, sample_rows.numel(), self.width(sampling), ids.device)
 
 
 def shard_pp_lm(dense, variant: str, layout: PPLayout, rank: int, group: dist.ProcessGroup,
@@ -321,4 +375,4 @@ def shard_pp_lm(dense, variant: str, layout: PPLayout, rank: int, group: dist.Pr
             _, _, j, rest = part.source.split(".", 3)
             part = Part(part.param, f"stack.blocks.{layers.start + int(j)}.{rest}", part.cut, part.row)
         plan.append(part)
-    return PPLM(load_plan(lm, plan, source), layout, rank, layers, boundary)
+    return PPLM(load_plan(lm, plan, source), layout, rank, layers, boundary, dense.cfg)

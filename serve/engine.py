@@ -102,6 +102,8 @@ def next_plan(sched: Scheduler, index: int, before_schedule=None) -> tuple[Itera
         plan = sched.schedule(index)
         if plan is not None:
             return plan, index
+        if sched.in_flight:  # a pipeline's micro-batches are still out: its ticks go on, one at a time
+            return None, index
         upcoming = sched.next_arrival()  # after schedule(), always later than index when there is one
         if sched.waiting and not sched.running and upcoming is None:
             raise SchedulerError(f"iteration {index}: requests {[r.id for r in sched.waiting]} wait for KV blocks "
@@ -160,6 +162,9 @@ class StepRecord:
     sampled: list[int] = field(default_factory=list)  # requests that got a token, in row order
     rows: list[list[float]] = field(default_factory=list)  # their host rows: id, logit[, logprobs]
     ended: list[int] = field(default_factory=list)  # requests that finished or were aborted this step
+    # pipeline parallelism (PipelineEngine): `plan` is the micro-batch that came back from the last stage this step
+    entered: IterationPlan | None = None  # the micro-batch scheduled this step (it enters the first stage)
+    ran: IterationPlan | None = None  # the micro-batch this rank's stage ran this step
 
 
 class StepHook:
@@ -187,13 +192,7 @@ class StepHook:
 def step_traffic(engine: "LLMEngine", step: StepRecord) -> tuple[list, list]:
     """The collectives the step's ledger saw, and the model's: the control message, and when a forward ran the plan
     check, the embedding, the blocks and the head's pick (tp/traffic_model.py)."""
-    seen = [r.traffic() for r in engine.ledger.records]
-    p, plan = engine.ctx.world_size, step.plan
-    predicted = predict_control(p, step.payload, CONTROL_HEADER)
-    if plan is not None:
-        predicted += predict_iteration(engine.lm.cfg, p, plan.rows, len(plan.sample_rows), engine.dtype,
-                                       engine.lm.variant, engine.lm.vocab_parallel, FINGERPRINT_SIZE, step.sampler)
-    return seen, predicted
+    return engine.traffic(step)
 
 
 class LedgerCheck(StepHook):
@@ -407,6 +406,16 @@ class LLMEngine:
         self.iterations += 1
         return self._outputs_of(sampled, aborts + finished)
 
+    def traffic(self, step: StepRecord) -> tuple[list, list]:
+        """step_traffic's two lists for this engine: one TP group, every collective over all of it."""
+        seen = [r.traffic() for r in self.ledger.records]
+        p, plan = self.ctx.world_size, step.plan
+        predicted = predict_control(p, step.payload, CONTROL_HEADER)
+        if plan is not None:
+            predicted += predict_iteration(self.lm.cfg, p, plan.rows, len(plan.sample_rows), self.dtype,
+                                           self.lm.variant, self.lm.vocab_parallel, FINGERPRINT_SIZE, step.sampler)
+        return seen, predicted
+
     def _before_schedule(self, index: int) -> None:
         self.index = index  # an idle stretch skipped: hooks see the iteration about to be planned
         for hook in self.hooks:
@@ -529,6 +538,17 @@ class LLMEngine:
                 self.scheduler.forget(rid)
             out.append(o)
         return out
+
+
+def new_engine(lm, ctx: TPContext, config: EngineConfig | None = None, eos_token_ids: tuple[int, ...] = (),
+               seed: int = 0, hooks: list[StepHook] | None = None) -> LLMEngine:
+    """An LLMEngine for a TP model; for a pipeline stage's model (layers/pipeline.py's PPLM, ctx the world's), the
+    PipelineEngine of serve/pipeline.py."""
+    if hasattr(lm, "forward_stage"):
+        from serve.pipeline import PipelineEngine
+
+        return PipelineEngine(lm, ctx, config, eos_token_ids, seed, hooks)
+    return LLMEngine(lm, ctx, config, eos_token_ids, seed, hooks)
 
 
 # ---- the offline driver: a workload known up front, every iteration recorded ---------------------------------------
@@ -665,7 +685,7 @@ class Engine:
         config = EngineConfig(**{**c, "kv_blocks": n_blocks})
         result = ServeResult(kv_blocks=n_blocks, block_size=config.block_size)
         recorder = Recorder(result, self.on_iteration)
-        engine = self.engine = LLMEngine(self.lm, self.ctx, config, seed=self.seed, hooks=[recorder, *self.hooks])
+        engine = self.engine = new_engine(self.lm, self.ctx, config, seed=self.seed, hooks=[recorder, *self.hooks])
         self.cache = engine.runner.cache
         result.kv_pool_bytes_per_rank = self.cache.bytes
         engine._agree(self._fingerprint(requests, config), "requests or scheduler settings differ")

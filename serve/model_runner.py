@@ -12,12 +12,14 @@ vocab-parallel head's pick). The results stay on the device: reading them is the
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from layers.attention_backends import choose
 from layers.lm import TPLM, TPLlamaLM
 from layers.sampler import SampleResult, SamplingBatch
-from serve.inputs import prepare_step
+from serve.inputs import StepInputs, prepare_step
 from serve.kv_cache import KVPool
 from serve.plan import IterationPlan
 from serve.request import Request
@@ -30,18 +32,35 @@ class ModelRunner:
         self.attention = choose(attention, ctx.device)  # the backend's name: auto resolved for this rank's device
         self.dtype = next(lm.parameters()).dtype
         cfg = lm.cfg
-        # K,V heads this rank caches: h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention)
+        # K,V heads this rank caches: h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention); the layers of a
+        # pipeline stage's model are its own (cfg.n_layers is the stage's)
         self.cache = KVPool(cfg.n_layers, num_blocks, block_size, lm.cache_heads, cfg.d_head, self.dtype, ctx.device)
+
+    def prepare(self, plan: IterationPlan, requests: dict[int, Request]) -> Prepared:
+        """The iteration's tensors (one host-to-device copy) and its sampling batch. requests: id -> Request (its
+        tokens so far, its sampling parameters)."""
+        step = prepare_step(plan, {c.request: requests[c.request].tokens for c in plan.chunks}, self.block_size,
+                            self.ctx.device, self.attention)
+        return Prepared(step, sampling_batch(plan, requests, self.ctx.device))
 
     @torch.no_grad()
     def run(self, plan: IterationPlan, requests: dict[int, Request]) -> tuple[SampleResult, SamplingBatch | None]:
-        """requests: id -> Request (its tokens so far, its sampling parameters). Returns the sampled rows' tokens and
-        their logits (and logprobs when asked), on the device, and the sampling batch (None: every row greedy)."""
-        step = prepare_step(plan, {c.request: requests[c.request].tokens for c in plan.chunks}, self.block_size,
-                            self.ctx.device, self.attention)
-        sampling = sampling_batch(plan, requests, self.ctx.device)
+        """Returns the sampled rows' tokens and their logits (and logprobs when asked), on the device, and the sampling
+        batch (None: every row greedy)."""
+        step, sampling = self.prepare(plan, requests)
         out = self.lm.step(step.ids, step.positions, self.cache.layers(step.batch), step.sample_rows, sampling)
         return out, sampling
+
+    @torch.no_grad()
+    def forward_stage(self, prepared: Prepared, microbatch: int) -> torch.Tensor:
+        """A pipeline stage's part of a micro-batch (layers/pipeline.py's PPLM): its hidden states [T, d]."""
+        step = prepared.step
+        return self.lm.forward_stage(step.ids, step.positions, self.cache.layers(step.batch), microbatch)
+
+
+class Prepared(NamedTuple):
+    step: StepInputs
+    sampling: SamplingBatch | None
 
 
 def sampling_batch(plan: IterationPlan, requests: dict[int, Request], device) -> SamplingBatch | None:

@@ -101,6 +101,11 @@ class Scheduler:
                                     key=lambda r: (r.arrival, r.id)))
         self.waiting: deque[Request] = deque()
         self.by_id = {r.id: r for r in requests}
+        # Pipeline parallelism (serve/engine.py's PipelineEngine): requests in a micro-batch that has not come back
+        # from the last stage. They get no rows and are never preempted until it has (vLLM V1's batch queue), and
+        # each micro-batch takes at most share() of the requests, so that pp micro-batches can be in flight.
+        self.in_flight: set[int] = set()
+        self.stages = 1
 
     def check_fits(self, r: Request) -> None:
         """SchedulerError unless the pool can hold r alone at its largest."""
@@ -143,7 +148,15 @@ class Scheduler:
         assert r.finished, f"request {request_id} is still running"
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.pending)
+        return bool(self.running or self.waiting or self.pending or self.in_flight)
+
+    def share(self) -> int:
+        """The most requests one micro-batch takes: all of them with one stage; with pp stages, 1/pp of the requests
+        that could run (running, and waiting up to max_running), rounded up, so that pp micro-batches of about equal
+        size can be in flight at once."""
+        if self.stages == 1:
+            return self.max_running
+        return max(1, -(-min(self.max_running, len(self.running) + len(self.waiting)) // self.stages))
 
     def next_arrival(self) -> int | None:
         return self.pending[0].arrival if self.pending else None
@@ -175,13 +188,16 @@ class Scheduler:
         self._rows, self._left = {}, self.budget
         preempted: list[Request] = []
         self.preempted_waiting: list[int] = []
-        decodes = [r for r in self.running if r.decoding]
-        carried = [r for r in self.running if not r.decoding]
+        ready = [r for r in self.running if r.id not in self.in_flight]
+        decodes = [r for r in ready if r.decoding]
+        carried = [r for r in ready if not r.decoding]
+        share = self.share()
         for r in decodes + carried:  # decodes first: one row each (max_running <= budget: they always fit)
-            if r in self.running and self._left > 0:
+            if r in self.running and self._left > 0 and len(self._rows) < share:
                 self._reserve(r, 1 if r.decoding else self.chunk_size, preempted)
         admitted, hits = [], 0
-        while self.waiting and self._left > 0 and len(self.running) < self.max_running:
+        while (self.waiting and self._left > 0 and len(self.running) < self.max_running
+               and len(self._rows) < share):
             r = self.waiting[0]
             if r.id in self.preempted_waiting:  # preempted in this iteration: not admitted again at once
                 break
@@ -246,7 +262,9 @@ class Scheduler:
             if holder is not None:  # a handed-over request still waiting holds blocks: it gives them back first
                 self._preempt(holder, preempted, waiting=True)
                 continue
-            victim = self.running[-1]
+            victim = next((w for w in reversed(self.running) if w.id not in self.in_flight), None)
+            if victim is None:  # every other holder is in a micro-batch in flight: r waits for one to come back
+                return False
             self._preempt(victim, preempted)
             if victim is r:
                 return False
@@ -278,7 +296,10 @@ class Scheduler:
         are given back (their contents stay in the pool until reused: a hook may still read them)."""
         finished = []
         for c in plan.chunks:
-            r = self.by_id[c.request]
+            self.in_flight.discard(c.request)
+            r = self.by_id.get(c.request)
+            if r is None or r.finished:  # aborted while its micro-batch was in flight (pipeline parallelism)
+                continue
             r.computed = c.q_end
             if c.sample:
                 if r.append(sampled[c.request], self.eos_id):

@@ -49,12 +49,14 @@ class _Where:
         self.layer = self.ledger.layer if self.ledger is not None else None
         self.site = site
 
-    def run(self, fn, kind: str, phase: str, shape, dtype, sent_bytes: float | None = None):
+    def run(self, fn, kind: str, phase: str, shape, dtype, group: dist.ProcessGroup, sent_bytes: float | None = None):
+        """group: the collective's group, whose size sets the ring bytes (a pipeline stage's TP group is smaller than
+        the world the engine's control messages go over)."""
         if self.ledger is None:
             return fn()
         extra = {} if sent_bytes is None else {"sent_bytes": sent_bytes}  # an all-to-all's bytes follow its splits
         return self.ledger.measure(fn, kind=kind, site=self.site, phase=phase, layer=self.layer,
-                                   shape=tuple(shape), dtype=dtype, **extra)
+                                   shape=tuple(shape), dtype=dtype, p=dist.get_world_size(group), **extra)
 
 
 # ---- raw (non-autograd) operations -------------------------------------------------
@@ -65,7 +67,7 @@ def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase:
     if dist.get_world_size(group) == 1:
         return x
     x = x.contiguous()
-    where.run(lambda: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group), "all_reduce", phase, x.shape, x.dtype)
+    where.run(lambda: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group), "all_reduce", phase, x.shape, x.dtype, group)
     return x
 
 
@@ -77,7 +79,7 @@ def _all_gather_last(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, p
     x = x.contiguous()
     out = x.new_empty((p * x.shape[0], *x.shape[1:]))  # ranks stacked on the first dim
     logical = (*x.shape[:-1], p * x.shape[-1])
-    where.run(lambda: _all_gather_single(out, x, group=group), "all_gather", phase, logical, x.dtype)
+    where.run(lambda: _all_gather_single(out, x, group=group), "all_gather", phase, logical, x.dtype, group)
     return rearrange(out, "(p n) ... c -> n ... (p c)", p=p)
 
 
@@ -98,7 +100,7 @@ def _all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, p
         return x
     x = x.contiguous()
     out = x.new_empty((p * x.shape[0], *x.shape[1:]))
-    where.run(lambda: _all_gather_single(out, x, group=group), "all_gather", phase, out.shape, x.dtype)
+    where.run(lambda: _all_gather_single(out, x, group=group), "all_gather", phase, out.shape, x.dtype, group)
     return out
 
 
@@ -112,7 +114,7 @@ def _reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup, where: _Wher
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // p, *x.shape[1:]))
     where.run(lambda: _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group), "reduce_scatter", phase,
-              x.shape, x.dtype)
+              x.shape, x.dtype, group)
     return out
 
 
@@ -289,7 +291,7 @@ def broadcast_from(x: torch.Tensor, group: dist.ProcessGroup, src: int, site: st
         return x
     x = x.contiguous()
     root = dist.get_global_rank(group, src)
-    _Where(site).run(lambda: dist.broadcast(x, src=root, group=group), "broadcast", "forward", x.shape, x.dtype)
+    _Where(site).run(lambda: dist.broadcast(x, src=root, group=group), "broadcast", "forward", x.shape, x.dtype, group)
     return x
 
 
@@ -312,5 +314,5 @@ def all_to_all_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[i
                                input_split_sizes=list(send_counts), group=group)
         return out
 
-    return _Where(site).run(fn, "all_to_all", "forward", x.shape, x.dtype,
+    return _Where(site).run(fn, "all_to_all", "forward", x.shape, x.dtype, group,
                             sent_bytes=(sum(send_counts) - send_counts[rank]) * row_bytes)

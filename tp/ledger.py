@@ -122,6 +122,15 @@ class Transfer:
     dtype: str
     bytes: int
 
+    @property
+    def bytes_per_rank(self) -> int:
+        """What this rank puts on the wire: a send's bytes (a receive sends nothing)."""
+        return self.bytes if self.kind == "send" else 0
+
+    @property
+    def logical_bytes(self) -> int:
+        return self.bytes
+
 
 @dataclass(frozen=True)
 class TransferRecord(Transfer):
@@ -162,11 +171,12 @@ class TrafficLedger:
             _ACTIVE.reset(token)
 
     @contextlib.contextmanager
-    def attach(self, stack: torch.nn.Module):
-        """Record while inside, labelling each collective with the index of the block that issued it."""
+    def attach(self, stack: torch.nn.Module, first_layer: int = 0):
+        """Record while inside, labelling each collective with the index of the block that issued it (first_layer +
+        its index in the stack: a pipeline stage's blocks carry the model's layer numbers)."""
         handles = []
         for i, block in enumerate(stack.blocks):
-            handles.append(block.register_forward_pre_hook(lambda m, a, i=i: setattr(self, "layer", i)))
+            handles.append(block.register_forward_pre_hook(lambda m, a, i=i + first_layer: setattr(self, "layer", i)))
             handles.append(block.register_forward_hook(lambda m, a, o: setattr(self, "layer", None)))
         try:
             with self.recording():
@@ -184,8 +194,9 @@ class TrafficLedger:
     # -- called by tp/comm.py -------------------------------------------------------------------
 
     def measure(self, fn, *, kind: str, site: str | None, phase: str, layer: int | None,
-                shape: tuple[int, ...], dtype: torch.dtype, sent_bytes: float | None = None):
-        """Run `fn` (the collective) and record it. sent_bytes: an all-to-all's bytes to other ranks."""
+                shape: tuple[int, ...], dtype: torch.dtype, sent_bytes: float | None = None, p: int | None = None):
+        """Run `fn` (the collective) and record it. sent_bytes: an all-to-all's bytes to other ranks. p: the
+        collective's group size (None: the ledger's world_size)."""
         # A named scope in profiler traces ("tp attn/all-reduce #1"); opened only while profiling (~10 us).
         scope = record_function(f"tp {site or kind}") if _profiling() else contextlib.nullcontext()
         with scope:
@@ -202,7 +213,7 @@ class TrafficLedger:
         self.records.append(CommRecord(
             layer, sublayer, label, phase, kind, shape, str(dtype).removeprefix("torch."),
             elements * dtype.itemsize,
-            ring_bytes_per_rank(kind, elements, self.world_size, dtype.itemsize) if sent_bytes is None else sent_bytes,
+            ring_bytes_per_rank(kind, elements, p or self.world_size, dtype.itemsize) if sent_bytes is None else sent_bytes,
             elapsed))
         return out
 

@@ -1,0 +1,161 @@
+"""The online engine over pp pipeline stages × tp ranks (layers/pipeline.py's PPLM): up to pp micro-batches in flight.
+
+Every rank of the world runs the same steps (SPMD, as LLMEngine). A step is one tick of the pipeline:
+
+    control   ★ rank 0's control message to the whole world (what arrived, what was aborted)
+    schedule  the scheduler forms a new micro-batch from the requests that are not in flight (vLLM V1's batch queue:
+              a request is scheduled again only once its last micro-batch has come back from the last stage), at
+              most 1/pp of the requests that could run (Scheduler.share), so that pp micro-batches can be in flight
+    agree     ★ all-gather of its fingerprint over the world (when one was formed)
+    run       stage s runs the micro-batch that entered s ticks ago: the first embeds it, a later one receives its
+              hidden states from the stage before (the boundary); its blocks over its own KV pool (its stage's layers
+              only); all but the last post the result to the next stage; the last picks the tokens
+    return    ★ the micro-batch that entered pp − 1 ticks ago leaves the last stage: its tokens are broadcast from the
+              last stage to every rank ("pp/tokens") and every rank's scheduler applies them
+
+So stage s works on micro-batch k while stage s + 1 works on k − 1, and every step ends with the token broadcast
+(the step's one wait). A micro-batch takes pp steps from schedule to tokens: with one request alone, pp − 1 of every
+pp stage-steps are idle (the bubble); with pp micro-batches of equal size in flight, none are (bench_pp's serve part).
+
+Every rank's collectives and boundary messages of every step are compared with the model (tp/traffic_model.py:
+predict_control, the plan check, predict_pp_stage for this rank's stage and micro-batch, the head's pick on the last
+stage, the token broadcast), as LLMEngine's are. Each rank keeps its timeline: per step, which micro-batch its stage
+ran and for how long (host time; on a GPU without a wait for the stream, so the device time of a step is not
+separated from the next).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from serve.engine import CONTROL_HEADER, RUN, STOP, LLMEngine, StepRecord, next_plan
+from serve.model_runner import Prepared
+from serve.plan import FINGERPRINT_SIZE, IterationPlan
+from serve.request import RequestStatus
+from tp.ledger import Traffic
+from tp.traffic_model import predict_control, predict_pp_stage, predict_sampler
+
+
+@dataclass
+class InFlight:
+    plan: IterationPlan
+    prepared: Prepared  # its tensors, built once when it was scheduled
+    tick: int  # the step at which it entered the first stage
+
+
+class PipelineEngine(LLMEngine):
+    """LLMEngine's add_request / step / abort_request over a PPLM (this rank's stage); ctx is the world's context."""
+
+    def __init__(self, lm, ctx, config=None, eos_token_ids=(), seed: int = 0, hooks=None):
+        super().__init__(lm, ctx, config, eos_token_ids, seed, hooks)
+        self.pp, self.stage = lm.layout.pp, lm.index
+        self.scheduler.stages = self.pp
+        self.queue: deque[InFlight] = deque()
+        self.timeline: list[dict] = []  # per step that had work: {"tick", "microbatch", "rows", "busy_s", "step_s"}
+        self._width = 2  # columns of the last token table broadcast
+
+    def has_unfinished_requests(self) -> bool:
+        return super().has_unfinished_requests() or bool(self.queue)
+
+    @torch.no_grad()
+    def step(self):
+        start = time.perf_counter()
+        self.ledger.clear()
+        self.ledger.transfers.clear()
+        lm, sched = self.lm, self.scheduler
+        with self.ledger.attach(lm.stack, lm.layers.start):
+            flag, new, aborts, payload = self._control(RUN)  # ★ broadcast over the world
+            if flag != RUN:
+                self.stopped = flag == STOP
+                lm.flush()
+                return []
+            for r in new:
+                sched.add(r)
+            for rid in aborts:
+                sched.abort(rid)
+            entered, self.index = next_plan(sched, self.index, self._before_schedule)
+            if entered is not None:
+                for hook in self.hooks:
+                    hook.before_forward(self, entered)
+                self._agree(entered.fingerprint(), f"iteration {entered.index}: ranks scheduled different rows")  # ★
+                sched.in_flight.update(c.request for c in entered.chunks)
+                self.queue.append(InFlight(entered, self.runner.prepare(entered, sched.by_id), self.index))
+            if not self.queue:  # nothing in flight and nothing to run
+                self._after(StepRecord(None, payload, None, ended=aborts))
+                return self._outputs_of([], aborts)
+            mine = next((e for e in self.queue if e.tick == self.index - self.stage), None)
+            table, picked, t0 = None, None, time.perf_counter()
+            if mine is not None:
+                x = self.runner.forward_stage(mine.prepared, mine.plan.index)
+                if lm.last and mine.plan.sample_rows:
+                    table, picked = lm.sample(x, mine.prepared.step.sample_rows, mine.prepared.sampling)
+            busy = time.perf_counter() - t0
+            done = self.queue[0] if self.queue[0].tick == self.index - (self.pp - 1) else None
+            if done is not None:
+                self.queue.popleft()
+                self._width = lm.width(done.prepared.sampling)
+                result = lm.share(table, len(done.plan.sample_rows), self._width, self.ctx.device)  # ★
+        self.timeline.append({"tick": self.index, "microbatch": None if mine is None else mine.plan.index,
+                              "rows": 0 if mine is None else mine.plan.rows, "busy_s": busy})
+        ran = None if mine is None else mine.plan
+        sampler = None if picked is None else picked.traffic(mine.prepared.sampling)
+        self.index += 1
+        if done is None:  # the pipeline is filling: nothing came back this step
+            self._after(StepRecord(None, payload, sampler, ended=aborts, entered=entered, ran=ran))
+            self.timeline[-1]["step_s"] = time.perf_counter() - start
+            return self._outputs_of([], aborts)
+        plan = done.plan
+        rows = result.to_host()  # ★ the step's one wait for the device
+        sampled = [c.request for c in plan.chunks if c.sample]
+        finished = sched.update(plan, {rid: int(row[0]) for rid, row in zip(sampled, rows)})
+        live = [(rid, row) for rid, row in zip(sampled, rows)  # an aborted request's token is dropped
+                if rid in sched.by_id and sched.by_id[rid].status is not RequestStatus.FINISHED_ABORTED]
+        sampled, rows = [rid for rid, _ in live], [row for _, row in live]
+        self.prefix_hit_tokens += plan.prefix_hits
+        self.prefix_queried_tokens += sum(len(sched.by_id[rid].prompt) for rid in plan.admitted if rid in sched.by_id)
+        self.collective_bytes_per_rank += sum(r.traffic().bytes_per_rank for r in self.ledger.records)
+        if result.logprob is not None:
+            self._logprobs(sampled, rows, result.top_ids.shape[1])
+        self._after(StepRecord(plan, payload, sampler, sampled, rows, aborts + finished, entered=entered, ran=ran))
+        self.busy_s += time.perf_counter() - start
+        self.iterations += 1
+        self.timeline[-1]["step_s"] = time.perf_counter() - start
+        return self._outputs_of(sampled, aborts + finished)
+
+    def traffic(self, step: StepRecord) -> tuple[list, list]:
+        """This rank's collectives and boundary messages in the step, and the model's: the control message over the
+        world; the new micro-batch's plan check; its stage's part of the micro-batch it ran (the embedding's
+        all-reduce on the first stage, predict_pp_stage, the head's pick on the last); the returning micro-batch's
+        tokens broadcast over the world."""
+        lm, world, tp = self.lm, self.ctx.world_size, self.lm.layout.tp
+        seen = [r.traffic() for r in self.ledger.records] + [t.transfer() for t in self.ledger.transfers]
+        predicted = predict_control(world, step.payload, CONTROL_HEADER)
+        messages = []
+
+        def extra(sublayer, site, kind, shape, dtype, p):
+            return Traffic.of(layer=None, sublayer=sublayer, site=site, phase="forward", kind=kind, shape=shape,
+                              dtype=dtype, p=p)
+
+        if step.entered is not None:
+            predicted.append(extra("engine", "plan check", "all_gather", (1, FINGERPRINT_SIZE * world), torch.float64,
+                                   world))
+        if step.ran is not None:
+            n, cfg = step.ran.rows, lm.model_cfg
+            if lm.first and lm.vocab_parallel and tp > 1:
+                predicted.append(extra("embed", "all-reduce", "all_reduce", (n, cfg.d_model), self.dtype, tp))
+            collectives, sent = predict_pp_stage(cfg, lm.layout.pp, tp, lm.global_rank, n, self.dtype, lm.variant,
+                                                 lm.link.mode)
+            predicted += collectives
+            messages = [type(m)(*(step.ran.index if f == "request" else getattr(m, f) for f in m.__dataclass_fields__))
+                        for m in sent]
+            sampled = len(step.ran.sample_rows)
+            if lm.last and sampled and lm.vocab_parallel and tp > 1:
+                predicted += predict_sampler(tp, sampled, step.sampler, cfg.vocab_size, self.dtype)
+        if step.plan is not None and step.plan.sample_rows:
+            predicted.append(extra("pp", "tokens", "broadcast", (len(step.plan.sample_rows), self._width),
+                                   torch.float64, world))
+        return seen, predicted + messages
