@@ -357,22 +357,27 @@ class PPLM(nn.Module):
         return self.share(table, sample_rows.numel(), self.width(sampling), ids.device)
 
 
-def shard_pp_lm(dense, variant: str, layout: PPLayout, rank: int, group: dist.ProcessGroup,
+def shard_pp_lm(weights, variant: str, layout: PPLayout, rank: int, group: dist.ProcessGroup,
                 boundary: str = "whole") -> PPLM:
-    """Load dense (a DenseLM or DenseLlamaLM), then shard: this rank's PPLM, its stage's blocks and the embedding and
-    head, each cut over the stage's TP group."""
+    """This rank's PPLM, its stage's blocks and the embedding and head, each cut over the stage's TP group: from a
+    dense LM (DenseLM or DenseLlamaLM: load, then shard) or a Source (layers/hf.CheckpointSource: the rank reads only
+    its stage's slices of the files), as layers/lm.shard_lm."""
     from dataclasses import replace as replaced
 
     from layers.lm import tp_lm
     from layers.shard import DenseSource
 
-    source = DenseSource(dense)
-    layers = stage_layers(dense.cfg.n_layers, layout.pp)[layout.stage_of(rank)]
-    lm = tp_lm(replaced(dense.cfg, n_layers=len(layers)), variant, group, True, source.dtype, source.device)
+    source = weights if hasattr(weights, "fill") else DenseSource(weights)
+    cfg = source.cfg
+    layers = stage_layers(cfg.n_layers, layout.pp)[layout.stage_of(rank)]
+    lm = tp_lm(replaced(cfg, n_layers=len(layers)), variant, group, True, source.dtype, source.device)
     plan = []
     for part in lm.plan():
         if part.param.startswith("stack.blocks."):
             _, _, j, rest = part.source.split(".", 3)
             part = Part(part.param, f"stack.blocks.{layers.start + int(j)}.{rest}", part.cut, part.row)
         plan.append(part)
-    return PPLM(load_plan(lm, plan, source), layout, rank, layers, boundary, dense.cfg)
+    try:
+        return PPLM(load_plan(lm, plan, source), layout, rank, layers, boundary, cfg)
+    finally:
+        getattr(source, "close", lambda: None)()

@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m serve", description="Generate a completion on the TP engine.")
     ap.add_argument("--model", required=True, help="a save_pretrained directory, or a preset (conf/model/*.yaml)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (pp x tp ranks)")
     ap.add_argument("--prompt", help="the prompt text (the model's tokenizer encodes it)")
     ap.add_argument("--prompt-ids", help="the prompt as comma-separated token ids, for models without a tokenizer")
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--prompt-ids {args.prompt_ids!r}: give comma-separated token ids, e.g. 464,3290") from None
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
         start = time.perf_counter()
-        with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, seed=args.seed,
+        with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size,
+                 pipeline_parallel_size=args.pipeline_parallel_size, dtype=args.dtype, seed=args.seed,
                  **dataclasses.asdict(config)) as llm:
             ready = time.perf_counter()
             out = llm.generate([prompt] if isinstance(prompt, str) else [prompt], params)[0]
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     c = out.outputs[0]
     print(c.text if llm.tokenizer is not None else " ".join(map(str, c.token_ids)))
     print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}, start-up {ready - start:.1f} s, "
-          f"generate {done - ready:.2f} s, tensor_parallel_size={args.tensor_parallel_size}, {llm.backend}]",
+          f"generate {done - ready:.2f} s, tensor_parallel_size={args.tensor_parallel_size}, "
+          f"pipeline_parallel_size={args.pipeline_parallel_size}, {llm.backend}]",
           file=sys.stderr)
     return 0
 

@@ -100,9 +100,12 @@ def load_tokenizer(source: str | None):
 
 class LLM:
     def __init__(self, model: str, tensor_parallel_size: int = 1, dtype: str = "float32", seed: int = 0, *,
-                 tokenizer: str | None = None, backend: str = "auto", device: str = "auto", moe_parallel: str = "tp",
-                 timeout_s: float = DEFAULT_TIMEOUT_S, check: bool = False, **engine_settings):
+                 pipeline_parallel_size: int = 1, tokenizer: str | None = None, backend: str = "auto",
+                 device: str = "auto", moe_parallel: str = "tp", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 check: bool = False, **engine_settings):
         """model: a save_pretrained directory (GPT-2, Llama, Mixtral; sharded or not) or a preset (conf/model/).
+        pipeline_parallel_size: pp stages of tensor_parallel_size ranks each (pp · tp ranks; layers/pipeline.py's
+        split of the layers, serve/pipeline.py's engine with up to pp micro-batches in flight).
         check: every finished request against the dense model recomputed without a cache (RequestOutput.oracle;
         rank 0 holds the dense model too). engine_settings: EngineConfig's fields, by our names or vLLM's
         (serve/config.py); check_ledger (every step's collectives against the model) is on by default."""
@@ -114,6 +117,9 @@ class LLM:
         p = tensor_parallel_size
         if isinstance(p, bool) or not isinstance(p, int) or p < 1:
             raise ValueError(f"tensor_parallel_size={p!r} must be a positive integer")
+        pp = pipeline_parallel_size
+        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+            raise ValueError(f"pipeline_parallel_size={pp!r} must be a positive integer")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
             raise ValueError(f"seed={seed!r} must be an integer in [0, 2**32)")
         if not isinstance(check, bool):
@@ -123,11 +129,21 @@ class LLM:
         self.config = EngineConfig.from_kwargs(**engine_settings)
         try:
             parse_dtype(str(dtype))
-            backend = resolve_backend(backend, p)
+            backend = resolve_backend(backend, p * pp)
             device = resolve_device(device, backend)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
         self.model_config, checkpoint = resolve_model(model, p, moe_parallel)
+        if pp > 1:
+            from layers.pipeline import check_layout
+
+            if self.model_config.family == "mixtral":
+                raise ValueError(f"pipeline_parallel_size={pp} with an MoE model is not built: its expert placement "
+                                 f"spans the world, not one stage")
+            try:
+                check_layout(p * pp, pp, self.model_config.n_layers, "v2")
+            except ValueError as exc:
+                raise ValueError(f"pipeline_parallel_size={pp}: {exc}") from None
         if checkpoint is not None:
             from layers.checkpoint import Checkpoint
             from layers.hf import check_state
@@ -140,10 +156,10 @@ class LLM:
         from layers.hf import checkpoint_eos
 
         self.eos_token_ids = checkpoint_eos(checkpoint, self.model_config.vocab_size)
-        self.tensor_parallel_size = p
+        self.tensor_parallel_size, self.pipeline_parallel_size = p, pp
         self.num_blocks = self.config.pool_blocks(self.model_config.max_seq_len)
         spec = RankSpec(self.model_config, checkpoint, str(dtype), seed, backend, device, moe_parallel, self.config,
-                        self.eos_token_ids, float(timeout_s), check)
+                        self.eos_token_ids, float(timeout_s), check, pp)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._stopped: set[str] = set()  # ended by a stop string here: the engine's later output is dropped
         self._count = 0
@@ -161,7 +177,7 @@ class LLM:
         listener = Listener(os.path.join(self._dir, "driver.sock"), "AF_UNIX", authkey=key)
         env = dict(os.environ, **{AUTHKEY_ENV: key.hex()})
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [v for v in [env.get("PYTHONPATH")] if v])
-        p = self.tensor_parallel_size
+        p = self.tensor_parallel_size * self.pipeline_parallel_size  # the world's ranks
         if p > 1:  # as torchrun: ranks sharing the cores get one OpenMP thread each, set before torch is imported
             env.setdefault("OMP_NUM_THREADS", "1")
         for rank in range(p):

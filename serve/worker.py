@@ -42,6 +42,7 @@ class RankSpec:
     eos_token_ids: tuple[int, ...]
     timeout_s: float
     check: bool = False  # rank 0 checks every finished request against the dense oracle
+    pp: int = 1  # pipeline stages (layers/pipeline.py): the world is pp stages of world / pp TP ranks
 
 
 def _watch_parent(parent: int, directory: str, rank: int) -> None:
@@ -101,7 +102,7 @@ def build_engine(ctx, spec: RankSpec):
     from layers.checkpoint import Checkpoint
     from layers.hf import load_lm
     from layers.lm import NEAR_TIE, dense_lm, shard_lm
-    from serve.engine import LedgerCheck, LLMEngine, OracleCheck
+    from serve.engine import LedgerCheck, OracleCheck, new_engine
 
     dtype = parse_dtype(spec.dtype)
     if spec.checkpoint is not None:
@@ -109,14 +110,24 @@ def build_engine(ctx, spec: RankSpec):
     else:
         weights = init_weights(dense_lm(spec.model, dtype, ctx.device), spec.seed)  # dense from seed, then cut
     with torch.no_grad():
-        lm = shard_lm(weights, "v2", ctx.group, True, spec.moe_parallel)
+        if spec.pp > 1:  # this rank's stage: its TP group's share of its layers, and the engine that pipelines them
+            import torch.distributed as dist
+
+            from layers.pipeline import check_layout, new_pp_groups, shard_pp_lm
+
+            layout = check_layout(ctx.world_size, spec.pp, spec.model.n_layers, "v2")
+            stages, _ = new_pp_groups(layout)
+            rank = dist.get_rank()
+            lm = shard_pp_lm(weights, "v2", layout, rank, stages[layout.stage_of(rank)])
+        else:
+            lm = shard_lm(weights, "v2", ctx.group, True, spec.moe_parallel)
     hooks = [LedgerCheck()] if spec.engine.check_ledger else []
     if spec.check and ctx.is_main:  # the dense model, on rank 0 only: random weights as made, a checkpoint read whole
         dense = weights if spec.checkpoint is None else load_lm(dense_lm(spec.model, dtype, ctx.device),
                                                                  Checkpoint(spec.checkpoint))
         hooks.append(OracleCheck(dense, NEAR_TIE[dtype]))
     del weights
-    return LLMEngine(lm, ctx, spec.engine, spec.eos_token_ids, spec.seed, hooks)
+    return new_engine(lm, ctx, spec.engine, spec.eos_token_ids, spec.seed, hooks)
 
 
 def _serve(rank: int, world_size: int, store: str, spec: RankSpec, conn) -> None:

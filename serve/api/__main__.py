@@ -25,6 +25,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m serve.api", description="An OpenAI-compatible server on the TP engine.")
     ap.add_argument("--model", required=True, help="a save_pretrained directory with tokenizer files")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (pp x tp ranks)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000, help="0: a free port (printed when ready)")
     ap.add_argument("--served-model-name", help="the name requests give as `model` (default: --model as given)")
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     try:
-        llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=dtype, seed=args.seed,
+        llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size,
+                  pipeline_parallel_size=args.pipeline_parallel_size, dtype=dtype, seed=args.seed,
                   tokenizer=args.tokenizer, device=args.device, moe_parallel=args.moe_parallel,
                   **dataclasses.asdict(config))
     except ValueError as exc:
