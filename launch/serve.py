@@ -44,6 +44,7 @@ from layers.hf import CheckpointSource, checkpoint_eos, load_lm
 from layers.lm import (NEAR_TIE, DenseLlamaLM, DenseLM, dense_lm, greedy_reference, oracle_verdict,
                        sampled_reference, shard_lm)
 from layers.moe import validate_moe
+from layers.pipeline import check_layout, new_pp_groups, shard_pp_lm, stage_layers
 from serve.pd import Layout, check_pools, new_groups, serve_pd
 from serve.engine import Engine, ServeResult, new_scheduler
 from serve.kv_cache import kv_bytes_per_token
@@ -83,6 +84,8 @@ class Settings(LaunchSettings):
     moe_parallel: str = "tp"  # MoE models: where the experts live (tp: split; ep: whole experts per rank)
     sampling: dict | None = None  # temperature, top_k, top_p, min_p, sampling_seed; None: greedy
     eos_from: str | None = None  # eos_id=auto: where the id(s) came from (printed beside them)
+    pp: int = 1  # pipeline stages (serve/pipeline.py): pp stages of world / pp TP ranks
+    pp_boundary: str = "whole"  # whole | scatter: what each TP rank sends across a stage boundary
 
     def engine_args(self) -> dict:
         return dict(chunk_size=self.chunk_size, max_batched_tokens=self.max_batched_tokens,
@@ -126,11 +129,31 @@ def parse_pd(cfg: DictConfig, world_size: int) -> tuple[Layout | None, bool, flo
     return layout, streaming, timeout_s, decode_block_size
 
 
+def parse_pp(cfg: DictConfig, world_size: int, pd: Layout | None) -> tuple[int, str]:
+    """pp (pipeline stages: a divisor of the world) and pp_boundary (whole | scatter)."""
+    from layers.pipeline import BOUNDARIES
+
+    pp, boundary = integer(cfg, "pp") if "pp" in cfg else 1, str(cfg.get("pp_boundary", "whole"))
+    if pp < 1 or world_size % pp:
+        raise ConfigError(f"pp={pp} must divide the world of {world_size} ranks (each stage is a TP group of "
+                          f"world / pp ranks)")
+    if boundary not in BOUNDARIES:
+        raise ConfigError(f"pp_boundary={boundary!r}: choose {' or '.join(BOUNDARIES)}")
+    if pp == 1 and boundary != "whole":
+        raise ConfigError(f"pp_boundary={boundary} is for a pipeline: set pp > 1 (or leave pp_boundary at whole)")
+    if pp > 1 and pd is not None:
+        raise ConfigError(f"pp={pp} with pd.* is not built: serve the pipeline colocated (drop pd.*)")
+    return pp, boundary
+
+
 def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> Settings:
     """Every check that needs no communication. Raises ConfigError; identical on every rank."""
     layout, streaming, pd_timeout_s, decode_block_size = parse_pd(cfg, world_size)
+    pp, pp_boundary = parse_pp(cfg, world_size, layout)
     tp_sizes = None if layout is None else {"pd.prefill_ranks": layout.prefill_ranks,
                                             "pd.decode_ranks": layout.decode_ranks}
+    if pp > 1:
+        tp_sizes = {"tp": world_size // pp}
     common = common_settings(cfg, world_size, local_world_size, lm=True, tp_sizes=tp_sizes, dense=None)
     if layout is not None and common["backend"] == "gloo" and common["device"] == "cuda":
         raise ConfigError("pd with backend gloo needs device=cpu: gloo's point-to-point messages take CPU tensors "
@@ -144,6 +167,16 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     if variant not in SERVING_VARIANTS:
         raise ConfigError(f"unknown variant {variant!r} for serving; choose v2 or v1 (intra_head and v2sp cut one "
                           f"forward, not a serving iteration: see run_block)")
+    if pp > 1:
+        from layers.pipeline import check_layout
+
+        if model.family == "mixtral":
+            raise ConfigError(f"pp={pp} with an MoE model is not built: its experts are placed over the world, not one "
+                              f"stage (serve model=mixtral_tiny with pp=1)")
+        try:
+            check_layout(world_size, pp, model.n_layers, variant)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     engine = parse_engine(cfg)
     paging = parse_paging(cfg, engine)
     notes: list[str] = []
@@ -168,7 +201,7 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
                     vocab_parallel=boolean(cfg, "vocab_parallel"), check=check, pd=layout,
                     streaming=streaming, pd_timeout_s=pd_timeout_s, decode_block_size=decode_block_size,
                     notes=tuple(notes), moe_parallel=moe_parallel,
-                    sampling=sampling, **paging)
+                    sampling=sampling, pp=pp, pp_boundary=pp_boundary, **paging)
 
 
 def parse_eos(cfg: DictConfig, model: ModelConfig, hf_checkpoint: str | None) -> tuple[int | tuple | None, str | None]:
@@ -424,7 +457,12 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     meter = LoadMeter(s.weights)
     with meter:
         weights, dense = prepare(s, ctx)
-        lm = shard_lm(weights, s.variant, ctx.group, s.vocab_parallel, s.moe_parallel)
+        if s.pp > 1:  # this rank's stage: its layers' blocks over its stage's TP group (layers/pipeline.py)
+            layout = check_layout(ctx.world_size, s.pp, s.model.n_layers, s.variant)
+            stages, _ = new_pp_groups(layout)
+            lm = shard_pp_lm(weights, s.variant, layout, ctx.rank, stages[layout.stage_of(ctx.rank)], s.pp_boundary)
+        else:
+            lm = shard_lm(weights, s.variant, ctx.group, s.vocab_parallel, s.moe_parallel)
     load = meter.report(ctx, lm)
     agree(s, ctx, dense)
     dense = dense_oracle(s, ctx, dense)  # after the load: neither in its peak nor in its bytes read
@@ -432,15 +470,45 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     result = engine.run(s.requests)
     checks = oracle_check(dense, s, result, ctx) if s.check else None
     report = build_report(s, ctx, result, checks)
+    if s.pp > 1:
+        report["pp"] = pipeline_report(s, ctx, engine.engine, lm)
     if ctx.is_main:
         add_text(report["requests"], s.hf_checkpoint)
     report["load"] = load
-    report["embedding_bytes_per_rank"] = lm.embed.weight.numel() * lm.embed.weight.element_size()
+    embed = getattr(lm, "lm", lm).embed  # a pipeline stage's LM holds it inside
+    report["embedding_bytes_per_rank"] = embed.weight.numel() * embed.weight.element_size()
     report["lm_head_tied"] = s.model.family == "gpt2" or s.model.tie_word_embeddings  # Llama: mostly a separate head
     publish(report, render, out_dir / s.report, ctx)
     ok = (report["ledger_matches_model"] and report["kv_cache"]["matches_formula"]
           and report["check"]["ok"] in (True, None))
     return 0 if ok else 1
+
+
+def pipeline_report(s: Settings, ctx, engine, lm) -> dict:
+    """Every rank's timeline gathered: per stage, the steps it ran a micro-batch in, its busy and idle time, and the
+    bytes each of its ranks sent across the boundary; the bubble (idle share of all stage-steps) beside GPipe's
+    (pp - 1)/(m + pp - 1) for the micro-batches the run formed."""
+    mine = {"rank": ctx.rank, "stage": lm.index, "layers": [lm.layers.start, lm.layers.stop],
+            "timeline": engine.timeline}
+    every = [None] * ctx.world_size
+    dist.all_gather_object(every, mine, group=ctx.group)
+    stages = []
+    for stage in range(s.pp):
+        ranks = [e for e in every if e["stage"] == stage]
+        line = ranks[0]["timeline"]
+        busy = max(sum(t["busy_s"] for t in e["timeline"]) for e in ranks)
+        wall = sum(t["step_s"] for t in line)
+        stages.append({"stage": stage, "ranks": [e["rank"] for e in ranks], "layers": ranks[0]["layers"],
+                       "steps": len(line), "microbatches": sum(t["microbatch"] is not None for t in line),
+                       "busy_s": busy, "wall_s": wall, "idle_s": max(wall - busy, 0.0),
+                       "sent_bytes_per_rank": max(sum(t["sent_bytes"] for t in e["timeline"]) for e in ranks)})
+    wall = sum(x["wall_s"] for x in stages)
+    steps = [t for t in every[0]["timeline"]]
+    return {"pp": s.pp, "tp": ctx.world_size // s.pp, "boundary": s.pp_boundary, "stages": stages,
+            "bubble": 1 - sum(x["busy_s"] for x in stages) / wall if wall else None,
+            "microbatch_steps": sum(t["microbatch"] is not None for t in steps), "steps": len(steps),
+            "timelines": [{"rank": e["rank"], "stage": e["stage"], "timeline": e["timeline"]} for e in every
+                          if e["rank"] % (ctx.world_size // s.pp) == 0]}
 
 
 def serve_disaggregated(s: Settings, out_dir: Path, ctx) -> int:
@@ -576,7 +644,9 @@ def add_text(requests: list[dict], hf_checkpoint: str | None) -> None:
 
 
 def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | None) -> dict:
-    p, m = ctx.world_size, s.model
+    m = s.model
+    p = ctx.world_size // s.pp  # the TP group's size (a pipeline stage's)
+    n_layers = len(stage_layers(m.n_layers, s.pp)[0])  # rank 0's layers: its stage's
     dense_per_token = kv_bytes_per_token(m.n_layers, m.n_kv_heads, m.d_head, s.dtype)
     requests = result.requests
     if checks is not None:
@@ -586,7 +656,7 @@ def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | Non
     generated = sum(r["generated"] for r in requests)
     its = result.iterations
     return {
-        "world_size": p, "backend": ctx.backend, "device": str(ctx.device),
+        "world_size": ctx.world_size, "tp": p, "backend": ctx.backend, "device": str(ctx.device),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "config": {"model_name": s.model_name, "model": m.asdict(), "hf_checkpoint": s.hf_checkpoint,
                    "requests": len(s.requests), "chunk_size": s.chunk_size,
@@ -612,7 +682,7 @@ def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | Non
                      "prefix_hit_tokens": result.prefix_hit_tokens, "peak_blocks_used": result.peak_blocks_used,
                      "pool_bytes_per_rank": result.kv_pool_bytes_per_rank,
                      "bytes_per_token_per_rank": result.kv_bytes_per_token_per_rank,
-                     "formula_bytes_per_token_per_rank": kv_bytes_per_token_per_rank(m.n_layers, m.n_kv_heads,
+                     "formula_bytes_per_token_per_rank": kv_bytes_per_token_per_rank(n_layers, m.n_kv_heads,
                                                                                      m.d_head, p, s.dtype.itemsize),
                      "kv_heads_per_rank": kv_heads_per_rank(m.n_kv_heads, p), "n_kv_heads": m.n_kv_heads,
                      "bytes_per_token_dense": dense_per_token,
@@ -620,7 +690,7 @@ def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | Non
                      "peak_bytes_per_rank": result.kv_peak_bytes_per_rank,
                      # what the cache tensors held against the formula (no request admitted: nothing held)
                      "matches_formula": result.kv_bytes_per_token_per_rank in (0, kv_bytes_per_token_per_rank(
-                         m.n_layers, m.n_kv_heads, m.d_head, p, s.dtype.itemsize))},
+                         n_layers, m.n_kv_heads, m.d_head, p, s.dtype.itemsize))},
         "ledger_matches_model": result.ledger_matches_model,
         "check": {"ok": None if checks is None else all(c["ok"] for c in checks),
                   "verdicts": None if checks is None else {v: sum(c["verdict"] == v for c in checks)

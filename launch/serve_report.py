@@ -64,10 +64,24 @@ def first_ids(ids: list[int], n: int = 4) -> str:
     return " ".join(map(str, ids[:n])) + (" …" if len(ids) > n else "")
 
 
+def render_stages(pp: dict) -> list[str]:
+    """The pipeline's stages: what each ran, its busy and idle time, the bytes each of its ranks sent onward."""
+    rows = [[x["stage"], _ids(x["ranks"]), f"{x['layers'][0]}..{x['layers'][1] - 1}", x["microbatches"], x["steps"],
+             _ms(x["busy_s"]), _ms(x["idle_s"]), kib(x["sent_bytes_per_rank"])] for x in pp["stages"]]
+    return ["", f"pipeline: {pp['pp']} stages x tp {pp['tp']}, boundary {pp['boundary']}; a step runs one micro-batch "
+                f"per stage (busy: inside its blocks; idle: the rest of the step):",
+            format_table(["stage", "ranks", "layers", "micro-batches", "steps", "busy ms", "idle ms",
+                          "boundary KiB sent/rank"], rows),
+            f"bubble: {pp['bubble']:.1%} of the stage-steps idle ({pp['microbatch_steps']} of {pp['steps']} steps "
+            f"had stage 0 busy)" if pp["bubble"] is not None else "bubble: no steps"]
+
+
 def render(r: dict) -> str:
     c, m, t, kv = r["config"], r["config"]["model"], r["totals"], r["kv_cache"]
     lines = [
-        f"tpref: serving on the TP stack  (tp = {r['world_size']}, backend {r['backend']}, device {r['device']})",
+        f"tpref: serving on the TP stack  (tp = {r.get('tp', r['world_size'])}"
+        + (f", pp = {r['pp']['pp']} stages, boundary {r['pp']['boundary']}" if r.get("pp") else "")
+        + f", backend {r['backend']}, device {r['device']})",
         f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} {_kv(m)}d_head={m['d_head']} ffn={m['d_ffn']} "
         f"L={m['n_layers']} vocab={m['vocab_size']}; variant {c['variant']}, "
         f"{'vocab-parallel' if c['vocab_parallel'] else 'replicated'} embedding and LM head; dtype={c['dtype']}"
@@ -122,6 +136,8 @@ def render(r: dict) -> str:
         f"traffic: {t['collectives']} collectives, {kib(t['bytes_per_rank'])} KiB sent per rank; "
         f"ledger matches model in every iteration: {str(r['ledger_matches_model']).lower()}",
     ]
+    if r.get("pp"):
+        lines += render_stages(r["pp"])
     chk = r["check"]
     if chk["ok"] is None:
         lines.append("check: off (check=true to compare with the dense oracle)")
@@ -132,7 +148,8 @@ def render(r: dict) -> str:
                      f"{chk['max_logit_rel_err']:.2e}")
     kv_ok = kv.get("matches_formula", True)
     ok = r["ledger_matches_model"] and kv_ok and chk["ok"] in (True, None)
-    lines.append(f"{'PASS' if ok else 'FAIL'}: served {c['requests']} requests at tp={r['world_size']}"
+    lines.append(f"{'PASS' if ok else 'FAIL'}: served {c['requests']} requests at tp={r.get('tp', r['world_size'])}"
+                 + (f" x pp={r['pp']['pp']}" if r.get("pp") else "")
                  + ("" if chk["ok"] is None else ", tokens equal to the dense oracle" if chk["ok"]
                     else ", tokens DIFFER from the dense oracle")
                  + ("" if r["ledger_matches_model"] else "; ledger DIFFERS from the model")
@@ -193,6 +210,8 @@ def render_pd(r: dict) -> str:
     lines += ["", f"the same formula at Llama-2-7B (K_tok = {ll['kv_bytes_per_token']:,} B/token, fp16), a "
                   f"{ll['prompt_tokens']}-token prompt = {ll['bytes'] / 1e9:.2f} GB; at the seeds' bandwidths: "
               + ", ".join(f"{name} {ms:.1f} ms" for name, ms in ll["ms"].items())]
+    if r.get("pp"):
+        lines += render_stages(r["pp"])
     chk = r["check"]
     if chk["ok"] is None:
         lines.append("check: off (check=true to compare with the dense oracle)")

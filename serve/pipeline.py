@@ -55,7 +55,10 @@ class PipelineEngine(LLMEngine):
         self.pp, self.stage = lm.layout.pp, lm.index
         self.scheduler.stages = self.pp
         self.queue: deque[InFlight] = deque()
-        self.timeline: list[dict] = []  # per step that had work: {"tick", "microbatch", "rows", "busy_s", "step_s"}
+        # per step that had work: the micro-batch this rank's stage ran (None: idle) and its rows, the time in its
+        # blocks (busy_s) and in the whole step (step_s), when its blocks began (start_s: time.perf_counter()), the
+        # bytes it sent across the boundary
+        self.timeline: list[dict] = []
         self._width = 2  # columns of the last token table broadcast
 
     def has_unfinished_requests(self) -> bool:
@@ -100,7 +103,8 @@ class PipelineEngine(LLMEngine):
                 self._width = lm.width(done.prepared.sampling)
                 result = lm.share(table, len(done.plan.sample_rows), self._width, self.ctx.device)  # ★
         self.timeline.append({"tick": self.index, "microbatch": None if mine is None else mine.plan.index,
-                              "rows": 0 if mine is None else mine.plan.rows, "busy_s": busy})
+                              "rows": 0 if mine is None else mine.plan.rows, "busy_s": busy, "start_s": t0,
+                              "sent_bytes": sum(t.bytes for t in self.ledger.transfers if t.kind == "send")})
         ran = None if mine is None else mine.plan
         sampler = None if picked is None else picked.traffic(mine.prepared.sampling)
         self.index += 1
