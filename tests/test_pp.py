@@ -259,3 +259,168 @@ def test_serving_iterations_through_the_stages_equal_the_dense_oracle(pp, tp, fa
         assert sent == (iterations if r // tp < pp - 1 else 0), r
         assert broadcasts == iterations, r  # every iteration here samples a row
     assert sorted(i for *_, layers in results[::tp] for i in layers) == list(range(n_layers))
+
+
+# ---- serving with micro-batches in flight (serve/pipeline.py's PipelineEngine) -----------------------------------
+
+
+class InFlightCheck:
+    """A StepHook: each micro-batch entering the pipeline shares no request with those still in flight; records the
+    most micro-batches in flight at once."""
+
+    def __init__(self):
+        self.most, self.overlaps = 0, []
+
+    def before_schedule(self, engine):
+        pass
+
+    def before_forward(self, engine, plan):
+        out = {c.request for e in engine.queue for c in e.plan.chunks}
+        self.overlaps += sorted(out & {c.request for c in plan.chunks})
+        self.most = max(self.most, len(engine.queue) + 1)
+
+    def after_step(self, engine, step):
+        pass
+
+    def has_pending(self):
+        return False
+
+
+def pp_engine(ctx, pp, family, n_layers, boundary, attention="auto", workload=None, **settings):
+    from layers.lm import dense_lm, greedy_reference
+    from layers.pipeline import shard_pp_lm
+    from serve.engine import Engine
+    from tests.test_paged import requests
+
+    cfg = replace(CFG if family == "gpt2" else LLAMA, n_layers=n_layers)
+    layout = check_layout(ctx.world_size, pp, n_layers, "v2")
+    stages, _ = new_pp_groups(layout)
+    rank = dist.get_rank()
+    dense = init_weights(dense_lm(cfg, torch.float64), seed=0)
+    lm = shard_pp_lm(dense, "v2", layout, rank, stages[layout.stage_of(rank)], boundary)
+    workload = workload or [(9, 6, 0), (17, 4, 0), (3, 8, 1), (25, 5, 2), (1, 3, 2), (12, 7, 3), (6, 9, 3)]
+    check = InFlightCheck()
+    settings = {"chunk_size": 5, "max_batched_tokens": 12, **settings}
+    engine = Engine(lm, ctx, attention=attention, hooks=[check], **settings)
+    res = engine.run(requests(workload))
+    want = [greedy_reference(dense, r.prompt, r.max_new_tokens).ids for r in requests(workload)]
+    rows = sum(t["rows"] for t in engine.engine.timeline if t["microbatch"] is not None)
+    return {"same": [r["output_ids"] for r in res.requests] == want, "ledger": res.ledger_matches_model,
+            "overlaps": check.overlaps, "most": check.most, "pool_layers": engine.cache.n_layers,
+            "stage_layers": len(lm.layers), "sent": sum(t["sent_bytes"] for t in engine.engine.timeline),
+            "rows": rows, "preemptions": res.preemptions, "free": res.free_blocks_at_end, "blocks": res.kv_blocks,
+            "finished_at": sorted({it["iteration"] for it in res.iterations if it["finished"]})}
+
+
+@pytest.mark.parametrize("pp,tp,family,n_layers,boundary,attention", [
+    (2, 1, "gpt2", 3, "whole", "cpu"), (2, 2, "llama", 4, "scatter", "batched"), (4, 2, "gpt2", 5, "whole", "cpu"),
+    (3, 2, "llama", 4, "scatter", "reference")])
+def test_pipelined_serving_equals_the_dense_oracle_with_micro_batches_in_flight(pp, tp, family, n_layers, boundary,
+                                                                                   attention):
+    """Tokens through pp stages with up to pp micro-batches in flight equal the cache-free dense recompute; every
+    rank's collectives and boundary messages of every step equal the model; no request is in two micro-batches in
+    flight; each rank's KV pool holds its stage's layers only; the boundary bytes are the rows that crossed it."""
+    results = run_ranks(pp * tp, pp_engine, pp, family, n_layers, boundary, attention)
+    for rank, r in enumerate(results):
+        assert r["same"] and r["ledger"], rank
+        assert r["overlaps"] == [] and r["most"] == pp, rank  # pp micro-batches in flight at once, disjoint
+        assert r["pool_layers"] == r["stage_layers"] == len(stage_layers(n_layers, pp)[rank // tp]), rank
+        d, e = CFG.d_model, 8
+        per = -(-r["rows"] // tp) if boundary == "scatter" and tp > 1 else None  # not per-micro-batch: checked below
+        if rank // tp == pp - 1:
+            assert r["sent"] == 0
+        elif per is None:
+            assert r["sent"] == r["rows"] * d * e, rank  # whole: every row of every micro-batch, from every TP rank
+        else:
+            assert 0 < r["sent"] < r["rows"] * d * e, rank
+    assert len(results[0]["finished_at"]) > 1  # requests finish in different micro-batches
+
+
+def test_pipelined_serving_preempts_by_recompute_and_gives_every_block_back():
+    """A pool too small for the requests at once: preemption at pp = 2 leaves the tokens unchanged (a request in flight
+    is never the victim), and every block is free at the end."""
+    for r in run_ranks(2, pp_engine, 2, "gpt2", 2, "whole", "cpu", [(9, 12, 0), (17, 10, 0), (3, 14, 0), (12, 12, 1)],
+                       chunk_size=5, max_batched_tokens=16, block_size=4, kv_blocks=9):
+        assert r["same"] and r["ledger"] and r["overlaps"] == []
+        assert r["preemptions"] > 0 and r["free"] == r["blocks"] == 9
+
+
+def pp_online(ctx, pp):
+    """Rank 0 drives a PipelineEngine by hand: adds three requests, aborts one while its micro-batch is in flight, adds
+    another mid-run; the other ranks step until told to stop."""
+    from layers.lm import dense_lm, greedy_reference
+    from layers.pipeline import shard_pp_lm
+    from serve.config import EngineConfig
+    from serve.engine import new_engine
+    from serve.sampling_params import SamplingParams
+
+    cfg = replace(CFG, n_layers=2)
+    layout = check_layout(ctx.world_size, pp, 2, "v2")
+    stages, _ = new_pp_groups(layout)
+    rank = dist.get_rank()
+    dense = init_weights(dense_lm(cfg, torch.float64), seed=0)
+    lm = shard_pp_lm(dense, "v2", layout, rank, stages[layout.stage_of(rank)])
+    engine = new_engine(lm, ctx, EngineConfig(chunk_size=4, max_batched_tokens=8, max_running=4, block_size=4))
+    if not ctx.is_main:
+        while not engine.stopped:
+            engine.step()
+        return None
+    prompts = {"a": [5, 9, 2, 7, 1], "b": [4, 4, 8], "c": [11, 2, 6, 6, 13, 3, 3], "d": [8, 1]}
+    for name in "abc":
+        engine.add_request(name, prompts[name], SamplingParams(max_tokens=6))
+    outs, aborted, steps = {}, None, 0
+    while engine.has_unfinished_requests() and steps < 200:
+        if steps == 2:  # a request in a micro-batch in flight (requests a, b, c are ids 0, 1, 2)
+            aborted = "abc"[min(engine.scheduler.in_flight)]
+            engine.abort_request(aborted)
+            engine.add_request("d", prompts["d"], SamplingParams(max_tokens=4))
+        for o in engine.step():
+            outs[o.request_id] = o
+        steps += 1
+    engine.shutdown()
+    want = {k: greedy_reference(dense, p, 6 if k != "d" else 4).ids for k, p in prompts.items()}
+    return ({k: (o.outputs[0].finish_reason, o.outputs[0].token_ids == want[k]) for k, o in sorted(outs.items())},
+            aborted, engine.scheduler.in_flight, len(engine.queue), engine.free_blocks == engine.num_blocks, steps)
+
+
+def test_an_online_pipeline_aborts_a_request_in_flight_without_a_deadlock():
+    outs, aborted, left, queue, free, steps = run_ranks(2, pp_online, 2)[0]
+    assert outs.pop(aborted)[0] == "abort" and steps < 200
+    assert sorted(outs) == sorted({"a", "b", "c", "d"} - {aborted})
+    assert all(o == ("length", True) for o in outs.values()), outs
+    assert left == set() and queue == 0 and free  # nothing in flight, every block back
+
+
+def test_the_scheduler_forms_pp_micro_batches_of_disjoint_requests():
+    """Host only: with 2 stages, six requests go out as two micro-batches of three; a request in flight gets no rows and
+    is never the preemption victim; once its micro-batch is back it is scheduled again."""
+    from serve.block_manager import BlockManager
+    from serve.request import Request
+    from serve.scheduler import Scheduler
+
+    reqs = [Request(i, [1 + i, 2, 3], 4) for i in range(6)]
+    sched = Scheduler(reqs, chunk_size=8, max_batched_tokens=64, blocks=BlockManager(12, 4, prefix_cache=False))
+    sched.stages = 2
+    first = sched.schedule(0)
+    sched.in_flight.update(c.request for c in first.chunks)
+    second = sched.schedule(1)
+    sched.in_flight.update(c.request for c in second.chunks)
+    assert [c.request for c in first.chunks] == [0, 1, 2] and [c.request for c in second.chunks] == [3, 4, 5]
+    assert sched.schedule(2) is None  # everything is in flight
+    sched.update(first, {0: 7, 1: 7, 2: 7})
+    third = sched.schedule(3)
+    assert [c.request for c in third.chunks] == [0, 1, 2] and all(c.decode for c in third.chunks)
+    # a pool with no free block: the decodes that need one wait rather than preempt a request in flight
+    tight = [Request(i, [1, 2, 3, 4], 3) for i in range(2)]
+    sched = Scheduler(tight, chunk_size=8, max_batched_tokens=64, blocks=BlockManager(2, 4, prefix_cache=False))
+    sched.stages = 2
+    a = sched.schedule(0)
+    sched.in_flight.update(c.request for c in a.chunks)
+    b = sched.schedule(1)
+    sched.in_flight.update(c.request for c in b.chunks)
+    sched.update(a, {0: 9})
+    c = sched.schedule(2)  # request 0's decode needs a second block; request 1 holds the other and is in flight:
+    # the victim is request 0 itself (the latest admitted request not in flight), never request 1
+    assert c is None and sched.preemptions == 1
+    assert sched.by_id[0].status.value == "preempted" and sched.by_id[1].status.value == "running"
+    assert 1 in sched.blocks.tables and 0 not in sched.blocks.tables
