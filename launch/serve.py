@@ -646,7 +646,7 @@ def add_text(requests: list[dict], hf_checkpoint: str | None) -> None:
 def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | None) -> dict:
     m = s.model
     p = ctx.world_size // s.pp  # the TP group's size (a pipeline stage's)
-    n_layers = len(stage_layers(m.n_layers, s.pp)[0])  # rank 0's layers: its stage's
+    n_layers = len(stage_layers(m.n_layers, s.pp)[ctx.rank // p])  # the layers this rank caches: its stage's
     dense_per_token = kv_bytes_per_token(m.n_layers, m.n_kv_heads, m.d_head, s.dtype)
     requests = result.requests
     if checks is not None:

@@ -424,3 +424,74 @@ def test_the_scheduler_forms_pp_micro_batches_of_disjoint_requests():
     assert c is None and sched.preemptions == 1
     assert sched.by_id[0].status.value == "preempted" and sched.by_id[1].status.value == "running"
     assert 1 in sched.blocks.tables and 0 not in sched.blocks.tables
+
+
+# ---- launch/serve.py and the library with pp -----------------------------------------------------------------------
+
+
+def test_serve_launcher_with_pp_checks_tokens_ledger_and_reports_the_stages(tmp_path):
+    """launch/serve.py pp=2 on a pool of 4 ranks (scattered boundary): tokens equal the dense oracle, every rank's
+    ledger the model, the KV formula per rank is the stage's layers over tp, and the per-stage table adds up."""
+    import json
+
+    from tests.launching import launch_on_pool
+
+    proc, _ = launch_on_pool(4, "pp=2", "pp_boundary=scatter", "model.n_layers=3", "model.vocab_size=5003",
+                             "prompt_count=5", "prompt_mean=12", "max_new_tokens=5", "chunk_size=4",
+                             "max_batched_tokens=12", "arrivals=1", "dtype=float64", run_dir=tmp_path, script="serve.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS: served 5 requests at tp=2 x pp=2, tokens equal to the dense oracle" in proc.stdout
+    assert "pp = 2 stages, boundary scatter" in proc.stdout and "bubble: " in proc.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["ledger_matches_model"] and report["check"]["verdicts"]["match"] == 5
+    pp = report["pp"]
+    assert [st["layers"] for st in pp["stages"]] == [[0, 2], [2, 3]] and [st["ranks"] for st in pp["stages"]] == \
+        [[0, 1], [2, 3]]
+    # rank 0 caches 2 of the 3 layers, half of the heads: 2·2·(8/2)·64·8 bytes per token
+    assert report["kv_cache"]["bytes_per_token_per_rank"] == 2 * 2 * 4 * 64 * 8 and report["kv_cache"]["matches_formula"]
+    rows = sum(t["rows"] for t in pp["timelines"][0]["timeline"])
+    assert rows == report["totals"]["rows_computed"]  # stage 0 ran every row once
+    assert pp["stages"][1]["sent_bytes_per_rank"] == 0 < pp["stages"][0]["sent_bytes_per_rank"]
+    assert all(st["microbatches"] == len(report["iterations"]) for st in pp["stages"])
+
+
+PP_SERVE_BAD = [
+    (4, ["pp=3"], "pp=3 must divide the world of 4 ranks"),
+    (4, ["pp=4", "model.n_layers=2"], "pp=4 is more stages than the model's 2 layers"),
+    (4, ["pp_boundary=scatter"], "pp_boundary=scatter is for a pipeline: set pp > 1"),
+    (4, ["pp=2", "pp_boundary=halves"], "pp_boundary='halves': choose whole or scatter"),
+    (4, ["pp=2", "pd.prefill_ranks=2", "pd.decode_ranks=2"], "pp=2 with pd.* is not built"),
+    (4, ["pp=2", "model=mixtral_tiny"], "pp=2 with an MoE model is not built"),
+    (4, ["pp=2", "variant=v2sp"], "unknown variant 'v2sp' for serving"),
+    (8, ["pp=2", "model.n_heads=6", "model.d_head=8", "model.d_model=48"], "n_heads=6 heads cannot be split over p=4"),
+]
+
+
+@pytest.mark.parametrize("nproc,overrides,message", PP_SERVE_BAD, ids=[" ".join(b[1]) for b in PP_SERVE_BAD])
+def test_bad_pipeline_serving_settings_fail_before_any_collective(nproc, overrides, message):
+    from tests.launching import settings_phase
+
+    alone = settings_phase(overrides, world=nproc)
+    assert alone.returncode == 2, alone.stdout + alone.stderr
+    lines = alone.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_the_library_serves_a_pipeline_equal_to_the_oracle():
+    """LLM(pipeline_parallel_size=2): greedy, sampled and logprob requests, each checked against the dense oracle on
+    rank 0 (check=True) and every rank's ledger against the model (on by default); bad sizes refused at once."""
+    from serve import LLM, SamplingParams
+
+    with pytest.raises(ValueError, match="pipeline_parallel_size=0 must be a positive integer"):
+        LLM("article03", pipeline_parallel_size=0)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=9: pp=9 is more stages than the model's 8 layers"):
+        LLM("article03", pipeline_parallel_size=9)
+    prompts = [[464, 3290, 318], [40, 1101, 257, 3290, 11, 290], [1, 2, 3, 4, 5]]
+    params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=5, temperature=0.8, seed=3),
+              SamplingParams(max_tokens=4, logprobs=2)]
+    with LLM("article03", pipeline_parallel_size=2, check=True, max_num_seqs=4, chunk_size=4,
+             max_batched_tokens=16) as llm:
+        outs = llm.generate(prompts, params)
+        assert llm.stats()["oracle"] == {"match": 3}
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 5, 4]
+    assert [o.oracle["verdict"] for o in outs] == ["match"] * 3 and len(outs[2].outputs[0].logprobs) == 4
