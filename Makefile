@@ -56,6 +56,7 @@ bench: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=1 benchmarks/profile_serve.py
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=4 benchmarks/bench_pd.py
 	for p in 2 4; do $(VENV)/bin/torchrun --standalone --nproc_per_node=$$p benchmarks/bench_pp.py --pp $$p; done
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=4 benchmarks/bench_pp_serve.py
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=8 benchmarks/bench_kv.py
 	$(PY) benchmarks/bench_load.py
 	$(PY) benchmarks/bench_llm.py

@@ -21,6 +21,7 @@ if __package__ in (None, ""):
 from benchmarks.bench_http import section as http_section  # noqa: E402
 from benchmarks.bench_load import section as load_section  # noqa: E402
 from benchmarks.bench_pp import section as pp_section  # noqa: E402
+from benchmarks.bench_pp_serve import plot as pp_serve_plot, section as pp_serve_section  # noqa: E402
 from benchmarks.report_paged import section as paged_section  # noqa: E402
 from benchmarks.report_serve import pd_section, plot_timeline, section as serving_section  # noqa: E402
 from layers.config import VARIANTS  # noqa: E402
@@ -118,6 +119,10 @@ def main() -> int:
     lines += serving_section(OUT) + paged_section(_load("bench_paged_p1.json"), _load("bench_serve_p1.json"))
     lines += pd_section(OUT)
     lines += pp_section([run for run in (_load(f"bench_pp_pp{pp}.json") for pp in (2, 4)) if run])
+    pp_serve = _load("bench_pp_serve.json")
+    if pp_serve:
+        print(pp_serve_plot(pp_serve))
+    lines += pp_serve_section(pp_serve)
     kv = _load("bench_kv.json")
     if kv:
         lines += kv_section(kv)
