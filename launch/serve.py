@@ -95,7 +95,8 @@ class Settings(LaunchSettings):
 
 
 def parse_pd(cfg: DictConfig, world_size: int) -> tuple[Layout | None, bool, float, int | None]:
-    """pd.prefill_ranks / pd.decode_ranks (both or neither), pd.streaming, pd.timeout_s and pd.decode_block_size."""
+    """pd.prefill_ranks / pd.decode_ranks (both or neither), pd.prefill_pp, pd.streaming, pd.timeout_s and
+    pd.decode_block_size."""
     pd = cfg.get("pd") or {}
     decode_block_size = pd.get("decode_block_size")
     if decode_block_size is not None and (isinstance(decode_block_size, bool) or not isinstance(decode_block_size, int)
@@ -109,17 +110,25 @@ def parse_pd(cfg: DictConfig, world_size: int) -> tuple[Layout | None, bool, flo
     if not timeout_s > 0:
         raise ConfigError(f"pd.timeout_s={timeout_s} must be positive (seconds a hand-over message may take)")
     sizes = [pd.get("prefill_ranks"), pd.get("decode_ranks")]
+    prefill_pp = pd.get("prefill_pp", 1)
+    if isinstance(prefill_pp, bool) or not isinstance(prefill_pp, int) or prefill_pp < 1:
+        raise ConfigError(f"pd.prefill_pp={prefill_pp!r} must be a positive integer (pipeline stages of the prefill "
+                          f"side)")
     if sizes == [None, None]:
-        if decode_block_size is not None:
-            raise ConfigError(f"pd.decode_block_size={decode_block_size} without pd: set pd.prefill_ranks and "
-                              f"pd.decode_ranks too (or drop it)")
+        for name, value, default in (("pd.decode_block_size", decode_block_size, None), ("pd.prefill_pp", prefill_pp, 1)):
+            if value != default:
+                raise ConfigError(f"{name}={value} without pd: set pd.prefill_ranks and pd.decode_ranks too (or drop "
+                                  f"it)")
         return None, True, timeout_s, None
     if None in sizes:
         raise ConfigError(f"pd.prefill_ranks={sizes[0]} and pd.decode_ranks={sizes[1]}: set both (or neither)")
     for name, v in zip(("pd.prefill_ranks", "pd.decode_ranks"), sizes):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{name}={v!r} must be a positive integer")
-    layout = Layout(*sizes)
+    layout = Layout(*sizes, prefill_pp)
+    if sizes[0] % prefill_pp:
+        raise ConfigError(f"pd.prefill_pp={prefill_pp} must divide pd.prefill_ranks={sizes[0]} (each prefill stage is "
+                          f"a TP group of prefill_ranks / prefill_pp ranks)")
     if layout.world_size != world_size:
         raise ConfigError(f"pd.prefill_ranks={sizes[0]} + pd.decode_ranks={sizes[1]} = {layout.world_size} must equal "
                           f"the world size {world_size} (torchrun --nproc_per_node)")
@@ -142,7 +151,8 @@ def parse_pp(cfg: DictConfig, world_size: int, pd: Layout | None) -> tuple[int, 
     if pp == 1 and boundary != "whole":
         raise ConfigError(f"pp_boundary={boundary} is for a pipeline: set pp > 1 (or leave pp_boundary at whole)")
     if pp > 1 and pd is not None:
-        raise ConfigError(f"pp={pp} with pd.* is not built: serve the pipeline colocated (drop pd.*)")
+        raise ConfigError(f"pp={pp} with pd.*: pipeline the prefill side with pd.prefill_pp instead (the decode "
+                          f"side is one TP group)")
     return pp, boundary
 
 
@@ -150,7 +160,7 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     """Every check that needs no communication. Raises ConfigError; identical on every rank."""
     layout, streaming, pd_timeout_s, decode_block_size = parse_pd(cfg, world_size)
     pp, pp_boundary = parse_pp(cfg, world_size, layout)
-    tp_sizes = None if layout is None else {"pd.prefill_ranks": layout.prefill_ranks,
+    tp_sizes = None if layout is None else {"pd.prefill_ranks": layout.prefill_ranks // layout.prefill_pp,
                                             "pd.decode_ranks": layout.decode_ranks}
     if pp > 1:
         tp_sizes = {"tp": world_size // pp}
@@ -167,6 +177,13 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     if variant not in SERVING_VARIANTS:
         raise ConfigError(f"unknown variant {variant!r} for serving; choose v2 or v1 (intra_head and v2sp cut one "
                           f"forward, not a serving iteration: see run_block)")
+    if layout is not None and layout.prefill_pp > 1:
+        from layers.pipeline import check_layout
+
+        try:
+            check_layout(layout.prefill_ranks, layout.prefill_pp, model.n_layers, variant)
+        except ValueError as exc:
+            raise ConfigError(f"pd.prefill_pp={layout.prefill_pp}: {exc}") from None
     if pp > 1:
         from layers.pipeline import check_layout
 
@@ -569,7 +586,8 @@ def build_pd_report(s: Settings, ctx, result, colocated: list[list[int]], checks
                   for rank in range(layout.prefill_ranks, layout.world_size)}
     return {
         "world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device),
-        "pd": {"prefill_ranks": layout.prefill_ranks, "decode_ranks": layout.decode_ranks, "streaming": s.streaming},
+        "pd": {"prefill_ranks": layout.prefill_ranks, "decode_ranks": layout.decode_ranks,
+               "prefill_pp": layout.prefill_pp, "streaming": s.streaming},
         "config": {"model_name": s.model_name, "model": m.asdict(), "requests": len(s.requests),
                    "chunk_size": s.chunk_size, "max_batched_tokens": s.max_batched_tokens, "variant": s.variant,
                    "vocab_parallel": s.vocab_parallel, "dtype": str(s.dtype).removeprefix("torch."),
@@ -589,7 +607,8 @@ def build_pd_report(s: Settings, ctx, result, colocated: list[list[int]], checks
         "requests": requests,
         "transfer": {"pairs": sorted(pairs.values(), key=lambda x: (x["prefill_rank"], x["decode_rank"])),
                      "pair_count": len(pairs),
-                     "pair_count_formula": pair_count(m.n_kv_heads, layout.prefill_ranks, layout.decode_ranks),
+                     "pair_count_formula": layout.prefill_pp * pair_count(
+                         m.n_kv_heads, layout.prefill_ranks // layout.prefill_pp, layout.decode_ranks),
                      "handed_over_tokens": handed_tokens, "kv_bytes_per_token": k_tok,
                      "kv_bytes_per_token_per_decode_rank": per_decode_rank,
                      # each decode rank receives its own cache share: K_tok in all unless decode ranks replicate

@@ -161,8 +161,10 @@ def render_pd(r: dict) -> str:
     """Prefill/decode disaggregation: per-request time to token 1 and 2 in parts, the transfer table, verdicts."""
     c, m, pd, t = r["config"], r["config"]["model"], r["pd"], r["transfer"]
     lines = [
-        f"tpref: prefill/decode disaggregation  (prefill ranks 0-{pd['prefill_ranks'] - 1}, decode ranks "
-        f"{pd['prefill_ranks']}-{r['world_size'] - 1}; backend {r['backend']}, device {r['device']})",
+        f"tpref: prefill/decode disaggregation  (prefill ranks 0-{pd['prefill_ranks'] - 1}"
+        + (f" as {pd['prefill_pp']} pipeline stages x tp {pd['prefill_ranks'] // pd['prefill_pp']}"
+           if pd.get("prefill_pp", 1) > 1 else "")
+        + f", decode ranks {pd['prefill_ranks']}-{r['world_size'] - 1}; backend {r['backend']}, device {r['device']})",
         f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} {_kv(m)}d_head={m['d_head']} L={m['n_layers']} "
         f"vocab={m['vocab_size']}; variant {c['variant']}; dtype={c['dtype']}{_from(c)}; K,V "
         f"{'streamed layer by layer' if pd['streaming'] else 'sent after prefill'}",
@@ -192,11 +194,15 @@ def render_pd(r: dict) -> str:
     per_decode = ", ".join(f"rank {k}: {kib(v)} KiB" for k, v in t["received_per_decode_rank"].items())
     m, pd = r["config"]["model"], r["pd"]
     h_kv = m.get("n_kv_heads", m["n_heads"])
-    replicated = max(pd["prefill_ranks"], pd["decode_ranks"]) > h_kv
+    stages = pd.get("prefill_pp", 1)
+    replicated = max(pd["prefill_ranks"] // stages, pd["decode_ranks"]) > h_kv
     per_rank = t.get("kv_bytes_per_token_per_decode_rank", t["kv_bytes_per_token"] // pd["decode_ranks"])
     lines += [
-        (f"pairs: {t['pair_count']} = (a + b - gcd(a, b)) * p_D / b, a = min(p_P, h_kv), b = min(p_D, h_kv) = "
-         if replicated else f"pairs: {t['pair_count']} = p_P + p_D - gcd(p_P, p_D) = ") + f"{t['pair_count_formula']}; "
+        (f"pairs: {t['pair_count']} = " + (f"{stages} stages x " if stages > 1 else "")
+         + ("((a + b - gcd(a, b)) * p_D / b, a = min(p_P, h_kv), b = min(p_D, h_kv)) = " if replicated
+            else "(p_P + p_D - gcd(p_P, p_D)) = " if stages > 1 else "p_P + p_D - gcd(p_P, p_D) = ")
+         + (f"{t['pair_count_formula']}" + (f" (p_P = {pd['prefill_ranks'] // stages} ranks per stage)"
+                                            if stages > 1 else "") + "; "))
         + (f"total {kib(t['total_bytes'])} KiB = L_p * p_D * 2*L*max(h_kv/p_D, 1)*d_head*e = {t['handed_over_tokens']} "
            f"tokens x {pd['decode_ranks']} x {per_rank} B " if replicated else
            f"total {kib(t['total_bytes'])} KiB = L_p * K_tok = {t['handed_over_tokens']} tokens x "
@@ -210,8 +216,6 @@ def render_pd(r: dict) -> str:
     lines += ["", f"the same formula at Llama-2-7B (K_tok = {ll['kv_bytes_per_token']:,} B/token, fp16), a "
                   f"{ll['prompt_tokens']}-token prompt = {ll['bytes'] / 1e9:.2f} GB; at the seeds' bandwidths: "
               + ", ".join(f"{name} {ms:.1f} ms" for name, ms in ll["ms"].items())]
-    if r.get("pp"):
-        lines += render_stages(r["pp"])
     chk = r["check"]
     if chk["ok"] is None:
         lines.append("check: off (check=true to compare with the dense oracle)")

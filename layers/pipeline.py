@@ -274,8 +274,12 @@ class PPLM(nn.Module):
     The serving engine (serve/engine.py's PipelineEngine) calls them for up to pp micro-batches in flight at once;
     step() is the three of them for one iteration alone, with TPLM.step's signature and result."""
 
-    def __init__(self, lm, layout: PPLayout, rank: int, layers: range, boundary: str = "whole", model_cfg=None):
+    def __init__(self, lm, layout: PPLayout, rank: int, layers: range, boundary: str = "whole", model_cfg=None,
+                 world: dist.ProcessGroup | None = None):
+        """world: the group of all pp · tp ranks, ranks 0 .. pp·tp − 1 of the default group (the tokens' broadcast;
+        None: the default group. P/D's pipelined prefill side passes its own group)."""
         super().__init__()
+        self.world = world if world is not None else dist.group.WORLD
         self.lm, self.layout, self.global_rank, self.layers = lm, layout, rank, layers
         self.index = layout.stage_of(rank)
         self.cfg = lm.cfg  # the stage's: n_layers is this stage's layer count
@@ -344,7 +348,7 @@ class PPLM(nn.Module):
             return nothing_sampled()
         if table is None:
             table = torch.empty(rows, width, dtype=torch.float64, device=device)
-        table = broadcast_from(table, dist.group.WORLD, self.layout.rank(self.layout.pp - 1, 0), "pp/tokens")
+        table = broadcast_from(table, self.world, self.layout.rank(self.layout.pp - 1, 0), "pp/tokens")
         n = (width - 3) // 2
         return SampleResult(table[:, 0].long(), table[:, 1],
                             table[:, 2] if width > 2 else None, table[:, 3:3 + n].long() if width > 2 else None,
@@ -358,7 +362,7 @@ class PPLM(nn.Module):
 
 
 def shard_pp_lm(weights, variant: str, layout: PPLayout, rank: int, group: dist.ProcessGroup,
-                boundary: str = "whole") -> PPLM:
+                boundary: str = "whole", world: dist.ProcessGroup | None = None) -> PPLM:
     """This rank's PPLM, its stage's blocks and the embedding and head, each cut over the stage's TP group: from a
     dense LM (DenseLM or DenseLlamaLM: load, then shard) or a Source (layers/hf.CheckpointSource: the rank reads only
     its stage's slices of the files), as layers/lm.shard_lm."""
@@ -378,6 +382,6 @@ def shard_pp_lm(weights, variant: str, layout: PPLayout, rank: int, group: dist.
             part = Part(part.param, f"stack.blocks.{layers.start + int(j)}.{rest}", part.cut, part.row)
         plan.append(part)
     try:
-        return PPLM(load_plan(lm, plan, source), layout, rank, layers, boundary, cfg)
+        return PPLM(load_plan(lm, plan, source), layout, rank, layers, boundary, cfg, world)
     finally:
         getattr(source, "close", lambda: None)()

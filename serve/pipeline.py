@@ -40,6 +40,25 @@ from tp.ledger import Traffic
 from tp.traffic_model import predict_control, predict_pp_stage, predict_sampler
 
 
+def pipeline_schedule(sched, pp: int, before_schedule=None):
+    """Host only: the micro-batches of a workload held from the start, in the order they come back from the last of pp
+    stages: PipelineEngine.step's ticks without the model (P/D's decode side knows from it what a pipelined prefill
+    side will hand over, and in which order). The caller applies each one's tokens (sched.update) before asking for
+    the next."""
+    sched.stages = pp
+    queue, index = deque(), 0
+    while sched.has_work() or queue:
+        entered, index = next_plan(sched, index, before_schedule)
+        if entered is not None:
+            sched.in_flight.update(c.request for c in entered.chunks)
+            queue.append((entered, index))
+        if not queue:
+            return
+        if queue[0][1] == index - (pp - 1):
+            yield queue.popleft()[0]
+        index += 1
+
+
 @dataclass
 class InFlight:
     plan: IterationPlan
@@ -60,6 +79,7 @@ class PipelineEngine(LLMEngine):
         # bytes it sent across the boundary
         self.timeline: list[dict] = []
         self._width = 2  # columns of the last token table broadcast
+        self.stage_plan: IterationPlan | None = None  # the micro-batch this rank's stage is running
 
     def has_unfinished_requests(self) -> bool:
         return super().has_unfinished_requests() or bool(self.queue)
@@ -92,6 +112,7 @@ class PipelineEngine(LLMEngine):
                 return self._outputs_of([], aborts)
             mine = next((e for e in self.queue if e.tick == self.index - self.stage), None)
             table, picked, t0 = None, None, time.perf_counter()
+            self.stage_plan = None if mine is None else mine.plan  # what this stage runs now (a hook may ask)
             if mine is not None:
                 x = self.runner.forward_stage(mine.prepared, mine.plan.index)
                 if lm.last and mine.plan.sample_rows:

@@ -350,3 +350,73 @@ def _refuse_small_pool(ctx):
 
 def test_pd_refuses_a_pool_too_small_for_a_request_on_either_side():
     assert run_ranks(2, _refuse_small_pool) == [True, True]  # on every rank, before any collective
+
+
+# ---- the prefill side as a pipeline (the seeds' "prefill pool wants PP") ------------------------------------------
+
+
+def pd_pipelined(ctx, p_prefill, prefill_pp, p_decode, streaming, n_layers):
+    from dataclasses import replace
+
+    from layers.dense import init_weights
+    from layers.lm import dense_lm as make_lm
+
+    dense = init_weights(make_lm(replace(CFG, n_layers=n_layers), torch.float64), seed=0)
+    layout = Layout(p_prefill, p_decode, prefill_pp)
+    groups = new_groups(layout)
+    res = serve_pd(dense, ctx, layout, make_requests(WORKLOAD), chunk_size=5, max_batched_tokens=12,
+                   streaming=streaming, groups=groups)
+    want = [greedy_reference(dense, r.prompt, r.max_new_tokens).ids for r in make_requests(WORKLOAD)]
+    return {"same": [r["output_ids"] for r in res.requests] == want, "ok": res.ledger_matches_model,
+            "transfers": res.transfers}
+
+
+@pytest.mark.parametrize("p_prefill,prefill_pp,p_decode,streaming,n_layers", [
+    (2, 2, 1, True, 3), (4, 2, 2, False, 3), (4, 2, 2, True, 4), (3, 3, 1, False, 3)])
+def test_pd_with_a_pipelined_prefill_side_equals_the_oracle(p_prefill, prefill_pp, p_decode, streaming, n_layers):
+    """The prefill side as prefill_pp stages of p_prefill / prefill_pp TP ranks (serve/pipeline.py's engine, micro-batches
+    in flight): tokens equal the dense oracle; each stage's ranks send their own layers' K,V to the decode ranks (per
+    layer streamed, or one message of the stage's layers), every message equal to predict_transfers; each decode rank
+    receives all L layers of its heads, the same bytes as with a single prefill stage."""
+    results = run_ranks(p_prefill + p_decode, pd_pipelined, p_prefill, prefill_pp, p_decode, streaming, n_layers)
+    for res in results:
+        assert res["same"] and res["ok"]
+    kv = [t for t in results[0]["transfers"] if t["site"] == "pd/kv" and t["kind"] == "send"]
+    tp = p_prefill // prefill_pp
+    handed = [n for n, new, _ in WORKLOAD if new > 1]
+    k_tok = 2 * n_layers * CFG.n_heads * CFG.d_head * 8
+    assert sum(t["bytes"] for t in kv) == sum(handed) * k_tok  # L_p · K_tok, as with one prefill stage
+    senders = {t["rank"] for t in kv}
+    assert senders == set(range(p_prefill))  # every stage's ranks send (their layers)
+    from layers.pipeline import stage_layers
+
+    for stage, layers in enumerate(stage_layers(n_layers, prefill_pp)):
+        mine = [t for t in kv if t["rank"] // tp == stage]
+        if streaming:
+            assert {t["layer"] for t in mine} == set(layers)
+        else:
+            assert all(t["layer"] is None and t["shape"][0] == len(layers) for t in mine)
+
+
+def pipelined_prefill(ctx, pp):
+    import torch.distributed as dist
+
+    from layers.pipeline import check_layout, new_pp_groups, shard_pp_lm
+
+    layout = check_layout(ctx.world_size, pp, CFG.n_layers, "v2")
+    stages, _ = new_pp_groups(layout)
+    lm = shard_pp_lm(dense_lm(), "v2", layout, dist.get_rank(), stages[layout.stage_of(dist.get_rank())])
+    prefill_only = [Request(r.id, r.prompt, 1, r.arrival) for r in make_requests(WORKLOAD)]
+    res = Engine(lm, ctx, chunk_size=5, max_batched_tokens=12).run(prefill_only)
+    return [(it["iteration"], it["finished"]) for it in res.iterations if it["finished"]]
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_the_pipelined_prefill_schedule_is_what_the_pipeline_engine_does(pp):
+    """Every decode rank learns from prefill_schedule(pp=...) which prompts a pipelined prefill side completes in which
+    step, in which order (NCCL matches a pair's messages in order): it equals what the PipelineEngine did, and differs
+    from the one-stage schedule."""
+    ran = run_ranks(pp, pipelined_prefill, pp)[0]
+    predicted = [(i, rids) for i, rids in prefill_schedule(make_requests(WORKLOAD), 5, 12, pp=pp)]
+    assert ran == predicted
+    assert predicted != prefill_schedule(make_requests(WORKLOAD), 5, 12)

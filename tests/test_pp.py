@@ -460,7 +460,13 @@ PP_SERVE_BAD = [
     (4, ["pp=4", "model.n_layers=2"], "pp=4 is more stages than the model's 2 layers"),
     (4, ["pp_boundary=scatter"], "pp_boundary=scatter is for a pipeline: set pp > 1"),
     (4, ["pp=2", "pp_boundary=halves"], "pp_boundary='halves': choose whole or scatter"),
-    (4, ["pp=2", "pd.prefill_ranks=2", "pd.decode_ranks=2"], "pp=2 with pd.* is not built"),
+    (4, ["pp=2", "pd.prefill_ranks=2", "pd.decode_ranks=2"], "pp=2 with pd.*: pipeline the prefill side with "
+                                                              "pd.prefill_pp"),
+    (4, ["pd.prefill_ranks=3", "pd.decode_ranks=1", "pd.prefill_pp=2"], "pd.prefill_pp=2 must divide "
+                                                                        "pd.prefill_ranks=3"),
+    (4, ["pd.prefill_pp=2"], "pd.prefill_pp=2 without pd: set pd.prefill_ranks and pd.decode_ranks"),
+    (4, ["pd.prefill_ranks=2", "pd.decode_ranks=2", "pd.prefill_pp=2", "model.n_layers=1"],
+     "pd.prefill_pp=2: pp=2 is more stages than the model's 1 layers"),
     (4, ["pp=2", "model=mixtral_tiny"], "pp=2 with an MoE model is not built"),
     (4, ["pp=2", "variant=v2sp"], "unknown variant 'v2sp' for serving"),
     (8, ["pp=2", "model.n_heads=6", "model.d_head=8", "model.d_model=48"], "n_heads=6 heads cannot be split over p=4"),

@@ -202,6 +202,17 @@ def head_overlaps(n_kv_heads: int, p_src: int, p_dst: int) -> list[tuple[int, in
     return out
 
 
+def pd_pairs(n_kv_heads: int, n_layers: int, p_prefill: int, p_decode: int,
+             prefill_pp: int = 1) -> list[tuple[int, int, int, int, range]]:
+    """(prefill global rank, decode rank index, lo, hi, layers): the hand-over's pairs (head_overlaps) and the layers
+    each carries. A pipelined prefill side (prefill_pp stages of tp = p_prefill / prefill_pp ranks, serve/pipeline.py)
+    holds each layer on one stage only: every stage's TP ranks pair with the decode ranks for their stage's layers
+    (pp_stage_layers). Ordered by prefill rank, then decode rank."""
+    tp = p_prefill // prefill_pp
+    return [(stage * tp + r, s, lo, hi, layers) for stage, layers in enumerate(pp_stage_layers(n_layers, prefill_pp))
+            for r, s, lo, hi in head_overlaps(n_kv_heads, tp, p_decode)]
+
+
 def _lowest_holder(n_kv_heads: int, head: int, p: int) -> int:
     return head // (n_kv_heads // p) if p <= n_kv_heads else ceil_div(head * p, n_kv_heads)
 
@@ -214,7 +225,7 @@ def pair_count(n_kv_heads: int, p_src: int, p_dst: int) -> int:
 
 
 def predict_transfers(cfg: ModelConfig, p_prefill: int, p_decode: int, handovers: list[tuple[int, int]],
-                      dtype: torch.dtype, streaming: bool, rank: int) -> list[Transfer]:
+                      dtype: torch.dtype, streaming: bool, rank: int, prefill_pp: int = 1) -> list[Transfer]:
     """The messages global rank `rank` sends (a prefill rank, 0 .. p_P−1) or receives (a decode rank, p_P ..)
     when the requests `handovers` [(request id, prompt length N)] move from the prefill to the decode group.
 
@@ -223,25 +234,28 @@ def predict_transfers(cfg: ModelConfig, p_prefill: int, p_decode: int, handovers
     layer by layer); and to each decode rank its first token, [1] int64, from the lowest prefill rank overlapping it.
     Before them, once per pair, the set-up's warm-up message ("pd/warm-up", request −1, [1] int64).
     Each decode rank receives its own cache share, L_p · 2·L·max(h_kv/p_D, 1)·d_head·e bytes per request: summed,
-    L_p · K_tok (K_tok = 2·L·h_kv·d_head·e) while p_D ≤ h_kv, more once decode ranks replicate K,V heads."""
-    L, dh, e = cfg.n_layers, cfg.d_head, dtype.itemsize
+    L_p · K_tok (K_tok = 2·L·h_kv·d_head·e) while p_D ≤ h_kv, more once decode ranks replicate K,V heads.
+    prefill_pp > 1: the prefill side is a pipeline (pd_pairs): each stage's ranks send their stage's layers, one
+    message [L_s, 2, hi−lo, N, d_head] per pair or L_s streamed; the same bytes in all, from pp times as many ranks."""
+    dh, e = cfg.d_head, dtype.itemsize
     name = str(dtype).removeprefix("torch.")
-    pairs = head_overlaps(cfg.n_kv_heads, p_prefill, p_decode)
+    pairs = pd_pairs(cfg.n_kv_heads, cfg.n_layers, p_prefill, p_decode, prefill_pp)
     first = {}
-    for r, s, _, _ in pairs:
+    for r, s, *_ in pairs:
         first.setdefault(s, r)
     out = []
-    for r, s, _, _ in pairs:  # set-up: one warm-up message per pair (serve/pd/handover.warm_up_pairs)
+    for r, s, *_ in pairs:  # set-up: one warm-up message per pair (serve/pd/handover.warm_up_pairs)
         if rank in (r, p_prefill + s):
             side, peer = ("send", p_prefill + s) if rank == r else ("recv", r)
             out.append(Transfer(side, "pd/warm-up", -1, None, rank, peer, (0, 0), (1,), "int64", 8))
     for rid, n in handovers:
-        for r, s, lo, hi in pairs:
+        for r, s, lo, hi, layers in pairs:
             side = "send" if rank == r else "recv" if rank == p_prefill + s else None
             if side is None:
                 continue
             peer = p_prefill + s if side == "send" else r
-            shapes = [(layer, (2, hi - lo, n, dh)) for layer in range(L)] if streaming else [(None, (L, 2, hi - lo, n, dh))]
+            shapes = ([(layer, (2, hi - lo, n, dh)) for layer in layers] if streaming
+                      else [(None, (len(layers), 2, hi - lo, n, dh))])
             for layer, shape in shapes:
                 out.append(Transfer(side, "pd/kv", rid, layer, rank, peer, (lo, hi), shape, name,
                                     math.prod(shape) * e))

@@ -25,7 +25,7 @@ from serve.scheduler import Request, Scheduler
 from tp.dist import DEFAULT_TIMEOUT_S, control_device, host_control
 from tp.ledger import TrafficLedger, TransferRecord
 from tp.partition import kv_head_range
-from tp.traffic_model import head_overlaps
+from tp.traffic_model import pd_pairs
 
 
 def _tag(request: int, layer: int | None, n_layers: int) -> int:
@@ -105,7 +105,8 @@ def warm_up_pairs(cfg, layout: Layout, rank: int, ledger: TrafficLedger, device:
     before the next, so the smallest pending pair always has both ends at it: no deadlock. Ledgered as
     "pd/warm-up" (request -1): 8 bytes each way per pair, in tp/traffic_model.predict_transfers too."""
     token = torch.zeros(1, dtype=torch.int64, device=device)
-    for r, s, _, _ in head_overlaps(cfg.n_kv_heads, layout.prefill_ranks, layout.decode_ranks):
+    for r, s, *_ in pd_pairs(cfg.n_kv_heads, cfg.n_layers, layout.prefill_ranks, layout.decode_ranks,
+                             layout.prefill_pp):
         d = layout.prefill_ranks + s
         if rank not in (r, d):
             continue
@@ -126,19 +127,25 @@ class PrefillSide(StepHook):
 
     def __init__(self, lm, layout: Layout, rank: int, streaming: bool, ledger: TrafficLedger, handed: set[int],
                  timeout_s: float = DEFAULT_TIMEOUT_S):
-        cfg = lm.cfg
+        """lm: this rank's TPLM, or its pipeline stage's PPLM (layout.prefill_pp > 1: it holds and sends its stage's
+        layers only)."""
+        cfg = getattr(lm, "model_cfg", lm.cfg)  # the whole model's (a stage's lm.cfg counts its own layers)
         self.cfg, self.layout, self.rank, self.streaming, self.ledger, self.handed = \
             cfg, layout, rank, streaming, ledger, handed
-        pairs = head_overlaps(cfg.n_kv_heads, layout.prefill_ranks, layout.decode_ranks)
-        self.peers = [(layout.prefill_ranks + s, lo, hi) for r, s, lo, hi in pairs if r == rank]
+        pairs = pd_pairs(cfg.n_kv_heads, cfg.n_layers, layout.prefill_ranks, layout.decode_ranks, layout.prefill_pp)
+        self.peers = [(layout.prefill_ranks + s, lo, hi) for r, s, lo, hi, _ in pairs if r == rank]
+        self.layers = next((layers for r, *_, layers in pairs if r == rank), range(0))  # this rank's, in the model
         first = {}
-        for r, s, _, _ in pairs:
+        for r, s, *_ in pairs:
             first.setdefault(s, r)
         self.token_peers = [layout.prefill_ranks + s for s, r in sorted(first.items()) if r == rank]
-        self.first_head = kv_head_range(cfg.n_kv_heads, rank, layout.prefill_ranks).start  # of this rank's cache
+        tp = layout.prefill_ranks // layout.prefill_pp
+        self.first_head = kv_head_range(cfg.n_kv_heads, rank % tp, tp).start  # of this rank's cache
         self.cache: KVPool | None = None
         self.sched: Scheduler | None = None
+        self.engine = None
         self.finishing: dict[int, torch.Tensor] = {}  # request -> the slots of its prompt's K,V [0, N)
+        self.by_plan: dict[int, dict[int, torch.Tensor]] = {}  # a pipeline: each micro-batch in flight's finishing
         self.waiter = _Waiter(next(lm.parameters()).device, timeout_s)  # records each send once it completes
         self.error: Exception | None = None
         self.done_at: dict[int, float] = {}
@@ -146,21 +153,26 @@ class PrefillSide(StepHook):
                       for i, block in enumerate(lm.stack.blocks)] if streaming else []
 
     def before_schedule(self, engine) -> None:
-        self.sched, self.cache = engine.scheduler, engine.runner.cache
+        self.sched, self.cache, self.engine = engine.scheduler, engine.runner.cache, engine
 
     def before_forward(self, engine, plan: IterationPlan) -> None:
         """The prompts this iteration completes, and where their K,V lie (their block tables, read off the plan: the
-        blocks are given back when the request finishes at token 1, their contents stay until the next forward)."""
+        blocks are given back when the request finishes at token 1, their contents stay until the next forward;
+        in a pipeline, until the micro-batch has come back from the last stage)."""
         bs = self.cache.block_size
         self.finishing = {c.request: torch.tensor(slots_of(c, 0, c.q_end, bs), device=self.cache.device)
                           for c in plan.chunks if c.sample and c.request in self.handed}
+        self.by_plan[plan.index] = self.finishing
 
     def _layer_done(self, layer: int) -> None:
-        """Streaming: the prompt's last chunk has passed `layer`, so that layer's K,V of positions [0, N) are whole."""
-        for rid, slots in self.finishing.items():
+        """Streaming: the prompt's last chunk has passed `layer` (this rank's block `layer`: in a pipeline, of the
+        micro-batch its stage runs now), so that layer's K,V of positions [0, N) are whole."""
+        running = getattr(self.engine, "stage_plan", None)
+        finishing = self.finishing if running is None else self.by_plan.get(running.index, {})
+        for rid, slots in finishing.items():
             for peer, lo, hi in self.peers:
                 heads = slice(lo - self.first_head, hi - self.first_head)
-                self._send(self.cache.read(slots, heads, layer), peer, rid, layer, (lo, hi), "pd/kv")
+                self._send(self.cache.read(slots, heads, layer), peer, rid, self.layers[layer], (lo, hi), "pd/kv")
 
     def after_step(self, engine, step) -> None:
         plan, sched, cache = step.plan, engine.scheduler, engine.runner.cache
@@ -169,6 +181,7 @@ class PrefillSide(StepHook):
         now = time.perf_counter()
         for rid in [c.request for c in plan.chunks if c.sample]:
             self.done_at[rid] = now
+        self.finishing = self.by_plan.pop(plan.index, {})
         for rid, slots in self.finishing.items():
             if not self.streaming:
                 for peer, lo, hi in self.peers:
@@ -239,9 +252,9 @@ class DecodeSide(StepHook):
         self.requests = requests
         self.kept: dict[int, torch.Tensor] | None = {} if keep_kv else None  # what was placed, for tests
         s = rank - layout.prefill_ranks
-        pairs = head_overlaps(cfg.n_kv_heads, layout.prefill_ranks, layout.decode_ranks)
-        self.peers = [(r, lo, hi) for r, s2, lo, hi in pairs if s2 == s]
-        self.token_peer = min(r for r, _, _ in self.peers)
+        pairs = pd_pairs(cfg.n_kv_heads, cfg.n_layers, layout.prefill_ranks, layout.decode_ranks, layout.prefill_pp)
+        self.peers = [(r, lo, hi, layers) for r, s2, lo, hi, layers in pairs if s2 == s]  # layers: what r holds
+        self.token_peer = min(r for r, *_ in self.peers)
         self.first_head = kv_head_range(cfg.n_kv_heads, s, layout.decode_ranks).start
         self.upcoming = deque(groups)  # request ids in the prefill side's order, one list per prefill iteration
         self.posted: deque[_Posted] = deque()
@@ -309,8 +322,10 @@ class DecodeSide(StepHook):
             order = [(layer, r) for layer in layers for r in requests] if self.streaming else [(None, r) for r in requests]
             for layer, r in order:
                 n = len(r.prompt)
-                for src, lo, hi in self.peers:
-                    shape = (2, hi - lo, n, dh) if self.streaming else (L, 2, hi - lo, n, dh)
+                for src, lo, hi, held in self.peers:
+                    if layer is not None and layer not in held:  # streamed: this layer comes from its stage's ranks
+                        continue
+                    shape = (2, hi - lo, n, dh) if self.streaming else (len(held), 2, hi - lo, n, dh)
                     buf = torch.empty(shape, dtype=cache.dtype, device=cache.device)
                     post(buf, src, _tag(r.id, layer, L), ("recv", "pd/kv", r.id, layer, self.rank, src, (lo, hi)))
                 if not self.streaming:
@@ -353,8 +368,14 @@ class DecodeSide(StepHook):
                 continue
             engine.add_computed(r)  # blocks for the prompt's N positions, from the decode side's own pool
             slots = torch.tensor(blocks.slots(r.id, 0, r.computed), device=cache.device)
-            for buf, (_, _, _, layer, _, _, (lo, hi)) in posts:
-                cache.write(slots, slice(lo - self.first_head, hi - self.first_head), buf, layer)
+            held = {src: layers for src, _, _, layers in self.peers}
+            for buf, (_, _, _, layer, _, src, (lo, hi)) in posts:
+                heads = slice(lo - self.first_head, hi - self.first_head)
+                if layer is None and len(held[src]) < cache.n_layers:  # a pipeline stage's layers, one message
+                    for j, at in enumerate(held[src]):
+                        cache.write(slots, heads, buf[j], at)
+                else:
+                    cache.write(slots, heads, buf, layer)
             if self.kept is not None:
                 self.kept[r.id] = cache.read(slots, slice(None))
 

@@ -18,6 +18,7 @@ from tp.partition import ceil_div
 class Layout:
     prefill_ranks: int
     decode_ranks: int
+    prefill_pp: int = 1  # the prefill side as a pipeline: prefill_pp stages of prefill_ranks / prefill_pp TP ranks
 
     @property
     def world_size(self) -> int:
@@ -32,25 +33,43 @@ def validate_layout(cfg, layout: Layout, world_size: int) -> None:
     if p_p + p_d != world_size:
         raise ConfigError(f"pd.prefill_ranks={p_p} + pd.decode_ranks={p_d} = {p_p + p_d} must equal the world size "
                           f"{world_size} (torchrun --nproc_per_node)")
-    for name, p in (("pd.prefill_ranks", p_p), ("pd.decode_ranks", p_d)):
+    pp = layout.prefill_pp
+    if pp < 1 or p_p % pp:
+        raise ConfigError(f"pd.prefill_pp={pp} must divide pd.prefill_ranks={p_p} (each prefill stage is a TP group "
+                          f"of prefill_ranks / prefill_pp ranks)")
+    if pp > cfg.n_layers:
+        raise ConfigError(f"pd.prefill_pp={pp} is more stages than the model's {cfg.n_layers} layers")
+    for name, p in (("pd.prefill_ranks", p_p // pp), ("pd.decode_ranks", p_d)):
         try:
             (validate_llama if cfg.family == "llama" else validate_model)(cfg, p)
         except ConfigError as exc:
-            raise ConfigError(f"{name}={p}: {exc}") from None
+            where = f"pd.prefill_ranks={p_p} / pd.prefill_pp={pp}" if name == "pd.prefill_ranks" and pp > 1 else \
+                f"{name}={p}"
+            raise ConfigError(f"{where}: {exc}") from None
 
 
 def prefill_schedule(requests: list[Request], chunk_size: int, max_batched_tokens: int,
                      max_running: int | None = None, block_size: int = EngineConfig.block_size,
                      prefix_cache: bool = EngineConfig.prefix_cache,
-                     kv_blocks: int | None = None) -> list[tuple[int, list[int]]]:
+                     kv_blocks: int | None = None, pp: int = 1) -> list[tuple[int, list[int]]]:
     """[(prefill iteration, ids of the requests whose prompt completes in it, in plan order)]: what the prefill side's
     engine will do, computed on every rank from the requests and settings alone, by the engine's own code (its
-    scheduler, serve.engine.new_scheduler, and its planning, serve.engine.next_plan), so the two cannot differ."""
+    scheduler, serve.engine.new_scheduler, and its planning, serve.engine.next_plan), so the two cannot differ.
+    pp > 1: the prefill side is a pipeline (serve/pipeline.py's ticks, pipeline_schedule)."""
     mine = [Request(r.id, list(r.prompt), 1, r.arrival) for r in requests]
     sched = new_scheduler(mine, chunk_size=chunk_size, max_batched_tokens=max_batched_tokens,
                           max_running=max_running, block_size=block_size, prefix_cache=prefix_cache,
                           kv_blocks=kv_blocks)
     out = []
+    if pp > 1:
+        from serve.pipeline import pipeline_schedule
+
+        for plan in pipeline_schedule(sched, pp):
+            done = [c.request for c in plan.chunks if c.sample]
+            if done:
+                out.append((plan.index, done))
+            sched.update(plan, {rid: 0 for rid in done})
+        return out
     for plan in schedule_loop(sched):
         done = [c.request for c in plan.chunks if c.sample]
         if done:

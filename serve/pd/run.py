@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from layers.lm import shard_lm
+from layers.pipeline import check_layout, new_pp_groups, shard_pp_lm
 from serve.config import EngineConfig
 from serve.engine import Engine, PlanMismatch
 from serve.pd.handover import DecodeSide, PrefillSide, warm_up_pairs
@@ -63,7 +64,8 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
     cfg = weights.cfg
     validate_layout(cfg, layout, world.world_size)
     check_pools(requests, kv_blocks, block_size, decode_block_size)  # every rank, before any collective
-    settings = [layout.prefill_ranks, layout.decode_ranks, int(streaming), chunk_size, max_batched_tokens,
+    settings = [layout.prefill_ranks, layout.decode_ranks, layout.prefill_pp, int(streaming), chunk_size,
+                max_batched_tokens,
                 max_running or -1, eos_key(eos_id), len(requests), block_size, int(prefix_cache),
                 kv_blocks or -1, decode_block_size,
                 sum((i + 1) * (r.id + len(r.prompt) * 3 + r.max_new_tokens * 5 + r.arrival * 7 + sum(r.prompt))
@@ -74,11 +76,19 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
     prefill_group, decode_group = groups or new_groups(layout)
     is_prefill = world.rank < layout.prefill_ranks
     ctx = context(prefill_group if is_prefill else decode_group, world.backend, world.device)
+    stages = None
+    if layout.prefill_pp > 1:  # every rank of the world makes the prefill stages' groups, in the same order
+        pp_layout = check_layout(layout.prefill_ranks, layout.prefill_pp, cfg.n_layers, variant)
+        stages, _ = new_pp_groups(pp_layout)
     with meter or contextlib.nullcontext():
-        lm = shard_lm(weights, variant, ctx.group, vocab_parallel)
+        if is_prefill and stages is not None:  # this rank's stage of the pipelined prefill side
+            lm = shard_pp_lm(weights, variant, pp_layout, world.rank, stages[pp_layout.stage_of(world.rank)],
+                             world=ctx.group)
+        else:
+            lm = shard_lm(weights, variant, ctx.group, vocab_parallel)
     by_id = {r.id: r for r in requests}
     schedule = prefill_schedule(requests, chunk_size, max_batched_tokens, max_running, block_size, prefix_cache,
-                                kv_blocks)
+                                kv_blocks, layout.prefill_pp)
     handed = [rids for rids in ([rid for rid in done if by_id[rid].max_new_tokens > 1] for _, done in schedule) if rids]
     ledger = TrafficLedger(world.world_size, world.device)
     start = time.perf_counter()
@@ -111,7 +121,7 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
     elapsed = time.perf_counter() - start
     predicted = predict_transfers(cfg, layout.prefill_ranks, layout.decode_ranks,
                                   [(rid, len(by_id[rid].prompt)) for rids in handed for rid in rids],
-                                  next(lm.parameters()).dtype, streaming, world.rank)
+                                  next(lm.parameters()).dtype, streaming, world.rank, layout.prefill_pp)
     seen = [t.transfer() for t in ledger.transfers]
     local = {"rank": world.rank, "prefill": is_prefill, "started_at": res.started_at, "requests": res.requests,
              "iterations": res.iterations, "times": times, "transfers": [asdict(t) for t in ledger.transfers],
