@@ -492,8 +492,8 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     if ctx.is_main:
         add_text(report["requests"], s.hf_checkpoint)
     report["load"] = load
-    embed = getattr(lm, "lm", lm).embed  # a pipeline stage's LM holds it inside
-    report["embedding_bytes_per_rank"] = embed.weight.numel() * embed.weight.element_size()
+    embed = getattr(lm, "lm", lm).embed  # a pipeline stage's LM holds it inside (or not at all: a middle stage)
+    report["embedding_bytes_per_rank"] = 0 if embed is None else embed.weight.numel() * embed.weight.element_size()
     report["lm_head_tied"] = s.model.family == "gpt2" or s.model.tie_word_embeddings  # Llama: mostly a separate head
     publish(report, render, out_dir / s.report, ctx)
     ok = (report["ledger_matches_model"] and report["kv_cache"]["matches_formula"]

@@ -257,8 +257,8 @@ def shard_stage(dense, variant: str, layout: PPLayout, rank: int, group: dist.Pr
 
 
 class PPLM(nn.Module):
-    """A whole language model as pp stages × tp ranks, for serving: this rank's TP LM holding its stage's blocks (and,
-    for now, the embedding and the head on every stage: the first stage embeds, the last picks the tokens).
+    """A whole language model as pp stages × tp ranks, for serving: this rank's TP LM holding its stage's blocks, and
+    on the first stage the embedding, on the last the final norm and the head (shard_pp_lm leaves the others out).
 
     A micro-batch goes through the stages in three calls, on every rank of the world:
 
@@ -293,9 +293,7 @@ class PPLM(nn.Module):
     def stack(self):
         return self.lm.stack
 
-    @property
-    def vocab_parallel(self) -> bool:
-        return self.lm.vocab_parallel
+    vocab_parallel = True  # a stage's embedding and head are vocabulary-parallel (shard_pp_lm)
 
     @property
     def cache_heads(self) -> int:
@@ -361,10 +359,25 @@ class PPLM(nn.Module):
         return self.share(table, sample_rows.numel(), self.width(sampling), ids.device)
 
 
+ENDS = ("embed", "wpe", "ln_f", "norm", "head")  # an LM's modules outside its blocks (TPLM's, TPLlamaLM's)
+
+
+def stage_input(cfg) -> set[str]:
+    """What the first stage holds besides its blocks: the token embedding (and GPT-2's learned positions)."""
+    return {"embed", "wpe"} if cfg.family == "gpt2" else {"embed"}
+
+
+def stage_output(cfg) -> set[str]:
+    """What the last stage holds besides its blocks: the final norm and the head (the embedding itself when tied)."""
+    if cfg.family == "gpt2":
+        return {"embed", "ln_f"}  # GPT-2's head is its token embedding
+    return {"head", "norm"} | ({"embed"} if cfg.tie_word_embeddings else set())
+
+
 def shard_pp_lm(weights, variant: str, layout: PPLayout, rank: int, group: dist.ProcessGroup,
                 boundary: str = "whole", world: dist.ProcessGroup | None = None) -> PPLM:
-    """This rank's PPLM, its stage's blocks and the embedding and head, each cut over the stage's TP group: from a
-    dense LM (DenseLM or DenseLlamaLM: load, then shard) or a Source (layers/hf.CheckpointSource: the rank reads only
+    """This rank's PPLM, its stage's blocks (and the embedding on the first stage, the final norm and head on the
+    last), each cut over the stage's TP group: from a dense LM (DenseLM or DenseLlamaLM: load, then shard) or a Source (layers/hf.CheckpointSource: the rank reads only
     its stage's slices of the files), as layers/lm.shard_lm."""
     from dataclasses import replace as replaced
 
@@ -373,10 +386,19 @@ def shard_pp_lm(weights, variant: str, layout: PPLayout, rank: int, group: dist.
 
     source = weights if hasattr(weights, "fill") else DenseSource(weights)
     cfg = source.cfg
-    layers = stage_layers(cfg.n_layers, layout.pp)[layout.stage_of(rank)]
+    stage = layout.stage_of(rank)
+    layers = stage_layers(cfg.n_layers, layout.pp)[stage]
     lm = tp_lm(replaced(cfg, n_layers=len(layers)), variant, group, True, source.dtype, source.device)
+    keep = {"stack"} | (stage_input(cfg) if stage == 0 else set()) | (stage_output(cfg) if stage == layout.pp - 1
+                                                                       else set())
+    full = lm.plan()
+    for name in ENDS:  # the ends this stage does not hold: never loaded, their memory given back
+        if name not in keep and getattr(lm, name, None) is not None:
+            setattr(lm, name, None)
     plan = []
-    for part in lm.plan():
+    for part in full:
+        if part.param.split(".", 1)[0] not in keep:
+            continue
         if part.param.startswith("stack.blocks."):
             _, _, j, rest = part.source.split(".", 3)
             part = Part(part.param, f"stack.blocks.{layers.start + int(j)}.{rest}", part.cut, part.row)

@@ -300,3 +300,39 @@ def test_dtype_and_eos_auto_come_from_the_checkpoint(checkpoints):
         block = block_settings(compose("config", overrides=[f"hf_checkpoint={checkpoints['gpt2-bfloat16-sharded']}",
                                                             "n_tokens=8"]), 2, 2)
     assert block.dtype == torch.bfloat16 and block.dtype_from == "auto: the checkpoint's torch_dtype"
+
+
+def _stages_from_files(ctx, checkpoints: dict, pp: int):
+    """Each rank's pipeline stage read from the files (layers/hf.CheckpointSource) against the same stage cut from the
+    dense model loaded whole: equal bit for bit, and the bytes read are the stage's own parameters only."""
+    import torch.distributed as dist
+
+    from layers.hf import CheckpointSource, load_lm, read_config, read_state
+    from layers.lm import dense_lm
+    from layers.pipeline import check_layout, new_pp_groups, shard_pp_lm
+
+    rank, done = dist.get_rank(), []
+    for name in ("gpt2-float32-sharded", "llama-float32-sharded", "llama-bfloat16-single"):
+        path = checkpoints[name]
+        cfg = read_config(path)
+        dtype = torch.bfloat16 if "bfloat16" in name else torch.float32
+        layout = check_layout(ctx.world_size, pp, cfg.n_layers, "v2")
+        stages, _ = new_pp_groups(layout)
+        group = stages[layout.stage_of(rank)]
+        ckpt = read_state(path)
+        lazy = shard_pp_lm(CheckpointSource(ckpt, cfg, dtype), "v2", layout, rank, group)
+        ref = shard_pp_lm(load_lm(dense_lm(cfg, dtype), read_state(path)), "v2", layout, rank, group)
+        mine, theirs = lazy.state_dict(), ref.state_dict()
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), (name, rank)
+        assert ckpt.bytes_read == _expected_read(lazy, dtype.itemsize), (name, rank, ckpt.bytes_read)
+        done.append((ckpt.bytes_read, ckpt.total_bytes))
+    return done
+
+
+@pytest.mark.parametrize("pp,world", [(2, 2), (2, 4)])
+def test_pipeline_stages_read_only_their_own_slices(checkpoints, pp, world):
+    """A stage of a tp-rank group reads less than 1/tp of the files (it skips the other stages' layers and ends)."""
+    tp = world // pp
+    for rank, runs in enumerate(run_ranks(world, _stages_from_files, checkpoints, pp)):
+        for read, total in runs:
+            assert read < total / tp, (rank, read, total)

@@ -305,8 +305,11 @@ def pp_engine(ctx, pp, family, n_layers, boundary, attention="auto", workload=No
     res = engine.run(requests(workload))
     want = [greedy_reference(dense, r.prompt, r.max_new_tokens).ids for r in requests(workload)]
     rows = sum(t["rows"] for t in engine.engine.timeline if t["microbatch"] is not None)
+    from layers.pipeline import ENDS
+
     return {"same": [r["output_ids"] for r in res.requests] == want, "ledger": res.ledger_matches_model,
-            "overlaps": check.overlaps, "most": check.most, "pool_layers": engine.cache.n_layers,
+            "ends": sorted(n for n in ENDS if getattr(lm.lm, n, None) is not None),
+            "tied": getattr(cfg, "tie_word_embeddings", True), "overlaps": check.overlaps, "most": check.most, "pool_layers": engine.cache.n_layers,
             "stage_layers": len(lm.layers), "sent": sum(t["sent_bytes"] for t in engine.engine.timeline),
             "rows": rows, "preemptions": res.preemptions, "free": res.free_blocks_at_end, "blocks": res.kv_blocks,
             "finished_at": sorted({it["iteration"] for it in res.iterations if it["finished"]})}
@@ -325,6 +328,10 @@ def test_pipelined_serving_equals_the_dense_oracle_with_micro_batches_in_flight(
         assert r["same"] and r["ledger"], rank
         assert r["overlaps"] == [] and r["most"] == pp, rank  # pp micro-batches in flight at once, disjoint
         assert r["pool_layers"] == r["stage_layers"] == len(stage_layers(n_layers, pp)[rank // tp]), rank
+        # the first stage holds the embedding, the last the final norm and the head, the others neither
+        first = {"embed", "wpe"} if family == "gpt2" else {"embed"}
+        last = {"embed", "ln_f"} if family == "gpt2" else {"head", "norm"} | ({"embed"} if r["tied"] else set())
+        assert set(r["ends"]) == (first if rank < tp else set()) | (last if rank // tp == pp - 1 else set()), rank
         d, e = CFG.d_model, 8
         per = -(-r["rows"] // tp) if boundary == "scatter" and tp > 1 else None  # not per-micro-batch: checked below
         if rank // tp == pp - 1:
