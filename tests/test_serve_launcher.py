@@ -170,7 +170,7 @@ def test_serve_pd_end_to_end(tmp_path):
     assert "Llama-2-7B" in proc.stdout and "PASS: P/D served 5 requests" in proc.stdout
     report = json.loads((tmp_path / "report.json").read_text())
     t = report["transfer"]
-    assert report["pd"] == {"prefill_ranks": 2, "decode_ranks": 2, "streaming": True}
+    assert report["pd"] == {"prefill_ranks": 2, "decode_ranks": 2, "prefill_pp": 1, "streaming": True}
     assert t["pair_count"] == t["pair_count_formula"] == 2
     assert t["total_bytes"] == t["total_formula"] == sum(r["prompt_length"] for r in report["requests"]) * 2 * 2 * 512 * 8
     assert set(t["received_per_decode_rank"].values()) == {t["total_bytes"] // 2}
