@@ -84,7 +84,7 @@ def stats(res, timeline: list[dict] | None) -> dict:
 
 def gather_timeline(engine, result, ctx, tp: int) -> list[dict]:
     """TP rank 0 of every stage: its steps, with the micro-batch its blocks ran and when (from rank 0's start)."""
-    mine = {"rank": ctx.rank, "stage": ctx.rank // tp, "timeline": engine.timeline, "start": result.started_at}
+    mine = {"rank": ctx.rank, "stage": ctx.rank // tp, "timeline": list(engine.timeline), "start": result.started_at}
     every = [None] * ctx.world_size
     dist.all_gather_object(every, mine)
     t0 = every[0]["start"]

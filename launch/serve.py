@@ -190,6 +190,9 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
         if model.family == "mixtral":
             raise ConfigError(f"pp={pp} with an MoE model is not built: its experts are placed over the world, not one "
                               f"stage (serve model=mixtral_tiny with pp=1)")
+        if not boolean(cfg, "vocab_parallel"):
+            raise ConfigError(f"pp={pp} with vocab_parallel=false is not built: a pipeline's first and last stages hold "
+                              f"the embedding and the head vocabulary-parallel")
         try:
             check_layout(world_size, pp, model.n_layers, variant)
         except ValueError as exc:
@@ -503,10 +506,9 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
 
 def pipeline_report(s: Settings, ctx, engine, lm) -> dict:
     """Every rank's timeline gathered: per stage, the steps it ran a micro-batch in, its busy and idle time, and the
-    bytes each of its ranks sent across the boundary; the bubble (idle share of all stage-steps) beside GPipe's
-    (pp - 1)/(m + pp - 1) for the micro-batches the run formed."""
+    bytes each of its ranks sent across the boundary; the bubble: the idle share of all stage-steps (host times)."""
     mine = {"rank": ctx.rank, "stage": lm.index, "layers": [lm.layers.start, lm.layers.stop],
-            "timeline": engine.timeline}
+            "timeline": list(engine.timeline)}
     every = [None] * ctx.world_size
     dist.all_gather_object(every, mine, group=ctx.group)
     stages = []

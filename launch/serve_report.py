@@ -199,7 +199,8 @@ def render_pd(r: dict) -> str:
     per_rank = t.get("kv_bytes_per_token_per_decode_rank", t["kv_bytes_per_token"] // pd["decode_ranks"])
     lines += [
         (f"pairs: {t['pair_count']} = " + (f"{stages} stages x " if stages > 1 else "")
-         + ("((a + b - gcd(a, b)) * p_D / b, a = min(p_P, h_kv), b = min(p_D, h_kv)) = " if replicated
+         + ("(a + b - gcd(a, b)) * p_D / b, a = min(p_P, h_kv), b = min(p_D, h_kv) = " if replicated and stages == 1
+            else "((a + b - gcd(a, b)) * p_D / b, a = min(p_P, h_kv), b = min(p_D, h_kv)) = " if replicated
             else "(p_P + p_D - gcd(p_P, p_D)) = " if stages > 1 else "p_P + p_D - gcd(p_P, p_D) = ")
          + (f"{t['pair_count_formula']}" + (f" (p_P = {pd['prefill_ranks'] // stages} ranks per stage)"
                                             if stages > 1 else "") + "; "))

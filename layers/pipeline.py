@@ -17,9 +17,9 @@ tp/traffic_model.predict_pp_stage predicts each rank's messages and collectives;
 collective ("pp/all-gather"). With tp = 1 both ways are the same message.
 
     PPStage   the block check's stage: its layers' TP blocks; run() drives a forward-only GPipe schedule
-    PPLM      a language model's stage for serving: step() has TPLM.step's signature and result on every rank (the
-              first stage embeds, each runs its blocks over its own KV pool, the last picks the tokens and broadcasts
-              them); one iteration in flight at a time
+    PPLM      a language model's stage for serving: a micro-batch's part on this stage (forward_stage, sample,
+              share), driven by serve/pipeline.py's PipelineEngine with up to pp micro-batches in flight; step() is
+              one iteration alone, with TPLM.step's signature and result on every rank
 """
 
 from __future__ import annotations
@@ -207,9 +207,9 @@ class Boundary:
         return self.tp_rank * per, (self.tp_rank + 1) * per
 
     def send(self, x: torch.Tensor, microbatch: int, wait: bool = True):
-        """wait=False: post the message and return (work, tensor): the caller waits on work (the tensor stays alive
-        with it) before the receiver could be stuck behind a collective the sender must join (the serving pipeline
-        sends at the end of one tick; the next stage receives at the start of the next)."""
+        """wait=False: post the message and return (work, tensor), the tensor kept alive with its work until the
+        caller waits on it (the serving pipeline posts a micro-batch's rows in one step, the next stage having posted
+        their receive in the same step, and waits for the send in a later step)."""
         peer = self.layout.rank(self.index + 1, self.tp_rank)
         if self.mode == "scatter" and self.layout.tp > 1:
             lo, hi = self._piece(x.shape[0])
@@ -231,6 +231,24 @@ class Boundary:
         self._message("recv", x, peer, microbatch)
         return x
 
+    def post_receive(self, rows: int, microbatch: int) -> "PostedReceive":
+        """Post the receive of a micro-batch's rows now, take them later (take): the serving pipeline posts it in
+        the step the previous stage sends them, before that step's broadcast over the world, so no send is ever
+        pending across a collective without its receive posted (NCCL runs a communicator's operations in order)."""
+        peer = self.layout.rank(self.index - 1, self.tp_rank)
+        lo, hi = self._piece(rows) if self.mode == "scatter" and self.layout.tp > 1 else (0, rows)
+        buf = torch.empty(hi - lo, self.cfg.d_model, dtype=self.dtype, device=self.device)
+        return PostedReceive(dist.irecv(buf, peer), buf, rows, microbatch, peer, time.perf_counter())
+
+    def take(self, posted: "PostedReceive") -> torch.Tensor:
+        """A posted receive's rows [T, d]: wait for it, ledger it, and with the scatter boundary all-gather the
+        stage's pieces."""
+        posted.work.wait()
+        self._record("recv", posted.buf, posted.peer, posted.microbatch, posted.at)
+        if self.mode == "scatter" and self.layout.tp > 1:
+            return gather_rows_to_parallel(posted.buf, self.group, "pp/all-gather")[:posted.rows]  # ★ all-gather
+        return posted.buf
+
     def _message(self, kind: str, t: torch.Tensor, peer: int, microbatch: int, wait: bool = True):
         start = time.perf_counter()
         work = None
@@ -238,12 +256,25 @@ class Boundary:
             work = (dist.isend(t, peer), t)  # ★ point to point, between stages (posted)
         else:
             (dist.send if kind == "send" else dist.recv)(t, peer)  # ★ point to point, between stages
+        self._record(kind, t, peer, microbatch, start)
+        return work
+
+    def _record(self, kind: str, t: torch.Tensor, peer: int, microbatch: int, start: float) -> None:
         ledger = active()
         if ledger is not None:
             ledger.transfer(TransferRecord(kind, "pp/boundary", microbatch, None, self.global_rank, peer, (0, 0),
                                            tuple(t.shape), str(t.dtype).removeprefix("torch."),
                                            t.numel() * t.element_size(), time.perf_counter() - start))
-        return work
+
+
+@dataclass
+class PostedReceive:
+    work: object  # the irecv's work
+    buf: torch.Tensor  # where the rows land: [T, d], or this rank's piece with the scatter boundary
+    rows: int
+    microbatch: int
+    peer: int
+    at: float  # when it was posted (time.perf_counter())
 
 
 def shard_stage(dense, variant: str, layout: PPLayout, rank: int, group: dist.ProcessGroup,
@@ -271,7 +302,7 @@ class PPLM(nn.Module):
         share(table, rows, width)                            ★ broadcast from the last stage's TP rank 0 to every rank
                                                              ("pp/tokens"): a SampleResult on every rank
 
-    The serving engine (serve/engine.py's PipelineEngine) calls them for up to pp micro-batches in flight at once;
+    The serving engine (serve/pipeline.py's PipelineEngine) calls them for up to pp micro-batches in flight at once;
     step() is the three of them for one iteration alone, with TPLM.step's signature and result."""
 
     def __init__(self, lm, layout: PPLayout, rank: int, layers: range, boundary: str = "whole", model_cfg=None,
@@ -311,8 +342,13 @@ class PPLM(nn.Module):
     def last(self) -> bool:
         return self.index == self.layout.pp - 1
 
-    def forward_stage(self, ids, positions, layers, microbatch: int = 0) -> torch.Tensor:
-        x = self.lm.embed_rows(ids, positions) if self.first else self.link.receive(ids.shape[0], microbatch)
+    def forward_stage(self, ids, positions, layers, microbatch: int = 0,
+                      received: PostedReceive | None = None) -> torch.Tensor:
+        """received: the stage's input, its receive posted earlier (Boundary.post_receive); None: received now."""
+        if self.first:
+            x = self.lm.embed_rows(ids, positions)
+        else:
+            x = self.link.take(received) if received is not None else self.link.receive(ids.shape[0], microbatch)
         x = self.lm.stack.forward_cached(x, layers)
         if not self.last:
             self.flush()  # the previous tick's send has been received: the next stage took it before this tick's end

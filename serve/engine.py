@@ -565,7 +565,7 @@ class Recorder(StepHook):
         self.token_times: dict[int, list[float]] = {}
         self.logits: dict[int, list[float]] = {}
         self.t0 = 0.0
-        self.before: tuple[int, int, int] = (0, 0, 0)
+        self.before: dict[int, tuple[int, int, int]] = {}  # per plan: blocks used, positions held, running
 
     def before_schedule(self, engine: "LLMEngine") -> None:
         self.t0 = time.perf_counter()
@@ -574,8 +574,9 @@ class Recorder(StepHook):
         sched = engine.scheduler
         for r in (*sched.waiting, *sched.running):  # arrived by now: its time to first token counts from here
             self.arrived_at.setdefault(r.id, self.t0)
-        # this iteration's tables, before finishing requests give theirs back
-        self.before = (sched.blocks.num_used, sched.positions_held(), len(sched.running))
+        # this iteration's tables, before finishing requests give theirs back (kept per plan: in a pipeline the
+        # plan comes back pp - 1 steps later)
+        self.before[plan.index] = (sched.blocks.num_used, sched.positions_held(), len(sched.running))
 
     def after_step(self, engine: "LLMEngine", step: StepRecord) -> None:
         seen, predicted = step_traffic(engine, step)
@@ -588,7 +589,7 @@ class Recorder(StepHook):
             self.token_times.setdefault(rid, []).append(t1)
             self.logits.setdefault(rid, []).append(row[1])
         sched, ledger = engine.scheduler, engine.ledger
-        blocks_used, positions_held, running = self.before
+        blocks_used, positions_held, running = self.before.pop(plan.index)
         record = {
             "iteration": plan.index, "rows": plan.rows, "prefill_chunks": plan.prefill_chunks,
             "decodes": plan.decodes, "admitted": list(plan.admitted), "finished": list(step.ended),

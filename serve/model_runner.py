@@ -52,10 +52,11 @@ class ModelRunner:
         return out, sampling
 
     @torch.no_grad()
-    def forward_stage(self, prepared: Prepared, microbatch: int) -> torch.Tensor:
-        """A pipeline stage's part of a micro-batch (layers/pipeline.py's PPLM): its hidden states [T, d]."""
+    def forward_stage(self, prepared: Prepared, microbatch: int, received=None) -> torch.Tensor:
+        """A pipeline stage's part of a micro-batch (layers/pipeline.py's PPLM): its hidden states [T, d]. received:
+        its input's receive, posted earlier (None on the first stage)."""
         step = prepared.step
-        return self.lm.forward_stage(step.ids, step.positions, self.cache.layers(step.batch), microbatch)
+        return self.lm.forward_stage(step.ids, step.positions, self.cache.layers(step.batch), microbatch, received)
 
 
 class Prepared(NamedTuple):

@@ -20,8 +20,8 @@ pp stage-steps are idle (the bubble); with pp micro-batches of equal size in fli
 Every rank's collectives and boundary messages of every step are compared with the model (tp/traffic_model.py:
 predict_control, the plan check, predict_pp_stage for this rank's stage and micro-batch, the head's pick on the last
 stage, the token broadcast), as LLMEngine's are. Each rank keeps its timeline: per step, which micro-batch its stage
-ran and for how long (host time; on a GPU without a wait for the stream, so the device time of a step is not
-separated from the next).
+ran and for how long (host time: on a GPU, without a wait for the stream, a stage's busy time is the time to
+launch its work, not the device's, and the bubble read from it means nothing there).
 """
 
 from __future__ import annotations
@@ -59,6 +59,9 @@ def pipeline_schedule(sched, pp: int, before_schedule=None):
         index += 1
 
 
+TIMELINE_STEPS = 1 << 16  # the most recent steps each rank keeps in its timeline (a server runs for long)
+
+
 @dataclass
 class InFlight:
     plan: IterationPlan
@@ -77,12 +80,17 @@ class PipelineEngine(LLMEngine):
         # per step that had work: the micro-batch this rank's stage ran (None: idle) and its rows, the time in its
         # blocks (busy_s) and in the whole step (step_s), when its blocks began (start_s: time.perf_counter()), the
         # bytes it sent across the boundary
-        self.timeline: list[dict] = []
+        self.timeline: deque[dict] = deque(maxlen=TIMELINE_STEPS)
         self._width = 2  # columns of the last token table broadcast
         self.stage_plan: IterationPlan | None = None  # the micro-batch this rank's stage is running
+        self._incoming = None  # the receive posted for the next step's input (a stage after the first)
 
     def has_unfinished_requests(self) -> bool:
         return super().has_unfinished_requests() or bool(self.queue)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.lm.flush()  # rank 0's last sends: received by now (the queue drained), waited for
 
     @torch.no_grad()
     def step(self):
@@ -114,10 +122,14 @@ class PipelineEngine(LLMEngine):
             table, picked, t0 = None, None, time.perf_counter()
             self.stage_plan = None if mine is None else mine.plan  # what this stage runs now (a hook may ask)
             if mine is not None:
-                x = self.runner.forward_stage(mine.prepared, mine.plan.index)
+                received, self._incoming = self._incoming, None
+                x = self.runner.forward_stage(mine.prepared, mine.plan.index, received)
                 if lm.last and mine.plan.sample_rows:
                     table, picked = lm.sample(x, mine.prepared.step.sample_rows, mine.prepared.sampling)
             busy = time.perf_counter() - t0
+            before = next((e for e in self.queue if e.tick == self.index - self.stage + 1), None)
+            if not lm.first and before is not None:  # the stage before sent its rows this step: post their receive
+                self._incoming = lm.link.post_receive(before.plan.rows, before.plan.index)  # before the broadcast
             done = self.queue[0] if self.queue[0].tick == self.index - (self.pp - 1) else None
             if done is not None:
                 self.queue.popleft()

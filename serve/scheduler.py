@@ -262,9 +262,9 @@ class Scheduler:
             if holder is not None:  # a handed-over request still waiting holds blocks: it gives them back first
                 self._preempt(holder, preempted, waiting=True)
                 continue
-            victim = next((w for w in reversed(self.running) if w.id not in self.in_flight), None)
-            if victim is None:  # every other holder is in a micro-batch in flight: r waits for one to come back
-                return False
+            victim = next(w for w in reversed(self.running) if w.id not in self.in_flight)  # r at the latest
+            if victim is r and self.in_flight:  # the other holders are in micro-batches in flight: r waits for
+                return False  # them to come back rather than give up its blocks and recompute
             self._preempt(victim, preempted)
             if victim is r:
                 return False

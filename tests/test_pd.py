@@ -22,6 +22,17 @@ WORKLOAD = [(9, 6, 0), (17, 4, 0), (3, 8, 2), (25, 5, 3), (1, 3, 3), (12, 7, 6),
 LAYOUTS = [(1, 1), (2, 2), (1, 2), (2, 1), (2, 4), (4, 2)]
 
 
+def pair_orders_match(transfers: list[dict]) -> bool:
+    """On every (prefill rank, decode rank) pair, the messages in the order the sender posted them equal the ones the
+    receiver posted, in its order: NCCL matches a pair's messages in order, not by tag (gloo forgives a difference)."""
+    sent, received = {}, {}
+    for t in transfers:  # every rank's ledger, in its order
+        mine = sent if t["kind"] == "send" else received
+        pair = (t["rank"], t["peer"]) if t["kind"] == "send" else (t["peer"], t["rank"])
+        mine.setdefault(pair, []).append((t["site"], t["request"], t["layer"], t["bytes"]))
+    return sent == received
+
+
 @pytest.fixture(scope="module")
 def oracle():
     dense = dense_lm()
@@ -86,6 +97,7 @@ def test_pd_tokens_equal_the_oracle_and_bytes_equal_the_formula(layout, streamin
     assert sum(t["bytes"] for t in sends) == sum(handed) * k_tok  # L_p · K_tok
     for s in range(p_prefill, p_prefill + p_decode):
         assert sum(t["bytes"] for t in kv if t["kind"] == "recv" and t["rank"] == s) == sum(handed) * k_tok // p_decode
+    assert pair_orders_match(transfers)
     # every message was both sent and received, with the same bytes
     key = lambda t, a, b: (t[a], t[b], t["request"], t["layer"], t["site"], t["bytes"])  # noqa: E731
     assert Counter(key(t, "rank", "peer") for t in transfers if t["kind"] == "send") == \
@@ -381,6 +393,7 @@ def test_pd_with_a_pipelined_prefill_side_equals_the_oracle(p_prefill, prefill_p
     results = run_ranks(p_prefill + p_decode, pd_pipelined, p_prefill, prefill_pp, p_decode, streaming, n_layers)
     for res in results:
         assert res["same"] and res["ok"]
+    assert pair_orders_match(results[0]["transfers"])  # the first token from the last stage, after its K,V
     kv = [t for t in results[0]["transfers"] if t["site"] == "pd/kv" and t["kind"] == "send"]
     tp = p_prefill // prefill_pp
     handed = [n for n, new, _ in WORKLOAD if new > 1]

@@ -304,7 +304,7 @@ def pp_engine(ctx, pp, family, n_layers, boundary, attention="auto", workload=No
     engine = Engine(lm, ctx, attention=attention, hooks=[check], **settings)
     res = engine.run(requests(workload))
     want = [greedy_reference(dense, r.prompt, r.max_new_tokens).ids for r in requests(workload)]
-    rows = sum(t["rows"] for t in engine.engine.timeline if t["microbatch"] is not None)
+    rows = [t["rows"] for t in engine.engine.timeline if t["microbatch"] is not None]  # this stage's micro-batches
     from layers.pipeline import ENDS
 
     return {"same": [r["output_ids"] for r in res.requests] == want, "ledger": res.ledger_matches_model,
@@ -332,14 +332,13 @@ def test_pipelined_serving_equals_the_dense_oracle_with_micro_batches_in_flight(
         first = {"embed", "wpe"} if family == "gpt2" else {"embed"}
         last = {"embed", "ln_f"} if family == "gpt2" else {"head", "norm"} | ({"embed"} if r["tied"] else set())
         assert set(r["ends"]) == (first if rank < tp else set()) | (last if rank // tp == pp - 1 else set()), rank
-        d, e = CFG.d_model, 8
-        per = -(-r["rows"] // tp) if boundary == "scatter" and tp > 1 else None  # not per-micro-batch: checked below
+        d, e = (CFG if family == "gpt2" else LLAMA).d_model, 8
         if rank // tp == pp - 1:
             assert r["sent"] == 0
-        elif per is None:
-            assert r["sent"] == r["rows"] * d * e, rank  # whole: every row of every micro-batch, from every TP rank
-        else:
-            assert 0 < r["sent"] < r["rows"] * d * e, rank
+        elif boundary == "whole" or tp == 1:
+            assert r["sent"] == sum(r["rows"]) * d * e, rank  # every row of every micro-batch, from every TP rank
+        else:  # scatter: ⌈T/tp⌉ rows of each micro-batch of T rows
+            assert r["sent"] == sum(-(-n // tp) for n in r["rows"]) * d * e, rank
     assert len(results[0]["finished_at"]) > 1  # requests finish in different micro-batches
 
 
@@ -427,10 +426,13 @@ def test_the_scheduler_forms_pp_micro_batches_of_disjoint_requests():
     sched.in_flight.update(c.request for c in b.chunks)
     sched.update(a, {0: 9})
     c = sched.schedule(2)  # request 0's decode needs a second block; request 1 holds the other and is in flight:
-    # the victim is request 0 itself (the latest admitted request not in flight), never request 1
-    assert c is None and sched.preemptions == 1
-    assert sched.by_id[0].status.value == "preempted" and sched.by_id[1].status.value == "running"
-    assert 1 in sched.blocks.tables and 0 not in sched.blocks.tables
+    # request 0 waits for it (no preemption, no recompute), and request 1 is never the victim
+    assert c is None and sched.preemptions == 0
+    assert sched.by_id[0].status.value == sched.by_id[1].status.value == "running"
+    assert 0 in sched.blocks.tables and 1 in sched.blocks.tables
+    sched.update(b, {1: 9})  # request 1 is back: now request 0's decode preempts the latest admitted, request 1
+    d = sched.schedule(3)
+    assert [c.request for c in d.chunks] == [0] and sched.preemptions == 1 and 1 not in sched.blocks.tables
 
 
 # ---- launch/serve.py and the library with pp -----------------------------------------------------------------------
@@ -476,6 +478,7 @@ PP_SERVE_BAD = [
      "pd.prefill_pp=2: pp=2 is more stages than the model's 1 layers"),
     (4, ["pp=2", "model=mixtral_tiny"], "pp=2 with an MoE model is not built"),
     (4, ["pp=2", "variant=v2sp"], "unknown variant 'v2sp' for serving"),
+    (4, ["pp=2", "vocab_parallel=false"], "pp=2 with vocab_parallel=false is not built"),
     (8, ["pp=2", "model.n_heads=6", "model.d_head=8", "model.d_model=48"], "n_heads=6 heads cannot be split over p=4"),
 ]
 

@@ -213,6 +213,18 @@ def pd_pairs(n_kv_heads: int, n_layers: int, p_prefill: int, p_decode: int,
             for r, s, lo, hi in head_overlaps(n_kv_heads, tp, p_decode)]
 
 
+def token_sources(pairs: list[tuple[int, int, int, int, range]], n_layers: int) -> dict[int, int]:
+    """decode rank index -> the prefill rank that sends it each request's first token: the lowest rank of the last
+    stage paired with it (pd_pairs). The last stage runs the micro-batch that samples the token in the same step as
+    it streams its own layers' K,V, so on every pair the token follows the K,V it belongs to (NCCL matches a pair's
+    messages in order, not by tag). With one stage: the lowest prefill rank overlapping it."""
+    out: dict[int, int] = {}
+    for r, s, _, _, layers in pairs:
+        if layers.stop == n_layers:
+            out.setdefault(s, r)
+    return out
+
+
 def _lowest_holder(n_kv_heads: int, head: int, p: int) -> int:
     return head // (n_kv_heads // p) if p <= n_kv_heads else ceil_div(head * p, n_kv_heads)
 
@@ -231,7 +243,8 @@ def predict_transfers(cfg: ModelConfig, p_prefill: int, p_decode: int, handovers
 
     Per request and pair (head_overlaps, on K,V heads): the K,V of heads [lo, hi) for positions [0, N) of every
     layer, one message [L, 2, hi−lo, N, d_head] (sent after prefill) or L messages [2, hi−lo, N, d_head] (streamed
-    layer by layer); and to each decode rank its first token, [1] int64, from the lowest prefill rank overlapping it.
+    layer by layer); and to each decode rank its first token, [1] int64, from the lowest prefill rank overlapping it
+    (of the last stage: token_sources).
     Before them, once per pair, the set-up's warm-up message ("pd/warm-up", request −1, [1] int64).
     Each decode rank receives its own cache share, L_p · 2·L·max(h_kv/p_D, 1)·d_head·e bytes per request: summed,
     L_p · K_tok (K_tok = 2·L·h_kv·d_head·e) while p_D ≤ h_kv, more once decode ranks replicate K,V heads.
@@ -240,9 +253,7 @@ def predict_transfers(cfg: ModelConfig, p_prefill: int, p_decode: int, handovers
     dh, e = cfg.d_head, dtype.itemsize
     name = str(dtype).removeprefix("torch.")
     pairs = pd_pairs(cfg.n_kv_heads, cfg.n_layers, p_prefill, p_decode, prefill_pp)
-    first = {}
-    for r, s, *_ in pairs:
-        first.setdefault(s, r)
+    first = token_sources(pairs, cfg.n_layers)
     out = []
     for r, s, *_ in pairs:  # set-up: one warm-up message per pair (serve/pd/handover.warm_up_pairs)
         if rank in (r, p_prefill + s):

@@ -25,7 +25,7 @@ from serve.scheduler import Request, Scheduler
 from tp.dist import DEFAULT_TIMEOUT_S, control_device, host_control
 from tp.ledger import TrafficLedger, TransferRecord
 from tp.partition import kv_head_range
-from tp.traffic_model import pd_pairs
+from tp.traffic_model import pd_pairs, token_sources
 
 
 def _tag(request: int, layer: int | None, n_layers: int) -> int:
@@ -135,9 +135,7 @@ class PrefillSide(StepHook):
         pairs = pd_pairs(cfg.n_kv_heads, cfg.n_layers, layout.prefill_ranks, layout.decode_ranks, layout.prefill_pp)
         self.peers = [(layout.prefill_ranks + s, lo, hi) for r, s, lo, hi, _ in pairs if r == rank]
         self.layers = next((layers for r, *_, layers in pairs if r == rank), range(0))  # this rank's, in the model
-        first = {}
-        for r, s, *_ in pairs:
-            first.setdefault(s, r)
+        first = token_sources(pairs, cfg.n_layers)  # a last-stage rank: its token follows its K,V on the pair
         self.token_peers = [layout.prefill_ranks + s for s, r in sorted(first.items()) if r == rank]
         tp = layout.prefill_ranks // layout.prefill_pp
         self.first_head = kv_head_range(cfg.n_kv_heads, rank % tp, tp).start  # of this rank's cache
@@ -254,7 +252,7 @@ class DecodeSide(StepHook):
         s = rank - layout.prefill_ranks
         pairs = pd_pairs(cfg.n_kv_heads, cfg.n_layers, layout.prefill_ranks, layout.decode_ranks, layout.prefill_pp)
         self.peers = [(r, lo, hi, layers) for r, s2, lo, hi, layers in pairs if s2 == s]  # layers: what r holds
-        self.token_peer = min(r for r, *_ in self.peers)
+        self.token_peer = token_sources(pairs, cfg.n_layers)[s]
         self.first_head = kv_head_range(cfg.n_kv_heads, s, layout.decode_ranks).start
         self.upcoming = deque(groups)  # request ids in the prefill side's order, one list per prefill iteration
         self.posted: deque[_Posted] = deque()
