@@ -80,6 +80,7 @@ class Settings(LaunchSettings):
     attention: str = EngineConfig.attention
     shared_prefix: int = 0
     comm_timing: bool = False  # per-collective times in the ledger: two waits for the compute stream per collective
+    chunk_pipelining: bool = False  # pp > 1: a prompt's next chunk may enter while its previous one is in flight
     notes: tuple[str, ...] = ()  # what was changed from what was asked, said by rank 0 and kept in the report
     moe_parallel: str = "tp"  # MoE models: where the experts live (tp: split; ep: whole experts per rank)
     sampling: dict | None = None  # temperature, top_k, top_p, min_p, sampling_seed; None: greedy
@@ -91,7 +92,8 @@ class Settings(LaunchSettings):
         return dict(chunk_size=self.chunk_size, max_batched_tokens=self.max_batched_tokens,
                     max_running=self.max_running, eos_id=self.eos_id, block_size=self.block_size,
                     kv_blocks=self.kv_blocks, prefix_cache=self.prefix_cache, attention=self.attention,
-                    comm_timing=self.comm_timing, seed=(self.sampling or {}).get("sampling_seed", 0))
+                    comm_timing=self.comm_timing, chunk_pipelining=self.chunk_pipelining,
+                    seed=(self.sampling or {}).get("sampling_seed", 0))
 
 
 def parse_pd(cfg: DictConfig, world_size: int) -> tuple[Layout | None, bool, float, int | None]:
@@ -198,6 +200,8 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     engine = parse_engine(cfg)
+    if engine.chunk_pipelining and pp == 1:
+        raise ConfigError("chunk_pipelining=true is for a pipeline: set pp > 1 (or leave chunk_pipelining false)")
     paging = parse_paging(cfg, engine)
     notes: list[str] = []
     requests = parse_requests(cfg, model, common["seed"], paging["shared_prefix"], notes)
@@ -221,7 +225,8 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
                     vocab_parallel=boolean(cfg, "vocab_parallel"), check=check, pd=layout,
                     streaming=streaming, pd_timeout_s=pd_timeout_s, decode_block_size=decode_block_size,
                     notes=tuple(notes), moe_parallel=moe_parallel,
-                    sampling=sampling, pp=pp, pp_boundary=pp_boundary, **paging)
+                    sampling=sampling, pp=pp, pp_boundary=pp_boundary, chunk_pipelining=engine.chunk_pipelining,
+                    **paging)
 
 
 def parse_eos(cfg: DictConfig, model: ModelConfig, hf_checkpoint: str | None) -> tuple[int | tuple | None, str | None]:
@@ -313,7 +318,8 @@ def parse_engine(cfg: DictConfig) -> EngineConfig:
                             block_size=integer(cfg, "block_size"),
                             kv_blocks=None if cfg.kv_blocks is None else integer(cfg, "kv_blocks"),
                             prefix_cache=boolean(cfg, "prefix_cache"), attention=str(cfg.attention),
-                            comm_timing=boolean(cfg, "comm_timing"))
+                            comm_timing=boolean(cfg, "comm_timing"),
+                            chunk_pipelining=boolean(cfg, "chunk_pipelining"))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -723,8 +729,8 @@ def build_report(s: Settings, ctx, result: ServeResult, checks: list[dict] | Non
 # The engine settings whose launcher default is the library's: conf/serve.yaml takes them from here, so each default
 # is written once (serve/config.py). block_size: token positions per KV block; prefix_cache: share full blocks of
 # identical prompt prefixes; attention: the attention backend (auto | cpu | batched | reference); comm_timing:
-# per-collective times.
-ENGINE_DEFAULTS = ("block_size", "prefix_cache", "attention", "comm_timing")
+# per-collective times; chunk_pipelining: with pp > 1, a prompt's chunks may be in flight at once.
+ENGINE_DEFAULTS = ("block_size", "prefix_cache", "attention", "comm_timing", "chunk_pipelining")
 ConfigStore.instance().store(name="engine_defaults", node={k: getattr(EngineConfig, k) for k in ENGINE_DEFAULTS})
 
 

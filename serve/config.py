@@ -20,6 +20,9 @@
     reserve_capacity    -                         the pre-paging rule, kept to measure what paging frees: a
                                                   request takes blocks for its whole capacity when admitted
                                                   (needs prefix_cache off)
+    chunk_pipelining    -                         pipeline stages (pp > 1): a prompt's next chunk may enter the
+                                                  pipeline while its previous chunk is still in flight (off: a
+                                                  request is in one micro-batch in flight at most, vLLM V1's rule)
 
 Plain Python, no torch: the scheduler and the block manager read their defaults from here too (each default is
 written once, here; tests/test_llm.py checks it). A bad value is a ValueError with one line that names the setting, raised where the object is made, before
@@ -52,6 +55,7 @@ class EngineConfig:
     comm_timing: bool = False
     check_ledger: bool = True
     reserve_capacity: bool = False
+    chunk_pipelining: bool = False
 
     def __post_init__(self):
         for name in ("chunk_size", "max_batched_tokens", "max_running", "block_size", "kv_blocks"):
@@ -60,7 +64,7 @@ class EngineConfig:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an integer of at least 1")
-        for name in ("prefix_cache", "comm_timing", "check_ledger", "reserve_capacity"):
+        for name in ("prefix_cache", "comm_timing", "check_ledger", "reserve_capacity", "chunk_pipelining"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.attention not in ATTENTION_MODES:

@@ -647,13 +647,15 @@ class Engine:
                  block_size: int = EngineConfig.block_size, kv_blocks: int | None = None,
                  prefix_cache: bool = EngineConfig.prefix_cache, attention: str = EngineConfig.attention,
                  reserve_capacity: bool = EngineConfig.reserve_capacity,
-                 comm_timing: bool = EngineConfig.comm_timing, on_iteration=None,
+                 comm_timing: bool = EngineConfig.comm_timing, chunk_pipelining: bool = EngineConfig.chunk_pipelining,
+                 on_iteration=None,
                  hooks: StepHook | list[StepHook] | None = None, seed: int = 0):
         self.lm, self.ctx = lm, ctx
         self.settings = dict(chunk_size=chunk_size, max_batched_tokens=max_batched_tokens,
                              max_running=max_running or max_batched_tokens, block_size=block_size, kv_blocks=kv_blocks,
                              prefix_cache=prefix_cache, attention=attention, comm_timing=comm_timing,
-                             reserve_capacity=reserve_capacity, check_ledger=False)  # the Recorder compares instead
+                             reserve_capacity=reserve_capacity, chunk_pipelining=chunk_pipelining,
+                             check_ledger=False)  # the Recorder compares instead
         try:
             EngineConfig(**self.settings)
         except ValueError as exc:
@@ -733,7 +735,8 @@ class Engine:
         """Four numbers from the scheduler settings and the requests: ranks given different ones disagree here."""
         knobs = [config.chunk_size, config.max_batched_tokens, config.max_running,
                  eos_key(self.eos_id), config.block_size, config.kv_blocks,
-                 int(config.prefix_cache), ATTENTION_MODES.index(config.attention), int(config.reserve_capacity)]
+                 int(config.prefix_cache), ATTENTION_MODES.index(config.attention), int(config.reserve_capacity),
+                 int(config.chunk_pipelining)]
         per_request = [(r.id, len(r.prompt), sum(r.prompt), r.max_new_tokens, r.arrival, r.computed) for r in requests]
         return [float(len(requests)), float(sum((i + 1) * k for i, k in enumerate(knobs))),
                 float(sum((i + 1) * sum(x) for i, x in enumerate(per_request))),

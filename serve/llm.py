@@ -134,6 +134,8 @@ class LLM:
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
         self.model_config, checkpoint = resolve_model(model, p, moe_parallel)
+        if pp == 1 and self.config.chunk_pipelining:
+            raise ValueError("chunk_pipelining=True is for a pipeline: set pipeline_parallel_size > 1")
         if pp > 1:
             from layers.pipeline import check_layout
 

@@ -50,7 +50,7 @@ def pipeline_schedule(sched, pp: int, before_schedule=None):
     while sched.has_work() or queue:
         entered, index = next_plan(sched, index, before_schedule)
         if entered is not None:
-            sched.in_flight.update(c.request for c in entered.chunks)
+            sched.dispatch(entered)
             queue.append((entered, index))
         if not queue:
             return
@@ -76,6 +76,7 @@ class PipelineEngine(LLMEngine):
         super().__init__(lm, ctx, config, eos_token_ids, seed, hooks)
         self.pp, self.stage = lm.layout.pp, lm.index
         self.scheduler.stages = self.pp
+        self.scheduler.chunk_pipelining = self.config.chunk_pipelining
         self.queue: deque[InFlight] = deque()
         # per step that had work: the micro-batch this rank's stage ran (None: idle) and its rows, the time in its
         # blocks (busy_s) and in the whole step (step_s), when its blocks began (start_s: time.perf_counter()), the
@@ -113,8 +114,9 @@ class PipelineEngine(LLMEngine):
                 for hook in self.hooks:
                     hook.before_forward(self, entered)
                 self._agree(entered.fingerprint(), f"iteration {entered.index}: ranks scheduled different rows")  # ★
-                sched.in_flight.update(c.request for c in entered.chunks)
-                self.queue.append(InFlight(entered, self.runner.prepare(entered, sched.by_id), self.index))
+                prepared = self.runner.prepare(entered, sched.by_id)  # before dispatch moves `computed` on
+                sched.dispatch(entered)
+                self.queue.append(InFlight(entered, prepared, self.index))
             if not self.queue:  # nothing in flight and nothing to run
                 self._after(StepRecord(None, payload, None, ended=aborts))
                 return self._outputs_of([], aborts)

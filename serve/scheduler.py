@@ -30,7 +30,7 @@ computed (as in vLLM's v1 scheduler).
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 from serve.block_manager import BlockManager
 from serve.config import EngineConfig
@@ -101,11 +101,14 @@ class Scheduler:
                                     key=lambda r: (r.arrival, r.id)))
         self.waiting: deque[Request] = deque()
         self.by_id = {r.id: r for r in requests}
-        # Pipeline parallelism (serve/engine.py's PipelineEngine): requests in a micro-batch that has not come back
-        # from the last stage. They get no rows and are never preempted until it has (vLLM V1's batch queue), and
-        # each micro-batch takes at most share() of the requests, so that pp micro-batches can be in flight.
-        self.in_flight: set[int] = set()
+        # Pipeline parallelism (serve/pipeline.py's PipelineEngine): requests in micro-batches that have not come
+        # back from the last stage, and in how many. They get no rows and are never preempted until they have (vLLM
+        # V1's batch queue); with chunk_pipelining, a prompt whose chunk is in flight may still get its next chunk
+        # (its `computed` counts the rows dispatched). Each micro-batch takes at most share() of the requests, so
+        # that pp micro-batches can be in flight.
+        self.in_flight: Counter[int] = Counter()
         self.stages = 1
+        self.chunk_pipelining = EngineConfig.chunk_pipelining  # the PipelineEngine sets both from its config
 
     def check_fits(self, r: Request) -> None:
         """SchedulerError unless the pool can hold r alone at its largest."""
@@ -150,6 +153,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.pending or self.in_flight)
 
+    def dispatch(self, plan: IterationPlan) -> None:
+        """A pipeline: the plan's micro-batch enters the first stage. Its requests are in flight until update(plan),
+        and each request's `computed` counts its dispatched rows (its next chunk, if it may have one, starts there)."""
+        for c in plan.chunks:
+            self.in_flight[c.request] += 1
+            self.by_id[c.request].computed = c.q_end
+
     def share(self) -> int:
         """The most requests one micro-batch takes: all of them with one stage; with pp stages, 1/pp of the requests
         that could run (running, and waiting up to max_running), rounded up, so that pp micro-batches of about equal
@@ -188,7 +198,8 @@ class Scheduler:
         self._rows, self._left = {}, self.budget
         preempted: list[Request] = []
         self.preempted_waiting: list[int] = []
-        ready = [r for r in self.running if r.id not in self.in_flight]
+        ready = [r for r in self.running if r.id not in self.in_flight
+                 or (self.chunk_pipelining and r.computed < len(r.tokens))]  # a prompt's next chunk
         decodes = [r for r in ready if r.decoding]
         carried = [r for r in ready if not r.decoding]
         share = self.share()
@@ -296,15 +307,18 @@ class Scheduler:
         are given back (their contents stay in the pool until reused: a hook may still read them)."""
         finished = []
         for c in plan.chunks:
-            self.in_flight.discard(c.request)
+            if c.request in self.in_flight:  # a pipeline's micro-batch back from the last stage
+                self.in_flight[c.request] -= 1
+                if not self.in_flight[c.request]:
+                    del self.in_flight[c.request]
             r = self.by_id.get(c.request)
             if r is None or r.finished:  # aborted while its micro-batch was in flight (pipeline parallelism)
                 continue
-            r.computed = c.q_end
+            r.computed = max(r.computed, c.q_end)  # a later chunk may have been dispatched already (a pipeline)
             if c.sample:
                 if r.append(sampled[c.request], self.eos_id):
                     finished.append(r.id)
-            self.blocks.commit(r.id, r.tokens, r.computed)
+            self.blocks.commit(r.id, r.tokens, c.q_end)  # K,V written on every stage up to here
         for rid in finished:
             self.blocks.release(rid)
         if finished:
