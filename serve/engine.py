@@ -20,6 +20,9 @@ different sizes. Control traffic is CPU tensors over the group's gloo backend (u
 never waits for a GPU. The traffic ledger records every collective of every step, and each step is compared with
 the analytic model (tp/traffic_model.py: predict_control + predict_iteration).
 
+Over pipeline stages (layers/pipeline.py's PPLM) the same engine runs as serve/pipeline.py's PipelineEngine (new_engine
+picks it): one step is one tick of the pipeline, with up to pp micro-batches in flight.
+
 What the host waits for, per step: one read of the sampled tokens and their logits (one device-to-host copy; it also
 ends the iteration's clock, so timing costs no extra wait). The inputs go over in one host-to-device copy
 (serve/inputs.py), the ledger counts without waiting, and per-collective times (comm_timing=True) add two waits for
