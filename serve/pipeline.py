@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -189,8 +189,7 @@ class PipelineEngine(LLMEngine):
             collectives, sent = predict_pp_stage(cfg, lm.layout.pp, tp, lm.global_rank, n, self.dtype, lm.variant,
                                                  lm.link.mode)
             predicted += collectives
-            messages = [type(m)(*(step.ran.index if f == "request" else getattr(m, f) for f in m.__dataclass_fields__))
-                        for m in sent]
+            messages = [replace(m, request=step.ran.index) for m in sent]  # numbered by the micro-batch
             sampled = len(step.ran.sample_rows)
             if lm.last and sampled and lm.vocab_parallel and tp > 1:
                 predicted += predict_sampler(tp, sampled, step.sampler, cfg.vocab_size, self.dtype)
