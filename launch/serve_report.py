@@ -80,7 +80,8 @@ def render(r: dict) -> str:
     c, m, t, kv = r["config"], r["config"]["model"], r["totals"], r["kv_cache"]
     lines = [
         f"tpref: serving on the TP stack  (tp = {r.get('tp', r['world_size'])}"
-        + (f", pp = {r['pp']['pp']} stages, boundary {r['pp']['boundary']}" if r.get("pp") else "")
+        + (f", pp = {r['pp']['pp']} stages, boundary {r['pp']['boundary']}"
+           + (", chunk_pipelining" if r["config"].get("chunk_pipelining") else "") if r.get("pp") else "")
         + f", backend {r['backend']}, device {r['device']})",
         f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} {_kv(m)}d_head={m['d_head']} ffn={m['d_ffn']} "
         f"L={m['n_layers']} vocab={m['vocab_size']}; variant {c['variant']}, "
@@ -95,6 +96,9 @@ def render(r: dict) -> str:
         _sampling(c.get("sampling")),
         *([render_load(r["load"])] if r.get("load") else []),
         "",
+        "per micro-batch, in the step it came back from the last stage (iter: the step it entered; collectives and "
+        "bytes: rank 0's ledger in that step; model: the analytic prediction agrees on every rank in every step):"
+        if r.get("pp") else
         "per iteration (collectives and bytes from the traffic ledger; model: the analytic prediction agrees):",
     ]
     rows = []
@@ -118,7 +122,8 @@ def render(r: dict) -> str:
     lines += render_texts(r["requests"])
     lines += [
         "",
-        f"generated {t['generated_tokens']} tokens in {t['iterations']} iterations, {t['time_s']:.2f} s "
+        f"generated {t['generated_tokens']} tokens in {t['iterations']} "
+        + (f"micro-batches ({r['pp']['steps']} steps)" if r.get("pp") else "iterations") + f", {t['time_s']:.2f} s "
         f"({t['tokens_per_s']:.1f} tokens/s); {t['mixed_iterations']} iterations mixed prompt chunks and decodes",
         f"paged KV: {kv['blocks']} blocks x {kv['block_size']} positions per rank ({kib(kv['pool_bytes_per_rank'])} KiB "
         f"reserved), at most {kv['peak_blocks_used']} in use; {kv['prefix_hit_tokens']} prompt tokens from the prefix "
@@ -126,13 +131,15 @@ def render(r: dict) -> str:
         f"KV cache per rank: {kv['bytes_per_token_per_rank']} bytes per token (dense {kv['bytes_per_token_dense']}, "
         f"ratio {kv['ratio_to_dense']:.4f} = 1/{round(1 / kv['ratio_to_dense'])}"
         + (f"; formula 2·L·max(h_kv/p, 1)·d_head·e = {kv['formula_bytes_per_token_per_rank']}"
+           + (" with L the stage's layers" if r.get("pp") else "")
            if "formula_bytes_per_token_per_rank" in kv else "")
         + (f"; each K,V head on {r['world_size'] * kv['kv_heads_per_rank'] // kv['n_kv_heads']} ranks"
            if kv.get("n_kv_heads") and r["world_size"] > kv["n_kv_heads"] else "") + "); "
         f"peak {kib(kv['peak_bytes_per_rank'])} KiB; token embedding "
         f"{'= LM head' if r.get('lm_head_tied', True) else 'and the (untied) LM head'}: "
         f"{kib(r['embedding_bytes_per_rank'])} KiB per rank{'' if r.get('lm_head_tied', True) else ' each'} "
-        f"({'vocab-parallel' if c['vocab_parallel'] else 'replicated'})",
+        + ("of the first stage (the last holds the head, a middle stage neither) " if r.get("pp") else "")
+        + f"({'vocab-parallel' if c['vocab_parallel'] else 'replicated'})",
         f"traffic: {t['collectives']} collectives, {kib(t['bytes_per_rank'])} KiB sent per rank; "
         f"ledger matches model in every iteration: {str(r['ledger_matches_model']).lower()}",
     ]

@@ -137,6 +137,9 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
 
 def _combine(every: list[dict], layout: Layout, requests: list[Request]) -> PDResult:
     pre, dec = every[0], every[layout.prefill_ranks]
+    # when a prompt was done: on the rank that sends its first token (a pipelined prefill side's last stage streams
+    # its K,V before the first stage's clock sees the micro-batch come back)
+    sender = every[layout.prefill_ranks - layout.prefill_ranks // layout.prefill_pp]
     pre_req = {r["request"]: r for r in pre["requests"]}
     dec_req = {r["request"]: r for r in dec["requests"]}
     out = PDResult(transfers=[t for e in every for t in e["transfers"]], prefill_iterations=pre["iterations"],
@@ -151,7 +154,7 @@ def _combine(every: list[dict], layout: Layout, requests: list[Request]) -> PDRe
                                and t["site"] == "pd/kv")}
         received = dec["times"]["received_at"].get(r.id)  # every handed-over request, even one token 1 ended
         if received is not None:
-            row["transfer_s"] = received - pre["times"]["done_at"][r.id]
+            row["transfer_s"] = received - sender["times"]["done_at"][r.id]
         d = dec_req.get(r.id)  # None: never handed over, or ended at token 1 (never added to the decode engine)
         if d is not None:
             row["output_ids"], row["logits"] = d["output_ids"], p["logits"] + d["logits"]
