@@ -10,7 +10,7 @@ at pp > 1 also with chunk_pipelining, the prompt's next chunk entering while its
 through serve/pipeline.py's engine (pp > 1: up to pp micro-batches in flight, each at most 1/pp of the requests) or
 serve/engine.py's (pp = 1). Per run: tokens/s, the long prompt's time to first token, the decoders' time between
 tokens (P99 and worst, every gap of every decoder), and for pp > 1 the bubble (the share of stage-steps a stage
-spent outside its blocks) and each stage's timeline (when its blocks ran which micro-batch: a picture).
+spent outside its blocks, serve/pipeline.stage_report) and each stage's timeline (when its blocks ran which micro-batch: a picture).
 
 The runs alternate their order from one repeat to the next; the table takes each run's median over the repeats.
 Times are rank 0's clock; every rank's timeline is on the machine's monotonic clock, from rank 0's start. On a CPU
@@ -39,6 +39,7 @@ from layers.dense import init_weights
 from layers.lm import DenseLM, shard_lm
 from layers.pipeline import check_layout, new_pp_groups, shard_pp_lm
 from serve.engine import Engine
+from serve.pipeline import stage_report
 from serve.scheduler import Request
 from tp.dist import env_world, init_from_env, shutdown
 
@@ -71,30 +72,26 @@ def parse_layouts(text: str, world: int) -> list[tuple[int, int]]:
     return out
 
 
-def stats(res, timeline: list[dict] | None) -> dict:
+def stats(res, stages: dict | None) -> dict:
     gaps = [b - a for r in res.requests[:DECODERS] for a, b in zip(r["token_times_s"], r["token_times_s"][1:])]
     generated = sum(r["generated"] for r in res.requests)
     out = {"tokens_per_s": generated / res.time_s, "time_s": res.time_s, "long_ttft_s": res.requests[DECODERS]["ttft_s"],
            "decoder_p99_tbt_s": statistics.quantiles(gaps, n=100)[98], "decoder_worst_tbt_s": max(gaps),
            "decoder_median_tbt_s": statistics.median(gaps), "microbatches": len(res.iterations)}
-    if timeline is not None:  # every rank's [(stage, step_s, busy_s)]: the bubble over all stage-steps
-        wall = sum(t["step_s"] for t in timeline)
-        out["bubble"] = 1 - sum(t["busy_s"] for t in timeline) / wall
+    if stages is not None:
+        out["bubble"] = stages["bubble"]
     return out
 
 
-def gather_timeline(engine, result, ctx, tp: int) -> list[dict]:
-    """TP rank 0 of every stage: its steps, with the micro-batch its blocks ran and when (from rank 0's start)."""
-    mine = {"rank": ctx.rank, "stage": ctx.rank // tp, "timeline": list(engine.timeline), "start": result.started_at}
-    every = [None] * ctx.world_size
-    dist.all_gather_object(every, mine)
-    t0 = every[0]["start"]
-    long_microbatches = {it["iteration"] for it in result.iterations  # those with rows of the long prompt
+def timelines(stages: dict, result) -> list[dict]:
+    """Each stage's steps (serve/pipeline.stage_report) from rank 0's start, marking the micro-batches that carry
+    rows of the long prompt."""
+    long_microbatches = {it["iteration"] for it in result.iterations
                          if any(rid == DECODERS and qs < LONG_PROMPT for rid, qs, *_ in it["triples"])}
-    return [{"stage": e["stage"], "steps": [
-        {"microbatch": t["microbatch"], "begin_s": t["start_s"] - t0, "busy_s": t["busy_s"], "step_s": t["step_s"],
-         "rows": t["rows"], "long": t["microbatch"] in long_microbatches} for t in e["timeline"]]}
-        for e in every if e["rank"] % tp == 0]
+    return [{"stage": st["stage"], "steps": [
+        {"microbatch": t["microbatch"], "begin_s": t["start_s"] - result.started_at, "busy_s": t["busy_s"],
+         "step_s": t["step_s"], "rows": t["rows"], "long": t["microbatch"] in long_microbatches}
+        for t in st["timeline"]]} for st in stages["stages"]]
 
 
 def main() -> int:
@@ -132,7 +129,7 @@ def main() -> int:
         Engine(models[(pp, tp)], ctx, chunk_size=64, max_batched_tokens=72).run(
             [Request(i, list(range(1, 17)), 4, 0) for i in range(4)])
     results: dict[str, list[dict]] = {}
-    timelines: dict[str, list[dict]] = {}
+    drawn: dict[str, list[dict]] = {}  # each pipelined run's stage timelines (the last repeat's)
     start = time.perf_counter()
     for rep in range(args.repeats):
         for pp, tp, name, chunk in (runs if rep % 2 == 0 else runs[::-1]):
@@ -140,20 +137,18 @@ def main() -> int:
                             chunk_pipelining=name.endswith("pipelined"))
             res = engine.run(requests())
             key = f"{pp}x{tp} {name}"
-            timeline = None
-            if pp > 1:
-                timeline = gather_timeline(engine.engine, res, ctx, tp)
-                timelines[key] = timeline
+            stages = stage_report(engine.engine) if pp > 1 else None  # every rank joins
             if ctx.is_main:
-                flat = None if timeline is None else [t for s in timeline for t in s["steps"]]
-                results.setdefault(key, []).append(stats(res, flat))
+                if stages is not None:
+                    drawn[key] = timelines(stages, res)
+                results.setdefault(key, []).append(stats(res, stages))
                 print(f"repeat {rep}: {key}: {results[key][-1]}", flush=True)
     if ctx.is_main:
         table = {key: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for key, rs in results.items()}
         out = {"world_size": world, "layouts": layouts, "chunk": args.chunk, "repeats": args.repeats,
                "workload": {"decoders": DECODERS, "decoder_prompt": DECODER_PROMPT, "decoder_new": DECODER_NEW,
                             "long_prompt": LONG_PROMPT, "long_new": LONG_NEW, "long_arrival": LONG_ARRIVAL},
-               "runs": table, "every_run": results, "timelines": timelines,
+               "runs": table, "every_run": results, "timelines": drawn,
                "bench_s": time.perf_counter() - start}
         OUT.parent.mkdir(exist_ok=True)
         OUT.write_text(json.dumps(out, indent=1))

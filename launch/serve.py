@@ -46,6 +46,7 @@ from layers.lm import (NEAR_TIE, DenseLlamaLM, DenseLM, dense_lm, greedy_referen
 from layers.moe import validate_moe
 from layers.pipeline import check_layout, new_pp_groups, shard_pp_lm, stage_layers
 from serve.pd import Layout, check_pools, new_groups, serve_pd
+from serve.pipeline import stage_report
 from serve.engine import Engine, ServeResult, new_scheduler
 from serve.kv_cache import kv_bytes_per_token
 from serve.config import EngineConfig
@@ -497,7 +498,7 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     checks = oracle_check(dense, s, result, ctx) if s.check else None
     report = build_report(s, ctx, result, checks)
     if s.pp > 1:
-        report["pp"] = pipeline_report(s, ctx, engine.engine, lm)
+        report["pp"] = stage_report(engine.engine)
     if ctx.is_main:
         add_text(report["requests"], s.hf_checkpoint)
     report["load"] = load
@@ -508,32 +509,6 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     ok = (report["ledger_matches_model"] and report["kv_cache"]["matches_formula"]
           and report["check"]["ok"] in (True, None))
     return 0 if ok else 1
-
-
-def pipeline_report(s: Settings, ctx, engine, lm) -> dict:
-    """Every rank's timeline gathered: per stage, the steps it ran a micro-batch in, its busy and idle time, and the
-    bytes each of its ranks sent across the boundary; the bubble: the idle share of all stage-steps (host times)."""
-    mine = {"rank": ctx.rank, "stage": lm.index, "layers": [lm.layers.start, lm.layers.stop],
-            "timeline": list(engine.timeline)}
-    every = [None] * ctx.world_size
-    dist.all_gather_object(every, mine, group=ctx.group)
-    stages = []
-    for stage in range(s.pp):
-        ranks = [e for e in every if e["stage"] == stage]
-        line = ranks[0]["timeline"]
-        busy = max(sum(t["busy_s"] for t in e["timeline"]) for e in ranks)
-        wall = sum(t["step_s"] for t in line)
-        stages.append({"stage": stage, "ranks": [e["rank"] for e in ranks], "layers": ranks[0]["layers"],
-                       "steps": len(line), "microbatches": sum(t["microbatch"] is not None for t in line),
-                       "busy_s": busy, "wall_s": wall, "idle_s": max(wall - busy, 0.0),
-                       "sent_bytes_per_rank": max(sum(t["sent_bytes"] for t in e["timeline"]) for e in ranks)})
-    wall = sum(x["wall_s"] for x in stages)
-    steps = [t for t in every[0]["timeline"]]
-    return {"pp": s.pp, "tp": ctx.world_size // s.pp, "boundary": s.pp_boundary, "stages": stages,
-            "bubble": 1 - sum(x["busy_s"] for x in stages) / wall if wall else None,
-            "microbatch_steps": sum(t["microbatch"] is not None for t in steps), "steps": len(steps),
-            "timelines": [{"rank": e["rank"], "stage": e["stage"], "timeline": e["timeline"]} for e in every
-                          if e["rank"] % (ctx.world_size // s.pp) == 0]}
 
 
 def serve_disaggregated(s: Settings, out_dir: Path, ctx) -> int:

@@ -72,8 +72,8 @@ def render_stages(pp: dict) -> list[str]:
                 f"per stage (busy: inside its blocks; idle: the rest of the step):",
             format_table(["stage", "ranks", "layers", "micro-batches", "steps", "busy ms", "idle ms",
                           "boundary KiB sent/rank"], rows),
-            f"bubble: {pp['bubble']:.1%} of the stage-steps idle ({pp['microbatch_steps']} of {pp['steps']} steps "
-            f"had stage 0 busy)" if pp["bubble"] is not None else "bubble: no steps"]
+            f"bubble: {pp['bubble']:.1%} of the stage-steps idle ({pp['stages'][0]['microbatches']} of "
+            f"{pp['stages'][0]['steps']} steps had stage 0 busy)" if pp["bubble"] is not None else "bubble: no steps"]
 
 
 def render(r: dict) -> str:
@@ -123,7 +123,7 @@ def render(r: dict) -> str:
     lines += [
         "",
         f"generated {t['generated_tokens']} tokens in {t['iterations']} "
-        + (f"micro-batches ({r['pp']['steps']} steps)" if r.get("pp") else "iterations") + f", {t['time_s']:.2f} s "
+        + (f"micro-batches ({r['pp']['stages'][0]['steps']} steps)" if r.get("pp") else "iterations") + f", {t['time_s']:.2f} s "
         f"({t['tokens_per_s']:.1f} tokens/s); {t['mixed_iterations']} iterations mixed prompt chunks and decodes",
         f"paged KV: {kv['blocks']} blocks x {kv['block_size']} positions per rank ({kib(kv['pool_bytes_per_rank'])} KiB "
         f"reserved), at most {kv['peak_blocks_used']} in use; {kv['prefix_hit_tokens']} prompt tokens from the prefix "

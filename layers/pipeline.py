@@ -100,7 +100,22 @@ def new_pp_groups(layout: PPLayout) -> tuple[list[dist.ProcessGroup], list[dist.
     return stages, pipes
 
 
-class PPStage(nn.Module):
+class StagePosition:
+    """Where a stage sits in the pipeline: `index` of `layout.pp` stages."""
+
+    index: int
+    layout: PPLayout
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.layout.pp - 1
+
+
+class PPStage(StagePosition, nn.Module):
     """This rank's part of a pp × tp pipeline: the TP blocks of its stage's layers, on its stage's TP group.
 
     forward(x, rows, microbatch) takes the stage's input (the stack's input on stage 0; None elsewhere: it is
@@ -119,13 +134,6 @@ class PPStage(nn.Module):
         self.stack: TPStack = tp_stack(cfg, variant, group, dtype, device, len(self.layers))
         self.link = Boundary(cfg, layout, rank, group, dtype, device, boundary)
 
-    @property
-    def first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def last(self) -> bool:
-        return self.index == self.layout.pp - 1
 
     def plan(self) -> list[Part]:
         """The stack's plan, its local block j named as the dense stack's block layers[j]."""
@@ -287,7 +295,7 @@ def shard_stage(dense, variant: str, layout: PPLayout, rank: int, group: dist.Pr
     return load_plan(stage, stage.plan(), source)
 
 
-class PPLM(nn.Module):
+class PPLM(StagePosition, nn.Module):
     """A whole language model as pp stages × tp ranks, for serving: this rank's TP LM holding its stage's blocks, and
     on the first stage the embedding, on the last the final norm and the head (shard_pp_lm leaves the others out).
 
@@ -334,13 +342,6 @@ class PPLM(nn.Module):
     def n_cache_layers(self) -> int:
         return len(self.layers)
 
-    @property
-    def first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def last(self) -> bool:
-        return self.index == self.layout.pp - 1
 
     def forward_stage(self, ids, positions, layers, microbatch: int = 0,
                       received: PostedReceive | None = None) -> torch.Tensor:

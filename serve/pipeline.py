@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from serve.engine import CONTROL_HEADER, RUN, STOP, LLMEngine, StepRecord, next_plan
 from serve.model_runner import Prepared
@@ -197,3 +198,29 @@ class PipelineEngine(LLMEngine):
             predicted.append(extra("pp", "tokens", "broadcast", (len(step.plan.sample_rows), self._width),
                                    torch.float64, world))
         return seen, predicted + messages
+
+
+def stage_report(engine: PipelineEngine) -> dict:
+    """Every rank's timeline gathered (a collective over the world: every rank calls it). Per stage: its ranks and
+    layers, the steps it had and the micro-batches it ran, its busy time (inside its blocks; the slowest TP rank's)
+    and idle time, the bytes each of its ranks sent across the boundary; the bubble, the idle share of all
+    stage-steps (host times); and each stage's timeline (its TP rank 0's steps, start_s on the host's clock)."""
+    lm, ctx = engine.lm, engine.ctx
+    mine = {"rank": ctx.rank, "stage": lm.index, "layers": [lm.layers.start, lm.layers.stop],
+            "timeline": list(engine.timeline)}
+    every = [None] * ctx.world_size
+    dist.all_gather_object(every, mine, group=ctx.group)
+    stages = []
+    for stage in range(lm.layout.pp):
+        ranks = [e for e in every if e["stage"] == stage]
+        line = ranks[0]["timeline"]
+        busy = max(sum(t["busy_s"] for t in e["timeline"]) for e in ranks)
+        wall = sum(t["step_s"] for t in line)
+        stages.append({"stage": stage, "ranks": [e["rank"] for e in ranks], "layers": ranks[0]["layers"],
+                       "steps": len(line), "microbatches": sum(t["microbatch"] is not None for t in line),
+                       "busy_s": busy, "wall_s": wall, "idle_s": max(wall - busy, 0.0),
+                       "sent_bytes_per_rank": max(sum(t["sent_bytes"] for t in e["timeline"]) for e in ranks),
+                       "timeline": line})
+    wall = sum(x["wall_s"] for x in stages)
+    return {"pp": lm.layout.pp, "tp": lm.layout.tp, "boundary": lm.link.mode, "stages": stages,
+            "bubble": 1 - sum(x["busy_s"] for x in stages) / wall if wall else None}

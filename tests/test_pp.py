@@ -203,21 +203,29 @@ def test_stages_on_two_nodes(tmp_path):
 # ---- serving iterations through the stages (PPLM) ---------------------------------------------------------------
 
 
-def pp_serve(ctx, pp, family, n_layers, boundary, attention, prompts, new):
-    """A greedy run written out by hand, iteration by iteration, through PPLM.step over each stage's paged KV pool:
-    all prompts whole in the first iteration (one in two chunks), then one decode row per request per iteration."""
-    from layers.lm import dense_lm, greedy_reference
+def stage_lm(ctx, pp, family, n_layers, boundary="whole"):
+    """(the dense LM of `family` with n_layers, float64, seed 0; this rank's PPLM of it at pp stages)."""
+    from layers.lm import dense_lm
     from layers.pipeline import shard_pp_lm
-    from serve.inputs import prepare_step
-    from serve.kv_cache import KVPool
-    from serve.plan import Chunk, IterationPlan
 
     cfg = replace(CFG if family == "gpt2" else LLAMA, n_layers=n_layers)
     layout = check_layout(ctx.world_size, pp, n_layers, "v2")
     stages, _ = new_pp_groups(layout)
     rank = dist.get_rank()
     dense = init_weights(dense_lm(cfg, torch.float64), seed=0)
-    lm = shard_pp_lm(dense, "v2", layout, rank, stages[layout.stage_of(rank)], boundary)
+    return dense, shard_pp_lm(dense, "v2", layout, rank, stages[layout.stage_of(rank)], boundary)
+
+
+def pp_serve(ctx, pp, family, n_layers, boundary, attention, prompts, new):
+    """A greedy run written out by hand, iteration by iteration, through PPLM.step over each stage's paged KV pool:
+    all prompts whole in the first iteration (one in two chunks), then one decode row per request per iteration."""
+    from layers.lm import greedy_reference
+    from serve.inputs import prepare_step
+    from serve.kv_cache import KVPool
+    from serve.plan import Chunk, IterationPlan
+
+    dense, lm = stage_lm(ctx, pp, family, n_layers, boundary)
+    cfg = dense.cfg
     block = 4
     tables = [tuple(range(i * 16, (i + 1) * 16)) for i in range(len(prompts))]
     pool = KVPool(lm.n_cache_layers, 16 * len(prompts), block, lm.cache_heads, cfg.d_head, torch.float64)
@@ -226,7 +234,7 @@ def pp_serve(ctx, pp, family, n_layers, boundary, attention, prompts, new):
                                *(Chunk(i, 0, len(p), decode=False, sample=True, blocks=tables[i])
                                  for i, p in enumerate(prompts) if i))),
              IterationPlan(1, (Chunk(0, 3, len(prompts[0]), decode=False, sample=True, blocks=tables[0]),))]
-    ledger = TrafficLedger(layout.tp)
+    ledger = TrafficLedger(lm.layout.tp)
     with torch.no_grad(), ledger.recording():
         for it in range(new + 1):
             plan = plans[it] if it < 2 else IterationPlan(it, tuple(
@@ -290,17 +298,12 @@ class InFlightCheck:
 
 
 def pp_engine(ctx, pp, family, n_layers, boundary, attention="auto", workload=None, **settings):
-    from layers.lm import dense_lm, greedy_reference
-    from layers.pipeline import shard_pp_lm
+    from layers.lm import greedy_reference
     from serve.engine import Engine
     from tests.test_paged import requests
 
-    cfg = replace(CFG if family == "gpt2" else LLAMA, n_layers=n_layers)
-    layout = check_layout(ctx.world_size, pp, n_layers, "v2")
-    stages, _ = new_pp_groups(layout)
-    rank = dist.get_rank()
-    dense = init_weights(dense_lm(cfg, torch.float64), seed=0)
-    lm = shard_pp_lm(dense, "v2", layout, rank, stages[layout.stage_of(rank)], boundary)
+    dense, lm = stage_lm(ctx, pp, family, n_layers, boundary)
+    cfg = dense.cfg
     workload = workload or [(9, 6, 0), (17, 4, 0), (3, 8, 1), (25, 5, 2), (1, 3, 2), (12, 7, 3), (6, 9, 3)]
     check = InFlightCheck()
     settings = {"chunk_size": 5, "max_batched_tokens": 12, **settings}
@@ -360,18 +363,12 @@ def test_pipelined_serving_preempts_by_recompute_and_gives_every_block_back():
 def pp_online(ctx, pp):
     """Rank 0 drives a PipelineEngine by hand: adds three requests, aborts one while its micro-batch is in flight, adds
     another mid-run; the other ranks step until told to stop."""
-    from layers.lm import dense_lm, greedy_reference
-    from layers.pipeline import shard_pp_lm
+    from layers.lm import greedy_reference
     from serve.config import EngineConfig
     from serve.engine import new_engine
     from serve.sampling_params import SamplingParams
 
-    cfg = replace(CFG, n_layers=2)
-    layout = check_layout(ctx.world_size, pp, 2, "v2")
-    stages, _ = new_pp_groups(layout)
-    rank = dist.get_rank()
-    dense = init_weights(dense_lm(cfg, torch.float64), seed=0)
-    lm = shard_pp_lm(dense, "v2", layout, rank, stages[layout.stage_of(rank)])
+    dense, lm = stage_lm(ctx, pp, "gpt2", 2)
     engine = new_engine(lm, ctx, EngineConfig(chunk_size=4, max_batched_tokens=8, max_running=4, block_size=4))
     if not ctx.is_main:
         while not engine.stopped:
@@ -464,7 +461,7 @@ def test_serve_launcher_with_pp_checks_tokens_ledger_and_reports_the_stages(tmp_
         [[0, 1], [2, 3]]
     # rank 0 caches 2 of the 3 layers, half of the heads: 2·2·(8/2)·64·8 bytes per token
     assert report["kv_cache"]["bytes_per_token_per_rank"] == 2 * 2 * 4 * 64 * 8 and report["kv_cache"]["matches_formula"]
-    rows = sum(t["rows"] for t in pp["timelines"][0]["timeline"])
+    rows = sum(t["rows"] for t in pp["stages"][0]["timeline"])
     assert rows == report["totals"]["rows_computed"]  # stage 0 ran every row once
     assert pp["stages"][1]["sent_bytes_per_rank"] == 0 < pp["stages"][0]["sent_bytes_per_rank"]
     assert all(st["microbatches"] == len(report["iterations"]) for st in pp["stages"])
