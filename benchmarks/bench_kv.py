@@ -56,7 +56,7 @@ def measure(ctx, h_kv: int) -> dict:
     cfg = dataclasses.replace(LLAMA_TINY, n_kv_heads=h_kv)
     dense = init_weights(DenseLlamaLM(cfg, torch.float32, ctx.device), seed=0)
     lm = shard_lm(dense, "v2", ctx.group)
-    res = Engine(lm, ctx, chunk_size=16, max_batched_tokens=64).run(requests(cfg.vocab_size))
+    res = Engine(lm, ctx, long_prefill_token_threshold=16, max_num_batched_tokens=64).run(requests(cfg.vocab_size))
     same = all(r["output_ids"] == greedy_reference(dense, req.prompt, req.max_new_tokens).ids
                for r, req in zip(res.requests, requests(cfg.vocab_size)))
     return {"measured": res.kv_bytes_per_token_per_rank, "peak_bytes": res.kv_peak_bytes_per_rank,

@@ -4,7 +4,7 @@
 
 Workload: the article03 GPT-2 LM (random weights from seed 0, float32, greedy), 32 prompts with lognormal lengths
 (mean 32, drawn by launch/serve.py's own rule from seed 0) and 16 new tokens each, all arriving at once; engine
-settings chunk_size 256, max_batched_tokens 512, max_running 16 (LLM's defaults), block_size 16.
+settings long_prefill_token_threshold 256, max_num_batched_tokens 512, max_num_seqs 16 (LLM's defaults), block_size 16.
 
   torchrun   `torchrun --nproc_per_node=P launch/serve.py prompts=[[...]] ... check=false`: its report.json's
              tokens/s (the serving loop's time) and output ids; start-up = the command's wall time less the loop's
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SETTINGS = dict(chunk_size=256, max_batched_tokens=512, max_running=16, block_size=16)
+SETTINGS = dict(long_prefill_token_threshold=256, max_num_batched_tokens=512, max_num_seqs=16, block_size=16)
 COUNT, MEAN, NEW = 32, 32, 16
 
 

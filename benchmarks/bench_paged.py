@@ -6,7 +6,7 @@ The article03 GPT-2 LM (d=512, h=8, L=8, vocab 50257), float32, greedy, v2, voca
 
   prefix   32 requests share a 512-token prefix (a system prompt) followed by 8..23 tokens of their own,
            8 new tokens each, one arriving per iteration: time to finish and mean time to first token with
-           prefix_cache on against off (the same tokens: checked), rows computed, prefix hits
+           enable_prefix_caching on against off (the same tokens: checked), rows computed, prefix hits
   memory   one KV budget of 1024 token positions per rank (64 blocks of 16; 2 layers, the scheduler's world
            does not depend on the model's depth): 32 requests with lognormal prompts (mean 48) and 64 new tokens,
            paged (block_size 16, blocks as the context grows) against today's rule before paging, a full-capacity
@@ -47,7 +47,7 @@ from layers.lm import DenseLM, TPLM, shard_lm
 from serve.engine import Engine
 from serve.inputs import prepare_step
 from serve.kv_cache import KVPool
-from serve.plan import Chunk, IterationPlan
+from serve.plan import ScheduledRequest, SchedulerOutput
 from serve.scheduler import Request
 from tp.dist import TPContext, init_from_env, shutdown
 
@@ -69,11 +69,11 @@ def prefix_requests() -> list[Request]:
 
 
 def bench_prefix(lm: TPLM, ctx: TPContext, repeats: int) -> dict:
-    Engine(lm, ctx, chunk_size=PREFIX_CHUNK, max_batched_tokens=PREFIX_BUDGET).run(prefix_requests()[:2])  # warm-up
+    Engine(lm, ctx, long_prefill_token_threshold=PREFIX_CHUNK, max_num_batched_tokens=PREFIX_BUDGET).run(prefix_requests()[:2])  # warm-up
     out = {}
     for cache in (True, False):
-        runs = [Engine(lm, ctx, chunk_size=PREFIX_CHUNK, max_batched_tokens=PREFIX_BUDGET,
-                       prefix_cache=cache).run(prefix_requests()) for _ in range(repeats)]
+        runs = [Engine(lm, ctx, long_prefill_token_threshold=PREFIX_CHUNK, max_num_batched_tokens=PREFIX_BUDGET,
+                       enable_prefix_caching=cache).run(prefix_requests()) for _ in range(repeats)]
         res = sorted(runs, key=lambda r: r.time_s)[len(runs) // 2]  # the median run
         out["on" if cache else "off"] = {
             "time_s": res.time_s, "mean_ttft_s": statistics.mean(r["ttft_s"] for r in res.requests),
@@ -96,13 +96,13 @@ def memory_requests() -> list[Request]:
 def bench_memory(lm: TPLM, ctx: TPContext) -> dict:
     out = {}
     for name, block_size, reserve in (("paged", MEMORY_BLOCK, False), ("reserved", 1, True)):
-        res = Engine(lm, ctx, chunk_size=256, max_batched_tokens=512, block_size=block_size,
-                     kv_blocks=MEMORY_POSITIONS // block_size, prefix_cache=False,
+        res = Engine(lm, ctx, long_prefill_token_threshold=256, max_num_batched_tokens=512, block_size=block_size,
+                     num_gpu_blocks_override=MEMORY_POSITIONS // block_size, enable_prefix_caching=False,
                      reserve_capacity=reserve).run(memory_requests())
         its = res.iterations
         peak = max(its, key=lambda it: it["blocks_used"])
         out[name] = {
-            "block_size": block_size, "kv_blocks": res.kv_blocks, "pool_bytes_per_rank": res.kv_pool_bytes_per_rank,
+            "block_size": block_size, "kv_blocks": res.num_blocks, "pool_bytes_per_rank": res.kv_pool_bytes_per_rank,
             "peak_reserved_positions": peak["blocks_used"] * block_size,
             "held_positions_at_peak": peak["positions_held"],
             "peak_reserved_bytes_per_rank": res.kv_peak_bytes_per_rank,
@@ -147,7 +147,7 @@ def decode_ops(lm, lengths: list[int], mode: str, block_size: int = 16, device="
     return ops.n
 
 
-def decode_plan(lm, lengths: list[int], block_size: int, device) -> tuple[KVPool, IterationPlan, dict]:
+def decode_plan(lm, lengths: list[int], block_size: int, device) -> tuple[KVPool, SchedulerOutput, dict]:
     """A pool and a decode-only plan: request i decodes at position lengths[i], its blocks laid one request after
     another."""
     tables, start = [], 0
@@ -157,7 +157,7 @@ def decode_plan(lm, lengths: list[int], block_size: int, device) -> tuple[KVPool
         start += blocks
     cfg, dtype = lm.cfg, next(lm.parameters()).dtype
     pool = KVPool(cfg.n_layers, start, block_size, lm.cache_heads, cfg.d_head, dtype, device)
-    plan = IterationPlan(0, tuple(Chunk(i, n, n + 1, decode=True, sample=True, blocks=t)
+    plan = SchedulerOutput(0, tuple(ScheduledRequest(i, n, n + 1, decode=True, sample=True, blocks=t)
                                   for i, (n, t) in enumerate(zip(lengths, tables))))
     return pool, plan, {i: [1] * (n + 1) for i, n in enumerate(lengths)}
 

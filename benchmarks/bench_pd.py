@@ -52,8 +52,8 @@ def main() -> int:
     layout = Layout(p_prefill, ctx.world_size - p_prefill)
     groups = new_groups(layout)
     dense = init_weights(DenseLM(ARTICLE03, torch.float32, ctx.device), seed=0)
-    run = lambda streaming: serve_pd(dense, ctx, layout, requests(), chunk_size=PROMPT_LEN,  # noqa: E731
-                                     max_batched_tokens=PROMPT_LEN, streaming=streaming, groups=groups)
+    run = lambda streaming: serve_pd(dense, ctx, layout, requests(), long_prefill_token_threshold=PROMPT_LEN,  # noqa: E731
+                                     max_num_batched_tokens=PROMPT_LEN, streaming=streaming, groups=groups)
     run(True)  # warm-up
     parts: dict[str, list[dict]] = {"streaming": [], "after prefill": []}
     ids: dict[str, list] = {}

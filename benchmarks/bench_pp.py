@@ -47,7 +47,7 @@ def main() -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     ctx = init_from_env()
-    stages, _ = new_pp_groups(layout)
+    stages = new_pp_groups(layout)
     rank = dist.get_rank()
     dense = init_weights(DenseStack(ARTICLE03), seed=0)
     stage = shard_stage(dense, "v2", layout, rank, stages[layout.stage_of(rank)])

@@ -5,7 +5,7 @@
 The article03 GPT-2 LM (d=512, L=8, vocab 50257), float32, greedy, v2, vocab-parallel, boundary whole. The
 workload of bench_serve's stall part: 8 decoders (prompts of 32, 64 new tokens each) run from step 0, and one long
 prompt of 1000 tokens (8 new tokens) arrives at step 8. Each layout (pp stages x tp ranks, pp · tp = the world)
-serves it unchunked (chunk_size 1024: the long prompt in one micro-batch) and chunked (chunk_size C, budget C + 8;
+serves it unchunked (long_prefill_token_threshold 1024: the long prompt in one micro-batch) and chunked (long_prefill_token_threshold C, budget C + 8;
 at pp > 1 also with chunk_pipelining, the prompt's next chunk entering while its previous one is in flight),
 through serve/pipeline.py's engine (pp > 1: up to pp micro-batches in flight, each at most 1/pp of the requests) or
 serve/engine.py's (pp = 1). Per run: tokens/s, the long prompt's time to first token, the decoders' time between
@@ -119,21 +119,21 @@ def main() -> int:
                 models[(pp, tp)] = shard_lm(dense, "v2", ctx.group)
                 continue
             layout = check_layout(world, pp, ARTICLE03.n_layers, "v2")
-            stages, _ = new_pp_groups(layout)
+            stages = new_pp_groups(layout)
             models[(pp, tp)] = shard_pp_lm(dense, "v2", layout, rank, stages[layout.stage_of(rank)])
     del dense
     runs = [(pp, tp, name, chunk) for pp, tp in layouts for name, chunk in
             (("unchunked", UNCHUNKED), (f"C={args.chunk}", args.chunk))
             + (((f"C={args.chunk} pipelined", args.chunk),) if pp > 1 else ())]
     for pp, tp in layouts:  # warm-up: each layout once, a short workload
-        Engine(models[(pp, tp)], ctx, chunk_size=64, max_batched_tokens=72).run(
+        Engine(models[(pp, tp)], ctx, long_prefill_token_threshold=64, max_num_batched_tokens=72).run(
             [Request(i, list(range(1, 17)), 4, 0) for i in range(4)])
     results: dict[str, list[dict]] = {}
     drawn: dict[str, list[dict]] = {}  # each pipelined run's stage timelines (the last repeat's)
     start = time.perf_counter()
     for rep in range(args.repeats):
         for pp, tp, name, chunk in (runs if rep % 2 == 0 else runs[::-1]):
-            engine = Engine(models[(pp, tp)], ctx, chunk_size=chunk, max_batched_tokens=chunk + DECODERS,
+            engine = Engine(models[(pp, tp)], ctx, long_prefill_token_threshold=chunk, max_num_batched_tokens=chunk + DECODERS,
                             chunk_pipelining=name.endswith("pipelined"))
             res = engine.run(requests())
             key = f"{pp}x{tp} {name}"
@@ -174,8 +174,8 @@ def section(data: dict | None) -> list[str]:
         f"`.venv/bin/torchrun --nproc_per_node={data['world_size']} benchmarks/bench_pp_serve.py`: "
         f"{w['decoders']} decoders ({w['decoder_prompt']}-token prompts, {w['decoder_new']} new tokens) run when a "
         f"{w['long_prompt']}-token prompt arrives at step {w['long_arrival']}; the article03 LM, float32, greedy, on "
-        f"{data['world_size']} ranks as pp stages × tp ranks; unchunked (chunk_size {UNCHUNKED}) and chunked "
-        f"(chunk_size {data['chunk']}, budget {data['chunk']} + {w['decoders']}; *pipelined*: `chunk_pipelining`, a "
+        f"{data['world_size']} ranks as pp stages × tp ranks; unchunked (long_prefill_token_threshold {UNCHUNKED}) and chunked "
+        f"(long_prefill_token_threshold {data['chunk']}, budget {data['chunk']} + {w['decoders']}; *pipelined*: `chunk_pipelining`, a "
         f"prompt's next chunk entering while its previous one is in flight). Medians of {data['repeats']} runs "
         f"per row, run orders alternating. Bubble: the share of the stage-steps a stage spent outside its blocks.",
         "", *rows, "",

@@ -94,7 +94,7 @@ def cost_table(repeats: int) -> dict:
     from serve import LLM, SamplingParams
 
     out = {}
-    with LLM("article03", tensor_parallel_size=2, max_running=32, max_batched_tokens=1024, chunk_size=1024) as llm:
+    with LLM("article03", tensor_parallel_size=2, max_num_seqs=32, max_num_batched_tokens=1024, long_prefill_token_threshold=1024) as llm:
         for B in (1, 8, 32):
             gen = torch.Generator().manual_seed(B)
             prompts = [torch.randint(0, 50257, (32,), generator=gen).tolist() for _ in range(B)]

@@ -63,18 +63,18 @@ HF_REQUESTS, HF_PROMPT_MEAN, HF_NEW = 32, 64, (8, 64)
 HF_BATCHES = (1, 4, 8, 16, 32)
 HF_CONTENDERS = 2  # transformers' fastest batch sizes in the first round, run again in every round after it
 HF_CHUNK, HF_BUDGET = 256, 512
-# the engine's runs on the hf workload: (attention backend, max_running); "default" is EngineConfig's own (16),
+# the engine's runs on the hf workload: (attention backend, max_num_seqs); "default" is EngineConfig's own (16),
 # "all" lets every request run at once (the tuned setting)
 HF_RUNS = (("cpu", "default"), ("batched", "default"), ("reference", "default"), ("cpu", "all"), ("batched", "all"))
 OVERHEAD_BATCHES, OVERHEAD_PROMPT, OVERHEAD_NEW = (1, 8, 32), 16, 16
 
 
 def serve(lm: TPLM, ctx: TPContext, requests: list[Request], chunk: int, budget: int, attention: str = "auto",
-          max_running: int | None = None) -> ServeResult:
+          max_num_seqs: int | None = None) -> ServeResult:
     # comm_timing: the cost model's table shows each iteration's collective time (comm_time_s); on a CPU the waits
     # for the stream it adds cost nothing
-    return Engine(lm, ctx, chunk_size=chunk, max_batched_tokens=budget, comm_timing=True, attention=attention,
-                  max_running=max_running).run(requests)
+    return Engine(lm, ctx, long_prefill_token_threshold=chunk, max_num_batched_tokens=budget, comm_timing=True, attention=attention,
+                  max_num_seqs=max_num_seqs).run(requests)
 
 
 def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
@@ -208,7 +208,7 @@ def bench_hf(dense: DenseLM, lm: TPLM, ctx: TPContext, model, repeats: int) -> t
     for round_ in range(repeats):
         for attention, running in HF_RUNS:
             runs[attention, running].append(serve(lm, ctx, requests(), HF_CHUNK, HF_BUDGET, attention,
-                                                  EngineConfig.max_running if running == "default" else HF_REQUESTS))
+                                                  EngineConfig.max_num_seqs if running == "default" else HF_REQUESTS))
         if ctx.rank == 0:  # the other ranks wait at the barrier below
             threads = torch.get_num_threads()
             torch.set_num_threads(ctx.world_size * threads)  # the cores the engine used
@@ -231,7 +231,7 @@ def bench_hf(dense: DenseLM, lm: TPLM, ctx: TPContext, model, repeats: int) -> t
         if best_per_round:  # rank 0
             engines[-1]["ratio_to_best_hf"] = statistics.median(
                 useful / r.time_s / best for r, best in zip(results, best_per_round))
-    main = engines[0]  # the defaults: attention auto (cpu here), max_running 16
+    main = engines[0]  # the defaults: attention auto (cpu here), max_num_seqs 16
     results = runs[HF_RUNS[0]]
     ours = main["ids"]
     for e in engines:
@@ -256,7 +256,7 @@ def bench_hf(dense: DenseLM, lm: TPLM, ctx: TPContext, model, repeats: int) -> t
     return {"requests": HF_REQUESTS, "prompt_lengths": [len(p) for p in prompts], "max_new_tokens": new,
             "useful_tokens": useful, "useful_rows": sum(len(p) + m - 1 for p, m in zip(prompts, new)),
             "chunk_size": HF_CHUNK, "max_batched_tokens": HF_BUDGET, "engine": engine, "engines": engines,
-            "max_running": EngineConfig.max_running, "hf": batches,
+            "max_running": EngineConfig.max_num_seqs, "hf": batches,
             "hf_threads": ctx.world_size * torch.get_num_threads()}, records
 
 
@@ -384,7 +384,7 @@ def summarize(out: dict) -> None:
             print(f"  hf batch {b['batch']:>2}: {b['tokens_per_s']:.1f} tok/s, engine/hf {e['tokens_per_s'] / b['tokens_per_s']:.2f}, "
                   f"{b['forwards']} forwards, {b['rows']} rows, same ids {b['same_ids']}/{out['hf']['requests']}")
         for x in out["hf"]["engines"]:
-            print(f"  engine attention={x['attention']:<9} max_running {x['max_running']:<7}: "
+            print(f"  engine attention={x['attention']:<9} max_num_seqs {x['max_running']:<7}: "
                   f"{x['tokens_per_s']:.1f} tok/s, {x['ratio_to_best_hf']:.2f}x transformers' best (paired by round), "
                   f"same ids: {x['same_ids']}")
     for r in out.get("overhead", []):

@@ -58,8 +58,8 @@ def main() -> int:
     rows = []
     try:
         for name in names:
-            engine = lambda: Engine(lm, ctx, chunk_size=HF_CHUNK, max_batched_tokens=HF_BUDGET,  # noqa: E731
-                                    max_running=EngineConfig.max_running, attention=name)
+            engine = lambda: Engine(lm, ctx, long_prefill_token_threshold=HF_CHUNK, max_num_batched_tokens=HF_BUDGET,  # noqa: E731
+                                    max_num_seqs=EngineConfig.max_num_seqs, attention=name)
             engine().run(requests()[:4])  # warm-up
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 with torch.profiler.record_function("run"):
@@ -73,8 +73,8 @@ def main() -> int:
         attention_module.paged_attention = inner
         shutdown()
     if ctx.is_main:
-        print(f"the engine on bench_serve's workload ({len(prompts)} requests, {sum(new)} new tokens), chunk_size "
-              f"{HF_CHUNK}, max_batched_tokens {HF_BUDGET}, max_running {EngineConfig.max_running}, p={ctx.world_size}, profiled; shares of "
+        print(f"the engine on bench_serve's workload ({len(prompts)} requests, {sum(new)} new tokens), long_prefill_token_threshold "
+              f"{HF_CHUNK}, max_num_batched_tokens {HF_BUDGET}, max_num_seqs {EngineConfig.max_num_seqs}, p={ctx.world_size}, profiled; shares of "
               f"the run")
         print(f"{'backend':<10} {'attention':>9} {'matmuls':>8} {'the rest':>9}")
         for name, att, mm in rows:

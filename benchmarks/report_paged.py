@@ -17,15 +17,15 @@ def section(paged: dict | None, serve_p1: dict | None) -> list[str]:
         x = paged["prefix"]
         on, off = x["on"], x["off"]
         lines += [f"**Shared prefix.** {x['requests']} requests share a {x['prefix']}-token prefix, then 8–23 tokens of "
-                  f"their own, {x['max_new_tokens']} new tokens each, one arriving per iteration (chunk_size "
-                  f"{x['chunk_size']}, max_batched_tokens {x['max_batched_tokens']}). Same tokens with and without "
+                  f"their own, {x['max_new_tokens']} new tokens each, one arriving per iteration (long_prefill_token_threshold "
+                  f"{x['chunk_size']}, max_num_batched_tokens {x['max_batched_tokens']}). Same tokens with and without "
                   f"the cache: {'yes' if x['same_ids'] else '**no**'}.", "",
-                  "| prefix_cache | rows computed | prompt tokens from the cache | iterations | time to finish | "
+                  "| enable_prefix_caching | rows computed | prompt tokens from the cache | iterations | time to finish | "
                   "mean TTFT |", "|---|---|---|---|---|---|"]
         for name, r in (("false", off), ("true", on)):
             lines.append(f"| {name} | {r['rows_computed']:,} | {r['prefix_hit_tokens']:,} | {r['iterations']} | "
                          f"{r['time_s'] / off['time_s']:.3f} | {r['mean_ttft_s'] / off['mean_ttft_s']:.3f} |")
-        lines += ["", "(times relative to prefix_cache=false)", ""]
+        lines += ["", "(times relative to enable_prefix_caching=false)", ""]
         targets.append(f"- Shared prefix: {x['finish_speedup']:.2f}× faster to finish with the prefix cache "
                        f"(target ≥ 3×: {met(x['finish_speedup'] >= 3)}); mean TTFT {x['ttft_speedup']:.1f}× lower.")
     if "memory" in paged:

@@ -98,9 +98,9 @@ def hf_section(runs: dict[int, dict]) -> list[str]:
              f"{any_run['requests']} requests, lognormal prompt lengths (mean 64, {min(any_run['prompt_lengths'])} to "
              f"{max(any_run['prompt_lengths'])} tokens), max_new_tokens uniform in "
              f"[{min(any_run['max_new_tokens'])}, {max(any_run['max_new_tokens'])}], all arriving at once; the same random",
-             "GPT-2 weights in both. Ours: the engine, chunk_size "
-             f"{any_run['chunk_size']}, max_batched_tokens {any_run['max_batched_tokens']}"
-             + (f", max_running {any_run['max_running']} (EngineConfig's default) or all {any_run['requests']} at "
+             "GPT-2 weights in both. Ours: the engine, long_prefill_token_threshold "
+             f"{any_run['chunk_size']}, max_num_batched_tokens {any_run['max_batched_tokens']}"
+             + (f", max_num_seqs {any_run['max_running']} (EngineConfig's default) or all {any_run['requests']} at "
                 "once (tuned), per attention backend (layers/attention_backends.py; the settings alternate over the "
                 "repeats)" if "engines" in any_run else "") + ". transformers: "
              "`GPT2LMHeadModel.generate` (greedy,",
@@ -124,7 +124,7 @@ def hf_section(runs: dict[int, dict]) -> list[str]:
         flops = matmul_flops(run["model"], h) if "model" in run else None
         for x in h.get("engines", [dict(e, attention=None)]):
             name = "engine" if x["attention"] is None else (
-                f"engine, attention={x['attention']}, max_running "
+                f"engine, attention={x['attention']}, max_num_seqs "
                 f"{h['max_running'] if x['max_running'] == 'default' else h['requests']}")
             same = "-" if x is h.get("engines", [None])[0] or x["attention"] is None else \
                 f"{h['requests'] if x['same_ids'] else 'not all'}/{h['requests']}"

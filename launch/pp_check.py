@@ -39,7 +39,7 @@ def split_requests(lengths: list[int], m: int) -> list[list[int]]:
 def run_pp_check(cfg, *, lengths: list[int], dtype: torch.dtype, seed: int, variants: list[str], tolerance: float,
                  pp: int, microbatches: int, boundary: str, ctx: TPContext, weights=None) -> dict:
     layout = PPLayout(pp, ctx.world_size // pp)
-    stages, _ = new_pp_groups(layout)  # every rank, the same order
+    stages = new_pp_groups(layout)  # every rank, the same order
     rank = ctx.rank
     dense, x = dense_and_input(cfg, sum(lengths), dtype, seed, ctx, weights)
     groups = split_requests(lengths, microbatches)

@@ -1,9 +1,19 @@
-"""What rank 0 of launch/serve.py prints: the iteration table, the request table, the verdicts."""
+"""launch/serve.py's report: report.json built from a run (build_report, build_pd_report), and what rank 0 prints of
+it (render, render_pd): the iteration table, the request table, the verdicts."""
 
 from __future__ import annotations
 
+import torch
+
 from launch.loading import render_load
 from launch.report import format_table, kib
+from layers.attention_backends import choose
+from layers.pipeline import stage_layers
+from serve.kv_cache import kv_bytes_per_token
+from tp.cost_model import kv_bytes_per_token_per_rank
+from tp.ledger import ring_bytes_per_rank
+from tp.partition import kv_heads_per_rank
+from tp.traffic_model import pair_count
 
 SHOW_FIRST, SHOW_LAST = 30, 10  # longer runs print these iterations; report.json keeps all of them
 
@@ -87,9 +97,9 @@ def render(r: dict) -> str:
         f"L={m['n_layers']} vocab={m['vocab_size']}; variant {c['variant']}, "
         f"{'vocab-parallel' if c['vocab_parallel'] else 'replicated'} embedding and LM head; dtype={c['dtype']}"
         + _from(c) + _moe(c) + _eos(c),
-        f"{c['requests']} requests; chunk_size={c['chunk_size']} max_batched_tokens={c['max_batched_tokens']} "
-        f"max_running={c['max_running'] if c['max_running'] is not None else c['max_batched_tokens']}; "
-        f"KV pool of {kv['blocks']} blocks of block_size={kv['block_size']} per rank, prefix_cache="
+        f"{c['requests']} requests; long_prefill_token_threshold={c['chunk_size']} max_num_batched_tokens={c['max_batched_tokens']} "
+        f"max_num_seqs={c['max_running'] if c['max_running'] is not None else c['max_batched_tokens']}; "
+        f"KV pool of {kv['blocks']} blocks of block_size={kv['block_size']} per rank, enable_prefix_caching="
         f"{str(c['prefix_cache']).lower()}, attention={c['attention']}"
         + (f" ({c['attention_setting']})" if c.get("attention_setting", c["attention"]) != c["attention"] else "")
         + (f", shared_prefix={c['shared_prefix']}" if c.get("shared_prefix") else ""),
@@ -175,7 +185,7 @@ def render_pd(r: dict) -> str:
         f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} {_kv(m)}d_head={m['d_head']} L={m['n_layers']} "
         f"vocab={m['vocab_size']}; variant {c['variant']}; dtype={c['dtype']}{_from(c)}; K,V "
         f"{'streamed layer by layer' if pd['streaming'] else 'sent after prefill'}",
-        f"{c['requests']} requests; chunk_size={c['chunk_size']} max_batched_tokens={c['max_batched_tokens']}; "
+        f"{c['requests']} requests; long_prefill_token_threshold={c['chunk_size']} max_num_batched_tokens={c['max_batched_tokens']}; "
         f"{r['prefill_iterations']} prefill iterations, {r['decode_iterations']} decode iterations",
         *([render_load(r["load"])] if r.get("load") else []),
         "",
@@ -237,3 +247,146 @@ def render_pd(r: dict) -> str:
                  + ("" if chk["ok"] is None else " and the dense oracle" if chk["ok"] else "; oracle check FAILED")
                  + ("" if r["ledger_matches_model"] else "; transfer ledger DIFFERS from the model"))
     return "\n".join(lines)
+
+
+def build_pd_report(s, ctx, result, colocated: list[list[int]], checks: list[dict] | None) -> dict:
+    m, layout = s.model, s.pd
+    elem = s.dtype.itemsize
+    k_tok = kv_bytes_per_token(m.n_layers, m.n_kv_heads, m.d_head, s.dtype)  # the dense cache's bytes per token
+    per_decode_rank = kv_bytes_per_token_per_rank(m.n_layers, m.n_kv_heads, m.d_head, layout.decode_ranks, elem)
+    requests = result.requests
+    for req, ids in zip(requests, colocated):
+        req["same_as_colocated"] = req["output_ids"] == ids
+    if checks is not None:
+        for req, chk in zip(requests, checks):
+            req["match"] = chk["verdict"]
+    sends = [t for t in result.transfers if t["kind"] == "send" and t["site"] == "pd/kv"]
+    recvs = [t for t in result.transfers if t["kind"] == "recv" and t["site"] == "pd/kv"]
+    pairs: dict[tuple[int, int], dict] = {}
+    for t in sends:
+        pair = pairs.setdefault((t["rank"], t["peer"]), {"prefill_rank": t["rank"], "decode_rank": t["peer"],
+                                                         "heads": t["heads"], "messages": 0, "bytes": 0})
+        pair["messages"] += 1
+        pair["bytes"] += t["bytes"]
+    handed_tokens = sum(r["prompt_length"] for r in requests if r["transfer_s"] is not None)
+    total = sum(t["bytes"] for t in sends)
+    per_decode = {rank: sum(t["bytes"] for t in recvs if t["rank"] == rank)
+                  for rank in range(layout.prefill_ranks, layout.world_size)}
+    return {
+        "world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device),
+        "pd": {"prefill_ranks": layout.prefill_ranks, "decode_ranks": layout.decode_ranks,
+               "prefill_pp": layout.prefill_pp, "streaming": s.streaming},
+        "config": {"model_name": s.model_name, "model": m.asdict(), "requests": len(s.requests),
+                   "chunk_size": s.engine.long_prefill_token_threshold, "max_batched_tokens": s.engine.max_num_batched_tokens, "variant": s.variant,
+                   "vocab_parallel": s.vocab_parallel, "dtype": str(s.dtype).removeprefix("torch."),
+                   "dtype_from": s.dtype_from, "seed": s.seed,
+                   "block_size": s.engine.block_size, "prefix_cache": s.engine.enable_prefix_caching,
+                   "attention": choose(s.engine.attention, ctx.device), "attention_setting": s.engine.attention,
+                   "shared_prefix": s.shared_prefix},
+        "notes": list(s.notes),
+        "kv_cache": {"block_size": s.engine.block_size, "decode_block_size": s.decode_block_size or s.engine.block_size,
+                     "kv_blocks": s.engine.num_gpu_blocks_override,  # each side's pool; null: enough for its workload at its largest
+                     "prefix_hit_tokens": sum(it["prefix_hit_tokens"] for it in result.prefill_iterations),
+                     "peak_blocks_used": {side: max((it["blocks_used"] for it in its), default=0) for side, its in
+                                          (("prefill", result.prefill_iterations),
+                                           ("decode", result.decode_iterations))}},
+        "totals": {"preemptions": sum(len(it["preempted"]) for it in
+                                      result.prefill_iterations + result.decode_iterations)},
+        "requests": requests,
+        "transfer": {"pairs": sorted(pairs.values(), key=lambda x: (x["prefill_rank"], x["decode_rank"])),
+                     "pair_count": len(pairs),
+                     "pair_count_formula": layout.prefill_pp * pair_count(
+                         m.n_kv_heads, layout.prefill_ranks // layout.prefill_pp, layout.decode_ranks),
+                     "handed_over_tokens": handed_tokens, "kv_bytes_per_token": k_tok,
+                     "kv_bytes_per_token_per_decode_rank": per_decode_rank,
+                     # each decode rank receives its own cache share: K_tok in all unless decode ranks replicate
+                     "total_bytes": total, "total_formula": handed_tokens * per_decode_rank * layout.decode_ranks,
+                     "received_per_decode_rank": per_decode, "messages": len(result.transfers),
+                     "agreements": result.agreements,
+                     "agreement_bytes_per_rank": result.agreements * ring_bytes_per_rank(
+                         "all_reduce", 1, layout.decode_ranks, 8)},
+        "llama2_7b": llama_table(),
+        "prefill_iterations": len(result.prefill_iterations), "decode_iterations": len(result.decode_iterations),
+        "time_s": result.time_s,
+        "ledger_matches_model": result.ledger_matches_model,
+        "same_as_colocated": all(r["same_as_colocated"] for r in requests),
+        "check": {"ok": None if checks is None else all(c["ok"] for c in checks),
+                  "verdicts": None if checks is None else {v: sum(c["verdict"] == v for c in checks)
+                                                           for v in ("match", "near-tie", "MISMATCH")}},
+    }
+
+
+def llama_table(prompt_tokens: int = 4096) -> dict:
+    """seeds/06's transfer table from the same formula: Llama-2-7B's K_tok, a 4k prompt, the seeds' fabrics."""
+    from tp.cost_model import FABRICS, LLAMA2_7B, kv_transfer_time
+
+    return {"kv_bytes_per_token": LLAMA2_7B.kv_bytes_per_token, "prompt_tokens": prompt_tokens,
+            "bytes": prompt_tokens * LLAMA2_7B.kv_bytes_per_token,
+            "ms": {name: kv_transfer_time(LLAMA2_7B, prompt_tokens, bw) * 1e3 for name, bw in FABRICS.items()}}
+
+
+def add_text(requests: list[dict], hf_checkpoint: str | None) -> None:
+    """A checkpoint with tokenizer files: each request's generated ids decoded (requests[i].text); nothing otherwise."""
+    from serve.llm import load_tokenizer
+
+    tok = load_tokenizer(hf_checkpoint)
+    if tok is not None:
+        for req in requests:
+            req["text"] = tok.decode(req["output_ids"], skip_special_tokens=True)
+
+
+def build_report(s, ctx, result, checks: list[dict] | None) -> dict:
+    m = s.model
+    p = ctx.world_size // s.pp  # the TP group's size (a pipeline stage's)
+    n_layers = len(stage_layers(m.n_layers, s.pp)[ctx.rank // p])  # the layers this rank caches: its stage's
+    dense_per_token = kv_bytes_per_token(m.n_layers, m.n_kv_heads, m.d_head, s.dtype)
+    requests = result.requests
+    if checks is not None:
+        for req, chk in zip(requests, checks):
+            req["match"] = chk["verdict"]
+            req["check"] = chk
+    generated = sum(r["generated"] for r in requests)
+    its = result.iterations
+    return {
+        "world_size": ctx.world_size, "tp": p, "backend": ctx.backend, "device": str(ctx.device),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "config": {"model_name": s.model_name, "model": m.asdict(), "hf_checkpoint": s.hf_checkpoint,
+                   "requests": len(s.requests), "chunk_size": s.engine.long_prefill_token_threshold,
+                   "max_batched_tokens": s.engine.max_num_batched_tokens, "max_running": s.engine.max_num_seqs,
+                   "eos_id": s.eos_id, "eos_from": s.eos_from,
+                   "variant": s.variant, "vocab_parallel": s.vocab_parallel,
+                   "dtype": str(s.dtype).removeprefix("torch."), "dtype_from": s.dtype_from, "seed": s.seed,
+                   "check": s.check,
+                   "block_size": s.engine.block_size, "kv_blocks": s.engine.num_gpu_blocks_override, "prefix_cache": s.engine.enable_prefix_caching,
+                   "attention": choose(s.engine.attention, ctx.device), "attention_setting": s.engine.attention,
+                   "shared_prefix": s.shared_prefix, "comm_timing": s.engine.comm_timing, "pp": s.pp,
+                   "pp_boundary": s.pp_boundary, "chunk_pipelining": s.engine.chunk_pipelining,
+                   "moe_parallel": s.moe_parallel if m.family == "mixtral" else None, "sampling": s.sampling},
+        "notes": list(s.notes),
+        "iterations": its,
+        "requests": requests,
+        "totals": {"iterations": len(its), "generated_tokens": generated, "time_s": result.time_s,
+                   "tokens_per_s": generated / result.time_s if result.time_s else None,
+                   "mixed_iterations": sum(1 for it in its if it["decodes"] and it["prefill_chunks"]),
+                   "collectives": sum(sum(it["collectives"].values()) for it in its),
+                   "bytes_per_rank": sum(it["bytes_per_rank"] for it in its),
+                   "preemptions": result.preemptions, "rows_computed": result.rows_computed},
+        "kv_cache": {"block_size": result.block_size, "blocks": result.num_blocks,
+                     "prefix_hit_tokens": result.prefix_hit_tokens, "peak_blocks_used": result.peak_blocks_used,
+                     "pool_bytes_per_rank": result.kv_pool_bytes_per_rank,
+                     "bytes_per_token_per_rank": result.kv_bytes_per_token_per_rank,
+                     "formula_bytes_per_token_per_rank": kv_bytes_per_token_per_rank(n_layers, m.n_kv_heads,
+                                                                                     m.d_head, p, s.dtype.itemsize),
+                     "kv_heads_per_rank": kv_heads_per_rank(m.n_kv_heads, p), "n_kv_heads": m.n_kv_heads,
+                     "bytes_per_token_dense": dense_per_token,
+                     "ratio_to_dense": result.kv_bytes_per_token_per_rank / dense_per_token,
+                     "peak_bytes_per_rank": result.kv_peak_bytes_per_rank,
+                     # what the cache tensors held against the formula (no request admitted: nothing held)
+                     "matches_formula": result.kv_bytes_per_token_per_rank in (0, kv_bytes_per_token_per_rank(
+                         n_layers, m.n_kv_heads, m.d_head, p, s.dtype.itemsize))},
+        "ledger_matches_model": result.ledger_matches_model,
+        "check": {"ok": None if checks is None else all(c["ok"] for c in checks),
+                  "verdicts": None if checks is None else {v: sum(c["verdict"] == v for c in checks)
+                                                           for v in ("match", "near-tie", "MISMATCH")},
+                  "max_logit_rel_err": None if checks is None else max(c["max_logit_rel_err"] for c in checks)},
+    }

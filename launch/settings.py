@@ -287,7 +287,7 @@ def refuse_bad_arguments(argv: list[str], rank: int, config_name: str) -> None:
 
 
 def known_settings(config_name: str, preset: str | None = None) -> set[str]:
-    """Every setting a launcher's config can hold, dotted (`chunk_size`, `pd.timeout_s`, `model.d_ffn`): the keys of
+    """Every setting a launcher's config can hold, dotted (`long_prefill_token_threshold`, `pd.timeout_s`, `model.d_ffn`): the keys of
     conf/<config_name>.yaml, of the structured nodes its defaults list names (ConfigStore), and of the model preset
     (`preset`, or the config's default one)."""
     from hydra.core.config_store import ConfigStore

@@ -49,7 +49,7 @@ class Syncs(StepHook):
 
     def after_step(self, engine, step):
         kind = "idle" if step.plan is None else "+".join(sorted(
-            {"decode" if c.decode else "prefill" for c in step.plan.chunks}
+            {"decode" if c.decode else "prefill" for c in step.plan.scheduled}
             | ({"preempt"} if step.plan.preempted else set())))
         syncs = [w for w in self.caught if "synchronizing" in str(w.message)]
         self.steps.append((kind, len(syncs)))
@@ -79,8 +79,8 @@ def run(ctx, name: str, record: bool) -> list[tuple[str, int]]:
     dense = init_weights(dense_lm(cfg, torch.float32), seed=0)
     lm = shard_lm(dense.to(ctx.device), "v2", ctx.group, moe_parallel=placement)
     hook = Syncs([])
-    engine = LLMEngine(lm, ctx, EngineConfig(chunk_size=8, max_batched_tokens=16, max_running=4, block_size=4,
-                                             kv_blocks=12, check_ledger=False), hooks=[hook])
+    engine = LLMEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=8, max_num_batched_tokens=16, max_num_seqs=4, block_size=4,
+                                             num_gpu_blocks_override=12, check_ledger=False), hooks=[hook])
     gen = torch.Generator().manual_seed(1)
     shared = torch.randint(0, V, (12,), generator=gen).tolist()
     prompts = [shared + torch.randint(0, V, (3 + 2 * n,), generator=gen).tolist() for n in range(5)]

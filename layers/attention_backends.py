@@ -10,7 +10,7 @@ A backend does two things, on the two sides of the iteration's one host-to-devic
                                                               (batch.slot_mapping), attend, return [T, h·d_head]
 
 `chunks` are the iteration's requests in row order, each with q_start, q_rows, kv_length, decode and blocks (its
-block table; serve/plan.py's Chunk); `spans` their rows in the flat batch; `slots(chunk, start, end)` the pool slots
+block table; serve/plan.py's ScheduledRequest); `spans` their rows in the flat batch; `slots(chunk, start, end)` the pool slots
 of positions [start, end) of its request (serve/block_manager.py's slot mapping). The backends:
 
     reference   the readable one the others are checked against: one request at a time, its own write, its

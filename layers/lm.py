@@ -219,12 +219,7 @@ class TPLlamaLM(nn.Module):
         return (prefixed(self.embed.plan("embed.weight"), "embed.", "") + head + whole("norm.weight")
                 + prefixed(self.stack.plan(), "stack."))
 
-    def step(self, ids: torch.Tensor, positions: torch.Tensor, layers: list[PagedLayer],
-             sample_rows: torch.Tensor, sampling: SamplingBatch | None = None) -> SampleResult:
-        """As TPLM.step; `positions` is not needed: every block reads its rows' positions off `layers`."""
-        x = self.embed_rows(ids, positions)
-        x = self.stack.forward_cached(x, layers)  # ★ 2 all-reduces [T, d] per layer
-        return self.pick(x, sample_rows, sampling)
+    step = TPLM.step  # embed_rows, the stack over the paged cache (★ 2 all-reduces [T, d] per layer), pick
 
     def embed_rows(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.embed(ids)  # ★ all-reduce [T, d]; positions enter in every block (RoPE)

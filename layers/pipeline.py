@@ -75,14 +75,29 @@ class PPLayout:
     def stage_ranks(self, stage: int) -> list[int]:
         return [self.rank(stage, r) for r in range(self.tp)]
 
-    def pipe_ranks(self, tp_rank: int) -> list[int]:
-        return [self.rank(s, tp_rank) for s in range(self.pp)]
+
+def pp_layout(world_size: int, pp: int) -> PPLayout:
+    """The rule "pp divides the world" (each stage a TP group of world / pp ranks), checked before any collective."""
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1 or world_size % pp:
+        raise ValueError(f"pp={pp!r} must divide the world of {world_size} ranks (tp = world / pp)")
+    return PPLayout(pp, world_size // pp)
+
+
+def check_pipeline(model, world_size: int, pp: int, variant: str = "v2", vocab_parallel: bool = True) -> PPLayout:
+    """Every rule of serving a model through pp stages (check_layout's, and what serving adds), checked before any
+    collective; ValueError, one line."""
+    if pp > 1 and model.family == "mixtral":
+        raise ValueError(f"pp={pp} with an MoE model is not built: its experts are placed over the world, not one "
+                         f"stage (serve it with pp=1)")
+    if pp > 1 and not vocab_parallel:
+        raise ValueError(f"pp={pp} with vocab_parallel=false is not built: a pipeline's first and last stages hold "
+                         f"the embedding and the head vocabulary-parallel")
+    return check_layout(world_size, pp, model.n_layers, variant)
 
 
 def check_layout(world_size: int, pp: int, n_layers: int, variant: str) -> PPLayout:
     """The checks run before any collective: pp divides the world, pp <= L, a variant whose boundary is modelled."""
-    if pp < 1 or world_size % pp:
-        raise ValueError(f"pp={pp} must divide the world of {world_size} ranks (tp = world / pp)")
+    pp_layout(world_size, pp)
     if pp > n_layers:
         raise ValueError(f"pp={pp} is more stages than the model's {n_layers} layers")
     if pp > 1 and variant not in PP_VARIANTS:
@@ -91,13 +106,10 @@ def check_layout(world_size: int, pp: int, n_layers: int, variant: str) -> PPLay
     return PPLayout(pp, world_size // pp)
 
 
-def new_pp_groups(layout: PPLayout) -> tuple[list[dist.ProcessGroup], list[dist.ProcessGroup]]:
-    """Every stage's TP group and every pipe's group, built once; every rank of the world calls this, in this order.
-    The stage boundary's messages address global ranks on the default group; the pipe groups are there for
-    collectives along a pipe (none in the block check yet)."""
-    stages = [dist.new_group(layout.stage_ranks(s)) for s in range(layout.pp)]
-    pipes = [dist.new_group(layout.pipe_ranks(r)) for r in range(layout.tp)]
-    return stages, pipes
+def new_pp_groups(layout: PPLayout) -> list[dist.ProcessGroup]:
+    """Every stage's TP group, built once; every rank of the world calls this, in this order. The stage boundary's
+    messages address global ranks on the default group."""
+    return [dist.new_group(layout.stage_ranks(s)) for s in range(layout.pp)]
 
 
 class StagePosition:
@@ -338,10 +350,6 @@ class PPLM(StagePosition, nn.Module):
     def cache_heads(self) -> int:
         return self.lm.cache_heads
 
-    @property
-    def n_cache_layers(self) -> int:
-        return len(self.layers)
-
 
     def forward_stage(self, ids, positions, layers, microbatch: int = 0,
                       received: PostedReceive | None = None) -> torch.Tensor:
@@ -375,7 +383,7 @@ class PPLM(StagePosition, nn.Module):
     def width(sampling) -> int:
         return 2 if sampling is None or sampling.logprobs < 0 else 3 + 2 * sampling.logprobs
 
-    def share(self, table: torch.Tensor | None, rows: int, width: int, device):
+    def broadcast_tokens(self, table: torch.Tensor | None, rows: int, width: int, device):
         """★ The last stage's table to every rank (the others pass None); a SampleResult on every rank."""
         from layers.sampler import SampleResult, nothing_sampled
 
@@ -393,7 +401,7 @@ class PPLM(StagePosition, nn.Module):
         x = self.forward_stage(ids, positions, layers)
         self.flush()
         table = self.sample(x, sample_rows, sampling)[0] if self.last and sample_rows.numel() else None
-        return self.share(table, sample_rows.numel(), self.width(sampling), ids.device)
+        return self.broadcast_tokens(table, sample_rows.numel(), self.width(sampling), ids.device)
 
 
 ENDS = ("embed", "wpe", "ln_f", "norm", "head")  # an LM's modules outside its blocks (TPLM's, TPLlamaLM's)

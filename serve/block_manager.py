@@ -52,7 +52,7 @@ def slot_mapping(table, block_size: int, start: int, end: int) -> list[int]:
 class BlockManager:
     num_blocks: int
     block_size: int
-    prefix_cache: bool = EngineConfig.prefix_cache
+    enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
     blocks: list[Block] = field(init=False)
     free: OrderedDict = field(init=False)  # block id -> None, least recently freed first
     cached: dict[int, dict[int, None]] = field(init=False)  # hash -> the blocks carrying it, oldest name first
@@ -63,7 +63,7 @@ class BlockManager:
         if self.block_size < 1:
             raise ValueError(f"block_size={self.block_size} must be at least 1")
         if self.num_blocks < 1:
-            raise ValueError(f"kv_blocks={self.num_blocks} must be at least 1")
+            raise ValueError(f"num_gpu_blocks_override={self.num_blocks} must be at least 1")
         self.blocks = [Block(i) for i in range(self.num_blocks)]
         self.free = OrderedDict((i, None) for i in range(self.num_blocks))
         self.cached, self.tables, self.hashed = {}, {}, {}
@@ -84,7 +84,7 @@ class BlockManager:
     def match_prefix(self, tokens: list[int]) -> list[int]:
         """The longest run of cached full blocks that starts `tokens`, leaving at least its last token to compute
         (a request needs a row to sample from)."""
-        if not self.prefix_cache:
+        if not self.enable_prefix_caching:
             return []
         out, previous, bs = [], ROOT, self.block_size
         for i in range((len(tokens) - 1) // bs):
@@ -139,7 +139,7 @@ class BlockManager:
 
     def commit(self, request: int, tokens: list[int], computed: int) -> None:
         """Name every block now full of computed tokens (prefix caching), so later requests can share it."""
-        if not self.prefix_cache:
+        if not self.enable_prefix_caching:
             return
         table, bs = self.tables[request], self.block_size
         i = self.hashed[request]

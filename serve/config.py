@@ -1,32 +1,33 @@
-"""The engine's settings in one frozen object, each with its default written once and checked once.
+"""The engine's settings in one frozen object: each default written once, each rule checked once, vLLM's names.
 
     EngineConfig()                                   # the defaults
-    EngineConfig.from_kwargs(max_num_seqs=8)         # vLLM's names are taken too (the table below)
+    EngineConfig(max_num_seqs=8, enable_prefix_caching=False)
 
-    setting             vLLM's name               meaning
-    chunk_size          long_prefill_token_threshold  most prompt rows one request gets in one iteration
-    max_batched_tokens  max_num_batched_tokens    rows per iteration (decodes first, then prompt chunks)
-    max_running         max_num_seqs              requests running at once
-    block_size          block_size                token positions per KV block
-    kv_blocks           num_gpu_blocks_override   blocks in each rank's pool (None: max_running requests at
-                                                  the model's full context, so nothing is ever preempted)
-    prefix_cache        enable_prefix_caching     share full blocks of identical prompt prefixes
-    attention           -                         the attention backend (layers/attention_backends.py): auto
-                                                  (cpu on a CPU, batched on CUDA) | cpu (one call per request,
-                                                  nothing padded) | batched (one cache write and a few calls
-                                                  per layer, as a GPU runs it) | reference (the readable loop)
-    comm_timing         -                         per-collective wall times in the ledger (two waits each)
-    check_ledger        -                         compare every iteration's collectives with the model
-    reserve_capacity    -                         the pre-paging rule, kept to measure what paging frees: a
-                                                  request takes blocks for its whole capacity when admitted
-                                                  (needs prefix_cache off)
-    chunk_pipelining    -                         pipeline stages (pp > 1): a prompt's next chunk may enter the
-                                                  pipeline while its previous chunk is still in flight (off: a
-                                                  request is in one micro-batch in flight at most, vLLM V1's rule)
+    setting                       meaning
+    long_prefill_token_threshold  most prompt rows one request gets in one iteration (its chunk)
+    max_num_batched_tokens        rows per iteration (decodes first, then prompt chunks)
+    max_num_seqs                  requests running at once (at most max_num_batched_tokens: one decode row each)
+    block_size                    token positions per KV block
+    num_gpu_blocks_override       blocks in each rank's pool; None: the engine sizes it (pool_blocks, below)
+    enable_prefix_caching         share full blocks of identical prompt prefixes
+    attention                     the attention backend (layers/attention_backends.py): auto (cpu on a CPU, batched
+                                  on CUDA) | cpu (one call per request, nothing padded) | batched (one cache write and
+                                  a few calls per layer, as a GPU runs it) | reference (the readable loop)
+    comm_timing                   per-collective wall times in the ledger (two waits each)
+    check_ledger                  compare every iteration's collectives with the model (raise on a difference)
+    reserve_capacity              the pre-paging rule, kept to measure what paging frees: a request takes blocks for
+                                  its whole capacity when admitted (needs enable_prefix_caching off)
+    chunk_pipelining              pipeline stages (pp > 1): a prompt's next chunk may enter the pipeline while its
+                                  previous chunk is still in flight (off: a request is in one micro-batch in flight
+                                  at most, vLLM V1's rule)
 
-Plain Python, no torch: the scheduler and the block manager read their defaults from here too (each default is
-written once, here; tests/test_llm.py checks it). A bad value is a ValueError with one line that names the setting, raised where the object is made, before
-any process starts or any collective runs.
+Every entry point makes one EngineConfig and passes it whole: `LLM(**kwargs)` (its keyword arguments are these
+fields), `python -m serve` and `python -m serve.api` (FLAGS: vLLM's flag names), launch/serve.py (Hydra's node
+`engine_defaults` is made from this class, conf/serve.yaml changes what the demo changes), P/D and the benchmarks.
+The scheduler and the block manager assert; the rules live here. A bad value is a ValueError with one line that
+names the setting, raised where the object is made, before any process starts or any collective runs.
+
+Plain Python, no torch.
 """
 
 from __future__ import annotations
@@ -34,23 +35,21 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-ATTENTION_MODES = ("auto", "cpu", "batched", "reference")  # layers/attention_backends.py: auto picks by device
-
 from tp.partition import ceil_div
 
-VLLM_NAMES = {"long_prefill_token_threshold": "chunk_size", "max_num_batched_tokens": "max_batched_tokens",
-              "max_num_seqs": "max_running", "num_gpu_blocks_override": "kv_blocks",
-              "enable_prefix_caching": "prefix_cache"}
+ATTENTION_MODES = ("auto", "cpu", "batched", "reference")  # layers/attention_backends.py: auto picks by device
+COUNTS = ("long_prefill_token_threshold", "max_num_batched_tokens", "max_num_seqs", "block_size")
+SWITCHES = ("enable_prefix_caching", "comm_timing", "check_ledger", "reserve_capacity", "chunk_pipelining")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    chunk_size: int = 256
-    max_batched_tokens: int = 512
-    max_running: int = 16
+    long_prefill_token_threshold: int = 256
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 16
     block_size: int = 16
-    kv_blocks: int | None = None
-    prefix_cache: bool = True
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
     attention: str = "auto"
     comm_timing: bool = False
     check_ledger: bool = True
@@ -58,57 +57,65 @@ class EngineConfig:
     chunk_pipelining: bool = False
 
     def __post_init__(self):
-        for name in ("chunk_size", "max_batched_tokens", "max_running", "block_size", "kv_blocks"):
+        for name in COUNTS + ("num_gpu_blocks_override",):
             v = getattr(self, name)
-            if name == "kv_blocks" and v is None:
+            if name == "num_gpu_blocks_override" and v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an integer of at least 1")
-        for name in ("prefix_cache", "comm_timing", "check_ledger", "reserve_capacity", "chunk_pipelining"):
+        for name in SWITCHES:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.attention not in ATTENTION_MODES:
             raise ValueError(f"attention={self.attention!r}: choose {', '.join(ATTENTION_MODES[:-1])} or "
                              f"{ATTENTION_MODES[-1]}")
-        if self.reserve_capacity and self.prefix_cache:
-            raise ValueError("reserve_capacity (the pre-paging rule) shares nothing: set prefix_cache=False")
-        if self.max_running > self.max_batched_tokens:
-            raise ValueError(f"max_batched_tokens={self.max_batched_tokens} is smaller than a full decode batch of "
-                             f"max_running={self.max_running} requests (one row each per iteration); raise "
-                             f"max_batched_tokens or lower max_running")
+        if self.reserve_capacity and self.enable_prefix_caching:
+            raise ValueError("reserve_capacity (the pre-paging rule) shares nothing: set enable_prefix_caching=False")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than a full decode "
+                             f"batch of max_num_seqs={self.max_num_seqs} requests (one row each per iteration); raise "
+                             f"max_num_batched_tokens or lower max_num_seqs")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
-        """Settings by our names or vLLM's (VLLM_NAMES); an unknown name is a ValueError listing the known ones."""
+        """`LLM(**kwargs)`'s engine settings: an unknown name is a ValueError listing the known ones."""
         known = {f.name for f in dataclasses.fields(cls)}
-        out = {}
-        for key, value in kwargs.items():
-            name = VLLM_NAMES.get(key, key)
-            if name not in known:
-                raise ValueError(f"unknown engine setting {key!r}; known: {', '.join(sorted(known | set(VLLM_NAMES)))}")
-            if name in out:
-                raise ValueError(f"{key!r} and {name!r} set the same thing: give one")
-            out[name] = value
-        try:
-            return cls(**out)
-        except ValueError as exc:  # say it with the name the caller used
-            message = str(exc)
-            for key in kwargs:
-                if key in VLLM_NAMES:
-                    message = message.replace(f"{VLLM_NAMES[key]}=", f"{key}=")
-            raise ValueError(message) from None
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine setting {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        return cls(**kwargs)
 
-    def pool_blocks(self, max_seq_len: int) -> int:
-        """Blocks in each rank's pool: kv_blocks, or enough for max_running requests at the full context."""
-        return self.kv_blocks or self.max_running * ceil_div(max_seq_len, self.block_size)
+    def check_pipeline(self, pp: int) -> None:
+        """The rule between these settings and the pipeline's size."""
+        if pp == 1 and self.chunk_pipelining:
+            raise ValueError("chunk_pipelining=True is for a pipeline: set pipeline_parallel_size (pp) > 1")
+
+    def pool_blocks(self, max_seq_len: int, capacities: list[int] | None = None) -> int:
+        """Blocks in each rank's pool: num_gpu_blocks_override, else the engine sizes it so that nothing is ever
+        preempted: for a workload known up front (capacities: each request's largest number of cached positions,
+        serve/offline.py), every request at its largest at once; online, max_num_seqs requests at the full
+        context."""
+        if self.num_gpu_blocks_override is not None:
+            return self.num_gpu_blocks_override
+        if capacities is not None:
+            return max(1, sum(ceil_div(n, self.block_size) for n in capacities))
+        return self.max_num_seqs * ceil_div(max_seq_len, self.block_size)
 
 
-# The engine's settings as command-line flags (python -m serve, python -m serve.api): vLLM's flag names where vLLM has
-# the setting, ours where it has not.
-FLAGS = {"--block-size": "block_size", "--max-num-batched-tokens": "max_batched_tokens",
-         "--max-num-seqs": "max_running", "--long-prefill-token-threshold": "chunk_size",
-         "--num-gpu-blocks-override": "kv_blocks", "--enable-prefix-caching": "prefix_cache",
-         "--attention": "attention"}
+def fits_alone(positions: int, num_blocks: int, block_size: int) -> str | None:
+    """The rule "a request fits the pool alone": None when `positions` cached positions fit in num_blocks blocks of
+    block_size, else the one-line reason (every caller raises its own error type with it)."""
+    need = ceil_div(positions, block_size)
+    if need <= num_blocks:
+        return None
+    return (f"{positions} positions need {need} KV blocks of block_size={block_size}, more than the pool's "
+            f"num_gpu_blocks_override={num_blocks}; raise it to at least {need}")
+
+
+# The engine's settings as command-line flags (python -m serve, python -m serve.api): vLLM's flag names.
+FLAGS = {"--" + name.replace("_", "-"): name for name in
+         ("block_size", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
+          "num_gpu_blocks_override", "enable_prefix_caching", "attention")}
 
 
 def add_engine_flags(parser) -> None:
@@ -118,7 +125,7 @@ def add_engine_flags(parser) -> None:
     group = parser.add_argument_group("engine settings (EngineConfig; vLLM's flag names)")
     for flag, name in FLAGS.items():
         default = getattr(EngineConfig, name)
-        if name == "prefix_cache":
+        if name == "enable_prefix_caching":
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default,
                                help=f"{name} (default: on)")
         elif name == "attention":
@@ -126,7 +133,7 @@ def add_engine_flags(parser) -> None:
                                help=f"{name}: the attention backend (default: auto, cpu on a CPU device and batched "
                                     f"on CUDA)")
         else:
-            aliases = ["--num-gpu-blocks"] if name == "kv_blocks" else []
+            aliases = ["--num-gpu-blocks"] if name == "num_gpu_blocks_override" else []
             group.add_argument(flag, *aliases, dest=name, type=int, default=default, metavar="N",
                                help=f"{name} (default: "
                                     f"{'max-num-seqs requests at the full context' if default is None else default})")

@@ -20,7 +20,7 @@ import torch
 from layers.attention_backends import PagedBatch, backend
 from serve.block_manager import slot_mapping
 from serve.config import EngineConfig
-from serve.plan import Chunk, IterationPlan
+from serve.plan import ScheduledRequest, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -34,12 +34,12 @@ class StepInputs:
         return self.batch.positions
 
 
-def slots_of(c: Chunk, start: int, end: int, block_size: int) -> list[int]:
+def slots_of(c: ScheduledRequest, start: int, end: int, block_size: int) -> list[int]:
     """The slot mapping of positions [start, end) of c's request, read off the block table the plan carries."""
     return slot_mapping(c.blocks, block_size, start, end)
 
 
-def prepare_step(plan: IterationPlan, tokens: dict[int, list[int]], block_size: int, device,
+def prepare_step(plan: SchedulerOutput, tokens: dict[int, list[int]], block_size: int, device,
                  attention: str = EngineConfig.attention) -> StepInputs:
     """tokens: request id -> its tokens (prompt + generated). attention: a backend's name, or auto (by device).
     Returns the iteration's tensors on `device`."""
@@ -52,11 +52,11 @@ def prepare_step(plan: IterationPlan, tokens: dict[int, list[int]], block_size: 
         sizes.append(len(values))
 
     spans = plan.spans
-    put([t for c in plan.chunks for t in tokens[c.request][c.q_start:c.q_end]])
-    put([t for c in plan.chunks for t in range(c.q_start, c.q_end)])
-    put([s for c in plan.chunks for s in slots_of(c, c.q_start, c.q_end, block_size)])
+    put([t for c in plan.scheduled for t in tokens[c.request][c.q_start:c.q_end]])
+    put([t for c in plan.scheduled for t in range(c.q_start, c.q_end)])
+    put([s for c in plan.scheduled for s in slots_of(c, c.q_start, c.q_end, block_size)])
     put(plan.sample_rows)
-    finish = chosen.build(plan.chunks, spans, block_size, lambda c, s, e: slots_of(c, s, e, block_size), put)
+    finish = chosen.build(plan.scheduled, spans, block_size, lambda c, s, e: slots_of(c, s, e, block_size), put)
     host = torch.tensor(flat, dtype=torch.int64)
     if torch.device(device).type == "cuda":
         host = host.pin_memory()

@@ -1,6 +1,6 @@
 """Each rank's KV cache: one pool of blocks, allocated once, holding K and V of the rank's own heads only.
 
-    pool on rank s:  [L, 2, kv_blocks · block_size, heads, d_head]     (layer, K|V, slot, head, dim)
+    pool on rank s:  [L, 2, num_gpu_blocks_override · block_size, heads, d_head]     (layer, K|V, slot, head, dim)
                      heads = h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention)
 
 A slot is one token position of one block: block b's positions are slots [b·block_size, (b+1)·block_size).

@@ -21,7 +21,7 @@ from layers.lm import TPLM, TPLlamaLM
 from layers.sampler import SampleResult, SamplingBatch
 from serve.inputs import StepInputs, prepare_step
 from serve.kv_cache import KVPool
-from serve.plan import IterationPlan
+from serve.plan import SchedulerOutput
 from serve.request import Request
 from tp.dist import TPContext
 
@@ -36,15 +36,15 @@ class ModelRunner:
         # pipeline stage's model are its own (cfg.n_layers is the stage's)
         self.cache = KVPool(cfg.n_layers, num_blocks, block_size, lm.cache_heads, cfg.d_head, self.dtype, ctx.device)
 
-    def prepare(self, plan: IterationPlan, requests: dict[int, Request]) -> Prepared:
+    def prepare(self, plan: SchedulerOutput, requests: dict[int, Request]) -> Prepared:
         """The iteration's tensors (one host-to-device copy) and its sampling batch. requests: id -> Request (its
         tokens so far, its sampling parameters)."""
-        step = prepare_step(plan, {c.request: requests[c.request].tokens for c in plan.chunks}, self.block_size,
+        step = prepare_step(plan, {c.request: requests[c.request].tokens for c in plan.scheduled}, self.block_size,
                             self.ctx.device, self.attention)
         return Prepared(step, sampling_batch(plan, requests, self.ctx.device))
 
     @torch.no_grad()
-    def run(self, plan: IterationPlan, requests: dict[int, Request]) -> tuple[SampleResult, SamplingBatch | None]:
+    def run(self, plan: SchedulerOutput, requests: dict[int, Request]) -> tuple[SampleResult, SamplingBatch | None]:
         """Returns the sampled rows' tokens and their logits (and logprobs when asked), on the device, and the sampling
         batch (None: every row greedy)."""
         step, sampling = self.prepare(plan, requests)
@@ -64,11 +64,11 @@ class Prepared(NamedTuple):
     sampling: SamplingBatch | None
 
 
-def sampling_batch(plan: IterationPlan, requests: dict[int, Request], device) -> SamplingBatch | None:
+def sampling_batch(plan: SchedulerOutput, requests: dict[int, Request], device) -> SamplingBatch | None:
     """The sampled rows' parameters as tensors, built once per step; None when every row is greedy (the head's own
     greedy path, bit for bit)."""
     rows, logprobs = [], -1
-    for c in plan.chunks:
+    for c in plan.scheduled:
         if c.sample:
             r = requests[c.request]
             q = r.params

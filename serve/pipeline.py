@@ -5,7 +5,7 @@ Every rank of the world runs the same steps (SPMD, as LLMEngine). A step is one 
     control   ★ rank 0's control message to the whole world (what arrived, what was aborted)
     schedule  the scheduler forms a new micro-batch from the requests that are not in flight (vLLM V1's batch queue:
               a request is scheduled again only once its last micro-batch has come back from the last stage), at
-              most 1/pp of the requests that could run (Scheduler.share), so that pp micro-batches can be in flight
+              most 1/pp of the requests that could run (Scheduler.microbatch_cap), so that pp micro-batches can be in flight
     agree     ★ all-gather of its fingerprint over the world (when one was formed)
     run       stage s runs the micro-batch that entered s ticks ago: the first embeds it, a later one receives its
               hidden states from the stage before (the boundary); its blocks over its own KV pool (its stage's layers
@@ -28,36 +28,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from serve.engine import CONTROL_HEADER, RUN, STOP, LLMEngine, StepRecord, next_plan
+from serve.control import CONTROL_HEADER
+from serve.engine import LLMEngine, Ran
+from serve.hooks import StepRecord
 from serve.model_runner import Prepared
-from serve.plan import FINGERPRINT_SIZE, IterationPlan
-from serve.request import RequestStatus
+from serve.plan import FINGERPRINT_SIZE, SchedulerOutput
 from tp.ledger import Traffic
 from tp.traffic_model import predict_control, predict_pp_stage, predict_sampler
-
-
-def pipeline_schedule(sched, pp: int, before_schedule=None):
-    """Host only: the micro-batches of a workload held from the start, in the order they come back from the last of pp
-    stages: PipelineEngine.step's ticks without the model (P/D's decode side knows from it what a pipelined prefill
-    side will hand over, and in which order). The caller applies each one's tokens (sched.update) before asking for
-    the next."""
-    sched.stages = pp
-    queue, index = deque(), 0
-    while sched.has_work() or queue:
-        entered, index = next_plan(sched, index, before_schedule)
-        if entered is not None:
-            sched.dispatch(entered)
-            queue.append((entered, index))
-        if not queue:
-            return
-        if queue[0][1] == index - (pp - 1):
-            yield queue.popleft()[0]
-        index += 1
 
 
 TIMELINE_STEPS = 1 << 16  # the most recent steps each rank keeps in its timeline (a server runs for long)
@@ -65,7 +48,7 @@ TIMELINE_STEPS = 1 << 16  # the most recent steps each rank keeps in its timelin
 
 @dataclass
 class InFlight:
-    plan: IterationPlan
+    plan: SchedulerOutput
     prepared: Prepared  # its tensors, built once when it was scheduled
     tick: int  # the step at which it entered the first stage
 
@@ -77,94 +60,74 @@ class PipelineEngine(LLMEngine):
         super().__init__(lm, ctx, config, eos_token_ids, seed, hooks)
         self.pp, self.stage = lm.layout.pp, lm.index
         self.scheduler.stages = self.pp
-        self.scheduler.chunk_pipelining = self.config.chunk_pipelining
         self.queue: deque[InFlight] = deque()
         # per step that had work: the micro-batch this rank's stage ran (None: idle) and its rows, the time in its
         # blocks (busy_s) and in the whole step (step_s), when its blocks began (start_s: time.perf_counter()), the
         # bytes it sent across the boundary
         self.timeline: deque[dict] = deque(maxlen=TIMELINE_STEPS)
         self._width = 2  # columns of the last token table broadcast
-        self.stage_plan: IterationPlan | None = None  # the micro-batch this rank's stage is running
+        self.stage_plan: SchedulerOutput | None = None  # the micro-batch this rank's stage is running
         self._incoming = None  # the receive posted for the next step's input (a stage after the first)
+        self._ticked = False  # this step appended to the timeline
 
     def has_unfinished_requests(self) -> bool:
         return super().has_unfinished_requests() or bool(self.queue)
 
-    def shutdown(self) -> None:
-        super().shutdown()
-        self.lm.flush()  # rank 0's last sends: received by now (the queue drained), waited for
-
-    @torch.no_grad()
-    def step(self):
-        start = time.perf_counter()
+    @contextmanager
+    def _attached(self):
+        """The ledger, its collectives and its boundary messages cleared, recording this stage's layers."""
         self.ledger.clear()
         self.ledger.transfers.clear()
+        with self.ledger.attach(self.lm.stack, self.lm.layers.start):
+            yield
+
+    def _flush(self) -> None:
+        self.lm.flush()  # the stage's last sends: received by now, waited for
+
+    def step(self):
+        start = time.perf_counter()
+        self._ticked = False
+        out = super().step()
+        if self._ticked:  # this step had work: its timeline entry gets the step's whole time
+            self.timeline[-1]["step_s"] = time.perf_counter() - start
+        return out
+
+    def _run(self, entered: SchedulerOutput | None) -> Ran:
+        """One tick: the new micro-batch enters the first stage, this rank's stage runs the micro-batch that entered
+        `stage` ticks ago, and the one that entered pp - 1 ticks ago comes back (its tokens broadcast to every
+        rank: pp/tokens)."""
         lm, sched = self.lm, self.scheduler
-        with self.ledger.attach(lm.stack, lm.layers.start):
-            flag, new, aborts, payload = self._control(RUN)  # ★ broadcast over the world
-            if flag != RUN:
-                self.stopped = flag == STOP
-                lm.flush()
-                return []
-            for r in new:
-                sched.add(r)
-            for rid in aborts:
-                sched.abort(rid)
-            entered, self.index = next_plan(sched, self.index, self._before_schedule)
-            if entered is not None:
-                for hook in self.hooks:
-                    hook.before_forward(self, entered)
-                self._agree(entered.fingerprint(), f"iteration {entered.index}: ranks scheduled different rows")  # ★
-                prepared = self.runner.prepare(entered, sched.by_id)  # before dispatch moves `computed` on
-                sched.dispatch(entered)
-                self.queue.append(InFlight(entered, prepared, self.index))
-            if not self.queue:  # nothing in flight and nothing to run
-                self._after(StepRecord(None, payload, None, ended=aborts))
-                return self._outputs_of([], aborts)
-            mine = next((e for e in self.queue if e.tick == self.index - self.stage), None)
-            table, picked, t0 = None, None, time.perf_counter()
-            self.stage_plan = None if mine is None else mine.plan  # what this stage runs now (a hook may ask)
-            if mine is not None:
-                received, self._incoming = self._incoming, None
-                x = self.runner.forward_stage(mine.prepared, mine.plan.index, received)
-                if lm.last and mine.plan.sample_rows:
-                    table, picked = lm.sample(x, mine.prepared.step.sample_rows, mine.prepared.sampling)
-            busy = time.perf_counter() - t0
-            before = next((e for e in self.queue if e.tick == self.index - self.stage + 1), None)
-            if not lm.first and before is not None:  # the stage before sent its rows this step: post their receive
-                self._incoming = lm.link.post_receive(before.plan.rows, before.plan.index)  # before the broadcast
-            done = self.queue[0] if self.queue[0].tick == self.index - (self.pp - 1) else None
-            if done is not None:
-                self.queue.popleft()
-                self._width = lm.width(done.prepared.sampling)
-                result = lm.share(table, len(done.plan.sample_rows), self._width, self.ctx.device)  # ★
+        if entered is not None:
+            prepared = self.runner.prepare(entered, sched.by_id)  # before dispatch moves num_computed_tokens on
+            sched.dispatch(entered)
+            self.queue.append(InFlight(entered, prepared, self.index))
+        if not self.queue:  # nothing in flight and nothing to run
+            return Ran(None, None, None, {})
+        mine = next((e for e in self.queue if e.tick == self.index - self.stage), None)
+        table, picked, t0 = None, None, time.perf_counter()
+        self.stage_plan = None if mine is None else mine.plan  # what this stage runs now (a hook may ask)
+        if mine is not None:
+            received, self._incoming = self._incoming, None
+            x = self.runner.forward_stage(mine.prepared, mine.plan.index, received)
+            if lm.last and mine.plan.sample_rows:
+                table, picked = lm.sample(x, mine.prepared.step.sample_rows, mine.prepared.sampling)
+        busy = time.perf_counter() - t0
+        before = next((e for e in self.queue if e.tick == self.index - self.stage + 1), None)
+        if not lm.first and before is not None:  # the stage before sent its rows this step: post their receive
+            self._incoming = lm.link.post_receive(before.plan.rows, before.plan.index)  # before the broadcast
+        done, result = None, None
+        if self.queue[0].tick == self.index - (self.pp - 1):
+            done = self.queue.popleft()
+            self._width = lm.width(done.prepared.sampling)
+            result = lm.broadcast_tokens(table, len(done.plan.sample_rows), self._width, self.ctx.device)  # ★
         self.timeline.append({"tick": self.index, "microbatch": None if mine is None else mine.plan.index,
                               "rows": 0 if mine is None else mine.plan.rows, "busy_s": busy, "start_s": t0,
                               "sent_bytes": sum(t.bytes for t in self.ledger.transfers if t.kind == "send")})
+        self._ticked = True
         ran = None if mine is None else mine.plan
         sampler = None if picked is None else picked.traffic(mine.prepared.sampling)
         self.index += 1
-        if done is None:  # the pipeline is filling: nothing came back this step
-            self._after(StepRecord(None, payload, sampler, ended=aborts, entered=entered, ran=ran))
-            self.timeline[-1]["step_s"] = time.perf_counter() - start
-            return self._outputs_of([], aborts)
-        plan = done.plan
-        rows = result.to_host()  # ★ the step's one wait for the device
-        sampled = [c.request for c in plan.chunks if c.sample]
-        finished = sched.update(plan, {rid: int(row[0]) for rid, row in zip(sampled, rows)})
-        live = [(rid, row) for rid, row in zip(sampled, rows)  # an aborted request's token is dropped
-                if rid in sched.by_id and sched.by_id[rid].status is not RequestStatus.FINISHED_ABORTED]
-        sampled, rows = [rid for rid, _ in live], [row for _, row in live]
-        self.prefix_hit_tokens += plan.prefix_hits
-        self.prefix_queried_tokens += sum(len(sched.by_id[rid].prompt) for rid in plan.admitted if rid in sched.by_id)
-        self.collective_bytes_per_rank += sum(r.traffic().bytes_per_rank for r in self.ledger.records)
-        if result.logprob is not None:
-            self._logprobs(sampled, rows, result.top_ids.shape[1])
-        self._after(StepRecord(plan, payload, sampler, sampled, rows, aborts + finished, entered=entered, ran=ran))
-        self.busy_s += time.perf_counter() - start
-        self.iterations += 1
-        self.timeline[-1]["step_s"] = time.perf_counter() - start
-        return self._outputs_of(sampled, aborts + finished)
+        return Ran(None if done is None else done.plan, result, sampler, {"entered": entered, "ran": ran})
 
     def traffic(self, step: StepRecord) -> tuple[list, list]:
         """This rank's collectives and boundary messages in the step, and the model's: the control message over the

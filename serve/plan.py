@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Chunk:
+class ScheduledRequest:
     request: int  # request id
     q_start: int
     q_end: int
@@ -40,56 +40,56 @@ class Chunk:
 
 
 @dataclass(frozen=True)
-class IterationPlan:
+class SchedulerOutput:
     index: int
-    chunks: tuple[Chunk, ...]
+    scheduled: tuple[ScheduledRequest, ...]  # decodes first, then prompt chunks, in row order
     admitted: tuple[int, ...] = ()  # requests that joined the running set at this iteration
     preempted: tuple[int, ...] = ()  # requests that gave their blocks back at this iteration, to recompute later
     prefix_hits: int = 0  # prompt tokens whose K,V the requests admitted now found in the prefix cache
 
     @property
     def rows(self) -> int:
-        return sum(c.q_rows for c in self.chunks)
+        return sum(c.q_rows for c in self.scheduled)
 
     @property
     def spans(self) -> list[tuple[int, int]]:
         """Each chunk's rows in the flat tensor."""
         out, start = [], 0
-        for c in self.chunks:
+        for c in self.scheduled:
             out.append((start, start + c.q_rows))
             start += c.q_rows
         return out
 
     @property
     def sample_rows(self) -> list[int]:
-        return [e - 1 for c, (_, e) in zip(self.chunks, self.spans) if c.sample]
+        return [e - 1 for c, (_, e) in zip(self.scheduled, self.spans) if c.sample]
 
     @property
     def decodes(self) -> int:
-        return sum(c.decode for c in self.chunks)
+        return sum(c.decode for c in self.scheduled)
 
     @property
     def prefill_chunks(self) -> int:
-        return sum(not c.decode for c in self.chunks)
+        return sum(not c.decode for c in self.scheduled)
 
     def score_entries(self) -> int:
         """Visible Q·Kᵀ entries, one head, one layer: per request q_rows·q_start (the cached prefix) plus the
         chunk's own causal triangle q_rows(q_rows+1)/2 (SDPA with a mask computes the whole rectangle,
         q_rows·kv_length, and discards the rest)."""
-        return sum(c.q_rows * c.q_start + c.q_rows * (c.q_rows + 1) // 2 for c in self.chunks)
+        return sum(c.q_rows * c.q_start + c.q_rows * (c.q_rows + 1) // 2 for c in self.scheduled)
 
     def cache_rows_read(self) -> int:
         """Cached rows re-read (the prefix written by earlier iterations): q_start per request."""
-        return sum(c.q_start for c in self.chunks)
+        return sum(c.q_start for c in self.scheduled)
 
     def fingerprint(self) -> list[float]:
         """Four numbers that differ, with overwhelming likelihood, when two ranks planned differently (rows or
         block tables)."""
-        n = len(self.chunks)
-        tables = sum((i + 1) * sum((j + 1) * b for j, b in enumerate(c.blocks)) for i, c in enumerate(self.chunks))
-        return [float(self.index * 1_000_003 + n), float(sum((i + 1) * c.request for i, c in enumerate(self.chunks))),
-                float(sum((i + 1) * c.q_start + c.sample for i, c in enumerate(self.chunks)) + 7 * tables),
-                float(sum((i + 7) * c.q_end + 3 * c.decode for i, c in enumerate(self.chunks)))]
+        n = len(self.scheduled)
+        tables = sum((i + 1) * sum((j + 1) * b for j, b in enumerate(c.blocks)) for i, c in enumerate(self.scheduled))
+        return [float(self.index * 1_000_003 + n), float(sum((i + 1) * c.request for i, c in enumerate(self.scheduled))),
+                float(sum((i + 1) * c.q_start + c.sample for i, c in enumerate(self.scheduled)) + 7 * tables),
+                float(sum((i + 7) * c.q_end + 3 * c.decode for i, c in enumerate(self.scheduled)))]
 
 
 FINGERPRINT_SIZE = 4

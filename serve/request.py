@@ -16,17 +16,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from serve.config import fits_alone
 from serve.sampling_params import SamplingParams
-
-
-def eos_ids(eos_id) -> frozenset[int]:
-    """An end-of-sequence setting as the set of ids that finish a request: None (none), an id, or several ids."""
-    return frozenset() if eos_id is None else frozenset((eos_id,) if isinstance(eos_id, int) else eos_id)
-
-
-def eos_key(eos_id) -> int:
-    """One number for an eos setting, for the ranks' settings fingerprints (-1: none)."""
-    return sum((i + 1) * (t + 1) for i, t in enumerate(sorted(eos_ids(eos_id)))) or -1
 
 
 class RequestStatus(enum.Enum):
@@ -51,15 +42,18 @@ class Request:
     max_new_tokens: int
     arrival: int = 0  # the iteration at which it arrives
     output: list[int] = field(default_factory=list)
-    computed: int = 0  # tokens whose K,V are cached (a request built mid-stream may start above 0)
-    finished: bool = False
+    num_computed_tokens: int = 0  # tokens whose K,V are cached (a request built mid-stream may start above 0)
     prefix_hit: int = 0  # prompt tokens whose K,V came from the prefix cache (summed over its admissions)
     num_cached_tokens: int | None = None  # the same on its first admission (vLLM's RequestOutput.num_cached_tokens)
     preemptions: int = 0
-    stop_ids: frozenset[int] = frozenset()  # sampling one of these finishes it (eos, stop_token_ids), as eos_id does
+    stop_ids: frozenset[int] = frozenset()  # sampling one of these finishes it: the model's eos ids, stop_token_ids
     params: SamplingParams | None = None
     sampling_seed: int | None = None  # the seed of its noise: params.seed, or one drawn from the engine's seed and id
     status: RequestStatus = RequestStatus.WAITING
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finish_reason is not None
 
     @property
     def tokens(self) -> list[int]:
@@ -68,24 +62,41 @@ class Request:
     @property
     def decoding(self) -> bool:
         """One token left to compute, and it is a generated one: the next row is a decode."""
-        return bool(self.output) and len(self.prompt) + len(self.output) - self.computed == 1
+        return bool(self.output) and len(self.prompt) + len(self.output) - self.num_computed_tokens == 1
 
     @property
     def capacity(self) -> int:
         """Cache positions it can ever need: the last sampled token's K,V are never computed."""
         return len(self.prompt) + self.max_new_tokens - 1
 
-    def append(self, token: int, eos_id: int | None = None) -> bool:
+    def append_output_token(self, token: int) -> bool:
         """Add a sampled token; True (and the finished status) if it ends the request."""
         self.output.append(token)
-        if token in self.stop_ids or (eos_id is not None and token == eos_id):
+        if token in self.stop_ids:
             self.status = RequestStatus.FINISHED_STOPPED
         elif len(self.output) >= self.max_new_tokens:
             self.status = RequestStatus.FINISHED_LENGTH
         else:
             return False
-        self.finished = True
         return True
 
     def abort(self) -> None:
-        self.status, self.finished = RequestStatus.FINISHED_ABORTED, True
+        self.status = RequestStatus.FINISHED_ABORTED
+
+
+def validate_prompt(ids: list[int], max_tokens: int, vocab_size: int, max_seq_len: int, num_blocks: int,
+                    block_size: int) -> None:
+    """ValueError (one line) unless the prompt can be served: token ids of the vocabulary, room for max_tokens in
+    the model's context, and a pool that can hold the request alone (serve/config.fits_alone)."""
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise ValueError("empty prompt: a request needs at least one token")
+    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt holds {bad!r}, not a token id of the vocabulary [0, {vocab_size})")
+    need = len(ids) + max_tokens - 1
+    if need > max_seq_len:
+        raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={max_tokens} needs {need} positions, more than "
+                         f"the model's context of {max_seq_len}; shorten the prompt or lower max_tokens")
+    reason = fits_alone(need, num_blocks, block_size)
+    if reason is not None:
+        raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={max_tokens}: {reason}")

@@ -7,10 +7,10 @@ Between two iterations, and identically on every rank:
              returns it and gives its blocks back
     carry    every running request with one token left to compute contributes exactly one decode row;
              they are scheduled first
-    chunk    running requests with more left get their next chunk: at most chunk_size rows, and never more
-             than the budget max_batched_tokens has left this iteration
+    chunk    running requests with more left get their next chunk: at most long_prefill_token_threshold rows, and never more
+             than the budget max_num_batched_tokens has left this iteration
     admit    waiting requests (arrived, not running; preempted ones first), oldest first, while budget, the
-             running limit (max_running, at most max_batched_tokens) and free blocks allow; each brings its
+             running limit (max_num_seqs, at most max_num_batched_tokens) and free blocks allow; each brings its
              first chunk in the same iteration, starting after the longest run of cached full blocks its prompt
              shares with earlier requests (prefix caching), or its first decode row if it arrives with its
              prompt already in the cache (a decode side taking over prefilled requests, serve/pd/)
@@ -33,66 +33,44 @@ from __future__ import annotations
 from collections import Counter, deque
 
 from serve.block_manager import BlockManager
-from serve.config import EngineConfig
-from serve.plan import Chunk, IterationPlan
+from serve.config import EngineConfig, fits_alone
+from serve.plan import ScheduledRequest, SchedulerOutput
 from serve.request import Request, RequestStatus
 from tp.partition import ceil_div
 
 
 class SchedulerError(ValueError):
-    """Settings with which the scheduler cannot make progress."""
+    """A workload with which the scheduler cannot make progress."""
 
 
-def blocks_needed(request: Request, block_size: int) -> int:
-    """Blocks one request holds at its largest, alone."""
-    return ceil_div(request.capacity, block_size)
-
-
-def worst_case_blocks(requests: list[Request], block_size: int) -> int:
-    """kv_blocks = null: every request at its largest at once, so a run never preempts."""
-    return max(1, sum(blocks_needed(r, block_size) for r in requests))
+def fits_or_raise(r: Request, num_blocks: int, block_size: int) -> None:
+    """SchedulerError unless the pool can hold r alone at its largest (serve/config.fits_alone, the rule)."""
+    reason = fits_alone(r.capacity, num_blocks, block_size)
+    if reason is not None:
+        raise SchedulerError(f"request {r.id} cannot be held even alone: prompt {len(r.prompt)} + max_new_tokens "
+                             f"{r.max_new_tokens} - 1 = {reason}")
 
 
 class Scheduler:
-    def __init__(self, requests: list[Request], chunk_size: int, max_batched_tokens: int,
-                 max_running: int | None = None, eos_id: int | None = None, blocks: BlockManager | None = None,
-                 reserve_capacity: bool = EngineConfig.reserve_capacity):
-        if chunk_size < 1:
-            raise SchedulerError(f"chunk_size={chunk_size} must be at least 1")
-        if max_batched_tokens < 1:
-            raise SchedulerError(f"max_batched_tokens={max_batched_tokens} must be at least 1")
-        max_running = max_batched_tokens if max_running is None else max_running
-        if max_running < 1:
-            raise SchedulerError(f"max_running={max_running} must be at least 1")
-        if max_running > max_batched_tokens:
-            raise SchedulerError(
-                f"max_batched_tokens={max_batched_tokens} is smaller than a full decode batch of "
-                f"max_running={max_running} requests (each running request needs one row per iteration); "
-                f"raise max_batched_tokens or lower max_running")
-        # None: the pre-paging scheduler's world, memory for every request at its largest and nothing shared
-        bs = EngineConfig.block_size
-        self.blocks = blocks or BlockManager(worst_case_blocks(requests, bs), bs, prefix_cache=False)
-        too_big = [r for r in requests if blocks_needed(r, self.blocks.block_size) > self.blocks.num_blocks]
-        if too_big:
-            self.check_fits(max(too_big, key=lambda r: r.capacity))
-        if reserve_capacity and self.blocks.prefix_cache:
-            raise SchedulerError("reserve_capacity (the pre-paging rule) shares nothing: turn prefix_cache off")
-        # The pre-paging rule, kept to measure what paging frees: a request takes blocks for its whole capacity
-        # (prompt + max_new_tokens - 1) when admitted; with block_size 1, one contiguous region's worth.
-        self.reserve_capacity = reserve_capacity
+    """The scheduler of one engine (every rank holds an identical one). config: the engine's settings, checked there
+    (serve/config.py); num_blocks: the pool's size; requests: a workload held from the start (host planning: P/D's
+    replay of the prefill side's schedule), else requests arrive by add()."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int, requests: list[Request] = ()):
+        self.config = c = config
+        self.blocks = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching)
+        for r in requests:
+            fits_or_raise(r, num_blocks, c.block_size)
         self._rows: dict[int, tuple[int, int]] = {}  # this iteration: request -> its rows (q_start, q_end)
         self._left = 0  # this iteration: rows of the budget not given yet
-        self.chunk_size = chunk_size
-        self.budget = max_batched_tokens
-        self.max_running = max_running
-        self.eos_id = eos_id
         self.preemptions = 0
         self.preempted_waiting: list[int] = []  # this iteration: waiting requests that gave their blocks back
         # Requests that already hold cache at iteration 0 (built mid-stream, e.g. to replay a trace) start
         # running; one that holds cache but arrives later (handed over by a prefill group) waits for its arrival.
-        self.running = [r for r in requests if r.computed > 0 and r.arrival <= 0 and not r.finished]
-        if len(self.running) > max_running:
-            raise SchedulerError(f"{len(self.running)} requests start mid-stream, more than max_running={max_running}")
+        self.running = [r for r in requests if r.num_computed_tokens > 0 and r.arrival <= 0 and not r.finished]
+        if len(self.running) > c.max_num_seqs:
+            raise SchedulerError(f"{len(self.running)} requests start mid-stream, more than "
+                                 f"max_num_seqs={c.max_num_seqs}")
         for r in self.running:
             self.hold_computed(r)
             r.status = RequestStatus.RUNNING
@@ -104,20 +82,20 @@ class Scheduler:
         # Pipeline parallelism (serve/pipeline.py's PipelineEngine): requests in micro-batches that have not come
         # back from the last stage, and in how many. They get no rows and are never preempted until they have (vLLM
         # V1's batch queue); with chunk_pipelining, a prompt whose chunk is in flight may still get its next chunk
-        # (its `computed` counts the rows dispatched). Each micro-batch takes at most share() of the requests, so
-        # that pp micro-batches can be in flight.
+        # (its `num_computed_tokens` counts the rows dispatched). Each micro-batch takes at most microbatch_cap() of
+        # the requests, so that pp micro-batches can be in flight.
         self.in_flight: Counter[int] = Counter()
-        self.stages = 1
-        self.chunk_pipelining = EngineConfig.chunk_pipelining  # the PipelineEngine sets both from its config
+        self.stages = 1  # the PipelineEngine sets its pp
+
+    @classmethod
+    def for_workload(cls, requests: list[Request], config: EngineConfig) -> "Scheduler":
+        """A scheduler holding `requests` from the start, its pool as config.pool_blocks sizes it for them. Host only:
+        serve/pd/ replays the prefill side's schedule with it, and OfflineEngine checks a workload with it before
+        anything runs."""
+        return cls(config, config.pool_blocks(0, [r.capacity for r in requests]), requests)
 
     def check_fits(self, r: Request) -> None:
-        """SchedulerError unless the pool can hold r alone at its largest."""
-        need = blocks_needed(r, self.blocks.block_size)
-        if need > self.blocks.num_blocks:
-            raise SchedulerError(
-                f"kv_blocks={self.blocks.num_blocks} cannot hold request {r.id} even alone: prompt {len(r.prompt)} + "
-                f"max_new_tokens {r.max_new_tokens} - 1 = {r.capacity} positions need {need} blocks of "
-                f"block_size={self.blocks.block_size}; raise kv_blocks to at least {need}")
+        fits_or_raise(r, self.blocks.num_blocks, self.blocks.block_size)
 
     def add(self, r: Request) -> None:
         """A request arriving while the engine runs (LLMEngine.add_request): it waits from iteration r.arrival on."""
@@ -153,26 +131,27 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.pending or self.in_flight)
 
-    def dispatch(self, plan: IterationPlan) -> None:
+    def dispatch(self, plan: SchedulerOutput) -> None:
         """A pipeline: the plan's micro-batch enters the first stage. Its requests are in flight until update(plan),
         and each request's `computed` counts its dispatched rows (its next chunk, if it may have one, starts there)."""
-        for c in plan.chunks:
+        for c in plan.scheduled:
             self.in_flight[c.request] += 1
-            self.by_id[c.request].computed = c.q_end
+            self.by_id[c.request].num_computed_tokens = c.q_end
 
-    def share(self) -> int:
+    def microbatch_cap(self) -> int:
         """The most requests one micro-batch takes: all of them with one stage; with pp stages, 1/pp of the requests
-        that could run (running, and waiting up to max_running), rounded up, so that pp micro-batches of about equal
+        that could run (running, and waiting up to max_num_seqs), rounded up, so that pp micro-batches of about equal
         size can be in flight at once."""
+        most = self.config.max_num_seqs
         if self.stages == 1:
-            return self.max_running
-        return max(1, -(-min(self.max_running, len(self.running) + len(self.waiting)) // self.stages))
+            return most
+        return max(1, ceil_div(min(most, len(self.running) + len(self.waiting)), self.stages))
 
     def next_arrival(self) -> int | None:
         return self.pending[0].arrival if self.pending else None
 
     def add_computed(self, r: Request, index: int) -> None:
-        """A request arriving at iteration `index` with the K,V of its first r.computed positions already computed
+        """A request arriving at iteration `index` with the K,V of its first r.num_computed_tokens positions already computed
         (a P/D decode side takes a handed-over request in): blocks for those positions now, their K,V written by
         the caller; then it waits for admission like any request, holding its blocks (a running request that
         needs one takes them back first: it recomputes when admitted, as any preempted request does)."""
@@ -183,42 +162,43 @@ class Scheduler:
 
     def hold_computed(self, r: Request) -> None:
         """Blocks for the `computed` positions a request brings with it (resumed mid-stream, or handed over)."""
-        if self.blocks.blocks_for(r.computed) > self.blocks.num_free:
-            raise SchedulerError(f"request {r.id} arrives with {r.computed} cached positions and "
+        if self.blocks.blocks_for(r.num_computed_tokens) > self.blocks.num_free:
+            raise SchedulerError(f"request {r.id} arrives with {r.num_computed_tokens} cached positions and "
                                  f"only {self.blocks.num_free} blocks are free")
         self.blocks.admit(r.id, [])
-        self.blocks.grow(r.id, r.computed)
-        self.blocks.commit(r.id, r.tokens, r.computed)  # its full blocks are named at once: later prompts can hit
+        self.blocks.grow(r.id, r.num_computed_tokens)
+        self.blocks.commit(r.id, r.tokens, r.num_computed_tokens)  # its full blocks are named at once: later prompts can hit
 
-    def schedule(self, index: int) -> IterationPlan | None:
+    def schedule(self, index: int) -> SchedulerOutput | None:
         """The plan of iteration `index`; None when no request gets a row: nothing has arrived yet and nothing runs
         (or waiting requests cannot get blocks while nothing runs: the engine refuses to spin on that)."""
         while self.pending and self.pending[0].arrival <= index:
             self.waiting.append(self.pending.popleft())
-        self._rows, self._left = {}, self.budget
+        c = self.config
+        self._rows, self._left = {}, c.max_num_batched_tokens
         preempted: list[Request] = []
         self.preempted_waiting: list[int] = []
         ready = [r for r in self.running if r.id not in self.in_flight
-                 or (self.chunk_pipelining and r.computed < len(r.tokens))]  # a prompt's next chunk
+                 or (c.chunk_pipelining and r.num_computed_tokens < len(r.tokens))]  # a prompt's next chunk
         decodes = [r for r in ready if r.decoding]
         carried = [r for r in ready if not r.decoding]
-        share = self.share()
-        for r in decodes + carried:  # decodes first: one row each (max_running <= budget: they always fit)
-            if r in self.running and self._left > 0 and len(self._rows) < share:
-                self._reserve(r, 1 if r.decoding else self.chunk_size, preempted)
+        cap = self.microbatch_cap()
+        for r in decodes + carried:  # decodes first: one row each (max_num_seqs <= budget: they always fit)
+            if r in self.running and self._left > 0 and len(self._rows) < cap:
+                self._reserve(r, 1 if r.decoding else c.long_prefill_token_threshold, preempted)
         admitted, hits = [], 0
-        while (self.waiting and self._left > 0 and len(self.running) < self.max_running
-               and len(self._rows) < share):
+        while (self.waiting and self._left > 0 and len(self.running) < c.max_num_seqs
+               and len(self._rows) < cap):
             r = self.waiting[0]
             if r.id in self.preempted_waiting:  # preempted in this iteration: not admitted again at once
                 break
             if r.id in self.blocks.tables:  # its cached positions already hold blocks (a decode side placed them)
-                fits = self.blocks.rows_that_fit(r.id, r.computed, 1) > 0
-            elif r.computed > 0:  # arrives with cached positions: blocks for them and its first decode row, at once
-                fits = self.blocks.blocks_for(r.computed + 1) <= self.blocks.num_free
+                fits = self.blocks.rows_that_fit(r.id, r.num_computed_tokens, 1) > 0
+            elif r.num_computed_tokens > 0:  # arrives with cached positions: blocks for them and its first decode row, at once
+                fits = self.blocks.blocks_for(r.num_computed_tokens + 1) <= self.blocks.num_free
             else:  # fresh, or preempted: blocks for its next chunk, which starts after its cached prefix
-                hit, need = self.blocks.admit_cost(r.tokens, min(self.chunk_size, self._left))
-                if self.reserve_capacity:
+                hit, need = self.blocks.admit_cost(r.tokens, min(c.long_prefill_token_threshold, self._left))
+                if c.reserve_capacity:
                     need = self.blocks.blocks_for(r.capacity)
                 fits = need <= self.blocks.num_free
             if not fits:  # first come, first served: nobody overtakes the oldest waiting request; a request waiting
@@ -228,47 +208,48 @@ class Scheduler:
                     break
                 self._preempt(holder, preempted, waiting=True)
                 continue
-            if r.id not in self.blocks.tables and r.computed > 0:
+            if r.id not in self.blocks.tables and r.num_computed_tokens > 0:
                 self.hold_computed(r)
             elif r.id not in self.blocks.tables:
                 self.blocks.admit(r.id, hit)
-                if self.reserve_capacity:
+                if c.reserve_capacity:
                     self.blocks.grow(r.id, r.capacity)
-                r.computed = len(hit) * self.blocks.block_size
-                hits += min(r.computed, len(r.prompt))
-                r.prefix_hit += min(r.computed, len(r.prompt))  # every admission: a resumed one may find its own
+                r.num_computed_tokens = len(hit) * self.blocks.block_size
+                hits += min(r.num_computed_tokens, len(r.prompt))
+                r.prefix_hit += min(r.num_computed_tokens, len(r.prompt))  # every admission: a resumed one may find its own
                 if r.num_cached_tokens is None:
-                    r.num_cached_tokens = min(r.computed, len(r.prompt))
+                    r.num_cached_tokens = min(r.num_computed_tokens, len(r.prompt))
             self.waiting.popleft()
             self.running.append(r)
             r.status = RequestStatus.RUNNING
             admitted.append(r.id)
-            self._reserve(r, 1 if r.decoding else self.chunk_size, preempted)  # fits: checked above, never preempts
+            self._reserve(r, 1 if r.decoding else c.long_prefill_token_threshold, preempted)  # fits: checked above, never preempts
         for victim in preempted:  # back to the front of the queue, after admission: not re-admitted at once
             self.waiting.appendleft(victim)
         chunks = []
         for r in self.running:
             if r.id in self._rows:
                 start, end = self._rows[r.id]
-                chunks.append(Chunk(r.id, start, end, decode=r.decoding, sample=end == len(r.tokens),
-                                    blocks=tuple(self.blocks.tables[r.id])))
+                chunks.append(ScheduledRequest(r.id, start, end, decode=r.decoding,
+                                               sample=end == len(r.tokens),
+                                               blocks=tuple(self.blocks.tables[r.id])))
         chunks.sort(key=lambda c: not c.decode)  # decodes first in the flat rows; stable: admission order inside
         if not chunks:
             return None
-        return IterationPlan(index, tuple(chunks), tuple(admitted),
+        return SchedulerOutput(index, tuple(chunks), tuple(admitted),
                              tuple(v.id for v in preempted) + tuple(self.preempted_waiting), hits)
 
     def positions_held(self) -> int:
         """Token positions whose K,V the running requests hold once this iteration's rows are written (a shared
         prefix block counts once per request)."""
-        return sum(self._rows[r.id][1] if r.id in self._rows else r.computed for r in self.running)
+        return sum(self._rows[r.id][1] if r.id in self._rows else r.num_computed_tokens for r in self.running)
 
     def _reserve(self, r: Request, most: int, preempted: list[Request]) -> bool:
         """Give r its rows this iteration (at most `most`, the budget left and what fits in memory), growing its
         block table; with no block free, preempt the most recently admitted running request until one is (r
         itself, if it is that request). False if r got no rows."""
-        want = min(most, len(r.tokens) - r.computed, self._left)
-        while (rows := self.blocks.rows_that_fit(r.id, r.computed, want)) == 0:
+        want = min(most, len(r.tokens) - r.num_computed_tokens, self._left)
+        while (rows := self.blocks.rows_that_fit(r.id, r.num_computed_tokens, want)) == 0:
             holder = next((w for w in reversed(self.waiting) if w.id in self.blocks.tables), None)
             if holder is not None:  # a handed-over request still waiting holds blocks: it gives them back first
                 self._preempt(holder, preempted, waiting=True)
@@ -279,8 +260,8 @@ class Scheduler:
             self._preempt(victim, preempted)
             if victim is r:
                 return False
-        self.blocks.grow(r.id, r.computed + rows)
-        self._rows[r.id] = (r.computed, r.computed + rows)
+        self.blocks.grow(r.id, r.num_computed_tokens + rows)
+        self._rows[r.id] = (r.num_computed_tokens, r.num_computed_tokens + rows)
         self._left -= rows
         return True
 
@@ -295,18 +276,18 @@ class Scheduler:
         if victim.id in self._rows:  # scheduled earlier in this iteration: its rows are given back
             start, end = self._rows.pop(victim.id)
             self._left += end - start
-        victim.computed = 0
+        victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
         victim.preemptions += 1
         self.preemptions += 1
         if not waiting:
             preempted.append(victim)
 
-    def update(self, plan: IterationPlan, sampled: dict[int, int]) -> list[int]:
+    def update(self, plan: SchedulerOutput, sampled: dict[int, int]) -> list[int]:
         """Apply an iteration's results (request id -> new token); return the ids that finished now, whose blocks
         are given back (their contents stay in the pool until reused: a hook may still read them)."""
         finished = []
-        for c in plan.chunks:
+        for c in plan.scheduled:
             if c.request in self.in_flight:  # a pipeline's micro-batch back from the last stage
                 self.in_flight[c.request] -= 1
                 if not self.in_flight[c.request]:
@@ -314,9 +295,9 @@ class Scheduler:
             r = self.by_id.get(c.request)
             if r is None or r.finished:  # aborted while its micro-batch was in flight (pipeline parallelism)
                 continue
-            r.computed = max(r.computed, c.q_end)  # a later chunk may have been dispatched already (a pipeline)
+            r.num_computed_tokens = max(r.num_computed_tokens, c.q_end)  # a later chunk may have been dispatched already (a pipeline)
             if c.sample:
-                if r.append(sampled[c.request], self.eos_id):
+                if r.append_output_token(sampled[c.request]):
                     finished.append(r.id)
             self.blocks.commit(r.id, r.tokens, c.q_end)  # K,V written on every stage up to here
         for rid in finished:
@@ -324,3 +305,59 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if not r.finished]
         return finished
+
+
+# ---- host-only planning loops: the engines' and P/D's replays share them, so they cannot drift apart ---------------
+
+def next_plan(sched: Scheduler, index: int, before_schedule=None) -> tuple[SchedulerOutput | None, int]:
+    """The plan of the next iteration that runs, from iteration `index` on, and its index. Iterations with nothing to
+    run are skipped when a request arrives later (no forward for the idle stretch); waiting requests that can never
+    get KV blocks raise instead of spinning; (None, index) when nothing is left. before_schedule(index): called before
+    each iteration is planned. LLMEngine.step and the prefill schedule every P/D rank computes (serve/pd/) both
+    plan with this."""
+    while True:
+        if before_schedule is not None:
+            before_schedule(index)
+        plan = sched.schedule(index)
+        if plan is not None:
+            return plan, index
+        if sched.in_flight:  # a pipeline's micro-batches are still out: its ticks go on, one at a time
+            return None, index
+        upcoming = sched.next_arrival()  # after schedule(), always later than index when there is one
+        if sched.waiting and not sched.running and upcoming is None:
+            raise SchedulerError(f"iteration {index}: requests {[r.id for r in sched.waiting]} wait for KV blocks "
+                                 f"that nothing running will give back ({sched.blocks.num_free} of "
+                                 f"{sched.blocks.num_blocks} free); raise num_gpu_blocks_override")
+        if upcoming is None:
+            return None, index
+        index = upcoming
+
+
+def schedule_loop(sched: Scheduler, before_schedule=None):
+    """Every plan of a workload held from the start, in order; the caller applies each plan's tokens (sched.update)
+    before asking for the next."""
+    index = 0
+    while sched.has_work():
+        plan, index = next_plan(sched, index, before_schedule)
+        if plan is None:
+            return
+        yield plan
+        index += 1
+
+
+def pipeline_schedule(sched: Scheduler, pp: int, before_schedule=None):
+    """The micro-batches of a workload held from the start, in the order they come back from the last of pp stages:
+    PipelineEngine.step's ticks without the model (P/D's decode side knows from it what a pipelined prefill side will
+    hand over, and in which order). The caller applies each one's tokens (sched.update) before asking for the next."""
+    sched.stages = pp
+    queue, index = deque(), 0
+    while sched.has_work() or queue:
+        entered, index = next_plan(sched, index, before_schedule)
+        if entered is not None:
+            sched.dispatch(entered)
+            queue.append((entered, index))
+        if not queue:
+            return
+        if queue[0][1] == index - (pp - 1):
+            yield queue.popleft()[0]
+        index += 1

@@ -94,39 +94,18 @@ def main() -> None:
 
 
 def build_engine(ctx, spec: RankSpec):
-    import torch
-
     from layers.config import parse_dtype
-    from layers.dense import init_weights
-    from layers.hf import CheckpointSource
-    from layers.checkpoint import Checkpoint
-    from layers.hf import load_lm
-    from layers.lm import NEAR_TIE, dense_lm, shard_lm
-    from serve.engine import LedgerCheck, OracleCheck, new_engine
+    from layers.lm import NEAR_TIE
+    from serve.build import build_lm, dense_model, new_engine, rank_weights
+    from serve.hooks import LedgerCheck, OracleCheck
 
     dtype = parse_dtype(spec.dtype)
-    if spec.checkpoint is not None:
-        weights = CheckpointSource(Checkpoint(spec.checkpoint), spec.model, dtype, ctx.device)  # this rank's slices
-    else:
-        weights = init_weights(dense_lm(spec.model, dtype, ctx.device), spec.seed)  # dense from seed, then cut
-    with torch.no_grad():
-        if spec.pp > 1:  # this rank's stage: its TP group's share of its layers, and the engine that pipelines them
-            import torch.distributed as dist
-
-            from layers.pipeline import check_layout, new_pp_groups, shard_pp_lm
-
-            layout = check_layout(ctx.world_size, spec.pp, spec.model.n_layers, "v2")
-            stages, _ = new_pp_groups(layout)
-            rank = dist.get_rank()
-            lm = shard_pp_lm(weights, "v2", layout, rank, stages[layout.stage_of(rank)])
-        else:
-            lm = shard_lm(weights, "v2", ctx.group, True, spec.moe_parallel)
+    weights, dense = rank_weights(spec.model, spec.checkpoint, dtype, ctx.device, spec.seed)
+    lm = build_lm(weights, ctx, pp=spec.pp, moe_parallel=spec.moe_parallel)
     hooks = [LedgerCheck()] if spec.engine.check_ledger else []
     if spec.check and ctx.is_main:  # the dense model, on rank 0 only: random weights as made, a checkpoint read whole
-        dense = weights if spec.checkpoint is None else load_lm(dense_lm(spec.model, dtype, ctx.device),
-                                                                 Checkpoint(spec.checkpoint))
-        hooks.append(OracleCheck(dense, NEAR_TIE[dtype]))
-    del weights
+        hooks.append(OracleCheck(dense_model(spec.model, spec.checkpoint, dtype, ctx.device, dense), NEAR_TIE[dtype]))
+    del weights, dense
     return new_engine(lm, ctx, spec.engine, spec.eos_token_ids, spec.seed, hooks)
 
 
@@ -134,6 +113,7 @@ def _serve(rank: int, world_size: int, store: str, spec: RankSpec, conn) -> None
     import torch
     import torch.distributed as dist
 
+    from serve.offline import drive
     from tp.dist import init_from_env
 
     if world_size > 1:
@@ -144,8 +124,7 @@ def _serve(rank: int, world_size: int, store: str, spec: RankSpec, conn) -> None
         conn.send(("ready", {"num_blocks": engine.num_blocks, "backend": ctx.backend, "device": str(ctx.device)}))
         _driven(engine, conn, spec.timeout_s)
     else:
-        while not engine.stopped:
-            engine.step()
+        drive(engine)  # until rank 0 says STOP
     dist.barrier(group=ctx.group)  # everyone is out of its loop before the group goes away
     dist.destroy_process_group()
 

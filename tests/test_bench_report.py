@@ -92,8 +92,8 @@ def test_transformers_table_counts_matmul_flops_and_pairs_the_ratio(tmp_path):
     r = run()
     r["model"] = ARTICLE03.asdict()
     r["hf"]["max_running"] = 16
-    r["hf"]["engines"] = [dict(r["hf"]["engine"], attention="cpu", max_running="default", ratio_to_best_hf=2.5),
-                          dict(r["hf"]["engine"], attention="batched", max_running="default", ratio_to_best_hf=2.0,
+    r["hf"]["engines"] = [dict(r["hf"]["engine"], attention="cpu", max_num_seqs="default", ratio_to_best_hf=2.5),
+                          dict(r["hf"]["engine"], attention="batched", max_num_seqs="default", ratio_to_best_hf=2.0,
                                same_ids=True)]
     (tmp_path / "bench_serve_p1.json").write_text(json.dumps(r))
     text = "\n".join(section(tmp_path))
@@ -101,8 +101,8 @@ def test_transformers_table_counts_matmul_flops_and_pairs_the_ratio(tmp_path):
     engine = 82 * per_row + 72 * per_scored  # 82 rows; the 8 + 64 tokens sampled
     batch8 = 100 * per_row + 2 * 64 * per_scored  # one static batch of both requests, run to 64 tokens
     assert f"| 1 | transformers, batch 8 (best) | 1.00 | 20 | 1.22 | {batch8 / engine:.2f} |" in text
-    assert "| 1 | engine, attention=cpu, max_running 16 | 2.50 |" in text
-    assert "| 1 | engine, attention=batched, max_running 16 | 2.00 |" in text
+    assert "| 1 | engine, attention=cpu, max_num_seqs 16 | 2.50 |" in text
+    assert "| 1 | engine, attention=batched, max_num_seqs 16 | 2.00 |" in text
     assert any(line.startswith("- Throughput, p=1") and "2.50×" in line for line in targets({1: r}))
 
 

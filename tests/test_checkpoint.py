@@ -317,7 +317,7 @@ def _stages_from_files(ctx, checkpoints: dict, pp: int):
         cfg = read_config(path)
         dtype = torch.bfloat16 if "bfloat16" in name else torch.float32
         layout = check_layout(ctx.world_size, pp, cfg.n_layers, "v2")
-        stages, _ = new_pp_groups(layout)
+        stages = new_pp_groups(layout)
         group = stages[layout.stage_of(rank)]
         ckpt = read_state(path)
         lazy = shard_pp_lm(CheckpointSource(ckpt, cfg, dtype), "v2", layout, rank, group)

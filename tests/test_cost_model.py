@@ -130,7 +130,7 @@ def _serving_counts(ctx, family):
     from layers.lm import dense_lm, shard_lm
     from serve.inputs import prepare_step
     from serve.kv_cache import KVPool, kv_bytes_per_token
-    from serve.plan import Chunk, IterationPlan
+    from serve.plan import ScheduledRequest, SchedulerOutput
     from tests.test_serve import CFG
     from tp.cost_model import serving_iteration
 
@@ -140,8 +140,8 @@ def _serving_counts(ctx, family):
     p, heads = ctx.world_size, lm.cache_heads
     chunks = [(20, 21), (8, 13)]  # request 0 decodes its 21st token; request 1 prefills rows 8..12 after 8 cached
     pool = KVPool(cfg.n_layers, 3, 16, heads, cfg.d_head, torch.float32)
-    plan = IterationPlan(0, (Chunk(0, 20, 21, decode=True, sample=True, blocks=(0, 1)),
-                             Chunk(1, 8, 13, decode=False, sample=True, blocks=(2,))))
+    plan = SchedulerOutput(0, (ScheduledRequest(0, 20, 21, decode=True, sample=True, blocks=(0, 1)),
+                             ScheduledRequest(1, 8, 13, decode=False, sample=True, blocks=(2,))))
     # The reference and cpu backends: each request's own q_rows x kv_length rectangle, as the cost model counts it
     # (the batched form pads each group to its longest request). The math backend computes SDPA with matmuls the
     # counter sees: the whole q_rows x kv_length rectangle.

@@ -27,7 +27,7 @@ def _count_syncs(ctx, comm_timing):
         counter.control.clear()
 
     with counter.counting():
-        Engine(lm, ctx, chunk_size=8, max_batched_tokens=32, comm_timing=comm_timing,
+        Engine(lm, ctx, long_prefill_token_threshold=8, max_num_batched_tokens=32, comm_timing=comm_timing,
                on_iteration=on_iteration).run(make_requests())
     return CFG.n_layers, rows, ctx.rank
 
@@ -75,9 +75,9 @@ def _engine_waits(ctx, family: str, moe_parallel: str, attention: str, workload:
         def after_step(self, engine, step):
             plan = step.plan
             kind = "idle" if plan is None else "+".join(sorted(
-                {"decode" if c.decode else "prefill" for c in plan.chunks}
+                {"decode" if c.decode else "prefill" for c in plan.scheduled}
                 | ({"prefix-hit"} if any(c.q_start > 0 and not c.decode and c.request in plan.admitted
-                                         for c in plan.chunks) else set())
+                                         for c in plan.scheduled) else set())
                 | ({"preempt"} if plan.preempted else set())
                 | ({"ragged"} if ragged(plan) else set())))
             steps.append((kind, dict(counter.device), dict(counter.control)))
@@ -85,16 +85,16 @@ def _engine_waits(ctx, family: str, moe_parallel: str, attention: str, workload:
             counter.control.clear()
 
     def ragged(plan) -> bool:  # the decodes attend in one ragged pass (the batched backend's rule)
-        return attention == "batched" and ragged_decodes(plan.chunks)
+        return attention == "batched" and ragged_decodes(plan.scheduled)
 
     gen = torch.Generator().manual_seed(1)
     if workload == "ragged":  # one long context beside seven short ones: padding would dominate
-        config = EngineConfig(chunk_size=16, max_batched_tokens=16, max_running=8, attention=attention,
+        config = EngineConfig(long_prefill_token_threshold=16, max_num_batched_tokens=16, max_num_seqs=8, attention=attention,
                               check_ledger=False)
         prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in [40] + [1] * 7]
         arrivals = {0: 8}
     else:  # a shared prefix (prefix hits), a pool that runs short (preemption), prompts chunked beside decodes
-        config = EngineConfig(chunk_size=8, max_batched_tokens=16, max_running=4, block_size=4, kv_blocks=12,
+        config = EngineConfig(long_prefill_token_threshold=8, max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_gpu_blocks_override=12,
                               attention=attention, check_ledger=False)
         shared = torch.randint(0, cfg.vocab_size, (12,), generator=gen).tolist()  # three full blocks they all share
         prompts = [shared + torch.randint(0, cfg.vocab_size, (3 + 2 * n,), generator=gen).tolist() for n in range(5)]
@@ -230,7 +230,7 @@ def _serve_bf16(ctx, path, prompts):
 
     lm = shard_lm(CheckpointSource(read_state(path), read_config(path), torch.bfloat16, ctx.device), "v2", ctx.group)
     reqs = [Request(i, p, new, 0) for i, (p, (_, new)) in enumerate(zip(prompts, BF16_WORKLOAD))]
-    return [r["output_ids"] for r in Engine(lm, ctx, chunk_size=8, max_batched_tokens=24).run(reqs).requests]
+    return [r["output_ids"] for r in Engine(lm, ctx, long_prefill_token_threshold=8, max_num_batched_tokens=24).run(reqs).requests]
 
 
 def test_bfloat16_served_tokens_equal_transformers_generate_except_at_near_ties(bf16_llama):

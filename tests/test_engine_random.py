@@ -40,11 +40,11 @@ def workload(seed: int) -> dict:
         prompts.append(prompt)
     new = [rng.randint(1, 8) for _ in prompts]
     largest = max(len(p) + n - 1 for p, n in zip(prompts, new))
-    max_running = rng.randint(1, 4)
+    max_num_seqs = rng.randint(1, 4)
     return {"prompts": prompts, "max_tokens": new, "arrivals": sorted(rng.randint(0, 4) for _ in prompts),
-            "config": dict(block_size=bs, kv_blocks=-(-largest // bs) + rng.randint(0, 6),
-                           chunk_size=rng.randint(1, 16), max_running=max_running,
-                           max_batched_tokens=max_running + rng.randint(0, 16), prefix_cache=seed % 4 != 3,
+            "config": dict(block_size=bs, num_gpu_blocks_override=-(-largest // bs) + rng.randint(0, 6),
+                           long_prefill_token_threshold=rng.randint(1, 16), max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_seqs + rng.randint(0, 16), enable_prefix_caching=seed % 4 != 3,
                            attention=rng.choice(["batched", "cpu", "reference"]))}
 
 

@@ -207,7 +207,7 @@ def _serve_llama(ctx, state, prompts):
     cfg = cfg_for(2)
     lm = shard_lm(load_lm(DenseLlamaLM(cfg, torch.float64), state), "v2", ctx.group)
     reqs = [Request(i, p, new, a) for i, (p, (_, new, a)) in enumerate(zip(prompts, WORKLOAD))]
-    res = Engine(lm, ctx, chunk_size=4, max_batched_tokens=10).run(reqs)
+    res = Engine(lm, ctx, long_prefill_token_threshold=4, max_num_batched_tokens=10).run(reqs)
     mixed = any(it["decodes"] and it["prefill_chunks"] for it in res.iterations)
     after_prefix = any(kv > qe - qs > 1 for it in res.iterations for _, qs, qe, kv in it["triples"])
     return ([r["output_ids"] for r in res.requests], res.ledger_matches_model, mixed and after_prefix,

@@ -154,7 +154,7 @@ def test_run_block_and_serve_a_saved_llama(tmp_path):
 
     prompts = [[5, 81, 2, 299, 14, 7], [120, 3]]
     proc, _ = launch_on_pool(2, f"hf_checkpoint={tmp_path / 'ckpt'}", f"prompts={json.dumps(prompts).replace(' ', '')}",
-                             "max_new_tokens=6", "chunk_size=4", "dtype=float64", run_dir=tmp_path / "serve",
+                             "max_new_tokens=6", "long_prefill_token_threshold=4", "dtype=float64", run_dir=tmp_path / "serve",
                              script="serve.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "serve" / "report.json").read_text())

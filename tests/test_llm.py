@@ -32,7 +32,7 @@ LLAMA = LlamaConfig(d_model=64, n_heads=8, n_kv_heads=2, d_head=8, d_ffn=96, n_l
                     vocab_size=1001)
 MOE = MoEConfig(d_model=64, n_heads=8, n_kv_heads=2, d_head=8, d_ffn=48, n_layers=2, max_seq_len=96, vocab_size=1001,
                 n_experts=4, top_k=2)
-SMALL = EngineConfig(chunk_size=5, max_batched_tokens=12, max_running=4, block_size=4, kv_blocks=40)
+SMALL = EngineConfig(long_prefill_token_threshold=5, max_num_batched_tokens=12, max_num_seqs=4, block_size=4, num_gpu_blocks_override=40)
 
 
 def workload(seed: int, n: int = 6):
@@ -90,7 +90,7 @@ def test_requests_added_between_steps_equal_the_dense_oracle(cfg, p, moe):
     want = reference(cfg, reqs)
     assert [done[f"r{i}"][0] for i in range(len(reqs))] == want
     assert all(done[f"r{i}"][1] == "length" for i in range(len(reqs)))
-    assert seen["end"] == SMALL.kv_blocks  # every block back in the pool
+    assert seen["end"] == SMALL.num_gpu_blocks_override  # every block back in the pool
     assert all(all(r[2]) for r in results)  # every step's collectives equal the model's, on every rank
     # the same requests all given up front: the same tokens (schedule invariance)
     upfront = run_ranks(p, run_online, cfg, reqs, [0] * len(reqs), moe_parallel=moe)[0][0]
@@ -102,8 +102,8 @@ def test_abort_frees_blocks_at_once_and_leaves_the_others_alone():
     done, seen, verdicts = run_ranks(2, run_online, GPT2, reqs, [0, 1, 2], abort=("r1", 6))[0]
     assert done["r1"][1] == "abort" and len(done["r1"][0]) < 30
     # after the abort step, the pool holds only what the two others' tables hold
-    assert seen["after"] == SMALL.kv_blocks - seen["held_by_others"]
-    assert seen["end"] == SMALL.kv_blocks
+    assert seen["after"] == SMALL.num_gpu_blocks_override - seen["held_by_others"]
+    assert seen["end"] == SMALL.num_gpu_blocks_override
     want = reference(GPT2, reqs)
     assert done["r0"][0] == want[0] and done["r2"][0] == want[2]
 
@@ -140,7 +140,7 @@ def test_bad_requests_are_refused_before_any_collective():
 
 def refuse(ctx, bad):
     dense = init_weights(dense_lm(GPT2, torch.float64), seed=0)
-    engine = LLMEngine(shard_lm(dense, "v2", ctx.group), ctx, EngineConfig(kv_blocks=5, block_size=16))
+    engine = LLMEngine(shard_lm(dense, "v2", ctx.group), ctx, EngineConfig(num_gpu_blocks_override=5, block_size=16))
     out = []
     for prompt, new, msg in bad:
         with pytest.raises(ValueError) as e:
@@ -156,11 +156,11 @@ def test_sampling_params_and_engine_config_refuse_bad_values():
         with pytest.raises(ValueError):
             SamplingParams(**kw)
     assert SamplingParams(stop="x").stop == ("x",)
-    for kw in (dict(block_size=0), dict(max_running=600), dict(attention="fast"), dict(kv_blocks=0)):
+    for kw in (dict(block_size=0), dict(max_num_seqs=600), dict(attention="fast"), dict(num_gpu_blocks_override=0)):
         with pytest.raises(ValueError):
             EngineConfig(**kw)
     assert EngineConfig.from_kwargs(max_num_seqs=8, enable_prefix_caching=False) == \
-        EngineConfig(max_running=8, prefix_cache=False)
+        EngineConfig(max_num_seqs=8, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="unknown engine setting"):
         EngineConfig.from_kwargs(gpu_memory_utilization=0.9)
 

@@ -272,7 +272,7 @@ def _serve_mixtral(ctx, state, prompts, placement):
     dense = load_named(dense_lm(CFG, torch.float64), state, hf_lm_names(CFG), "Mixtral")
     lm = shard_lm(dense, "v2", ctx.group, moe_parallel=placement)
     reqs = [Request(i, p, new, i) for i, (p, (_, new)) in enumerate(zip(prompts, SERVE_WORKLOAD))]
-    res = Engine(lm, ctx, chunk_size=4, max_batched_tokens=12).run(reqs)
+    res = Engine(lm, ctx, long_prefill_token_threshold=4, max_num_batched_tokens=12).run(reqs)
     return [r["output_ids"] for r in res.requests], res.ledger_matches_model
 
 
@@ -356,7 +356,7 @@ def test_a_saved_mixtral_loads_per_rank_bitwise_and_serves_transformers_tokens(m
     for rank in run_ranks(4, _per_rank_against_dense, path):  # vocab 100 over 4 ranks: no padding rows
         for placement, (same, read, held) in rank.items():
             assert same and read == held, (placement, read, held)  # ep: only its 2 experts' w1, w2, w3 read
-    proc, _ = launch_on_pool(2, f"hf_checkpoint={path}", "moe_parallel=ep", "dtype=float64", "chunk_size=4",
+    proc, _ = launch_on_pool(2, f"hf_checkpoint={path}", "moe_parallel=ep", "dtype=float64", "long_prefill_token_threshold=4",
                              f"prompts={json.dumps(prompts).replace(' ', '')}",
                              f"max_new_tokens={json.dumps([n for _, n in SERVE_WORKLOAD]).replace(' ', '')}",
                              run_dir=tmp_path / "serve", script="serve.py")

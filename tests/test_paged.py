@@ -13,7 +13,7 @@ from layers.lm import dense_lm, greedy_reference, shard_lm
 from serve.block_manager import BlockManager
 from serve.engine import Engine
 from serve.inputs import prepare_step
-from serve.plan import Chunk, IterationPlan
+from serve.plan import ScheduledRequest, SchedulerOutput
 from serve.scheduler import Request, Scheduler, SchedulerError
 from tests.harness import run_ranks
 from tests.test_serve import CFG
@@ -99,13 +99,13 @@ def test_release_below_zero_is_caught():
 
 
 def test_a_request_that_cannot_fit_alone_is_refused_with_the_minimum():
-    with pytest.raises(SchedulerError, match=r"raise kv_blocks to at least 4"):
+    with pytest.raises(SchedulerError, match=r"raise num_gpu_blocks_override to at least 4"):
         Scheduler([Request(0, [1] * 10, 4)], 4, 8, blocks=BlockManager(3, 4))  # 13 positions: 4 blocks of 4
 
 
-def drive(reqs, kv_blocks, block_size, chunk=4, budget=8, prefix_cache=True):
+def drive(reqs, num_gpu_blocks_override, block_size, chunk=4, budget=8, enable_prefix_caching=True):
     """The scheduler alone with made-up tokens (the request id): every plan, and the manager."""
-    bm = BlockManager(kv_blocks, block_size, prefix_cache)
+    bm = BlockManager(num_gpu_blocks_override, block_size, enable_prefix_caching)
     sched, plans, index = Scheduler(reqs, chunk, budget, blocks=bm), [], 0
     while sched.has_work():
         plan = sched.schedule(index)
@@ -113,8 +113,8 @@ def drive(reqs, kv_blocks, block_size, chunk=4, budget=8, prefix_cache=True):
             index = sched.next_arrival()
             continue
         plans.append((plan, bm.num_used))
-        assert bm.num_used <= kv_blocks
-        sched.update(plan, {c.request: 100 + c.request for c in plan.chunks if c.sample})
+        assert bm.num_used <= num_gpu_blocks_override
+        sched.update(plan, {c.request: 100 + c.request for c in plan.scheduled if c.sample})
         bm.check()
         index += 1
     return sched, plans
@@ -122,7 +122,7 @@ def drive(reqs, kv_blocks, block_size, chunk=4, budget=8, prefix_cache=True):
 
 def test_preemption_when_a_decode_needs_a_block_and_none_is_free():
     reqs = [Request(i, [i] * 6, 7) for i in range(3)]  # 12 positions each: 3 blocks of 4, 9 for all three
-    sched, plans = drive(reqs, kv_blocks=5, block_size=4, prefix_cache=False)
+    sched, plans = drive(reqs, num_gpu_blocks_override=5, block_size=4, enable_prefix_caching=False)
     assert sched.preemptions > 0
     assert all(r.finished and r.output == [100 + r.id] * 7 for r in reqs)
     assert sched.blocks.num_free == 5
@@ -130,7 +130,7 @@ def test_preemption_when_a_decode_needs_a_block_and_none_is_free():
     assert first.preempted == (2,)  # the most recently admitted gives its blocks back
     # the victim recomputes prompt + generated tokens from scratch (prefix caching off), then samples its next
     # token at the end of that recompute
-    again = [c for p, _ in plans for c in p.chunks if c.request == 2 and p.index > first.index]
+    again = [c for p, _ in plans for c in p.scheduled if c.request == 2 and p.index > first.index]
     assert again[0].q_start == 0 and not again[0].decode
 
 
@@ -138,17 +138,17 @@ def test_a_request_arriving_with_cached_positions_waits_without_holding_blocks()
     """It takes blocks for its cached positions and its first decode row only when all are free: a waiting request
     never holds blocks that the running ones need (that could leave nothing to run and nothing admissible)."""
     a = Request(0, [1, 2, 3, 4, 5], 6)
-    handed = Request(1, [7] * 8, 2, arrival=1, output=[3], computed=8)  # 8 positions cached: 3 blocks with its row
-    sched, plans = drive([a, handed], kv_blocks=4, block_size=4)
+    handed = Request(1, [7] * 8, 2, arrival=1, output=[3], num_computed_tokens=8)  # 8 positions cached: 3 blocks with its row
+    sched, plans = drive([a, handed], num_gpu_blocks_override=4, block_size=4)
     joined = next(p for p, _ in plans if 1 in p.admitted)
-    assert all(c.request == 0 for p, _ in plans if p.index < joined.index for c in p.chunks)
-    assert 0 not in {c.request for c in joined.chunks} and a.finished  # it joined when request 0 had finished
+    assert all(c.request == 0 for p, _ in plans if p.index < joined.index for c in p.scheduled)
+    assert 0 not in {c.request for c in joined.scheduled} and a.finished  # it joined when request 0 had finished
     assert handed.output == [3, 101] and sched.blocks.num_free == 4
 
 
 def test_a_preempted_request_waits_at_least_one_iteration_and_its_own_blocks_count_as_hits_when_it_returns():
     reqs = [Request(i, [i + 1] * 8, 9) for i in range(3)]  # 16 positions each: 4 blocks of 4
-    sched, plans = drive(reqs, kv_blocks=9, block_size=4)
+    sched, plans = drive(reqs, num_gpu_blocks_override=9, block_size=4)
     assert sched.preemptions == 1
     for plan, _ in plans:
         assert not set(plan.admitted) & set(plan.preempted)
@@ -169,15 +169,15 @@ def paged_equals_oracle(ctx, family, grid):
     for block_size, chunk in grid:
         chunk = longest if chunk is None else chunk  # None: the whole prompt in one chunk
         for mode in ("batched", "cpu", "reference"):
-            res = Engine(lm, ctx, chunk_size=chunk, max_batched_tokens=longest + 8, block_size=block_size,
+            res = Engine(lm, ctx, long_prefill_token_threshold=chunk, max_num_batched_tokens=longest + 8, block_size=block_size,
                          attention=mode).run(requests())
             out[block_size, chunk, mode] = ([r["output_ids"] for r in res.requests] == want,
                                             res.ledger_matches_model, res.preemptions,
-                                            res.free_blocks_at_end == res.kv_blocks)
+                                            res.free_blocks_at_end == res.num_blocks)
     return out
 
 
-FULL_GRID = [(b, c) for b in (1, 3, 16) for c in (1, 5, None)]  # (block_size, chunk_size; None: whole prompts)
+FULL_GRID = [(b, c) for b in (1, 3, 16) for c in (1, 5, None)]  # (block_size, long_prefill_token_threshold; None: whole prompts)
 
 
 @pytest.mark.parametrize("family,p", [("gpt2", 1), ("gpt2", 2), ("gpt2", 4), ("llama", 1), ("llama", 4)])
@@ -190,7 +190,7 @@ def test_paged_tokens_equal_the_dense_oracle_and_the_reference(family, p):
         assert len(res) == 3 * len(grid)
         for key, (same, ledger_ok, preemptions, all_free) in res.items():
             assert same and ledger_ok and all_free, key
-            assert preemptions == 0, key  # kv_blocks = null: enough for the worst case
+            assert preemptions == 0, key  # num_gpu_blocks_override = null: enough for the worst case
 
 
 def prefix_rows(ctx, block_size):
@@ -204,8 +204,8 @@ def prefix_rows(ctx, block_size):
     want = oracle(dense, workload())
     runs = {}
     for cache in (True, False):
-        res = Engine(lm, ctx, chunk_size=16, max_batched_tokens=64, block_size=block_size,
-                     prefix_cache=cache).run(workload())
+        res = Engine(lm, ctx, long_prefill_token_threshold=16, max_num_batched_tokens=64, block_size=block_size,
+                     enable_prefix_caching=cache).run(workload())
         runs[cache] = ([r["output_ids"] for r in res.requests], res.rows_computed, res.prefix_hit_tokens,
                        [r["prefix_hit_tokens"] for r in res.requests])
         assert sum(it["prefix_hit_tokens"] for it in res.iterations) == res.prefix_hit_tokens  # per iteration too
@@ -232,10 +232,10 @@ def preempting(ctx, family, mode):
     lm = shard_lm(dense, "v2", ctx.group)
     reqs = requests([(9, 12, 0), (17, 10, 0), (3, 14, 0), (12, 12, 1)])
     want = oracle(dense, reqs)
-    res = Engine(lm, ctx, chunk_size=5, max_batched_tokens=16, block_size=4, kv_blocks=9,
+    res = Engine(lm, ctx, long_prefill_token_threshold=5, max_num_batched_tokens=16, block_size=4, num_gpu_blocks_override=9,
                  attention=mode).run(requests([(9, 12, 0), (17, 10, 0), (3, 14, 0), (12, 12, 1)]))
     # the layout before paging: one contiguous region of prompt + max_new_tokens - 1 positions per request
-    contiguous = Engine(lm, ctx, chunk_size=5, max_batched_tokens=16, block_size=1, prefix_cache=False,
+    contiguous = Engine(lm, ctx, long_prefill_token_threshold=5, max_num_batched_tokens=16, block_size=1, enable_prefix_caching=False,
                         reserve_capacity=True).run(requests([(9, 12, 0), (17, 10, 0), (3, 14, 0), (12, 12, 1)]))
     return ([r["output_ids"] for r in res.requests] == want == [r["output_ids"] for r in contiguous.requests],
             res.preemptions, res.free_blocks_at_end, max(it["blocks_used"] for it in res.iterations),
@@ -296,19 +296,19 @@ def serve_settings(*overrides):
 
 PAGING_BAD = [
     (["block_size=0"], "block_size=0 must be an integer of at least 1"),
-    (["kv_blocks=0"], "kv_blocks=0 must be an integer of at least 1"),
-    (["prompts=[[1,2,3,4,5,6,7,8,9]]", "max_new_tokens=8", "block_size=4", "kv_blocks=3"],
-     "kv_blocks=3 cannot hold request 0 even alone: prompt 9 + max_new_tokens 8 - 1 = 16 positions need 4 blocks of "
-     "block_size=4; raise kv_blocks to at least 4"),
-    (["prefix_cache=maybe"], "prefix_cache='maybe' must be true or false"),
+    (["num_gpu_blocks_override=0"], "num_gpu_blocks_override=0 must be an integer of at least 1"),
+    (["prompts=[[1,2,3,4,5,6,7,8,9]]", "max_new_tokens=8", "block_size=4", "num_gpu_blocks_override=3"],
+     "num_gpu_blocks_override=3 cannot hold request 0 even alone: prompt 9 + max_new_tokens 8 - 1 = 16 positions need 4 blocks of "
+     "block_size=4; raise num_gpu_blocks_override to at least 4"),
+    (["enable_prefix_caching=maybe"], "enable_prefix_caching='maybe' must be true or false"),
     (["attention=fast"], "attention='fast': choose auto, cpu, batched or reference"),
     (["shared_prefix=-1"], "shared_prefix=-1 must be 0 or more"),
     (["shared_prefix=1009"], "shared_prefix=1009 is too long: with max_new_tokens=16 a prompt has at most 1009 "
                              "positions in model.max_seq_len=1024, and needs one token of its own; use shared_prefix <= 1008"),
     (["shared_prefix=4", "prompts=[[1,2]]"], "shared_prefix=4 applies to random prompts"),
     (["pd.prefill_ranks=1", "pd.decode_ranks=1", "prompts=[[1,2,3,4,5,6,7,8,9]]", "max_new_tokens=8", "block_size=8",
-      "kv_blocks=2", "pd.decode_block_size=4"],
-     "kv_blocks=2 cannot hold request 0 on the decode side: 16 positions need 4 blocks of block_size=4"),
+      "num_gpu_blocks_override=2", "pd.decode_block_size=4"],
+     "num_gpu_blocks_override=2 cannot hold request 0 on the decode side: 16 positions need 4 blocks of block_size=4"),
     (["pd.decode_block_size=4"], "pd.decode_block_size=4 without pd"),
     (["pd.prefill_ranks=1", "pd.decode_ranks=1", "pd.decode_block_size=0"], "pd.decode_block_size=0 must be a positive"),
 ]
@@ -328,15 +328,15 @@ def test_shared_prefix_is_prepended_to_every_random_prompt():
     prefix = shared.requests[0].prompt[:48]
     assert all(r.prompt[:48] == prefix for r in shared.requests)
     assert [r.prompt[48:] for r in shared.requests] == [r.prompt for r in plain.requests]
-    assert (shared.block_size, shared.kv_blocks, shared.prefix_cache, shared.attention) == (16, None, True, "auto")
+    assert (shared.block_size, shared.num_gpu_blocks_override, shared.enable_prefix_caching, shared.attention) == (16, None, True, "auto")
 
 
 def test_kv_blocks_too_small_fails_fast_on_a_lone_rank():
     from tests.launching import settings_phase
 
-    alone = settings_phase(["kv_blocks=1"])
+    alone = settings_phase(["num_gpu_blocks_override=1"])
     assert alone.returncode == 2, alone.stdout + alone.stderr
-    assert alone.stderr.startswith("[rank 1] error: kv_blocks=1 cannot hold request") and \
+    assert alone.stderr.startswith("[rank 1] error: num_gpu_blocks_override=1 cannot hold request") and \
         alone.stderr.count("\n") == 1, alone.stderr
 
 
@@ -346,7 +346,7 @@ def test_serve_launcher_with_a_shared_prefix_and_a_small_pool(tmp_path):
     from tests.launching import launch_on_pool
     from tests.test_serve_launcher import SMALL
 
-    proc, _ = launch_on_pool(2, *SMALL, "shared_prefix=24", "block_size=4", "kv_blocks=14", run_dir=tmp_path,
+    proc, _ = launch_on_pool(2, *SMALL, "shared_prefix=24", "block_size=4", "num_gpu_blocks_override=14", run_dir=tmp_path,
                              script="serve.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "paged KV: 14 blocks x 4 positions per rank" in proc.stdout and "PASS" in proc.stdout
@@ -364,7 +364,7 @@ def test_pd_launcher_on_bounded_pools_with_a_shared_prefix_and_its_own_decode_bl
     from tests.launching import launch_on_pool
     from tests.test_serve_launcher import SMALL
 
-    proc, _ = launch_on_pool(2, *SMALL, "shared_prefix=24", "block_size=4", "kv_blocks=18", "pd.prefill_ranks=1",
+    proc, _ = launch_on_pool(2, *SMALL, "shared_prefix=24", "block_size=4", "num_gpu_blocks_override=18", "pd.prefill_ranks=1",
                              "pd.decode_ranks=1", "pd.decode_block_size=3", run_dir=tmp_path, script="serve.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "report.json").read_text())
@@ -377,11 +377,11 @@ def test_pd_launcher_on_bounded_pools_with_a_shared_prefix_and_its_own_decode_bl
 def test_prompt_chunks_are_grouped_by_length_into_a_fixed_number_of_calls():
     from layers.attention_backends import PROMPT_GROUPS, split
 
-    chunks = [Chunk(i, 0, n, decode=False, sample=True) for i, n in enumerate([300, 4, 6, 5, 120, 310, 7, 128])]
+    chunks = [ScheduledRequest(i, 0, n, decode=False, sample=True) for i, n in enumerate([300, 4, 6, 5, 120, 310, 7, 128])]
     groups = split(list(range(len(chunks))), chunks)
     assert len(groups) <= PROMPT_GROUPS and sorted(i for g in groups for i in g) == list(range(len(chunks)))
     assert [sorted(chunks[i].q_rows for i in g) for g in groups] == [[4, 5, 6, 7], [120, 128], [300, 310]]
-    many = [Chunk(i, 0, 1 + i % 50, decode=False, sample=True) for i in range(64)]
+    many = [ScheduledRequest(i, 0, 1 + i % 50, decode=False, sample=True) for i in range(64)]
     assert len(split(list(range(64)), many)) <= PROMPT_GROUPS  # 64 chunks: still at most three calls
 
 
@@ -394,7 +394,7 @@ def ragged(ctx, family):
     want = oracle(dense, requests())
     saved, backends.RAGGED_BELOW = backends.RAGGED_BELOW, 1e-9
     try:
-        res = Engine(lm, ctx, chunk_size=5, max_batched_tokens=40, block_size=3, attention="batched").run(requests())
+        res = Engine(lm, ctx, long_prefill_token_threshold=5, max_num_batched_tokens=40, block_size=3, attention="batched").run(requests())
     finally:
         backends.RAGGED_BELOW = saved
     return [r["output_ids"] for r in res.requests] == want and res.ledger_matches_model
@@ -416,7 +416,7 @@ def test_ragged_and_padded_decodes_equal_the_reference(kv_heads):
     free = torch.randperm(200, generator=gen).tolist()  # scattered blocks, no two requests sharing one
     tables = [tuple(free.pop() for _ in range(-(-n // block_size))) for n in lengths]
     pool = torch.randn(2, 200 * block_size, kv_heads, 8, generator=gen, dtype=torch.float64)
-    plan = IterationPlan(0, tuple(Chunk(i, n - 1, n, decode=True, sample=True, blocks=t)
+    plan = SchedulerOutput(0, tuple(ScheduledRequest(i, n - 1, n, decode=True, sample=True, blocks=t)
                                   for i, (n, t) in enumerate(zip(lengths, tables))))
     q = torch.randn(4, len(lengths), 8, generator=gen, dtype=torch.float64)
     kv = torch.randn(2, kv_heads, len(lengths), 8, generator=gen, dtype=torch.float64)

@@ -71,7 +71,7 @@ class WatchedBlocks(BlockManager):
 
     def admit(self, request, hit):
         r = self.machine.requests[request]
-        if r.computed:  # a handed-over request placed with its K,V (a decode side): not a prefix lookup
+        if r.num_computed_tokens:  # a handed-over request placed with its K,V (a decode side): not a prefix lookup
             return super().admit(request, hit)
         allowed = self.machine.longest_allowed_hit(r.tokens)
         assert len(hit) == allowed, (f"request {request} hits {len(hit)} blocks, the reference allows exactly "
@@ -84,9 +84,9 @@ class PagedMachine(RuleBasedStateMachine):
     blocks_class = WatchedBlocks
 
     @initialize(data=st.data(), block_size=st.integers(1, 8), extra_blocks=st.integers(0, 10),
-                chunk=st.integers(1, 12), max_running=st.integers(1, 4), more_budget=st.integers(0, 12),
+                chunk=st.integers(1, 12), max_num_seqs=st.integers(1, 4), more_budget=st.integers(0, 12),
                 eos=st.booleans())
-    def setup(self, data, block_size, extra_blocks, chunk, max_running, more_budget, eos):
+    def setup(self, data, block_size, extra_blocks, chunk, max_num_seqs, more_budget, eos):
         self.bs = block_size
         self.pieces = [data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=block_size, max_size=block_size))
                        for _ in range(PIECES)]
@@ -95,8 +95,8 @@ class PagedMachine(RuleBasedStateMachine):
         self.blocks = self.blocks_class(self.minimum + extra_blocks, block_size)
         self.blocks.setup(self)
         self.eos = VOCAB if eos else None
-        self.sched = Scheduler([], chunk_size=chunk, max_batched_tokens=max_running + more_budget,
-                               max_running=max_running, eos_id=self.eos, blocks=self.blocks)
+        self.sched = Scheduler([], long_prefill_token_threshold=chunk, max_num_batched_tokens=max_num_seqs + more_budget,
+                               max_num_seqs=max_num_seqs, eos_id=self.eos, blocks=self.blocks)
         self.requests: dict[int, Request] = {}
         self.reference_hits: dict[int, int] = {}
         self.index = 0
@@ -143,19 +143,19 @@ class PagedMachine(RuleBasedStateMachine):
         rest = tail.draw(st.lists(st.integers(0, VOCAB - 1), min_size=0 if pieces else 1, max_size=self.bs + 1))
         prompt = [t for i in pieces for t in self.pieces[i]] + rest
         rid = len(self.requests)
-        r = Request(rid, prompt, max_new, output=[next_token(prompt)], computed=len(prompt))
+        r = Request(rid, prompt, max_new, output=[next_token(prompt)], num_computed_tokens=len(prompt))
         self.requests[rid], self.reference_hits[rid] = r, 0
         self.prompts.append(prompt)
         self.ready.append(r)  # the scheduler meets it when it is placed
 
     def _place(self):
-        while self.ready and self.blocks.blocks_for(self.ready[0].computed + 1) <= self.blocks.num_free:
+        while self.ready and self.blocks.blocks_for(self.ready[0].num_computed_tokens + 1) <= self.blocks.num_free:
             r = self.ready.pop(0)
             if r.output[0] == self.eos:  # its first token ended it: nothing to decode, never added
                 r.finished, r.status = True, RequestStatus.FINISHED_STOPPED
                 continue
             self.sched.add_computed(r, self.index)
-            for t in range(r.computed):  # the K,V that came with it
+            for t in range(r.num_computed_tokens):  # the K,V that came with it
                 self.blocks.content[self.blocks.tables[r.id][t // self.bs]][t % self.bs] = tuple(r.tokens[:t + 1])
 
     @precondition(lambda self: any(not r.finished for r in self.requests.values()))
@@ -180,7 +180,7 @@ class PagedMachine(RuleBasedStateMachine):
             assert not self.ready, "handed-over requests wait for blocks that nothing holds"
         else:
             sampled = {}
-            for c in plan.chunks:
+            for c in plan.scheduled:
                 r = self.requests[c.request]
                 assert list(c.blocks) == self.blocks.tables[r.id]
                 for t in range(c.q_start, c.q_end):  # the iteration's forward writes these slots
@@ -208,7 +208,7 @@ class PagedMachine(RuleBasedStateMachine):
             return
         for rid, table in self.blocks.tables.items():
             r = self.requests[rid]
-            for t in range(r.computed):
+            for t in range(r.num_computed_tokens):
                 assert self.blocks.content[table[t // self.bs]][t % self.bs] == tuple(r.tokens[:t + 1]), \
                     f"request {rid} position {t}: its slot holds another prefix's K,V"
 

@@ -52,7 +52,7 @@ class Capture(StepHook):
 
     def after_step(self, engine, step):
         cache = engine.runner.cache
-        for c in step.plan.chunks:
+        for c in step.plan.scheduled:
             if c.sample and not c.decode:  # read through the block table the plan carries (blocks of a finished
                 slots = torch.tensor(slots_of(c, 0, c.q_end, cache.block_size))  # request keep their contents)
                 self.kv[c.request] = cache.read(slots, slice(None))
@@ -62,7 +62,7 @@ def pd(ctx, p_prefill, p_decode, streaming, compare_kv=False):
     layout = Layout(p_prefill, p_decode)
     groups = new_groups(layout)
     dense = dense_lm()
-    res = serve_pd(dense, ctx, layout, make_requests(WORKLOAD), chunk_size=5, max_batched_tokens=12,
+    res = serve_pd(dense, ctx, layout, make_requests(WORKLOAD), long_prefill_token_threshold=5, max_num_batched_tokens=12,
                    streaming=streaming, groups=groups, keep_kv=compare_kv)
     out = {"ids": [r["output_ids"] for r in res.requests], "ok": res.ledger_matches_model,
            "transfers": res.transfers, "requests": res.requests}
@@ -71,8 +71,8 @@ def pd(ctx, p_prefill, p_decode, streaming, compare_kv=False):
         lm = shard_lm(dense, "v2", dctx.group)
         alone, mixed = Capture(), Capture()
         prefill_only = [Request(r.id, r.prompt, 1, r.arrival) for r in make_requests(WORKLOAD)]
-        Engine(lm, dctx, chunk_size=5, max_batched_tokens=12, hooks=alone).run(prefill_only)
-        Engine(lm, dctx, chunk_size=5, max_batched_tokens=12, hooks=mixed).run(make_requests(WORKLOAD))
+        Engine(lm, dctx, long_prefill_token_threshold=5, max_num_batched_tokens=12, hooks=alone).run(prefill_only)
+        Engine(lm, dctx, long_prefill_token_threshold=5, max_num_batched_tokens=12, hooks=mixed).run(make_requests(WORKLOAD))
         out["kv_equal"] = {rid: torch.equal(kv, alone.kv[rid]) for rid, kv in res.kv.items()}
         out["kv_rel_diff_mixed"] = max(float((kv - mixed.kv[rid]).abs().max() / mixed.kv[rid].abs().max())
                                        for rid, kv in res.kv.items())
@@ -218,7 +218,7 @@ def dense_llama(h_kv):
 
 def pd_llama(ctx, p_prefill, p_decode, h_kv, streaming):
     layout = Layout(p_prefill, p_decode)
-    res = serve_pd(dense_llama(h_kv), ctx, layout, make_requests(WORKLOAD), chunk_size=5, max_batched_tokens=12,
+    res = serve_pd(dense_llama(h_kv), ctx, layout, make_requests(WORKLOAD), long_prefill_token_threshold=5, max_num_batched_tokens=12,
                    streaming=streaming, groups=new_groups(layout))
     return [r["output_ids"] for r in res.requests], res.ledger_matches_model, res.transfers
 
@@ -252,7 +252,7 @@ def test_prefill_schedule_is_what_the_prefill_engine_does():
 def disagree(ctx):
     chunk = 5 if ctx.rank < 2 else 6  # the decode ranks think the prefill side chunks differently
     try:
-        serve_pd(dense_lm(), ctx, Layout(2, 2), make_requests(WORKLOAD), chunk_size=chunk, max_batched_tokens=12)
+        serve_pd(dense_lm(), ctx, Layout(2, 2), make_requests(WORKLOAD), long_prefill_token_threshold=chunk, max_num_batched_tokens=12)
     except PlanMismatch as exc:
         return str(exc)
     return None
@@ -271,7 +271,7 @@ def eos_first(ctx):
     dense = dense_lm()
     reqs = make_requests([(9, 4, 0)])
     first = greedy_reference(dense, reqs[0].prompt, 1).ids[0]
-    res = serve_pd(dense, ctx, Layout(1, 1), reqs, chunk_size=5, max_batched_tokens=12, eos_id=first)
+    res = serve_pd(dense, ctx, Layout(1, 1), reqs, long_prefill_token_threshold=5, max_num_batched_tokens=12, eos_id=first)
     q = res.requests[0]  # handed over (its K,V moved), ended by token 1: no decode row, but a transfer time
     return q["output_ids"] == [first] and q["first_decode_s"] is None and q["transfer_s"] is not None
 
@@ -279,11 +279,11 @@ def eos_first(ctx):
 def test_requests_arriving_with_their_prompt_cached_join_as_decodes():
     from serve.scheduler import Scheduler
 
-    late = Request(0, [1, 2, 3], 4, arrival=2, output=[9], computed=3)
-    sched = Scheduler([late], chunk_size=2, max_batched_tokens=4)
+    late = Request(0, [1, 2, 3], 4, arrival=2, output=[9], num_computed_tokens=3)
+    sched = Scheduler([late], long_prefill_token_threshold=2, max_num_batched_tokens=4)
     assert sched.schedule(0) is None and sched.next_arrival() == 2
     plan = sched.schedule(2)
-    assert plan.admitted == (0,) and [(c.triple, c.decode, c.sample) for c in plan.chunks] == [((3, 4, 4), True, True)]
+    assert plan.admitted == (0,) and [(c.triple, c.decode, c.sample) for c in plan.scheduled] == [((3, 4, 4), True, True)]
 
 
 def eos_groups(ctx):
@@ -294,7 +294,7 @@ def eos_groups(ctx):
     p, q = (torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in (7, 9))
     eos = greedy_reference(dense, p, 1).ids[0]
     reqs = [Request(0, p, 5, 0), Request(1, p, 5, 1), Request(2, q, 5, 2), Request(3, p, 4, 3)]
-    res = serve_pd(dense, ctx, Layout(1, 1), reqs, chunk_size=16, max_batched_tokens=16, eos_id=eos)
+    res = serve_pd(dense, ctx, Layout(1, 1), reqs, long_prefill_token_threshold=16, max_num_batched_tokens=16, eos_id=eos)
     want = [greedy_reference(dense, r.prompt, r.max_new_tokens, eos).ids for r in reqs]
     return [r["output_ids"] for r in res.requests], want, eos
 
@@ -308,7 +308,7 @@ def test_groups_that_end_at_token_one_leave_the_decode_group_waiting_for_the_nex
 
 SHARED = 12  # every prompt starts with the same 12 tokens: prefix hits on the prefill side
 PAGED_WORKLOAD = [(3, 8, 0), (8, 6, 0), (1, 9, 1), (10, 5, 2), (5, 7, 3), (2, 4, 3)]  # (tail, max_new, arrival)
-# (layout, prefill block_size, decode block_size, kv_blocks per side, streaming, attention backend of both groups):
+# (layout, prefill block_size, decode block_size, num_gpu_blocks_override per side, streaming, attention backend of both groups):
 # 8 blocks of 4 hold the largest request (26 positions) and not much more; 9 blocks of 3 hold one request at a time,
 # so landed requests wait for blocks. Every backend meets the prefill side's prefix hits; the bounded pools (the
 # first two cases) may preempt on the decode side, which is not asserted (see below)
@@ -323,10 +323,10 @@ def paged_requests():
             for i, (n, new, arrival) in enumerate(PAGED_WORKLOAD)]
 
 
-def pd_paged(ctx, layout, block_size, decode_block_size, kv_blocks, streaming, attention):
-    res = serve_pd(dense_lm(), ctx, Layout(*layout), paged_requests(), chunk_size=5, max_batched_tokens=12,
+def pd_paged(ctx, layout, block_size, decode_block_size, num_gpu_blocks_override, streaming, attention):
+    res = serve_pd(dense_lm(), ctx, Layout(*layout), paged_requests(), long_prefill_token_threshold=5, max_num_batched_tokens=12,
                    streaming=streaming, block_size=block_size, decode_block_size=decode_block_size,
-                   kv_blocks=kv_blocks, attention=attention)
+                   num_gpu_blocks_override=num_gpu_blocks_override, attention=attention)
     return {"ids": [r["output_ids"] for r in res.requests], "logits": [r["logits"] for r in res.requests],
             "ok": res.ledger_matches_model,
             "prefill_hits": sum(it["prefix_hit_tokens"] for it in res.prefill_iterations),
@@ -355,8 +355,8 @@ def _refuse_small_pool(ctx):
     from tp.dist import ConfigError
 
     with pytest.raises(ConfigError, match="on the decode side"):  # 26 positions in blocks of 2: 13 > 7
-        serve_pd(dense_lm(), ctx, Layout(1, 1), paged_requests(), chunk_size=5, max_batched_tokens=12,
-                 block_size=4, decode_block_size=2, kv_blocks=7)
+        serve_pd(dense_lm(), ctx, Layout(1, 1), paged_requests(), long_prefill_token_threshold=5, max_num_batched_tokens=12,
+                 block_size=4, decode_block_size=2, num_gpu_blocks_override=7)
     return True
 
 
@@ -376,7 +376,7 @@ def pd_pipelined(ctx, p_prefill, prefill_pp, p_decode, streaming, n_layers):
     dense = init_weights(make_lm(replace(CFG, n_layers=n_layers), torch.float64), seed=0)
     layout = Layout(p_prefill, p_decode, prefill_pp)
     groups = new_groups(layout)
-    res = serve_pd(dense, ctx, layout, make_requests(WORKLOAD), chunk_size=5, max_batched_tokens=12,
+    res = serve_pd(dense, ctx, layout, make_requests(WORKLOAD), long_prefill_token_threshold=5, max_num_batched_tokens=12,
                    streaming=streaming, groups=groups)
     want = [greedy_reference(dense, r.prompt, r.max_new_tokens).ids for r in make_requests(WORKLOAD)]
     return {"same": [r["output_ids"] for r in res.requests] == want, "ok": res.ledger_matches_model,
@@ -417,10 +417,10 @@ def pipelined_prefill(ctx, pp):
     from layers.pipeline import check_layout, new_pp_groups, shard_pp_lm
 
     layout = check_layout(ctx.world_size, pp, CFG.n_layers, "v2")
-    stages, _ = new_pp_groups(layout)
+    stages = new_pp_groups(layout)
     lm = shard_pp_lm(dense_lm(), "v2", layout, dist.get_rank(), stages[layout.stage_of(dist.get_rank())])
     prefill_only = [Request(r.id, r.prompt, 1, r.arrival) for r in make_requests(WORKLOAD)]
-    res = Engine(lm, ctx, chunk_size=5, max_batched_tokens=12).run(prefill_only)
+    res = Engine(lm, ctx, long_prefill_token_threshold=5, max_num_batched_tokens=12).run(prefill_only)
     return [(it["iteration"], it["finished"]) for it in res.iterations if it["finished"]]
 
 

@@ -19,7 +19,7 @@ from tp.traffic_model import pp_stage_layers, predict_pp_stage
 def pp_forward(ctx, pp, family, n_layers, boundary, rows=13):
     cfg = replace(CFG if family == "gpt2" else LLAMA, n_layers=n_layers)
     layout = check_layout(ctx.world_size, pp, n_layers, "v2")
-    stages, _ = new_pp_groups(layout)
+    stages = new_pp_groups(layout)
     rank = dist.get_rank()
     dense = init_weights(DenseStack(cfg, torch.float64), seed=0)
     x = torch.randn(rows, cfg.d_model, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -88,7 +88,7 @@ def test_bad_layouts_are_refused_in_one_line(world, pp, n_layers, variant, messa
 def pp_microbatches(ctx, pp, family, n_layers, boundary, rows):
     cfg = replace(CFG if family == "gpt2" else LLAMA, n_layers=n_layers)
     layout = check_layout(ctx.world_size, pp, n_layers, "v2")
-    stages, _ = new_pp_groups(layout)
+    stages = new_pp_groups(layout)
     rank = dist.get_rank()
     dense = init_weights(DenseStack(cfg, torch.float64), seed=0)
     gen = torch.Generator().manual_seed(2)
@@ -210,7 +210,7 @@ def stage_lm(ctx, pp, family, n_layers, boundary="whole"):
 
     cfg = replace(CFG if family == "gpt2" else LLAMA, n_layers=n_layers)
     layout = check_layout(ctx.world_size, pp, n_layers, "v2")
-    stages, _ = new_pp_groups(layout)
+    stages = new_pp_groups(layout)
     rank = dist.get_rank()
     dense = init_weights(dense_lm(cfg, torch.float64), seed=0)
     return dense, shard_pp_lm(dense, "v2", layout, rank, stages[layout.stage_of(rank)], boundary)
@@ -222,27 +222,27 @@ def pp_serve(ctx, pp, family, n_layers, boundary, attention, prompts, new):
     from layers.lm import greedy_reference
     from serve.inputs import prepare_step
     from serve.kv_cache import KVPool
-    from serve.plan import Chunk, IterationPlan
+    from serve.plan import ScheduledRequest, SchedulerOutput
 
     dense, lm = stage_lm(ctx, pp, family, n_layers, boundary)
     cfg = dense.cfg
     block = 4
     tables = [tuple(range(i * 16, (i + 1) * 16)) for i in range(len(prompts))]
-    pool = KVPool(lm.n_cache_layers, 16 * len(prompts), block, lm.cache_heads, cfg.d_head, torch.float64)
+    pool = KVPool(len(lm.layers), 16 * len(prompts), block, lm.cache_heads, cfg.d_head, torch.float64)
     tokens = {i: list(p) for i, p in enumerate(prompts)}
-    plans = [IterationPlan(0, (Chunk(0, 0, 3, decode=False, sample=False, blocks=tables[0]),
-                               *(Chunk(i, 0, len(p), decode=False, sample=True, blocks=tables[i])
+    plans = [SchedulerOutput(0, (ScheduledRequest(0, 0, 3, decode=False, sample=False, blocks=tables[0]),
+                               *(ScheduledRequest(i, 0, len(p), decode=False, sample=True, blocks=tables[i])
                                  for i, p in enumerate(prompts) if i))),
-             IterationPlan(1, (Chunk(0, 3, len(prompts[0]), decode=False, sample=True, blocks=tables[0]),))]
+             SchedulerOutput(1, (ScheduledRequest(0, 3, len(prompts[0]), decode=False, sample=True, blocks=tables[0]),))]
     ledger = TrafficLedger(lm.layout.tp)
     with torch.no_grad(), ledger.recording():
         for it in range(new + 1):
-            plan = plans[it] if it < 2 else IterationPlan(it, tuple(
-                Chunk(i, len(tokens[i]) - 1, len(tokens[i]), decode=True, sample=True, blocks=tables[i])
+            plan = plans[it] if it < 2 else SchedulerOutput(it, tuple(
+                ScheduledRequest(i, len(tokens[i]) - 1, len(tokens[i]), decode=True, sample=True, blocks=tables[i])
                 for i in range(len(prompts)) if len(tokens[i]) < len(prompts[i]) + new))
             step = prepare_step(plan, tokens, block, "cpu", attention)
             res = lm.step(step.ids, step.positions, pool.layers(step.batch), step.sample_rows)
-            sampled = [c.request for c in plan.chunks if c.sample]
+            sampled = [c.request for c in plan.scheduled if c.sample]
             for r, t in zip(sampled, res.tokens.tolist()):
                 tokens[r].append(t)
     want = [greedy_reference(dense, p, new).ids for p in prompts]
@@ -283,11 +283,11 @@ class InFlightCheck:
         pass
 
     def before_forward(self, engine, plan):
-        out = {c.request for e in engine.queue for c in e.plan.chunks}
-        self.overlaps += sorted(out & {c.request for c in plan.chunks})
+        out = {c.request for e in engine.queue for c in e.plan.scheduled}
+        self.overlaps += sorted(out & {c.request for c in plan.scheduled})
         # with chunk_pipelining: a request may be in flight only with prompt chunks that sample nothing
-        self.sampling_overlaps += sorted({c.request for e in engine.queue for c in e.plan.chunks if c.sample}
-                                         & {c.request for c in plan.chunks})
+        self.sampling_overlaps += sorted({c.request for e in engine.queue for c in e.plan.scheduled if c.sample}
+                                         & {c.request for c in plan.scheduled})
         self.most = max(self.most, len(engine.queue) + 1)
 
     def after_step(self, engine, step):
@@ -320,7 +320,7 @@ def pp_engine(ctx, pp, family, n_layers, boundary, attention="auto", workload=No
             "prompt_done_at": {rid: min(it["iteration"] for it in res.iterations for q, _, qe, _ in it["triples"]
                                         if q == rid and qe >= n) for rid, (n, *_) in enumerate(workload)}, "most": check.most, "pool_layers": engine.cache.n_layers,
             "stage_layers": len(lm.layers), "sent": sum(t["sent_bytes"] for t in engine.engine.timeline),
-            "rows": rows, "preemptions": res.preemptions, "free": res.free_blocks_at_end, "blocks": res.kv_blocks,
+            "rows": rows, "preemptions": res.preemptions, "free": res.free_blocks_at_end, "blocks": res.num_blocks,
             "finished_at": sorted({it["iteration"] for it in res.iterations if it["finished"]})}
 
 
@@ -355,7 +355,7 @@ def test_pipelined_serving_preempts_by_recompute_and_gives_every_block_back():
     """A pool too small for the requests at once: preemption at pp = 2 leaves the tokens unchanged (a request in flight
     is never the victim), and every block is free at the end."""
     for r in run_ranks(2, pp_engine, 2, "gpt2", 2, "whole", "cpu", [(9, 12, 0), (17, 10, 0), (3, 14, 0), (12, 12, 1)],
-                       chunk_size=5, max_batched_tokens=16, block_size=4, kv_blocks=9):
+                       long_prefill_token_threshold=5, max_num_batched_tokens=16, block_size=4, num_gpu_blocks_override=9):
         assert r["same"] and r["ledger"] and r["overlaps"] == []
         assert r["preemptions"] > 0 and r["free"] == r["blocks"] == 9
 
@@ -369,7 +369,7 @@ def pp_online(ctx, pp):
     from serve.sampling_params import SamplingParams
 
     dense, lm = stage_lm(ctx, pp, "gpt2", 2)
-    engine = new_engine(lm, ctx, EngineConfig(chunk_size=4, max_batched_tokens=8, max_running=4, block_size=4))
+    engine = new_engine(lm, ctx, EngineConfig(long_prefill_token_threshold=4, max_num_batched_tokens=8, max_num_seqs=4, block_size=4))
     if not ctx.is_main:
         while not engine.stopped:
             engine.step()
@@ -408,25 +408,25 @@ def test_the_scheduler_forms_pp_micro_batches_of_disjoint_requests():
     from serve.scheduler import Scheduler
 
     reqs = [Request(i, [1 + i, 2, 3], 4) for i in range(6)]
-    sched = Scheduler(reqs, chunk_size=8, max_batched_tokens=64, blocks=BlockManager(12, 4, prefix_cache=False))
+    sched = Scheduler(reqs, long_prefill_token_threshold=8, max_num_batched_tokens=64, blocks=BlockManager(12, 4, enable_prefix_caching=False))
     sched.stages = 2
     first = sched.schedule(0)
-    sched.in_flight.update(c.request for c in first.chunks)
+    sched.in_flight.update(c.request for c in first.scheduled)
     second = sched.schedule(1)
-    sched.in_flight.update(c.request for c in second.chunks)
-    assert [c.request for c in first.chunks] == [0, 1, 2] and [c.request for c in second.chunks] == [3, 4, 5]
+    sched.in_flight.update(c.request for c in second.scheduled)
+    assert [c.request for c in first.scheduled] == [0, 1, 2] and [c.request for c in second.scheduled] == [3, 4, 5]
     assert sched.schedule(2) is None  # everything is in flight
     sched.update(first, {0: 7, 1: 7, 2: 7})
     third = sched.schedule(3)
-    assert [c.request for c in third.chunks] == [0, 1, 2] and all(c.decode for c in third.chunks)
+    assert [c.request for c in third.scheduled] == [0, 1, 2] and all(c.decode for c in third.scheduled)
     # a pool with no free block: the decodes that need one wait rather than preempt a request in flight
     tight = [Request(i, [1, 2, 3, 4], 3) for i in range(2)]
-    sched = Scheduler(tight, chunk_size=8, max_batched_tokens=64, blocks=BlockManager(2, 4, prefix_cache=False))
+    sched = Scheduler(tight, long_prefill_token_threshold=8, max_num_batched_tokens=64, blocks=BlockManager(2, 4, enable_prefix_caching=False))
     sched.stages = 2
     a = sched.schedule(0)
-    sched.in_flight.update(c.request for c in a.chunks)
+    sched.in_flight.update(c.request for c in a.scheduled)
     b = sched.schedule(1)
-    sched.in_flight.update(c.request for c in b.chunks)
+    sched.in_flight.update(c.request for c in b.scheduled)
     sched.update(a, {0: 9})
     c = sched.schedule(2)  # request 0's decode needs a second block; request 1 holds the other and is in flight:
     # request 0 waits for it (no preemption, no recompute), and request 1 is never the victim
@@ -435,7 +435,7 @@ def test_the_scheduler_forms_pp_micro_batches_of_disjoint_requests():
     assert 0 in sched.blocks.tables and 1 in sched.blocks.tables
     sched.update(b, {1: 9})  # request 1 is back: now request 0's decode preempts the latest admitted, request 1
     d = sched.schedule(3)
-    assert [c.request for c in d.chunks] == [0] and sched.preemptions == 1 and 1 not in sched.blocks.tables
+    assert [c.request for c in d.scheduled] == [0] and sched.preemptions == 1 and 1 not in sched.blocks.tables
 
 
 # ---- launch/serve.py and the library with pp -----------------------------------------------------------------------
@@ -449,8 +449,8 @@ def test_serve_launcher_with_pp_checks_tokens_ledger_and_reports_the_stages(tmp_
     from tests.launching import launch_on_pool
 
     proc, _ = launch_on_pool(4, "pp=2", "pp_boundary=scatter", "model.n_layers=3", "model.vocab_size=5003",
-                             "prompt_count=5", "prompt_mean=12", "max_new_tokens=5", "chunk_size=4",
-                             "max_batched_tokens=12", "arrivals=1", "dtype=float64", run_dir=tmp_path, script="serve.py")
+                             "prompt_count=5", "prompt_mean=12", "max_new_tokens=5", "long_prefill_token_threshold=4",
+                             "max_num_batched_tokens=12", "arrivals=1", "dtype=float64", run_dir=tmp_path, script="serve.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS: served 5 requests at tp=2 x pp=2, tokens equal to the dense oracle" in proc.stdout
     assert "pp = 2 stages, boundary scatter" in proc.stdout and "bubble: " in proc.stdout
@@ -508,8 +508,8 @@ def test_the_library_serves_a_pipeline_equal_to_the_oracle():
     prompts = [[464, 3290, 318], [40, 1101, 257, 3290, 11, 290], [1, 2, 3, 4, 5]]
     params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=5, temperature=0.8, seed=3),
               SamplingParams(max_tokens=4, logprobs=2)]
-    with LLM("article03", pipeline_parallel_size=2, check=True, max_num_seqs=4, chunk_size=4,
-             max_batched_tokens=16) as llm:
+    with LLM("article03", pipeline_parallel_size=2, check=True, max_num_seqs=4, long_prefill_token_threshold=4,
+             max_num_batched_tokens=16) as llm:
         outs = llm.generate(prompts, params)
         assert llm.stats()["oracle"] == {"match": 3}
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 5, 4]
@@ -522,7 +522,7 @@ def test_chunk_pipelining_sends_a_prompts_chunks_through_the_stages_back_to_back
     oracle, the ledger the model; only prompt chunks that sample nothing overlap in flight; the long prompt's last
     chunk enters the pipeline after 10 steps instead of 4 per chunk."""
     workload = [(60, 3, 0), (4, 12, 0), (5, 12, 0)]
-    one, both = (run_ranks(4, pp_engine, 4, "gpt2", 4, "whole", "cpu", workload, chunk_size=6, max_batched_tokens=8,
+    one, both = (run_ranks(4, pp_engine, 4, "gpt2", 4, "whole", "cpu", workload, long_prefill_token_threshold=6, max_num_batched_tokens=8,
                            chunk_pipelining=on)[0] for on in (False, True))
     assert one["same"] and both["same"] and one["ledger"] and both["ledger"]
     assert one["overlaps"] == [] and both["overlaps"] and both["sampling_overlaps"] == []

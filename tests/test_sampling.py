@@ -85,7 +85,7 @@ def prompts(n, seed=0, shared=()):
                                          generator=g).tolist() for _ in range(n)]
 
 
-def serve(ctx, cfg, reqs, config=EngineConfig(chunk_size=6, max_batched_tokens=16, max_running=8, block_size=4),
+def serve(ctx, cfg, reqs, config=EngineConfig(long_prefill_token_threshold=6, max_num_batched_tokens=16, max_num_seqs=8, block_size=4),
           eos=()):
     """reqs: (name, prompt, params, add at step). Every rank steps; rank 0's finished outputs by name, plus the
     internal id each got (for the seed of an unseeded request) and how many times a request was preempted."""
@@ -145,7 +145,7 @@ def test_a_seeded_request_is_independent_of_its_batch():
                                    for i, pr in enumerate(others)]
     crowded = run_ranks(2, serve, GPT2, batch)[0]
     assert crowded[0]["t"].token_ids == alone
-    small = EngineConfig(chunk_size=6, max_batched_tokens=16, max_running=8, block_size=4, kv_blocks=30)
+    small = EngineConfig(long_prefill_token_threshold=6, max_num_batched_tokens=16, max_num_seqs=8, block_size=4, num_gpu_blocks_override=30)
     tight = run_ranks(2, serve, GPT2, batch, small)[0]
     assert tight[2] > 0 and tight[3] == 30  # requests were preempted; every block came back
     assert tight[0]["t"].token_ids == alone

@@ -2,26 +2,26 @@
 
 import pytest
 
-from serve.plan import IterationPlan
+from serve.plan import SchedulerOutput
 from serve.scheduler import Request, Scheduler, SchedulerError
 
 
 def decoding(rid: int, kv_length: int, prompt: int = 1000) -> Request:
     """A request mid-stream whose next decode row sits at position kv_length - 1."""
     out = kv_length - prompt
-    return Request(rid, [1] * prompt, max_new_tokens=500, output=[2] * out, computed=kv_length - 1)
+    return Request(rid, [1] * prompt, max_new_tokens=500, output=[2] * out, num_computed_tokens=kv_length - 1)
 
 
-def drive(requests, chunk_size, budget, max_running=None, token=lambda rid, it: 7):
+def drive(requests, long_prefill_token_threshold, budget, max_num_seqs=None, token=lambda rid, it: 7):
     """Run the scheduler to completion with made-up tokens; return every plan."""
-    sched, plans, index = Scheduler(requests, chunk_size, budget, max_running), [], 0
+    sched, plans, index = Scheduler(requests, long_prefill_token_threshold, budget, max_num_seqs), [], 0
     while sched.has_work():
         plan = sched.schedule(index)
         if plan is None:
             index = sched.next_arrival()
             continue
         plans.append(plan)
-        sched.update(plan, {c.request: token(c.request, index) for c in plan.chunks if c.sample})
+        sched.update(plan, {c.request: token(c.request, index) for c in plan.scheduled if c.sample})
         index += 1
     return plans
 
@@ -29,12 +29,12 @@ def drive(requests, chunk_size, budget, max_running=None, token=lambda rid, it: 
 def test_seed05_fresh_prefill_beside_two_decodes():
     # A fresh prefill (0, 4096, 4096) + B decode step 51 (kv 1500) + C decode step 200 (kv 1700) = 4098 rows.
     reqs = [decoding(1, 1500, prompt=1450), decoding(2, 1700, prompt=1501), Request(0, [5] * 4096, 10)]
-    plan = Scheduler(reqs, chunk_size=4096, max_batched_tokens=8192).schedule(0)
+    plan = Scheduler(reqs, long_prefill_token_threshold=4096, max_num_batched_tokens=8192).schedule(0)
     assert plan.rows == 4098
-    assert [(c.request, c.triple) for c in plan.chunks] == [(1, (1499, 1500, 1500)), (2, (1699, 1700, 1700)),
+    assert [(c.request, c.triple) for c in plan.scheduled] == [(1, (1499, 1500, 1500)), (2, (1699, 1700, 1700)),
                                                              (0, (0, 4096, 4096))]
     # score blocks: 1x1500, 1x1700, and the 4096² square (lower-triangular inside)
-    assert [c.q_rows * c.kv_length for c in plan.chunks] == [1500, 1700, 4096 * 4096]
+    assert [c.q_rows * c.kv_length for c in plan.scheduled] == [1500, 1700, 4096 * 4096]
     assert plan.score_entries() == 1500 + 1700 + 4096 * 4097 // 2
     assert plan.decodes == 2 and plan.prefill_chunks == 1 and plan.admitted == (0,)
     assert plan.sample_rows == [0, 1, 4097]  # both decodes, and the prompt's last row
@@ -42,11 +42,11 @@ def test_seed05_fresh_prefill_beside_two_decodes():
 
 def test_seed05_piggyback_chunk_beside_three_decodes():
     # E chunk of 1024 rows after a cached prefix of 7168 (kv 8192) + decodes at kv 1500, 1700, 1100 = 1027 rows.
-    e = Request(9, [3] * 50 * 1024, 10, computed=7 * 1024)
+    e = Request(9, [3] * 50 * 1024, 10, num_computed_tokens=7 * 1024)
     reqs = [e, decoding(1, 1500), decoding(2, 1700), decoding(3, 1100)]
-    plan = Scheduler(reqs, chunk_size=1024, max_batched_tokens=2048).schedule(0)
+    plan = Scheduler(reqs, long_prefill_token_threshold=1024, max_num_batched_tokens=2048).schedule(0)
     assert plan.rows == 1027
-    assert [c.triple for c in plan.chunks] == [(1499, 1500, 1500), (1699, 1700, 1700), (1099, 1100, 1100),
+    assert [c.triple for c in plan.scheduled] == [(1499, 1500, 1500), (1699, 1700, 1700), (1099, 1100, 1100),
                                                (7168, 8192, 8192)]
     assert plan.sample_rows == [0, 1, 2]  # an intermediate chunk never samples
     assert plan.cache_rows_read() == 1499 + 1699 + 1099 + 7168
@@ -56,7 +56,7 @@ def test_seed05_piggyback_chunk_beside_three_decodes():
 def test_chunked_prompt_score_entries_and_cache_rereads(chunk):
     n = 100
     plans = drive([Request(0, [1] * n, 1)], chunk, budget=4096)
-    prefill = [c for plan in plans for c in plan.chunks]
+    prefill = [c for plan in plans for c in plan.scheduled]
     assert len(prefill) == -(-n // chunk)  # ⌈N/C⌉ iterations
     # Chunking saves no attention work: the visible score entries sum to N(N+1)/2 for every C.
     assert sum(plan.score_entries() for plan in plans) == n * (n + 1) // 2
@@ -72,20 +72,20 @@ def test_ceil_100k_over_2048_is_49_iterations():
 
 def test_decodes_first_budget_respected_and_only_complete_prompts_sample():
     reqs = [Request(i, [1] * n, 4, arrival=a) for i, (n, a) in enumerate([(10, 0), (23, 0), (5, 1), (40, 3)])]
-    plans = drive(reqs, chunk_size=6, budget=9)
+    plans = drive(reqs, long_prefill_token_threshold=6, budget=9)
     seen_mixed = False
     for plan in plans:
         assert plan.rows <= 9
-        kinds = [c.decode for c in plan.chunks]
+        kinds = [c.decode for c in plan.scheduled]
         assert kinds == sorted(kinds, reverse=True)  # every decode before every prompt chunk
-        assert all(c.q_rows <= 6 for c in plan.chunks)
-        assert all(c.q_rows == 1 for c in plan.chunks if c.decode)
+        assert all(c.q_rows <= 6 for c in plan.scheduled)
+        assert all(c.q_rows == 1 for c in plan.scheduled if c.decode)
         seen_mixed |= plan.decodes > 0 and plan.prefill_chunks > 0
     assert seen_mixed
     assert all(len(r.output) == 4 and r.finished for r in reqs)
     # per request, the triples tile [0, prompt + generated - 1) with no gap or overlap
     for r in reqs:
-        mine = [c for p in plans for c in p.chunks if c.request == r.id]
+        mine = [c for p in plans for c in p.scheduled if c.request == r.id]
         assert [c.q_start for c in mine] == [0] + [c.q_end for c in mine[:-1]]
         assert mine[-1].q_end == len(r.prompt) + 4 - 1
         assert sum(c.sample for c in mine) == 4
@@ -98,11 +98,11 @@ def test_arrivals_finishing_and_admission_mid_stream():
     assert p0.admitted == (0,) and p0.rows == 4
     assert sched.update(p0, {0: 11}) == []
     p1 = sched.schedule(1)
-    assert [c.triple for c in p1.chunks] == [(4, 5, 5)]
+    assert [c.triple for c in p1.scheduled] == [(4, 5, 5)]
     assert sched.update(p1, {0: 12}) == [0]  # finished the moment it reaches max_new_tokens
     assert sched.schedule(2) is None and sched.next_arrival() == 3  # idle until request 1 arrives
     p3 = sched.schedule(3)
-    assert p3.admitted == (1,) and [c.triple for c in p3.chunks] == [(0, 3, 3)]
+    assert p3.admitted == (1,) and [c.triple for c in p3.scheduled] == [(0, 3, 3)]
 
 
 def test_eos_finishes_early():
@@ -114,19 +114,19 @@ def test_eos_finishes_early():
 
 def test_max_running_limits_admission():
     reqs = [Request(i, [1] * 2, 3) for i in range(5)]
-    plans = drive(reqs, 8, 8, max_running=2)
+    plans = drive(reqs, 8, 8, max_num_seqs=2)
     running = {}
     for plan in plans:
-        assert len({c.request for c in plan.chunks}) <= 2
-        for c in plan.chunks:
+        assert len({c.request for c in plan.scheduled}) <= 2
+        for c in plan.scheduled:
             running[c.request] = plan.index
     assert len(running) == 5
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(chunk_size=0, max_batched_tokens=8), "chunk_size=0 must be at least 1"),
-    (dict(chunk_size=4, max_batched_tokens=0), "max_batched_tokens=0 must be at least 1"),
-    (dict(chunk_size=4, max_batched_tokens=4, max_running=8), "smaller than a full decode batch"),
+    (dict(long_prefill_token_threshold=0, max_num_batched_tokens=8), "long_prefill_token_threshold=0 must be at least 1"),
+    (dict(long_prefill_token_threshold=4, max_num_batched_tokens=0), "max_num_batched_tokens=0 must be at least 1"),
+    (dict(long_prefill_token_threshold=4, max_num_batched_tokens=4, max_num_seqs=8), "smaller than a full decode batch"),
 ])
 def test_bad_settings(kwargs, message):
     with pytest.raises(SchedulerError, match=message):
@@ -136,6 +136,6 @@ def test_bad_settings(kwargs, message):
 def test_fingerprint_tells_plans_apart():
     reqs = [Request(0, [1] * 5, 2), Request(1, [1] * 5, 2)]
     a = Scheduler(reqs, 3, 8).schedule(0)
-    b = IterationPlan(a.index, a.chunks[::-1], a.admitted)
+    b = SchedulerOutput(a.index, a.scheduled[::-1], a.admitted)
     assert a.fingerprint() != b.fingerprint()
-    assert a.fingerprint() == IterationPlan(a.index, a.chunks, ()).fingerprint()
+    assert a.fingerprint() == SchedulerOutput(a.index, a.scheduled, ()).fingerprint()

@@ -45,7 +45,7 @@ def test_prefix_causal_mask():
 def test_chunked_attention_over_blocks_equals_causal_attention(chunks, block_size, mode):
     """One request's chunks written into scattered blocks of a pool, read back through its block table."""
     from serve.inputs import prepare_step
-    from serve.plan import Chunk, IterationPlan
+    from serve.plan import ScheduledRequest, SchedulerOutput
 
     h, dh, n = 4, 8, sum(chunks)
     qkv = torch.randn(n, 3 * h * dh, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -55,7 +55,7 @@ def test_chunked_attention_over_blocks_equals_causal_attention(chunks, block_siz
     pool = torch.zeros(2, 2 * n_blocks * block_size, h, dh, dtype=torch.float64)
     out, start = [], 0
     for i, c in enumerate(chunks):
-        plan = IterationPlan(i, (Chunk(0, start, start + c, decode=c == 1 and start > 0, sample=True, blocks=table),))
+        plan = SchedulerOutput(i, (ScheduledRequest(0, start, start + c, decode=c == 1 and start > 0, sample=True, blocks=table),))
         step = prepare_step(plan, {0: list(range(n))}, block_size, "cpu", mode)
         layer = PagedLayer(step.batch, pool)
         out.append(causal_attention(qkv[start:start + c], dh, layer))
@@ -77,12 +77,12 @@ def test_top_left_causal_is_wrong_for_a_chunk_after_a_prefix():
 # ---- the engine on p ranks ---------------------------------------------------------------------
 
 
-def serve(ctx, variant="v2", vocab_parallel=True, chunk_size=5, budget=12, max_running=None, requests=None,
+def serve(ctx, variant="v2", vocab_parallel=True, long_prefill_token_threshold=5, budget=12, max_num_seqs=None, requests=None,
           dtype=torch.float64, **paging):
     dense = dense_lm(dtype, ctx.device)
     lm = shard_lm(dense, variant, ctx.group, vocab_parallel)
     reqs = requests if requests is not None else make_requests()
-    engine = Engine(lm, ctx, chunk_size=chunk_size, max_batched_tokens=budget, max_running=max_running, **paging)
+    engine = Engine(lm, ctx, long_prefill_token_threshold=long_prefill_token_threshold, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, **paging)
     return dense, reqs, engine.run(reqs)
 
 
@@ -132,7 +132,7 @@ def test_tokens_equal_dense_oracle_and_ledger_equals_model(p, variant):
 
 
 def peak_kv(ctx):
-    return serve(ctx, chunk_size=64, budget=64, requests=make_requests([(10, 3, 0), (20, 2, 0)]),
+    return serve(ctx, long_prefill_token_threshold=64, budget=64, requests=make_requests([(10, 3, 0), (20, 2, 0)]),
                  block_size=1)[2].kv_peak_bytes_per_rank
 
 
@@ -178,7 +178,7 @@ def invariance(ctx):
             random.Random(chunk).shuffle(order)
         reqs = [Request(i, base[j].prompt, base[j].max_new_tokens, base[j].arrival if arrivals == "staggered" else 0)
                 for i, j in enumerate(order)]
-        res = Engine(lm, ctx, chunk_size=chunk, max_batched_tokens=budget, max_running=min(budget, 4)).run(reqs)
+        res = Engine(lm, ctx, long_prefill_token_threshold=chunk, max_num_batched_tokens=budget, max_num_seqs=min(budget, 4)).run(reqs)
         assert res.ledger_matches_model
         streams[(chunk, budget, arrivals, permute)] = {tuple(base[j].prompt): r["output_ids"]
                                                        for j, r in zip(order, res.requests)}
@@ -210,16 +210,16 @@ class Drift(StepHook):
 
     def before_schedule(self, engine):
         if self.rank == 1 and engine.index == 1:
-            engine.scheduler.chunk_size = 3
+            engine.scheduler.long_prefill_token_threshold = 3
 
 
 def disagree(ctx, how):
     try:
         if how == "chunk_size":  # a different schedule on every rank
-            serve(ctx, chunk_size=5 + ctx.rank)
+            serve(ctx, long_prefill_token_threshold=5 + ctx.rank)
         else:  # the same plans until one rank's scheduler changes its mind mid-run (a bug's effect)
             lm = shard_lm(dense_lm(), "v2", ctx.group)
-            Engine(lm, ctx, chunk_size=4, max_batched_tokens=8, hooks=Drift(ctx.rank)).run(
+            Engine(lm, ctx, long_prefill_token_threshold=4, max_num_batched_tokens=8, hooks=Drift(ctx.rank)).run(
                 [Request(0, list(range(1, 13)), 2)])
     except PlanMismatch as exc:
         return str(exc)
@@ -242,9 +242,9 @@ def with_eos(ctx):
     dense = dense_lm(device=ctx.device)
     lm = shard_lm(dense, "v2", ctx.group)
     prompt = make_requests()[0].prompt
-    free = Engine(lm, ctx, chunk_size=4, max_batched_tokens=8).run([Request(0, prompt, 6)]).requests[0]["output_ids"]
+    free = Engine(lm, ctx, long_prefill_token_threshold=4, max_num_batched_tokens=8).run([Request(0, prompt, 6)]).requests[0]["output_ids"]
     eos = free[2]  # a token the model does produce, third
-    stopped = Engine(lm, ctx, chunk_size=4, max_batched_tokens=8, eos_id=eos).run([Request(0, prompt, 6)])
+    stopped = Engine(lm, ctx, long_prefill_token_threshold=4, max_num_batched_tokens=8, eos_id=eos).run([Request(0, prompt, 6)])
     ref = greedy_reference(dense, prompt, 6, eos_id=eos)
     return free, stopped.requests[0]["output_ids"], ref.ids, stopped.kv_peak_bytes_per_rank > 0
 

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers", reason="the transformers orac
 
 HF = dict(n_embd=64, n_head=8, n_layer=3, n_positions=64, vocab_size=50257, resid_pdrop=0.0, embd_pdrop=0.0,
           attn_pdrop=0.0)
-# (prompt length, max_new_tokens, arrival): chunk_size 4 and budget 10 make chunks after cached prefixes and
+# (prompt length, max_new_tokens, arrival): long_prefill_token_threshold 4 and budget 10 make chunks after cached prefixes and
 # iterations that mix them with decodes
 WORKLOAD = [(11, 6, 0), (5, 7, 0), (14, 5, 1), (2, 6, 2)]
 
@@ -46,7 +46,7 @@ def serve_checkpoint(ctx, path, prompts):
     dense = load_dense(path)
     lm = shard_lm(dense, "v2", ctx.group)
     reqs = [Request(i, prompt, new, arrival) for i, (prompt, (_, new, arrival)) in enumerate(zip(prompts, WORKLOAD))]
-    res = Engine(lm, ctx, chunk_size=4, max_batched_tokens=10).run(reqs)
+    res = Engine(lm, ctx, long_prefill_token_threshold=4, max_num_batched_tokens=10).run(reqs)
     mixed = any(it["decodes"] and it["prefill_chunks"] for it in res.iterations)
     after_prefix = any(kv > qe - qs > 1 for it in res.iterations for _, qs, qe, kv in it["triples"])
     return [r["output_ids"] for r in res.requests], res.ledger_matches_model, mixed and after_prefix

@@ -10,7 +10,7 @@ import pytest
 from tests.launching import ROOT, launch_on_pool, lone_rank_process, settings_phase, torchrun
 
 SMALL = ["model.n_layers=2", "model.vocab_size=5003", "prompt_count=5", "prompt_mean=12", "max_new_tokens=5",
-         "chunk_size=4", "max_batched_tokens=12", "arrivals=1", "dtype=float64"]
+         "long_prefill_token_threshold=4", "max_num_batched_tokens=12", "arrivals=1", "dtype=float64"]
 
 
 def test_serve_end_to_end(tmp_path):
@@ -60,8 +60,8 @@ BAD = [
     (["prompts=[[1,2,3],[]]"], "prompts[1]=[]: every prompt needs at least one token id"),
     (["prompts=[[1,50257]]"], "prompts[0] holds 50257, not a token id of the vocabulary [0, 50257)"),
     (["prompts=[[1,2,3,4,5]]", "model.max_seq_len=4"], "prompt 0 has 5 tokens, more than model.max_seq_len=4"),
-    (["chunk_size=0"], "chunk_size=0 must be an integer of at least 1"),
-    (["max_batched_tokens=4", "max_running=8"], "max_batched_tokens=4 is smaller than a full decode batch"),
+    (["long_prefill_token_threshold=0"], "long_prefill_token_threshold=0 must be an integer of at least 1"),
+    (["max_num_batched_tokens=4", "max_num_seqs=8"], "max_num_batched_tokens=4 is smaller than a full decode batch"),
     (["model=gpt9"], "unknown model preset 'gpt9'; choose one of article03, gpt2_small"),
     (["hf_checkpoint=CORRUPT"], "cannot read the weights"),
     (["+temprature=0.7"], "unknown setting 'temprature' (+temprature=0.7): serve.py has no such setting"),
@@ -248,7 +248,7 @@ def test_a_decode_rank_dying_ends_the_whole_job_fast(tmp_path):
 
 def test_serve_llama_tiny(tmp_path):
     proc, _ = launch_on_pool(2, "model=llama_tiny", "model.n_layers=2", "prompt_count=3", "prompt_mean=8",
-                             "max_new_tokens=4", "chunk_size=4", "max_batched_tokens=12", "dtype=float64",
+                             "max_new_tokens=4", "long_prefill_token_threshold=4", "max_num_batched_tokens=12", "dtype=float64",
                              run_dir=tmp_path, script="serve.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "report.json").read_text())

@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from serve.engine import StepHook
+from serve.hooks import StepHook
 from serve.inputs import slots_of
 from serve.kv_cache import KVPool
-from serve.plan import IterationPlan
+from serve.plan import SchedulerOutput
 from serve.pd.plan import Layout
 from serve.request import RequestStatus
-from serve.scheduler import Request, Scheduler
+from serve.request import Request
+from serve.scheduler import Scheduler
 from tp.dist import DEFAULT_TIMEOUT_S, control_device, host_control
 from tp.ledger import TrafficLedger, TransferRecord
 from tp.partition import kv_head_range
@@ -153,13 +154,13 @@ class PrefillSide(StepHook):
     def before_schedule(self, engine) -> None:
         self.sched, self.cache, self.engine = engine.scheduler, engine.runner.cache, engine
 
-    def before_forward(self, engine, plan: IterationPlan) -> None:
+    def before_forward(self, engine, plan: SchedulerOutput) -> None:
         """The prompts this iteration completes, and where their K,V lie (their block tables, read off the plan: the
         blocks are given back when the request finishes at token 1, their contents stay until the next forward;
         in a pipeline, until the micro-batch has come back from the last stage)."""
         bs = self.cache.block_size
         self.finishing = {c.request: torch.tensor(slots_of(c, 0, c.q_end, bs), device=self.cache.device)
-                          for c in plan.chunks if c.sample and c.request in self.handed}
+                          for c in plan.scheduled if c.sample and c.request in self.handed}
         self.by_plan[plan.index] = self.finishing
 
     def _layer_done(self, layer: int) -> None:
@@ -177,7 +178,7 @@ class PrefillSide(StepHook):
         if plan is None:
             return
         now = time.perf_counter()
-        for rid in [c.request for c in plan.chunks if c.sample]:
+        for rid in [c.request for c in plan.scheduled if c.sample]:
             self.done_at[rid] = now
         self.finishing = self.by_plan.pop(plan.index, {})
         for rid, slots in self.finishing.items():
@@ -356,16 +357,15 @@ class DecodeSide(StepHook):
         added with its prompt computed (LLMEngine.add_computed: its blocks now), and its K,V written at their slots.
         The decode ranks hold the same queue and the same blocks, so they add the same requests at the same step."""
         blocks, cache = engine.scheduler.blocks, engine.runner.cache
-        while self.ready and blocks.blocks_for(self.ready[0][0].computed + 1) <= blocks.num_free:
+        while self.ready and blocks.blocks_for(self.ready[0][0].num_computed_tokens + 1) <= blocks.num_free:
             r, posts = self.ready.popleft()
             self.received_at[r.id] = time.perf_counter()
             if r.output[0] in self.eos or r.max_new_tokens <= 1:  # token 1 ended it: nothing to decode
-                r.finished = True
                 r.status = (RequestStatus.FINISHED_STOPPED if r.output[0] in self.eos
                             else RequestStatus.FINISHED_LENGTH)
                 continue
             engine.add_computed(r)  # blocks for the prompt's N positions, from the decode side's own pool
-            slots = torch.tensor(blocks.slots(r.id, 0, r.computed), device=cache.device)
+            slots = torch.tensor(blocks.slots(r.id, 0, r.num_computed_tokens), device=cache.device)
             held = {src: layers for src, _, _, layers in self.peers}
             for buf, (_, _, _, layer, _, src, (lo, hi)) in posts:
                 heads = slice(lo - self.first_head, hi - self.first_head)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -13,12 +13,12 @@ import torch.distributed as dist
 from layers.lm import shard_lm
 from layers.pipeline import check_layout, new_pp_groups, shard_pp_lm
 from serve.config import EngineConfig
-from serve.engine import Engine, PlanMismatch
+from serve.control import agree, digest, request_rows
+from serve.offline import OfflineEngine
 from serve.pd.handover import DecodeSide, PrefillSide, warm_up_pairs
 from serve.pd.plan import Layout, check_pools, prefill_schedule, validate_layout
-from serve.request import eos_ids, eos_key
-from serve.scheduler import Request, worst_case_blocks
-from tp.dist import DEFAULT_TIMEOUT_S, TPContext, context, same_on_every_rank
+from serve.request import Request
+from tp.dist import DEFAULT_TIMEOUT_S, TPContext, context
 from tp.ledger import TrafficLedger
 from tp.traffic_model import predict_transfers
 
@@ -43,43 +43,36 @@ def new_groups(layout: Layout) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
 
 
 @torch.no_grad()
-def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request], *, chunk_size: int,
-             max_batched_tokens: int, max_running: int | None = None, eos_id: int | tuple[int, ...] | None = None,
-             variant: str = "v2",
-             vocab_parallel: bool = True, streaming: bool = True, groups=None, keep_kv: bool = False,
-             block_size: int = EngineConfig.block_size, prefix_cache: bool = EngineConfig.prefix_cache,
-             attention: str = EngineConfig.attention, timeout_s: float = DEFAULT_TIMEOUT_S, meter=None,
-             kv_blocks: int | None = None, decode_block_size: int | None = None) -> PDResult:
+def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request], config: EngineConfig, *,
+             eos_token_ids: tuple[int, ...] = (), variant: str = "v2", vocab_parallel: bool = True,
+             streaming: bool = True, groups=None, keep_kv: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+             meter=None, decode_block_size: int | None = None) -> PDResult:
     """Serve `requests` with prefill on ranks [0, p_P) and decode on [p_P, p_P + p_D). Every rank of the world
     calls this with the same arguments (checked first: a mismatch raises PlanMismatch on every rank).
     weights: a dense LM, or a per-rank source (layers/hf.CheckpointSource), that shard_lm cuts this rank's model
     from on its side's group (under `meter`, launch/loading.LoadMeter, when given).
     timeout_s bounds every wait for a hand-over message (HandoverTimeout, naming the message and the pair).
-    kv_blocks: each side's pool (None: enough for its workload at its largest); block_size: the prefill side's
-    blocks, decode_block_size the decode side's (None: the same). With a bounded pool the prefill side preempts as
-    any engine does, and the decode side takes a landed request into its pool only when blocks are free for it
-    (it waits in its receive buffers until then); a request preempted on the decode side recomputes its prompt
-    and tokens there."""
-    decode_block_size = block_size if decode_block_size is None else decode_block_size
+    config: both sides' engine settings; its num_gpu_blocks_override bounds each side's pool (None: enough for its
+    workload at its largest); its block_size is the prefill side's blocks, decode_block_size the decode side's
+    (None: the same). With a bounded pool the prefill side preempts as any engine does, and the decode side takes a
+    landed request into its pool only when blocks are free for it (it waits in its receive buffers until then); a
+    request preempted on the decode side recomputes its prompt and tokens there."""
+    decode_block_size = config.block_size if decode_block_size is None else decode_block_size
     cfg = weights.cfg
     validate_layout(cfg, layout, world.world_size)
-    check_pools(requests, kv_blocks, block_size, decode_block_size)  # every rank, before any collective
-    settings = [layout.prefill_ranks, layout.decode_ranks, layout.prefill_pp, int(streaming), chunk_size,
-                max_batched_tokens,
-                max_running or -1, eos_key(eos_id), len(requests), block_size, int(prefix_cache),
-                kv_blocks or -1, decode_block_size,
-                sum((i + 1) * (r.id + len(r.prompt) * 3 + r.max_new_tokens * 5 + r.arrival * 7 + sum(r.prompt))
-                    for i, r in enumerate(requests))]
-    if not same_on_every_rank(torch.tensor(settings, dtype=torch.float64), world.group):
-        raise PlanMismatch("the prefill and decode ranks got different requests or settings (pd.*, chunk_size, "
-                           "max_batched_tokens, max_running, eos_id): every rank needs the same")
+    check_pools(requests, config.num_gpu_blocks_override, config.block_size, decode_block_size)  # before collectives
+    layout_row = (layout.prefill_ranks, layout.decode_ranks, layout.prefill_pp, int(streaming), decode_block_size,
+                  sum((i + 1) * (t + 1) for i, t in enumerate(sorted(eos_token_ids))))
+    agree(world, digest([layout_row, OfflineEngine(None, world, config).settings_row()] + request_rows(requests)),
+          "the prefill and decode ranks got different requests or settings (pd.*, long_prefill_token_threshold, "
+          "max_num_batched_tokens, max_num_seqs, eos_id): every rank needs the same")
     prefill_group, decode_group = groups or new_groups(layout)
     is_prefill = world.rank < layout.prefill_ranks
     ctx = context(prefill_group if is_prefill else decode_group, world.backend, world.device)
     stages = None
     if layout.prefill_pp > 1:  # every rank of the world makes the prefill stages' groups, in the same order
         pp_layout = check_layout(layout.prefill_ranks, layout.prefill_pp, cfg.n_layers, variant)
-        stages, _ = new_pp_groups(pp_layout)
+        stages = new_pp_groups(pp_layout)
     with meter or contextlib.nullcontext():
         if is_prefill and stages is not None:  # this rank's stage of the pipelined prefill side
             lm = shard_pp_lm(weights, variant, pp_layout, world.rank, stages[pp_layout.stage_of(world.rank)],
@@ -87,29 +80,28 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
         else:
             lm = shard_lm(weights, variant, ctx.group, vocab_parallel)
     by_id = {r.id: r for r in requests}
-    schedule = prefill_schedule(requests, chunk_size, max_batched_tokens, max_running, block_size, prefix_cache,
-                                kv_blocks, layout.prefill_pp)
+    schedule = prefill_schedule(requests, config, layout.prefill_pp)
     handed = [rids for rids in ([rid for rid in done if by_id[rid].max_new_tokens > 1] for _, done in schedule) if rids]
     ledger = TrafficLedger(world.world_size, world.device)
     start = time.perf_counter()
     warm_up_pairs(cfg, layout, world.rank, ledger, world.device, timeout_s)  # set-up, before any forward
-    if is_prefill:  # every request as if max_new_tokens were 1; no eos_id: each ends at its first token anyway
+    if is_prefill:  # every request as if max_new_tokens were 1; no eos: each ends at its first token anyway
         side = PrefillSide(lm, layout, world.rank, streaming, ledger, {rid for rids in handed for rid in rids},
                            timeout_s)
         mine = [Request(r.id, list(r.prompt), 1, r.arrival) for r in requests]
-        engine_eos, pool = None, kv_blocks
+        engine = OfflineEngine(lm, ctx, config, hooks=side)
     else:  # the handed-over requests, arriving with their prompts cached
-        coming = {rid: Request(rid, list(by_id[rid].prompt), by_id[rid].max_new_tokens, computed=len(by_id[rid].prompt),
-                               stop_ids=eos_ids(eos_id))
+        stop = frozenset(eos_token_ids)
+        coming = {rid: Request(rid, list(by_id[rid].prompt), by_id[rid].max_new_tokens,
+                               num_computed_tokens=len(by_id[rid].prompt), stop_ids=stop)
                   for rids in handed for rid in rids}
-        side = DecodeSide(cfg, layout, world.rank, streaming, ledger, ctx.group, handed, coming, eos_ids(eos_id),
-                          keep_kv,
+        side = DecodeSide(cfg, layout, world.rank, streaming, ledger, ctx.group, handed, coming, stop, keep_kv,
                           timeout_s=timeout_s)
         mine = []  # the decode side adds each request as its K,V land (DecodeSide._place)
-        engine_eos, pool = eos_id, kv_blocks or worst_case_blocks(list(coming.values()), decode_block_size)
-    engine = Engine(lm, ctx, chunk_size=chunk_size, max_batched_tokens=max_batched_tokens, max_running=max_running,
-                    eos_id=engine_eos, block_size=block_size if is_prefill else decode_block_size, kv_blocks=pool,
-                    prefix_cache=prefix_cache, attention=attention, hooks=side)
+        decoding = replace(config, block_size=decode_block_size)
+        pool = decoding.pool_blocks(0, [r.capacity for r in coming.values()])
+        engine = OfflineEngine(lm, ctx, replace(decoding, num_gpu_blocks_override=pool),
+                               eos_token_ids=eos_token_ids, hooks=side)
     try:
         res = engine.run(mine)
     except BaseException:

@@ -1,0 +1,62 @@
+"""This rank's part of a served model, and the engine that serves it: the one copy every entry point uses (the rank
+processes behind LLM, launch/serve.py, serve/pd/, the benchmarks).
+
+    weights, dense = rank_weights(model_cfg, checkpoint, dtype, ctx.device, seed)
+    lm = build_lm(weights, ctx, pp=2)                       # a PPLM stage, or a TP model with pp = 1
+    engine = new_engine(lm, ctx, EngineConfig(...), eos_token_ids, seed, hooks)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from layers.checkpoint import Checkpoint
+from layers.dense import init_weights
+from layers.hf import CheckpointSource, load_lm
+from layers.lm import dense_lm, shard_lm
+from serve.config import EngineConfig
+from serve.engine import LLMEngine
+from serve.hooks import StepHook
+from serve.pipeline import PipelineEngine
+from tp.dist import TPContext
+
+
+def rank_weights(model, checkpoint: Checkpoint | str | None, dtype: torch.dtype, device, seed: int):
+    """(weights, dense): what build_lm cuts this rank's model from, and the dense model when this rank already holds
+    it. A checkpoint: its per-rank source (each rank reads only its slices; no dense model). Random weights: the dense
+    LM drawn from seed, which is both."""
+    if checkpoint is not None:
+        checkpoint = Checkpoint(checkpoint) if isinstance(checkpoint, str) else checkpoint
+        return CheckpointSource(checkpoint, model, dtype, device), None
+    dense = init_weights(dense_lm(model, dtype, device), seed)
+    return dense, dense
+
+
+def dense_model(model, checkpoint: Checkpoint | str | None, dtype: torch.dtype, device, dense=None):
+    """The whole dense model (the oracle's): `dense` when rank_weights made it, else the checkpoint read whole."""
+    if dense is not None:
+        return dense
+    checkpoint = Checkpoint(checkpoint) if isinstance(checkpoint, str) else checkpoint
+    return load_lm(dense_lm(model, dtype, device), checkpoint)
+
+
+@torch.no_grad()
+def build_lm(weights, ctx: TPContext, *, pp: int = 1, variant: str = "v2", vocab_parallel: bool = True,
+             moe_parallel: str = "tp", pp_boundary: str = "whole"):
+    """This rank's model: with pp = 1 its TP shard over ctx.group (shard_lm); with pp > 1 its stage's (the world is
+    pp stages of world / pp TP ranks: layers/pipeline.py; every rank builds the stage groups, in the same order)."""
+    if pp == 1:
+        return shard_lm(weights, variant, ctx.group, vocab_parallel, moe_parallel)
+    from layers.pipeline import check_layout, new_pp_groups, shard_pp_lm
+
+    layout = check_layout(ctx.world_size, pp, weights.cfg.n_layers, variant)
+    stages = new_pp_groups(layout)
+    return shard_pp_lm(weights, variant, layout, ctx.rank, stages[layout.stage_of(ctx.rank)], pp_boundary)
+
+
+def new_engine(lm, ctx: TPContext, config: EngineConfig | None = None, eos_token_ids: tuple[int, ...] = (),
+               seed: int = 0, hooks: list[StepHook] | None = None) -> LLMEngine:
+    """An LLMEngine for a TP model; for a pipeline stage's model (layers/pipeline.py's PPLM, ctx the world's), the
+    PipelineEngine."""
+    cls = PipelineEngine if hasattr(lm, "forward_stage") else LLMEngine
+    return cls(lm, ctx, config, eos_token_ids, seed, hooks)

@@ -1,0 +1,116 @@
+"""What the ranks of one engine tell each other besides the model's collectives: rank 0's control message, and the
+agreement checks.
+
+    control   ★ rank 0 broadcasts what arrived and what was aborted since the last step: a header of
+              CONTROL_HEADER float64 numbers (new requests, aborts, payload length, flag), then the payload when
+              there is one. flag: RUN a step | IDLE (a keep-alive, no step) | STOP (leave the loop)
+    agree     ★ one all-gather of FINGERPRINT_SIZE numbers (a plan's, a workload's); a rank that differs raises on
+              every rank, before a forward could issue collectives of different sizes
+
+Both are CPU tensors over the group's gloo backend (under NCCL too: tp/dist.py), so they never wait for a GPU, and
+both go into the step's ledger, which the model predicts (tp/traffic_model.py: predict_control, the plan check).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from serve.plan import FINGERPRINT_SIZE
+from serve.request import Request
+from serve.sampling_params import SamplingParams
+from tp.comm import broadcast_from_main, gather_from_region
+from tp.dist import TPContext, control_device, host_control
+
+CONTROL_HEADER = 4  # (new requests, aborted requests, payload length, flag), float64
+REQUEST_FIELDS = 15  # per new request, before its stop ids, prompt and output: see encode
+RUN, IDLE, STOP = 0, 1, 2  # the header's flag: run a step | rank 0 is idle (keep-alive, no step) | end the loop
+
+
+class PlanMismatch(RuntimeError):
+    """Ranks scheduled different rows: their collectives would no longer describe the same tensors."""
+
+
+def broadcast_control(ctx: TPContext, flag: int, new: list[Request], aborts: list[int]
+                      ) -> tuple[int, list[Request], list[int], int]:
+    """★ rank 0's control message to every rank of ctx.group: every rank returns (flag, new requests, aborted ids,
+    payload length); rank 0 passes what it has, the others empty lists."""
+    device = control_device(ctx.group)
+    with host_control():  # CPU tensors over the group's gloo backend: no wait for the GPU
+        if ctx.is_main:
+            payload = encode(new, aborts)
+            header = torch.tensor([len(new), len(aborts), len(payload), flag], dtype=torch.float64, device=device)
+            broadcast_from_main(header, ctx.group, "engine/control header")
+            if payload:
+                broadcast_from_main(torch.tensor(payload, dtype=torch.float64, device=device), ctx.group,
+                                    "engine/control payload")
+            return flag, new, aborts, len(payload)
+        header = broadcast_from_main(torch.zeros(CONTROL_HEADER, dtype=torch.float64, device=device), ctx.group,
+                                     "engine/control header")
+        n_new, n_abort, length, flag = (int(v) for v in header.tolist())
+        if not length:
+            return flag, [], [], 0
+        payload = broadcast_from_main(torch.zeros(length, dtype=torch.float64, device=device), ctx.group,
+                                      "engine/control payload").tolist()
+        new, aborts = decode(payload, n_new, n_abort)
+        return flag, new, aborts, length
+
+
+def encode(new: list[Request], aborts: list[int]) -> list[float]:
+    """Each new request: REQUEST_FIELDS numbers (its seed is the one it samples with: every rank draws the same
+    noise), its stop ids, its prompt, the tokens it already has; then the aborted ids. float64 holds ids and seeds
+    below 2**53 exactly (SamplingParams refuses larger seeds, request_seed draws below 2**53)."""
+    out: list[float] = []
+    for r in new:
+        q = r.params or SamplingParams(max_tokens=r.max_new_tokens)
+        out += [r.id, r.arrival, r.max_new_tokens, len(r.prompt), len(r.stop_ids), len(r.output),
+                r.num_computed_tokens, r.params is not None, q.temperature, q.top_k, q.top_p, q.min_p,
+                q.seed is not None, r.sampling_seed or 0, -1 if q.logprobs is None else q.logprobs]
+        out += sorted(r.stop_ids) + r.prompt + r.output
+    return out + aborts
+
+
+def decode(payload: list[float], n_new: int, n_abort: int) -> tuple[list[Request], list[int]]:
+    """encode's inverse: the new requests and the aborted ids."""
+    new, at = [], 0
+    for _ in range(n_new):
+        (rid, arrival, max_tokens, n_prompt, n_stop, n_output, computed, has_params, temp, top_k, top_p, min_p,
+         has_seed, seed, logprobs) = payload[at:at + REQUEST_FIELDS]
+        at += REQUEST_FIELDS
+        stop = frozenset(int(t) for t in payload[at:at + int(n_stop)])
+        at += int(n_stop)
+        prompt = [int(t) for t in payload[at:at + int(n_prompt)]]
+        at += int(n_prompt)
+        output = [int(t) for t in payload[at:at + int(n_output)]]
+        at += int(n_output)
+        params = SamplingParams(int(max_tokens), temp, int(top_k), top_p, min_p, int(seed) if has_seed else None,
+                                logprobs=None if logprobs < 0 else int(logprobs)) if has_params else None
+        new.append(Request(int(rid), prompt, int(max_tokens), int(arrival), output, int(computed), stop_ids=stop,
+                           params=params, sampling_seed=None if params is None else int(seed)))
+    return new, [int(t) for t in payload[at:at + n_abort]]
+
+
+def agree(ctx: TPContext, fingerprint: list[float], what: str, error: type[Exception] = PlanMismatch) -> None:
+    """★ Every rank's FINGERPRINT_SIZE numbers against every other's (one all-gather, host control); `error` on every
+    rank, naming `what`, when any differ. The one rank agreement of the engines (the plan of each step, a workload's
+    requests and settings)."""
+    assert len(fingerprint) == FINGERPRINT_SIZE, fingerprint
+    with host_control():
+        mine = torch.tensor([fingerprint], dtype=torch.float64, device=control_device(ctx.group))
+        every = gather_from_region(mine, ctx.group, "engine/plan check").view(-1, FINGERPRINT_SIZE).tolist()
+    if any(row != every[0] for row in every):
+        raise error(f"{what} (fingerprints {every})")
+
+
+def digest(rows: list[tuple]) -> list[float]:
+    """FINGERPRINT_SIZE numbers from rows of integers (a workload's requests, settings): the count, and three
+    position-weighted sums that differ, with overwhelming likelihood, when any value or order differs."""
+    flat = [float(v) for row in rows for v in row]
+    return [float(len(rows)), sum((i + 1) * v for i, v in enumerate(flat)),
+            sum((i + 1) * (j + 1) * float(v) for i, row in enumerate(rows) for j, v in enumerate(row)),
+            sum(((i % 7) + 1) * v * v for i, v in enumerate(flat))]
+
+
+def request_rows(requests: list[Request]) -> list[tuple]:
+    """What every rank must hold the same of a workload's requests (for digest)."""
+    return [(r.id, len(r.prompt), sum(r.prompt), r.max_new_tokens, r.arrival, r.num_computed_tokens,
+             sum((i + 1) * t for i, t in enumerate(sorted(r.stop_ids)))) for r in requests]
