@@ -31,8 +31,9 @@ import torch.distributed as dist
 from layers.dense import init_weights
 from layers.llama import LLAMA_TINY, valid_llama_tp_sizes
 from layers.lm import DenseLlamaLM, greedy_reference, shard_lm
-from serve.engine import Engine
-from serve.scheduler import Request
+from serve.offline import OfflineEngine
+from serve.config import EngineConfig
+from serve.request import Request
 from tp.cost_model import DEEPSEEK_V3, kv_bytes_per_token_per_rank, mla_kv_bytes_per_token
 from tp.dist import context, init_from_env, shutdown
 
@@ -56,7 +57,7 @@ def measure(ctx, h_kv: int) -> dict:
     cfg = dataclasses.replace(LLAMA_TINY, n_kv_heads=h_kv)
     dense = init_weights(DenseLlamaLM(cfg, torch.float32, ctx.device), seed=0)
     lm = shard_lm(dense, "v2", ctx.group)
-    res = Engine(lm, ctx, long_prefill_token_threshold=16, max_num_batched_tokens=64).run(requests(cfg.vocab_size))
+    res = OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=16, max_num_batched_tokens=64, max_num_seqs=64)).run(requests(cfg.vocab_size))
     same = all(r["output_ids"] == greedy_reference(dense, req.prompt, req.max_new_tokens).ids
                for r, req in zip(res.requests, requests(cfg.vocab_size)))
     return {"measured": res.kv_bytes_per_token_per_rank, "peak_bytes": res.kv_peak_bytes_per_rank,

@@ -44,11 +44,12 @@ from launch.timing import medians
 from layers.config import ARTICLE03
 from layers.dense import init_weights
 from layers.lm import DenseLM, TPLM, shard_lm
-from serve.engine import Engine
+from serve.offline import OfflineEngine
+from serve.config import EngineConfig
 from serve.inputs import prepare_step
 from serve.kv_cache import KVPool
 from serve.plan import ScheduledRequest, SchedulerOutput
-from serve.scheduler import Request
+from serve.request import Request
 from tp.dist import TPContext, init_from_env, shutdown
 
 PREFIX, PREFIX_REQUESTS, PREFIX_NEW, PREFIX_CHUNK, PREFIX_BUDGET = 512, 32, 8, 256, 512
@@ -69,11 +70,10 @@ def prefix_requests() -> list[Request]:
 
 
 def bench_prefix(lm: TPLM, ctx: TPContext, repeats: int) -> dict:
-    Engine(lm, ctx, long_prefill_token_threshold=PREFIX_CHUNK, max_num_batched_tokens=PREFIX_BUDGET).run(prefix_requests()[:2])  # warm-up
+    OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=PREFIX_CHUNK, max_num_batched_tokens=PREFIX_BUDGET, max_num_seqs=PREFIX_BUDGET)).run(prefix_requests()[:2])  # warm-up
     out = {}
     for cache in (True, False):
-        runs = [Engine(lm, ctx, long_prefill_token_threshold=PREFIX_CHUNK, max_num_batched_tokens=PREFIX_BUDGET,
-                       enable_prefix_caching=cache).run(prefix_requests()) for _ in range(repeats)]
+        runs = [OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=PREFIX_CHUNK, max_num_batched_tokens=PREFIX_BUDGET, enable_prefix_caching=cache, max_num_seqs=PREFIX_BUDGET)).run(prefix_requests()) for _ in range(repeats)]
         res = sorted(runs, key=lambda r: r.time_s)[len(runs) // 2]  # the median run
         out["on" if cache else "off"] = {
             "time_s": res.time_s, "mean_ttft_s": statistics.mean(r["ttft_s"] for r in res.requests),
@@ -96,9 +96,7 @@ def memory_requests() -> list[Request]:
 def bench_memory(lm: TPLM, ctx: TPContext) -> dict:
     out = {}
     for name, block_size, reserve in (("paged", MEMORY_BLOCK, False), ("reserved", 1, True)):
-        res = Engine(lm, ctx, long_prefill_token_threshold=256, max_num_batched_tokens=512, block_size=block_size,
-                     num_gpu_blocks_override=MEMORY_POSITIONS // block_size, enable_prefix_caching=False,
-                     reserve_capacity=reserve).run(memory_requests())
+        res = OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=256, max_num_batched_tokens=512, block_size=block_size, num_gpu_blocks_override=MEMORY_POSITIONS // block_size, enable_prefix_caching=False, reserve_capacity=reserve, max_num_seqs=512)).run(memory_requests())
         its = res.iterations
         peak = max(its, key=lambda it: it["blocks_used"])
         out[name] = {

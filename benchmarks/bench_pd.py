@@ -28,7 +28,7 @@ from layers.config import ARTICLE03
 from layers.dense import init_weights
 from layers.lm import DenseLM
 from serve.pd import Layout, new_groups, serve_pd
-from serve.scheduler import Request
+from serve.request import Request
 from tp.dist import init_from_env, shutdown
 
 PROMPTS, PROMPT_LEN, NEW, SPACING = 6, 512, 4, 1

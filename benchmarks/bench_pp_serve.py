@@ -38,9 +38,10 @@ from layers.config import ARTICLE03
 from layers.dense import init_weights
 from layers.lm import DenseLM, shard_lm
 from layers.pipeline import check_layout, new_pp_groups, shard_pp_lm
-from serve.engine import Engine
+from serve.offline import OfflineEngine
+from serve.config import EngineConfig
 from serve.pipeline import stage_report
-from serve.scheduler import Request
+from serve.request import Request
 from tp.dist import env_world, init_from_env, shutdown
 
 DECODERS, DECODER_PROMPT, DECODER_NEW = 8, 32, 64
@@ -126,15 +127,14 @@ def main() -> int:
             (("unchunked", UNCHUNKED), (f"C={args.chunk}", args.chunk))
             + (((f"C={args.chunk} pipelined", args.chunk),) if pp > 1 else ())]
     for pp, tp in layouts:  # warm-up: each layout once, a short workload
-        Engine(models[(pp, tp)], ctx, long_prefill_token_threshold=64, max_num_batched_tokens=72).run(
+        OfflineEngine(models[(pp, tp)], ctx, EngineConfig(long_prefill_token_threshold=64, max_num_batched_tokens=72, max_num_seqs=72)).run(
             [Request(i, list(range(1, 17)), 4, 0) for i in range(4)])
     results: dict[str, list[dict]] = {}
     drawn: dict[str, list[dict]] = {}  # each pipelined run's stage timelines (the last repeat's)
     start = time.perf_counter()
     for rep in range(args.repeats):
         for pp, tp, name, chunk in (runs if rep % 2 == 0 else runs[::-1]):
-            engine = Engine(models[(pp, tp)], ctx, long_prefill_token_threshold=chunk, max_num_batched_tokens=chunk + DECODERS,
-                            chunk_pipelining=name.endswith("pipelined"))
+            engine = OfflineEngine(models[(pp, tp)], ctx, EngineConfig(long_prefill_token_threshold=chunk, max_num_batched_tokens=chunk + DECODERS, chunk_pipelining=name.endswith("pipelined"), max_num_seqs=chunk + DECODERS))
             res = engine.run(requests())
             key = f"{pp}x{tp} {name}"
             stages = stage_report(engine.engine) if pp > 1 else None  # every rank joins

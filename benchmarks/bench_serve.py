@@ -49,8 +49,8 @@ from layers.hf_gpt2 import load_lm
 from layers.lm import DenseLM, TPLM, greedy_reference, shard_lm
 from layers.sampler import sample
 from serve.config import EngineConfig
-from serve.engine import Engine, ServeResult
-from serve.scheduler import Request
+from serve.offline import OfflineEngine, ServeResult
+from serve.request import Request
 from tp.cost_model import Hardware, serving_iteration
 from tp.dist import TPContext, init_from_env, shutdown
 
@@ -73,8 +73,7 @@ def serve(lm: TPLM, ctx: TPContext, requests: list[Request], chunk: int, budget:
           max_num_seqs: int | None = None) -> ServeResult:
     # comm_timing: the cost model's table shows each iteration's collective time (comm_time_s); on a CPU the waits
     # for the stream it adds cost nothing
-    return Engine(lm, ctx, long_prefill_token_threshold=chunk, max_num_batched_tokens=budget, comm_timing=True, attention=attention,
-                  max_num_seqs=max_num_seqs).run(requests)
+    return OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=chunk, max_num_batched_tokens=budget, comm_timing=True, attention=attention, max_num_seqs=max_num_seqs)).run(requests)
 
 
 def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:

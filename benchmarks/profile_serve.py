@@ -28,8 +28,8 @@ from layers.config import ARTICLE03
 from layers.dense import init_weights
 from layers.lm import DenseLM, shard_lm
 from serve.config import EngineConfig
-from serve.engine import Engine
-from serve.scheduler import Request
+from serve.offline import OfflineEngine
+from serve.request import Request
 from tp.dist import init_from_env, shutdown
 
 MATMULS = ("aten::mm", "aten::addmm")
@@ -58,8 +58,8 @@ def main() -> int:
     rows = []
     try:
         for name in names:
-            engine = lambda: Engine(lm, ctx, long_prefill_token_threshold=HF_CHUNK, max_num_batched_tokens=HF_BUDGET,  # noqa: E731
-                                    max_num_seqs=EngineConfig.max_num_seqs, attention=name)
+            engine = lambda: OfflineEngine(lm, ctx, # noqa: E731
+                                    max_num_seqs=EngineConfig.max_num_seqs, EngineConfig(long_prefill_token_threshold=HF_CHUNK, max_num_batched_tokens=HF_BUDGET, attention=name, max_num_seqs=HF_BUDGET))
             engine().run(requests()[:4])  # warm-up
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 with torch.profiler.record_function("run"):

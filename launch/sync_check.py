@@ -26,7 +26,8 @@ from layers.llama import LlamaConfig  # noqa: E402
 from layers.lm import dense_lm, shard_lm  # noqa: E402
 from layers.moe import MoEConfig  # noqa: E402
 from serve.config import EngineConfig  # noqa: E402
-from serve.engine import LLMEngine, StepHook  # noqa: E402
+from serve.hooks import StepHook  # noqa: E402
+from serve.engine import LLMEngine  # noqa: E402
 from serve.sampling_params import SamplingParams  # noqa: E402
 from tp.dist import init_from_env, shutdown  # noqa: E402
 

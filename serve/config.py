@@ -65,7 +65,7 @@ class EngineConfig:
                 raise ValueError(f"{name}={v!r} must be an integer of at least 1")
         for name in SWITCHES:
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+                raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
         if self.attention not in ATTENTION_MODES:
             raise ValueError(f"attention={self.attention!r}: choose {', '.join(ATTENTION_MODES[:-1])} or "
                              f"{ATTENTION_MODES[-1]}")
@@ -109,7 +109,7 @@ def fits_alone(positions: int, num_blocks: int, block_size: int) -> str | None:
     if need <= num_blocks:
         return None
     return (f"{positions} positions need {need} KV blocks of block_size={block_size}, more than the pool's "
-            f"num_gpu_blocks_override={num_blocks}; raise it to at least {need}")
+            f"num_gpu_blocks_override={num_blocks}; raise num_gpu_blocks_override to at least {need}")
 
 
 # The engine's settings as command-line flags (python -m serve, python -m serve.api): vLLM's flag names.

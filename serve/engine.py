@@ -35,6 +35,7 @@ import torch
 
 from layers.lm import TPLM, TPLlamaLM
 from layers.sampler import SampleResult, request_seed
+from serve.block_manager import BlockManager
 from serve.config import EngineConfig
 from serve.control import CONTROL_HEADER, IDLE, RUN, STOP, agree, broadcast_control
 from serve.hooks import LedgerCheck, StepHook, StepRecord
@@ -88,7 +89,7 @@ class LLMEngine:
         c = self.config
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_blocks = c.pool_blocks(lm.cfg.max_seq_len)
-        self.scheduler = Scheduler(c, self.num_blocks)
+        self.scheduler = Scheduler(c, BlockManager(self.num_blocks, c.block_size, c.enable_prefix_caching))
         self.runner = ModelRunner(lm, ctx, self.num_blocks, c.block_size, c.attention)
         self.dtype = self.runner.dtype
         self.ledger = TrafficLedger(ctx.world_size, ctx.device, timing=c.comm_timing)

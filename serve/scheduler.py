@@ -53,14 +53,15 @@ def fits_or_raise(r: Request, num_blocks: int, block_size: int) -> None:
 
 class Scheduler:
     """The scheduler of one engine (every rank holds an identical one). config: the engine's settings, checked there
-    (serve/config.py); num_blocks: the pool's size; requests: a workload held from the start (host planning: P/D's
-    replay of the prefill side's schedule), else requests arrive by add()."""
+    (serve/config.py); blocks: the pool's block manager; requests: a workload held from the start (host planning:
+    P/D's replay of the prefill side's schedule), else requests arrive by add()."""
 
-    def __init__(self, config: EngineConfig, num_blocks: int, requests: list[Request] = ()):
+    def __init__(self, config: EngineConfig, blocks: BlockManager, requests: list[Request] = ()):
+        assert blocks.block_size == config.block_size, (blocks.block_size, config.block_size)
         self.config = c = config
-        self.blocks = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching)
+        self.blocks = blocks
         for r in requests:
-            fits_or_raise(r, num_blocks, c.block_size)
+            self.check_fits(r)
         self._rows: dict[int, tuple[int, int]] = {}  # this iteration: request -> its rows (q_start, q_end)
         self._left = 0  # this iteration: rows of the budget not given yet
         self.preemptions = 0
@@ -92,7 +93,8 @@ class Scheduler:
         """A scheduler holding `requests` from the start, its pool as config.pool_blocks sizes it for them. Host only:
         serve/pd/ replays the prefill side's schedule with it, and OfflineEngine checks a workload with it before
         anything runs."""
-        return cls(config, config.pool_blocks(0, [r.capacity for r in requests]), requests)
+        n = config.pool_blocks(0, [r.capacity for r in requests])
+        return cls(config, BlockManager(n, config.block_size, config.enable_prefix_caching), requests)
 
     def check_fits(self, r: Request) -> None:
         fits_or_raise(r, self.blocks.num_blocks, self.blocks.block_size)

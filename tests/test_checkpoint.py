@@ -261,7 +261,7 @@ def test_check_auto_turns_the_oracle_off_where_the_dense_model_would_not_fit(mon
     import launch.serve as serve
     import launch.settings as settings
     from layers.hf import read_config, read_state
-    from serve.scheduler import Request
+    from serve.request import Request
     from tp.dist import ConfigError
 
     path = checkpoints["llama-bfloat16-sharded"]

@@ -12,7 +12,8 @@ from tests.harness import run_ranks
 
 def _count_syncs(ctx, comm_timing):
     from layers.lm import shard_lm
-    from serve.engine import Engine
+    from serve.offline import OfflineEngine
+    from serve.config import EngineConfig
     from tests.syncs import SyncCounter
     from tests.test_serve import CFG, dense_lm, make_requests
 
@@ -27,8 +28,7 @@ def _count_syncs(ctx, comm_timing):
         counter.control.clear()
 
     with counter.counting():
-        Engine(lm, ctx, long_prefill_token_threshold=8, max_num_batched_tokens=32, comm_timing=comm_timing,
-               on_iteration=on_iteration).run(make_requests())
+        OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=8, max_num_batched_tokens=32, comm_timing=comm_timing, max_num_seqs=32), on_iteration=on_iteration).run(make_requests())
     return CFG.n_layers, rows, ctx.rank
 
 
@@ -59,7 +59,8 @@ def _engine_waits(ctx, family: str, moe_parallel: str, attention: str, workload:
     from layers.dense import init_weights
     from layers.lm import dense_lm, shard_lm
     from serve.config import EngineConfig
-    from serve.engine import LLMEngine, StepHook
+    from serve.hooks import StepHook
+    from serve.engine import LLMEngine
     from layers.attention_backends import ragged_decodes
     from launch.sync_check import drive
     from tests.syncs import SyncCounter
@@ -225,12 +226,13 @@ def bf16_llama(tmp_path_factory):
 def _serve_bf16(ctx, path, prompts):
     from layers.hf import CheckpointSource, read_config, read_state
     from layers.lm import shard_lm
-    from serve.engine import Engine
-    from serve.scheduler import Request
+    from serve.offline import OfflineEngine
+    from serve.config import EngineConfig
+    from serve.request import Request
 
     lm = shard_lm(CheckpointSource(read_state(path), read_config(path), torch.bfloat16, ctx.device), "v2", ctx.group)
     reqs = [Request(i, p, new, 0) for i, (p, (_, new)) in enumerate(zip(prompts, BF16_WORKLOAD))]
-    return [r["output_ids"] for r in Engine(lm, ctx, long_prefill_token_threshold=8, max_num_batched_tokens=24).run(reqs).requests]
+    return [r["output_ids"] for r in OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=8, max_num_batched_tokens=24, max_num_seqs=24)).run(reqs).requests]
 
 
 def test_bfloat16_served_tokens_equal_transformers_generate_except_at_near_ties(bf16_llama):

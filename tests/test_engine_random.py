@@ -52,7 +52,8 @@ def _serve(ctx, w: dict):
     """Run one workload through LLMEngine; rank 0 returns, per request, (token ids, logits) and the step counts."""
     from layers.lm import shard_lm
     from serve.config import EngineConfig
-    from serve.engine import LLMEngine, StepHook
+    from serve.hooks import StepHook
+    from serve.engine import LLMEngine
     from serve.sampling_params import SamplingParams
 
     class Rows(StepHook):

@@ -201,13 +201,14 @@ def llama_lm():
 def _serve_llama(ctx, state, prompts):
     from layers.hf_llama import load_lm
     from layers.lm import DenseLlamaLM, shard_lm
-    from serve.engine import Engine
-    from serve.scheduler import Request
+    from serve.offline import OfflineEngine
+    from serve.config import EngineConfig
+    from serve.request import Request
 
     cfg = cfg_for(2)
     lm = shard_lm(load_lm(DenseLlamaLM(cfg, torch.float64), state), "v2", ctx.group)
     reqs = [Request(i, p, new, a) for i, (p, (_, new, a)) in enumerate(zip(prompts, WORKLOAD))]
-    res = Engine(lm, ctx, long_prefill_token_threshold=4, max_num_batched_tokens=10).run(reqs)
+    res = OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=4, max_num_batched_tokens=10, max_num_seqs=10)).run(reqs)
     mixed = any(it["decodes"] and it["prefill_chunks"] for it in res.iterations)
     after_prefix = any(kv > qe - qs > 1 for it in res.iterations for _, qs, qe, kv in it["triples"])
     return ([r["output_ids"] for r in res.requests], res.ledger_matches_model, mixed and after_prefix,

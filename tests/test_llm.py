@@ -414,7 +414,9 @@ def test_the_spine_reads_in_one_screen():
     read at once; the offline driver (Engine.run) is a loop over it, not a second copy of the loop."""
     import inspect
 
-    from serve.engine import Engine, LLMEngine
+    from serve.offline import OfflineEngine
+    from serve.config import EngineConfig
+    from serve.engine import LLMEngine
 
     step = inspect.getsource(LLMEngine.step).splitlines()
     assert len(step) <= 40, len(step)

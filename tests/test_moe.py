@@ -266,13 +266,14 @@ def _serve_mixtral(ctx, state, prompts, placement):
     from layers.hf_gpt2 import load_named
     from layers.lm import dense_lm, shard_lm
     from layers.moe import hf_lm_names
-    from serve.engine import Engine
-    from serve.scheduler import Request
+    from serve.offline import OfflineEngine
+    from serve.config import EngineConfig
+    from serve.request import Request
 
     dense = load_named(dense_lm(CFG, torch.float64), state, hf_lm_names(CFG), "Mixtral")
     lm = shard_lm(dense, "v2", ctx.group, moe_parallel=placement)
     reqs = [Request(i, p, new, i) for i, (p, (_, new)) in enumerate(zip(prompts, SERVE_WORKLOAD))]
-    res = Engine(lm, ctx, long_prefill_token_threshold=4, max_num_batched_tokens=12).run(reqs)
+    res = OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=4, max_num_batched_tokens=12, max_num_seqs=12)).run(reqs)
     return [r["output_ids"] for r in res.requests], res.ledger_matches_model
 
 

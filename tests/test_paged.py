@@ -11,10 +11,12 @@ from layers.dense import init_weights
 from layers.llama import LlamaConfig
 from layers.lm import dense_lm, greedy_reference, shard_lm
 from serve.block_manager import BlockManager
-from serve.engine import Engine
+from serve.offline import OfflineEngine
+from serve.config import EngineConfig
 from serve.inputs import prepare_step
 from serve.plan import ScheduledRequest, SchedulerOutput
-from serve.scheduler import Request, Scheduler, SchedulerError
+from serve.request import Request
+from serve.scheduler import Scheduler, SchedulerError
 from tests.harness import run_ranks
 from tests.test_serve import CFG
 
@@ -100,13 +102,13 @@ def test_release_below_zero_is_caught():
 
 def test_a_request_that_cannot_fit_alone_is_refused_with_the_minimum():
     with pytest.raises(SchedulerError, match=r"raise num_gpu_blocks_override to at least 4"):
-        Scheduler([Request(0, [1] * 10, 4)], 4, 8, blocks=BlockManager(3, 4))  # 13 positions: 4 blocks of 4
+        Scheduler(EngineConfig(long_prefill_token_threshold=4, max_num_batched_tokens=8, max_num_seqs=8, block_size=4), BlockManager(3, 4), [Request(0, [1] * 10, 4)])  # 13 positions: 4 blocks of 4
 
 
 def drive(reqs, num_gpu_blocks_override, block_size, chunk=4, budget=8, enable_prefix_caching=True):
     """The scheduler alone with made-up tokens (the request id): every plan, and the manager."""
     bm = BlockManager(num_gpu_blocks_override, block_size, enable_prefix_caching)
-    sched, plans, index = Scheduler(reqs, chunk, budget, blocks=bm), [], 0
+    sched, plans, index = Scheduler(EngineConfig(long_prefill_token_threshold=chunk, max_num_batched_tokens=budget, max_num_seqs=budget, block_size=block_size, enable_prefix_caching=enable_prefix_caching), bm, reqs), [], 0
     while sched.has_work():
         plan = sched.schedule(index)
         if plan is None:
@@ -169,8 +171,7 @@ def paged_equals_oracle(ctx, family, grid):
     for block_size, chunk in grid:
         chunk = longest if chunk is None else chunk  # None: the whole prompt in one chunk
         for mode in ("batched", "cpu", "reference"):
-            res = Engine(lm, ctx, long_prefill_token_threshold=chunk, max_num_batched_tokens=longest + 8, block_size=block_size,
-                         attention=mode).run(requests())
+            res = OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=chunk, max_num_batched_tokens=longest + 8, block_size=block_size, attention=mode, max_num_seqs=longest + 8)).run(requests())
             out[block_size, chunk, mode] = ([r["output_ids"] for r in res.requests] == want,
                                             res.ledger_matches_model, res.preemptions,
                                             res.free_blocks_at_end == res.num_blocks)
@@ -204,8 +205,7 @@ def prefix_rows(ctx, block_size):
     want = oracle(dense, workload())
     runs = {}
     for cache in (True, False):
-        res = Engine(lm, ctx, long_prefill_token_threshold=16, max_num_batched_tokens=64, block_size=block_size,
-                     enable_prefix_caching=cache).run(workload())
+        res = OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=16, max_num_batched_tokens=64, block_size=block_size, enable_prefix_caching=cache, max_num_seqs=64)).run(workload())
         runs[cache] = ([r["output_ids"] for r in res.requests], res.rows_computed, res.prefix_hit_tokens,
                        [r["prefix_hit_tokens"] for r in res.requests])
         assert sum(it["prefix_hit_tokens"] for it in res.iterations) == res.prefix_hit_tokens  # per iteration too
@@ -232,11 +232,9 @@ def preempting(ctx, family, mode):
     lm = shard_lm(dense, "v2", ctx.group)
     reqs = requests([(9, 12, 0), (17, 10, 0), (3, 14, 0), (12, 12, 1)])
     want = oracle(dense, reqs)
-    res = Engine(lm, ctx, long_prefill_token_threshold=5, max_num_batched_tokens=16, block_size=4, num_gpu_blocks_override=9,
-                 attention=mode).run(requests([(9, 12, 0), (17, 10, 0), (3, 14, 0), (12, 12, 1)]))
+    res = OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=5, max_num_batched_tokens=16, block_size=4, num_gpu_blocks_override=9, attention=mode, max_num_seqs=16)).run(requests([(9, 12, 0), (17, 10, 0), (3, 14, 0), (12, 12, 1)]))
     # the layout before paging: one contiguous region of prompt + max_new_tokens - 1 positions per request
-    contiguous = Engine(lm, ctx, long_prefill_token_threshold=5, max_num_batched_tokens=16, block_size=1, enable_prefix_caching=False,
-                        reserve_capacity=True).run(requests([(9, 12, 0), (17, 10, 0), (3, 14, 0), (12, 12, 1)]))
+    contiguous = OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=5, max_num_batched_tokens=16, block_size=1, enable_prefix_caching=False, reserve_capacity=True, max_num_seqs=16)).run(requests([(9, 12, 0), (17, 10, 0), (3, 14, 0), (12, 12, 1)]))
     return ([r["output_ids"] for r in res.requests] == want == [r["output_ids"] for r in contiguous.requests],
             res.preemptions, res.free_blocks_at_end, max(it["blocks_used"] for it in res.iterations),
             res.ledger_matches_model)
@@ -298,8 +296,8 @@ PAGING_BAD = [
     (["block_size=0"], "block_size=0 must be an integer of at least 1"),
     (["num_gpu_blocks_override=0"], "num_gpu_blocks_override=0 must be an integer of at least 1"),
     (["prompts=[[1,2,3,4,5,6,7,8,9]]", "max_new_tokens=8", "block_size=4", "num_gpu_blocks_override=3"],
-     "num_gpu_blocks_override=3 cannot hold request 0 even alone: prompt 9 + max_new_tokens 8 - 1 = 16 positions need 4 blocks of "
-     "block_size=4; raise num_gpu_blocks_override to at least 4"),
+     "request 0 cannot be held even alone: prompt 9 + max_new_tokens 8 - 1 = 16 positions need 4 KV blocks of "
+     "block_size=4, more than the pool's num_gpu_blocks_override=3; raise num_gpu_blocks_override to at least 4"),
     (["enable_prefix_caching=maybe"], "enable_prefix_caching='maybe' must be true or false"),
     (["attention=fast"], "attention='fast': choose auto, cpu, batched or reference"),
     (["shared_prefix=-1"], "shared_prefix=-1 must be 0 or more"),
@@ -308,7 +306,7 @@ PAGING_BAD = [
     (["shared_prefix=4", "prompts=[[1,2]]"], "shared_prefix=4 applies to random prompts"),
     (["pd.prefill_ranks=1", "pd.decode_ranks=1", "prompts=[[1,2,3,4,5,6,7,8,9]]", "max_new_tokens=8", "block_size=8",
       "num_gpu_blocks_override=2", "pd.decode_block_size=4"],
-     "num_gpu_blocks_override=2 cannot hold request 0 on the decode side: 16 positions need 4 blocks of block_size=4"),
+     "request 0 cannot be held on the decode side: 16 positions need 4 KV blocks of block_size=4"),
     (["pd.decode_block_size=4"], "pd.decode_block_size=4 without pd"),
     (["pd.prefill_ranks=1", "pd.decode_ranks=1", "pd.decode_block_size=0"], "pd.decode_block_size=0 must be a positive"),
 ]
@@ -328,7 +326,8 @@ def test_shared_prefix_is_prepended_to_every_random_prompt():
     prefix = shared.requests[0].prompt[:48]
     assert all(r.prompt[:48] == prefix for r in shared.requests)
     assert [r.prompt[48:] for r in shared.requests] == [r.prompt for r in plain.requests]
-    assert (shared.block_size, shared.num_gpu_blocks_override, shared.enable_prefix_caching, shared.attention) == (16, None, True, "auto")
+    e = shared.engine
+    assert (e.block_size, e.num_gpu_blocks_override, e.enable_prefix_caching, e.attention) == (16, None, True, "auto")
 
 
 def test_kv_blocks_too_small_fails_fast_on_a_lone_rank():
@@ -336,7 +335,7 @@ def test_kv_blocks_too_small_fails_fast_on_a_lone_rank():
 
     alone = settings_phase(["num_gpu_blocks_override=1"])
     assert alone.returncode == 2, alone.stdout + alone.stderr
-    assert alone.stderr.startswith("[rank 1] error: num_gpu_blocks_override=1 cannot hold request") and \
+    assert alone.stderr.startswith("[rank 1] error: request 0 cannot be held even alone") and \
         alone.stderr.count("\n") == 1, alone.stderr
 
 
@@ -394,7 +393,7 @@ def ragged(ctx, family):
     want = oracle(dense, requests())
     saved, backends.RAGGED_BELOW = backends.RAGGED_BELOW, 1e-9
     try:
-        res = Engine(lm, ctx, long_prefill_token_threshold=5, max_num_batched_tokens=40, block_size=3, attention="batched").run(requests())
+        res = OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=5, max_num_batched_tokens=40, block_size=3, attention="batched", max_num_seqs=40)).run(requests())
     finally:
         backends.RAGGED_BELOW = saved
     return [r["output_ids"] for r in res.requests] == want and res.ledger_matches_model

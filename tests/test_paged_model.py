@@ -26,8 +26,10 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 from serve.block_manager import BlockManager
+from serve.config import EngineConfig
 from serve.request import RequestStatus
-from serve.scheduler import Request, Scheduler
+from serve.request import Request
+from serve.scheduler import Scheduler
 from tp.partition import ceil_div
 
 MAX_EXAMPLES = int(os.environ.get("TPREF_HYPOTHESIS_EXAMPLES", "200"))
@@ -95,8 +97,10 @@ class PagedMachine(RuleBasedStateMachine):
         self.blocks = self.blocks_class(self.minimum + extra_blocks, block_size)
         self.blocks.setup(self)
         self.eos = VOCAB if eos else None
-        self.sched = Scheduler([], long_prefill_token_threshold=chunk, max_num_batched_tokens=max_num_seqs + more_budget,
-                               max_num_seqs=max_num_seqs, eos_id=self.eos, blocks=self.blocks)
+        self.stops = frozenset() if self.eos is None else frozenset({self.eos})
+        self.sched = Scheduler(EngineConfig(long_prefill_token_threshold=chunk, max_num_batched_tokens=max_num_seqs + more_budget,
+                                            max_num_seqs=max_num_seqs, block_size=block_size,
+                                            enable_prefix_caching=self.blocks.enable_prefix_caching), self.blocks)
         self.requests: dict[int, Request] = {}
         self.reference_hits: dict[int, int] = {}
         self.index = 0
@@ -116,7 +120,7 @@ class PagedMachine(RuleBasedStateMachine):
 
     def _add(self, prompt, max_new, delay):
         rid = len(self.requests)
-        r = Request(rid, prompt, max_new, arrival=self.index + delay)
+        r = Request(rid, prompt, max_new, arrival=self.index + delay, stop_ids=self.stops)
         self.requests[rid], self.reference_hits[rid] = r, 0
         self.prompts.append(prompt)
         self.sched.add(r)
@@ -143,7 +147,8 @@ class PagedMachine(RuleBasedStateMachine):
         rest = tail.draw(st.lists(st.integers(0, VOCAB - 1), min_size=0 if pieces else 1, max_size=self.bs + 1))
         prompt = [t for i in pieces for t in self.pieces[i]] + rest
         rid = len(self.requests)
-        r = Request(rid, prompt, max_new, output=[next_token(prompt)], num_computed_tokens=len(prompt))
+        r = Request(rid, prompt, max_new, output=[next_token(prompt)], num_computed_tokens=len(prompt),
+                    stop_ids=self.stops)
         self.requests[rid], self.reference_hits[rid] = r, 0
         self.prompts.append(prompt)
         self.ready.append(r)  # the scheduler meets it when it is placed
@@ -152,7 +157,7 @@ class PagedMachine(RuleBasedStateMachine):
         while self.ready and self.blocks.blocks_for(self.ready[0].num_computed_tokens + 1) <= self.blocks.num_free:
             r = self.ready.pop(0)
             if r.output[0] == self.eos:  # its first token ended it: nothing to decode, never added
-                r.finished, r.status = True, RequestStatus.FINISHED_STOPPED
+                r.status = RequestStatus.FINISHED_STOPPED
                 continue
             self.sched.add_computed(r, self.index)
             for t in range(r.num_computed_tokens):  # the K,V that came with it

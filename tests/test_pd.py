@@ -9,8 +9,11 @@ import torch
 from layers.lm import greedy_reference, shard_lm
 from serve.pd import Layout, new_groups, prefill_schedule, serve_pd
 from serve.inputs import slots_of
-from serve.engine import Engine, PlanMismatch, StepHook
-from serve.scheduler import Request
+from serve.offline import OfflineEngine
+from serve.config import EngineConfig
+from serve.control import PlanMismatch
+from serve.hooks import StepHook
+from serve.request import Request
 from tests.harness import run_ranks
 from tests.test_serve import CFG, dense_lm, make_requests
 from tp.dist import context
@@ -71,8 +74,8 @@ def pd(ctx, p_prefill, p_decode, streaming, compare_kv=False):
         lm = shard_lm(dense, "v2", dctx.group)
         alone, mixed = Capture(), Capture()
         prefill_only = [Request(r.id, r.prompt, 1, r.arrival) for r in make_requests(WORKLOAD)]
-        Engine(lm, dctx, long_prefill_token_threshold=5, max_num_batched_tokens=12, hooks=alone).run(prefill_only)
-        Engine(lm, dctx, long_prefill_token_threshold=5, max_num_batched_tokens=12, hooks=mixed).run(make_requests(WORKLOAD))
+        OfflineEngine(lm, dctx, EngineConfig(long_prefill_token_threshold=5, max_num_batched_tokens=12, max_num_seqs=12), hooks=alone).run(prefill_only)
+        OfflineEngine(lm, dctx, EngineConfig(long_prefill_token_threshold=5, max_num_batched_tokens=12, max_num_seqs=12), hooks=mixed).run(make_requests(WORKLOAD))
         out["kv_equal"] = {rid: torch.equal(kv, alone.kv[rid]) for rid, kv in res.kv.items()}
         out["kv_rel_diff_mixed"] = max(float((kv - mixed.kv[rid]).abs().max() / mixed.kv[rid].abs().max())
                                        for rid, kv in res.kv.items())
@@ -280,7 +283,7 @@ def test_requests_arriving_with_their_prompt_cached_join_as_decodes():
     from serve.scheduler import Scheduler
 
     late = Request(0, [1, 2, 3], 4, arrival=2, output=[9], num_computed_tokens=3)
-    sched = Scheduler([late], long_prefill_token_threshold=2, max_num_batched_tokens=4)
+    sched = Scheduler.for_workload([late], EngineConfig(long_prefill_token_threshold=2, max_num_batched_tokens=4, max_num_seqs=4, enable_prefix_caching=False))
     assert sched.schedule(0) is None and sched.next_arrival() == 2
     plan = sched.schedule(2)
     assert plan.admitted == (0,) and [(c.triple, c.decode, c.sample) for c in plan.scheduled] == [((3, 4, 4), True, True)]
@@ -420,7 +423,7 @@ def pipelined_prefill(ctx, pp):
     stages = new_pp_groups(layout)
     lm = shard_pp_lm(dense_lm(), "v2", layout, dist.get_rank(), stages[layout.stage_of(dist.get_rank())])
     prefill_only = [Request(r.id, r.prompt, 1, r.arrival) for r in make_requests(WORKLOAD)]
-    res = Engine(lm, ctx, long_prefill_token_threshold=5, max_num_batched_tokens=12).run(prefill_only)
+    res = OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=5, max_num_batched_tokens=12, max_num_seqs=12)).run(prefill_only)
     return [(it["iteration"], it["finished"]) for it in res.iterations if it["finished"]]
 
 

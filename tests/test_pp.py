@@ -299,7 +299,8 @@ class InFlightCheck:
 
 def pp_engine(ctx, pp, family, n_layers, boundary, attention="auto", workload=None, **settings):
     from layers.lm import greedy_reference
-    from serve.engine import Engine
+    from serve.offline import OfflineEngine
+    from serve.config import EngineConfig
     from tests.test_paged import requests
 
     dense, lm = stage_lm(ctx, pp, family, n_layers, boundary)
@@ -307,7 +308,7 @@ def pp_engine(ctx, pp, family, n_layers, boundary, attention="auto", workload=No
     workload = workload or [(9, 6, 0), (17, 4, 0), (3, 8, 1), (25, 5, 2), (1, 3, 2), (12, 7, 3), (6, 9, 3)]
     check = InFlightCheck()
     settings = {"chunk_size": 5, "max_batched_tokens": 12, **settings}
-    engine = Engine(lm, ctx, attention=attention, hooks=[check], **settings)
+    engine = OfflineEngine(lm, ctx, EngineConfig(attention=attention, **settings), hooks=[check])
     res = engine.run(requests(workload))
     want = [greedy_reference(dense, r.prompt, r.max_new_tokens).ids for r in requests(workload)]
     rows = [t["rows"] for t in engine.engine.timeline if t["microbatch"] is not None]  # this stage's micro-batches
@@ -365,7 +366,7 @@ def pp_online(ctx, pp):
     another mid-run; the other ranks step until told to stop."""
     from layers.lm import greedy_reference
     from serve.config import EngineConfig
-    from serve.engine import new_engine
+    from serve.build import new_engine
     from serve.sampling_params import SamplingParams
 
     dense, lm = stage_lm(ctx, pp, "gpt2", 2)
@@ -404,11 +405,12 @@ def test_the_scheduler_forms_pp_micro_batches_of_disjoint_requests():
     """Host only: with 2 stages, six requests go out as two micro-batches of three; a request in flight gets no rows and
     is never the preemption victim; once its micro-batch is back it is scheduled again."""
     from serve.block_manager import BlockManager
+    from serve.config import EngineConfig
     from serve.request import Request
     from serve.scheduler import Scheduler
 
     reqs = [Request(i, [1 + i, 2, 3], 4) for i in range(6)]
-    sched = Scheduler(reqs, long_prefill_token_threshold=8, max_num_batched_tokens=64, blocks=BlockManager(12, 4, enable_prefix_caching=False))
+    sched = Scheduler(EngineConfig(long_prefill_token_threshold=8, max_num_batched_tokens=64, max_num_seqs=64, block_size=4, enable_prefix_caching=False), BlockManager(12, 4, enable_prefix_caching=False), reqs)
     sched.stages = 2
     first = sched.schedule(0)
     sched.in_flight.update(c.request for c in first.scheduled)
@@ -421,7 +423,7 @@ def test_the_scheduler_forms_pp_micro_batches_of_disjoint_requests():
     assert [c.request for c in third.scheduled] == [0, 1, 2] and all(c.decode for c in third.scheduled)
     # a pool with no free block: the decodes that need one wait rather than preempt a request in flight
     tight = [Request(i, [1, 2, 3, 4], 3) for i in range(2)]
-    sched = Scheduler(tight, long_prefill_token_threshold=8, max_num_batched_tokens=64, blocks=BlockManager(2, 4, enable_prefix_caching=False))
+    sched = Scheduler(EngineConfig(long_prefill_token_threshold=8, max_num_batched_tokens=64, max_num_seqs=64, block_size=4, enable_prefix_caching=False), BlockManager(2, 4, enable_prefix_caching=False), tight)
     sched.stages = 2
     a = sched.schedule(0)
     sched.in_flight.update(c.request for c in a.scheduled)

@@ -2,8 +2,10 @@
 
 import pytest
 
+from serve.config import EngineConfig
 from serve.plan import SchedulerOutput
-from serve.scheduler import Request, Scheduler, SchedulerError
+from serve.request import Request
+from serve.scheduler import Scheduler, SchedulerError
 
 
 def decoding(rid: int, kv_length: int, prompt: int = 1000) -> Request:
@@ -12,9 +14,16 @@ def decoding(rid: int, kv_length: int, prompt: int = 1000) -> Request:
     return Request(rid, [1] * prompt, max_new_tokens=500, output=[2] * out, num_computed_tokens=kv_length - 1)
 
 
+def workload(requests, long_prefill_token_threshold: int, budget: int, max_num_seqs: int | None = None) -> Scheduler:
+    """A scheduler holding the requests from the start, every one of them allowed to run at once unless max_num_seqs
+    says otherwise, its pool sized for the workload (never preempts), no prefix caching."""
+    return Scheduler.for_workload(requests, EngineConfig(long_prefill_token_threshold, budget, max_num_seqs or budget,
+                                                         enable_prefix_caching=False))
+
+
 def drive(requests, long_prefill_token_threshold, budget, max_num_seqs=None, token=lambda rid, it: 7):
     """Run the scheduler to completion with made-up tokens; return every plan."""
-    sched, plans, index = Scheduler(requests, long_prefill_token_threshold, budget, max_num_seqs), [], 0
+    sched, plans, index = workload(requests, long_prefill_token_threshold, budget, max_num_seqs), [], 0
     while sched.has_work():
         plan = sched.schedule(index)
         if plan is None:
@@ -29,7 +38,7 @@ def drive(requests, long_prefill_token_threshold, budget, max_num_seqs=None, tok
 def test_seed05_fresh_prefill_beside_two_decodes():
     # A fresh prefill (0, 4096, 4096) + B decode step 51 (kv 1500) + C decode step 200 (kv 1700) = 4098 rows.
     reqs = [decoding(1, 1500, prompt=1450), decoding(2, 1700, prompt=1501), Request(0, [5] * 4096, 10)]
-    plan = Scheduler(reqs, long_prefill_token_threshold=4096, max_num_batched_tokens=8192).schedule(0)
+    plan = workload(reqs, 4096, 8192).schedule(0)
     assert plan.rows == 4098
     assert [(c.request, c.triple) for c in plan.scheduled] == [(1, (1499, 1500, 1500)), (2, (1699, 1700, 1700)),
                                                              (0, (0, 4096, 4096))]
@@ -44,7 +53,7 @@ def test_seed05_piggyback_chunk_beside_three_decodes():
     # E chunk of 1024 rows after a cached prefix of 7168 (kv 8192) + decodes at kv 1500, 1700, 1100 = 1027 rows.
     e = Request(9, [3] * 50 * 1024, 10, num_computed_tokens=7 * 1024)
     reqs = [e, decoding(1, 1500), decoding(2, 1700), decoding(3, 1100)]
-    plan = Scheduler(reqs, long_prefill_token_threshold=1024, max_num_batched_tokens=2048).schedule(0)
+    plan = workload(reqs, 1024, 2048).schedule(0)
     assert plan.rows == 1027
     assert [c.triple for c in plan.scheduled] == [(1499, 1500, 1500), (1699, 1700, 1700), (1099, 1100, 1100),
                                                (7168, 8192, 8192)]
@@ -93,7 +102,7 @@ def test_decodes_first_budget_respected_and_only_complete_prompts_sample():
 
 def test_arrivals_finishing_and_admission_mid_stream():
     reqs = [Request(0, [1] * 4, 2), Request(1, [1] * 3, 5, arrival=3), Request(2, [1] * 2, 1, arrival=9)]
-    sched = Scheduler(reqs, 8, 8)
+    sched = workload(reqs, 8, 8)
     p0 = sched.schedule(0)
     assert p0.admitted == (0,) and p0.rows == 4
     assert sched.update(p0, {0: 11}) == []
@@ -106,8 +115,8 @@ def test_arrivals_finishing_and_admission_mid_stream():
 
 
 def test_eos_finishes_early():
-    reqs = [Request(0, [1, 2], 10)]
-    sched = Scheduler(reqs, 4, 4, eos_id=50256)
+    reqs = [Request(0, [1, 2], 10, stop_ids=frozenset({50256}))]
+    sched = workload(reqs, 4, 4)
     plan = sched.schedule(0)
     assert sched.update(plan, {0: 50256}) == [0] and reqs[0].output == [50256] and not sched.has_work()
 
@@ -124,18 +133,18 @@ def test_max_running_limits_admission():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(long_prefill_token_threshold=0, max_num_batched_tokens=8), "long_prefill_token_threshold=0 must be at least 1"),
-    (dict(long_prefill_token_threshold=4, max_num_batched_tokens=0), "max_num_batched_tokens=0 must be at least 1"),
+    (dict(long_prefill_token_threshold=0, max_num_batched_tokens=8), "long_prefill_token_threshold=0 must be an integer of at least 1"),
+    (dict(long_prefill_token_threshold=4, max_num_batched_tokens=0, max_num_seqs=1), "max_num_batched_tokens=0 must be an integer of at least 1"),
     (dict(long_prefill_token_threshold=4, max_num_batched_tokens=4, max_num_seqs=8), "smaller than a full decode batch"),
 ])
 def test_bad_settings(kwargs, message):
-    with pytest.raises(SchedulerError, match=message):
-        Scheduler([], **kwargs)
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
 
 
 def test_fingerprint_tells_plans_apart():
     reqs = [Request(0, [1] * 5, 2), Request(1, [1] * 5, 2)]
-    a = Scheduler(reqs, 3, 8).schedule(0)
+    a = workload(reqs, 3, 8).schedule(0)
     b = SchedulerOutput(a.index, a.scheduled[::-1], a.admitted)
     assert a.fingerprint() != b.fingerprint()
     assert a.fingerprint() == SchedulerOutput(a.index, a.scheduled, ()).fingerprint()

@@ -11,8 +11,11 @@ from layers.attention_backends import prefix_causal_mask
 from layers.config import ModelConfig
 from layers.dense import init_weights
 from layers.lm import DenseLM, greedy_reference, shard_lm
-from serve.engine import Engine, PlanMismatch, StepHook
-from serve.scheduler import Request
+from serve.offline import OfflineEngine
+from serve.config import EngineConfig
+from serve.control import PlanMismatch
+from serve.hooks import StepHook
+from serve.request import Request
 from tests.harness import run_ranks
 
 CFG = ModelConfig(d_model=64, n_heads=8, d_head=8, d_ffn=256, n_layers=3, max_seq_len=96, vocab_size=1001)
@@ -82,7 +85,7 @@ def serve(ctx, variant="v2", vocab_parallel=True, long_prefill_token_threshold=5
     dense = dense_lm(dtype, ctx.device)
     lm = shard_lm(dense, variant, ctx.group, vocab_parallel)
     reqs = requests if requests is not None else make_requests()
-    engine = Engine(lm, ctx, long_prefill_token_threshold=long_prefill_token_threshold, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, **paging)
+    engine = OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=long_prefill_token_threshold, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, **paging))
     return dense, reqs, engine.run(reqs)
 
 
@@ -178,7 +181,7 @@ def invariance(ctx):
             random.Random(chunk).shuffle(order)
         reqs = [Request(i, base[j].prompt, base[j].max_new_tokens, base[j].arrival if arrivals == "staggered" else 0)
                 for i, j in enumerate(order)]
-        res = Engine(lm, ctx, long_prefill_token_threshold=chunk, max_num_batched_tokens=budget, max_num_seqs=min(budget, 4)).run(reqs)
+        res = OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=chunk, max_num_batched_tokens=budget, max_num_seqs=min(budget, 4))).run(reqs)
         assert res.ledger_matches_model
         streams[(chunk, budget, arrivals, permute)] = {tuple(base[j].prompt): r["output_ids"]
                                                        for j, r in zip(order, res.requests)}
@@ -219,7 +222,7 @@ def disagree(ctx, how):
             serve(ctx, long_prefill_token_threshold=5 + ctx.rank)
         else:  # the same plans until one rank's scheduler changes its mind mid-run (a bug's effect)
             lm = shard_lm(dense_lm(), "v2", ctx.group)
-            Engine(lm, ctx, long_prefill_token_threshold=4, max_num_batched_tokens=8, hooks=Drift(ctx.rank)).run(
+            OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=4, max_num_batched_tokens=8, max_num_seqs=8), hooks=Drift(ctx.rank)).run(
                 [Request(0, list(range(1, 13)), 2)])
     except PlanMismatch as exc:
         return str(exc)
@@ -242,9 +245,9 @@ def with_eos(ctx):
     dense = dense_lm(device=ctx.device)
     lm = shard_lm(dense, "v2", ctx.group)
     prompt = make_requests()[0].prompt
-    free = Engine(lm, ctx, long_prefill_token_threshold=4, max_num_batched_tokens=8).run([Request(0, prompt, 6)]).requests[0]["output_ids"]
+    free = OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=4, max_num_batched_tokens=8, max_num_seqs=8)).run([Request(0, prompt, 6)]).requests[0]["output_ids"]
     eos = free[2]  # a token the model does produce, third
-    stopped = Engine(lm, ctx, long_prefill_token_threshold=4, max_num_batched_tokens=8, eos_id=eos).run([Request(0, prompt, 6)])
+    stopped = OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=4, max_num_batched_tokens=8, max_num_seqs=8), eos_token_ids=(eos,)).run([Request(0, prompt, 6)])
     ref = greedy_reference(dense, prompt, 6, eos_id=eos)
     return free, stopped.requests[0]["output_ids"], ref.ids, stopped.kv_peak_bytes_per_rank > 0
 

@@ -7,8 +7,9 @@ import torch
 
 from layers.hf import load_lm, read_config, read_state
 from layers.lm import DenseLM, greedy_reference, shard_lm
-from serve.engine import Engine
-from serve.scheduler import Request
+from serve.offline import OfflineEngine
+from serve.config import EngineConfig
+from serve.request import Request
 from tests.harness import run_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -46,7 +47,7 @@ def serve_checkpoint(ctx, path, prompts):
     dense = load_dense(path)
     lm = shard_lm(dense, "v2", ctx.group)
     reqs = [Request(i, prompt, new, arrival) for i, (prompt, (_, new, arrival)) in enumerate(zip(prompts, WORKLOAD))]
-    res = Engine(lm, ctx, long_prefill_token_threshold=4, max_num_batched_tokens=10).run(reqs)
+    res = OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=4, max_num_batched_tokens=10, max_num_seqs=10)).run(reqs)
     mixed = any(it["decodes"] and it["prefill_chunks"] for it in res.iterations)
     after_prefix = any(kv > qe - qs > 1 for it in res.iterations for _, qs, qe, kv in it["triples"])
     return [r["output_ids"] for r in res.requests], res.ledger_matches_model, mixed and after_prefix
