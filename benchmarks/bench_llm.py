@@ -37,7 +37,7 @@ COUNT, MEAN, NEW = 32, 32, 16
 def prompts() -> list[list[int]]:
     from omegaconf import OmegaConf
 
-    from launch.serve import parse_requests
+    from launch.serve_settings import parse_requests
     from layers.config import ARTICLE03
 
     cfg = OmegaConf.create({"prompts": None, "prompt_count": COUNT, "prompt_mean": MEAN, "prompt_dist": "lognormal",

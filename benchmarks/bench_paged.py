@@ -135,12 +135,12 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def decode_ops(lm, lengths: list[int], mode: str, block_size: int = 16, device="cpu") -> int:
+def decode_ops(lm, lengths: list[int], mode: str, device="cpu", positions_per_block: int = 16) -> int:
     """aten operations of one decode-only iteration (inputs built, forward, greedy head): request i decodes at
     position lengths[i], its blocks laid one request after another."""
-    pool, plan, tokens = decode_plan(lm, lengths, block_size, device)
+    pool, plan, tokens = decode_plan(lm, lengths, positions_per_block, device)
     with torch.no_grad(), CountOps() as ops:
-        step = prepare_step(plan, tokens, block_size, device, mode)
+        step = prepare_step(plan, tokens, positions_per_block, device, mode)
         lm.step(step.ids, step.positions, pool.layers(step.batch), step.sample_rows)
     return ops.n
 
@@ -217,7 +217,7 @@ def bench_shape(lm: TPLM, ctx: TPContext, repeats: int) -> dict:
     ops = [{"batch": b, "batched": decode_ops(lm, lengths(b), "batched", device=ctx.device),
             "reference": decode_ops(lm, lengths(b), "reference", device=ctx.device)} for b in SHAPE_BATCHES]
     overhead = [{k: v for k, v in r.items() if k != "records"}
-                for r in bench_overhead(lm, ctx, repeats, batches=SHAPE_BATCHES, attention="batched")]
+                for r in bench_overhead(lm, ctx, repeats, batches=SHAPE_BATCHES, backend="batched")]
     return {"ops": ops, "overhead": overhead, "layers": lm.cfg.n_layers}
 
 

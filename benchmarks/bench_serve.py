@@ -69,11 +69,13 @@ HF_RUNS = (("cpu", "default"), ("batched", "default"), ("reference", "default"),
 OVERHEAD_BATCHES, OVERHEAD_PROMPT, OVERHEAD_NEW = (1, 8, 32), 16, 16
 
 
-def serve(lm: TPLM, ctx: TPContext, requests: list[Request], chunk: int, budget: int, attention: str = "auto",
-          max_num_seqs: int | None = None) -> ServeResult:
+def serve(lm: TPLM, ctx: TPContext, requests: list[Request], chunk: int, budget: int, backend: str = "auto",
+          running: int | None = None) -> ServeResult:
+    """running: max_num_seqs (None: every request may run at once, as many as the budget's rows)."""
     # comm_timing: the cost model's table shows each iteration's collective time (comm_time_s); on a CPU the waits
     # for the stream it adds cost nothing
-    return OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=chunk, max_num_batched_tokens=budget, comm_timing=True, attention=attention, max_num_seqs=max_num_seqs)).run(requests)
+    return OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=chunk, max_num_batched_tokens=budget, comm_timing=True, attention=backend,
+                                               max_num_seqs=running or budget)).run(requests)
 
 
 def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
@@ -271,14 +273,14 @@ def bare_step(lm: TPLM, ids: torch.Tensor, positions: torch.Tensor, cu: list[int
 
 
 def bench_overhead(lm: TPLM, ctx: TPContext, repeats: int, batches=OVERHEAD_BATCHES,
-                   attention: str = "auto") -> list[dict]:
+                   backend: str = "auto") -> list[dict]:
     rows = []
     for batch in batches:
         prompts = random_prompts([OVERHEAD_PROMPT] * batch, seed=3)
         loops, forwards, decode_records = [], [], []
         for _ in range(repeats + 1):  # the first run warms up
             reqs = [Request(i, p, OVERHEAD_NEW, 0) for i, p in enumerate(prompts)]
-            res = serve(lm, ctx, reqs, OVERHEAD_PROMPT, OVERHEAD_PROMPT * batch, attention)
+            res = serve(lm, ctx, reqs, OVERHEAD_PROMPT, OVERHEAD_PROMPT * batch, backend)
             its = res.iterations
             decode = [i for i, it in enumerate(its[:-1]) if kind(it) == "decode-only"]  # the last has no next start
             loops.append([its[i + 1]["start_s"] - its[i]["start_s"] for i in decode])

@@ -58,8 +58,8 @@ def main() -> int:
     rows = []
     try:
         for name in names:
-            engine = lambda: OfflineEngine(lm, ctx, # noqa: E731
-                                    max_num_seqs=EngineConfig.max_num_seqs, EngineConfig(long_prefill_token_threshold=HF_CHUNK, max_num_batched_tokens=HF_BUDGET, attention=name, max_num_seqs=HF_BUDGET))
+            engine = lambda: OfflineEngine(lm, ctx, EngineConfig(  # noqa: E731
+                long_prefill_token_threshold=HF_CHUNK, max_num_batched_tokens=HF_BUDGET, attention=name))
             engine().run(requests()[:4])  # warm-up
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 with torch.profiler.record_function("run"):

@@ -39,7 +39,7 @@ from launch.settings import (LaunchSettings, boolean, common_settings, fitted_le
 from layers.config import DEFAULT_TOLERANCE, ModelConfig, parse_variants, validate_tokens, validate_variants
 from layers.llama import LlamaConfig
 from layers.moe import MOE_PARALLEL, validate_moe
-from layers.pipeline import BOUNDARIES, PP_VARIANTS, check_layout
+from layers.pipeline import BOUNDARIES, PP_VARIANTS, check_layout, pp_layout
 from layers.varlen import score_entries
 from tp.dist import ConfigError, env_world
 
@@ -91,9 +91,10 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
 
 def parse_pp(cfg: DictConfig, world_size: int) -> int:
     pp = integer(cfg, "pp")
-    if pp < 1 or world_size % pp:
-        raise ConfigError(f"pp={pp} must divide the world of {world_size} ranks (each stage is a TP group of "
-                          f"world / pp ranks)")
+    try:
+        pp_layout(world_size, pp)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if pp == 1:
         for key, default in (("microbatches", 1), ("pp_boundary", "whole")):
             if cfg.get(key) != default:

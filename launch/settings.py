@@ -18,13 +18,13 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from layers.config import ModelConfig, parse_dtype, validate_model
+from layers.config import ModelConfig, validate_model
 from layers.dense import DenseStack
 from layers.lm import dense_lm
 from layers.llama import LlamaConfig, validate_llama
 from layers.moe import MoEConfig, validate_moe
 from layers.checkpoint import Checkpoint
-from layers.hf import check_state, checkpoint_dtype, read_config, read_state
+from layers.hf import check_state, read_config, read_state, resolve_dtype
 from tp.dist import ConfigError, env_world, init_from_env, resolve_backend, resolve_device, shutdown
 
 
@@ -64,17 +64,6 @@ def common_settings(cfg: DictConfig, world_size: int, local_world_size: int, lm:
             raise ConfigError(f"hf_checkpoint={hf_checkpoint}: {exc}") from None
     return dict(model=model, model_name=model_name, hf_checkpoint=hf_checkpoint, weights=weights,
                 dtype=dtype, seed=integer(cfg, "seed"), **where, report=str(cfg.report), dtype_from=dtype_from)
-
-
-def resolve_dtype(name: str, hf_checkpoint: str | None) -> tuple[torch.dtype, str | None]:
-    """dtype=auto: the checkpoint's torch_dtype (float32 where it names none), float32 for presets and random weights;
-    returns (dtype, where it came from), the second None when the dtype was given."""
-    if name != "auto":
-        return parse_dtype(name), None
-    saved = None if hf_checkpoint is None else checkpoint_dtype(hf_checkpoint)
-    if saved is not None:
-        return parse_dtype(saved), "auto: the checkpoint's torch_dtype"
-    return torch.float32, ("auto: the checkpoint names no dtype" if hf_checkpoint else "auto: random weights")
 
 
 def read_transient(weights) -> int:

@@ -52,6 +52,23 @@ def read_config(path: str | Path) -> ModelConfig | LlamaConfig:
         raise ConfigError(f"hf_checkpoint={path}: {exc}") from None
 
 
+def resolve_dtype(dtype, checkpoint: str | Path | None) -> tuple[torch.dtype, str | None]:
+    """The run's dtype, the one rule every entry point uses (LLM, python -m serve, the server, the launchers): a name
+    ("bfloat16") or a torch.dtype as given; "auto": the checkpoint's torch_dtype (float32 where it names none),
+    float32 for presets and random weights. Returns (dtype, where it came from: None when given); ConfigError for an
+    unknown name."""
+    from layers.config import parse_dtype
+
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    if str(dtype) != "auto":
+        return parse_dtype(str(dtype)), None
+    saved = None if checkpoint is None or not Path(checkpoint).is_dir() else checkpoint_dtype(checkpoint)
+    if saved is not None:
+        return parse_dtype(saved), "auto: the checkpoint's torch_dtype"
+    return torch.float32, ("auto: the checkpoint names no dtype" if checkpoint else "auto: random weights")
+
+
 def checkpoint_dtype(path: str | Path) -> str | None:
     """The dtype config.json says the weights were saved in (`torch_dtype`, or `dtype` in newer transformers), when it
     is one of ours (layers/config.DTYPES); None if it names none."""

@@ -79,7 +79,8 @@ class PPLayout:
 def pp_layout(world_size: int, pp: int) -> PPLayout:
     """The rule "pp divides the world" (each stage a TP group of world / pp ranks), checked before any collective."""
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1 or world_size % pp:
-        raise ValueError(f"pp={pp!r} must divide the world of {world_size} ranks (tp = world / pp)")
+        raise ValueError(f"pp={pp!r} must divide the world of {world_size} ranks (each stage is a TP group of "
+                         f"world / pp ranks)")
     return PPLayout(pp, world_size // pp)
 
 

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--ignore-eos", action="store_true")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", help="auto (the checkpoint's torch_dtype, else float32) or a dtype")
     ap.add_argument("--seed", type=int, default=0, help="random weights of a preset are drawn from it")
     add_engine_flags(ap)
     args = ap.parse_args(argv)
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     print(c.text if llm.tokenizer is not None else " ".join(map(str, c.token_ids)))
     print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}, start-up {ready - start:.1f} s, "
           f"generate {done - ready:.2f} s, tensor_parallel_size={args.tensor_parallel_size}, "
-          f"pipeline_parallel_size={args.pipeline_parallel_size}, {llm.backend}]",
+          f"pipeline_parallel_size={args.pipeline_parallel_size}, dtype {llm.dtype}, {llm.backend}]",
           file=sys.stderr)
     return 0
 

@@ -19,7 +19,6 @@ import torch
 
 from layers.attention_backends import PagedBatch, backend
 from serve.block_manager import slot_mapping
-from serve.config import EngineConfig
 from serve.plan import ScheduledRequest, SchedulerOutput
 
 
@@ -40,7 +39,7 @@ def slots_of(c: ScheduledRequest, start: int, end: int, block_size: int) -> list
 
 
 def prepare_step(plan: SchedulerOutput, tokens: dict[int, list[int]], block_size: int, device,
-                 attention: str = EngineConfig.attention) -> StepInputs:
+                 attention: str) -> StepInputs:
     """tokens: request id -> its tokens (prompt + generated). attention: a backend's name, or auto (by device).
     Returns the iteration's tensors on `device`."""
     chosen = backend(attention, device)

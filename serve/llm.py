@@ -99,7 +99,7 @@ def load_tokenizer(source: str | None):
 
 
 class LLM:
-    def __init__(self, model: str, tensor_parallel_size: int = 1, dtype: str = "float32", seed: int = 0, *,
+    def __init__(self, model: str, tensor_parallel_size: int = 1, dtype="auto", seed: int = 0, *,
                  pipeline_parallel_size: int = 1, tokenizer: str | None = None, backend: str = "auto",
                  device: str = "auto", moe_parallel: str = "tp", timeout_s: float = DEFAULT_TIMEOUT_S,
                  check: bool = False, **engine_settings):
@@ -107,9 +107,11 @@ class LLM:
         pipeline_parallel_size: pp stages of tensor_parallel_size ranks each (pp · tp ranks; layers/pipeline.py's
         split of the layers, serve/pipeline.py's engine with up to pp micro-batches in flight).
         check: every finished request against the dense model recomputed without a cache (RequestOutput.oracle;
-        rank 0 holds the dense model too). engine_settings: EngineConfig's fields, by our names or vLLM's
-        (serve/config.py); check_ledger (every step's collectives against the model) is on by default."""
-        from layers.config import parse_dtype
+        rank 0 holds the dense model too). dtype: "auto" (the checkpoint's torch_dtype; float32 for presets), a name
+        or a torch.dtype; `LLM.dtype` says which ran, as a name. engine_settings: EngineConfig's fields (vLLM's
+        names: serve/config.py); check_ledger (every step's collectives against the model) is on by default."""
+        from layers.hf import resolve_dtype
+        from layers.pipeline import check_pipeline
         from tp.dist import ConfigError, resolve_backend, resolve_device
 
         self._procs: list = []
@@ -127,25 +129,20 @@ class LLM:
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
         self.config = EngineConfig.from_kwargs(**engine_settings)
+        self.config.check_pipeline(pp)
         try:
-            parse_dtype(str(dtype))
             backend = resolve_backend(backend, p * pp)
             device = resolve_device(device, backend)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
         self.model_config, checkpoint = resolve_model(model, p, moe_parallel)
-        if pp == 1 and self.config.chunk_pipelining:
-            raise ValueError("chunk_pipelining=True is for a pipeline: set pipeline_parallel_size > 1")
-        if pp > 1:
-            from layers.pipeline import check_layout
-
-            if self.model_config.family == "mixtral":
-                raise ValueError(f"pipeline_parallel_size={pp} with an MoE model is not built: its expert placement "
-                                 f"spans the world, not one stage")
-            try:
-                check_layout(p * pp, pp, self.model_config.n_layers, "v2")
-            except ValueError as exc:
-                raise ValueError(f"pipeline_parallel_size={pp}: {exc}") from None
+        try:
+            torch_dtype, _ = resolve_dtype(dtype, checkpoint)
+            check_pipeline(self.model_config, p * pp, pp)
+        except (ConfigError, ValueError) as exc:
+            raise ValueError(f"pipeline_parallel_size={pp}: {exc}" if str(exc).startswith("pp=") else str(exc)) \
+                from None
+        self.dtype = str(torch_dtype).removeprefix("torch.")  # what the ranks run: "auto" resolved
         if checkpoint is not None:
             from layers.checkpoint import Checkpoint
             from layers.hf import check_state
@@ -160,7 +157,7 @@ class LLM:
         self.eos_token_ids = checkpoint_eos(checkpoint, self.model_config.vocab_size)
         self.tensor_parallel_size, self.pipeline_parallel_size = p, pp
         self.num_blocks = self.config.pool_blocks(self.model_config.max_seq_len)
-        spec = RankSpec(self.model_config, checkpoint, str(dtype), seed, backend, device, moe_parallel, self.config,
+        spec = RankSpec(self.model_config, checkpoint, self.dtype, seed, backend, device, moe_parallel, self.config,
                         self.eos_token_ids, float(timeout_s), check, pp)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._stopped: set[str] = set()  # ended by a stop string here: the engine's later output is dropped

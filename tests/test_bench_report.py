@@ -92,8 +92,8 @@ def test_transformers_table_counts_matmul_flops_and_pairs_the_ratio(tmp_path):
     r = run()
     r["model"] = ARTICLE03.asdict()
     r["hf"]["max_running"] = 16
-    r["hf"]["engines"] = [dict(r["hf"]["engine"], attention="cpu", max_num_seqs="default", ratio_to_best_hf=2.5),
-                          dict(r["hf"]["engine"], attention="batched", max_num_seqs="default", ratio_to_best_hf=2.0,
+    r["hf"]["engines"] = [dict(r["hf"]["engine"], attention="cpu", max_running="default", ratio_to_best_hf=2.5),
+                          dict(r["hf"]["engine"], attention="batched", max_running="default", ratio_to_best_hf=2.0,
                                same_ids=True)]
     (tmp_path / "bench_serve_p1.json").write_text(json.dumps(r))
     text = "\n".join(section(tmp_path))

@@ -258,7 +258,7 @@ def test_a_broken_sharded_checkpoint_is_a_one_line_setting_error(tmp_path, check
 def test_check_auto_turns_the_oracle_off_where_the_dense_model_would_not_fit(monkeypatch, checkpoints):
     """Each rank needs its 1/p shard; the dense oracle needs the whole model as well. check=auto drops the oracle
     (with a note) where only the shards fit; check=true is refused there, naming check=false."""
-    import launch.serve as serve
+    import launch.serve_settings as serve
     import launch.settings as settings
     from layers.hf import read_config, read_state
     from serve.request import Request

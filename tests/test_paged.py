@@ -285,7 +285,7 @@ def serve_settings(*overrides):
     """launch/serve.py's validation, in process: everything it checks before the first collective."""
     from hydra import compose, initialize_config_dir
 
-    from launch.serve import parse_settings
+    from launch.serve_settings import parse_settings
     from tests.launching import ROOT
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):

@@ -64,7 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         if not has_tokenizer(args.model, args.tokenizer):
             raise ValueError(f"{args.tokenizer or args.model} has no tokenizer files; the server takes and returns "
                              f"text: pass --tokenizer DIR")
-        dtype = resolve_dtype(args.dtype, args.model)
+        from layers.hf import resolve_dtype
+        from tp.dist import ConfigError
+
+        try:
+            dtype = str(resolve_dtype(args.dtype, args.model)[0]).removeprefix("torch.")
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
     except ValueError as exc:
         sock.close()
         print(f"error: {exc}", file=sys.stderr)
@@ -135,14 +141,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the engine failed: {engine.detail}", file=sys.stderr)
         return 1
     return 0
-
-
-def resolve_dtype(name: str, model: str) -> str:
-    if name != "auto":
-        return name
-    from layers.hf import checkpoint_dtype
-
-    return (checkpoint_dtype(model) if os.path.isdir(model) else None) or "float32"
 
 
 def bind(host: str, port: int) -> socket.socket:
