@@ -27,6 +27,7 @@ import torch
 from layers.config import ARTICLE03
 from layers.dense import init_weights
 from layers.lm import DenseLM
+from serve.config import EngineConfig
 from serve.pd import Layout, new_groups, serve_pd
 from serve.request import Request
 from tp.dist import init_from_env, shutdown
@@ -52,8 +53,10 @@ def main() -> int:
     layout = Layout(p_prefill, ctx.world_size - p_prefill)
     groups = new_groups(layout)
     dense = init_weights(DenseLM(ARTICLE03, torch.float32, ctx.device), seed=0)
-    run = lambda streaming: serve_pd(dense, ctx, layout, requests(), long_prefill_token_threshold=PROMPT_LEN,  # noqa: E731
-                                     max_num_batched_tokens=PROMPT_LEN, streaming=streaming, groups=groups)
+    config = EngineConfig(long_prefill_token_threshold=PROMPT_LEN, max_num_batched_tokens=PROMPT_LEN,
+                          max_num_seqs=PROMPT_LEN)
+    run = lambda streaming: serve_pd(dense, ctx, layout, requests(), config,  # noqa: E731
+                                     streaming=streaming, groups=groups)
     run(True)  # warm-up
     parts: dict[str, list[dict]] = {"streaming": [], "after prefill": []}
     ids: dict[str, list] = {}

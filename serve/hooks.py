@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,10 +20,8 @@ from layers.lm import greedy_reference, oracle_verdict, sampled_reference
 from serve.plan import SchedulerOutput
 from serve.request import Request, RequestStatus
 
-if TYPE_CHECKING:  # annotations only: the engine imports this module, not the other way round
-    from serve.engine import LLMEngine
-    from serve.offline import ServeResult
-
+# Annotations name LLMEngine (serve/engine.py) and ServeResult (serve/offline.py) as strings: those modules import
+# this one, not the other way round.
 @dataclass
 class StepRecord:
     """What one LLMEngine step did, for its hooks (the same on every rank)."""

@@ -65,8 +65,7 @@ def pd(ctx, p_prefill, p_decode, streaming, compare_kv=False):
     layout = Layout(p_prefill, p_decode)
     groups = new_groups(layout)
     dense = dense_lm()
-    res = serve_pd(dense, ctx, layout, make_requests(WORKLOAD), long_prefill_token_threshold=5, max_num_batched_tokens=12,
-                   streaming=streaming, groups=groups, keep_kv=compare_kv)
+    res = serve_pd(dense, ctx, layout, make_requests(WORKLOAD), EngineConfig(long_prefill_token_threshold=5, max_num_batched_tokens=12, max_num_seqs=12), streaming=streaming, groups=groups, keep_kv=compare_kv)
     out = {"ids": [r["output_ids"] for r in res.requests], "ok": res.ledger_matches_model,
            "transfers": res.transfers, "requests": res.requests}
     if compare_kv and ctx.rank >= p_prefill:  # colocated engines on the decode group, capturing each prompt's K,V
@@ -221,8 +220,7 @@ def dense_llama(h_kv):
 
 def pd_llama(ctx, p_prefill, p_decode, h_kv, streaming):
     layout = Layout(p_prefill, p_decode)
-    res = serve_pd(dense_llama(h_kv), ctx, layout, make_requests(WORKLOAD), long_prefill_token_threshold=5, max_num_batched_tokens=12,
-                   streaming=streaming, groups=new_groups(layout))
+    res = serve_pd(dense_llama(h_kv), ctx, layout, make_requests(WORKLOAD), EngineConfig(long_prefill_token_threshold=5, max_num_batched_tokens=12, max_num_seqs=12), streaming=streaming, groups=new_groups(layout))
     return [r["output_ids"] for r in res.requests], res.ledger_matches_model, res.transfers
 
 
@@ -244,7 +242,7 @@ def test_pd_llama_moves_kv_heads_and_tokens_equal_the_oracle(case):
 
 def test_prefill_schedule_is_what_the_prefill_engine_does():
     reqs = make_requests(WORKLOAD)
-    schedule = prefill_schedule(reqs, 5, 12)
+    schedule = prefill_schedule(reqs, EngineConfig(5, 12, 12))
     done = [rid for _, rids in schedule for rid in rids]
     assert sorted(done) == list(range(len(WORKLOAD)))
     assert any(len(rids) > 1 for _, rids in schedule)  # two prompts complete in one iteration
@@ -255,7 +253,7 @@ def test_prefill_schedule_is_what_the_prefill_engine_does():
 def disagree(ctx):
     chunk = 5 if ctx.rank < 2 else 6  # the decode ranks think the prefill side chunks differently
     try:
-        serve_pd(dense_lm(), ctx, Layout(2, 2), make_requests(WORKLOAD), long_prefill_token_threshold=chunk, max_num_batched_tokens=12)
+        serve_pd(dense_lm(), ctx, Layout(2, 2), make_requests(WORKLOAD), EngineConfig(long_prefill_token_threshold=chunk, max_num_batched_tokens=12, max_num_seqs=12))
     except PlanMismatch as exc:
         return str(exc)
     return None
@@ -274,7 +272,7 @@ def eos_first(ctx):
     dense = dense_lm()
     reqs = make_requests([(9, 4, 0)])
     first = greedy_reference(dense, reqs[0].prompt, 1).ids[0]
-    res = serve_pd(dense, ctx, Layout(1, 1), reqs, long_prefill_token_threshold=5, max_num_batched_tokens=12, eos_id=first)
+    res = serve_pd(dense, ctx, Layout(1, 1), reqs, EngineConfig(long_prefill_token_threshold=5, max_num_batched_tokens=12, max_num_seqs=12), eos_token_ids=(first,))
     q = res.requests[0]  # handed over (its K,V moved), ended by token 1: no decode row, but a transfer time
     return q["output_ids"] == [first] and q["first_decode_s"] is None and q["transfer_s"] is not None
 
@@ -297,7 +295,7 @@ def eos_groups(ctx):
     p, q = (torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in (7, 9))
     eos = greedy_reference(dense, p, 1).ids[0]
     reqs = [Request(0, p, 5, 0), Request(1, p, 5, 1), Request(2, q, 5, 2), Request(3, p, 4, 3)]
-    res = serve_pd(dense, ctx, Layout(1, 1), reqs, long_prefill_token_threshold=16, max_num_batched_tokens=16, eos_id=eos)
+    res = serve_pd(dense, ctx, Layout(1, 1), reqs, EngineConfig(long_prefill_token_threshold=16, max_num_batched_tokens=16, max_num_seqs=16), eos_token_ids=(eos,))
     want = [greedy_reference(dense, r.prompt, r.max_new_tokens, eos).ids for r in reqs]
     return [r["output_ids"] for r in res.requests], want, eos
 
@@ -327,9 +325,7 @@ def paged_requests():
 
 
 def pd_paged(ctx, layout, block_size, decode_block_size, num_gpu_blocks_override, streaming, attention):
-    res = serve_pd(dense_lm(), ctx, Layout(*layout), paged_requests(), long_prefill_token_threshold=5, max_num_batched_tokens=12,
-                   streaming=streaming, block_size=block_size, decode_block_size=decode_block_size,
-                   num_gpu_blocks_override=num_gpu_blocks_override, attention=attention)
+    res = serve_pd(dense_lm(), ctx, Layout(*layout), paged_requests(), EngineConfig(long_prefill_token_threshold=5, max_num_batched_tokens=12, block_size=block_size, num_gpu_blocks_override=num_gpu_blocks_override, attention=attention, max_num_seqs=12), streaming=streaming, decode_block_size=decode_block_size)
     return {"ids": [r["output_ids"] for r in res.requests], "logits": [r["logits"] for r in res.requests],
             "ok": res.ledger_matches_model,
             "prefill_hits": sum(it["prefix_hit_tokens"] for it in res.prefill_iterations),
@@ -358,8 +354,7 @@ def _refuse_small_pool(ctx):
     from tp.dist import ConfigError
 
     with pytest.raises(ConfigError, match="on the decode side"):  # 26 positions in blocks of 2: 13 > 7
-        serve_pd(dense_lm(), ctx, Layout(1, 1), paged_requests(), long_prefill_token_threshold=5, max_num_batched_tokens=12,
-                 block_size=4, decode_block_size=2, num_gpu_blocks_override=7)
+        serve_pd(dense_lm(), ctx, Layout(1, 1), paged_requests(), EngineConfig(long_prefill_token_threshold=5, max_num_batched_tokens=12, block_size=4, num_gpu_blocks_override=7, max_num_seqs=12), decode_block_size=2)
     return True
 
 
@@ -379,8 +374,7 @@ def pd_pipelined(ctx, p_prefill, prefill_pp, p_decode, streaming, n_layers):
     dense = init_weights(make_lm(replace(CFG, n_layers=n_layers), torch.float64), seed=0)
     layout = Layout(p_prefill, p_decode, prefill_pp)
     groups = new_groups(layout)
-    res = serve_pd(dense, ctx, layout, make_requests(WORKLOAD), long_prefill_token_threshold=5, max_num_batched_tokens=12,
-                   streaming=streaming, groups=groups)
+    res = serve_pd(dense, ctx, layout, make_requests(WORKLOAD), EngineConfig(long_prefill_token_threshold=5, max_num_batched_tokens=12, max_num_seqs=12), streaming=streaming, groups=groups)
     want = [greedy_reference(dense, r.prompt, r.max_new_tokens).ids for r in make_requests(WORKLOAD)]
     return {"same": [r["output_ids"] for r in res.requests] == want, "ok": res.ledger_matches_model,
             "transfers": res.transfers}
@@ -433,6 +427,6 @@ def test_the_pipelined_prefill_schedule_is_what_the_pipeline_engine_does(pp):
     step, in which order (NCCL matches a pair's messages in order): it equals what the PipelineEngine did, and differs
     from the one-stage schedule."""
     ran = run_ranks(pp, pipelined_prefill, pp)[0]
-    predicted = [(i, rids) for i, rids in prefill_schedule(make_requests(WORKLOAD), 5, 12, pp=pp)]
+    predicted = [(i, rids) for i, rids in prefill_schedule(make_requests(WORKLOAD), EngineConfig(5, 12, 12), pp=pp)]
     assert ran == predicted
-    assert predicted != prefill_schedule(make_requests(WORKLOAD), 5, 12)
+    assert predicted != prefill_schedule(make_requests(WORKLOAD), EngineConfig(5, 12, 12))

@@ -1,5 +1,6 @@
 """The serving engine against its oracles: a cache-free dense recompute, schedule invariance, the traffic model."""
 
+import dataclasses
 import random
 
 import pytest
@@ -85,7 +86,8 @@ def serve(ctx, variant="v2", vocab_parallel=True, long_prefill_token_threshold=5
     dense = dense_lm(dtype, ctx.device)
     lm = shard_lm(dense, variant, ctx.group, vocab_parallel)
     reqs = requests if requests is not None else make_requests()
-    engine = OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=long_prefill_token_threshold, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, **paging))
+    engine = OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=long_prefill_token_threshold, max_num_batched_tokens=budget,
+                                                 max_num_seqs=max_num_seqs or budget, **paging))
     return dense, reqs, engine.run(reqs)
 
 
@@ -213,7 +215,7 @@ class Drift(StepHook):
 
     def before_schedule(self, engine):
         if self.rank == 1 and engine.index == 1:
-            engine.scheduler.long_prefill_token_threshold = 3
+            engine.scheduler.config = dataclasses.replace(engine.scheduler.config, long_prefill_token_threshold=3)
 
 
 def disagree(ctx, how):
