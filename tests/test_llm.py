@@ -133,7 +133,7 @@ def test_every_rank_receives_the_same_requests():
 def test_bad_requests_are_refused_before_any_collective():
     # rank 0's checks run before its step's broadcast: a refused request leaves the others waiting for nothing
     bad = [([], 4, "empty prompt"), ([1] * 90, 10, "more than the model's context"), ([5000], 2, "not a token id"),
-           ([1] * 70, 20, "kv_blocks")]
+           ([1] * 70, 20, "num_gpu_blocks_override")]
     results = run_ranks(1, refuse, bad)
     assert results[0] == [m for _, _, m in bad]
 
@@ -411,17 +411,18 @@ def test_every_engine_default_is_written_once():
 
 def test_the_spine_reads_in_one_screen():
     """LLMEngine.step is the decode path in order (control, schedule, agree, run, update, hooks), short enough to
-    read at once; the offline driver (Engine.run) is a loop over it, not a second copy of the loop."""
+    read at once; the offline driver (OfflineEngine.run) steps it through drive(), the one step loop, not a second
+    copy of the loop."""
     import inspect
 
-    from serve.offline import OfflineEngine
-    from serve.config import EngineConfig
     from serve.engine import LLMEngine
+    from serve.offline import OfflineEngine, drive
 
     step = inspect.getsource(LLMEngine.step).splitlines()
     assert len(step) <= 40, len(step)
-    run = inspect.getsource(Engine.run)
-    assert "engine.step()" in run and "runner.run" not in run and ".schedule(" not in run
+    run, loop = inspect.getsource(OfflineEngine.run), inspect.getsource(drive)
+    assert "drive(engine" in run and "engine.step()" in loop
+    assert all("runner.run" not in s and ".schedule(" not in s for s in (run, loop))
 
 
 def test_a_stop_string_ends_the_request_in_the_driver_and_aborts_it_in_the_engine(tmp_path):

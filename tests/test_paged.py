@@ -257,7 +257,7 @@ def decode_ops(ctx, counts, mode):
     from benchmarks.bench_paged import decode_ops as count
 
     lm = shard_lm(model("gpt2"), "v2", ctx.group)
-    return [count(lm, [5 + 3 * (i % 20) for i in range(n)], mode, block_size=4) for n in counts]  # < max_seq_len
+    return [count(lm, [5 + 3 * (i % 20) for i in range(n)], mode, positions_per_block=4) for n in counts]  # < max_seq_len
 
 
 def test_aten_ops_per_decode_iteration_do_not_grow_with_requests():

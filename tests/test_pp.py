@@ -307,7 +307,8 @@ def pp_engine(ctx, pp, family, n_layers, boundary, attention="auto", workload=No
     cfg = dense.cfg
     workload = workload or [(9, 6, 0), (17, 4, 0), (3, 8, 1), (25, 5, 2), (1, 3, 2), (12, 7, 3), (6, 9, 3)]
     check = InFlightCheck()
-    settings = {"long_prefill_token_threshold": 5, "max_num_batched_tokens": 12, "max_num_seqs": 12, **settings}
+    settings = {"long_prefill_token_threshold": 5, "max_num_batched_tokens": 12, **settings}
+    settings.setdefault("max_num_seqs", settings["max_num_batched_tokens"])
     engine = OfflineEngine(lm, ctx, EngineConfig(attention=attention, **settings), hooks=[check])
     res = engine.run(requests(workload))
     want = [greedy_reference(dense, r.prompt, r.max_new_tokens).ids for r in requests(workload)]

@@ -92,7 +92,7 @@ def test_each_engine_default_is_written_once():
 RULES = {  # one line of each rule's message: it lives in one function
     "the request fits the pool alone": "raise num_gpu_blocks_override to at least",
     "pp divides the world": "must divide the world of",
-    "a full decode batch fits the budget": "is smaller than a full decode batch",
+    "a full decode batch fits the budget": "is smaller than a full decode",
     "chunk_pipelining needs a pipeline": "chunk_pipelining=True is for a pipeline",
     "prefix caching against the pre-paging rule": "shares nothing: set enable_prefix_caching=False",
     "a prompt fits the model's context": "more than the model's context of",
