@@ -95,7 +95,7 @@ RULES = {  # one line of each rule's message: it lives in one function
     "a full decode batch fits the budget": "is smaller than a full decode",
     "chunk_pipelining needs a pipeline": "chunk_pipelining=True is for a pipeline",
     "prefix caching against the pre-paging rule": "shares nothing: set enable_prefix_caching=False",
-    "a prompt fits the model's context": "more than the model's context of",
+    "a prompt fits the model's context": "the model's context of {max_seq_len}",
 }
 
 
