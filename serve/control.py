@@ -13,7 +13,11 @@ both go into the step's ledger, which the model predicts (tp/traffic_model.py: p
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+from serve.config import ATTENTION_MODES, EngineConfig
 
 from serve.plan import FINGERPRINT_SIZE
 from serve.request import Request
@@ -114,3 +118,10 @@ def request_rows(requests: list[Request]) -> list[tuple]:
     """What every rank must hold the same of a workload's requests (for digest)."""
     return [(r.id, len(r.prompt), sum(r.prompt), r.max_new_tokens, r.arrival, r.num_computed_tokens,
              sum((i + 1) * t for i, t in enumerate(sorted(r.stop_ids)))) for r in requests]
+
+
+def settings_row(config: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> tuple:
+    """The engine settings and stop ids every rank must hold the same, as numbers (for digest)."""
+    values = [ATTENTION_MODES.index(v) if f.name == "attention" else -1 if v is None else int(v)
+              for f, v in zip(dataclasses.fields(config), dataclasses.astuple(config))]
+    return (*values, sum((i + 1) * (t + 1) for i, t in enumerate(sorted(eos_token_ids))))

@@ -22,8 +22,8 @@ import torch
 
 from layers.sampler import request_seed
 from serve.build import new_engine
-from serve.config import ATTENTION_MODES, EngineConfig
-from serve.control import agree, digest, request_rows
+from serve.config import EngineConfig
+from serve.control import agree, digest, request_rows, settings_row
 from serve.engine import LLMEngine
 from serve.hooks import Recorder, StepHook
 from serve.request import Request
@@ -112,7 +112,7 @@ class OfflineEngine:
                                           [recorder, *self.hooks])
         self.cache = engine.runner.cache
         result.kv_pool_bytes_per_rank = self.cache.bytes
-        agree(self.ctx, digest([self.settings_row(config)] + request_rows(requests)),
+        agree(self.ctx, digest([settings_row(config, self.eos_token_ids)] + request_rows(requests)),
               "requests or scheduler settings differ")
         wait_for_stream(self.ctx.device)  # the pool's zeroing is not billed to the first iteration
         start = result.started_at = time.perf_counter()
@@ -150,10 +150,3 @@ class OfflineEngine:
         result.requests = [recorder.request(r, start) for r in served]  # and those hooks added (a decode side's)
         result.prefix_hit_tokens = sum(r.prefix_hit for r in served)
         return result
-
-    def settings_row(self, config: EngineConfig | None = None) -> tuple:
-        """The settings every rank must hold the same, as integers (for the ranks' agreement)."""
-        config = config or self.config
-        values = [ATTENTION_MODES.index(v) if f.name == "attention" else -1 if v is None else int(v)
-                  for f, v in zip(dataclasses.fields(config), dataclasses.astuple(config))]
-        return (*values, sum((i + 1) * (t + 1) for i, t in enumerate(sorted(self.eos_token_ids))))

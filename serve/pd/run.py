@@ -13,7 +13,7 @@ import torch.distributed as dist
 from layers.lm import shard_lm
 from layers.pipeline import check_layout, new_pp_groups, shard_pp_lm
 from serve.config import EngineConfig
-from serve.control import agree, digest, request_rows
+from serve.control import agree, digest, request_rows, settings_row
 from serve.offline import OfflineEngine
 from serve.pd.handover import DecodeSide, PrefillSide, warm_up_pairs
 from serve.pd.plan import Layout, check_pools, prefill_schedule, validate_layout
@@ -61,9 +61,8 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
     cfg = weights.cfg
     validate_layout(cfg, layout, world.world_size)
     check_pools(requests, config.num_gpu_blocks_override, config.block_size, decode_block_size)  # before collectives
-    layout_row = (layout.prefill_ranks, layout.decode_ranks, layout.prefill_pp, int(streaming), decode_block_size,
-                  sum((i + 1) * (t + 1) for i, t in enumerate(sorted(eos_token_ids))))
-    agree(world, digest([layout_row, OfflineEngine(None, world, config).settings_row()] + request_rows(requests)),
+    layout_row = (layout.prefill_ranks, layout.decode_ranks, layout.prefill_pp, int(streaming), decode_block_size)
+    agree(world, digest([layout_row, settings_row(config, eos_token_ids)] + request_rows(requests)),
           "the prefill and decode ranks got different requests or settings (pd.*, long_prefill_token_threshold, "
           "max_num_batched_tokens, max_num_seqs, eos_id): every rank needs the same")
     prefill_group, decode_group = groups or new_groups(layout)
