@@ -28,6 +28,7 @@ from layers.moe import MoEConfig  # noqa: E402
 from serve.config import EngineConfig  # noqa: E402
 from serve.hooks import StepHook  # noqa: E402
 from serve.engine import LLMEngine  # noqa: E402
+from serve.offline import drive  # noqa: E402
 from serve.sampling_params import SamplingParams  # noqa: E402
 from tp.dist import init_from_env, shutdown  # noqa: E402
 
@@ -57,22 +58,18 @@ class Syncs(StepHook):
         self.caught.clear()
 
 
-def drive(engine: LLMEngine, prompts: list[list[int]], arrivals: dict[int, int], max_tokens: int = 8) -> None:
-    """Every rank: step the engine until the workload is served. Rank 0 adds arrivals[i] of the prompts, in order,
-    before step i (greedy, max_tokens each, eos ignored), then stops the other ranks' loops."""
-    if not engine.ctx.is_main:
-        while not engine.stopped:
-            engine.step()
-        return
-    n = 0
-    for i in range(10_000):
-        for _ in range(arrivals.get(i, 0)):
-            engine.add_request(str(n), prompts[n], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-            n += 1
-        if i > max(arrivals) and not engine.has_unfinished_requests():
-            break
-        engine.step()
-    engine.shutdown()
+def arrivals_feed(prompts: list[list[int]], arrivals: dict[int, int], max_tokens: int = 8):
+    """drive()'s feed and pending for rank 0: arrivals[i] of the prompts, in order, before loop turn i (greedy,
+    max_tokens each, eos ignored)."""
+    turn, added = [0], [0]
+
+    def feed(engine: LLMEngine) -> None:
+        for _ in range(arrivals.get(turn[0], 0)):
+            engine.add_request(str(added[0]), prompts[added[0]], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            added[0] += 1
+        turn[0] += 1
+
+    return feed, lambda: added[0] < len(prompts)
 
 
 def run(ctx, name: str, record: bool) -> list[tuple[str, int]]:
@@ -91,7 +88,7 @@ def run(ctx, name: str, record: bool) -> list[tuple[str, int]]:
         if record:
             torch.cuda.set_sync_debug_mode("warn")
         try:
-            drive(engine, prompts, {0: 2, 3: 1, 6: 2})
+            drive(engine, *arrivals_feed(prompts, {0: 2, 3: 1, 6: 2}))
         finally:
             if record:
                 torch.cuda.set_sync_debug_mode("default")

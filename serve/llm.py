@@ -5,9 +5,9 @@
         out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
         print(out[0].outputs[0].text)
 
-The caller's process is a driver: it starts p rank processes itself (no torchrun), which meet in a file store and
-form one TP group (gloo on CPU; NCCL with one GPU per rank where there are enough GPUs: tp/dist.py decides). Rank 0
-takes the driver's calls over a pipe and every rank runs the same LLMEngine (serve/engine.py); the driver holds
+The caller's process is a driver: it starts p rank processes itself (no torchrun: serve/executor.py), which meet in a
+file store and form one TP group (gloo on CPU; NCCL with one GPU per rank where there are enough GPUs: tp/dist.py
+decides). Rank 0 takes the driver's calls over a pipe and every rank runs the same LLMEngine (serve/engine.py); the driver holds
 no process group and no model, only the tokenizer: text in (encoded here), text out (decoded here as tokens
 arrive, serve/detokenizer.py), stop strings matched on that text.
 
@@ -21,28 +21,20 @@ next call raise RuntimeError within a second, and every rank is stopped. Ranks n
 from __future__ import annotations
 
 import os
-import pickle
 import secrets
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
 import time
-import weakref
-from multiprocessing.connection import Listener
 from pathlib import Path
 
 from serve.config import EngineConfig
 from serve.detokenizer import IncrementalDetokenizer
+from serve.executor import MultiprocExecutor
 from serve.outputs import RequestOutput
 from serve.sampling_params import SamplingParams
-from serve.worker import AUTHKEY_ENV, RankSpec
+from serve.worker import RankSpec
 from tp.dist import DEFAULT_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ROOT / "conf" / "model"
-START_TIMEOUT_S = 600.0  # building the ranks (imports, weights) may take long on a laptop; a dead rank is seen at once
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
@@ -114,8 +106,7 @@ class LLM:
         from layers.pipeline import check_pipeline
         from tp.dist import ConfigError, resolve_backend, resolve_device
 
-        self._procs: list = []
-        self._closed = True
+        self.executor = None
         p = tensor_parallel_size
         if isinstance(p, bool) or not isinstance(p, int) or p < 1:
             raise ValueError(f"tensor_parallel_size={p!r} must be a positive integer")
@@ -164,108 +155,13 @@ class LLM:
         self._count = 0
         self.last_stats: dict | None = None  # rank 0's stats() after the last step()
         self._prefix = f"generate-{secrets.token_hex(4)}-"  # generate()'s request ids: no clash with the caller's
-        self._start(spec)
-
-    # -- the rank processes -------------------------------------------------------------------------------------------
-
-    def _start(self, spec: RankSpec) -> None:
-        self._dir = tempfile.mkdtemp(prefix="tpref-llm-")
-        with open(os.path.join(self._dir, "spec.pkl"), "wb") as f:
-            pickle.dump(spec, f)
-        key = secrets.token_bytes(16)
-        listener = Listener(os.path.join(self._dir, "driver.sock"), "AF_UNIX", authkey=key)
-        env = dict(os.environ, **{AUTHKEY_ENV: key.hex()})
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [v for v in [env.get("PYTHONPATH")] if v])
-        p = self.tensor_parallel_size * self.pipeline_parallel_size  # the world's ranks
-        if p > 1:  # as torchrun: ranks sharing the cores get one OpenMP thread each, set before torch is imported
-            env.setdefault("OMP_NUM_THREADS", "1")
-        for rank in range(p):
-            self._procs.append(subprocess.Popen(
-                [sys.executable, "-c", "from serve.worker import main; main()", "--rank", str(rank), "--world-size", str(p), "--dir", self._dir],
-                env=env if rank == 0 else {k: v for k, v in env.items() if k != AUTHKEY_ENV}, cwd=ROOT))
-        self._closed = False
-        self._conn = None
-        self._link: dict = {}  # what the finalizer needs (not self: that would keep this object alive)
-        self._finalizer = weakref.finalize(self, LLM._stop, self._procs, self._link, self._dir)
-        accepted: list = []
-        accepting = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
-        accepting.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while accepting.is_alive():
-            accepting.join(0.05)
-            self._check_ranks("start", deadline)
-        listener.close()
-        self._conn = self._link["conn"] = accepted[0]
-        _, info = self._wait("start", deadline)
-        self.backend, self.device = info["backend"], info["device"]
-
-    def _check_ranks(self, what: str, deadline: float | None = None) -> None:
-        dead = [(r, proc.returncode) for r, proc in enumerate(self._procs) if proc.poll() is not None]
-        if dead or (deadline is not None and time.monotonic() > deadline):
-            self._fail(what, dead)
-
-    def _wait(self, what: str, deadline: float | None = None):
-        """The reply of rank 0 to the last call; RuntimeError at once if a rank failed or died."""
-        while not self._conn.poll(0.05):
-            self._check_ranks(what, deadline)
-        try:
-            kind, value = self._conn.recv()
-        except (EOFError, OSError):  # rank 0 gone mid-message (a reset pipe is an OSError)
-            self._fail(what, [(0, self._procs[0].poll())])
-        if kind == "ValueError":
-            raise ValueError(value)
-        return kind, value
-
-    def _fail(self, what: str, dead: list) -> None:
-        time.sleep(0.2)  # a failing rank writes its traceback before it exits; a killed one is reaped meanwhile
-        dead = [(r, proc.returncode) for r, proc in enumerate(self._procs) if proc.poll() is not None]
-        errors = []
-        for r in range(len(self._procs)):
-            f = Path(self._dir) / f"error-{r}.txt"
-            if f.is_file():
-                errors.append((r, f.read_text()))
-        self.shutdown()
-        reported = {rank for rank, _ in errors}
-        silent = [f"rank {r} exited (code {code}) without a Python error" for r, code in dead if r not in reported]
-        if silent or errors:  # a rank killed from outside first: it is the cause, the others' errors follow from it
-            raise RuntimeError(f"{what}: " + "; ".join(silent + [f"rank {r} failed: {text}" for r, text in errors])
-                               + "; every rank is stopped")
-        raise RuntimeError(f"{what}: no answer from rank 0; every rank is stopped")
-
-    def _call(self, op: str, *args):
-        if self._closed:
-            raise RuntimeError("this LLM is shut down")
-        self._check_ranks(op)  # a rank that died while we were away: say so now, not after a call that hangs
-        self._conn.send((op, args))
-        return self._wait(op)[1]
-
-    @staticmethod
-    def _stop(procs, link, directory) -> None:
-        conn = link.get("conn")
-        try:
-            if conn is not None and procs and procs[0].poll() is None:
-                conn.send(("shutdown", ()))
-        except (OSError, ValueError):
-            pass
-        end = time.monotonic() + 10
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.0, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        if conn is not None:
-            conn.close()
-        shutil.rmtree(directory, ignore_errors=True)
+        self.executor = MultiprocExecutor(spec, p * pp)
+        self.backend, self.device = self.executor.info["backend"], self.executor.info["device"]
 
     def shutdown(self) -> None:
         """Stop every rank (harmless when called again)."""
-        if not self._closed:
-            self._closed = True
-            self._finalizer()
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def __enter__(self) -> "LLM":
         return self
@@ -286,9 +182,9 @@ class LLM:
         text, ids = self._encode(prompt)
         self._check(ids, params)
         if wait:
-            self._call("add_request", request_id, ids, params, text)
+            self.executor.call("add_request", request_id, ids, params, text)
         else:
-            self._conn.send(("add_nowait", (request_id, ids, params, text)))
+            self.executor.send("add_nowait", request_id, ids, params, text)
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
 
@@ -298,16 +194,16 @@ class LLM:
         sent without waiting for the answer (None), as under serve()."""
         _check_id(request_id)
         if not wait:
-            self._conn.send(("abort_nowait", (request_id,)))
+            self.executor.send("abort_nowait", request_id)
             return None
-        return self._call("abort_request", request_id)
+        return self.executor.call("abort_request", request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self._call("has_unfinished_requests")
+        return self.executor.call("has_unfinished_requests")
 
     def step(self) -> list[RequestOutput]:
         """One iteration on every rank; a RequestOutput for each request that got a token or finished."""
-        outputs, self.last_stats = self._call("step")
+        outputs, self.last_stats = self.executor.call("step")
         return self._receive(outputs)
 
     # -- serving: rank 0 steps on its own ----------------------------------------------------------------------------
@@ -316,21 +212,15 @@ class LLM:
         """From now on rank 0 steps by itself whenever a request is unfinished, sending each step's outputs without
         waiting (a server's loop: its own work never delays a step). Then only add_request / abort_request with
         wait=False, serve_outputs() and shutdown() may be called."""
-        if self._closed:
-            raise RuntimeError("this LLM is shut down")
-        self._check_ranks("serve")
-        self._conn.send(("serve", ()))
+        self.executor.check("serve")
+        self.executor.send("serve")
 
     def serve_outputs(self, timeout: float) -> list[RequestOutput] | None:
         """The next step's outputs as rank 0 sent them (rank 0's stats after it in last_stats), or None if none came
         within timeout seconds; RuntimeError (every rank stopped) if a rank has died. Text: detokenize(outputs)."""
-        end = time.monotonic() + timeout
-        while not self._conn.poll(max(0.0, min(0.05, end - time.monotonic()))):
-            self._check_ranks("serve")
-            if time.monotonic() >= end:
-                return None
-        kind, value = self._wait("serve")
-        outputs, self.last_stats = value
+        if not self.executor.poll("serve", timeout):
+            return None
+        outputs, self.last_stats = self.executor.wait("serve")[1]
         return outputs
 
     def detokenize(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -357,7 +247,7 @@ class LLM:
                     del self._detok[rid]
                 if detok.stopped_by is not None:
                     if not o.finished:  # ended here, before the engine would have ended it
-                        self._conn.send(("abort_nowait", (rid,)))
+                        self.executor.send("abort_nowait", rid)
                         self._stopped.add(rid)
                         o.finished, o.metrics.finished_time = True, time.time()
                         del self._detok[rid]
@@ -369,15 +259,13 @@ class LLM:
 
     def check_health(self) -> None:
         """RuntimeError (every rank stopped) if a rank has failed or died; nothing is sent to the ranks."""
-        if self._closed:
-            raise RuntimeError("this LLM is shut down")
-        self._check_ranks("check_health")
+        self.executor.check("check_health")
 
     def stats(self) -> dict:
         """Rank 0's view: num_blocks, free_blocks, running, waiting, iterations, preemptions, prefix-cache hit and
         queried tokens, collective bytes sent per rank so far, and the last iteration's record (its collectives,
         bytes per rank, and whether they equal the model's). After each step() the same dict is in last_stats."""
-        self.last_stats = self._call("stats")
+        self.last_stats = self.executor.call("stats")
         return self.last_stats
 
     # -- offline: generate --------------------------------------------------------------------------------------------
@@ -413,13 +301,13 @@ class LLM:
                 self.add_request(names[-1], {"prompt_token_ids": ids, "prompt": text}, q)
         except BaseException:
             for name in names[:-1]:  # nothing half-added stays behind to run in a later call
-                self._call("abort_request", name)
+                self.executor.call("abort_request", name)
             raise
         done: dict[str, RequestOutput] = {}
         wanted = set(names)
         bar = _progress(len(names)) if use_tqdm else None
-        self._conn.send(("run", ()))  # rank 0 steps until all have ended, sending each step's outputs as they come
-        while (reply := self._wait("generate"))[0] == "outputs":
+        self.executor.send("run")  # rank 0 steps until all have ended, sending each step's outputs as they come
+        while (reply := self.executor.wait("generate"))[0] == "outputs":
             for o in self._receive(reply[1]):
                 if o.finished and o.request_id in wanted:
                     done[o.request_id] = o

@@ -331,13 +331,13 @@ def test_a_dead_rank_raises_in_the_caller_and_stops_the_others(checkpoints):
     llm = LLM(str(checkpoints["gpt2"]), tensor_parallel_size=2)
     llm.add_request("a", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))
     llm.step()
-    llm._procs[1].kill()
+    llm.executor.procs[1].kill()
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 1 exited"):  # the killed rank is named, whatever the call
         while True:
             llm.step() if time.monotonic() - start < 0.5 else llm.has_unfinished_requests()
     assert time.monotonic() - start < 10
-    assert all(proc.poll() is not None for proc in llm._procs)
+    assert all(proc.poll() is not None for proc in llm.executor.procs)
     llm.shutdown()
     llm.shutdown()  # twice: harmless
 
@@ -358,7 +358,7 @@ def test_ranks_do_not_outlive_a_killed_caller(checkpoints):
     script = textwrap.dedent(f"""
         from serve import LLM
         llm = LLM({str(checkpoints['gpt2'])!r}, tensor_parallel_size=2)
-        print(" ".join(str(p.pid) for p in llm._procs), llm._dir, flush=True)
+        print(" ".join(str(p.pid) for p in llm.executor.procs), llm.executor.dir, flush=True)
         import time; time.sleep(120)
     """)
     caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
@@ -436,14 +436,14 @@ def test_a_stop_string_ends_the_request_in_the_driver_and_aborts_it_in_the_engin
     tok = train_tokenizer(tmp_path)
     ids = tok("the quick brown fox jumps")["input_ids"]
 
-    class Pipe:
+    class Executor:
         sent = []
 
-        def send(self, message):
+        def send(self, *message):
             self.sent.append(message)
 
     llm = LLM.__new__(LLM)
-    llm._conn, llm._stopped = Pipe(), set()
+    llm.executor, llm._stopped = Executor(), set()
     llm._detok = {"a": IncrementalDetokenizer(tok, [], stop=("own f",))}
 
     def output(n, finished=False, reason=None):
@@ -456,7 +456,7 @@ def test_a_stop_string_ends_the_request_in_the_driver_and_aborts_it_in_the_engin
             break
     last = seen[-1].outputs[0]
     assert seen[-1].finished and last.finish_reason == "stop" and last.stop_reason == "own f"
-    assert last.text == "the quick br" and Pipe.sent == [("abort_nowait", ("a",))]
+    assert last.text == "the quick br" and Executor.sent == [("abort_nowait", "a")]
     assert llm._receive([output(len(ids), True, "abort")]) == []  # the engine's abort: dropped
 
 
