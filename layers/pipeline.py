@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from layers.sampler import SampleResult, nothing_sampled, table_width
 from layers.shard import Part, load_plan
 from layers.tp_block import TPStack, tp_stack
 from tp.comm import broadcast_from, gather_rows_to_parallel
@@ -373,36 +374,24 @@ class PPLM(StagePosition, nn.Module):
         self._posted.clear()
 
     def sample(self, x, sample_rows, sampling=None):
-        """The last stage: (the head's pick as a table [S, w] float64, its SampleResult for the traffic model)."""
+        """The last stage: (the head's pick as its table, its SampleResult for the traffic model)."""
         res = self.lm.pick(x, sample_rows, sampling)
-        read = [res.tokens.double()[:, None], res.logits[:, None]]
-        if res.logprob is not None:
-            read += [res.logprob[:, None], res.top_ids.double(), res.top_logprobs]
-        return torch.cat(read, dim=1), res
-
-    @staticmethod
-    def width(sampling) -> int:
-        return 2 if sampling is None or sampling.logprobs < 0 else 3 + 2 * sampling.logprobs
+        return res.table(), res
 
     def broadcast_tokens(self, table: torch.Tensor | None, rows: int, width: int, device):
         """★ The last stage's table to every rank (the others pass None); a SampleResult on every rank."""
-        from layers.sampler import SampleResult, nothing_sampled
-
         if not rows:
             return nothing_sampled()
         if table is None:
             table = torch.empty(rows, width, dtype=torch.float64, device=device)
-        table = broadcast_from(table, self.world, self.layout.rank(self.layout.pp - 1, 0), "pp/tokens")
-        n = (width - 3) // 2
-        return SampleResult(table[:, 0].long(), table[:, 1],
-                            table[:, 2] if width > 2 else None, table[:, 3:3 + n].long() if width > 2 else None,
-                            table[:, 3 + n:] if width > 2 else None)
+        return SampleResult.from_table(broadcast_from(table, self.world, self.layout.rank(self.layout.pp - 1, 0),
+                                                      "pp/tokens"))
 
     def step(self, ids, positions, layers, sample_rows, sampling=None):
         x = self.forward_stage(ids, positions, layers)
         self.flush()
         table = self.sample(x, sample_rows, sampling)[0] if self.last and sample_rows.numel() else None
-        return self.broadcast_tokens(table, sample_rows.numel(), self.width(sampling), ids.device)
+        return self.broadcast_tokens(table, sample_rows.numel(), table_width(sampling), ids.device)
 
 
 ENDS = ("embed", "wpe", "ln_f", "norm", "head")  # an LM's modules outside its blocks (TPLM's, TPLlamaLM's)

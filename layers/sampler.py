@@ -98,17 +98,44 @@ class SampleResult:
     margin: torch.Tensor | None = None  # [S]: the winner's lead over the runner-up in the race (single device only)
     race: bool = False  # whether the race over the slices ran (its all-gather): some row was greedy or open
 
-    def to_host(self) -> list[list[float]]:
-        """One device-to-host copy of everything the host needs, a row per sampled row: (id, logit[, logprob, top-N
-        ids, top-N logprobs]); ids < 2**53 are exact in float64."""
+    # -- the sampled-token table: the one layout in which a pick leaves the device (to the host, between stages) --
+
+    def table(self) -> torch.Tensor:
+        """[S, w] float64, a row per sampled row: id, logit[, logprob, top-N ids, top-N logprobs] (w = table_width);
+        ids < 2**53 are exact in float64."""
         read = [self.tokens.double()[:, None], self.logits[:, None]]
         if self.logprob is not None:
             read += [self.logprob[:, None], self.top_ids.double(), self.top_logprobs]
-        return torch.cat(read, dim=1).tolist()
+        return torch.cat(read, dim=1)
+
+    def to_host(self) -> list[list[float]]:
+        """The table in one device-to-host copy."""
+        return self.table().tolist()
+
+    @classmethod
+    def from_table(cls, table: torch.Tensor) -> "SampleResult":
+        """The pick a table() holds (what a pipeline's other stages receive)."""
+        if table.shape[1] == 2:
+            return cls(table[:, 0].long(), table[:, 1])
+        n = (table.shape[1] - 3) // 2
+        return cls(table[:, 0].long(), table[:, 1], table[:, 2], table[:, 3:3 + n].long(), table[:, 3 + n:])
 
     def traffic(self, batch: "SamplingBatch | None") -> tuple[tuple[int, ...], bool, bool] | None:
         """What the traffic model needs to predict this pick's collectives (None: the greedy path)."""
         return None if batch is None or batch.greedy_only else (self.rounds, batch.normalisers, self.race)
+
+
+def table_width(batch: "SamplingBatch | None") -> int:
+    """The columns of SampleResult.table() for a pick under batch (None: greedy, no logprobs)."""
+    return 2 if batch is None or batch.logprobs < 0 else 3 + 2 * batch.logprobs
+
+
+def row_logprobs(row: list[float], n: int) -> tuple[float, dict[int, float]]:
+    """A host row of the table: the chosen id's logprob, and {id: logprob} for the top n and the chosen id."""
+    width = (len(row) - 3) // 2
+    step = {int(t): lp for t, lp in zip(row[3:3 + width][:n], row[3 + width:3 + 2 * width][:n])}
+    step[int(row[0])] = row[2]
+    return row[2], step
 
 
 def nothing_sampled() -> SampleResult:

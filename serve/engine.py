@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 from layers.lm import TPLM, TPLlamaLM
-from layers.sampler import SampleResult, request_seed
+from layers.sampler import SampleResult, request_seed, row_logprobs
 from serve.block_manager import BlockManager
 from serve.config import EngineConfig
 from serve.control import CONTROL_HEADER, IDLE, RUN, STOP, agree, broadcast_control
@@ -220,7 +220,7 @@ class LLMEngine:
         self.prefix_queried_tokens += sum(len(sched.by_id[rid].prompt) for rid in plan.admitted if rid in sched.by_id)
         self.collective_bytes_per_rank += sum(r.traffic().bytes_per_rank for r in self.ledger.records)
         if ran.result.logprob is not None:
-            self._logprobs(sampled, rows, ran.result.top_ids.shape[1])
+            self._logprobs(sampled, rows)
         self._after(StepRecord(plan, payload, ran.sampler, sampled, rows, aborts + finished, **ran.extra))
         self.busy_s += time.perf_counter() - start
         self.iterations += 1
@@ -290,18 +290,16 @@ class LLMEngine:
             self._new, self._aborts = [], []
         return out
 
-    def _logprobs(self, sampled: list[int], rows: list[list[float]], width: int) -> None:
-        """Rank 0: each row's chosen logprob and its top-N into the request's output (layers/sampler.py's row: id,
-        logit, logprob, top ids, top logprobs)."""
+    def _logprobs(self, sampled: list[int], rows: list[list[float]]) -> None:
+        """Rank 0: each row's chosen logprob and its top-N into the request's output (SampleResult.table's rows)."""
         for rid, row in zip(sampled, rows):
             o = self._outputs.get(rid)
             if o is None or (n := self.scheduler.by_id[rid].params.logprobs) is None:
                 continue
-            step = {int(t): lp for t, lp in zip(row[3:3 + width][:n], row[3 + width:3 + 2 * width][:n])}
-            step[int(row[0])] = row[2]
+            chosen, step = row_logprobs(row, n)
             c = o.outputs[0]
             c.logprobs = (c.logprobs or []) + [step]
-            c.cumulative_logprob = (c.cumulative_logprob or 0.0) + row[2]
+            c.cumulative_logprob = (c.cumulative_logprob or 0.0) + chosen
 
     def _outputs_of(self, sampled: list[int], ended: list[int]) -> list[RequestOutput]:
         """Rank 0: a RequestOutput per request that got a token or ended (finished, aborted) this step."""

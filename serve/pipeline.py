@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from layers.sampler import table_width
 from serve.control import CONTROL_HEADER
 from serve.engine import LLMEngine, Ran
 from serve.hooks import StepRecord
@@ -118,7 +119,7 @@ class PipelineEngine(LLMEngine):
         done, result = None, None
         if self.queue[0].tick == self.index - (self.pp - 1):
             done = self.queue.popleft()
-            self._width = lm.width(done.prepared.sampling)
+            self._width = table_width(done.prepared.sampling)
             result = lm.broadcast_tokens(table, len(done.plan.sample_rows), self._width, self.ctx.device)  # ★
         self.timeline.append({"tick": self.index, "microbatch": None if mine is None else mine.plan.index,
                               "rows": 0 if mine is None else mine.plan.rows, "busy_s": busy, "start_s": t0,
