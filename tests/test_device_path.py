@@ -62,7 +62,8 @@ def _engine_waits(ctx, family: str, moe_parallel: str, attention: str, workload:
     from serve.hooks import StepHook
     from serve.engine import LLMEngine
     from layers.attention_backends import ragged_decodes
-    from launch.sync_check import drive
+    from launch.sync_check import arrivals_feed
+    from serve.offline import drive
     from tests.syncs import SyncCounter
     from tests.test_moe import CFG as MOE
     from tests.test_paged import LLAMA
@@ -102,7 +103,7 @@ def _engine_waits(ctx, family: str, moe_parallel: str, attention: str, workload:
         arrivals = {0: 2, 3: 1, 6: 2}  # step -> requests added before it
     engine = LLMEngine(lm, ctx, config, hooks=[Waits()])
     with counter.counting():
-        drive(engine, prompts, arrivals)
+        drive(engine, *arrivals_feed(prompts, arrivals))
     return cfg.n_layers, steps
 
 
