@@ -1,9 +1,12 @@
 """Sampling under the vocab-parallel head (layers/sampler.py) against a sampler written here from the definitions.
 
 Exactness: the same tokens at p = 1, 2, 3, 4 as the plain reference below applied to the dense model's logits
-with the same noise (the noise is an input: E_i ~ Exp(1) as a function of (seed, position, id)). Distribution:
-frequencies over 100,000 draws against softmax(z / T) restricted and renormalised by each filter, with a
-chi-square threshold that the wrong filters fail."""
+with the same noise. The noise is an input, E_i ~ Exp(1) as a function of (seed, position, id) alone; the reference
+computes it here from its definition (splitmix64 over Python ints), not with the sampler's code. Distribution:
+frequencies against softmax(z / T) restricted and renormalised by each filter, every filter alone and combined, at
+temperatures below and above 1, on both of the sampler's paths, at p = 1 and at a p that pads the vocabulary; each
+chi-square threshold is stated and its power shown (the same counts against the wrong distributions fail). Across
+positions: two consecutive tokens of many seeded requests, jointly, against the product the model's logits give."""
 
 import math
 import random
@@ -15,7 +18,7 @@ from layers.config import ModelConfig
 from layers.dense import init_weights
 from layers.lm import dense_lm, shard_lm
 from layers.llama import LlamaConfig
-from layers.sampler import SamplingBatch, exponential_noise, request_seed, sample
+from layers.sampler import SamplingBatch, exponential_noise, gumbel_noise, request_seed, sample
 from serve.config import EngineConfig
 from serve.engine import LLMEngine
 from serve.sampling_params import SamplingParams
@@ -27,6 +30,23 @@ LLAMA = LlamaConfig(d_model=64, n_heads=8, n_kv_heads=2, d_head=8, d_ffn=96, n_l
 
 
 # ---- the reference: one row, plain Python, from the definitions --------------------------------------------------
+
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment and its finaliser's multipliers (Steele, Lea, Flood 2014)
+
+
+def _splitmix(x: int) -> int:
+    x &= MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def reference_noise(seed: int, position: int, ids) -> list[float]:
+    """E_i ~ Exp(1) for ids at (seed, position), from the definition: a row key mix(mix(seed + G) + position·G), each
+    id's 64 bits mix(row + (id + 1)·G), u = (top 53 bits + 1/2) / 2^53 in (0, 1), E = -log u."""
+    row = _splitmix(_splitmix(seed + GOLDEN) + position * GOLDEN)
+    return [-math.log(((_splitmix(row + (i + 1) * GOLDEN) >> 11) + 0.5) / 2.0 ** 53) for i in ids]
 
 
 def reference_pick(z: list[float], T: float, top_k: int, top_p: float, min_p: float, E: list[float]) -> int:
@@ -57,8 +77,8 @@ def reference_generate(dense, prompt, q: SamplingParams, seed: int, stop=()):
     for pos in range(q.max_tokens):
         with torch.no_grad():
             z = dense.logits(torch.tensor(tokens))[-1].double()  # [V], no cache
-        E = exponential_noise(torch.tensor([seed]), torch.tensor([pos]), torch.arange(V))[0]
-        t = reference_pick(z.tolist(), q.temperature, q.top_k, q.top_p, q.min_p, E.tolist())
+        E = reference_noise(seed, pos, range(V))
+        t = reference_pick(z.tolist(), q.temperature, q.top_k, q.top_p, q.min_p, E)
         lp = torch.log_softmax(z, -1)
         logprobs.append((float(lp[t]), lp.topk(5)))
         out.append(t)
@@ -168,28 +188,45 @@ def test_stop_ids_eos_and_ignore_eos():
     assert runs["stop"].token_ids == cut and runs["stop"].stop_reason == eos
 
 
+def test_the_samplers_noise_is_its_definition():
+    """exponential_noise and gumbel_noise against reference_noise: seeds up to 2**53, positions far apart, ids across
+    the vocabulary (a noise keyed by a rank's local id, or missing the position or the seed, differs here)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.cat([torch.arange(8), torch.randint(0, 150_000, (56,), generator=g)])
+    for seed, position in [(0, 0), (1, 0), (0, 1), (7, 1000), (2 ** 53 - 1, 3), (123456789, 2 ** 20)]:
+        want = torch.tensor(reference_noise(seed, position, ids.tolist()), dtype=torch.float64)
+        E = exponential_noise(torch.tensor([seed]), torch.tensor([position]), ids)[0]
+        G = gumbel_noise(torch.tensor([seed]), torch.tensor([position]), ids)[0]
+        assert torch.allclose(E, want, rtol=1e-15, atol=0) and torch.allclose(G, -torch.log(want), rtol=1e-14, atol=0)
+
+
 # ---- the distribution -----------------------------------------------------------------------------------------------
 
-LOGITS = torch.tensor([2.0, 1.5, 1.4, 1.0, 0.7, 0.5, 0.2, 0.0, -0.3, -0.8, -1.5, -2.5], dtype=torch.float64)
-DRAWS = 100_000
-CHI2_LIMIT = 45.0  # far above chi-square's 99.99% point at 11 degrees of freedom (~35): a right sampler passes
+LOGITS = torch.tensor([2.0, 1.5, 1.4, 1.0, 0.7, 0.5, 0.2, 0.0, -0.3, -0.8, -1.5, -2.5, 0.9], dtype=torch.float64)
+DRAWS = 50_000
+CHI2_LIMIT = 45.0  # above chi-square's 99.99% point at 12 degrees of freedom (~37.3): a right sampler passes
+POWER = 4 * CHI2_LIMIT  # a wrong distribution is checked where its noncentrality N·sum((p - q)^2 / q) is this or more
+FILTERS = [dict(), dict(top_k=4), dict(top_p=0.7), dict(min_p=0.2), dict(top_k=5, top_p=0.8),
+           dict(top_p=0.8, min_p=0.1), dict(top_k=6, top_p=0.9, min_p=0.05)]
+GRID = [dict(T=T, **f) for T in (0.6, 1.6) for f in FILTERS]
 
 
-def expected(T, top_k=0, top_p=1.0, min_p=0.0, scale_first=True):
-    """softmax(z/T) restricted to the kept ids and renormalised, from the definitions. scale_first=False is a wrong
-    sampler: the filters see softmax(z) and the temperature comes after them."""
+def expected(T, top_k=0, top_p=1.0, min_p=0.0, scale_first=True, min_p_raw=False, top_p_shift=0):
+    """softmax(z/T) restricted to the kept ids and renormalised, from the definitions, and the kept ids. The other
+    arguments make a wrong sampler: scale_first=False, the filters see softmax(z) and the temperature comes after
+    them; min_p_raw, min-p alone sees softmax(z); top_p_shift, top-p's prefix one id shorter (-1) or longer (+1)."""
     z = LOGITS
     probs = torch.softmax(z / T if scale_first else z, -1)
+    for_min_p = torch.softmax(z, -1) if min_p_raw else probs
     order = sorted(range(len(z)), key=lambda i: (-float(z[i]), i))
-    kept = [i for i in order if probs[i] >= min_p * probs.max()]
+    kept = [i for i in order if for_min_p[i] >= min_p * for_min_p.max()]
     kept = kept[:top_k] if top_k else kept
     if top_p < 1:
-        total, out, before = sum(float(probs[i]) for i in kept), [], 0.0
-        for i in kept:
-            if before < top_p:
-                out.append(i)
+        total, n, before = sum(float(probs[i]) for i in kept), 0, 0.0
+        for i in kept:  # the smallest prefix whose mass reaches top_p: keep while the mass before it is < top_p
+            n += before < top_p
             before += float(probs[i]) / total
-        kept = out
+        kept = kept[:max(1, n + top_p_shift)]
     final = torch.softmax(z / T, -1)
     w = torch.zeros_like(z)
     w[kept] = final[kept]
@@ -204,28 +241,114 @@ def chi2(counts, probs):
     return float(((counts[mask] - e) ** 2 / e).sum())
 
 
-def draw(T, top_k=0, top_p=1.0, min_p=0.0):
-    rows = [(T, top_k, top_p, min_p, seed, 0) for seed in range(DRAWS)]
-    batch = SamplingBatch.build(rows, -1, "cpu")
-    tokens = sample(LOGITS.expand(DRAWS, -1).clone(), 0, None, batch, len(LOGITS)).tokens
-    return torch.bincount(tokens, minlength=len(LOGITS)).double()
+def wrong_distributions(case: dict) -> dict[str, torch.Tensor]:
+    """What a broken sampler would draw for this case: no temperature, no filter, filters before the temperature,
+    min-p on the raw logits, top-k one too many, top-p's cut one candidate early or late."""
+    T, k, top_p, min_p = case["T"], case.get("top_k", 0), case.get("top_p", 1.0), case.get("min_p", 0.0)
+    out = {"untempered": expected(1.0, k, top_p, min_p)[0], "unfiltered": expected(T)[0],
+           "filters before temperature": expected(T, k, top_p, min_p, scale_first=False)[0]}
+    if min_p:
+        out["min-p on raw logits"] = expected(T, k, top_p, min_p, min_p_raw=True)[0]
+    if k:
+        out["top-k + 1"] = expected(T, k + 1, top_p, min_p)[0]
+    if top_p < 1:
+        out["top-p early"] = expected(T, k, top_p, min_p, top_p_shift=-1)[0]
+        out["top-p late"] = expected(T, k, top_p, min_p, top_p_shift=1)[0]
+    return out
 
 
-@pytest.mark.parametrize("T,top_k,top_p,min_p", [(1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.3, 4, 1.0, 0.0),
-                                                 (2.0, 0, 0.6, 0.0), (1.0, 0, 1.0, 0.3), (1.2, 6, 0.8, 0.05)])
-def test_frequencies_match_the_filtered_softmax(T, top_k, top_p, min_p):
-    counts = draw(T, top_k, top_p, min_p)
-    probs, kept = expected(T, top_k, top_p, min_p)
-    assert chi2(counts, probs) < CHI2_LIMIT
-    if top_p < 1:  # the test would catch a top-p cut one candidate too early ...
-        early = torch.zeros_like(probs)
-        early[kept[:-1]] = probs[kept[:-1]]
-        assert chi2(counts, early / early.sum()) > 100 * CHI2_LIMIT
-        wrong, wrong_kept = expected(T, top_k, top_p, min_p, scale_first=False)
-        if wrong_kept != kept:  # ... and the temperature applied after the filter, where that keeps another set
-            assert chi2(counts, wrong) > 100 * CHI2_LIMIT
-    if (T, top_p) == (2.0, 0.6):  # the case above where the order of temperature and filter matters
-        assert expected(T, top_k, top_p, min_p, scale_first=False)[1] != kept
+def noncentrality(right: torch.Tensor, wrong: torch.Tensor, n: int) -> float:
+    """The chi-square statistic's mean shift when draws come from `right` and are tested against `wrong`."""
+    if ((right > 0) & (wrong == 0)).any():
+        return float("inf")
+    mask = wrong > 0
+    return float(n * ((right[mask] - wrong[mask]) ** 2 / wrong[mask]).sum())
+
+
+def draw_grid(ctx, logprobs: int) -> list[tuple[list[int], bool]]:
+    """Every case of GRID, DRAWS seeded rows each, through sample() on this rank's slice of LOGITS (13 ids: padded
+    with -inf to 14 at p = 2): (counts per id, whether the race over the slices ran). logprobs: -1 leaves rows
+    with no filter or min-p alone open (they race over the slices); a large N makes every id a candidate, so every
+    row is closed (raced among the merged candidates)."""
+    V, p = len(LOGITS), ctx.world_size
+    n = -(-V // p)
+    padded = torch.cat([LOGITS, torch.full((n * p - V,), float("-inf"), dtype=torch.float64)])
+    local = padded[ctx.rank * n:(ctx.rank + 1) * n].expand(DRAWS, -1).clone()
+    out = []
+    for case in GRID:
+        rows = [(case["T"], case.get("top_k", 0), case.get("top_p", 1.0), case.get("min_p", 0.0), seed, 0)
+                for seed in range(DRAWS)]
+        res = sample(local, ctx.rank * n, ctx.group, SamplingBatch.build(rows, logprobs, "cpu"), V)
+        out.append((torch.bincount(res.tokens, minlength=V).tolist(), res.race))
+    return out
+
+
+@pytest.mark.parametrize("p,logprobs", [(1, -1), (2, -1), (2, 20)], ids=["p1", "p2-open", "p2-closed"])
+def test_frequencies_match_the_filtered_softmax(p, logprobs):
+    drawn = run_ranks(p, draw_grid, logprobs)[0]
+    checked = set()
+    for case, (counts, raced) in zip(GRID, drawn):
+        counts = torch.tensor(counts, dtype=torch.float64)
+        right, _ = expected(case["T"], case.get("top_k", 0), case.get("top_p", 1.0), case.get("min_p", 0.0))
+        assert chi2(counts, right) < CHI2_LIMIT, case
+        # the path taken: with no candidates asked beyond the filters', a row with no filter or min-p alone races
+        # over the slices; with every id a candidate, every row is closed
+        assert raced == (logprobs < 0 and set(case) <= {"T", "min_p"}), case
+        for name, wrong in wrong_distributions(case).items():  # the power: each wrong sampler that differs enough
+            if noncentrality(right, wrong, DRAWS) >= POWER:
+                assert chi2(counts, wrong) > CHI2_LIMIT, (case, name)
+                checked.add(name)
+    assert checked == {"untempered", "unfiltered", "filters before temperature", "min-p on raw logits", "top-k + 1",
+                       "top-p early", "top-p late"}
+
+
+# ---- across positions -----------------------------------------------------------------------------------------------
+
+TINY = ModelConfig(d_model=16, n_heads=2, d_head=8, d_ffn=32, n_layers=1, max_seq_len=16, vocab_size=7)  # pads at p=2
+PAIRS = 4000
+PAIR_PROMPT = [1, 2, 3]
+PAIR_LIMIT = 90.0  # above chi-square's 99.99% point at 48 degrees of freedom (~84)
+
+
+def pair_table(first: torch.Tensor, second: torch.Tensor, pairs) -> tuple[float, int]:
+    """Chi-square of the pairs' counts against P(a, b) = first[a] · second[a][b], cells expected under 5 pooled."""
+    V = len(first)
+    probs = (first[:, None] * second).flatten()
+    counts = torch.zeros(V * V, dtype=torch.float64)
+    for a, b in pairs:
+        counts[a * V + b] += 1
+    small = probs * len(pairs) < 5
+    probs = torch.cat([probs[~small], probs[small].sum()[None]])
+    counts = torch.cat([counts[~small], counts[small].sum()[None]])
+    return chi2(counts, probs), int((~small).sum())
+
+
+def test_consecutive_tokens_are_drawn_with_fresh_noise():
+    """PAIRS requests with the same prompt and seeds 0..PAIRS-1 through the engine at p = 2, two tokens each: the
+    joint distribution of (first, second) against softmax(z_1)[a] · softmax(z_2 | a)[b] from the dense model. A
+    sampler that reuses a position's noise at the next (the position dropped from the noise's key, or the engine
+    passing the same position twice) draws correlated pairs; its chi-square, from the reference sampler with the
+    position held at 0, is shown to exceed the limit by far."""
+    reqs = [(f"r{i}", PAIR_PROMPT, SamplingParams(max_tokens=2, temperature=1.0, seed=i, ignore_eos=True), 0)
+            for i in range(PAIRS)]
+    config = EngineConfig(long_prefill_token_threshold=4096, max_num_batched_tokens=4 * PAIRS, max_num_seqs=PAIRS,
+                          block_size=4)
+    done = run_ranks(2, serve, TINY, reqs, config)[0][0]
+    pairs = [tuple(done[f"r{i}"].token_ids) for i in range(PAIRS)]
+    dense = init_weights(dense_lm(TINY, torch.float64), seed=0)
+    with torch.no_grad():
+        first = torch.softmax(dense.logits(torch.tensor(PAIR_PROMPT))[-1].double(), -1)
+        second = torch.stack([torch.softmax(dense.logits(torch.tensor(PAIR_PROMPT + [a]))[-1].double(), -1)
+                              for a in range(TINY.vocab_size)])
+    stat, cells = pair_table(first, second, pairs)
+    assert cells >= 20 and stat < PAIR_LIMIT, (stat, cells)
+    # the power: the same test on pairs drawn with the noise of position 0 at both positions
+    stale = []
+    for i in range(PAIRS):
+        E = reference_noise(i, 0, range(TINY.vocab_size))
+        a = reference_pick(torch.log(first).tolist(), 1.0, 0, 1.0, 0.0, E)
+        stale.append((a, reference_pick(torch.log(second[a]).tolist(), 1.0, 0, 1.0, 0.0, E)))
+    assert pair_table(first, second, stale)[0] > 10 * PAIR_LIMIT
 
 
 def top_p_rounds(ctx, slope: float):
