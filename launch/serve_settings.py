@@ -29,8 +29,9 @@ from serve.scheduler import Scheduler, SchedulerError
 from tp.dist import DEFAULT_TIMEOUT_S, ConfigError
 
 # The engine's settings as Hydra sees them: every EngineConfig field with its default, by its own name (check_ledger
-# aside: the offline run records every step's comparison instead of raising, serve/offline.py).
-LAUNCHER_ENGINE = [f for f in dataclasses.fields(EngineConfig) if f.name != "check_ledger"]
+# aside: the offline run records every step's comparison instead of raising, serve/offline.py; speculative_config
+# aside: the launcher does not speculate yet).
+LAUNCHER_ENGINE = [f for f in dataclasses.fields(EngineConfig) if f.name not in ("check_ledger", "speculative_config")]
 ConfigStore.instance().store(name="engine_defaults", node={f.name: f.default for f in LAUNCHER_ENGINE})
 
 

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             ready = time.perf_counter()
             out = llm.generate([prompt] if isinstance(prompt, str) else [prompt], params)[0]
             done = time.perf_counter()
+            stats = llm.stats()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -61,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     print(c.text if llm.tokenizer is not None else " ".join(map(str, c.token_ids)))
     print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}, start-up {ready - start:.1f} s, "
           f"generate {done - ready:.2f} s, tensor_parallel_size={args.tensor_parallel_size}, "
-          f"pipeline_parallel_size={args.pipeline_parallel_size}, dtype {llm.dtype}, {llm.backend}]",
-          file=sys.stderr)
+          f"pipeline_parallel_size={args.pipeline_parallel_size}, dtype {llm.dtype}, {llm.backend}"
+          + (f", speculative: {stats['spec_decode_num_accepted_tokens']} of {stats['spec_decode_num_draft_tokens']} "
+             f"proposed tokens accepted" if config.speculative_config is not None else "") + "]", file=sys.stderr)
     return 0
 
 

@@ -137,6 +137,20 @@ class BlockManager:
             self._take(b)
             table.append(b)
 
+    def shrink(self, request: int, end: int) -> None:
+        """Give back the table's blocks past those covering positions [0, end) (speculative decoding's rejected rows:
+        never named, so they go to the front of the free queue)."""
+        table = self.tables[request]
+        while len(table) > self.blocks_for(end):
+            b = table.pop()
+            block = self.blocks[b]
+            assert block.hash is None or block.ref_count > 1, f"block {b} is named but holds uncomputed positions"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[b] = None
+                self.free.move_to_end(b, last=False)
+        self.hashed[request] = min(self.hashed[request], len(table))
+
     def commit(self, request: int, tokens: list[int], computed: int) -> None:
         """Name every block now full of computed tokens (prefix caching), so later requests can share it."""
         if not self.enable_prefix_caching:

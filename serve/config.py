@@ -20,6 +20,9 @@
     chunk_pipelining              pipeline stages (pp > 1): a prompt's next chunk may enter the pipeline while its
                                   previous chunk is still in flight (off: a request is in one micro-batch in flight
                                   at most, vLLM V1's rule)
+    speculative_config            speculative decoding (serve/spec_decode.py): None (off), or vLLM's dict
+                                  {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": a,
+                                  "prompt_lookup_max": b}, kept as a SpeculativeConfig
 
 Every entry point makes one EngineConfig and passes it whole: `LLM(**kwargs)` (its keyword arguments are these
 fields), `python -m serve` and `python -m serve.api` (FLAGS: vLLM's flag names), launch/serve.py (Hydra's node
@@ -35,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from serve.spec_decode import SpeculativeConfig
 from tp.partition import ceil_div
 
 ATTENTION_MODES = ("auto", "cpu", "batched", "reference")  # layers/attention_backends.py: auto picks by device
@@ -55,8 +59,10 @@ class EngineConfig:
     check_ledger: bool = True
     reserve_capacity: bool = False
     chunk_pipelining: bool = False
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
         for name in COUNTS + ("num_gpu_blocks_override",):
             v = getattr(self, name)
             if name == "num_gpu_blocks_override" and v is None:
@@ -89,6 +95,8 @@ class EngineConfig:
         """The rule between these settings and the pipeline's size."""
         if pp == 1 and self.chunk_pipelining:
             raise ValueError("chunk_pipelining=True is for a pipeline: set pipeline_parallel_size (pp) > 1")
+        if pp > 1 and self.speculative_config is not None:
+            raise ValueError("speculative_config with pipeline stages (pp > 1) is not built yet: use pp = 1")
 
     def pool_blocks(self, max_seq_len: int, capacities: list[int] | None = None) -> int:
         """Blocks in each rank's pool: num_gpu_blocks_override, else the engine sizes it so that nothing is ever
@@ -115,7 +123,7 @@ def fits_alone(positions: int, num_blocks: int, block_size: int) -> str | None:
 # The engine's settings as command-line flags (python -m serve, python -m serve.api): vLLM's flag names.
 FLAGS = {"--" + name.replace("_", "-"): name for name in
          ("block_size", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
-          "num_gpu_blocks_override", "enable_prefix_caching", "attention")}
+          "num_gpu_blocks_override", "enable_prefix_caching", "attention", "speculative_config")}
 
 
 def add_engine_flags(parser) -> None:
@@ -128,6 +136,10 @@ def add_engine_flags(parser) -> None:
         if name == "enable_prefix_caching":
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default,
                                help=f"{name} (default: on)")
+        elif name == "speculative_config":
+            group.add_argument(flag, dest=name, type=_json_object, default=None, metavar="JSON",
+                               help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
+                                    '"num_speculative_tokens": 3}\' (default: off)')
         elif name == "attention":
             group.add_argument(flag, dest=name, choices=ATTENTION_MODES, default=default,
                                help=f"{name}: the attention backend (default: auto, cpu on a CPU device and batched "
@@ -139,6 +151,19 @@ def add_engine_flags(parser) -> None:
                                     f"{'max-num-seqs requests at the full context' if default is None else default})")
 
 
+def _json_object(text: str) -> dict:
+    import argparse
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is expected, like '{{\"method\": \"ngram\"}}', not {text!r}")
+    return value
+
+
 def engine_from_flags(args) -> "EngineConfig":
     """The EngineConfig the parsed flags describe (ValueError, one line naming the flag, when a value is bad)."""
     values = {name: getattr(args, name) for name in FLAGS.values()}
@@ -147,5 +172,5 @@ def engine_from_flags(args) -> "EngineConfig":
     except ValueError as exc:
         message = str(exc)
         for flag, name in FLAGS.items():
-            message = message.replace(f"{name}=", f"{flag}=")
+            message = message.replace(f"{name}=", f"{flag}=").replace(f"{name} ", f"{flag} ")
         raise ValueError(message) from None

@@ -45,6 +45,7 @@ from serve.plan import FINGERPRINT_SIZE, SchedulerOutput
 from serve.request import Request, RequestStatus, validate_prompt
 from serve.sampling_params import SamplingParams
 from serve.scheduler import Scheduler, next_plan
+from serve.spec_decode import SpecDecodeStats, accept, propose_ngram
 from tp.dist import TPContext
 from tp.ledger import TrafficLedger
 from tp.traffic_model import predict_control, predict_iteration
@@ -103,6 +104,8 @@ class LLMEngine:
         self.prefix_hit_tokens = 0  # prompt tokens whose K,V the prefix cache gave, at every admission
         self.prefix_queried_tokens = 0  # prompt tokens of every admission (the hit rate's denominator)
         self.collective_bytes_per_rank = 0.0  # sent by each rank in the steps' collectives (the ledger's count)
+        spec = c.speculative_config
+        self.spec_stats = SpecDecodeStats(0 if spec is None else spec.num_speculative_tokens)
         # rank 0 only: what arrived since the last step, and the request ids users gave
         self._new: list[Request] = []
         self._aborts: list[int] = []
@@ -182,6 +185,7 @@ class LLMEngine:
                 "prefix_hit_tokens": self.prefix_hit_tokens, "prefix_queried_tokens": self.prefix_queried_tokens,
                 "collective_bytes_per_rank": self.collective_bytes_per_rank,
                 "oracle": next((dict(h.verdicts) for h in self.hooks if hasattr(h, "verdicts")), None),
+                **(self.spec_stats.as_dict() if self.config.speculative_config is not None else {}),
                 "last_iteration": self.last_iteration}
 
     # -- every rank: one step ----------------------------------------------------------------------------------------
@@ -200,6 +204,8 @@ class LLMEngine:
                 self.scheduler.add(r)
             for rid in aborts:
                 self.scheduler.abort(rid)
+            if self.config.speculative_config is not None:
+                self._propose()
             plan, self.index = next_plan(self.scheduler, self.index, self._before_schedule)
             if plan is not None:
                 for hook in self.hooks:
@@ -211,10 +217,14 @@ class LLMEngine:
             return self._outputs_of([], aborts)
         plan, sched = ran.done, self.scheduler
         rows = ran.result.to_host()  # ★ the step's one wait for the device
-        sampled = [c.request for c in plan.scheduled if c.sample]
-        finished = sched.update(plan, {rid: int(row[0]) for rid, row in zip(sampled, rows)})
-        live = [(rid, row) for rid, row in zip(sampled, rows)  # a token of a request aborted in flight is dropped
-                if rid in sched.by_id and sched.by_id[rid].status is not RequestStatus.FINISHED_ABORTED]
+        per_request = self._tokens_of(plan, rows)
+        held = {rid: len(sched.by_id[rid].output) for rid in per_request if rid in sched.by_id}
+        finished = sched.update(plan, {rid: tokens for rid, (tokens, _) in per_request.items()})
+        # a row per token each request got (a verified chunk's rows up to its last accepted one, fewer if it ended
+        # there); a token of a request aborted in flight is dropped
+        live = [(rid, row) for rid, (_, its) in per_request.items() if rid in held
+                and sched.by_id[rid].status is not RequestStatus.FINISHED_ABORTED
+                for row in its[:len(sched.by_id[rid].output) - held[rid]]]
         sampled, rows = [rid for rid, _ in live], [row for _, row in live]
         self.prefix_hit_tokens += plan.prefix_hits
         self.prefix_queried_tokens += sum(len(sched.by_id[rid].prompt) for rid in plan.admitted if rid in sched.by_id)
@@ -260,6 +270,30 @@ class LLMEngine:
         return seen, predicted
 
     # -- the pieces --------------------------------------------------------------------------------------------------
+
+    def _tokens_of(self, plan: SchedulerOutput, rows: list[list[float]]) -> dict[int, tuple[list[int], list]]:
+        """Each sampled request's new tokens and their rows of the table: a chunk's one token, or a verified chunk's
+        accepted proposals and the target's own (serve/spec_decode.py's accept), counted in the acceptance stats."""
+        out, i = {}, 0
+        for c in plan.scheduled:
+            if c.sample:
+                its = rows[i:i + len(c.spec) + 1]
+                i += len(its)
+                tokens = [int(row[0]) for row in its]
+                if c.spec:
+                    tokens = accept(tokens, c.spec)
+                    self.spec_stats.observe(len(c.spec), len(tokens) - 1)
+                out[c.request] = (tokens, its)
+        return out
+
+    def _propose(self) -> None:
+        """Every rank, before planning: each decoding request's proposals for this step (n-gram prompt lookup over its
+        own tokens: host only, the same on every rank), at most what its max_tokens leaves after the target's own."""
+        spec = self.config.speculative_config
+        for r in self.scheduler.running:
+            if r.decoding:
+                k = min(spec.num_speculative_tokens, r.max_new_tokens - len(r.output) - 1)
+                r.spec_token_ids = propose_ngram(r.tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, k)
 
     def _before_schedule(self, index: int) -> None:
         self.index = index  # an idle stretch skipped: hooks see the iteration about to be planned

@@ -39,8 +39,8 @@ class ModelRunner:
     def prepare(self, plan: SchedulerOutput, requests: dict[int, Request]) -> Prepared:
         """The iteration's tensors (one host-to-device copy) and its sampling batch. requests: id -> Request (its
         tokens so far, its sampling parameters)."""
-        step = prepare_step(plan, {c.request: requests[c.request].tokens for c in plan.scheduled}, self.block_size,
-                            self.ctx.device, self.attention)
+        step = prepare_step(plan, {c.request: requests[c.request].tokens + list(c.spec) for c in plan.scheduled},
+                            self.block_size, self.ctx.device, self.attention)
         return Prepared(step, sampling_batch(plan, requests, self.ctx.device))
 
     @torch.no_grad()
@@ -72,11 +72,13 @@ def sampling_batch(plan: SchedulerOutput, requests: dict[int, Request], device) 
         if c.sample:
             r = requests[c.request]
             q = r.params
-            if q is None:  # a request of the launcher's greedy runs
-                rows.append((0.0, 0, 1.0, 0.0, 0, len(r.output)))
-                continue
-            rows.append((q.temperature, q.top_k, q.top_p, q.min_p, r.sampling_seed or 0, len(r.output)))
-            logprobs = max(logprobs, -1 if q.logprobs is None else q.logprobs)
+            for j in range(len(c.spec) + 1):  # a verified chunk's row j gives output position len(output) + j
+                if q is None:  # a request of the launcher's greedy runs
+                    rows.append((0.0, 0, 1.0, 0.0, 0, len(r.output) + j))
+                    continue
+                rows.append((q.temperature, q.top_k, q.top_p, q.min_p, r.sampling_seed or 0, len(r.output) + j))
+            if q is not None:
+                logprobs = max(logprobs, -1 if q.logprobs is None else q.logprobs)
     if all(row[0] == 0 for row in rows) and logprobs < 0:
         return None
     return SamplingBatch.build(rows, logprobs, device)

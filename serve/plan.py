@@ -5,6 +5,8 @@ Every request in an iteration is a triple (q_start, q_end, kv_length = q_end):
     fresh prompt of N        (0, N, N)
     chunk k of size C        (kC, kC + C, kC + C)      after a cached prefix of kC rows
     decode                   (t, t + 1, t + 1)         one new row: chunked prefill with C = 1
+    verify k proposals       (t, t + 1 + k, t + 1 + k) the last token and k proposed ones (speculative decoding),
+                                                       every row sampled
 
 The rows are laid end to end in one flat [T, d] tensor, decodes first. A row is sampled
 only where a request's prompt is complete: a decode, or the chunk that ends a prompt (or, after a
@@ -25,6 +27,7 @@ class ScheduledRequest:
     decode: bool  # the prompt was complete before this iteration (one row, one new token)
     sample: bool  # this chunk's last row yields the request's next token
     blocks: tuple[int, ...] = ()  # the request's block table: position t lives in block blocks[t // block_size]
+    spec: tuple[int, ...] = ()  # a decode's proposed tokens, verified in rows 1.. of the chunk (each row sampled)
 
     @property
     def q_rows(self) -> int:
@@ -62,7 +65,9 @@ class SchedulerOutput:
 
     @property
     def sample_rows(self) -> list[int]:
-        return [e - 1 for c, (_, e) in zip(self.scheduled, self.spans) if c.sample]
+        """The rows whose logits give a token: a chunk's last row, or every row of a verified chunk."""
+        return [r for c, (s, e) in zip(self.scheduled, self.spans) if c.sample
+                for r in (range(s, e) if c.spec else (e - 1,))]
 
     @property
     def decodes(self) -> int:
@@ -89,7 +94,7 @@ class SchedulerOutput:
         tables = sum((i + 1) * sum((j + 1) * b for j, b in enumerate(c.blocks)) for i, c in enumerate(self.scheduled))
         return [float(self.index * 1_000_003 + n), float(sum((i + 1) * c.request for i, c in enumerate(self.scheduled))),
                 float(sum((i + 1) * c.q_start + c.sample for i, c in enumerate(self.scheduled)) + 7 * tables),
-                float(sum((i + 7) * c.q_end + 3 * c.decode for i, c in enumerate(self.scheduled)))]
+                float(sum((i + 7) * c.q_end + 3 * c.decode + 11 * sum(c.spec) for i, c in enumerate(self.scheduled)))]
 
 
 FINGERPRINT_SIZE = 4

@@ -50,6 +50,7 @@ class Request:
     params: SamplingParams | None = None
     sampling_seed: int | None = None  # the seed of its noise: params.seed, or one drawn from the engine's seed and id
     status: RequestStatus = RequestStatus.WAITING
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals for its next step (serve/spec_decode.py)
 
     @property
     def finished(self) -> bool:

@@ -185,9 +185,13 @@ class Scheduler:
         decodes = [r for r in ready if r.decoding]
         carried = [r for r in ready if not r.decoding]
         cap = self.microbatch_cap()
+        spare = self._left - len(decodes)  # rows for proposals: what the budget holds beyond one row per decode
         for r in decodes + carried:  # decodes first: one row each (max_num_seqs <= budget: they always fit)
             if r in self.running and self._left > 0 and len(self._rows) < cap:
-                self._reserve(r, 1 if r.decoding else c.long_prefill_token_threshold, preempted)
+                if not r.decoding:
+                    self._reserve(r, c.long_prefill_token_threshold, preempted)
+                elif self._reserve(r, 1 + min(len(r.spec_token_ids), max(spare, 0)), preempted):
+                    spare -= self._rows[r.id][1] - self._rows[r.id][0] - 1
         admitted, hits = [], 0
         while (self.waiting and self._left > 0 and len(self.running) < c.max_num_seqs
                and len(self._rows) < cap):
@@ -233,8 +237,9 @@ class Scheduler:
             if r.id in self._rows:
                 start, end = self._rows[r.id]
                 chunks.append(ScheduledRequest(r.id, start, end, decode=r.decoding,
-                                               sample=end == len(r.tokens),
-                                               blocks=tuple(self.blocks.tables[r.id])))
+                                               sample=end >= len(r.tokens),
+                                               blocks=tuple(self.blocks.tables[r.id]),
+                                               spec=tuple(r.spec_token_ids[:end - len(r.tokens)])))
         chunks.sort(key=lambda c: not c.decode)  # decodes first in the flat rows; stable: admission order inside
         if not chunks:
             return None
@@ -250,7 +255,8 @@ class Scheduler:
         """Give r its rows this iteration (at most `most`, the budget left and what fits in memory), growing its
         block table; with no block free, preempt the most recently admitted running request until one is (r
         itself, if it is that request). False if r got no rows."""
-        want = min(most, len(r.tokens) - r.num_computed_tokens, self._left)
+        proposed = len(r.spec_token_ids) if r.decoding else 0  # a decode's proposals ride in the rows after its own
+        want = min(most, len(r.tokens) + proposed - r.num_computed_tokens, self._left)
         while (rows := self.blocks.rows_that_fit(r.id, r.num_computed_tokens, want)) == 0:
             holder = next((w for w in reversed(self.waiting) if w.id in self.blocks.tables), None)
             if holder is not None:  # a handed-over request still waiting holds blocks: it gives them back first
@@ -279,15 +285,18 @@ class Scheduler:
             start, end = self._rows.pop(victim.id)
             self._left += end - start
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.status = RequestStatus.PREEMPTED
         victim.preemptions += 1
         self.preemptions += 1
         if not waiting:
             preempted.append(victim)
 
-    def update(self, plan: SchedulerOutput, sampled: dict[int, int]) -> list[int]:
-        """Apply an iteration's results (request id -> new token); return the ids that finished now, whose blocks
-        are given back (their contents stay in the pool until reused: a hook may still read them)."""
+    def update(self, plan: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[int]:
+        """Apply an iteration's results (request id -> its new token, or a verified chunk's tokens: the accepted
+        proposals and the target's own); return the ids that finished now, whose blocks are given back (their contents stay in the
+        pool until reused: a hook may still read them). A verified request keeps the K,V of the rows whose tokens it
+        now holds; blocks that held only rejected rows go back to the pool."""
         finished = []
         for c in plan.scheduled:
             if c.request in self.in_flight:  # a pipeline's micro-batch back from the last stage
@@ -299,9 +308,17 @@ class Scheduler:
                 continue
             r.num_computed_tokens = max(r.num_computed_tokens, c.q_end)  # a later chunk may have been dispatched already (a pipeline)
             if c.sample:
-                if r.append_output_token(sampled[c.request]):
-                    finished.append(r.id)
-            self.blocks.commit(r.id, r.tokens, c.q_end)  # K,V written on every stage up to here
+                before = len(r.output)
+                new = sampled[c.request]
+                for token in [new] if isinstance(new, int) else new:
+                    if r.append_output_token(token):
+                        finished.append(r.id)
+                        break
+                if c.spec:  # the rows up to the last accepted proposal hold K,V of the request's tokens
+                    r.num_computed_tokens = c.q_start + len(r.output) - before
+                    if not r.finished:
+                        self.blocks.shrink(r.id, r.num_computed_tokens)
+            self.blocks.commit(r.id, r.tokens, min(c.q_end, r.num_computed_tokens))  # K,V written on every stage up to here
         for rid in finished:
             self.blocks.release(rid)
         if finished:

@@ -110,5 +110,16 @@ class _EngineCollector:
         yield counter("tpref:collective_bytes_per_rank", "Bytes each rank sent in collectives",
                       s["collective_bytes_per_rank"])
         yield counter("tpref:engine_steps", "Engine steps run", engine.steps)
+        if "spec_decode_num_drafts" in s:  # speculative decoding on: vLLM's counters
+            yield counter("tpref:spec_decode_num_drafts", "Verified requests with at least one proposal",
+                          s["spec_decode_num_drafts"])
+            yield counter("tpref:spec_decode_num_draft_tokens", "Proposed tokens", s["spec_decode_num_draft_tokens"])
+            yield counter("tpref:spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+                          s["spec_decode_num_accepted_tokens"])
+            per_pos = CounterMetricFamily("tpref:spec_decode_num_accepted_tokens_per_pos",
+                                          "Proposed tokens accepted, by position", labels=["position"])
+            for j, n in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+                per_pos.add_metric([str(j)], n)
+            yield per_pos
         yield gauge("tpref:generation_tokens_per_second", f"Tokens generated per second over the last {WINDOW_S:g} s",
                     self.metrics.tokens_per_second())

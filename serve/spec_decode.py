@@ -1,0 +1,128 @@
+"""Speculative decoding: a proposer offers K tokens, the target verifies them in one chunk of K + 1 rows.
+
+    LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+
+Per decoding request and step (host only, identically on every rank, before the scheduler plans):
+
+    propose   n-gram prompt lookup: the longest suffix of the request's tokens (prompt_lookup_max down to
+              prompt_lookup_min tokens) that occurred earlier in them; the K tokens that followed its latest earlier
+              occurrence are the proposals x_1..x_K (fewer at the end of the tokens or of max_tokens; none without a
+              match: a plain decode). Request.spec_token_ids holds them.
+    verify    the scheduler gives the request rows [t, t + 1 + k) for its last token and its k proposals (fewer when
+              the step's budget or the pool is short: proposals are dropped, never a request's decode row); every
+              row is sampled, row j with the noise of output position len(output) + j
+    accept    host, after the step's one read: t_0..t_k are the rows' tokens; x_j is accepted while t_{j-1} = x_j;
+              the request gets t_0..t_n (n accepted proposals and one token of the target's own), its cache keeps
+              the K,V of the n + 1 rows whose tokens it now holds, and blocks that held only rejected rows go back
+
+Exactness (docs/background.md, speculative decoding; Leviathan et al. 2023). For a point-mass proposal q = δ_x the
+rejection step accepts x with probability min(1, p(x)/q(x)) = p(x) and on rejection draws from normalize(max(0, p - q))
+= p without x. The sampler's exponential race over the shards does exactly that: its winner is x with probability
+p(x), and given that it is not x it is distributed as p restricted to the other ids. So the n-gram verifier is the
+sampler itself, with its filters (temperature, min-p, top-k, top-p) applied to p as always, nothing gathered, and no
+collective beyond a plain step's over k + 1 rows: the tokens are the very tokens decoding without speculation gives
+(the same noise keys), greedy or sampled, at every TP size. Greedy is the special case "accept while the argmax
+equals the proposal".
+
+vLLM's metrics: a draft is a verified request with k >= 1 proposals; acceptance rate = accepted / draft tokens;
+mean acceptance length = 1 + accepted / drafts; accepted per position j.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None  # draft_model: a checkpoint with the target's vocabulary
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config method={self.method!r}: choose {' or '.join(METHODS)}")
+        if self.method == "draft_model":
+            raise ValueError("speculative_config method='draft_model' is not built yet: use method='ngram'")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config {name}={v!r} must be an integer of at least 1")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} is larger than "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+
+    @classmethod
+    def of(cls, value) -> "SpeculativeConfig | None":
+        """None, a SpeculativeConfig, or vLLM's dict ({"method": ..., "num_speculative_tokens": ..., ...})."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict like {{'method': 'ngram', "
+                             f"'num_speculative_tokens': 3}}, not {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        if "method" not in value:
+            raise ValueError("speculative_config needs a method: 'ngram'")
+        return cls(**value)
+
+
+def propose_ngram(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
+    """Prompt lookup: the k tokens after the latest earlier occurrence of the longest suffix of `tokens` of n_max
+    down to n_min tokens ([] if none occurs earlier, or k = 0)."""
+    if k <= 0:
+        return []
+    size = len(tokens)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        suffix = tokens[size - n:]
+        for start in range(size - n - 1, -1, -1):  # latest first; the suffix itself (start = size - n) excluded
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def accept(sampled: list[int], proposals: tuple[int, ...]) -> list[int]:
+    """The tokens a verified request gets: the rows' tokens t_0..t_k, proposals x_1..x_k; t_0..t_n where x_1..x_n
+    equal t_0..t_{n-1} (accepted) and t_n is the target's own (a correction, or the bonus when all k are accepted)."""
+    n = 0
+    while n < len(proposals) and sampled[n] == proposals[n]:
+        n += 1
+    return sampled[:n + 1]
+
+
+@dataclass
+class SpecDecodeStats:
+    """Running totals, vLLM's names (its spec_decode_* counters)."""
+    num_speculative_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.num_accepted_tokens_per_pos = [0] * self.num_speculative_tokens
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if not proposed:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        for j in range(accepted):
+            self.num_accepted_tokens_per_pos[j] += 1
+
+    def as_dict(self) -> dict:
+        drafts, tokens = self.num_drafts, self.num_draft_tokens
+        return {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+                "spec_decode_acceptance_rate": self.num_accepted_tokens / tokens if tokens else None,
+                "spec_decode_mean_acceptance_length": 1 + self.num_accepted_tokens / drafts if drafts else None}

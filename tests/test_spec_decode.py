@@ -1,0 +1,263 @@
+"""Speculative decoding with n-gram proposals (serve/spec_decode.py) against decoding without it and the dense oracle.
+
+The n-gram verifier is the sampler itself over the chunk's k + 1 rows, each row with the noise of its output
+position, so speculation must not change a single token: greedy or seeded, at p = 1, 2, 3, 4, GPT-2 and Llama with
+grouped-query attention, with prefix hits, preemption and chunked prefill in the same run. Every step's collectives
+are checked against the traffic model inside the engine (check_ledger raises on a difference). The distribution of
+what a verified chunk emits is checked on fixed logits, with the power shown."""
+
+import math
+
+import pytest
+import torch
+
+from layers.dense import init_weights
+from layers.lm import dense_lm
+from layers.sampler import SamplingBatch, sample
+from serve.block_manager import BlockManager
+from serve.config import EngineConfig
+from serve.request import Request
+from serve.sampling_params import SamplingParams
+from serve.scheduler import Scheduler
+from serve.spec_decode import SpeculativeConfig, accept, propose_ngram
+from tests.harness import run_ranks
+from tests.test_sampling import GPT2, LLAMA, chi2, reference_generate, serve
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+# ---- the pieces ---------------------------------------------------------------------------------------------------
+
+
+def test_ngram_proposals_follow_the_latest_earlier_match_of_the_longest_suffix():
+    tokens = [5, 6, 7, 1, 2, 9, 5, 6, 7, 3, 4, 5, 6, 7]
+    assert propose_ngram(tokens, 1, 3, 2) == [3, 4]  # [5, 6, 7] last seen before at 6: then 3, 4
+    assert propose_ngram(tokens, 1, 3, 9) == [3, 4, 5, 6, 7]  # no further than the tokens go
+    assert propose_ngram([1, 2, 3, 4], 1, 3, 2) == []  # no suffix occurs earlier
+    assert propose_ngram([1, 2, 1], 2, 3, 2) == []  # only [1] repeats, shorter than prompt_lookup_min
+    assert propose_ngram([1, 2, 1], 1, 3, 2) == [2, 1]
+    assert propose_ngram([4, 4, 4], 1, 2, 3) == [4]  # [4, 4] seen at 0; what follows it is one 4
+    assert propose_ngram([1, 2, 1], 1, 3, 0) == []
+
+
+def test_accept_takes_matching_proposals_then_the_targets_token():
+    assert accept([7, 8, 9, 4], (7, 8, 9)) == [7, 8, 9, 4]  # all accepted: the bonus token too
+    assert accept([7, 5, 9, 4], (7, 8, 9)) == [7, 5]  # x_2 rejected: the target's own token instead
+    assert accept([1, 8, 9, 4], (7, 8, 9)) == [1]
+    assert accept([3], ()) == [3]
+
+
+@pytest.mark.parametrize("value,message", [
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0 must be"),
+    ({"method": "eagle"}, "method='eagle': choose ngram or draft_model"),
+    ({"method": "draft_model", "model": "x"}, "not built yet"),
+    ({"num_speculative_tokens": 2}, "needs a method"),
+    ({"method": "ngram", "k": 2}, "unknown key 'k'"),
+    ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min=3 is larger"),
+    ("ngram", "must be a dict")])
+def test_bad_speculative_configs_are_one_line_errors(value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=value)
+
+
+def test_pipeline_stages_with_speculation_are_refused():
+    with pytest.raises(ValueError, match="pp > 1"):
+        EngineConfig(speculative_config=NGRAM).check_pipeline(2)
+
+
+def test_rejected_rows_give_their_blocks_back():
+    """A decode verifying 3 proposals that cross into a new block: all rejected, the new block goes back at once;
+    accepted rows keep theirs, and only blocks full of accepted tokens are named for the prefix cache."""
+    config = EngineConfig(block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
+                          speculative_config=NGRAM)
+    blocks = BlockManager(8, 4, True)
+    sched = Scheduler(config, blocks)
+    r = Request(0, [1, 2, 3], 10)
+    sched.add(r)
+    plan = sched.schedule(0)
+    sched.update(plan, {0: [9]})  # prompt computed (3 positions), token 9 sampled: 4 tokens, one block used
+    assert blocks.num_free == 7
+    r.spec_token_ids = [1, 2, 3]
+    plan = sched.schedule(1)
+    (c,) = plan.scheduled
+    assert (c.q_start, c.q_end, c.spec) == (3, 7, (1, 2, 3)) and plan.sample_rows == [0, 1, 2, 3]
+    assert blocks.num_free == 6  # positions 3..6: a second block
+    sched.update(plan, {0: [4]})  # x_1 = 1 rejected: the target's 4
+    assert r.output == [9, 4] and r.num_computed_tokens == 4 and blocks.num_free == 7
+    assert blocks.hashed[0] == 1  # block 0 (tokens 1, 2, 3, 9) is full of computed tokens: named
+    r.spec_token_ids = [5, 6, 7]
+    plan = sched.schedule(2)
+    sched.update(plan, {0: [5, 6, 8]})  # two accepted, then the target's 8: positions 4..6 hold K,V
+    assert r.output == [9, 4, 5, 6, 8] and r.num_computed_tokens == 7 and blocks.num_free == 6
+    blocks.check()
+
+
+# ---- the same tokens as without speculation ------------------------------------------------------------------------
+
+def repetitive_prompts(n: int, seed: int = 0, shared=()) -> list[list[int]]:
+    """Prompts that repeat a short phrase (what prompt lookup finds), some after a shared prefix (prefix hits)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        phrase = torch.randint(0, 1001, (int(torch.randint(2, 5, (1,), generator=g)),), generator=g).tolist()
+        out.append((list(shared) if i % 2 else []) + phrase * int(torch.randint(2, 4, (1,), generator=g)))
+    return out
+
+
+PARAMS = [SamplingParams(max_tokens=12, ignore_eos=True),  # greedy
+          SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=1),
+          SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.2, top_k=5, seed=2),
+          SamplingParams(max_tokens=11, ignore_eos=True, temperature=0.9, top_p=0.8, min_p=0.05, seed=3),
+          SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.7, logprobs=2, seed=4),
+          SamplingParams(max_tokens=9, ignore_eos=True)]
+
+
+def spec_run(ctx, cfg, reqs, config):
+    """serve() (tests/test_sampling.py), and rank 0's acceptance counters."""
+    from serve.engine import LLMEngine
+
+    stats = {}
+    original = LLMEngine.shutdown
+
+    def keep(engine):
+        stats.update(engine.stats())
+        original(engine)
+
+    LLMEngine.shutdown = keep
+    try:
+        out = serve(ctx, cfg, reqs, config)
+    finally:
+        LLMEngine.shutdown = original
+    return out, stats
+
+
+@pytest.mark.parametrize("cfg,sizes", [(GPT2, (1, 2, 3, 4)), (LLAMA, (1, 2, 4))], ids=["gpt2", "llama"])
+def test_speculative_tokens_equal_plain_decoding_and_the_oracle(cfg, sizes):
+    shared = list(range(40, 48))  # two full blocks of 4: prefix hits
+    ps = repetitive_prompts(12, seed=1, shared=shared)
+    reqs = [(f"r{i}", pr, PARAMS[i % len(PARAMS)], i % 4) for i, pr in enumerate(ps)]
+    base = dict(long_prefill_token_threshold=6, max_num_batched_tokens=24, max_num_seqs=8, block_size=4,
+                num_gpu_blocks_override=20)  # tight: preemption
+    plain = run_ranks(1, serve, cfg, reqs, EngineConfig(**base))[0]
+    dense = init_weights(dense_lm(cfg, torch.float64), seed=0)
+    for name, pr, q, _ in reqs[:4]:  # the oracle, for a few: the plain run is checked at length in test_sampling.py
+        assert plain[0][name].token_ids == reference_generate(dense, pr, q, q.seed or 0)[0], name
+    spec = EngineConfig(**base, speculative_config=NGRAM)
+    accepted = []
+    for p in sizes:
+        (done, _, preempted, free), stats = run_ranks(p, spec_run, cfg, reqs, spec)[0]
+        for name, _, q, _ in reqs:
+            assert done[name].token_ids == plain[0][name].token_ids, (name, p)
+            if q.logprobs is not None:  # a verified chunk's rows carry each token's logprobs
+                want = [step[t] for step, t in zip(plain[0][name].logprobs, plain[0][name].token_ids)]
+                got = [step[t] for step, t in zip(done[name].logprobs, done[name].token_ids)]
+                assert len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) < 1e-12
+        assert free == 20  # every block came back
+        accepted.append((stats["spec_decode_num_accepted_tokens"], stats["spec_decode_num_draft_tokens"], preempted))
+    a, drafted, preempted = accepted[0]
+    assert 0 < a < drafted and preempted > 0  # proposals accepted and rejected, requests preempted
+    assert len(set(accepted)) == 1  # the same at every p
+
+
+def test_a_seeded_request_is_the_same_alone_and_in_a_batch_of_16_at_every_p():
+    target = ([3, 4, 5, 3, 4, 5, 3, 4], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=42,
+                                                          ignore_eos=True))
+    others = repetitive_prompts(15, seed=2)
+    batch = [("t", *target, 1)] + [(f"o{i}", pr, SamplingParams(max_tokens=8, temperature=0.9, seed=i,
+                                                                 ignore_eos=True), i % 3)
+                                   for i, pr in enumerate(others)]
+    config = EngineConfig(long_prefill_token_threshold=8, max_num_batched_tokens=64, max_num_seqs=16, block_size=4,
+                          speculative_config=NGRAM)
+    want = run_ranks(1, serve, GPT2, [("t", *target, 0)], EngineConfig(block_size=4))[0][0]["t"].token_ids
+    for p in (1, 2, 4):
+        assert run_ranks(p, serve, GPT2, [("t", *target, 0)], config)[0][0]["t"].token_ids == want, p
+        assert run_ranks(p, serve, GPT2, batch, config)[0][0]["t"].token_ids == want, p
+
+
+def test_the_library_and_the_cli_speculate_against_the_oracle(capsys):
+    """LLM(speculative_config=...) at p = 2: greedy and seeded requests each checked against the dense oracle on rank 0
+    (check=True), the ledger against the model on every rank; its stats carry vLLM's counters. python -m serve takes
+    --speculative-config JSON, and refuses bad JSON or settings in one line before any rank starts."""
+    from serve import LLM
+    from serve.__main__ import main
+
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 9, 10, 9, 10], [1, 2, 3, 1, 2, 3, 1]]
+    params = [SamplingParams(max_tokens=10, ignore_eos=True), SamplingParams(max_tokens=8, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True)]
+    with LLM("llama_tiny", tensor_parallel_size=2, check=True, speculative_config=NGRAM) as llm:
+        outs = llm.generate(prompts, params)
+        stats = llm.stats()
+    assert [o.oracle["verdict"] for o in outs] == ["match"] * 3
+    assert stats["spec_decode_num_drafts"] > 0 and len(stats["spec_decode_num_accepted_tokens_per_pos"]) == 3
+    assert stats["spec_decode_num_accepted_tokens"] == sum(stats["spec_decode_num_accepted_tokens_per_pos"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # argparse's error for the flag's value
+        main(["--model", "llama_tiny", "--prompt-ids", "1,2", "--speculative-config", "{nope"])
+    assert "not JSON" in capsys.readouterr().err
+    assert main(["--model", "llama_tiny", "--prompt-ids", "1,2", "--speculative-config",
+                 '{"method": "ngram", "num_speculative_tokens": 0}']) == 2
+    assert "--speculative-config num_speculative_tokens=0 must be" in capsys.readouterr().err
+    assert main(["--model", "llama_tiny", "--prompt-ids", "5,6,7,5,6,7,5,6", "--max-tokens", "10", "--ignore-eos",
+                 "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']) == 0
+    out, err = capsys.readouterr()
+    assert "proposed tokens accepted" in err
+
+
+# ---- the distribution of a verified chunk's tokens ------------------------------------------------------------------
+
+LOGITS = torch.tensor([1.2, 0.9, 0.4, 0.3, 0.0, -0.2, -0.7, -1.5], dtype=torch.float64)
+DRAWS = 60_000
+LIMIT = 120.0  # above chi-square's 99.99% point at 63 degrees of freedom (~114, Wilson-Hilferty): the most cells
+
+
+def filtered(T: float, top_k: int, top_p: float) -> torch.Tensor:
+    """softmax(LOGITS / T) after top-k and top-p, from the definitions (as tests/test_sampling.py's expected)."""
+    probs = torch.softmax(LOGITS / T, -1)
+    order = sorted(range(len(LOGITS)), key=lambda i: (-float(LOGITS[i]), i))
+    kept = order[:top_k] if top_k else order
+    if top_p < 1:
+        total, n, before = float(probs[kept].sum()), 0, 0.0
+        for i in kept:
+            n += before < top_p
+            before += float(probs[i]) / total
+        kept = kept[:n]
+    w = torch.zeros_like(probs)
+    w[kept] = probs[kept]
+    return w / w.sum()
+
+
+def verified_pairs(ctx, proposals: tuple[int, int], T: float, top_k: int, top_p: float) -> list[int]:
+    """DRAWS requests at the same fixed logits every position, each verifying `proposals` in one chunk of 3 rows
+    (output positions 0, 1, 2) on this rank's slice; the first two tokens each request gets (a request that got one
+    token draws its second in the next step, at output position 1, as the engine would). Counts of the 64 pairs."""
+    V, p = len(LOGITS), ctx.world_size
+    n = V // p
+    local = LOGITS[ctx.rank * n:(ctx.rank + 1) * n]
+    rows = [(T, top_k, top_p, 0.0, seed, j) for seed in range(DRAWS) for j in range(3)]
+    tokens = sample(local.expand(3 * DRAWS, -1).clone(), ctx.rank * n, ctx.group,
+                    SamplingBatch.build(rows, -1, "cpu"), V).tokens.view(DRAWS, 3).tolist()
+    nxt = sample(local.expand(DRAWS, -1).clone(), ctx.rank * n, ctx.group,
+                 SamplingBatch.build([(T, top_k, top_p, 0.0, seed, 1) for seed in range(DRAWS)], -1, "cpu"),
+                 V).tokens.tolist()
+    counts = [0] * (V * V)
+    for row, second in zip(tokens, nxt):
+        got = accept(row, proposals)
+        got = got + [second] if len(got) == 1 else got
+        counts[got[0] * V + got[1]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("proposals,T,top_k,top_p", [((0, 1), 1.0, 0, 1.0), ((7, 7), 0.8, 0, 1.0),
+                                                     ((2, 0), 1.3, 4, 1.0), ((1, 6), 0.9, 0, 0.8)])
+def test_verified_tokens_are_distributed_as_sampling_one_at_a_time(proposals, T, top_k, top_p):
+    """Fixed logits at every position: the first two tokens must be independent draws of the filtered softmax. The
+    proposals are likely (0, 1), impossible under the filter (7 with top-k 4, 6 with top-p 0.8) or unlikely. Power: the
+    same counts against what a verifier that always accepted the first proposal would give fail."""
+    counts = torch.tensor(run_ranks(2, verified_pairs, proposals, T, top_k, top_p)[0], dtype=torch.float64)
+    q = filtered(T, top_k, top_p)
+    joint = (q[:, None] * q[None, :]).flatten()
+    assert chi2(counts, joint) < LIMIT
+    wrong = torch.zeros(len(LOGITS), dtype=torch.float64)  # the first token always the proposal
+    wrong[proposals[0]] = 1.0
+    assert chi2(counts, (wrong[:, None] * q[None, :]).flatten()) > 10 * LIMIT
+    assert math.isfinite(chi2(counts, joint))
