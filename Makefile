@@ -40,8 +40,10 @@ demo: setup
 serve: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(SERVE_NPROC) launch/serve.py $(ARGS)
 
+# Two pytest workers, a test file each at a time (its module fixtures start once): many tests wait on rank
+# processes, so two files at once keep both cores busy.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # Every benchmark (about 25 minutes on 2 cores), then docs/benchmarks.md from their JSON.
 bench: setup

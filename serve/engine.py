@@ -216,16 +216,7 @@ class LLMEngine:
             self._after(StepRecord(None, payload, ran.sampler, ended=aborts, **ran.extra))
             return self._outputs_of([], aborts)
         plan, sched = ran.done, self.scheduler
-        rows = ran.result.to_host()  # ★ the step's one wait for the device
-        per_request = self._tokens_of(plan, rows)
-        held = {rid: len(sched.by_id[rid].output) for rid in per_request if rid in sched.by_id}
-        finished = sched.update(plan, {rid: tokens for rid, (tokens, _) in per_request.items()})
-        # a row per token each request got (a verified chunk's rows up to its last accepted one, fewer if it ended
-        # there); a token of a request aborted in flight is dropped
-        live = [(rid, row) for rid, (_, its) in per_request.items() if rid in held
-                and sched.by_id[rid].status is not RequestStatus.FINISHED_ABORTED
-                for row in its[:len(sched.by_id[rid].output) - held[rid]]]
-        sampled, rows = [rid for rid, _ in live], [row for _, row in live]
+        sampled, rows, finished = self._update(plan, ran.result.to_host())  # ★ the step's one wait for the device
         self.prefix_hit_tokens += plan.prefix_hits
         self.prefix_queried_tokens += sum(len(sched.by_id[rid].prompt) for rid in plan.admitted if rid in sched.by_id)
         self.collective_bytes_per_rank += sum(r.traffic().bytes_per_rank for r in self.ledger.records)
@@ -270,6 +261,19 @@ class LLMEngine:
         return seen, predicted
 
     # -- the pieces --------------------------------------------------------------------------------------------------
+
+    def _update(self, plan: SchedulerOutput, rows: list[list[float]]) -> tuple[list[int], list, list[int]]:
+        """The scheduler takes the step's tokens; (a request id per token a request got, that token's row of the table,
+        the requests that finished). A verified chunk gives its rows up to its last accepted one (fewer if the request
+        ended there); a token of a request aborted in flight is dropped."""
+        sched = self.scheduler
+        per_request = self._tokens_of(plan, rows)
+        held = {rid: len(sched.by_id[rid].output) for rid in per_request if rid in sched.by_id}
+        finished = sched.update(plan, {rid: tokens for rid, (tokens, _) in per_request.items()})
+        live = [(rid, row) for rid, (_, its) in per_request.items() if rid in held
+                and sched.by_id[rid].status is not RequestStatus.FINISHED_ABORTED
+                for row in its[:len(sched.by_id[rid].output) - held[rid]]]
+        return [rid for rid, _ in live], [row for _, row in live], finished
 
     def _tokens_of(self, plan: SchedulerOutput, rows: list[list[float]]) -> dict[int, tuple[list[int], list]]:
         """Each sampled request's new tokens and their rows of the table: a chunk's one token, or a verified chunk's

@@ -7,8 +7,9 @@ Per decoding request and step (host only, identically on every rank, before the 
 
     propose   n-gram prompt lookup: the longest suffix of the request's tokens (prompt_lookup_max down to
               prompt_lookup_min tokens) that occurred earlier in them; the K tokens that followed its latest earlier
-              occurrence are the proposals x_1..x_K (fewer at the end of the tokens or of max_tokens; none without a
-              match: a plain decode). Request.spec_token_ids holds them.
+              occurrence with K tokens after it (else its earliest, which has the most) are the proposals x_1..x_K
+              (fewer at the end of the tokens or of max_tokens; none without a match: a plain decode).
+              Request.spec_token_ids holds them.
     verify    the scheduler gives the request rows [t, t + 1 + k) for its last token and its k proposals (fewer when
               the step's budget or the pool is short: proposals are dropped, never a request's decode row); every
               row is sampled, row j with the noise of output position len(output) + j
@@ -76,16 +77,18 @@ class SpeculativeConfig:
 
 
 def propose_ngram(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
-    """Prompt lookup: the k tokens after the latest earlier occurrence of the longest suffix of `tokens` of n_max
-    down to n_min tokens ([] if none occurs earlier, or k = 0)."""
+    """Prompt lookup: the k tokens after an earlier occurrence of the longest suffix of `tokens` of n_max down to n_min
+    tokens: the latest with k tokens after it, else the earliest ([] if none occurs earlier, or k = 0). A run of one
+    repeated token proposes k more of it, not the one token after the run's latest position."""
     if k <= 0:
         return []
     size = len(tokens)
     for n in range(min(n_max, size - 1), n_min - 1, -1):
         suffix = tokens[size - n:]
-        for start in range(size - n - 1, -1, -1):  # latest first; the suffix itself (start = size - n) excluded
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
+        starts = [s for s in range(size - n - 1, -1, -1) if tokens[s:s + n] == suffix]  # latest first, not itself
+        if starts:  # the latest with k tokens after it; else the earliest, which has the most
+            start = next((s for s in starts if s + n + k <= size), starts[-1])
+            return tokens[start + n:start + n + k]
     return []
 
 

@@ -29,14 +29,18 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 # ---- the pieces ---------------------------------------------------------------------------------------------------
 
 
-def test_ngram_proposals_follow_the_latest_earlier_match_of_the_longest_suffix():
+def test_ngram_proposals_follow_an_earlier_match_of_the_longest_suffix():
     tokens = [5, 6, 7, 1, 2, 9, 5, 6, 7, 3, 4, 5, 6, 7]
     assert propose_ngram(tokens, 1, 3, 2) == [3, 4]  # [5, 6, 7] last seen before at 6: then 3, 4
-    assert propose_ngram(tokens, 1, 3, 9) == [3, 4, 5, 6, 7]  # no further than the tokens go
+    assert propose_ngram(tokens, 1, 3, 9) == [1, 2, 9, 5, 6, 7, 3, 4, 5]  # only the match at 0 has 9 after it
+    assert propose_ngram(tokens, 1, 3, 11) == [1, 2, 9, 5, 6, 7, 3, 4, 5, 6, 7]  # none has 11: the earliest
     assert propose_ngram([1, 2, 3, 4], 1, 3, 2) == []  # no suffix occurs earlier
     assert propose_ngram([1, 2, 1], 2, 3, 2) == []  # only [1] repeats, shorter than prompt_lookup_min
     assert propose_ngram([1, 2, 1], 1, 3, 2) == [2, 1]
-    assert propose_ngram([4, 4, 4], 1, 2, 3) == [4]  # [4, 4] seen at 0; what follows it is one 4
+    assert propose_ngram([4, 4, 4], 1, 2, 3) == [4]  # [4, 4] seen at 0 only; what follows it is one 4
+    assert propose_ngram([8] * 9, 1, 3, 4) == [8] * 4  # the latest [8, 8, 8] with 4 tokens after it
+    assert propose_ngram([1, 2, 9, 1, 2, 7, 1, 2], 2, 2, 3) == [7, 1, 2]  # the latest match (at 3) has 3 after it
+    assert propose_ngram([1, 2, 9, 1, 2, 7, 1, 2], 2, 2, 4) == [9, 1, 2, 7]  # it has not 4: the match at 0
     assert propose_ngram([1, 2, 1], 1, 3, 0) == []
 
 
