@@ -247,20 +247,25 @@ def _all_logits(local: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]
     return values.gather(1, order), order.double()
 
 
-def sample(local: torch.Tensor, start: int, group: dist.ProcessGroup | None, batch: SamplingBatch | None,
-           vocab_size: int) -> SampleResult:
-    """local: this rank's logits [S, V'/p] (padding ids -inf); start: its first id; group: the vocab-parallel group
-    (None: the whole vocabulary is here). One batched pass, no loop over rows.
+@dataclass
+class _Cut:
+    """What the filters decided for each row (sample()'s first half; filtered_logprobs reads it too)."""
+    T: torch.Tensor  # [S, 1] the temperature (1 on greedy rows)
+    log_min_p: torch.Tensor  # [S, 1]
+    greedy: torch.Tensor  # [S] bool
+    m: torch.Tensor | None  # [S, 1] the global max of z (None: no candidates were gathered)
+    top_z: torch.Tensor | None  # [S, c] the merged candidates, (z desc, id asc)
+    top_id: torch.Tensor | None
+    kept: torch.Tensor | None  # [S, c] which candidates survive every filter (a prefix of them)
+    closed: torch.Tensor  # [S] bool: every kept id is a candidate
+    rounds: list[int]
+    z_full: torch.Tensor | None  # [S] logprobs' normaliser sum exp(z - m), all-reduced
 
-    A row whose kept ids all lie among the merged candidates (top-k; top-p or min-p cutting inside them) is closed:
-    every rank races the same candidates with the same noise and gets the same winner, with no more communication
-    and no noise drawn over the slice. The other rows (temperature alone, or a cut past the candidates; greedy rows)
-    race over each rank's slice, and the race's all-gather picks the winner."""
-    if batch is None or batch.greedy_only:
-        return SampleResult(*greedy_pick(local, start, group))
+
+def _cut(local: torch.Tensor, ids: torch.Tensor, group, batch: SamplingBatch) -> _Cut:
+    """The filters, exactly, with the fewest collectives: candidates, normalisers, more candidates for top-p."""
     S, n = local.shape
     dev = local.device
-    ids = torch.arange(start, start + n, device=dev)
     greedy = batch.temperature == 0
     sampled = ~greedy
     T = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)[:, None]
@@ -268,7 +273,7 @@ def sample(local: torch.Tensor, start: int, group: dist.ProcessGroup | None, bat
     rounds: list[int] = []
     c = min(n, max(batch.candidates, TOP_P_CANDIDATES if batch.any_top_p else 0))
     closed = torch.zeros(S, dtype=torch.bool, device=dev)
-    top_z = top_id = m = None
+    top_z = top_id = m = kept_c = z_full = None
     if c:
         top_z, top_id = _candidates(local, ids, c, group)
         rounds.append(c)
@@ -293,7 +298,6 @@ def sample(local: torch.Tensor, start: int, group: dist.ProcessGroup | None, bat
         cand_zk = torch.where(kept_c, torch.exp(top_z / T - m / T), 0).sum(-1)
         z_kept = torch.where(slice_rows, sums[:, 0], cand_zk)
         z_full = sums[:, 1]
-    cut_c = None
     if batch.any_top_p:
         while True:
             mass = torch.where(kept_c, torch.exp(top_z / T - m / T), 0) / z_kept[:, None]
@@ -311,12 +315,31 @@ def sample(local: torch.Tensor, start: int, group: dist.ProcessGroup | None, bat
                 top_z, top_id = _all_logits(local, group)
             rounds.append(c if c < n else 0)
             kept_c = _kept_candidates(top_z, T, m, batch, greedy)
-        cut_c = kept_c & ~(top_p_on[:, None] & (before >= batch.top_p[:, None]))  # top-p's prefix
+        kept_c = kept_c & ~(top_p_on[:, None] & (before >= batch.top_p[:, None]))  # top-p's prefix
         closed |= top_p_on
+    return _Cut(T, log_min_p, greedy, m, top_z, top_id, kept_c, closed, rounds, z_full)
+
+
+def sample(local: torch.Tensor, start: int, group: dist.ProcessGroup | None, batch: SamplingBatch | None,
+           vocab_size: int) -> SampleResult:
+    """local: this rank's logits [S, V'/p] (padding ids -inf); start: its first id; group: the vocab-parallel group
+    (None: the whole vocabulary is here). One batched pass, no loop over rows.
+
+    A row whose kept ids all lie among the merged candidates (top-k; top-p or min-p cutting inside them) is closed:
+    every rank races the same candidates with the same noise and gets the same winner, with no more communication
+    and no noise drawn over the slice. The other rows (temperature alone, or a cut past the candidates; greedy rows)
+    race over each rank's slice, and the race's all-gather picks the winner."""
+    if batch is None or batch.greedy_only:
+        return SampleResult(*greedy_pick(local, start, group))
+    S, n = local.shape
+    dev = local.device
+    ids = torch.arange(start, start + n, device=dev)
+    cut = _cut(local, ids, group, batch)
+    T, closed, top_z, top_id = cut.T, cut.closed, cut.top_z, cut.top_id
     result = SampleResult(torch.empty(S, dtype=torch.long, device=dev),
-                          torch.empty(S, dtype=torch.float64, device=dev), rounds=tuple(rounds))
+                          torch.empty(S, dtype=torch.float64, device=dev), rounds=tuple(cut.rounds))
     if bool(closed.any()):  # race the candidates: the same on every rank, nothing to gather
-        kept = (cut_c if cut_c is not None else kept_c)[closed]
+        kept = cut.kept[closed]
         cz, cid = top_z[closed], top_id[closed].long()
         race = torch.where(kept, gumbel_noise(batch.seed[closed], batch.position[closed], cid) + cz / T[closed],
                            float("-inf"))
@@ -329,9 +352,9 @@ def sample(local: torch.Tensor, start: int, group: dist.ProcessGroup | None, bat
             result.margin[closed] = two[:, 0] - two[:, 1]
     if not bool(closed.all()):
         result.race = True
-        _race_slices(local, ids, start, group, batch, T, log_min_p, m, ~closed, result)
+        _race_slices(local, ids, start, group, batch, T, cut.log_min_p, cut.m, ~closed, result)
     if batch.logprobs >= 0:
-        log_z = m[:, 0] + torch.log(z_full)
+        log_z = cut.m[:, 0] + torch.log(cut.z_full)
         result.logprob = result.logits - log_z
         result.top_ids = top_id[:, :batch.logprobs].long()
         result.top_logprobs = top_z[:, :batch.logprobs] - log_z[:, None]

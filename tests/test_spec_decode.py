@@ -265,3 +265,140 @@ def test_verified_tokens_are_distributed_as_sampling_one_at_a_time(proposals, T,
     wrong[proposals[0]] = 1.0
     assert chi2(counts, (wrong[:, None] * q[None, :]).flatten()) > 10 * LIMIT
     assert math.isfinite(chi2(counts, joint))
+
+
+# ---- the rejection sampler (a draft q that is not a point mass) -------------------------------------------------------
+
+ZP = torch.tensor([1.0, 0.6, 0.5, 0.1, -0.2, -0.4, -0.9, -1.4], dtype=torch.float64)
+ZQ = torch.tensor([-0.5, 1.1, -1.0, 0.9, 0.3, -2.0, 0.4, 0.0], dtype=torch.float64)
+NEG = float("-inf")
+DRAFTS = {  # the draft's logits: q differs from p; q's support disjoint from p's top-4; q one-hot; q = 0 on most of
+    "q != p": ZQ,  # p's support; q = p (a self-draft)
+    "disjoint": torch.tensor([NEG] * 4 + [0.0, 0.2, 0.4, 0.6], dtype=torch.float64),
+    "one-hot": torch.tensor([NEG, NEG, NEG, 0.0, NEG, NEG, NEG, NEG], dtype=torch.float64),
+    "q = 0 where p > 0": torch.tensor([NEG, 0.5, 0.0, NEG, NEG, NEG, NEG, NEG], dtype=torch.float64),
+    "self": ZP,
+}
+SPEC_DRAWS = 50_000
+
+
+def _slice(ctx, z: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
+    n = len(z) // ctx.world_size
+    return z[ctx.rank * n:(ctx.rank + 1) * n].expand(rows, -1).clone(), ctx.rank * n
+
+
+def speculate(ctx, zq: torch.Tensor, first: int, T: float, top_k: int, top_p: float, K: int = 2,
+              breaks: str = "") -> list[list[int]]:
+    """SPEC_DRAWS requests at the fixed target logits ZP and draft logits zq (the same at every position), from
+    output position `first`: the draft samples K proposals (its own noise stream), the target verifies them in K + 1
+    rows; each request's tokens. breaks: a deliberately wrong verifier, to show the tests' power."""
+    from layers.rejection_sampler import DRAFT_STREAM, filtered_logprobs, rejection_sample, verify
+
+    D, V = SPEC_DRAWS, len(ZP)
+    params = lambda pos, salt=0: SamplingBatch.build(  # noqa: E731
+        [(T, top_k, top_p, 0.0, seed ^ salt, pos + j) for seed in range(D) for j in range(K + 1)], -1, "cpu")
+    zq_local, start = _slice(ctx, zq, D * (K + 1))
+    drafted = sample(zq_local, start, ctx.group, params(first, DRAFT_STREAM), V).tokens.view(D, K + 1)[:, :K]
+    batch = params(first)
+    proposal = torch.cat([drafted, torch.full((D, 1), -1)], dim=1).flatten()
+    p_logp = filtered_logprobs(_slice(ctx, ZP, D * (K + 1))[0], start, ctx.group, batch)
+    q_logp = filtered_logprobs(zq_local, start, ctx.group, batch)
+    if breaks == "accept with p":  # q ignored: accept with probability p(x)
+        q_logp = torch.zeros_like(q_logp)
+    if breaks == "residual p":  # the residual drawn from p, not from max(0, p - q)
+        q_logp = torch.where(proposal[:, None] >= 0, torch.full_like(q_logp, NEG), q_logp)
+        accepted, _ = rejection_sample(p_logp, filtered_logprobs(zq_local, start, ctx.group, batch), proposal, start,
+                                       ctx.group, batch)
+        _, token = rejection_sample(p_logp, q_logp, proposal, start, ctx.group, batch)
+    else:
+        accepted, token = rejection_sample(p_logp, q_logp, proposal, start, ctx.group, batch)
+    accepted, token = accepted.view(D, K + 1).tolist(), token.view(D, K + 1).tolist()
+    out = []
+    for a, t, x in zip(accepted, token, drafted.tolist()):
+        got = verify(a, t, x)
+        out.append(got[:-1] if breaks == "drop the bonus" and len(got) == K + 1 else got)
+    return out
+
+
+def first_two(ctx, zq, T, top_k, top_p, breaks="") -> list[int]:
+    """Counts of each request's first two tokens (a request that got one token gets its second from the next step's
+    verification, at output position 1)."""
+    V = len(ZP)
+    one, two = speculate(ctx, zq, 0, T, top_k, top_p, breaks=breaks), speculate(ctx, zq, 1, T, top_k, top_p,
+                                                                                breaks=breaks)
+    counts = [0] * (V * V)
+    for a, b in zip(one, two):
+        pair = a[:2] if len(a) >= 2 else a + b[:1]
+        counts[pair[0] * V + pair[1]] += 1
+    return counts
+
+
+def target(T, top_k, top_p) -> torch.Tensor:
+    probs = torch.softmax(ZP / T, -1)
+    kept = list(range(len(ZP)))  # ZP is sorted: id order is probability order
+    kept = kept[:top_k] if top_k else kept
+    if top_p < 1:
+        total, n, before = float(probs[kept].sum()), 0, 0.0
+        for i in kept:
+            n += before < top_p
+            before += float(probs[i]) / total
+        kept = kept[:n]
+    w = torch.zeros_like(probs)
+    w[kept] = probs[kept]
+    return w / w.sum()
+
+
+@pytest.mark.parametrize("draft,T,top_k,top_p", [("q != p", 1.0, 0, 1.0), ("q != p", 0.7, 0, 0.85),
+                                                 ("disjoint", 1.2, 4, 1.0), ("one-hot", 0.9, 0, 1.0),
+                                                 ("q = 0 where p > 0", 1.0, 5, 0.9)])
+def test_the_rejection_sampler_draws_the_targets_distribution(draft, T, top_k, top_p):
+    """Fixed logits over 8 ids at p = 2, a draft q that differs from p in each way that matters, top-k and top-p on
+    the target (and the draft): the first two tokens of 50,000 seeded requests are independent draws of the target's
+    filtered softmax (chi-square below LIMIT). Power, on the first case: accepting with probability p(x) (q ignored),
+    or drawing the residual from p instead of max(0, p − q), gives a chi-square over 10,000 against the same joint."""
+    q = target(T, top_k, top_p)
+    joint = (q[:, None] * q[None, :]).flatten()
+    counts = torch.tensor(run_ranks(2, first_two, DRAFTS[draft], T, top_k, top_p)[0], dtype=torch.float64)
+    assert chi2(counts, joint) < LIMIT, chi2(counts, joint)
+    if (draft, top_p) == ("q != p", 1.0):
+        for wrong in ("accept with p", "residual p"):
+            bad = torch.tensor(run_ranks(2, first_two, DRAFTS[draft], T, top_k, top_p, wrong)[0], dtype=torch.float64)
+            assert chi2(bad, joint) > LIMIT, (wrong, chi2(bad, joint))
+
+
+def test_a_self_draft_accepts_everything_and_the_bonus_is_the_targets():
+    """q = p: every proposal is accepted (p/q = 1), each request gets K + 1 tokens, and the bonus (the third) is a
+    draw of p. Dropping the bonus token fails here."""
+    T, K = 0.8, 2
+    got = run_ranks(2, speculate, DRAFTS["self"], 0, T, 0, 1.0, K)[0]
+    assert all(len(g) == K + 1 for g in got)
+    counts = torch.bincount(torch.tensor([g[K] for g in got]), minlength=len(ZP)).double()
+    assert chi2(counts, target(T, 0, 1.0)) < 45.0
+    dropped = run_ranks(2, speculate, DRAFTS["self"], 0, T, 0, 1.0, K, "drop the bonus")[0]
+    assert not all(len(g) == K + 1 for g in dropped)
+
+
+def filtered_grid(ctx) -> list[list[float]]:
+    """filtered_logprobs of tests/test_sampling.py's LOGITS, a row per case of its GRID, on this rank's slice."""
+    from layers.rejection_sampler import filtered_logprobs
+    from tests.test_sampling import GRID, LOGITS
+
+    V, p = len(LOGITS), ctx.world_size
+    n = -(-V // p)
+    padded = torch.cat([LOGITS, torch.full((n * p - V,), NEG, dtype=torch.float64)])
+    local = padded[ctx.rank * n:(ctx.rank + 1) * n].expand(len(GRID), -1).clone()
+    rows = [(c["T"], c.get("top_k", 0), c.get("top_p", 1.0), c.get("min_p", 0.0), 0, 0) for c in GRID]
+    return filtered_logprobs(local, ctx.rank * n, ctx.group, SamplingBatch.build(rows, -1, "cpu")).tolist()
+
+
+def test_filtered_logprobs_are_the_samplers_distribution_at_every_p():
+    """filtered_logprobs on each rank's slice, gathered, against softmax(z/T) restricted by the filters (the
+    definitions, tests/test_sampling.py's expected) at p = 1 and 2 (13 ids, padded to 14), every filter of the grid."""
+    from tests.test_sampling import GRID, LOGITS, expected
+
+    for p in (1, 2):
+        slices = run_ranks(p, filtered_grid)
+        got = torch.tensor([sum((s[i] for s in slices), []) for i in range(len(GRID))], dtype=torch.float64)[:, :len(LOGITS)]
+        for case, row in zip(GRID, got):
+            want, _ = expected(case["T"], case.get("top_k", 0), case.get("top_p", 1.0), case.get("min_p", 0.0))
+            assert torch.allclose(row.exp(), want, atol=1e-12), (p, case)
