@@ -189,10 +189,13 @@ class TPLM(nn.Module):
         """The tokens of rows sample_rows of the stack's output x [T, d]."""
         if sample_rows.numel() == 0:  # only prompt chunks that do not finish their prompt: nothing to sample
             return nothing_sampled()
-        last = self.ln_f(x[sample_rows])  # [S, d]: LayerNorm is per row, so only the sampled rows need it
         # ★ vocab-parallel: greedy, an all-gather of (max, argmax) pairs [S, 2] per rank (sampling: layers/sampler.py)
-        return sample(self.embed.local_logits(last), self.embed.start, self.embed.head_group(), sampling,
-                      self.cfg.vocab_size)
+        return sample(*self.head_logits(x, sample_rows), sampling, self.cfg.vocab_size)
+
+    def head_logits(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, int, dist.ProcessGroup | None]:
+        """Rows `rows` of the stack's output through the final norm and this rank's slice of the head: (logits
+        [S, V'/p], the slice's first id, the head's group). LayerNorm is per row, so only these rows need it."""
+        return self.embed.local_logits(self.ln_f(x[rows])), self.embed.start, self.embed.head_group()
 
 
 class TPLlamaLM(nn.Module):
@@ -227,10 +230,12 @@ class TPLlamaLM(nn.Module):
     def pick(self, x: torch.Tensor, sample_rows: torch.Tensor, sampling: SamplingBatch | None) -> SampleResult:
         if sample_rows.numel() == 0:
             return nothing_sampled()
-        last = self.norm(x[sample_rows])
         # ★ greedy: an all-gather of (max, argmax) pairs [S, 2] per rank (sampling: layers/sampler.py)
-        return sample(self.head.local_logits(last), self.head.start, self.head.head_group(), sampling,
-                      self.cfg.vocab_size)
+        return sample(*self.head_logits(x, sample_rows), sampling, self.cfg.vocab_size)
+
+    def head_logits(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, int, dist.ProcessGroup | None]:
+        """As TPLM.head_logits: the final RMSNorm, then this rank's slice of the head."""
+        return self.head.local_logits(self.norm(x[rows])), self.head.start, self.head.head_group()
 
 
 def shard_lm(weights: DenseLM | DenseLlamaLM | Source, variant: str, group: dist.ProcessGroup,

@@ -13,11 +13,13 @@ The last row of a request has no proposal: its bonus token comes from p. Per row
                sampler's noise, so a bonus row (r = p) draws the very token plain sampling would
                                                                               ★ all-gather of (value, id) [S, 2p]
     host       a request takes x_1..x_n while accepted, then the residual's token of row n (the bonus row's if all
-               k were accepted)
+               k were accepted): `verify`
 
 Greedy rows are the same formulas with p and q point masses (accept iff x is the target's argmax; the residual is
-the argmax). Every row is computed at once (no loop over rows or requests); what a row moves per rank is 2 float64
-numbers in the all-reduce and 2p in the all-gather, against (p − 1)/p · V' · 4 bytes to all-gather float32 logits.
+the argmax). Every row is computed at once (no loop over rows or requests); what a row moves per rank is 3 float64
+numbers in the accept all-reduce (p(x), q(x) and the target's logit of x) and 3p in the all-gather (the race's value,
+id and logit), plus filtered_logprobs' candidates and normaliser, against (p − 1)/p · V' · 4 bytes to all-gather the
+float32 logits.
 """
 
 from __future__ import annotations
@@ -36,16 +38,18 @@ DRAFT_STREAM = 0x2545F4914F6CDD1D  # the draft's own sampling noise: seeds ^ thi
 
 
 def filtered_logprobs(local: torch.Tensor, start: int, group: dist.ProcessGroup | None,
-                      batch: SamplingBatch) -> torch.Tensor:
+                      batch: SamplingBatch) -> tuple[torch.Tensor, tuple[int, ...], bool]:
     """log of the distribution the sampler draws from, on this rank's ids: softmax(z/T) restricted to the ids every
     filter keeps and renormalised; -inf elsewhere (padding, filtered); greedy rows: 0 at the argmax, -inf elsewhere.
     [S, V'/p] float64. The kept ids are a prefix of the vocabulary sorted by (z desc, id asc), so a row's cut is one
-    (z, id) pair: the sampler's candidates find it, and ★ one all-reduce [S] gives the kept ids' normaliser."""
+    (z, id) pair: the sampler's candidates find it, and ★ one all-reduce [S] gives the kept ids' normaliser. Also
+    what the traffic model needs: the candidates gathered per round, and whether the normalisers were all-reduced."""
     S, n = local.shape
     dev = local.device
     ids = torch.arange(start, start + n, device=dev)
     need = max(batch.candidates, 1)  # at least the global max (and argmax) of every row
-    cut = _cut(local, ids, group, dataclasses.replace(batch, candidates=need))
+    batch = dataclasses.replace(batch, candidates=need)
+    cut = _cut(local, ids, group, batch)
     z = local.double()
     s = z / cut.T
     m = cut.m / cut.T
@@ -59,7 +63,7 @@ def filtered_logprobs(local: torch.Tensor, start: int, group: dist.ProcessGroup 
     total = torch.where(kept, torch.exp(s - m), 0).sum(-1)
     if group is not None:
         total = reduce_from_region(total, group, "head/kept normaliser all-reduce")  # ★ [S]
-    return torch.where(kept, s - m - torch.log(total)[:, None], float("-inf"))
+    return torch.where(kept, s - m - torch.log(total)[:, None], float("-inf")), tuple(cut.rounds), batch.normalisers
 
 
 def accept_uniform(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -68,41 +72,46 @@ def accept_uniform(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     return (_shr(bits, 11).double() + 0.5) / 2.0 ** 53
 
 
-def rejection_sample(p_logp: torch.Tensor, q_logp: torch.Tensor, proposal: torch.Tensor, start: int,
-                     group: dist.ProcessGroup | None, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def rejection_sample(p_logp: torch.Tensor, q_logp: torch.Tensor, proposal: torch.Tensor, local: torch.Tensor,
+                     start: int, group: dist.ProcessGroup | None, batch: SamplingBatch
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """p_logp, q_logp: [S, V'/p] filtered log-probs on this rank's ids (filtered_logprobs of the target's and the
-    draft's logits; q ignored on rows without a proposal); proposal [S] int64, -1 on a request's bonus row; batch:
-    the rows' sampling parameters (seed, position = the output position the row's token takes). Returns (accepted
-    [S] bool: the row's proposal is accepted; token [S] int64: the residual's draw, or the bonus row's from p), the
-    same on every rank."""
+    draft's logits; q ignored on rows without a proposal); proposal [S] int64, -1 on a request's bonus row; local:
+    the target's logits on this slice; batch: the rows' sampling parameters (seed, position = the output position
+    the row's token takes). Returns, the same on every rank: accepted [S] bool (the row's proposal is accepted),
+    token [S] int64 (the proposal where accepted; else the residual's draw, or the bonus row's from p) and its
+    logit [S] float64 (the target's z of that token: the oracle's near-tie rule reads it)."""
     S, n = p_logp.shape
     dev = p_logp.device
     ids = torch.arange(start, start + n, device=dev)
     has = proposal >= 0
     here = has & (proposal >= start) & (proposal < start + n)
     at = (proposal - start).clamp(0, n - 1)[:, None]
-    pq = torch.stack([torch.where(here, p_logp.gather(1, at)[:, 0].exp(), 0),
-                      torch.where(here, q_logp.gather(1, at)[:, 0].exp(), 0)], dim=-1)  # [S, 2]
+    z = local.double()
+    held = torch.stack([p_logp.gather(1, at)[:, 0].exp(), q_logp.gather(1, at)[:, 0].exp(), z.gather(1, at)[:, 0]],
+                       dim=-1)
+    pqz = torch.where(here[:, None], held, 0)  # [S, 3]: p(x), q(x), z(x) from the rank that holds x
     if group is not None:
-        pq = reduce_from_region(pq, group, "head/accept all-reduce")  # ★ p(x), q(x) from the rank that holds x
+        pqz = reduce_from_region(pqz, group, "head/accept all-reduce")  # ★ [S, 3]
     u = accept_uniform(batch.seed, batch.position)
-    accepted = has & (u * pq[:, 1] < pq[:, 0])  # u < min(1, p/q)
+    accepted = has & (u * pqz[:, 1] < pqz[:, 0])  # u < min(1, p/q)
     p = p_logp.exp()
     r = torch.where(has[:, None], (p - q_logp.exp()).clamp(min=0), p)  # the residual; the bonus row: p itself
     race = torch.where(r > 0, torch.log(r) + gumbel_noise(batch.seed, batch.position, ids), float("-inf"))
     best = race.argmax(dim=-1, keepdim=True)  # the lowest id among equals
-    pairs = torch.cat([race.gather(1, best), (best + start).double()], dim=-1)  # [S, 2]
+    triple = torch.cat([race.gather(1, best), (best + start).double(), z.gather(1, best)], dim=-1)  # [S, 3]
     if group is not None:
-        pairs = gather_from_region(pairs, group, "head/residual all-gather")  # ★ [S, 2p]
-    values, won = rearrange(pairs, "s (p two) -> two s p", two=2)
+        triple = gather_from_region(triple, group, "head/residual all-gather")  # ★ [S, 3p]
+    values, won, logit = rearrange(triple, "s (p three) -> three s p", three=3)
     winner = values.argmax(dim=-1, keepdim=True)  # ties: the lowest rank, so the lowest id
-    return accepted, won.gather(1, winner)[:, 0].long()
+    token = torch.where(accepted, proposal, won.gather(1, winner)[:, 0].long())
+    return accepted, token, torch.where(accepted, pqz[:, 2], logit.gather(1, winner)[:, 0])
 
 
-def verify(accepted: list[bool], tokens: list[int], proposals: list[int]) -> list[int]:
-    """Host, one request: its rows' verdicts, residual tokens and proposals (k each; the rows' k + 1 tokens) -> what
-    it gets: x_1..x_n while accepted, then the residual's token of row n (the bonus row's when n = k)."""
+def verify(accepted: list[bool], tokens: list[int]) -> list[int]:
+    """Host, one request: its rows' verdicts and tokens (k + 1 rows, the last without a proposal) -> the tokens it
+    gets: the accepted proposals while they last, then the first row's that was not accepted."""
     n = 0
-    while n < len(proposals) and accepted[n]:
+    while n < len(tokens) - 1 and accepted[n]:
         n += 1
-    return list(proposals[:n]) + [tokens[n]]
+    return list(tokens[:n + 1])

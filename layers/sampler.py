@@ -97,6 +97,7 @@ class SampleResult:
     rounds: tuple[int, ...] = ()  # candidates gathered per rank, per round; 0: the logits themselves (traffic model)
     margin: torch.Tensor | None = None  # [S]: the winner's lead over the runner-up in the race (single device only)
     race: bool = False  # whether the race over the slices ran (its all-gather): some row was greedy or open
+    accepted: torch.Tensor | None = None  # [S] float64: a draft's proposal accepted at this row (speculative decoding)
 
     # -- the sampled-token table: the one layout in which a pick leaves the device (to the host, between stages) --
 
@@ -106,6 +107,8 @@ class SampleResult:
         read = [self.tokens.double()[:, None], self.logits[:, None]]
         if self.logprob is not None:
             read += [self.logprob[:, None], self.top_ids.double(), self.top_logprobs]
+        if self.accepted is not None:  # a draft's verified rows: the verdict last (no logprobs then)
+            read.append(self.accepted[:, None])
         return torch.cat(read, dim=1)
 
     def to_host(self) -> list[list[float]]:

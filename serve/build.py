@@ -9,6 +9,7 @@ processes behind LLM, launch/serve.py, serve/pd/, the benchmarks).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from layers.checkpoint import Checkpoint
 from layers.dense import init_weights
@@ -52,6 +53,13 @@ def build_lm(weights, ctx: TPContext, *, pp: int = 1, variant: str = "v2", vocab
     layout = check_layout(ctx.world_size, pp, weights.cfg.n_layers, variant)
     stages = new_pp_groups(layout)
     return shard_pp_lm(weights, variant, layout, ctx.rank, stages[layout.stage_of(ctx.rank)], pp_boundary)
+
+
+def own_group(ctx: TPContext) -> dist.ProcessGroup:
+    """A group of this rank alone (every rank creates every rank's, in the same order, as new_group requires): a
+    model sharded over it is whole here and issues no collective (speculative decoding's draft, serve/draft.py)."""
+    groups = [dist.new_group([r]) for r in range(ctx.world_size)]
+    return groups[ctx.rank]
 
 
 def new_engine(lm, ctx: TPContext, config: EngineConfig | None = None, eos_token_ids: tuple[int, ...] = (),

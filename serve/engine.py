@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 
 from layers.lm import TPLM, TPLlamaLM
+from layers.rejection_sampler import verify
 from layers.sampler import SampleResult, request_seed, row_logprobs
 from serve.block_manager import BlockManager
 from serve.config import EngineConfig
@@ -45,10 +46,11 @@ from serve.plan import FINGERPRINT_SIZE, SchedulerOutput
 from serve.request import Request, RequestStatus, validate_prompt
 from serve.sampling_params import SamplingParams
 from serve.scheduler import Scheduler, next_plan
+from serve.draft import DraftRunner, lm_vocab_slice
 from serve.spec_decode import SpecDecodeStats, accept, propose_ngram
 from tp.dist import TPContext
 from tp.ledger import TrafficLedger
-from tp.traffic_model import predict_control, predict_iteration
+from tp.traffic_model import predict_control, predict_iteration, predict_verify
 
 
 class Ran(NamedTuple):
@@ -81,9 +83,11 @@ class LLMEngine:
     """
 
     def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, config: EngineConfig | None = None,
-                 eos_token_ids: tuple[int, ...] = (), seed: int = 0, hooks: list[StepHook] | None = None):
+                 eos_token_ids: tuple[int, ...] = (), seed: int = 0, hooks: list[StepHook] | None = None,
+                 draft_lm=None):
         """hooks: run around every step; default LedgerCheck when config.check_ledger (an OracleCheck adds the dense
-        oracle: LLM(check=True))."""
+        oracle: LLM(check=True)). draft_lm: speculative decoding's draft model, whole on this rank (serve/draft.py),
+        when config.speculative_config's method is draft_model."""
         self.lm, self.ctx, self.config = lm, ctx, config or EngineConfig()
         self.hooks = list(hooks) if hooks is not None else [LedgerCheck()] if self.config.check_ledger else []
         self.seed = seed  # a request without a seed samples with one drawn from this and its id
@@ -92,6 +96,9 @@ class LLMEngine:
         self.num_blocks = c.pool_blocks(lm.cfg.max_seq_len)
         self.scheduler = Scheduler(c, BlockManager(self.num_blocks, c.block_size, c.enable_prefix_caching))
         self.runner = ModelRunner(lm, ctx, self.num_blocks, c.block_size, c.attention)
+        self.draft = None if draft_lm is None else DraftRunner(draft_lm, self.num_blocks, c.block_size,
+                                                               self.runner.attention, ctx.device, lm_vocab_slice(lm))
+        self._verify = None  # this step's proposals and q from the draft (run_verified's inputs)
         self.dtype = self.runner.dtype
         self.ledger = TrafficLedger(ctx.world_size, ctx.device, timing=c.comm_timing)
         self.index = 0  # the next step's iteration number
@@ -208,6 +215,7 @@ class LLMEngine:
                 self._propose()
             plan, self.index = next_plan(self.scheduler, self.index, self._before_schedule)
             if plan is not None:
+                plan = self._drafted(plan)
                 for hook in self.hooks:
                     hook.before_forward(self, plan)
                 agree(self.ctx, plan.fingerprint(), f"iteration {plan.index}: ranks scheduled different rows")  # ★
@@ -240,9 +248,13 @@ class LLMEngine:
         """The plan through this rank's model: its tokens are ready at once (one group, no pipeline)."""
         if plan is None:
             return Ran(None, None, None, {})
-        result, sampling = self.runner.run(plan, self.scheduler.by_id)
+        if self._verify is not None:  # a draft's proposals: the rejection sampler verifies them
+            result, sampling, verify = self.runner.run_verified(plan, self.scheduler.by_id, *self._verify)
+            self._verify, extra = None, {"verify": verify}
+        else:
+            (result, sampling), extra = self.runner.run(plan, self.scheduler.by_id), {}
         self.index = plan.index + 1
-        return Ran(plan, result, result.traffic(sampling), {})
+        return Ran(plan, result, result.traffic(sampling), extra)
 
     def _flush(self) -> None:
         """A control message without a step (IDLE, STOP): what is still in flight is waited for (a pipeline's
@@ -256,8 +268,11 @@ class LLMEngine:
         p, plan = self.ctx.world_size, step.plan
         predicted = predict_control(p, step.payload, CONTROL_HEADER)
         if plan is not None:
-            predicted += predict_iteration(self.lm.cfg, p, plan.rows, len(plan.sample_rows), self.dtype,
+            verified = 0 if step.verify is None else step.verify[0]
+            predicted += predict_iteration(self.lm.cfg, p, plan.rows, len(plan.sample_rows) - verified, self.dtype,
                                            self.lm.variant, self.lm.vocab_parallel, FINGERPRINT_SIZE, step.sampler)
+            if step.verify is not None:
+                predicted += predict_verify(p, *step.verify, self.lm.cfg.vocab_size, self.dtype)
         return seen, predicted
 
     # -- the pieces --------------------------------------------------------------------------------------------------
@@ -284,20 +299,31 @@ class LLMEngine:
                 its = rows[i:i + len(c.spec) + 1]
                 i += len(its)
                 tokens = [int(row[0]) for row in its]
-                if c.spec:
-                    tokens = accept(tokens, c.spec)
+                if c.spec:  # a draft's rows carry the rejection sampler's verdicts; n-gram's are read off the tokens
+                    tokens = verify([bool(row[-1]) for row in its], tokens) if self.draft else accept(tokens, c.spec)
                     self.spec_stats.observe(len(c.spec), len(tokens) - 1)
                 out[c.request] = (tokens, its)
         return out
 
     def _propose(self) -> None:
-        """Every rank, before planning: each decoding request's proposals for this step (n-gram prompt lookup over its
-        own tokens: host only, the same on every rank), at most what its max_tokens leaves after the target's own."""
+        """Every rank, before planning: each decoding request's proposals for this step, at most what its max_tokens
+        leaves after the target's own. n-gram: prompt lookup over its own tokens (host only, the same on every rank);
+        a draft model: k placeholders, so that the scheduler gives the rows (the draft fills them: _drafted)."""
         spec = self.config.speculative_config
         for r in self.scheduler.running:
             if r.decoding:
                 k = min(spec.num_speculative_tokens, r.max_new_tokens - len(r.output) - 1)
-                r.spec_token_ids = propose_ngram(r.tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, k)
+                r.spec_token_ids = [-1] * max(k, 0) if self.draft else \
+                    propose_ngram(r.tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, k)
+
+    def _drafted(self, plan: SchedulerOutput) -> SchedulerOutput:
+        """With a draft model: its forwards fill the plan's proposals (no collective: it is whole on every rank), before
+        the ranks agree on the plan; the verifier's inputs wait for _run."""
+        if self.draft is None:
+            return plan
+        plan, *verify = self.draft.propose(plan, self.scheduler.by_id)
+        self._verify = verify if any(c.spec for c in plan.scheduled) else None
+        return plan
 
     def _before_schedule(self, index: int) -> None:
         self.index = index  # an idle stretch skipped: hooks see the iteration about to be planned

@@ -35,6 +35,7 @@ class StepRecord:
     # pipeline parallelism (PipelineEngine): `plan` is the micro-batch that came back from the last stage this step
     entered: SchedulerOutput | None = None  # the micro-batch scheduled this step (it enters the first stage)
     ran: SchedulerOutput | None = None  # the micro-batch this rank's stage ran this step
+    verify: tuple | None = None  # a draft's verified rows: (rows, rounds, normalisers) of the rejection sampler
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ import torch
 
 from layers.attention_backends import choose
 from layers.lm import TPLM, TPLlamaLM
+from layers.rejection_sampler import filtered_logprobs, rejection_sample
 from layers.sampler import SampleResult, SamplingBatch
 from serve.inputs import StepInputs, prepare_step
 from serve.kv_cache import KVPool
@@ -41,7 +42,7 @@ class ModelRunner:
         tokens so far, its sampling parameters)."""
         step = prepare_step(plan, {c.request: requests[c.request].tokens + list(c.spec) for c in plan.scheduled},
                             self.block_size, self.ctx.device, self.attention)
-        return Prepared(step, sampling_batch(plan, requests, self.ctx.device))
+        return Prepared(step, sampling_batch(plan.scheduled, requests, self.ctx.device))
 
     @torch.no_grad()
     def run(self, plan: SchedulerOutput, requests: dict[int, Request]) -> tuple[SampleResult, SamplingBatch | None]:
@@ -50,6 +51,34 @@ class ModelRunner:
         step, sampling = self.prepare(plan, requests)
         out = self.lm.step(step.ids, step.positions, self.cache.layers(step.batch), step.sample_rows, sampling)
         return out, sampling
+
+    @torch.no_grad()
+    def run_verified(self, plan: SchedulerOutput, requests: dict[int, Request], proposal: torch.Tensor,
+                     q: torch.Tensor) -> tuple[SampleResult, SamplingBatch | None, tuple]:
+        """A plan with a draft's proposals (serve/draft.py): the rows of chunks without proposals are picked as in
+        run(); the verified rows go through the rejection sampler (layers/rejection_sampler.py) with q, the draft's
+        distribution on this rank's ids. One SampleResult for every sampled row in plan order (tokens, logits, and
+        `accepted`: the row's proposal taken), the plain rows' sampling batch, and what the verifier moved
+        (rows, rounds, normalisers: tp/traffic_model.predict_verify)."""
+        step = prepare_step(plan, {c.request: requests[c.request].tokens + list(c.spec) for c in plan.scheduled},
+                            self.block_size, self.ctx.device, self.attention)
+        lm, dev = self.lm, self.ctx.device
+        x = lm.stack.forward_cached(lm.embed_rows(step.ids, step.positions), self.cache.layers(step.batch))
+        verified = [bool(c.spec) for c in plan.scheduled if c.sample for _ in range(len(c.spec) + 1)]
+        where = torch.tensor(verified, dtype=torch.bool, device=dev)
+        plain_chunks = [c for c in plan.scheduled if not c.spec]
+        sampling = sampling_batch(plain_chunks, requests, dev)
+        plain = lm.pick(x, step.sample_rows[~where], sampling)
+        local, start, group = lm.head_logits(x, step.sample_rows[where])
+        batch = SamplingBatch.build(_rows([c for c in plan.scheduled if c.spec], requests)[0], -1, dev)
+        p_logp, rounds, normalisers = filtered_logprobs(local, start, group, batch)
+        accepted, token, logit = rejection_sample(p_logp, q, proposal, local, start, group, batch)
+        S = len(verified)
+        out = SampleResult(torch.empty(S, dtype=torch.long, device=dev), torch.empty(S, dtype=torch.float64, device=dev),
+                           rounds=plain.rounds, race=plain.race, accepted=torch.zeros(S, dtype=torch.float64, device=dev))
+        out.tokens[~where], out.logits[~where] = plain.tokens, plain.logits
+        out.tokens[where], out.logits[where], out.accepted[where] = token, logit, accepted.double()
+        return out, sampling, (sum(verified), rounds, normalisers)
 
     @torch.no_grad()
     def forward_stage(self, prepared: Prepared, microbatch: int, received=None) -> torch.Tensor:
@@ -64,21 +93,28 @@ class Prepared(NamedTuple):
     sampling: SamplingBatch | None
 
 
-def sampling_batch(plan: SchedulerOutput, requests: dict[int, Request], device) -> SamplingBatch | None:
-    """The sampled rows' parameters as tensors, built once per step; None when every row is greedy (the head's own
-    greedy path, bit for bit)."""
+def _rows(chunks, requests: dict[int, Request]) -> tuple[list[tuple], int]:
+    """The sampled rows' parameters (temperature, top_k, top_p, min_p, seed, output position) and the most logprobs
+    asked: a chunk's last row, or each row of a verified chunk (row j gives output position len(output) + j)."""
     rows, logprobs = [], -1
-    for c in plan.scheduled:
+    for c in chunks:
         if c.sample:
             r = requests[c.request]
             q = r.params
-            for j in range(len(c.spec) + 1):  # a verified chunk's row j gives output position len(output) + j
+            for j in range(len(c.spec) + 1):
                 if q is None:  # a request of the launcher's greedy runs
                     rows.append((0.0, 0, 1.0, 0.0, 0, len(r.output) + j))
                     continue
                 rows.append((q.temperature, q.top_k, q.top_p, q.min_p, r.sampling_seed or 0, len(r.output) + j))
             if q is not None:
                 logprobs = max(logprobs, -1 if q.logprobs is None else q.logprobs)
+    return rows, logprobs
+
+
+def sampling_batch(chunks, requests: dict[int, Request], device) -> SamplingBatch | None:
+    """The sampled rows' parameters as tensors, built once per step; None when every row is greedy (the head's own
+    greedy path, bit for bit)."""
+    rows, logprobs = _rows(chunks, requests)
     if all(row[0] == 0 for row in rows) and logprobs < 0:
         return None
     return SamplingBatch.build(rows, logprobs, device)

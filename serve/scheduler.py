@@ -318,7 +318,9 @@ class Scheduler:
                     r.num_computed_tokens = c.q_start + len(r.output) - before
                     if not r.finished:
                         self.blocks.shrink(r.id, r.num_computed_tokens)
-            self.blocks.commit(r.id, r.tokens, min(c.q_end, r.num_computed_tokens))  # K,V written on every stage up to here
+            held = min(c.q_end, r.num_computed_tokens, r.num_computed_tokens if r.draft_computed is None
+                       else r.draft_computed)  # K,V written (on every stage; by the draft too) up to here
+            self.blocks.commit(r.id, r.tokens, held)
         for rid in finished:
             self.blocks.release(rid)
         if finished:

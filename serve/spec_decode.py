@@ -49,8 +49,9 @@ class SpeculativeConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method={self.method!r}: choose {' or '.join(METHODS)}")
-        if self.method == "draft_model":
-            raise ValueError("speculative_config method='draft_model' is not built yet: use method='ngram'")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config method='draft_model' needs a model: a checkpoint directory or a "
+                             "preset with the target's vocabulary")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -72,7 +73,7 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}")
         if "method" not in value:
-            raise ValueError("speculative_config needs a method: 'ngram'")
+            raise ValueError("speculative_config needs a method: 'ngram' or 'draft_model'")
         return cls(**value)
 
 

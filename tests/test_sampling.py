@@ -106,11 +106,16 @@ def prompts(n, seed=0, shared=()):
 
 
 def serve(ctx, cfg, reqs, config=EngineConfig(long_prefill_token_threshold=6, max_num_batched_tokens=16, max_num_seqs=8, block_size=4),
-          eos=()):
+          eos=(), draft=None):
     """reqs: (name, prompt, params, add at step). Every rank steps; rank 0's finished outputs by name, plus the
-    internal id each got (for the seed of an unseeded request) and how many times a request was preempted."""
+    internal id each got (for the seed of an unseeded request) and how many times a request was preempted. draft:
+    (its config, its weights' seed) for speculative decoding with a draft model, whole on every rank."""
+    from serve.build import own_group
+
     dense = init_weights(dense_lm(cfg, torch.float64), seed=0)
-    engine = LLMEngine(shard_lm(dense, "v2", ctx.group), ctx, config, eos_token_ids=eos, seed=0)
+    draft_lm = None if draft is None else \
+        shard_lm(init_weights(dense_lm(draft[0], torch.float64), seed=draft[1]), "v2", own_group(ctx))
+    engine = LLMEngine(shard_lm(dense, "v2", ctx.group), ctx, config, eos_token_ids=eos, seed=0, draft_lm=draft_lm)
     if not ctx.is_main:
         while not engine.stopped:
             engine.step()

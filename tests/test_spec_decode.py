@@ -54,7 +54,7 @@ def test_accept_takes_matching_proposals_then_the_targets_token():
 @pytest.mark.parametrize("value,message", [
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0 must be"),
     ({"method": "eagle"}, "method='eagle': choose ngram or draft_model"),
-    ({"method": "draft_model", "model": "x"}, "not built yet"),
+    ({"method": "draft_model"}, "needs a model"),
     ({"num_speculative_tokens": 2}, "needs a method"),
     ({"method": "ngram", "k": 2}, "unknown key 'k'"),
     ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min=3 is larger"),
@@ -116,7 +116,7 @@ PARAMS = [SamplingParams(max_tokens=12, ignore_eos=True),  # greedy
           SamplingParams(max_tokens=9, ignore_eos=True)]
 
 
-def spec_run(ctx, cfg, reqs, config):
+def spec_run(ctx, cfg, reqs, config, draft=None):
     """serve() (tests/test_sampling.py), and rank 0's acceptance counters."""
     from serve.engine import LLMEngine
 
@@ -129,7 +129,7 @@ def spec_run(ctx, cfg, reqs, config):
 
     LLMEngine.shutdown = keep
     try:
-        out = serve(ctx, cfg, reqs, config)
+        out = serve(ctx, cfg, reqs, config, draft=draft)
     finally:
         LLMEngine.shutdown = original
     return out, stats
@@ -301,21 +301,22 @@ def speculate(ctx, zq: torch.Tensor, first: int, T: float, top_k: int, top_p: fl
     drafted = sample(zq_local, start, ctx.group, params(first, DRAFT_STREAM), V).tokens.view(D, K + 1)[:, :K]
     batch = params(first)
     proposal = torch.cat([drafted, torch.full((D, 1), -1)], dim=1).flatten()
-    p_logp = filtered_logprobs(_slice(ctx, ZP, D * (K + 1))[0], start, ctx.group, batch)
-    q_logp = filtered_logprobs(zq_local, start, ctx.group, batch)
+    zp_local = _slice(ctx, ZP, D * (K + 1))[0]
+    p_logp = filtered_logprobs(zp_local, start, ctx.group, batch)[0]
+    q_logp = filtered_logprobs(zq_local, start, ctx.group, batch)[0]
     if breaks == "accept with p":  # q ignored: accept with probability p(x)
         q_logp = torch.zeros_like(q_logp)
     if breaks == "residual p":  # the residual drawn from p, not from max(0, p - q)
-        q_logp = torch.where(proposal[:, None] >= 0, torch.full_like(q_logp, NEG), q_logp)
-        accepted, _ = rejection_sample(p_logp, filtered_logprobs(zq_local, start, ctx.group, batch), proposal, start,
-                                       ctx.group, batch)
-        _, token = rejection_sample(p_logp, q_logp, proposal, start, ctx.group, batch)
+        accepted, token, _ = rejection_sample(p_logp, q_logp, proposal, zp_local, start, ctx.group, batch)
+        _, residual, _ = rejection_sample(p_logp, torch.full_like(q_logp, NEG), proposal, zp_local, start,
+                                          ctx.group, batch)
+        token = torch.where(accepted, token, residual)
     else:
-        accepted, token = rejection_sample(p_logp, q_logp, proposal, start, ctx.group, batch)
+        accepted, token, _ = rejection_sample(p_logp, q_logp, proposal, zp_local, start, ctx.group, batch)
     accepted, token = accepted.view(D, K + 1).tolist(), token.view(D, K + 1).tolist()
     out = []
-    for a, t, x in zip(accepted, token, drafted.tolist()):
-        got = verify(a, t, x)
+    for a, t in zip(accepted, token):
+        got = verify(a, t)
         out.append(got[:-1] if breaks == "drop the bonus" and len(got) == K + 1 else got)
     return out
 
@@ -388,7 +389,7 @@ def filtered_grid(ctx) -> list[list[float]]:
     padded = torch.cat([LOGITS, torch.full((n * p - V,), NEG, dtype=torch.float64)])
     local = padded[ctx.rank * n:(ctx.rank + 1) * n].expand(len(GRID), -1).clone()
     rows = [(c["T"], c.get("top_k", 0), c.get("top_p", 1.0), c.get("min_p", 0.0), 0, 0) for c in GRID]
-    return filtered_logprobs(local, ctx.rank * n, ctx.group, SamplingBatch.build(rows, -1, "cpu")).tolist()
+    return filtered_logprobs(local, ctx.rank * n, ctx.group, SamplingBatch.build(rows, -1, "cpu"))[0].tolist()
 
 
 def test_filtered_logprobs_are_the_samplers_distribution_at_every_p():
@@ -402,3 +403,114 @@ def test_filtered_logprobs_are_the_samplers_distribution_at_every_p():
         for case, row in zip(GRID, got):
             want, _ = expected(case["T"], case.get("top_k", 0), case.get("top_p", 1.0), case.get("min_p", 0.0))
             assert torch.allclose(row.exp(), want, atol=1e-12), (p, case)
+
+
+# ---- a draft model through the engine ---------------------------------------------------------------------------------
+
+DRAFT = {"method": "draft_model", "model": "-", "num_speculative_tokens": 3}  # the engine is given the model itself
+
+
+def test_a_draft_model_gives_plain_greedy_tokens_and_the_same_sampled_tokens_at_every_p():
+    """A one-layer draft of another seed (GPT-2 shape, vocabulary 1001): greedy requests get the tokens of plain
+    decoding, sampled ones the same tokens at p = 1, 2, 4 (the draft is whole on every rank, the verifier's
+    noise keyed by seed, position and id); prefix hits, chunked prefill and preemption in the run; every step's
+    collectives equal the model on every rank (the rejection sampler's included); every block back."""
+    from dataclasses import replace
+
+    shared = list(range(40, 48))
+    ps = repetitive_prompts(10, seed=3, shared=shared)
+    params = [SamplingParams(max_tokens=10, ignore_eos=True),
+              SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, seed=1),
+              SamplingParams(max_tokens=9, ignore_eos=True, temperature=1.1, top_k=20, top_p=0.9, seed=2),
+              SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.7, min_p=0.02, seed=3)]
+    reqs = [(f"r{i}", pr, params[i % len(params)], i % 3) for i, pr in enumerate(ps)]
+    base = dict(long_prefill_token_threshold=6, max_num_batched_tokens=24, max_num_seqs=8, block_size=4,
+                num_gpu_blocks_override=20)
+    plain = run_ranks(1, serve, GPT2, reqs, EngineConfig(**base))[0][0]
+    config = EngineConfig(**base, speculative_config=DRAFT)
+    draft = (replace(GPT2, n_layers=1), 5)
+    runs = {p: run_ranks(p, spec_run, GPT2, reqs, config, draft)[0] for p in (1, 2, 4)}
+    for p, ((done, _, preempted, free), stats) in runs.items():
+        assert free == 20 and stats["spec_decode_num_drafts"] > 0
+        for name, _, q, _ in reqs:
+            if q.greedy:
+                assert done[name].token_ids == plain[name].token_ids, (name, p)
+            assert done[name].token_ids == runs[1][0][0][name].token_ids, (name, p)
+            assert len(done[name].token_ids) == q.max_tokens
+    assert runs[1][0][2] > 0  # requests were preempted
+
+
+def test_a_self_draft_is_always_accepted():
+    """The draft is the target itself: every proposal is accepted (acceptance rate 1.0) and every draft yields K + 1
+    tokens (mean acceptance length 4 at K = 3), greedy and sampled, at p = 2; the tokens are the plain ones."""
+    ps = repetitive_prompts(8, seed=4, shared=list(range(40, 48)))
+    reqs = [(f"r{i}", pr, SamplingParams(max_tokens=13, ignore_eos=True, temperature=0.8 * (i % 2), seed=i), i % 3)
+            for i, pr in enumerate(ps)]
+    base = dict(long_prefill_token_threshold=5, max_num_batched_tokens=32, max_num_seqs=8, block_size=4,
+                num_gpu_blocks_override=20)  # chunked prompts, prefix hits, preemption: the draft's cache follows
+    (done, _, preempted, _), stats = run_ranks(2, spec_run, GPT2, reqs, EngineConfig(**base, speculative_config=DRAFT),
+                                               (GPT2, 0))[0]
+    plain = run_ranks(2, serve, GPT2, reqs, EngineConfig(**base))[0][0]
+    assert preempted > 0 and stats["spec_decode_num_drafts"] > 10 and stats["spec_decode_acceptance_rate"] == 1.0
+    # with room for every proposal (13 tokens: the prompt's, then 4 drafts of 3), each draft yields K + 1 tokens
+    roomy = EngineConfig(max_num_batched_tokens=128, max_num_seqs=8, block_size=4, speculative_config=DRAFT)
+    stats = run_ranks(2, spec_run, GPT2, reqs, roomy, (GPT2, 0))[0][1]
+    assert stats["spec_decode_acceptance_rate"] == 1.0 and stats["spec_decode_mean_acceptance_length"] == 4.0
+    assert stats["spec_decode_num_accepted_tokens_per_pos"] == [stats["spec_decode_num_drafts"]] * 3
+    assert all(done[n].token_ids == plain[n].token_ids for n, _, q, _ in reqs if q.greedy)
+
+
+def draft_distributions(ctx, reqs, config, draft_cfg, draft_seed) -> float:
+    """Serve reqs at p = 1 with a draft model and record every proposal's q (the draft's distribution on the ids,
+    from its paged cache); the largest difference from the dense draft model recomputed without a cache on the
+    request's tokens and the proposals before it."""
+    from layers.lm import shard_lm
+    from serve.build import own_group
+    from serve.engine import LLMEngine
+
+    dense = init_weights(dense_lm(GPT2, torch.float64), seed=0)
+    draft = init_weights(dense_lm(draft_cfg, torch.float64), seed=draft_seed)
+    engine = LLMEngine(shard_lm(dense, "v2", ctx.group), ctx, config, seed=0,
+                       draft_lm=shard_lm(draft, "v2", own_group(ctx)))
+    seen, propose = [], engine.draft.propose
+
+    def recording(plan, requests):
+        plan, proposal, q = propose(plan, requests)
+        i = 0
+        for c in plan.scheduled:
+            if c.spec:
+                seen.append((list(requests[c.request].tokens), list(c.spec), q[i:i + len(c.spec)].clone()))
+                i += len(c.spec) + 1
+        return plan, proposal, q
+
+    engine.draft.propose = recording
+    step = 0
+    while step <= max(r[3] for r in reqs) or engine.has_unfinished_requests():
+        for name, prompt, q, at in reqs:
+            if at == step:
+                engine.add_request(name, prompt, q)
+        engine.step()
+        step += 1
+    engine.shutdown()
+    worst = 0.0
+    with torch.no_grad():
+        for tokens, spec, q in seen:
+            for j in range(len(spec)):
+                z = draft.logits(torch.tensor(tokens + spec[:j]))[-1].double()
+                worst = max(worst, float((q[j].exp() - torch.softmax(z, -1)).abs().max()))
+    return worst if seen else float("inf")
+
+
+def test_the_drafts_cache_holds_what_a_recompute_gives():
+    """Every proposal's q, read off the draft's own paged cache through chunked prompts, prefix hits, preemption and
+    steps that accepted everything (the draft then computes two rows), equals the dense draft recomputed without a
+    cache, to 1e-12 (temperature 1, no filter: q is the draft's softmax)."""
+    from dataclasses import replace
+
+    ps = repetitive_prompts(8, seed=6, shared=list(range(40, 48)))
+    reqs = [(f"r{i}", pr, SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=i), i % 3)
+            for i, pr in enumerate(ps)]
+    config = EngineConfig(long_prefill_token_threshold=5, max_num_batched_tokens=32, max_num_seqs=8, block_size=4,
+                          num_gpu_blocks_override=20, speculative_config=DRAFT)
+    for draft in ((GPT2, 0), (replace(GPT2, n_layers=1), 5)):  # the target itself: everything accepted; another
+        assert run_ranks(1, draft_distributions, reqs, config, *draft)[0] < 1e-12, draft

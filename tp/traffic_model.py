@@ -170,6 +170,22 @@ def predict_sampler(p: int, sampled: int, sampler: tuple[tuple[int, ...], bool, 
     return out + ([gather("sample all-gather", 3 * p)] if race else [])
 
 
+def predict_verify(p: int, rows: int, rounds: tuple[int, ...], normalisers: bool, vocab_size: int = 0,
+                   dtype: torch.dtype = torch.float32) -> list[Traffic]:
+    """Speculative decoding's verifier (layers/rejection_sampler.py) over `rows` verified rows: filtered_logprobs (the
+    candidates' rounds and the normalisers as the sampler's, then the kept ids' normaliser all-reduce [S]), the
+    accept all-reduce [S, 3] and the residual race's all-gather [S, 3p]."""
+    if p == 1 or not rows:
+        return []
+    out = [t for t in predict_sampler(p, rows, (rounds, normalisers, False), vocab_size, dtype)]
+    for site, kind, shape in (("kept normaliser all-reduce", "all_reduce", (rows,)),
+                              ("accept all-reduce", "all_reduce", (rows, 3)),
+                              ("residual all-gather", "all_gather", (rows, 3 * p))):
+        out.append(Traffic.of(layer=None, sublayer="head", site=site, phase="forward", kind=kind, shape=shape,
+                              dtype=torch.float64, p=p))
+    return out
+
+
 def predict_control(p: int, payload: int, header: int) -> list[Traffic]:
     """The online engine's per-step control message (serve/engine.py's LLMEngine): rank 0 broadcasts a header of
     `header` float64 numbers (how many requests arrive, how many are aborted, the payload's length), then, when

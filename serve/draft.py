@@ -1,0 +1,130 @@
+"""The draft model of speculative decoding: a smaller LM with the target's vocabulary, replicated on every rank.
+
+Where it runs: whole on every rank of the target's group (tensor-parallel size 1 over a group of one rank), with its
+own paged KV pool of the target's blocks, read through the target's block tables. Its forwards issue no collective
+(a group of one), so a draft costs each rank its own compute and nothing on the wire, and every rank draws the same
+proposals from the same inputs (the ranks then agree on them with the plan's fingerprint, before the target runs).
+Its head gives the whole vocabulary on each rank; each rank keeps q on its own ids of the target's split
+(`local_q`) for the rejection sampler. The other choice, the draft split over the target's group, would divide its
+compute by p but add its own all-reduces per layer to every proposal step (K small forwards, each latency-bound).
+
+Per step, for the scheduled requests (serve/spec_decode.py has the step's order):
+
+    forward 1   every scheduled request's rows the draft has not computed: a prompt chunk's rows, and a decoding
+                request's last token (two rows after a step that accepted all K: the last proposal and the bonus
+                token); a request verifying k >= 1 proposals samples x_1 from the draft's last row
+    forward j   (j = 2..K) one row per request still proposing: x_{j-1} at its position; samples x_j
+
+Each proposal is sampled with the request's filters and its own noise stream (the seed ^ DRAFT_STREAM, the output
+position the token would take); q_j, the filtered distribution it was drawn from, goes to the verifier. The rows the
+draft computes are K,V at the same slots the target uses: the scheduler allocated them for the k + 1 verified rows.
+`Request.draft_computed` counts the positions whose K,V the draft holds; blocks are named for the prefix cache only
+up to it (a block another request hits must hold the draft's K,V too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from layers.rejection_sampler import DRAFT_STREAM, filtered_logprobs
+from layers.sampler import SamplingBatch, sample
+from serve.inputs import prepare_step
+from serve.kv_cache import KVPool
+from serve.plan import ScheduledRequest, SchedulerOutput
+from serve.request import Request
+
+
+class DraftRunner:
+    def __init__(self, lm, num_blocks: int, block_size: int, attention: str, device, vocab_slice: tuple[int, int]):
+        """lm: the draft's TPLM (or TPLlamaLM) over a group of one rank; vocab_slice: (start, n) of the target's
+        vocabulary split on this rank (q is kept on those ids)."""
+        self.lm, self.block_size, self.attention, self.device = lm, block_size, attention, device
+        self.start, self.n = vocab_slice
+        cfg = lm.cfg
+        self.cache = KVPool(cfg.n_layers, num_blocks, block_size, lm.cache_heads, cfg.d_head,
+                            next(lm.parameters()).dtype, device)
+
+    @torch.no_grad()
+    def propose(self, plan: SchedulerOutput, requests: dict[int, Request]
+                ) -> tuple[SchedulerOutput, torch.Tensor, torch.Tensor]:
+        """The plan with each verified chunk's proposals filled in (its spec held placeholders: how many rows the
+        scheduler gave), and for the verified rows in plan order: the proposal each row verifies ([R] int64, -1 on a
+        request's last row) and q on this rank's ids of the target's split ([R, V'/p] float64 log-probs)."""
+        verified = [c for c in plan.scheduled if c.spec]
+        k_of = {c.request: len(c.spec) for c in verified}
+        drafted: dict[int, list[int]] = {c.request: [] for c in verified}
+        q_rows: dict[int, list[torch.Tensor]] = {c.request: [] for c in verified}
+        chunks = []
+        for c in plan.scheduled:  # forward 1: what the draft has not computed yet
+            r = requests[c.request]
+            start = min(r.draft_computed or 0, r.num_computed_tokens, c.q_start)
+            end = len(r.tokens) if c.decode else c.q_end
+            chunks.append(ScheduledRequest(c.request, start, end, decode=end - start == 1 and c.decode,
+                                           sample=c.request in k_of, blocks=c.blocks))
+            r.draft_computed = end
+        self._forward(chunks, requests, drafted, q_rows, 0)
+        for j in range(1, max(k_of.values(), default=0)):  # forwards 2..K: one row per request still proposing
+            chunks = []
+            for c in verified:
+                if k_of[c.request] > j:
+                    r = requests[c.request]
+                    pos = len(r.tokens) + j - 1
+                    chunks.append(ScheduledRequest(c.request, pos, pos + 1, decode=True, sample=True, blocks=c.blocks))
+                    r.draft_computed = pos + 1
+            self._forward(chunks, requests, drafted, q_rows, j)
+        scheduled = tuple(dataclasses.replace(c, spec=tuple(drafted[c.request])) if c.spec else c
+                          for c in plan.scheduled)
+        proposal, q = [], []
+        for c in verified:
+            proposal += drafted[c.request] + [-1]
+            q += q_rows[c.request] + [torch.zeros(self.n, dtype=torch.float64, device=self.device)]
+        empty = torch.zeros(0, self.n, dtype=torch.float64, device=self.device)
+        return (dataclasses.replace(plan, scheduled=scheduled), torch.tensor(proposal, dtype=torch.long, device=self.device),
+                torch.stack(q) if q else empty)
+
+    def _forward(self, chunks: list[ScheduledRequest], requests: dict[int, Request], drafted: dict,
+                 q_rows: dict, j: int) -> None:
+        """One draft forward over `chunks` (decodes first); each sampling chunk's proposal j + 1 and its q."""
+        if not chunks:
+            return
+        chunks.sort(key=lambda c: not c.decode)
+        plan = SchedulerOutput(-1, tuple(chunks))
+        tokens = {c.request: requests[c.request].tokens + drafted.get(c.request, []) for c in chunks}
+        step = prepare_step(plan, tokens, self.block_size, self.device, self.attention)
+        lm = self.lm
+        x = lm.stack.forward_cached(lm.embed_rows(step.ids, step.positions), self.cache.layers(step.batch))
+        sampling = [c for c in chunks if c.sample]
+        if not sampling:
+            return
+        logits = lm.head_logits(x, step.sample_rows)[0]  # [S, V]: the whole vocabulary (a group of one)
+        batch = _batch([requests[c.request] for c in sampling], j, self.device)
+        picked = sample(logits, 0, None, dataclasses.replace(batch, seed=batch.seed ^ DRAFT_STREAM),
+                        lm.cfg.vocab_size).tokens.tolist()
+        logq = filtered_logprobs(logits, 0, None, batch)[0]
+        width = logq.shape[1]
+        local = torch.full((len(sampling), self.n), float("-inf"), dtype=torch.float64, device=self.device)
+        take = max(0, min(self.n, width - self.start))  # this rank's ids of the target's split (padding: -inf)
+        local[:, :take] = logq[:, self.start:self.start + take]
+        for c, t, row in zip(sampling, picked, local):
+            drafted[c.request].append(int(t))
+            q_rows[c.request].append(row)
+
+
+def lm_vocab_slice(lm) -> tuple[int, int]:
+    """(first id, ids) of the target's head on this rank: its vocabulary slice (padding included), or all of it."""
+    head = getattr(lm, "head", lm.embed)
+    return getattr(head, "start", 0), getattr(head, "per_rank", lm.cfg.vocab_size)
+
+
+def _batch(rows: list[Request], j: int, device) -> SamplingBatch:
+    """The proposing requests' filters, at the output position proposal j + 1 would take."""
+    out = []
+    for r in rows:
+        q = r.params
+        if q is None:
+            out.append((0.0, 0, 1.0, 0.0, 0, len(r.output) + j))
+        else:
+            out.append((q.temperature, q.top_k, q.top_p, q.min_p, r.sampling_seed or 0, len(r.output) + j))
+    return SamplingBatch.build(out, -1, device)
