@@ -3,9 +3,10 @@
     python benchmarks/bench_spec_decode.py [--repeats 2] [--max-tokens 96] [--tp 1]
 
   speed  the article03 GPT-2 LM (float32, random weights) through LLM at tensor_parallel_size --tp, B requests at
-         once (B = 1, 4, 16), greedy, --max-tokens new tokens each (ignore_eos), K = 4 proposals
-         (prompt_lookup_max 3): generate()'s time with speculation against without, alternating A B B A within
-         each repeat; tokens are checked equal. The workload: random 16-token prompts whose continuations, under
+         once (B = 1, 4, 16), greedy, --max-tokens new tokens each (ignore_eos), K = 4 proposals: n-gram
+         (prompt_lookup_max 3), and a self-draft (the draft model is article03 itself: every proposal accepted,
+         the upper bound of any draft, at the cost of a draft as large as the target): generate()'s time with
+         speculation against without, alternating A B B A within each repeat; tokens are checked equal (greedy). The workload: random 16-token prompts whose continuations, under
          random weights, fall into runs of repeated tokens and phrases after a few steps (what prompt lookup finds:
          the copying case). Acceptance: vLLM's rate (accepted / proposed) and mean acceptance length
          (1 + accepted / drafts).
@@ -30,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 BATCHES = (1, 4, 16)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SELF_DRAFT = {"method": "draft_model", "model": "article03", "num_speculative_tokens": 4}  # the upper bound
 
 
 def speed(tp: int, repeats: int, max_tokens: int) -> list[dict]:
@@ -41,30 +43,32 @@ def speed(tp: int, repeats: int, max_tokens: int) -> list[dict]:
     prompts = [torch.randint(0, 50257, (16,), generator=g).tolist() for _ in range(max(BATCHES))]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     engines = {"plain": LLM("article03", tensor_parallel_size=tp),
-               "ngram": LLM("article03", tensor_parallel_size=tp, speculative_config=NGRAM)}
+               "ngram": LLM("article03", tensor_parallel_size=tp, speculative_config=NGRAM),
+               "self-draft": LLM("article03", tensor_parallel_size=tp, speculative_config=SELF_DRAFT)}
     rows = []
     try:
         for llm in engines.values():  # warm-up
             llm.generate(prompts[:1], SamplingParams(max_tokens=4))
         for b in BATCHES:
-            times = {name: [] for name in engines}
-            tokens, before = {}, engines["ngram"].stats()
-            for _ in range(repeats):
-                for name in ("plain", "ngram", "ngram", "plain"):
-                    start = time.perf_counter()
-                    outs = engines[name].generate(prompts[:b], params)
-                    times[name].append(time.perf_counter() - start)
-                    tokens[name] = [o.outputs[0].token_ids for o in outs]
-            after = engines["ngram"].stats()
-            drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
-            proposed = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
-            accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
-            plain, ngram = statistics.median(times["plain"]), statistics.median(times["ngram"])
-            rows.append({"B": b, "tp": tp, "same_tokens": tokens["plain"] == tokens["ngram"],
-                         "plain_tokens_per_s": b * max_tokens / plain, "ngram_tokens_per_s": b * max_tokens / ngram,
-                         "speedup": plain / ngram, "acceptance_rate": accepted / proposed if proposed else None,
-                         "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-                         "drafts": drafts, "proposed": proposed, "accepted": accepted})
+            for method in ("ngram", "self-draft"):
+                times = {name: [] for name in ("plain", method)}
+                tokens, before = {}, engines[method].stats()
+                for _ in range(repeats):
+                    for name in ("plain", method, method, "plain"):
+                        start = time.perf_counter()
+                        outs = engines[name].generate(prompts[:b], params)
+                        times[name].append(time.perf_counter() - start)
+                        tokens[name] = [o.outputs[0].token_ids for o in outs]
+                after = engines[method].stats()
+                drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+                proposed = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+                accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+                plain, spec = statistics.median(times["plain"]), statistics.median(times[method])
+                rows.append({"B": b, "tp": tp, "method": method, "same_tokens": tokens["plain"] == tokens[method],
+                             "plain_tokens_per_s": b * max_tokens / plain, "spec_tokens_per_s": b * max_tokens / spec,
+                             "speedup": plain / spec, "acceptance_rate": accepted / proposed if proposed else None,
+                             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+                             "drafts": drafts, "proposed": proposed, "accepted": accepted})
     finally:
         for llm in engines.values():
             llm.shutdown()
@@ -96,12 +100,12 @@ def main() -> None:
     print("| vocab | p | race bytes per row per rank | logits all-gather | ratio |\n|---|---|---|---|---|")
     for r in result["bytes"]:
         print(f"| {r['vocab']} | {r['p']} | {r['race_bytes']:.0f} | {r['logits_bytes']:.0f} | {r['ratio']:.0f}x |")
-    print("\n| B | tp | tokens/s plain | tokens/s n-gram | speed-up | acceptance rate | mean acceptance length "
-          "| same tokens |\n|---|---|---|---|---|---|---|---|")
+    print("\n| method | B | tp | tokens/s plain | tokens/s speculative | speed-up | acceptance rate "
+          "| mean acceptance length | same tokens |\n|---|---|---|---|---|---|---|---|---|")
     for r in result["speed"]:
         rate = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         length = "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
-        print(f"| {r['B']} | {r['tp']} | {r['plain_tokens_per_s']:.0f} | {r['ngram_tokens_per_s']:.0f} | "
+        print(f"| {r['method']} | {r['B']} | {r['tp']} | {r['plain_tokens_per_s']:.0f} | {r['spec_tokens_per_s']:.0f} | "
               f"{r['speedup']:.2f}x | {rate} | {length} | {r['same_tokens']} |")
 
 

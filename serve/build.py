@@ -63,8 +63,9 @@ def own_group(ctx: TPContext) -> dist.ProcessGroup:
 
 
 def new_engine(lm, ctx: TPContext, config: EngineConfig | None = None, eos_token_ids: tuple[int, ...] = (),
-               seed: int = 0, hooks: list[StepHook] | None = None) -> LLMEngine:
-    """An LLMEngine for a TP model; for a pipeline stage's model (layers/pipeline.py's PPLM, ctx the world's), the
-    PipelineEngine."""
-    cls = PipelineEngine if hasattr(lm, "forward_stage") else LLMEngine
-    return cls(lm, ctx, config, eos_token_ids, seed, hooks)
+               seed: int = 0, hooks: list[StepHook] | None = None, draft_lm=None) -> LLMEngine:
+    """An LLMEngine for a TP model (with speculative decoding's draft model, whole on this rank, if given); for a
+    pipeline stage's model (layers/pipeline.py's PPLM, ctx the world's), the PipelineEngine."""
+    if hasattr(lm, "forward_stage"):
+        return PipelineEngine(lm, ctx, config, eos_token_ids, seed, hooks)
+    return LLMEngine(lm, ctx, config, eos_token_ids, seed, hooks, draft_lm)

@@ -48,6 +48,7 @@ from serve.sampling_params import SamplingParams
 from serve.scheduler import Scheduler, next_plan
 from serve.draft import DraftRunner, lm_vocab_slice
 from serve.spec_decode import SpecDecodeStats, accept, propose_ngram
+from serve.spec_decode import check_request as check_speculation
 from tp.dist import TPContext
 from tp.ledger import TrafficLedger
 from tp.traffic_model import predict_control, predict_iteration, predict_verify
@@ -96,6 +97,9 @@ class LLMEngine:
         self.num_blocks = c.pool_blocks(lm.cfg.max_seq_len)
         self.scheduler = Scheduler(c, BlockManager(self.num_blocks, c.block_size, c.enable_prefix_caching))
         self.runner = ModelRunner(lm, ctx, self.num_blocks, c.block_size, c.attention)
+        drafting = c.speculative_config is not None and c.speculative_config.method == "draft_model"
+        if drafting != (draft_lm is not None):
+            raise ValueError("speculative_config method='draft_model' and draft_lm go together: give both or neither")
         self.draft = None if draft_lm is None else DraftRunner(draft_lm, self.num_blocks, c.block_size,
                                                                self.runner.attention, ctx.device, lm_vocab_slice(lm))
         self._verify = None  # this step's proposals and q from the draft (run_verified's inputs)
@@ -134,6 +138,7 @@ class LLMEngine:
         m = self.lm.cfg
         validate_prompt(prompt_token_ids, params.max_tokens, m.vocab_size, m.max_seq_len, self.num_blocks,
                         self.config.block_size)
+        check_speculation(self.config.speculative_config, params.logprobs)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         seed = params.seed if params.seed is not None else request_seed(self.seed, self._next)
         r = Request(self._next, list(prompt_token_ids), params.max_tokens, self.index, stop_ids=frozenset(stop),

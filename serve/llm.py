@@ -121,12 +121,22 @@ class LLM:
             raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
         self.config = EngineConfig.from_kwargs(**engine_settings)
         self.config.check_pipeline(pp)
+        spec_config = self.config.speculative_config
         try:
             backend = resolve_backend(backend, p * pp)
             device = resolve_device(device, backend)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
         self.model_config, checkpoint = resolve_model(model, p, moe_parallel)
+        draft = None
+        if spec_config is not None and spec_config.method == "draft_model":  # whole on every rank: checked at p = 1
+            from serve.spec_decode import check_draft
+
+            try:
+                draft = resolve_model(spec_config.model, 1, "tp")
+            except ValueError as exc:
+                raise ValueError(f"speculative_config model: {exc}") from None
+            check_draft(draft[0], self.model_config, spec_config.model)
         try:
             torch_dtype, _ = resolve_dtype(dtype, checkpoint)
             check_pipeline(self.model_config, p * pp, pp)
@@ -149,7 +159,7 @@ class LLM:
         self.tensor_parallel_size, self.pipeline_parallel_size = p, pp
         self.num_blocks = self.config.pool_blocks(self.model_config.max_seq_len)
         spec = RankSpec(self.model_config, checkpoint, self.dtype, seed, backend, device, moe_parallel, self.config,
-                        self.eos_token_ids, float(timeout_s), check, pp)
+                        self.eos_token_ids, float(timeout_s), check, pp, draft)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._stopped: set[str] = set()  # ended by a stop string here: the engine's later output is dropped
         self._count = 0
@@ -339,7 +349,9 @@ class LLM:
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
         from serve.engine import validate_prompt
+        from serve.spec_decode import check_request
 
+        check_request(self.config.speculative_config, params.logprobs)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={list(params.stop)}: stop strings need a tokenizer (this model has none)")
         validate_prompt(ids, params.max_tokens, self.model_config.vocab_size, self.model_config.max_seq_len,

@@ -77,6 +77,23 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+def check_request(config: "SpeculativeConfig | None", logprobs: int | None) -> None:
+    """The rule between speculation and a request (the driver checks it before sending, rank 0 again on arrival)."""
+    if config is not None and config.method == "draft_model" and logprobs is not None:
+        raise ValueError("logprobs with speculative_config method='draft_model' is not built yet: drop logprobs, or "
+                         "use method='ngram'")
+
+
+def check_draft(draft_cfg, target_cfg, name: str) -> None:
+    """A draft model the target can verify: the same vocabulary, and room for the target's context."""
+    if draft_cfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(f"speculative_config model={name!r} has a vocabulary of {draft_cfg.vocab_size} ids, the "
+                         f"target {target_cfg.vocab_size}: a draft must share the target's vocabulary")
+    if draft_cfg.max_seq_len < target_cfg.max_seq_len:
+        raise ValueError(f"speculative_config model={name!r} has a context of {draft_cfg.max_seq_len} positions, "
+                         f"shorter than the target's {target_cfg.max_seq_len}")
+
+
 def propose_ngram(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
     """Prompt lookup: the k tokens after an earlier occurrence of the longest suffix of `tokens` of n_max down to n_min
     tokens: the latest with k tokens after it, else the earliest ([] if none occurs earlier, or k = 0). A run of one

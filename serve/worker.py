@@ -43,6 +43,7 @@ class RankSpec:
     timeout_s: float
     check: bool = False  # rank 0 checks every finished request against the dense oracle
     pp: int = 1  # pipeline stages (layers/pipeline.py): the world is pp stages of world / pp TP ranks
+    draft: tuple | None = None  # speculative decoding's draft model: (its config, its checkpoint or None)
 
 
 def _watch_parent(parent: int, directory: str, rank: int) -> None:
@@ -106,7 +107,14 @@ def build_engine(ctx, spec: RankSpec):
     if spec.check and ctx.is_main:  # the dense model, on rank 0 only: random weights as made, a checkpoint read whole
         hooks.append(OracleCheck(dense_model(spec.model, spec.checkpoint, dtype, ctx.device, dense), NEAR_TIE[dtype]))
     del weights, dense
-    return new_engine(lm, ctx, spec.engine, spec.eos_token_ids, spec.seed, hooks)
+    draft_lm = None
+    if spec.draft is not None:  # whole on every rank: sharded over a group of this rank alone
+        from layers.lm import shard_lm
+        from serve.build import own_group
+
+        draft_weights, _ = rank_weights(*spec.draft, dtype, ctx.device, spec.seed)
+        draft_lm = shard_lm(draft_weights, "v2", own_group(ctx))
+    return new_engine(lm, ctx, spec.engine, spec.eos_token_ids, spec.seed, hooks, draft_lm)
 
 
 def _serve(rank: int, world_size: int, store: str, spec: RankSpec, conn) -> None:

@@ -19,7 +19,7 @@ from serve.config import EngineConfig
 from serve.request import Request
 from serve.sampling_params import SamplingParams
 from serve.scheduler import Scheduler
-from serve.spec_decode import SpeculativeConfig, accept, propose_ngram
+from serve.spec_decode import SpeculativeConfig, accept, check_request, propose_ngram
 from tests.harness import run_ranks
 from tests.test_sampling import GPT2, LLAMA, chi2, reference_generate, serve
 
@@ -64,9 +64,14 @@ def test_bad_speculative_configs_are_one_line_errors(value, message):
         EngineConfig(speculative_config=value)
 
 
-def test_pipeline_stages_with_speculation_are_refused():
+def test_pipeline_stages_and_pd_with_speculation_are_refused():
+    from serve.pd import Layout
+    from serve.pd.run import serve_pd
+
     with pytest.raises(ValueError, match="pp > 1"):
         EngineConfig(speculative_config=NGRAM).check_pipeline(2)
+    with pytest.raises(ValueError, match="P/D disaggregation is not built yet"):  # before any collective: no group
+        serve_pd(None, None, Layout(1, 1), [], EngineConfig(speculative_config=NGRAM), eos_token_ids=())
 
 
 def test_rejected_rows_give_their_blocks_back():
@@ -163,6 +168,25 @@ def test_speculative_tokens_equal_plain_decoding_and_the_oracle(cfg, sizes):
     assert len(set(accepted)) == 1  # the same at every p
 
 
+@pytest.mark.parametrize("attention", ["batched", "reference"])
+def test_every_attention_backend_verifies_the_same_tokens(attention):
+    """The verified chunks of k + 1 rows through the other attention backends (the default, cpu, runs above): n-gram
+    and a draft model, at p = 2, the tokens of plain decoding on the cpu backend."""
+    from dataclasses import replace
+
+    ps = repetitive_prompts(6, seed=7, shared=list(range(40, 48)))
+    reqs = [(f"r{i}", pr, PARAMS[i % 4], i % 2) for i, pr in enumerate(ps)]
+    base = dict(long_prefill_token_threshold=6, max_num_batched_tokens=24, max_num_seqs=6, block_size=4)
+    plain = run_ranks(1, serve, GPT2, reqs, EngineConfig(**base))[0][0]
+    ngram = run_ranks(2, serve, GPT2, reqs, EngineConfig(**base, attention=attention, speculative_config=NGRAM))[0][0]
+    drafted = run_ranks(2, serve, GPT2, reqs, EngineConfig(**base, attention=attention, speculative_config=DRAFT),
+                        draft=(replace(GPT2, n_layers=1), 5))[0][0]
+    for name, _, q, _ in reqs:
+        assert ngram[name].token_ids == plain[name].token_ids, name
+        if q.greedy:
+            assert drafted[name].token_ids == plain[name].token_ids, name
+
+
 def test_a_seeded_request_is_the_same_alone_and_in_a_batch_of_16_at_every_p():
     target = ([3, 4, 5, 3, 4, 5, 3, 4], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=42,
                                                           ignore_eos=True))
@@ -194,6 +218,16 @@ def test_the_library_and_the_cli_speculate_against_the_oracle(capsys):
     assert [o.oracle["verdict"] for o in outs] == ["match"] * 3
     assert stats["spec_decode_num_drafts"] > 0 and len(stats["spec_decode_num_accepted_tokens_per_pos"]) == 3
     assert stats["spec_decode_num_accepted_tokens"] == sum(stats["spec_decode_num_accepted_tokens_per_pos"])
+    draft = {"method": "draft_model", "model": "llama_tiny", "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="vocabulary of 50257 ids, the target 32000"):
+        LLM("llama_tiny", speculative_config={**draft, "model": "article03"})
+    with pytest.raises(ValueError, match="logprobs with speculative_config method='draft_model'"):
+        check_request(SpeculativeConfig(**draft), 1)  # LLM's driver and rank 0 both apply this rule
+    with LLM("llama_tiny", tensor_parallel_size=2, check=True, speculative_config=draft) as llm:  # a self-draft
+        outs = llm.generate(prompts, params)
+        stats = llm.stats()
+    assert [o.oracle["verdict"] for o in outs] == ["match", "match", "unchecked"]
+    assert stats["spec_decode_acceptance_rate"] == 1.0
     capsys.readouterr()
     with pytest.raises(SystemExit):  # argparse's error for the flag's value
         main(["--model", "llama_tiny", "--prompt-ids", "1,2", "--speculative-config", "{nope"])
@@ -288,13 +322,13 @@ def _slice(ctx, z: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
 
 
 def speculate(ctx, zq: torch.Tensor, first: int, T: float, top_k: int, top_p: float, K: int = 2,
-              breaks: str = "") -> list[list[int]]:
+              breaks: str = "", draws: int = SPEC_DRAWS) -> list[list[int]]:
     """SPEC_DRAWS requests at the fixed target logits ZP and draft logits zq (the same at every position), from
     output position `first`: the draft samples K proposals (its own noise stream), the target verifies them in K + 1
     rows; each request's tokens. breaks: a deliberately wrong verifier, to show the tests' power."""
     from layers.rejection_sampler import DRAFT_STREAM, filtered_logprobs, rejection_sample, verify
 
-    D, V = SPEC_DRAWS, len(ZP)
+    D, V = draws, len(ZP)
     params = lambda pos, salt=0: SamplingBatch.build(  # noqa: E731
         [(T, top_k, top_p, 0.0, seed ^ salt, pos + j) for seed in range(D) for j in range(K + 1)], -1, "cpu")
     zq_local, start = _slice(ctx, zq, D * (K + 1))
@@ -325,8 +359,8 @@ def first_two(ctx, zq, T, top_k, top_p, breaks="") -> list[int]:
     """Counts of each request's first two tokens (a request that got one token gets its second from the next step's
     verification, at output position 1)."""
     V = len(ZP)
-    one, two = speculate(ctx, zq, 0, T, top_k, top_p, breaks=breaks), speculate(ctx, zq, 1, T, top_k, top_p,
-                                                                                breaks=breaks)
+    draws = SPEC_DRAWS if not breaks else 10_000  # a broken verifier is far off: fewer draws show it
+    one, two = (speculate(ctx, zq, first, T, top_k, top_p, breaks=breaks, draws=draws) for first in (0, 1))
     counts = [0] * (V * V)
     for a, b in zip(one, two):
         pair = a[:2] if len(a) >= 2 else a + b[:1]
@@ -356,7 +390,7 @@ def test_the_rejection_sampler_draws_the_targets_distribution(draft, T, top_k, t
     """Fixed logits over 8 ids at p = 2, a draft q that differs from p in each way that matters, top-k and top-p on
     the target (and the draft): the first two tokens of 50,000 seeded requests are independent draws of the target's
     filtered softmax (chi-square below LIMIT). Power, on the first case: accepting with probability p(x) (q ignored),
-    or drawing the residual from p instead of max(0, p − q), gives a chi-square over 10,000 against the same joint."""
+    or drawing the residual from p instead of max(0, p − q), exceeds the limit already over 10,000 draws."""
     q = target(T, top_k, top_p)
     joint = (q[:, None] * q[None, :]).flatten()
     counts = torch.tensor(run_ranks(2, first_two, DRAFTS[draft], T, top_k, top_p)[0], dtype=torch.float64)

@@ -57,6 +57,8 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
     (None: the same). With a bounded pool the prefill side preempts as any engine does, and the decode side takes a
     landed request into its pool only when blocks are free for it (it waits in its receive buffers until then); a
     request preempted on the decode side recomputes its prompt and tokens there."""
+    if config.speculative_config is not None:  # every rank, before any collective
+        raise ValueError("speculative_config with P/D disaggregation is not built yet: serve without it")
     decode_block_size = config.block_size if decode_block_size is None else decode_block_size
     cfg = weights.cfg
     validate_layout(cfg, layout, world.world_size)
