@@ -305,7 +305,8 @@ class LLMEngine:
                 i += len(its)
                 tokens = [int(row[0]) for row in its]
                 if c.spec:  # a draft's rows carry the rejection sampler's verdicts; n-gram's are read off the tokens
-                    tokens = verify([bool(row[-1]) for row in its], tokens) if self.draft else accept(tokens, c.spec)
+                    tokens = (verify([bool(row[-1]) for row in its], tokens) if self.draft is not None
+                              else accept(tokens, c.spec))
                     self.spec_stats.observe(len(c.spec), len(tokens) - 1)
                 out[c.request] = (tokens, its)
         return out
@@ -318,7 +319,7 @@ class LLMEngine:
         for r in self.scheduler.running:
             if r.decoding:
                 k = min(spec.num_speculative_tokens, r.max_new_tokens - len(r.output) - 1)
-                r.spec_token_ids = [-1] * max(k, 0) if self.draft else \
+                r.spec_token_ids = [-1] * max(k, 0) if self.draft is not None else \
                     propose_ngram(r.tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, k)
 
     def _drafted(self, plan: SchedulerOutput) -> SchedulerOutput:

@@ -294,9 +294,9 @@ class Scheduler:
 
     def update(self, plan: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[int]:
         """Apply an iteration's results (request id -> its new token, or a verified chunk's tokens: the accepted
-        proposals and the target's own); return the ids that finished now, whose blocks are given back (their contents stay in the
-        pool until reused: a hook may still read them). A verified request keeps the K,V of the rows whose tokens it
-        now holds; blocks that held only rejected rows go back to the pool."""
+        proposals and the target's own); return the ids that finished now, whose blocks are given back (their
+        contents stay in the pool until reused: a hook may still read them). A verified request keeps the K,V of the
+        rows whose tokens it now holds; blocks that held only rejected rows go back to the pool."""
         finished = []
         for c in plan.scheduled:
             if c.request in self.in_flight:  # a pipeline's micro-batch back from the last stage
@@ -318,8 +318,9 @@ class Scheduler:
                     r.num_computed_tokens = c.q_start + len(r.output) - before
                     if not r.finished:
                         self.blocks.shrink(r.id, r.num_computed_tokens)
-            held = min(c.q_end, r.num_computed_tokens, r.num_computed_tokens if r.draft_computed is None
-                       else r.draft_computed)  # K,V written (on every stage; by the draft too) up to here
+            held = min(c.q_end, r.num_computed_tokens)  # K,V written on every stage up to here
+            if r.draft_computed is not None:  # and by the draft model (speculative decoding), or not named yet
+                held = min(held, r.draft_computed)
             self.blocks.commit(r.id, r.tokens, held)
         for rid in finished:
             self.blocks.release(rid)

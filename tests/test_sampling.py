@@ -216,11 +216,12 @@ FILTERS = [dict(), dict(top_k=4), dict(top_p=0.7), dict(min_p=0.2), dict(top_k=5
 GRID = [dict(T=T, **f) for T in (0.6, 1.6) for f in FILTERS]
 
 
-def expected(T, top_k=0, top_p=1.0, min_p=0.0, scale_first=True, min_p_raw=False, top_p_shift=0):
-    """softmax(z/T) restricted to the kept ids and renormalised, from the definitions, and the kept ids. The other
-    arguments make a wrong sampler: scale_first=False, the filters see softmax(z) and the temperature comes after
-    them; min_p_raw, min-p alone sees softmax(z); top_p_shift, top-p's prefix one id shorter (-1) or longer (+1)."""
-    z = LOGITS
+def expected(T, top_k=0, top_p=1.0, min_p=0.0, scale_first=True, min_p_raw=False, top_p_shift=0, logits=LOGITS):
+    """softmax(z/T) restricted to the kept ids and renormalised, from the definitions, and the kept ids (z: logits).
+    The other arguments make a wrong sampler: scale_first=False, the filters see softmax(z) and the temperature
+    comes after them; min_p_raw, min-p alone sees softmax(z); top_p_shift, top-p's prefix one id shorter (-1) or
+    longer (+1)."""
+    z = logits
     probs = torch.softmax(z / T if scale_first else z, -1)
     for_min_p = torch.softmax(z, -1) if min_p_raw else probs
     order = sorted(range(len(z)), key=lambda i: (-float(z[i]), i))

@@ -21,7 +21,7 @@ from serve.sampling_params import SamplingParams
 from serve.scheduler import Scheduler
 from serve.spec_decode import SpeculativeConfig, accept, check_request, propose_ngram
 from tests.harness import run_ranks
-from tests.test_sampling import GPT2, LLAMA, chi2, reference_generate, serve
+from tests.test_sampling import GPT2, LLAMA, chi2, expected, reference_generate, serve
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -249,19 +249,8 @@ LIMIT = 120.0  # above chi-square's 99.99% point at 63 degrees of freedom (~114,
 
 
 def filtered(T: float, top_k: int, top_p: float) -> torch.Tensor:
-    """softmax(LOGITS / T) after top-k and top-p, from the definitions (as tests/test_sampling.py's expected)."""
-    probs = torch.softmax(LOGITS / T, -1)
-    order = sorted(range(len(LOGITS)), key=lambda i: (-float(LOGITS[i]), i))
-    kept = order[:top_k] if top_k else order
-    if top_p < 1:
-        total, n, before = float(probs[kept].sum()), 0, 0.0
-        for i in kept:
-            n += before < top_p
-            before += float(probs[i]) / total
-        kept = kept[:n]
-    w = torch.zeros_like(probs)
-    w[kept] = probs[kept]
-    return w / w.sum()
+    """softmax(LOGITS / T) after top-k and top-p, from the definitions (tests/test_sampling.py's expected)."""
+    return expected(T, top_k, top_p, logits=LOGITS)[0]
 
 
 def verified_pairs(ctx, proposals: tuple[int, int], T: float, top_k: int, top_p: float) -> list[int]:
@@ -369,18 +358,8 @@ def first_two(ctx, zq, T, top_k, top_p, breaks="") -> list[int]:
 
 
 def target(T, top_k, top_p) -> torch.Tensor:
-    probs = torch.softmax(ZP / T, -1)
-    kept = list(range(len(ZP)))  # ZP is sorted: id order is probability order
-    kept = kept[:top_k] if top_k else kept
-    if top_p < 1:
-        total, n, before = float(probs[kept].sum()), 0, 0.0
-        for i in kept:
-            n += before < top_p
-            before += float(probs[i]) / total
-        kept = kept[:n]
-    w = torch.zeros_like(probs)
-    w[kept] = probs[kept]
-    return w / w.sum()
+    """The target's filtered softmax at ZP (tests/test_sampling.py's expected)."""
+    return expected(T, top_k, top_p, logits=ZP)[0]
 
 
 @pytest.mark.parametrize("draft,T,top_k,top_p", [("q != p", 1.0, 0, 1.0), ("q != p", 0.7, 0, 0.85),
