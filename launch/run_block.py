@@ -64,6 +64,9 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     pp = parse_pp(cfg, world_size)
     common = common_settings(cfg, world_size, local_world_size, tp_sizes={"tp": world_size // pp})
     model = common["model"]
+    if model.family == "deepseek_v3":
+        raise ConfigError("run_block checks gpt2, llama and mixtral blocks; DeepSeek-V3 (MLA) blocks are checked by "
+                          "serving them: launch/serve.py model=deepseek_tiny")
     notes: list[str] = []
     lengths = request_lengths(cfg, model, common["seed"], notes)
     if pp > 1:

@@ -19,7 +19,7 @@ from launch.settings import (LaunchSettings, boolean, check_memory, common_setti
                              memory_need, read_transient)
 from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.hf import checkpoint_eos
-from layers.moe import validate_moe
+from layers.families import MOE_FAMILIES, validate
 from layers.pipeline import BOUNDARIES, check_pipeline, pp_layout
 from serve.config import EngineConfig
 from serve.pd import Layout, check_pools
@@ -81,7 +81,7 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     model = common["model"]
     variant, vocab_parallel = str(cfg.variant), boolean(cfg, "vocab_parallel")
     moe_parallel = parse_moe_parallel(cfg, model, world_size, layout)
-    if model.family in ("llama", "mixtral") and (variant != "v2" or not vocab_parallel):
+    if model.family != "gpt2" and (variant != "v2" or not vocab_parallel):
         raise ConfigError("Llama-family models are served with variant=v2 and vocab_parallel=true (the engine serves "
                           "their v2 blocks; the untied head is vocab-parallel)")
     if variant not in SERVING_VARIANTS:
@@ -221,7 +221,7 @@ def parse_sampling(cfg: DictConfig, requests: list[Request], layout) -> dict | N
 def parse_moe_parallel(cfg: DictConfig, model, world_size: int, layout) -> str:
     """moe_parallel for MoE models: tp (default) or ep; ep_a2a is run_block's (see the error)."""
     value = cfg.get("moe_parallel")
-    if model.family != "mixtral":
+    if model.family not in MOE_FAMILIES:
         if value is not None:
             raise ConfigError(f"moe_parallel={value} is for MoE models (model=mixtral_tiny); this model's FFN is dense")
         return "tp"
@@ -232,7 +232,7 @@ def parse_moe_parallel(cfg: DictConfig, model, world_size: int, layout) -> str:
                           "(empty dispatches); serve with moe_parallel=tp or ep, or check ep_a2a with run_block")
     if layout is not None:
         raise ConfigError("pd with an MoE model is not built: serve it colocated (drop pd.*)")
-    validate_moe(model, world_size, placement)
+    validate(model, world_size, placement)
     return placement
 
 

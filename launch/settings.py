@@ -22,6 +22,8 @@ from layers.config import ModelConfig, validate_model
 from layers.dense import DenseStack
 from layers.lm import dense_lm
 from layers.llama import LlamaConfig, validate_llama
+from layers.families import config_class
+from layers.mla import validate_deepseek
 from layers.moe import MoEConfig, validate_moe
 from layers.checkpoint import Checkpoint
 from layers.hf import check_state, read_config, read_state, resolve_dtype
@@ -145,19 +147,18 @@ def parse_model(cfg: DictConfig, world_size: int,
     config.json (GPT-2 or Llama). The model is a ModelConfig or a LlamaConfig, valid for every TP size asked."""
     fields = OmegaConf.to_container(cfg.model, resolve=True)
     family = fields.pop("family", "gpt2")
-    if family not in ("gpt2", "llama", "mixtral"):
-        raise ConfigError(f"model.family={family!r}: choose gpt2, llama or mixtral")
+    model_class = config_class(family)  # ConfigError naming the families for another
     for key, value in fields.items():
-        if key in ("ln_eps", "norm_eps", "rope_theta"):
+        if key in ("ln_eps", "norm_eps", "rope_theta", "routed_scaling_factor"):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"model.{key}={value!r} must be a number")
-        elif key == "tie_word_embeddings":
+        elif key in ("tie_word_embeddings", "rope_interleave", "norm_topk_prob"):
             if not isinstance(value, bool):
                 raise ConfigError(f"model.{key}={value!r} must be true or false")
         elif isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"model.{key}={value!r} must be an integer")
     try:
-        model = {"llama": LlamaConfig, "mixtral": MoEConfig}.get(family, ModelConfig)(**fields)
+        model = model_class(**fields)
     except TypeError as exc:
         raise ConfigError(f"bad model settings: {exc}") from None
     model_name = HydraConfig.get().runtime.choices.get("model", "custom") if HydraConfig.initialized() else "custom"
@@ -165,8 +166,8 @@ def parse_model(cfg: DictConfig, world_size: int,
     if hf_checkpoint is not None:
         model, model_name = read_config(hf_checkpoint), "hf"
     # MoE models: the placement decides what p must divide (moe_parallel, checked by the launcher); here the shape
-    validate = {"llama": validate_llama, "mixtral": lambda m, p: validate_moe(m, 1, "ep_a2a")}.get(model.family,
-                                                                                                  validate_model)
+    validate = {"llama": validate_llama, "mixtral": lambda m, p: validate_moe(m, 1, "ep_a2a"),
+                "deepseek_v3": lambda m, p: validate_deepseek(m, 1)}.get(model.family, validate_model)
     source = f"hf_checkpoint={hf_checkpoint}: " if hf_checkpoint else ""  # the numbers came from its config.json
     for name, p in (tp_sizes or {"": world_size}).items():
         try:

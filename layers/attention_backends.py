@@ -98,10 +98,22 @@ class AttentionBackend:
               put: Put) -> Callable[[Iterator[torch.Tensor]], object]:
         raise NotImplementedError
 
-    def forward(self, q: torch.Tensor, kv: torch.Tensor, pool: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, pool: torch.Tensor, batch: PagedBatch, *,
+                scale: float | None = None, v_dim: int | None = None) -> torch.Tensor:
         """q [h, T, d_head]; kv [2, h_kv, T, d_head] (this layer's new K,V); pool [2, slots, h_kv, d_head]. Returns
-        [T, h·d_head]; query head j reads K,V head j // (h/h_kv)."""
+        [T, h·d_head]; query head j reads K,V head j // (h/h_kv); scores scaled by `scale` (default d_head^-1/2).
+        A one-plane pool [1, slots, h_kv, width] (MLA's latent, layers/mla.py) holds keys whose first v_dim values
+        are also the values: kv [1, h_kv, T, width], and the output is [T, h·v_dim]."""
         raise NotImplementedError
+
+
+def split_kv(t: torch.Tensor, v_dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values) of a [planes, ...] K,V tensor: its two planes, or (one plane, its first v_dim values)."""
+    return (t[0], t[1]) if t.shape[0] == 2 else (t[0], t[0][..., :v_dim])
+
+
+def value_dim(pool: torch.Tensor, v_dim: int | None) -> int:
+    return pool.shape[-1] if pool.shape[0] == 2 else v_dim
 
 
 # ---- reference ---------------------------------------------------------------------------------------------------
@@ -123,7 +135,7 @@ class ReferenceBackend(AttentionBackend):
         return lambda parts: ReferenceMeta(tuple(spans), tuple(c.q_start for c in chunks),
                                            tuple(next(parts) for _ in chunks))
 
-    def forward(self, q, kv, pool, batch):
+    def forward(self, q, kv, pool, batch, *, scale=None, v_dim=None):
         """Write, gather, attend, one request at a time."""
         meta: ReferenceMeta = batch.meta
         group = q.shape[0] // kv.shape[1]
@@ -134,7 +146,7 @@ class ReferenceBackend(AttentionBackend):
             context = pool[:, slots].transpose(1, 2)  # [2, h_kv, kv_length, dh]: its block table, read in order
             if group > 1:
                 context = context.repeat_interleave(group, dim=1)
-            keys, values = context[:, None]  # each [1, h, kv_length, d_head]
+            keys, values = split_kv(context[:, None], v_dim)  # each [1, h, kv_length, d_head]
             if q_rows == 1:  # decode: the one new query sees every key
                 mask, causal = None, False
             elif q_start == 0:  # a whole prompt, or its first chunk: the plain causal square
@@ -142,7 +154,7 @@ class ReferenceBackend(AttentionBackend):
             else:  # a chunk after a cached prefix: full on the prefix, causal on the chunk
                 mask, causal = prefix_causal_mask(q_start, q_rows, kv_length, q.device), False
             outs.append(F.scaled_dot_product_attention(q[None, :, s:e], keys, values, attn_mask=mask,
-                                                       is_causal=causal))
+                                                       is_causal=causal, scale=scale))
         return rearrange(torch.cat(outs, dim=2), "1 h n d -> n (h d)")
 
 
@@ -271,27 +283,30 @@ class BatchedBackend(AttentionBackend):
 
         return finish
 
-    def forward(self, q, kv, pool, batch):
+    def forward(self, q, kv, pool, batch, *, scale=None, v_dim=None):
         meta: BatchedMeta = batch.meta
         pool.index_copy_(1, batch.slot_mapping, kv.transpose(1, 2))  # one scatter: every new row's K,V into its slot
         h, T, dh = q.shape
         group = h // kv.shape[1]
-        out = q.new_empty(T, h, dh)
+        out = q.new_empty(T, h, value_dim(pool, v_dim))
         if meta.decodes is not None:
-            out.index_copy_(0, meta.decodes.rows, _ragged_decode(q, pool, meta.decodes))
+            out.index_copy_(0, meta.decodes.rows, _ragged_decode(q, pool, meta.decodes, scale, v_dim))
         for g in meta.groups:  # at most 7 calls: decodes, fresh prompt chunks, chunks after a prefix
             B, max_q = g.rows.shape
             queries = q.index_select(1, g.rows.flatten()).view(h, B, max_q, dh).transpose(0, 1)  # [B, h, max_q, dh]
             context = pool.index_select(1, g.slots.flatten())  # [2, B·max_kv, h_kv, dh]: the keys through the tables
-            keys, values = context.view(2, B, -1, *pool.shape[2:]).permute(0, 1, 3, 2, 4)  # [B, h_kv, max_kv, dh]
+            keys, values = split_kv(context.view(pool.shape[0], B, -1, *pool.shape[2:]).permute(0, 1, 3, 2, 4),
+                                    v_dim)  # [B, h_kv, max_kv, dh]
             if group > 1:  # query head j reads K,V head j // group
                 keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, is_causal=g.mask is None)
-            out.index_copy_(0, g.dst, o.transpose(1, 2).reshape(B * max_q, h, dh).index_select(0, g.src))  # real rows
+            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, is_causal=g.mask is None,
+                                               scale=scale)
+            out.index_copy_(0, g.dst, o.transpose(1, 2).reshape(B * max_q, h, -1).index_select(0, g.src))  # real rows
         return out.flatten(1)
 
 
-def _ragged_decode(q: torch.Tensor, pool: torch.Tensor, g: DecodeGroup) -> torch.Tensor:
+def _ragged_decode(q: torch.Tensor, pool: torch.Tensor, g: DecodeGroup, scale: float | None = None,
+                   v_dim: int | None = None) -> torch.Tensor:
     """Every decode's one query against its own keys, all decodes at once and without padding: the keys of all
     requests in one flat [N] run, a softmax per request (segment max and sum by `owner`), the values summed back per
     request. One long context does not widen the others (a padded SDPA would score every decode to the longest).
@@ -300,15 +315,16 @@ def _ragged_decode(q: torch.Tensor, pool: torch.Tensor, g: DecodeGroup) -> torch
     h_kv = pool.shape[2]
     B, N, acc = g.rows.numel(), g.owner.numel(), torch.promote_types(q.dtype, torch.float32)
     queries = q.index_select(1, g.rows).transpose(0, 1).to(acc).index_select(0, g.owner)  # [N, h, dh]: each key's query
-    keys, values = pool.index_select(1, g.slots)  # each [N, h_kv, dh]: through the block tables
+    keys, values = split_kv(pool.index_select(1, g.slots), v_dim)  # each [N, h_kv, dh]: through the block tables
     queries = queries.view(N, h_kv, h // h_kv, dh)  # query head j reads K,V head j // (h/h_kv)
-    scores = (queries * keys[:, :, None].to(acc)).sum(-1).view(N, h) * dh ** -0.5  # [N, h]
+    scores = (queries * keys[:, :, None].to(acc)).sum(-1).view(N, h) * (dh ** -0.5 if scale is None else scale)
     owner = g.owner[:, None].expand(N, h)
     top = scores.new_full((B, h), float("-inf")).scatter_reduce_(0, owner, scores, "amax")  # per request, per head
     weights = (scores - top.index_select(0, g.owner)).exp()  # [N, h]
     total = scores.new_zeros(B, h).index_add_(0, g.owner, weights)
-    mixed = (weights.view(N, h_kv, -1, 1) * values[:, :, None].to(acc)).view(N, h, dh)
-    out = scores.new_zeros(B, h, dh).index_add_(0, g.owner, mixed)
+    dv = values.shape[-1]
+    mixed = (weights.view(N, h_kv, -1, 1) * values[:, :, None].to(acc)).view(N, h, dv)
+    out = scores.new_zeros(B, h, dv).index_add_(0, g.owner, mixed)
     return (out / total[..., None]).to(q.dtype)
 
 
@@ -354,22 +370,23 @@ class CPUBackend(AttentionBackend):
 
         return finish
 
-    def forward(self, q, kv, pool, batch):
+    def forward(self, q, kv, pool, batch, *, scale=None, v_dim=None):
         meta: CPUMeta = batch.meta
         pool.index_copy_(1, batch.slot_mapping, kv.transpose(1, 2))  # one scatter: every new row's K,V into its slot
         h_kv, dh = pool.shape[2:]
         gqa = q.shape[0] != h_kv
-        by_block = pool.view(2, -1, meta.block_size, h_kv, dh)  # [2, blocks, block_size, h_kv, dh]
+        by_block = pool.view(pool.shape[0], -1, meta.block_size, h_kv, dh)  # [2, blocks, block_size, h_kv, dh]
         outs = []
         for seq in meta.seqs:
             queries = q[None, :, seq.start:seq.end]  # [1, h, q_rows, dh]
             if seq.blocks is None:  # a fresh prompt chunk: its keys are its own rows, the plain causal square
-                keys, values = kv[:, None, :, seq.start:seq.end]  # each [1, h_kv, q_rows, dh]
-                o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=gqa)
+                keys, values = split_kv(kv[:, None, :, seq.start:seq.end], v_dim)  # each [1, h_kv, q_rows, dh]
+                o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=gqa, scale=scale)
             else:  # a decode (sees every key) or a chunk after a prefix (its mask): keys through the block table
                 context = by_block.index_select(1, seq.blocks).flatten(1, 2)[:, :seq.kv_length].transpose(1, 2)
-                keys, values = context[:, None]  # each [1, h_kv, kv_length, dh]
-                o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=seq.mask, enable_gqa=gqa)
+                keys, values = split_kv(context[:, None], v_dim)  # each [1, h_kv, kv_length, dh]
+                o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=seq.mask, enable_gqa=gqa,
+                                                   scale=scale)
             outs.append(o[0])
         return rearrange(torch.cat(outs, dim=1), "h n d -> n (h d)")
 

@@ -75,6 +75,11 @@ class DenseStack(Stack):
     def __init__(self, cfg: ModelConfig | LlamaConfig, dtype: torch.dtype = torch.float32, device=None):
         from layers.moe import DenseMoEBlock  # layers/moe.py builds on layers/llama.py, as this module does
 
+        if cfg.family == "deepseek_v3":  # the FFN differs by layer (first_k_dense_replace): each block knows its index
+            from layers.mla import dense_blocks
+
+            super().__init__(cfg, dense_blocks(cfg, dtype, device))
+            return
         block = {"llama": DenseLlamaBlock, "mixtral": DenseMoEBlock}.get(cfg.family, DenseBlock)
         super().__init__(cfg, [block(cfg, dtype, device) for _ in range(cfg.n_layers)])
 

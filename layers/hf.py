@@ -2,6 +2,7 @@
 
     model_type gpt2    GPT2Model / GPT2LMHeadModel      layers/hf_gpt2.py (Conv1D weights transposed)
     model_type llama   LlamaModel / LlamaForCausalLM    layers/hf_llama.py (gate_proj, up_proj stacked)
+    model_type mixtral, deepseek_v3                     layers/hf_mixtral.py, layers/hf_deepseek.py (experts stacked)
 
 Both are read before any collective (launch/settings.py): a file that is missing, corrupt or of an
 unsupported kind is a setting error on every rank, with the reason. The weights are read lazily
@@ -16,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from layers import hf_gpt2, hf_llama, hf_mixtral
+from layers import hf_deepseek, hf_gpt2, hf_llama, hf_mixtral
 from layers.checkpoint import Checkpoint
 from layers.config import ModelConfig
 from layers.llama import LlamaConfig
 from layers.shard import Cut
 from tp.dist import ConfigError
 
-FAMILIES = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral}
+FAMILIES = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral, "deepseek_v3": hf_deepseek}
 
 
 def config_from_hf(hf: dict) -> ModelConfig | LlamaConfig:
@@ -32,8 +33,8 @@ def config_from_hf(hf: dict) -> ModelConfig | LlamaConfig:
         raise ConfigError(f"a model config must be a JSON object, got {type(hf).__name__}")
     kind = hf.get("model_type", "gpt2")
     if kind not in FAMILIES:
-        raise ConfigError(f"model_type={kind!r} is not supported: GPT-2 (gpt2), Llama (llama) and Mixtral (mixtral) "
-                          f"checkpoints are")
+        raise ConfigError(f"model_type={kind!r} is not supported: GPT-2 (gpt2), Llama (llama), Mixtral (mixtral) and "
+                          f"DeepSeek-V3 (deepseek_v3) checkpoints are")
     return FAMILIES[kind].config_from_hf(hf)
 
 

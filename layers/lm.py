@@ -78,7 +78,7 @@ class DenseLlamaLM(nn.Module):
 
 def dense_lm(cfg: ModelConfig | LlamaConfig, dtype: torch.dtype = torch.float32, device=None) -> nn.Module:
     """The single-device LM of cfg's block family."""
-    return (DenseLlamaLM if cfg.family in ("llama", "mixtral") else DenseLM)(cfg, dtype, device)
+    return (DenseLlamaLM if cfg.family in ("llama", "mixtral", "deepseek_v3") else DenseLM)(cfg, dtype, device)
 
 
 @torch.no_grad()
@@ -174,6 +174,11 @@ class TPLM(nn.Module):
         """K,V heads per layer in this rank's cache: its h/p heads."""
         return self.cfg.n_heads // dist.get_world_size(self.stack.blocks[0].group)
 
+    @property
+    def cache_layout(self) -> tuple[int, int, int]:
+        """(planes, heads, width) of each layer's cache on this rank (serve/kv_cache.KVPool.for_model)."""
+        return 2, self.cache_heads, self.cfg.d_head
+
     def step(self, ids: torch.Tensor, positions: torch.Tensor, layers: list[PagedLayer],
              sample_rows: torch.Tensor, sampling: SamplingBatch | None = None) -> SampleResult:
         """One iteration. ids, positions: [T]; the tokens picked for sample_rows [S] (greedy without `sampling`),
@@ -212,8 +217,15 @@ class TPLlamaLM(nn.Module):
 
     @property
     def cache_heads(self) -> int:
-        """K,V heads per layer in this rank's cache: max(h_kv/p, 1)."""
-        return self.stack.blocks[0].kv_heads
+        """K,V heads per layer in this rank's cache: max(h_kv/p, 1) (MLA: its one latent "head")."""
+        return self.cache_layout[1]
+
+    @property
+    def cache_layout(self) -> tuple[int, int, int]:
+        """(planes, heads, width): K and V of max(h_kv/p, 1) heads of d_head; MLA (family deepseek_v3): one plane,
+        one latent of c + r, on every rank."""
+        block = self.stack.blocks[0]
+        return block.cache_layout if hasattr(block, "cache_layout") else (2, block.kv_heads, self.cfg.d_head)
 
     def plan(self) -> list[Part]:
         """This rank's slices of the dense DenseLlamaLM's parameters: its vocabulary rows of the embedding and of the
@@ -258,7 +270,11 @@ def tp_lm(cfg: ModelConfig | LlamaConfig, variant: str, group: dist.ProcessGroup
     if variant not in SERVING_VARIANTS:
         raise ValueError(f"serving runs variant v1 or v2, not {variant!r}")
     kw = dict(dtype=dtype, device=device)
-    if cfg.family == "mixtral":
+    if cfg.family == "deepseek_v3":
+        from layers.mla import tp_blocks
+
+        stack = TPStack(cfg, tp_blocks(cfg, moe_parallel, group, dtype, device))
+    elif cfg.family == "mixtral":
         if moe_parallel not in ("tp", "ep"):
             raise ValueError(f"serving runs moe_parallel tp or ep, not {moe_parallel!r}")
         from layers.moe import moe_block
@@ -266,7 +282,7 @@ def tp_lm(cfg: ModelConfig | LlamaConfig, variant: str, group: dist.ProcessGroup
         stack = TPStack(cfg, [moe_block(cfg, moe_parallel, group, dtype, device) for _ in range(cfg.n_layers)])
     else:
         stack = tp_stack(cfg, variant, group, dtype, device)
-    if cfg.family in ("llama", "mixtral"):
+    if cfg.family in ("llama", "mixtral", "deepseek_v3"):
         if variant != "v2" or not vocab_parallel:
             raise ValueError("Llama-family models are served with variant v2 and a vocab-parallel embedding and head")
         embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group, **kw)

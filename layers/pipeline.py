@@ -88,7 +88,7 @@ def pp_layout(world_size: int, pp: int) -> PPLayout:
 def check_pipeline(model, world_size: int, pp: int, variant: str = "v2", vocab_parallel: bool = True) -> PPLayout:
     """Every rule of serving a model through pp stages (check_layout's, and what serving adds), checked before any
     collective; ValueError, one line."""
-    if pp > 1 and model.family == "mixtral":
+    if pp > 1 and model.family in ("mixtral", "deepseek_v3"):
         raise ValueError(f"pp={pp} with an MoE model is not built: its experts are placed over the world, not one "
                          f"stage (serve it with pp=1)")
     if pp > 1 and not vocab_parallel:
@@ -351,6 +351,10 @@ class PPLM(StagePosition, nn.Module):
     @property
     def cache_heads(self) -> int:
         return self.lm.cache_heads
+
+    @property
+    def cache_layout(self) -> tuple[int, int, int]:
+        return self.lm.cache_layout
 
 
     def forward_stage(self, ids, positions, layers, microbatch: int = 0,

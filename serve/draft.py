@@ -42,9 +42,7 @@ class DraftRunner:
         vocabulary split on this rank (q is kept on those ids)."""
         self.lm, self.block_size, self.attention, self.device = lm, block_size, attention, device
         self.start, self.n = vocab_slice
-        cfg = lm.cfg
-        self.cache = KVPool(cfg.n_layers, num_blocks, block_size, lm.cache_heads, cfg.d_head,
-                            next(lm.parameters()).dtype, device)
+        self.cache = KVPool.for_model(lm, num_blocks, block_size, next(lm.parameters()).dtype, device)
 
     @torch.no_grad()
     def propose(self, plan: SchedulerOutput, requests: dict[int, Request]

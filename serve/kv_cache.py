@@ -2,6 +2,7 @@
 
     pool on rank s:  [L, 2, num_gpu_blocks_override · block_size, heads, d_head]     (layer, K|V, slot, head, dim)
                      heads = h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention)
+                     MLA (layers/mla.py): [L, 1, slots, 1, c + r], one latent plane, whole on every rank
 
 A slot is one token position of one block: block b's positions are slots [b·block_size, (b+1)·block_size).
 Which blocks a request holds is decided on the host, identically on every rank (serve/block_manager.py); the
@@ -28,11 +29,17 @@ def kv_bytes_per_token(n_layers: int, heads: int, d_head: int, dtype: torch.dtyp
 
 class KVPool:
     def __init__(self, n_layers: int, num_blocks: int, block_size: int, heads: int, d_head: int,
-                 dtype: torch.dtype, device=None):
+                 dtype: torch.dtype, device=None, planes: int = 2):
         self.n_layers, self.num_blocks, self.block_size, self.heads, self.d_head = \
             n_layers, num_blocks, block_size, heads, d_head
-        self.dtype, self.device = dtype, device
-        self.kv = torch.zeros(n_layers, 2, num_blocks * block_size, heads, d_head, dtype=dtype, device=device)
+        self.dtype, self.device, self.planes = dtype, device, planes  # planes: K and V (2), or MLA's one latent
+        self.kv = torch.zeros(n_layers, planes, num_blocks * block_size, heads, d_head, dtype=dtype, device=device)
+
+    @classmethod
+    def for_model(cls, lm, num_blocks: int, block_size: int, dtype: torch.dtype, device=None) -> "KVPool":
+        """The pool a TP model's layers cache into: lm.cache_layout (planes, heads, width) per layer."""
+        planes, heads, width = lm.cache_layout
+        return cls(lm.cfg.n_layers, num_blocks, block_size, heads, width, dtype, device, planes)
 
     @property
     def bytes(self) -> int:

@@ -40,10 +40,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tok
 
 def resolve_model(model: str, p: int, moe_parallel: str):
     """(model config, checkpoint directory or None, preset name or None), valid at tensor-parallel size p."""
-    from layers.config import validate_model
+    from layers.families import validate
     from layers.hf import read_config
-    from layers.llama import validate_llama
-    from layers.moe import validate_moe
     from tp.dist import ConfigError
 
     if not isinstance(model, (str, os.PathLike)):
@@ -57,12 +55,7 @@ def resolve_model(model: str, p: int, moe_parallel: str):
         else:
             presets = sorted(f.stem for f in PRESETS.glob("*.yaml"))
             raise ValueError(f"model={str(model)!r} is neither a directory nor a preset; presets: {', '.join(presets)}")
-        if cfg.family == "mixtral":
-            validate_moe(cfg, p, moe_parallel)
-        elif moe_parallel != "tp":
-            raise ValueError(f"moe_parallel={moe_parallel!r} is for MoE models; this model's FFN is dense")
-        else:
-            (validate_llama if cfg.family == "llama" else validate_model)(cfg, p)
+        validate(cfg, p, moe_parallel)
     except ConfigError as exc:
         raise ValueError(f"tensor_parallel_size={p}: {exc}" if "divisible" in str(exc) or "split" in str(exc)
                          else str(exc)) from None
@@ -72,13 +65,10 @@ def resolve_model(model: str, p: int, moe_parallel: str):
 def _preset(name: str):
     from omegaconf import OmegaConf
 
-    from layers.config import ModelConfig
-    from layers.llama import LlamaConfig
-    from layers.moe import MoEConfig
+    from layers.families import config_class
 
     fields = OmegaConf.to_container(OmegaConf.load(PRESETS / f"{name}.yaml"), resolve=True)
-    family = fields.pop("family", "gpt2")
-    return {"llama": LlamaConfig, "mixtral": MoEConfig}.get(family, ModelConfig)(**fields)
+    return config_class(fields.pop("family", "gpt2"))(**fields)
 
 
 def load_tokenizer(source: str | None):

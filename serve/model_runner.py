@@ -35,7 +35,7 @@ class ModelRunner:
         cfg = lm.cfg
         # K,V heads this rank caches: h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention); the layers of a
         # pipeline stage's model are its own (cfg.n_layers is the stage's)
-        self.cache = KVPool(cfg.n_layers, num_blocks, block_size, lm.cache_heads, cfg.d_head, self.dtype, ctx.device)
+        self.cache = KVPool.for_model(lm, num_blocks, block_size, self.dtype, ctx.device)
 
     def prepare(self, plan: SchedulerOutput, requests: dict[int, Request]) -> Prepared:
         """The iteration's tensors (one host-to-device copy) and its sampling batch. requests: id -> Request (its

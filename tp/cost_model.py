@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tp.ledger import ring_bytes_per_rank
-from tp.partition import kv_bytes_per_token, kv_heads_per_rank, padded
+from tp.partition import kv_bytes_per_token, kv_heads_per_rank, mla_kv_bytes_per_token, padded  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -210,11 +210,6 @@ def kv_bytes_per_token_per_rank(n_layers: int, n_kv_heads: int, d_head: int, p: 
     if n_kv_heads % p and p % n_kv_heads:
         raise ValueError(f"p={p} splits neither n_kv_heads={n_kv_heads} nor a multiple of it")
     return kv_bytes_per_token(n_layers, kv_heads_per_rank(n_kv_heads, p), d_head, elem_bytes)
-
-
-def mla_kv_bytes_per_token(n_layers: int, d_latent: int, d_rope: int, elem_bytes: int) -> int:
-    """MLA's cache of one token, every layer: the latent vector and the shared RoPE key, whole on every TP rank."""
-    return n_layers * (d_latent + d_rope) * elem_bytes
 
 
 # DeepSeek-V3's attention dims as the comm-model document gives them.

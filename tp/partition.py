@@ -37,3 +37,9 @@ def kv_heads_per_rank(n_kv_heads: int, p: int) -> int:
 def kv_bytes_per_token(n_layers: int, heads: int, d_head: int, elem_bytes: int) -> int:
     """K and V of `heads` heads in every layer, for one token (a rank's share: heads = kv_heads_per_rank)."""
     return 2 * n_layers * heads * d_head * elem_bytes
+
+
+def mla_kv_bytes_per_token(n_layers: int, d_latent: int, d_rope: int, elem_bytes: int) -> int:
+    """MLA's cache of one token, every layer: the latent c_KV and the shared rotary key k_R, L·(c + r)·e. The same
+    on every TP rank at every p: the latent is every head's, so each rank holds all of it."""
+    return n_layers * (d_latent + d_rope) * elem_bytes

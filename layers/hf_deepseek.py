@@ -1,0 +1,167 @@
+"""Import transformers DeepSeek-V3 weights (DeepseekV3ForCausalLM / DeepseekV3Model) into the dense DeepSeek stack or
+LM (layers/mla.py). Nothing is transposed (nn.Linear [out, in], as ours).
+
+    DeepseekV3DecoderLayer keys   input_layernorm.weight, post_attention_layernorm.weight,
+        attention                 self_attn.q_proj.weight (q_lora_rank null) or self_attn.q_a_proj.weight,
+                                  self_attn.q_a_layernorm.weight, self_attn.q_b_proj.weight; self_attn.kv_a_proj_with_mqa,
+                                  self_attn.kv_a_layernorm, self_attn.kv_b_proj, self_attn.o_proj (.weight)
+        dense FFN (layer < k)     mlp.gate_proj, mlp.up_proj, mlp.down_proj (.weight)
+        DeepSeekMoE               mlp.gate.weight [E, d], mlp.gate.e_score_correction_bias [E],
+                                  mlp.shared_experts.{gate,up,down}_proj.weight, and the routed experts:
+            save_pretrained       mlp.experts.<j>.gate_proj.weight [f, d], .up_proj [f, d], .down_proj [d, f]
+            transformers in memory  mlp.experts.gate_up_proj [E, 2f, d], mlp.experts.down_proj [E, d, f]
+
+Ours stacks the experts as the second layout (layers/hf_mixtral.py does the same for Mixtral); from the first,
+gate_up is the rows gate_0, up_0, gate_1, up_1, ... of its [E·2f, d] view. Refused by name: rope scaling (YaRN, which
+V3's own config.json uses: a checkpoint with it is refused rather than served with other positions), biases,
+another activation, a scoring function other than sigmoid, the multi-token-prediction layer is ignored (as
+transformers does).
+"""
+
+from __future__ import annotations
+
+import re
+
+from layers.hf_gpt2 import load_named
+from layers.mla import DeepseekConfig, DenseDeepseekBlock
+from tp.dist import ConfigError
+
+STACKED = ("gate_up", "down")
+
+_ATTENTION = {"attn_norm.weight": "input_layernorm.weight", "kv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+              "kv_norm.weight": "self_attn.kv_a_layernorm.weight", "kv_b.weight": "self_attn.kv_b_proj.weight",
+              "o.weight": "self_attn.o_proj.weight", "mlp_norm.weight": "post_attention_layernorm.weight"}
+_Q = {"q.weight": "self_attn.q_proj.weight"}
+_Q_LORA = {"q_a.weight": "self_attn.q_a_proj.weight", "q_norm.weight": "self_attn.q_a_layernorm.weight",
+           "q_b.weight": "self_attn.q_b_proj.weight"}
+
+
+def config_from_hf(hf: dict) -> DeepseekConfig:
+    """DeepseekConfig from a DeepSeek-V3 config.json; what the blocks do not implement is refused by name."""
+    need = ("hidden_size", "num_attention_heads", "num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim",
+            "qk_nope_head_dim", "v_head_dim")
+    missing = [k for k in need if k not in hf]
+    if missing:
+        raise ConfigError(f"not a DeepSeek-V3 config (no {', '.join(missing)})")
+    for key in need + ("intermediate_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
+                       "n_group", "topk_group", "max_position_embeddings", "vocab_size", "q_lora_rank"):
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{key}={value!r} in config.json must be a positive integer")
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ConfigError(f"hidden_act={hf.get('hidden_act')!r} is not supported: the FFNs are SwiGLU (silu)")
+    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ConfigError(f"scoring_func={hf.get('scoring_func')!r} / topk_method={hf.get('topk_method')!r}: the "
+                          f"router implements DeepSeek-V3's sigmoid scores with the correction bias (noaux_tc)")
+    rope = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if scaling or rope_type != "default":
+        raise ConfigError(f"rope scaling is not supported (rope_scaling={scaling!r}, rope_type={rope_type!r}): the "
+                          f"blocks implement plain rotary positions (rope_type default)")
+    if hf.get("attention_bias"):
+        raise ConfigError("attention_bias=true is not supported: the MLA blocks have no biases")
+    layers = hf["num_hidden_layers"]
+    return DeepseekConfig(
+        d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"], q_lora_rank=hf.get("q_lora_rank") or 0,
+        kv_lora_rank=hf["kv_lora_rank"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"], v_head_dim=hf["v_head_dim"],
+        d_ffn=hf.get("intermediate_size", 18432), moe_d_ffn=hf.get("moe_intermediate_size", 2048),
+        n_routed_experts=hf.get("n_routed_experts", 256), n_shared_experts=hf.get("n_shared_experts") or 0,
+        top_k=hf.get("num_experts_per_tok", 8), n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        first_k_dense_replace=min(hf.get("first_k_dense_replace") or 0, layers), n_layers=layers,
+        max_seq_len=hf.get("max_position_embeddings", 4096), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_interleave=bool(hf.get("rope_interleave", True)), vocab_size=hf.get("vocab_size", 129280),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def block_prefix(state) -> str:
+    """'layers.' (DeepseekV3Model) or 'model.layers.' (DeepseekV3ForCausalLM)."""
+    for key in state:
+        m = re.match(r"^(.*?)layers\.0\.input_layernorm\.weight$", key)
+        if m:
+            return m.group(1) + "layers."
+    raise KeyError("no DeepSeek layers found (expected keys like 'model.layers.0.input_layernorm.weight')")
+
+
+def _legacy(state, prefix: str, i: int) -> bool:
+    return f"{prefix}{i}.mlp.experts.0.gate_proj.weight" in state
+
+
+def _layer_keys(cfg: DeepseekConfig, state, prefix: str, i: int) -> dict[str, tuple[str, ...]]:
+    at = f"{prefix}{i}."
+    keys = {ours: (at + theirs,) for ours, theirs in {**_ATTENTION, **(_Q_LORA if cfg.q_lora_rank else _Q)}.items()}
+    if not cfg.moe_layer(i):
+        keys["gate_up"] = (at + "mlp.gate_proj.weight", at + "mlp.up_proj.weight")
+        keys["down"] = (at + "mlp.down_proj.weight",)
+        return keys
+    keys["router"], keys["router_bias"] = (at + "mlp.gate.weight",), (at + "mlp.gate.e_score_correction_bias",)
+    if _legacy(state, prefix, i):
+        e = at + "mlp.experts."
+        keys["gate_up"] = tuple(f"{e}{j}.{w}_proj.weight" for j in range(cfg.n_routed_experts) for w in ("gate", "up"))
+        keys["down"] = tuple(f"{e}{j}.down_proj.weight" for j in range(cfg.n_routed_experts))
+    else:
+        keys["gate_up"], keys["down"] = (at + "mlp.experts.gate_up_proj",), (at + "mlp.experts.down_proj",)
+    if cfg.n_shared_experts:
+        s = at + "mlp.shared_experts."
+        keys["shared_gate_up"] = (s + "gate_proj.weight", s + "up_proj.weight")
+        keys["shared_down"] = (s + "down_proj.weight",)
+    return keys
+
+
+def names(cfg: DeepseekConfig, state, n_layers: int, lm: bool) -> dict[str, tuple[tuple[str, ...], bool]]:
+    """Our dense parameter (of a DenseLlamaLM of DeepSeek blocks when lm, else of a DenseStack) -> (checkpoint keys,
+    False); several keys are stacked along rows."""
+    prefix, base = block_prefix(state), "stack." if lm else ""
+    out = {f"{base}blocks.{i}.{ours}": (keys, False)
+           for i in range(n_layers) for ours, keys in _layer_keys(cfg, state, prefix, i).items()}
+    if lm:
+        top = prefix.removesuffix("layers.")
+        out.update({"embed.weight": ((top + "embed_tokens.weight",), False),
+                    "norm.weight": ((top + "norm.weight",), False)})
+        if not cfg.tie_word_embeddings:
+            out["lm_head.weight"] = (("lm_head.weight",), False)
+    return out
+
+
+def experts_of(name: str, cfg: DeepseekConfig) -> int | None:
+    """E for our stacked routed-expert parameters (blocks.<i>.gate_up / down of an MoE layer), None for the rest."""
+    m = re.search(r"blocks\.(\d+)\.(gate_up|down)$", name)
+    return cfg.n_routed_experts if m and cfg.moe_layer(int(m.group(1))) else None
+
+
+def load_stack(stack, state):
+    return load_named(stack, state, names(stack.cfg, state, len(stack.blocks), lm=False), "DeepSeek-V3")
+
+
+def load_lm(lm, state):
+    return load_named(lm, state, names(lm.cfg, state, len(lm.stack.blocks), lm=True), "DeepSeek-V3")
+
+
+def expected_shapes(cfg: DeepseekConfig, state, lm: bool) -> dict[str, tuple]:
+    """Every checkpoint key the config needs, with its shape (from meta-device blocks: no memory)."""
+    try:
+        prefix = block_prefix(state)
+    except KeyError as exc:
+        raise ConfigError(str(exc).strip("'\"")) from None
+    out = {}
+    for i in range(cfg.n_layers):
+        block = DenseDeepseekBlock(cfg, i, device="meta")
+        for ours, keys in _layer_keys(cfg, state, prefix, i).items():
+            shape = tuple(block.get_parameter(ours).shape)
+            if len(shape) == 3 and len(keys) > 1:  # one expert's gate / up / down: its rows of the [E·rows, cols] view
+                shape = (shape[0] * shape[1] // len(keys), shape[2])
+            elif len(keys) > 1:  # gate_up from gate_proj and up_proj
+                shape = (shape[0] // len(keys),) + shape[1:]
+            for key in keys:
+                out[key] = shape
+    if lm:
+        top = prefix.removesuffix("layers.")
+        out[top + "embed_tokens.weight"] = (cfg.vocab_size, cfg.d_model)
+        out[top + "norm.weight"] = (cfg.d_model,)
+        if not cfg.tie_word_embeddings:
+            out["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
+    return out
