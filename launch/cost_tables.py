@@ -116,6 +116,23 @@ def main() -> int:
                 ["TP", "MHA h_kv=32", "GQA h_kv=8", "MLA (V3, 61 L)", "MHA/GQA"], rows))
     print("  GQA stops shrinking at TP = h_kv = 8: beyond it each K,V head is replicated on TP/8 GPUs, and MHA\n"
           "  catches up (equal at TP = 32); MLA's latent never shrinks (benchmarks/bench_kv.py measures the engine)")
+
+    rows = []
+    L, h, e = v3["n_layers"], v3["n_heads"], 2
+    nope, rope, v = v3["d_head"], v3["d_rope"], v3["d_head"]
+    mla = mla_kv_bytes_per_token(L, v3["d_latent_kv"], rope, e)
+    for tp in (1, 2, 4, 8):
+        mha = L * h // tp * (nope + rope + v) * e  # V3's own heads decompressed: K 192 + V 128 per head
+        gqa = L * max(8 // tp, 1) * 2 * 128 * e  # 8 K,V heads of 128, as Llama-3-70B
+        rows.append((tp, mla / KI, mla * tp / KI, gqa / KI, mha / KI, mha / mla))
+    print(table(f"\nDeepSeek-V3's attention, KV per token, {L} layers, bf16, KiB: MLA caches c + r = "
+                f"{v3['d_latent_kv']} + {rope} on every rank (tp/partition.mla_kv_bytes_per_token)",
+                ["TP", "MLA per rank", "MLA all ranks", "GQA 8x128/rank", "MHA 128 heads/rk", "MHA/MLA per rk"],
+                rows))
+    print(f"  MLA: {mla:,} B per token per rank at every TP (the seed's ~70 KB); the TP group holds TP copies. MHA of\n"
+          f"  V3's 128 heads (K {nope + rope} + V {v} each) would hold {L * h * (nope + rope + v) * e / 1e6:.1f} MB per "
+          f"token whole, {L * h * (nope + rope + v) * e // mla}x the latent; split over 8 ranks still "
+          f"{L * h * (nope + rope + v) * e // 8 // mla}x per rank")
     plot_roofline()
     return 0
 

@@ -1,0 +1,155 @@
+"""MLA against grouped-query attention: requests one pool holds, and decode time absorbed against decompressed.
+
+    python benchmarks/bench_mla.py [--out outputs/bench_mla.json] [--contexts 1024 4096] [--batch 4]
+
+Part 1, pool: the bytes per token each rank's pool allocates (measured off serve/kv_cache.KVPool.for_model of the
+model built on a group of one, beside the formula tp/partition.py gives for p ranks) for deepseek_tiny's MLA (3 layers,
+c = 16, r = 16) and Llama models of the same width (d = 64, 4 query heads of d_head 32, 3 layers) with h_kv = 4, 2, 1;
+then how many requests of 512 positions a pool of 16 MiB per rank holds at p = 1, 2, 4 (blocks of 16). The latent is
+whole on every rank, so MLA's count does not grow with p while the heads' caches split.
+
+Part 2, decode time: one MLA layer of DeepSeek-V3's per-rank shape at TP = 8 (16 heads, c = 512, r = 64, nope 128,
+v 128), `batch` decodes against contexts of 1k and 4k cached latents, float32 on this machine:
+    decompressed   K, V rebuilt per head from the whole cached latent every step (kv_b over N positions), then MHA
+    absorbed       q̃ = q_nope·W_UK, MQA over the 576-wide latent, then W_UV (layers/mla.py's serving path)
+Both outputs are compared (they are the same attention); the time ratio is measured in one run (median of repeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from layers.lm import tp_lm
+from layers.llama import LlamaConfig
+from layers.mla import DEEPSEEK_TINY, DeepseekConfig, absorb, decompress, unabsorb
+from serve.kv_cache import KVPool
+from tp.partition import kv_bytes_per_token, kv_heads_per_rank, mla_kv_bytes_per_token
+
+POOL_BYTES = 16 << 20
+BLOCK = 16
+POSITIONS = 512  # per request: prompt + output
+
+
+def one_rank_group() -> dist.ProcessGroup:
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+def pool_part() -> dict:
+    group, e = one_rank_group(), 4
+    tiny = DEEPSEEK_TINY
+    models = {"MLA (deepseek_tiny)": tiny}
+    for h_kv, name in ((4, "MHA"), (2, "GQA"), (1, "MQA")):
+        models[f"{name} h_kv={h_kv}"] = LlamaConfig(d_model=64, n_heads=4, n_kv_heads=h_kv, d_head=32, d_ffn=96,
+                                                    n_layers=tiny.n_layers, max_seq_len=256, vocab_size=1000)
+    rows = []
+    for name, cfg in models.items():
+        lm = tp_lm(cfg, "v2", group, dtype=torch.float32)
+        pool = KVPool.for_model(lm, 4, BLOCK, torch.float32)
+        measured = pool.measured_bytes_per_token()
+        for p in (1, 2, 4):
+            if cfg.family == "deepseek_v3":
+                formula = mla_kv_bytes_per_token(cfg.n_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, e)
+            else:
+                formula = kv_bytes_per_token(cfg.n_layers, kv_heads_per_rank(cfg.n_kv_heads, p), cfg.d_head, e)
+            blocks = POOL_BYTES // (formula * BLOCK)
+            rows.append({"model": name, "p": p, "bytes_per_token_per_rank": formula,
+                         "measured_at_p1": measured if p == 1 else None,
+                         "requests_held": blocks // math.ceil(POSITIONS / BLOCK)})
+    return {"pool_bytes_per_rank": POOL_BYTES, "positions_per_request": POSITIONS, "block_size": BLOCK, "rows": rows}
+
+
+def decode_part(contexts: list[int], batch: int, repeats: int) -> dict:
+    cfg = DeepseekConfig(n_heads=16, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                         v_head_dim=128)  # one TP = 8 rank of V3: 128 heads / 8
+    gen = torch.Generator().manual_seed(0)
+    H = cfg.n_heads
+    kv_b = torch.randn(H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank, generator=gen) * 0.05
+    out = []
+    for n in contexts:
+        latents = [torch.randn(n, cfg.latent_dim, generator=gen) for _ in range(batch)]
+        q_nope = torch.randn(batch, H, 1, cfg.qk_nope_head_dim, generator=gen)
+        q_rope = torch.randn(batch, H, 1, cfg.qk_rope_head_dim, generator=gen)
+
+        def decompressed():
+            res = []
+            for b in range(batch):
+                k, v = decompress(latents[b], kv_b, cfg)
+                q = torch.cat([q_nope[b], q_rope[b]], dim=-1)
+                res.append(F.scaled_dot_product_attention(q[None], k[None], v[None], scale=cfg.scale)[0, :, 0])
+            return torch.stack(res)  # [B, H, v]
+
+        def absorbed():
+            res = []
+            for b in range(batch):
+                q = absorb(q_nope[b], q_rope[b], kv_b, cfg)  # [H, 1, c + r]
+                lat = latents[b][None, None]  # [1, 1, N, c + r]: one K,V "head", shared
+                # the H query heads as the latent's H query rows (what the cpu and batched backends do for a decode)
+                o = F.scaled_dot_product_attention(q.view(1, 1, H, -1), lat, lat[..., :cfg.kv_lora_rank],
+                                                   scale=cfg.scale)  # [1, 1, H, c]
+                res.append(unabsorb(o.reshape(1, -1), kv_b, cfg).view(H, -1))
+            return torch.stack(res)
+
+        with torch.no_grad():
+            err = float((decompressed() - absorbed()).abs().max())
+            times = {}
+            for name, fn in (("decompressed", decompressed), ("absorbed", absorbed)):
+                fn()
+                samples = []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    fn()
+                    samples.append(time.perf_counter() - t)
+                times[name] = statistics.median(samples)
+        read = {"decompressed": n * cfg.latent_dim + n * H * (cfg.qk_head_dim + cfg.v_head_dim),
+                "absorbed": n * cfg.latent_dim}  # elements read per request per layer (K,V built, then read)
+        out.append({"context": n, "batch": batch, "max_abs_difference": err,
+                    "decompressed_over_absorbed": times["decompressed"] / times["absorbed"],
+                    "elements_touched_per_request": read})
+    return {"shape": cfg.asdict(), "rows": out}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="outputs/bench_mla.json")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    result = {"pool": pool_part(), "decode": decode_part(args.contexts, args.batch, args.repeats)}
+    print(f"pool of {POOL_BYTES >> 20} MiB per rank, requests of {POSITIONS} positions, blocks of {BLOCK}:")
+    for r in result["pool"]["rows"]:
+        measured = f" (measured {r['measured_at_p1']:.0f})" if r["measured_at_p1"] is not None else ""
+        print(f"  {r['model']:<20} p={r['p']}  {r['bytes_per_token_per_rank']:>5} B/token/rank{measured}  "
+              f"{r['requests_held']:>4} requests")
+    print("decode, one MLA layer of V3's per-rank shape at TP = 8, float32:")
+    for r in result["decode"]["rows"]:
+        print(f"  context {r['context']:>5} x {r['batch']}: decompressed / absorbed = "
+              f"{r['decompressed_over_absorbed']:.1f}x (max |difference| {r['max_abs_difference']:.1e})")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
