@@ -31,9 +31,22 @@ def _kv(m: dict) -> str:
     return f"h_kv={m['n_kv_heads']} " if "n_kv_heads" in m else ""
 
 
+def _shape(m: dict) -> str:
+    """The attention's and FFN's widths: d_head and ffn, or MLA's latent and DeepSeekMoE's experts."""
+    if "kv_lora_rank" in m:
+        return (f"MLA q_lora={m['q_lora_rank']} kv_lora={m['kv_lora_rank']} rope={m['qk_rope_head_dim']} "
+                f"nope={m['qk_nope_head_dim']} v={m['v_head_dim']}, ffn={m['d_ffn']} (first "
+                f"{m['first_k_dense_replace']} layers), {m['n_routed_experts']} routed experts of {m['moe_d_ffn']} "
+                f"in {m['n_group']} groups (top_k={m['top_k']} from {m['topk_group']}) + {m['n_shared_experts']} "
+                f"shared ")
+    return f"{_kv(m)}d_head={m['d_head']} ffn={m['d_ffn']} "
+
+
 def _moe(c: dict) -> str:
     """MoE models: the experts and where they live."""
     m = c["model"]
+    if "n_routed_experts" in m:
+        return f"; moe_parallel={c['moe_parallel']}"
     return (f"; {m['n_experts']} experts of ffn={m['d_ffn']}, top_k={m['top_k']}, moe_parallel={c['moe_parallel']}"
             if "n_experts" in m else "")
 
@@ -93,7 +106,7 @@ def render(r: dict) -> str:
         + (f", pp = {r['pp']['pp']} stages, boundary {r['pp']['boundary']}"
            + (", chunk_pipelining" if r["config"].get("chunk_pipelining") else "") if r.get("pp") else "")
         + f", backend {r['backend']}, device {r['device']})",
-        f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} {_kv(m)}d_head={m['d_head']} ffn={m['d_ffn']} "
+        f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} {_shape(m)}"
         f"L={m['n_layers']} vocab={m['vocab_size']}; variant {c['variant']}, "
         f"{'vocab-parallel' if c['vocab_parallel'] else 'replicated'} embedding and LM head; dtype={c['dtype']}"
         + _from(c) + _moe(c) + _eos(c),
@@ -140,7 +153,7 @@ def render(r: dict) -> str:
         f"cache; {t['rows_computed']} rows computed; {t['preemptions']} preemptions",
         f"KV cache per rank: {kv['bytes_per_token_per_rank']} bytes per token (dense {kv['bytes_per_token_dense']}, "
         f"ratio {kv['ratio_to_dense']:.4f} = 1/{round(1 / kv['ratio_to_dense'])}"
-        + (f"; formula 2·L·max(h_kv/p, 1)·d_head·e = {kv['formula_bytes_per_token_per_rank']}"
+        + (f"; formula {kv.get('formula', '2·L·max(h_kv/p, 1)·d_head·e')} = {kv['formula_bytes_per_token_per_rank']}"
            + (" with L the stage's layers" if r.get("pp") else "")
            if "formula_bytes_per_token_per_rank" in kv else "")
         + (f"; each K,V head on {r['world_size'] * kv['kv_heads_per_rank'] // kv['n_kv_heads']} ranks"
@@ -335,11 +348,29 @@ def add_text(requests: list[dict], hf_checkpoint: str | None) -> None:
             req["text"] = tok.decode(req["output_ids"], skip_special_tokens=True)
 
 
+def kv_formula(m, n_layers: int, p: int, dtype: torch.dtype) -> dict:
+    """The cache's bytes per token: the dense model's (all layers), one rank's (its layers), the formula's words, the
+    K,V heads per rank. MLA (deepseek_v3): the latent c + r per layer, whole on every rank."""
+    elem = dtype.itemsize
+    if m.family == "deepseek_v3":
+        from tp.partition import mla_kv_bytes_per_token
+
+        per_rank = mla_kv_bytes_per_token(n_layers, m.kv_lora_rank, m.qk_rope_head_dim, elem)
+        return {"dense": mla_kv_bytes_per_token(m.n_layers, m.kv_lora_rank, m.qk_rope_head_dim, elem),
+                "per_rank": per_rank, "text": "L·(c + r)·e, the latent whole on every rank", "heads_per_rank": 1,
+                "n_kv_heads": None}
+    return {"dense": kv_bytes_per_token(m.n_layers, m.n_kv_heads, m.d_head, dtype),
+            "per_rank": kv_bytes_per_token_per_rank(n_layers, m.n_kv_heads, m.d_head, p, elem),
+            "text": "2·L·max(h_kv/p, 1)·d_head·e", "heads_per_rank": kv_heads_per_rank(m.n_kv_heads, p),
+            "n_kv_heads": m.n_kv_heads}
+
+
 def build_report(s, ctx, result, checks: list[dict] | None) -> dict:
     m = s.model
     p = ctx.world_size // s.pp  # the TP group's size (a pipeline stage's)
     n_layers = len(stage_layers(m.n_layers, s.pp)[ctx.rank // p])  # the layers this rank caches: its stage's
-    dense_per_token = kv_bytes_per_token(m.n_layers, m.n_kv_heads, m.d_head, s.dtype)
+    kv = kv_formula(m, n_layers, p, s.dtype)
+    dense_per_token = kv["dense"]
     requests = result.requests
     if checks is not None:
         for req, chk in zip(requests, checks):
@@ -361,7 +392,7 @@ def build_report(s, ctx, result, checks: list[dict] | None) -> dict:
                    "attention": choose(s.engine.attention, ctx.device), "attention_setting": s.engine.attention,
                    "shared_prefix": s.shared_prefix, "comm_timing": s.engine.comm_timing, "pp": s.pp,
                    "pp_boundary": s.pp_boundary, "chunk_pipelining": s.engine.chunk_pipelining,
-                   "moe_parallel": s.moe_parallel if m.family == "mixtral" else None, "sampling": s.sampling},
+                   "moe_parallel": s.moe_parallel if m.family in ("mixtral", "deepseek_v3") else None, "sampling": s.sampling},
         "notes": list(s.notes),
         "iterations": its,
         "requests": requests,
@@ -375,15 +406,13 @@ def build_report(s, ctx, result, checks: list[dict] | None) -> dict:
                      "prefix_hit_tokens": result.prefix_hit_tokens, "peak_blocks_used": result.peak_blocks_used,
                      "pool_bytes_per_rank": result.kv_pool_bytes_per_rank,
                      "bytes_per_token_per_rank": result.kv_bytes_per_token_per_rank,
-                     "formula_bytes_per_token_per_rank": kv_bytes_per_token_per_rank(n_layers, m.n_kv_heads,
-                                                                                     m.d_head, p, s.dtype.itemsize),
-                     "kv_heads_per_rank": kv_heads_per_rank(m.n_kv_heads, p), "n_kv_heads": m.n_kv_heads,
+                     "formula_bytes_per_token_per_rank": kv["per_rank"], "formula": kv["text"],
+                     "kv_heads_per_rank": kv["heads_per_rank"], "n_kv_heads": kv["n_kv_heads"],
                      "bytes_per_token_dense": dense_per_token,
                      "ratio_to_dense": result.kv_bytes_per_token_per_rank / dense_per_token,
                      "peak_bytes_per_rank": result.kv_peak_bytes_per_rank,
                      # what the cache tensors held against the formula (no request admitted: nothing held)
-                     "matches_formula": result.kv_bytes_per_token_per_rank in (0, kv_bytes_per_token_per_rank(
-                         n_layers, m.n_kv_heads, m.d_head, p, s.dtype.itemsize))},
+                     "matches_formula": result.kv_bytes_per_token_per_rank in (0, kv["per_rank"])},
         "ledger_matches_model": result.ledger_matches_model,
         "check": {"ok": None if checks is None else all(c["ok"] for c in checks),
                   "verdicts": None if checks is None else {v: sum(c["verdict"] == v for c in checks)

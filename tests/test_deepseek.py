@@ -263,3 +263,33 @@ def test_yarn_rope_scaling_is_refused_not_served_wrong():
     hf["rope_parameters"] = {"rope_type": "yarn", "factor": 40, "rope_theta": 10000.0}
     with pytest.raises(ConfigError, match="rope scaling is not supported"):
         config_from_hf(hf)
+
+
+def test_serve_launcher_with_deepseek_tiny(tmp_path):
+    """launch/serve.py model=deepseek_tiny at p = 4 with whole experts per rank: the oracle check passes, the ledger
+    equals the model every iteration, and each rank's pool holds the whole latent, L·(c + r)·4 bytes per token."""
+    import json
+
+    from tests.launching import launch_on_pool
+
+    proc, _ = launch_on_pool(4, "model=deepseek_tiny", "moe_parallel=ep", "prompt_count=4", "prompt_mean=8",
+                             "max_new_tokens=4", run_dir=tmp_path, script="serve.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["check"]["ok"] is True and report["ledger_matches_model"]
+    kv = report["kv_cache"]
+    assert kv["bytes_per_token_per_rank"] == kv["formula_bytes_per_token_per_rank"] == 3 * (16 + 16) * 4
+    assert report["config"]["moe_parallel"] == "ep" and "the latent whole on every rank" in proc.stdout
+
+
+@pytest.mark.parametrize("overrides,script,message", [
+    (["model=deepseek_tiny"], "run_block.py", "DeepSeek-V3 (MLA) blocks are checked by serving them"),
+    (["model=deepseek_tiny", "moe_parallel=ep_a2a"], "serve.py", "moe_parallel=ep_a2a is not served"),
+    (["model=deepseek_tiny", "model.n_heads=3"], "serve.py", "n_heads=3 cannot be split over p=2 ranks"),
+    (["model=deepseek_tiny", "pp=2"], "serve.py", "pp=2 with an MoE model is not built"),
+])
+def test_bad_deepseek_settings_fail_in_one_line(overrides, script, message):
+    from tests.launching import settings_phase
+
+    proc = settings_phase(overrides, world=2, script=script)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr

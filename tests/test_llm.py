@@ -174,7 +174,7 @@ def checkpoints(tmp_path_factory):
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("llm")
     out = {}
-    for name in ("gpt2", "llama", "mixtral"):
+    for name in ("gpt2", "llama", "mixtral", "deepseek"):
         path = root / name
         tok = train_tokenizer(path)
         if name == "gpt2":
@@ -188,6 +188,17 @@ def checkpoints(tmp_path_factory):
                                              eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
                                              tie_word_embeddings=False)
             model = transformers.MixtralForCausalLM(cfg)
+        elif name == "deepseek":
+            cfg = transformers.DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                                q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                                                qk_nope_head_dim=16, v_head_dim=16, intermediate_size=96,
+                                                moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+                                                num_experts_per_tok=2, n_group=2, topk_group=1,
+                                                first_k_dense_replace=1, num_hidden_layers=2,
+                                                max_position_embeddings=64, vocab_size=len(tok),
+                                                eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                                                tie_word_embeddings=False)
+            model = transformers.DeepseekV3ForCausalLM(cfg)
         else:
             cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                            intermediate_size=96, num_hidden_layers=2, max_position_embeddings=64,
@@ -207,7 +218,8 @@ PROMPTS = ["the quick brown", "café ü", "中文", "tensor parallel serving is"
 
 def hf_generate(path, prompts, max_new):
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    extra = {"experts_implementation": "eager"} if "mixtral" in str(path) else {}  # grouped_mm has no float64
+    # grouped_mm has no float64
+    extra = {"experts_implementation": "eager"} if "mixtral" in str(path) or "deepseek" in str(path) else {}
     model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float64, **extra).eval()
     out = []
     for text in prompts:
@@ -218,9 +230,10 @@ def hf_generate(path, prompts, max_new):
 
 
 @pytest.mark.parametrize("name,p,moe", [("gpt2", 1, "tp"), ("gpt2", 2, "tp"), ("gpt2", 4, "tp"), ("llama", 2, "tp"),
-                                        ("llama", 4, "tp"), ("mixtral", 2, "tp"), ("mixtral", 2, "ep")],
+                                        ("llama", 4, "tp"), ("mixtral", 2, "tp"), ("mixtral", 2, "ep"),
+                                        ("deepseek", 2, "ep")],
                          ids=["gpt2-p1", "gpt2-p2", "gpt2-p4", "llama-gqa-p2", "llama-gqa-replicated-kv-p4",
-                              "mixtral-tp-p2", "mixtral-ep-p2"])
+                              "mixtral-tp-p2", "mixtral-ep-p2", "deepseek-mla-ep-p2"])
 def test_generate_equals_transformers(checkpoints, name, p, moe):
     from serve import LLM
 
