@@ -12,6 +12,7 @@ Part 2, decode time: one MLA layer of DeepSeek-V3's per-rank shape at TP = 8 (16
 v 128), `batch` decodes against contexts of 1k and 4k cached latents, float32 on this machine:
     decompressed   K, V rebuilt per head from the whole cached latent every step (kv_b over N positions), then MHA
     absorbed       q̃ = q_nope·W_UK, MQA over the 576-wide latent, then W_UV (layers/mla.py's serving path)
+And one prompt of 512 and 2048 tokens from position 0 (causal), decompressed (the served prefill) against absorbed.
 Both outputs are compared (they are the same attention); the time ratio is measured in one run (median of repeats).
 """
 
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 
 from layers.lm import tp_lm
 from layers.llama import LlamaConfig
-from layers.mla import DEEPSEEK_TINY, DeepseekConfig, absorb, decompress, unabsorb
+from layers.mla import DEEPSEEK_TINY, DeepseekConfig, absorb, decompress, decompressed, unabsorb
 from serve.kv_cache import KVPool
 from tp.partition import kv_bytes_per_token, kv_heads_per_rank, mla_kv_bytes_per_token
 
@@ -76,7 +77,7 @@ def pool_part() -> dict:
     return {"pool_bytes_per_rank": POOL_BYTES, "positions_per_request": POSITIONS, "block_size": BLOCK, "rows": rows}
 
 
-def decode_part(contexts: list[int], batch: int, repeats: int) -> dict:
+def decode_part(contexts: list[int], batch: int, repeats: int, prompts: list[int]) -> dict:
     cfg = DeepseekConfig(n_heads=16, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
                          v_head_dim=128)  # one TP = 8 rank of V3: 128 heads / 8
     gen = torch.Generator().manual_seed(0)
@@ -88,7 +89,7 @@ def decode_part(contexts: list[int], batch: int, repeats: int) -> dict:
         q_nope = torch.randn(batch, H, 1, cfg.qk_nope_head_dim, generator=gen)
         q_rope = torch.randn(batch, H, 1, cfg.qk_rope_head_dim, generator=gen)
 
-        def decompressed():
+        def decompressed_decode():
             res = []
             for b in range(batch):
                 k, v = decompress(latents[b], kv_b, cfg)
@@ -108,22 +109,47 @@ def decode_part(contexts: list[int], batch: int, repeats: int) -> dict:
             return torch.stack(res)
 
         with torch.no_grad():
-            err = float((decompressed() - absorbed()).abs().max())
-            times = {}
-            for name, fn in (("decompressed", decompressed), ("absorbed", absorbed)):
-                fn()
-                samples = []
-                for _ in range(repeats):
-                    t = time.perf_counter()
-                    fn()
-                    samples.append(time.perf_counter() - t)
-                times[name] = statistics.median(samples)
+            err = float((decompressed_decode() - absorbed()).abs().max())
+            times = {name: median_time(fn, repeats) for name, fn in (("decompressed", decompressed_decode),
+                                                                     ("absorbed", absorbed))}
         read = {"decompressed": n * cfg.latent_dim + n * H * (cfg.qk_head_dim + cfg.v_head_dim),
                 "absorbed": n * cfg.latent_dim}  # elements read per request per layer (K,V built, then read)
         out.append({"context": n, "batch": batch, "max_abs_difference": err,
                     "decompressed_over_absorbed": times["decompressed"] / times["absorbed"],
                     "elements_touched_per_request": read})
-    return {"shape": cfg.asdict(), "rows": out}
+    prefill = []
+    for n in prompts:  # one prompt from position 0, causal: the compute-friendly form against the absorbed one
+        latent = torch.randn(n, cfg.latent_dim, generator=gen)
+        q_nope = torch.randn(H, n, cfg.qk_nope_head_dim, generator=gen)
+        q_rope = torch.randn(H, n, cfg.qk_rope_head_dim, generator=gen)
+
+        def dec():
+            return decompressed(q_nope, q_rope, latent, kv_b, cfg, [(0, n)])
+
+        def absorbed_prefill():
+            q = absorb(q_nope, q_rope, kv_b, cfg)[None]  # [1, H, n, c + r]
+            lat = latent[None, None]
+            o = F.scaled_dot_product_attention(q, lat, lat[..., :cfg.kv_lora_rank], is_causal=True, scale=cfg.scale,
+                                               enable_gqa=True)
+            return unabsorb(o[0].transpose(0, 1).reshape(n, -1), kv_b, cfg)
+
+        with torch.no_grad():
+            err = float((dec() - absorbed_prefill()).abs().max())
+            times = {name: median_time(fn, repeats) for name, fn in (("decompressed", dec),
+                                                                     ("absorbed", absorbed_prefill))}
+        prefill.append({"prompt": n, "max_abs_difference": err,
+                        "absorbed_over_decompressed": times["absorbed"] / times["decompressed"]})
+    return {"shape": cfg.asdict(), "rows": out, "prefill": prefill}
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
 
 
 def main(argv=None) -> int:
@@ -132,9 +158,10 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prompts", type=int, nargs="+", default=[512, 2048])
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    result = {"pool": pool_part(), "decode": decode_part(args.contexts, args.batch, args.repeats)}
+    result = {"pool": pool_part(), "decode": decode_part(args.contexts, args.batch, args.repeats, args.prompts)}
     print(f"pool of {POOL_BYTES >> 20} MiB per rank, requests of {POSITIONS} positions, blocks of {BLOCK}:")
     for r in result["pool"]["rows"]:
         measured = f" (measured {r['measured_at_p1']:.0f})" if r["measured_at_p1"] is not None else ""
@@ -144,6 +171,9 @@ def main(argv=None) -> int:
     for r in result["decode"]["rows"]:
         print(f"  context {r['context']:>5} x {r['batch']}: decompressed / absorbed = "
               f"{r['decompressed_over_absorbed']:.1f}x (max |difference| {r['max_abs_difference']:.1e})")
+    for r in result["decode"]["prefill"]:
+        print(f"  prefill of {r['prompt']:>5} tokens: absorbed / decompressed = "
+              f"{r['absorbed_over_decompressed']:.1f}x (max |difference| {r['max_abs_difference']:.1e})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     if dist.is_initialized():

@@ -85,6 +85,7 @@ class PagedBatch:
     slot_mapping: torch.Tensor
     meta: object = None
     tables: dict = field(default_factory=dict)  # per-iteration memo (RoPE's cos/sin), filled by the first layer
+    fresh: tuple[tuple[int, int], ...] = ()  # rows [s, e) of each prompt chunk that starts at position 0
 
 
 def prefix_causal_mask(q_start: int, q_rows: int, kv_length: int, device=None) -> torch.Tensor:
@@ -101,11 +102,13 @@ class AttentionBackend:
         raise NotImplementedError
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, pool: torch.Tensor, batch: PagedBatch, *,
-                scale: float | None = None, v_dim: int | None = None) -> torch.Tensor:
+                scale: float | None = None, v_dim: int | None = None, skip_fresh: bool = False) -> torch.Tensor:
         """q [h, T, d_head]; kv [2, h_kv, T, d_head] (this layer's new K,V); pool [2, slots, h_kv, d_head]. Returns
         [T, h·d_head]; query head j reads K,V head j // (h/h_kv); scores scaled by `scale` (default d_head^-1/2).
         A one-plane pool [1, slots, h_kv, width] (MLA's latent, layers/mla.py) holds keys whose first v_dim values
-        are also the values: kv [1, h_kv, T, width], and the output is [T, h·v_dim]."""
+        are also the values: kv [1, h_kv, T, width], and the output is [T, h·v_dim]. skip_fresh: prompt chunks from
+        position 0 (batch.fresh) are written but not attended (their rows are zeros; the caller attends them its own
+        way: MLA's decompressed prefill)."""
         raise NotImplementedError
 
 
@@ -137,7 +140,7 @@ class ReferenceBackend(AttentionBackend):
         return lambda parts: ReferenceMeta(tuple(spans), tuple(c.q_start for c in chunks),
                                            tuple(next(parts) for _ in chunks))
 
-    def forward(self, q, kv, pool, batch, *, scale=None, v_dim=None):
+    def forward(self, q, kv, pool, batch, *, scale=None, v_dim=None, skip_fresh=False):
         """Write, gather, attend, one request at a time."""
         meta: ReferenceMeta = batch.meta
         group = q.shape[0] // kv.shape[1]
@@ -145,6 +148,9 @@ class ReferenceBackend(AttentionBackend):
         for (s, e), q_start, slots in zip(meta.spans, meta.q_starts, meta.slots):
             q_rows, kv_length = e - s, q_start + e - s
             pool[:, slots[q_start:]] = kv[:, :, s:e].transpose(1, 2)  # [2, q_rows, h_kv, dh] into its new slots
+            if skip_fresh and q_start == 0:
+                outs.append(q.new_zeros(1, q.shape[0], e - s, value_dim(pool, v_dim)))
+                continue
             context = pool[:, slots].transpose(1, 2)  # [2, h_kv, kv_length, dh]: its block table, read in order
             if group > 1:
                 context = context.repeat_interleave(group, dim=1)
@@ -285,15 +291,17 @@ class BatchedBackend(AttentionBackend):
 
         return finish
 
-    def forward(self, q, kv, pool, batch, *, scale=None, v_dim=None):
+    def forward(self, q, kv, pool, batch, *, scale=None, v_dim=None, skip_fresh=False):
         meta: BatchedMeta = batch.meta
         pool.index_copy_(1, batch.slot_mapping, kv.transpose(1, 2))  # one scatter: every new row's K,V into its slot
         h, T, dh = q.shape
         group = h // kv.shape[1]
-        out = q.new_empty(T, h, value_dim(pool, v_dim))
+        out = (q.new_zeros if skip_fresh else q.new_empty)(T, h, value_dim(pool, v_dim))
         if meta.decodes is not None:
             out.index_copy_(0, meta.decodes.rows, _ragged_decode(q, pool, meta.decodes, scale, v_dim))
         for g in meta.groups:  # at most 7 calls: decodes, fresh prompt chunks, chunks after a prefix
+            if skip_fresh and g.mask is None:  # fresh prompt chunks (the causal groups): the caller's
+                continue
             B, max_q = g.rows.shape
             queries = q.index_select(1, g.rows.flatten()).view(h, B, max_q, dh).transpose(0, 1)  # [B, h, max_q, dh]
             context = pool.index_select(1, g.slots.flatten())  # [2, B·max_kv, h_kv, dh]: the keys through the tables
@@ -376,7 +384,7 @@ class CPUBackend(AttentionBackend):
 
         return finish
 
-    def forward(self, q, kv, pool, batch, *, scale=None, v_dim=None):
+    def forward(self, q, kv, pool, batch, *, scale=None, v_dim=None, skip_fresh=False):
         meta: CPUMeta = batch.meta
         pool.index_copy_(1, batch.slot_mapping, kv.transpose(1, 2))  # one scatter: every new row's K,V into its slot
         h_kv, dh = pool.shape[2:]
@@ -385,7 +393,9 @@ class CPUBackend(AttentionBackend):
         outs = []
         for seq in meta.seqs:
             queries = q[None, :, seq.start:seq.end]  # [1, h, q_rows, dh]
-            if seq.blocks is None:  # a fresh prompt chunk: its keys are its own rows, the plain causal square
+            if seq.blocks is None and skip_fresh:
+                o = q.new_zeros(1, q.shape[0], seq.end - seq.start, value_dim(pool, v_dim))
+            elif seq.blocks is None:  # a fresh prompt chunk: its keys are its own rows, the plain causal square
                 keys, values = split_kv(kv[:, None, :, seq.start:seq.end], v_dim)  # each [1, h_kv, q_rows, dh]
                 o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=gqa, scale=scale)
             else:  # a decode (sees every key) or a chunk after a prefix (its mask): keys through the block table

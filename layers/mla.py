@@ -15,8 +15,10 @@ Two ways to attend, equal in exact arithmetic (tested to 1e-12 in float64):
                    a prompt's keys are computed anyway). The path without a cache (the dense oracle, run_block).
     absorbed       W_UK folded into the query, q̃ = [q_nope·W_UK ; q_rope] (c + r wide), attention as MQA over the
                    latent itself (keys [c_KV ; k_R], values c_KV), W_UV applied after: out·W_UVᵀ (data-movement
-                   friendly: nothing per head is ever read from the cache). The serving path, every row, through the
-                   same attention backends as the other families (layers/attention_backends.py), one-plane pool.
+                   friendly: nothing per head is ever read from the cache). Serving: decodes and chunks after a
+                   cached prefix, through the same attention backends as the other families
+                   (layers/attention_backends.py) over a one-plane pool; prompt chunks from position 0 are written
+                   by the backend and attended decompressed (PREFILL), their keys being their own rows.
 
 Tensor parallel: the H query heads split (q or q_b and kv_b column-parallel by heads, o row-parallel, ★ one
 all-reduce [T, d]); the latent path (q_a, kv_a, their norms, the rope key) is computed whole on every rank: the
@@ -52,6 +54,10 @@ from tp.comm import reduce_from_region
 from tp.dist import ConfigError
 
 DEEPSEEK_PARALLEL = ("tp", "ep")
+# How served prompt chunks that start at position 0 attend: "decompressed" (K, V rebuilt per head from their own
+# latents, MHA: the compute-friendly form, DeepSeek's and vLLM's prefill) or "absorbed" (as decodes and chunks after a
+# cached prefix always do). Both are the same attention; the tests serve with each.
+PREFILL = "decompressed"
 
 
 @dataclass(frozen=True)
@@ -223,14 +229,24 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, kv_b: torch.Tensor, cfg: De
     """q [T, H·(n+r)], kv [T, c + r] (kv_a's output), kv_b [H·(n+v), c] -> [T, H·v]. With a paged cache: absorbed,
     the latent written and read by the iteration's backend; without: decompressed, causal within each request."""
     q_nope, q_rope, latent = latent_and_queries(q, kv, cfg, requests, norm)
-    if isinstance(requests, PagedLayer):
-        q_tilde = absorb(q_nope, q_rope, kv_b, cfg)  # [H, T, c + r]
-        out = requests.batch.backend.forward(q_tilde, latent[None, None], requests.pool, requests.batch,
-                                             scale=cfg.scale, v_dim=cfg.kv_lora_rank)  # MQA over the latent
-        return unabsorb(out, kv_b, cfg)
+    if not isinstance(requests, PagedLayer):
+        return decompressed(q_nope, q_rope, latent, kv_b, cfg, [(0, q.shape[0])] if requests is None else requests.spans)
+    batch = requests.batch
+    fresh = batch.fresh if PREFILL == "decompressed" else ()
+    q_tilde = absorb(q_nope, q_rope, kv_b, cfg)  # [H, T, c + r]
+    out = batch.backend.forward(q_tilde, latent[None, None], requests.pool, batch, scale=cfg.scale,
+                                v_dim=cfg.kv_lora_rank, skip_fresh=bool(fresh))  # every latent written; MQA over them
+    out = unabsorb(out, kv_b, cfg)
+    for s, e in fresh:  # prompt chunks from position 0: their keys are their own rows, decompressed
+        out[s:e] = decompressed(q_nope[:, s:e], q_rope[:, s:e], latent[s:e], kv_b, cfg, [(0, e - s)])
+    return out
+
+
+def decompressed(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, kv_b: torch.Tensor,
+                 cfg: DeepseekConfig, spans) -> torch.Tensor:
+    """MHA over K, V decompressed from the latent, causal within each span of rows (a request from position 0)."""
     k, v = decompress(latent, kv_b, cfg)
     q = torch.cat([q_nope, q_rope], dim=-1)
-    spans = [(0, q.shape[1])] if requests is None else requests.spans
     out = torch.cat([F.scaled_dot_product_attention(q[None, :, s:e], k[None, :, s:e], v[None, :, s:e], is_causal=True,
                                                     scale=cfg.scale)[0] for s, e in spans], dim=1)
     return rearrange(out, "h t d -> t (h d)")

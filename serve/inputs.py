@@ -61,4 +61,5 @@ def prepare_step(plan: SchedulerOutput, tokens: dict[int, list[int]], block_size
         host = host.pin_memory()
     parts = iter(host.to(device, non_blocking=True).split(sizes))  # ★ the iteration's one host-to-device copy
     ids, positions, slots, sample_rows = (next(parts) for _ in range(4))
-    return StepInputs(ids, PagedBatch(chosen, positions, slots, finish(parts)), sample_rows)
+    fresh = tuple(span for c, span in zip(plan.scheduled, spans) if c.q_start == 0)  # prompt chunks from position 0
+    return StepInputs(ids, PagedBatch(chosen, positions, slots, finish(parts), fresh=fresh), sample_rows)

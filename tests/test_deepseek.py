@@ -125,17 +125,21 @@ def test_the_router_is_group_limited_and_biased():
 # ---- absorbed == decompressed over the paged cache ----------------------------------------------------------
 
 
+@pytest.mark.parametrize("prefill", ["decompressed", "absorbed"])
 @pytest.mark.parametrize("block_size", [1, 3, 16])
-def test_absorbed_attention_over_paged_blocks_equals_decompressed(block_size):
+def test_absorbed_attention_over_paged_blocks_equals_decompressed(block_size, prefill, monkeypatch):
     """One MLA layer, three requests: iteration 1 writes their first chunks' latents (fresh prompt chunks); iteration
     2 runs a chunk after a cached prefix, a decode and a fresh prompt, in every attention backend. The absorbed
-    outputs (MQA over the latent) equal the decompressed attention over each whole sequence to 1e-12 in float64."""
+    outputs (MQA over the latent) equal the decompressed attention over each whole sequence to 1e-12 in float64;
+    fresh prompt chunks attend decompressed (the served default) or absorbed like the rest."""
+    import layers.mla
     from layers.attention import PagedLayer
     from layers.dense import init_weights
     from layers.varlen import Requests
     from serve.inputs import prepare_step
     from serve.plan import ScheduledRequest, SchedulerOutput
 
+    monkeypatch.setattr(layers.mla, "PREFILL", prefill)
     cfg = DeepseekConfig(q_lora_rank=0, n_layers=1, first_k_dense_replace=1)
     block = init_weights(DenseDeepseekBlock(cfg, 0, torch.float64), 3)
     gen = torch.Generator().manual_seed(4)
@@ -193,7 +197,8 @@ def deepseek_ckpt(tmp_path_factory):
     return str(path), prompts, want
 
 
-def _serve(ctx, path, prompts, placements, engine_kw):
+def _serve(ctx, path, prompts, placements, engine_kw, prefill="decompressed"):
+    import layers.mla
     from layers.checkpoint import Checkpoint
     from layers.hf import CheckpointSource, read_config
     from layers.lm import shard_lm
@@ -203,7 +208,7 @@ def _serve(ctx, path, prompts, placements, engine_kw):
     from tp.partition import mla_kv_bytes_per_token
 
     cfg = read_config(path)
-    out = {}
+    out, saved, layers.mla.PREFILL = {}, layers.mla.PREFILL, prefill
     for placement in placements:
         lm = shard_lm(CheckpointSource(Checkpoint(path), cfg, torch.float64), "v2", ctx.group, moe_parallel=placement)
         reqs = [Request(i, p, new, i) for i, (p, (_, new)) in enumerate(zip(prompts, WORKLOAD))]
@@ -211,17 +216,20 @@ def _serve(ctx, path, prompts, placements, engine_kw):
         formula = mla_kv_bytes_per_token(cfg.n_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, 8)
         out[placement] = ([r["output_ids"] for r in res.requests], res.ledger_matches_model,
                           res.kv_bytes_per_token_per_rank == formula, res.preemptions)
+    layers.mla.PREFILL = saved
     return out
 
 
-@pytest.mark.parametrize("p", [1, 2, 4])
-def test_served_deepseek_tokens_equal_transformers_generate(deepseek_ckpt, p):
+@pytest.mark.parametrize("p,prefill", [(1, "decompressed"), (2, "decompressed"), (2, "absorbed"),
+                                       (4, "decompressed")])
+def test_served_deepseek_tokens_equal_transformers_generate(deepseek_ckpt, p, prefill):
     """tp and ep on the serving engine (chunked prefill, mixed iterations, the latent paged cache, each rank reading
-    its slices of the files): greedy tokens equal transformers' generate; every iteration's collectives equal the
-    model's; the pool holds L·(c + r)·8 bytes per token on every rank, at every p."""
+    its slices of the files): greedy tokens equal transformers' generate, with prompts' first chunks attended
+    decompressed or absorbed; every iteration's collectives equal the model's; the pool holds L·(c + r)·8 bytes per
+    token on every rank, at every p."""
     path, prompts, want = deepseek_ckpt
     kw = dict(long_prefill_token_threshold=4, max_num_batched_tokens=12, max_num_seqs=12, block_size=4)
-    for got, ledger_ok, bytes_ok, _ in run_ranks(p, _serve, path, prompts, ("tp", "ep"), kw)[0].values():
+    for got, ledger_ok, bytes_ok, _ in run_ranks(p, _serve, path, prompts, ("tp", "ep"), kw, prefill)[0].values():
         assert got == want and ledger_ok and bytes_ok
 
 
