@@ -62,7 +62,7 @@ BAD = [
     (["prompts=[[1,2,3,4,5]]", "model.max_seq_len=4"], "prompt 0 has 5 tokens, more than model.max_seq_len=4"),
     (["long_prefill_token_threshold=0"], "long_prefill_token_threshold=0 must be an integer of at least 1"),
     (["max_num_batched_tokens=4", "max_num_seqs=8"], "max_num_batched_tokens=4 is smaller than a full decode batch"),
-    (["model=gpt9"], "unknown model preset 'gpt9'; choose one of article03, gpt2_small"),
+    (["model=gpt9"], "unknown model preset 'gpt9'; choose one of article03, deepseek_tiny, gpt2_small"),
     (["hf_checkpoint=CORRUPT"], "cannot read the weights"),
     (["+temprature=0.7"], "unknown setting 'temprature' (+temprature=0.7): serve.py has no such setting"),
     (["++pd.timeout=5"], "unknown setting 'pd.timeout'"),
@@ -262,7 +262,7 @@ def test_serve_llama_tiny(tmp_path):
 LLAMA_BAD = [
     (["model=llama_tiny", "variant=v1"], "served with variant=v2"),
     (["model=llama_tiny", "model.n_kv_heads=3"], "n_heads=8 must be a multiple of n_kv_heads=3"),
-    (["model=llama_tiny", "model.family=mamba"], "model.family='mamba': choose gpt2, llama or mixtral"),
+    (["model=llama_tiny", "model.family=mamba"], "model.family='mamba': choose gpt2, llama, mixtral, deepseek_v3"),
     (["model=llama_tiny", "model.norm_eps=abc"], "model.norm_eps='abc' must be a number"),
     (["model=llama_tiny", "model.tie_word_embeddings=1"], "model.tie_word_embeddings=1 must be true or false"),
 ]
