@@ -11,6 +11,7 @@ It adapts to the GPUs it finds and writes one summary, outputs/gpu_check/summary
                              serve in bfloat16 on NCCL (tokens against the dense oracle, near-ties allowed)
     MoE (mixtral_tiny)       run_block with tp, ep and ep_a2a (NCCL's all_to_all_single with split sizes) and serve
                              with moe_parallel=ep, on NCCL at the largest p
+    MLA (deepseek_tiny)      serve with ep in bfloat16: the latent pool, absorbed decode, decompressed prefill on CUDA
     a sharded checkpoint     a bfloat16 Llama saved by save_pretrained(max_shard_size=...), served on NCCL at the
                              largest p with each rank reading only its slices straight onto its GPU
     P/D (at least 2 GPUs)    serve with prefill and decode groups of half the GPUs each, on NCCL (pair
@@ -87,6 +88,10 @@ def steps(n_gpus: int) -> list[tuple[str, list[str], dict, float]]:
     out.append((f"serve mixtral_tiny nccl p={p} moe_parallel=ep",
                 torchrun + [f"--nproc_per_node={p}", "launch/serve.py", "model=mixtral_tiny", "moe_parallel=ep",
                             "backend=nccl", f"hydra.run.dir={OUT}/serve_moe_nccl_p{p}"], {}, 300))
+    q = max(k for k in (1, 2, 4) if k <= p)  # deepseek_tiny has 4 query heads
+    out.append((f"serve deepseek_tiny nccl p={q} moe_parallel=ep bfloat16",
+                torchrun + [f"--nproc_per_node={q}", "launch/serve.py", "model=deepseek_tiny", "moe_parallel=ep",
+                            "backend=nccl", "dtype=bfloat16", f"hydra.run.dir={OUT}/serve_deepseek_nccl_p{q}"], {}, 300))
     ckpt = OUT / "llama_sharded_bf16"
     out.append(("save a sharded bfloat16 Llama checkpoint",
                 [py, "-c", "import sys, torch, transformers; torch.manual_seed(0); transformers.LlamaForCausalLM("
