@@ -149,10 +149,14 @@ def parse_model(cfg: DictConfig, world_size: int,
     family = fields.pop("family", "gpt2")
     model_class = config_class(family)  # ConfigError naming the families for another
     for key, value in fields.items():
-        if key in ("ln_eps", "norm_eps", "rope_theta", "routed_scaling_factor"):
+        if key in ("ln_eps", "norm_eps", "rope_theta", "routed_scaling_factor", "rope_factor", "rope_beta_fast",
+                   "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim", "rope_attention_factor"):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"model.{key}={value!r} must be a number")
-        elif key in ("tie_word_embeddings", "rope_interleave", "norm_topk_prob"):
+        elif key == "rope_type":
+            if value not in ("default", "yarn"):
+                raise ConfigError(f"model.rope_type={value!r}: choose default or yarn")
+        elif key in ("tie_word_embeddings", "rope_interleave", "norm_topk_prob", "rope_truncate"):
             if not isinstance(value, bool):
                 raise ConfigError(f"model.{key}={value!r} must be true or false")
         elif isinstance(value, bool) or not isinstance(value, int):

@@ -12,10 +12,10 @@ LM (layers/mla.py). Nothing is transposed (nn.Linear [out, in], as ours).
             transformers in memory  mlp.experts.gate_up_proj [E, 2f, d], mlp.experts.down_proj [E, d, f]
 
 Ours stacks the experts as the second layout (layers/hf_mixtral.py does the same for Mixtral); from the first,
-gate_up is the rows gate_0, up_0, gate_1, up_1, ... of its [E·2f, d] view. Refused by name: rope scaling (YaRN, which
-V3's own config.json uses: a checkpoint with it is refused rather than served with other positions), biases,
-another activation, a scoring function other than sigmoid, the multi-token-prediction layer is ignored (as
-transformers does).
+gate_up is the rows gate_0, up_0, gate_1, up_1, ... of its [E·2f, d] view. Rotary positions: default, or YaRN (V3's
+own config.json: factor 40 over 4096 original positions), as transformers computes them. Refused by name: another
+rope type, biases, another activation, a scoring function other than sigmoid; the multi-token-prediction layer is
+ignored (as transformers does).
 """
 
 from __future__ import annotations
@@ -53,12 +53,22 @@ def config_from_hf(hf: dict) -> DeepseekConfig:
     if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
         raise ConfigError(f"scoring_func={hf.get('scoring_func')!r} / topk_method={hf.get('topk_method')!r}: the "
                           f"router implements DeepSeek-V3's sigmoid scores with the correction bias (noaux_tc)")
-    rope = dict(hf.get("rope_parameters") or {})
-    scaling = hf.get("rope_scaling")
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}  # 4.x rope_scaling, 5.x parameters
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if scaling or rope_type != "default":
-        raise ConfigError(f"rope scaling is not supported (rope_scaling={scaling!r}, rope_type={rope_type!r}): the "
-                          f"blocks implement plain rotary positions (rope_type default)")
+    if rope_type not in ("default", "yarn"):
+        raise ConfigError(f"rope_type={rope_type!r} is not supported: the MLA blocks implement default and yarn "
+                          f"rotary positions (DeepSeek-V3's)")
+    yarn = {}
+    if rope_type == "yarn":
+        original = rope.get("original_max_position_embeddings")
+        if not isinstance(original, int) or isinstance(original, bool) or original < 1:
+            raise ConfigError(f"yarn needs original_max_position_embeddings (a positive integer), got {original!r}")
+        factor = rope.get("factor") or hf.get("max_position_embeddings", original) / original
+        yarn = dict(rope_type="yarn", rope_factor=float(factor), rope_original_max_position=original,
+                    rope_beta_fast=float(rope.get("beta_fast") or 32), rope_beta_slow=float(rope.get("beta_slow") or 1),
+                    rope_mscale=float(rope.get("mscale") or 0), rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
+                    rope_attention_factor=float(rope.get("attention_factor") or 0),
+                    rope_truncate=bool(rope.get("truncate", True)))
     if hf.get("attention_bias"):
         raise ConfigError("attention_bias=true is not supported: the MLA blocks have no biases")
     layers = hf["num_hidden_layers"]
@@ -75,7 +85,7 @@ def config_from_hf(hf: dict) -> DeepseekConfig:
         max_seq_len=hf.get("max_position_embeddings", 4096), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         rope_interleave=bool(hf.get("rope_interleave", True)), vocab_size=hf.get("vocab_size", 129280),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), **yarn)
 
 
 def block_prefix(state) -> str:

@@ -36,6 +36,7 @@ Checkpoints: layers/hf_deepseek.py.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -46,7 +47,7 @@ from einops import rearrange
 
 from layers.attention import PagedLayer, positions_of
 from layers.linear import ColumnParallelLinear, RowParallelLinear
-from layers.llama import RMSNorm, rope, rope_tables
+from layers.llama import RMSNorm, rope
 from layers.moe import moe_local, swiglu
 from layers.shard import Cut, Part, cols, even, heads_range, rows, whole
 from layers.varlen import Requests
@@ -84,6 +85,18 @@ class DeepseekConfig:
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_interleave: bool = True  # rotary pairs (x0, x1), (x2, x3), ... as DeepSeek's checkpoints lay them out
+    # YaRN (rope_type "yarn", V3's config: factor 40 over 4096 original positions, mscale = mscale_all_dim = 1):
+    # frequencies blended between interpolated and original over a ramp of dimensions, cos/sin times an attention
+    # factor, the softmax scale times mscale(factor, mscale_all_dim)² (transformers' DeepseekV3 is the oracle)
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_original_max_position: int = 4096
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
+    rope_attention_factor: float = 0.0  # 0: derived from factor, mscale and mscale_all_dim
+    rope_truncate: bool = True
     vocab_size: int = 1000
     tie_word_embeddings: bool = False
 
@@ -105,7 +118,13 @@ class DeepseekConfig:
 
     @property
     def scale(self) -> float:
-        return self.qk_head_dim ** -0.5
+        """The softmax scale: (n + r)^-1/2, times mscale(factor, mscale_all_dim)² under YaRN."""
+        m = yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) if self.yarn and self.rope_mscale_all_dim else 1.0
+        return self.qk_head_dim ** -0.5 * m * m
+
+    @property
+    def yarn(self) -> bool:
+        return self.rope_type == "yarn"
 
     def moe_layer(self, i: int) -> bool:
         return i >= self.first_k_dense_replace
@@ -157,6 +176,11 @@ def validate_deepseek(cfg: DeepseekConfig, p: int, placement: str = "tp") -> Non
         raise ConfigError("model.q_lora_rank, n_shared_experts and first_k_dense_replace must be 0 or more")
     if cfg.qk_rope_head_dim % 2:
         raise ConfigError(f"qk_rope_head_dim={cfg.qk_rope_head_dim} must be even: rotary positions rotate pairs")
+    if cfg.rope_type not in ("default", "yarn"):
+        raise ConfigError(f"rope_type={cfg.rope_type!r}: the MLA blocks implement default and yarn rotary positions")
+    if cfg.yarn and not (cfg.rope_factor >= 1 and cfg.rope_original_max_position >= 1):
+        raise ConfigError(f"yarn needs factor >= 1 and original_max_position_embeddings >= 1 (got "
+                          f"{cfg.rope_factor}, {cfg.rope_original_max_position})")
     if cfg.n_routed_experts % cfg.n_group or cfg.n_routed_experts // cfg.n_group < 2:
         raise ConfigError(f"n_routed_experts={cfg.n_routed_experts} must be n_group={cfg.n_group} groups of at least "
                           f"2 experts (a group scores by its two best experts)")
@@ -175,6 +199,43 @@ def validate_deepseek(cfg: DeepseekConfig, p: int, placement: str = "tp") -> Non
 # ---- the attention ----------------------------------------------------------------------------------------------
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_frequencies(cfg: DeepseekConfig, dtype: torch.dtype, device=None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [r/2], the factor on cos and sin), in float32 at least. Default: θ^(-2i/r), 1. YaRN: the
+    interpolated frequencies (÷ factor) on the slow dimensions, the original ones on the fast, a linear ramp between
+    the dimensions that turn beta_fast and beta_slow times over the original context."""
+    r, theta = cfg.qk_rope_head_dim, cfg.rope_theta
+    table = torch.promote_types(dtype, torch.float32)
+    base = theta ** (torch.arange(0, r, 2, dtype=table, device=device) / r)
+    if not cfg.yarn:
+        return 1.0 / base, 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return r * math.log(cfg.rope_original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, r - 1)
+    ramp = ((torch.arange(r // 2, dtype=table, device=device) - low) / (high - low if high > low else 0.001)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency (fast dimensions), 0: interpolated
+    inv_freq = (1.0 / (cfg.rope_factor * base)) * (1 - keep) + (1.0 / base) * keep
+    factor = cfg.rope_attention_factor or (
+        yarn_mscale(cfg.rope_factor, cfg.rope_mscale) / yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim)
+        if cfg.rope_mscale and cfg.rope_mscale_all_dim else yarn_mscale(cfg.rope_factor))
+    return inv_freq, factor
+
+
+def rope_cos_sin(positions: torch.Tensor, cfg: DeepseekConfig, dtype: torch.dtype):
+    """cos, sin [T, r] at each row's position (angles in float32 at least, rounded to dtype as transformers does)."""
+    inv_freq, factor = rope_frequencies(cfg, dtype, positions.device)
+    angles = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]
+    return tuple((torch.cat([f, f], dim=-1) * factor).to(dtype) for f in (angles.cos(), angles.sin()))
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
     """RoPE on x [..., T, r]. Interleaved (DeepSeek's layout): dimensions (2i, 2i+1) rotate together; the result is
     laid out [evens | odds] rotated, as transformers' apply_rotary_pos_emb_interleave returns it (q and k alike, so
@@ -188,11 +249,11 @@ def latent_and_queries(q: torch.Tensor, kv: torch.Tensor, cfg: DeepseekConfig, r
     """q [T, H·(n+r)] (this rank's heads), kv [T, c + r] (kv_a's output) -> q_nope [H, T, n], q_rope [H, T, r] (rotated),
     latent [T, c + r]: the normed c_KV, then the rotated k_R (what the cache holds)."""
     c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    key = ("rope", r, cfg.rope_theta, q.dtype)
+    key = ("mla rope", cfg, q.dtype)
     if isinstance(requests, PagedLayer) and key in requests.batch.tables:  # serving: once per iteration
         cos, sin = requests.batch.tables[key]
     else:
-        cos, sin = rope_tables(positions_of(requests, q.shape[0], q.device), r, cfg.rope_theta, q.dtype)
+        cos, sin = rope_cos_sin(positions_of(requests, q.shape[0], q.device), cfg, q.dtype)
         if isinstance(requests, PagedLayer):
             requests.batch.tables[key] = (cos, sin)
     q = rearrange(q, "t (h d) -> h t d", d=cfg.qk_head_dim)

@@ -6,6 +6,7 @@ with the latent pool's bytes and the ledger checked per step."""
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -17,8 +18,24 @@ from tp.dist import ConfigError
 VOCAB = 96
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 0.8, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+
+
+def yarn_inv_freq(r: int, theta: float, factor: float, original: int, fast: float, slow: float) -> torch.Tensor:
+    """YaRN's frequencies in float64, written here from the paper's definition (as transformers' float32 code does):
+    the dimensions turning more than `fast` times over the original context keep θ^(-2i/r), those turning fewer than
+    `slow` times are divided by the factor, a linear ramp between."""
+    i = torch.arange(0, r, 2, dtype=torch.float64)
+    base = 1.0 / theta ** (i / r)
+    dim = [r * math.log(original / (n * 2 * math.pi)) / (2 * math.log(theta)) for n in (fast, slow)]
+    low, high = max(math.floor(dim[0]), 0), min(math.ceil(dim[1]), r - 1)
+    ramp = ((torch.arange(r // 2, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
+    return base / factor * ramp + base * (1 - ramp)
+
+
 @functools.lru_cache(maxsize=None)
-def hf_deepseek(q_lora: int | None = 32, interleave: bool = True):
+def hf_deepseek(q_lora: int | None = 32, interleave: bool = True, yarn: bool = False):
     """A random DeepseekV3ForCausalLM in float64 (3 layers: one dense, two DeepSeekMoE; 8 routed experts in 2 groups,
     top-2 from the best group, one shared expert; a random correction bias). Patched to stay in float64 where
     transformers computes in float32 by design: RMSNorm, the rotary tables, and the router (DeepseekV3TopkRouter casts
@@ -34,7 +51,7 @@ def hf_deepseek(q_lora: int | None = 32, interleave: bool = True):
         kv_lora_rank=16, q_lora_rank=q_lora, qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32, n_group=2,
         topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=128,
         tie_word_embeddings=False, rope_interleave=interleave, attn_implementation="sdpa",
-        experts_implementation="eager")
+        experts_implementation="eager", **({"rope_parameters": dict(YARN)} if yarn else {}))
     model = transformers.DeepseekV3ForCausalLM(config).double().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -47,10 +64,11 @@ def hf_deepseek(q_lora: int | None = 32, interleave: bool = True):
     def rms_forward(self, x):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
-    def rotary_forward(self, x, position_ids):
-        inv = 1.0 / 10000.0 ** (torch.arange(0, r, 2, dtype=torch.float64) / r)
+    def rotary_forward(self, x, position_ids):  # the frequencies in float64; transformers' attention_scaling kept
+        inv = (yarn_inv_freq(r, 10000.0, YARN["factor"], YARN["original_max_position_embeddings"], YARN["beta_fast"],
+                             YARN["beta_slow"]) if yarn else 1.0 / 10000.0 ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
         emb = torch.cat([position_ids[..., None].double() * inv] * 2, dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
     def router_forward(self, h):  # DeepseekV3TopkRouter.forward, in h's dtype
         logits = torch.nn.functional.linear(h.view(-1, self.hidden_dim), self.weight)
@@ -84,15 +102,23 @@ def ours(model):
     return hf_deepseek.load_lm(dense_lm(cfg, torch.float64), model.state_dict())
 
 
-@pytest.mark.parametrize("q_lora,interleave", [(32, True), (None, True), (32, False)],
-                         ids=["q_lora", "no-q_lora", "rope-halves"])
-def test_dense_deepseek_equals_transformers(q_lora, interleave):
-    """Logits of a 13-token prompt to 1e-12, with and without the low-rank queries, both rotary layouts; no routing
-    here is within 1e-6 of flipping."""
-    model = hf_deepseek(q_lora, interleave)
+@pytest.mark.parametrize("q_lora,interleave,yarn", [(32, True, False), (None, True, False), (32, False, False),
+                                                   (32, True, True)],
+                         ids=["q_lora", "no-q_lora", "rope-halves", "yarn"])
+def test_dense_deepseek_equals_transformers(q_lora, interleave, yarn):
+    """Logits of a prompt past YaRN's original context to 1e-12, with and without the low-rank queries, both rotary
+    layouts, YaRN (its frequencies, the factor on cos/sin and the softmax scale's mscale²: transformers' own, the
+    frequencies recomputed in float64 and held to transformers' float32 ones); no routing within 1e-6 of flipping."""
+    model = hf_deepseek(q_lora, interleave, yarn)
     lm = ours(model)
     assert lm.cfg.q_lora_rank == (q_lora or 0) and lm.cfg.rope_interleave is interleave
-    ids = torch.randint(0, VOCAB, (13,), generator=torch.Generator().manual_seed(1))
+    assert lm.cfg.rope_type == ("yarn" if yarn else "default")
+    if yarn:
+        rotary = model.model.rotary_emb
+        assert rotary.attention_scaling != 1.0  # mscale 0.8 against mscale_all_dim 1.0
+        float32 = yarn_inv_freq(16, 10000.0, 4.0, 16, 32.0, 1.0).float()
+        torch.testing.assert_close(rotary.original_inv_freq.float(), float32, rtol=1e-6, atol=0)
+    ids = torch.randint(0, VOCAB, (29,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         got, want = lm.logits(ids), model(ids[None]).logits[0]
         assert float((got - want).abs().max() / want.abs().max()) < 1e-12
@@ -270,12 +296,15 @@ def test_bad_deepseek_layouts_are_refused_by_name(change, placement, p, message)
         validate_deepseek(DeepseekConfig(**change), p, placement)
 
 
-def test_yarn_rope_scaling_is_refused_not_served_wrong():
+def test_other_rope_scalings_are_refused_not_served_wrong():
     from layers.hf import config_from_hf
 
     hf = hf_deepseek(32, True).config.to_dict()
-    hf["rope_parameters"] = {"rope_type": "yarn", "factor": 40, "rope_theta": 10000.0}
-    with pytest.raises(ConfigError, match="rope scaling is not supported"):
+    hf["rope_parameters"] = {"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0}
+    with pytest.raises(ConfigError, match="rope_type='longrope' is not supported"):
+        config_from_hf(hf)
+    hf["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    with pytest.raises(ConfigError, match="yarn needs original_max_position_embeddings"):
         config_from_hf(hf)
 
 
