@@ -31,6 +31,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from launch.check import run_check
+from launch.cp_check import render_cp, run_cp_check
 from launch.moe_check import build_moe_report, render_moe, run_moe_check
 from launch.pp_check import render_pp, run_pp_check
 from launch.report import render
@@ -57,18 +58,24 @@ class Settings(LaunchSettings):
     pp: int = 1  # pipeline stages (tp = world / pp); 1: the plain TP check
     microbatches: int = 1
     pp_boundary: str = "whole"
+    cp: int = 1  # context-parallel ranks (tp = world / cp): one request's positions split over them
+    cp_decode: int = 0  # cp > 1: new tokens decoded over the split cache after the ring-attention prefill
 
 
 def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> Settings:
     """Every check that needs no communication. Raises ConfigError; identical on every rank."""
-    pp = parse_pp(cfg, world_size)
-    common = common_settings(cfg, world_size, local_world_size, tp_sizes={"tp": world_size // pp})
+    pp, cp = parse_pp(cfg, world_size), parse_cp(cfg, world_size)
+    if pp > 1 and cp > 1:
+        raise ConfigError(f"pp={pp} with cp={cp} is not built: run context parallelism with pp=1")
+    common = common_settings(cfg, world_size, local_world_size, tp_sizes={"tp": world_size // pp // cp})
     model = common["model"]
     if model.family == "deepseek_v3":
         raise ConfigError("run_block checks gpt2, llama and mixtral blocks; DeepSeek-V3 (MLA) blocks are checked by "
                           "serving them: launch/serve.py model=deepseek_tiny")
     notes: list[str] = []
     lengths = request_lengths(cfg, model, common["seed"], notes)
+    if cp > 1:
+        return parse_context_parallel(cfg, common, lengths, notes, cp)
     if pp > 1:
         return parse_pipeline(cfg, common, lengths, notes, pp, world_size)
     moe = parse_moe_parallel(cfg, model, world_size)
@@ -90,6 +97,38 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
         raise ConfigError(f"variant v2sp splits the {sum(lengths)} tokens by rows over p={world_size} ranks and needs "
                           f"at least one per rank; use at least {world_size} tokens or drop v2sp from variants")
     return finish_settings(cfg, common, lengths, variants, notes)
+
+
+def parse_cp(cfg: DictConfig, world_size: int) -> int:
+    cp = integer(cfg, "cp")
+    if cp < 1 or world_size % cp:
+        raise ConfigError(f"cp={cp} must be a positive divisor of the world size {world_size} (world = cp x tp)")
+    return cp
+
+
+def parse_context_parallel(cfg: DictConfig, common: dict, lengths: list[int], notes: list[str], cp: int) -> Settings:
+    """cp > 1: one request (n_tokens, or the requests' total as one sequence), prefilled by ring attention and then
+    decoded cp_decode tokens over the split cache; v2 blocks of GPT-2 or Llama."""
+    model = common["model"]
+    if model.family not in ("gpt2", "llama"):
+        raise ConfigError(f"cp={cp} runs GPT-2 and Llama blocks; {model.family} blocks are not built for context "
+                          f"parallelism")
+    if "variants" in overridden(("variants",)) and parse_variants(
+            OmegaConf.to_container(cfg.variants) if OmegaConf.is_list(cfg.variants) else cfg.variants) != ["v2"]:
+        raise ConfigError(f"cp={cp} runs variant v2 (each cp rank a v2 TP group): set variants=[v2] or drop it")
+    if cfg.get("moe_parallel") is not None:
+        raise ConfigError(f"moe_parallel is for MoE models; cp={cp} runs GPT-2 and Llama blocks")
+    n, decode = sum(lengths), integer(cfg, "cp_decode")
+    if len(lengths) > 1:
+        notes.append(f"cp={cp}: the {len(lengths)} requests run as one sequence of {n} tokens")
+    if n < 2 * cp:
+        raise ConfigError(f"cp={cp} cuts the prompt into 2·cp = {2 * cp} chunks: give at least {2 * cp} tokens "
+                          f"(n_tokens=...), not {n}")
+    if decode < 0 or n + decode > model.max_seq_len:
+        raise ConfigError(f"cp_decode={decode} must be at least 0, with n_tokens + cp_decode <= model.max_seq_len="
+                          f"{model.max_seq_len} (got {n} + {decode})")
+    settings = finish_settings(cfg, common, [n], ["v2"], notes)
+    return replace(settings, cp=cp, cp_decode=decode)
 
 
 def parse_pp(cfg: DictConfig, world_size: int) -> int:
@@ -199,6 +238,18 @@ def run(cfg: DictConfig) -> int:
 
 
 def check_and_report(settings: Settings, out_dir: Path, ctx) -> int:
+    if settings.cp > 1:
+        s = settings
+        res = run_cp_check(s.model, n=s.lengths[0], new_tokens=s.cp_decode, dtype=s.dtype, seed=s.seed,
+                           tolerance=s.tolerance, cp=s.cp, ctx=ctx, weights=s.weights)
+        report = {"world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device), "cp_check": res,
+                  "config": {"model_name": s.model_name, "family": s.model.family, "model": s.model.asdict(),
+                             "n_tokens": s.lengths[0], "hf_checkpoint": s.hf_checkpoint,
+                             "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed, "tolerance": s.tolerance,
+                             "cp": s.cp, "cp_decode": s.cp_decode},
+                  "equivalent": res["equivalent"], "traffic_ok": res["ledger_matches_model"]}
+        publish(report, render_cp, out_dir / s.report, ctx)
+        return 0 if report["equivalent"] and report["traffic_ok"] else 1
     if settings.pp > 1:
         s = settings
         res = run_pp_check(s.model, lengths=s.lengths, dtype=s.dtype, seed=s.seed, variants=s.variants,

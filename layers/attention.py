@@ -35,6 +35,7 @@ from einops import rearrange
 from torch.nn.utils.rnn import pad_sequence
 
 from layers.attention_backends import PagedBatch
+from layers.context_parallel import RingPrefill, SplitKVDecode
 from layers.varlen import Requests
 
 
@@ -52,6 +53,10 @@ def positions_of(requests: Requests | PagedLayer | None, n_rows: int, device=Non
         return torch.arange(n_rows, device=device)
     if isinstance(requests, PagedLayer):
         return requests.batch.positions
+    if isinstance(requests, RingPrefill):
+        return requests.local_positions
+    if isinstance(requests, SplitKVDecode):
+        return torch.tensor(requests.new_positions, device=device)
     return torch.cat([torch.arange(e - s, device=device) for s, e in requests.spans])
 
 
@@ -69,6 +74,8 @@ def attention(q: torch.Tensor, kv: torch.Tensor, requests: Requests | PagedLayer
     j // (h/h_kv) (grouped-query attention; h_kv = h is plain multi-head). Returns [T, h*d_head]."""
     if isinstance(requests, PagedLayer):
         return paged_attention(q, kv, requests)
+    if isinstance(requests, (RingPrefill, SplitKVDecode)):  # context parallelism: layers/context_parallel.py
+        return requests.attend(q, kv)
     group = q.shape[0] // kv.shape[1]
     k, v = (t.repeat_interleave(group, dim=0) if group > 1 else t for t in kv)
     # Each [1, h, T, d_head]: a batch dim of 1, because on CPU PyTorch's SDPA takes its fused kernel

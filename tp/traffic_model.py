@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tp.partition import ceil_div, kv_head_range, padded
+from tp.partition import ceil_div, kv_head_range, kv_heads_per_rank, padded
 from tp.ledger import Traffic, Transfer
 
 if TYPE_CHECKING:  # shapes only; tp/ does not import layers/ at run time
@@ -356,3 +356,47 @@ def predict_pp_stage(cfg: ModelConfig, pp: int, tp: int, rank: int, n: int, dtyp
     if stage < pp - 1:
         messages.append(Transfer("send", "pp/boundary", 0, None, rank, (stage + 1) * tp + r, (0, 0), shape, name, size))
     return collectives, messages
+
+
+def predict_cp(cfg: ModelConfig, cp: int, tp: int, rank: int, rows: list[int], new_tokens: int,
+               dtype: torch.dtype) -> tuple[list[Traffic], list[Transfer]]:
+    """What global rank `rank` (= c·tp + t) of a cp × tp layout moves for one request (layers/context_parallel.py):
+    the prefill of rows[c'] rows per cp rank c' by ring attention, then new_tokens decodes over the split cache.
+
+    prefill, per layer   its TP all-reduces of [rows[c], d] over the tp group (v2's two); cp − 1 pass-KV steps, each
+                         a send of the block it holds (owner (c − s) mod cp: [2, h_kv/tp, rows[owner], d_head]) to the
+                         next cp rank and a receive of the previous owner's block from the previous cp rank
+    decode, per layer    the merge's all-gather of [cp, h/tp, d_head + 1] (float32 at least) over the cp group, then the
+                         TP all-reduces of [1, d]
+    Messages carry global ranks; request 0."""
+    c, t = rank // tp, rank % tp
+    h_kv, h, dh = kv_heads_per_rank(cfg.n_kv_heads, tp), cfg.n_heads // tp, cfg.d_head
+    nxt, prev = ((c + 1) % cp) * tp + t, ((c - 1) % cp) * tp + t
+    name = str(dtype).removeprefix("torch.")
+    stats = torch.promote_types(dtype, torch.float32)
+    collectives, messages = [], []
+
+    def tp_collectives(layer: int, n: int) -> list[Traffic]:
+        return [Traffic.of(layer=layer, sublayer=sub, site=site, phase="forward", kind=kind, shape=s, dtype=dtype, p=tp)
+                for sub, site, kind, s in block_collectives(cfg, n, "v2", "forward")] if tp > 1 else []
+
+    for i in range(cfg.n_layers):
+        collectives += tp_collectives(i, rows[c])
+        for s in range(cp - 1):
+            for kind, peer, owner in (("send", nxt, (c - s) % cp), ("recv", prev, (c - s - 1) % cp)):
+                shape = (2, h_kv, rows[owner], dh)
+                messages.append(Transfer(kind, "cp/pass-kv", 0, i, rank, peer, (0, 0), shape, name,
+                                         math.prod(shape) * dtype.itemsize))
+    for _ in range(new_tokens):
+        for i in range(cfg.n_layers):
+            if cp > 1:
+                collectives.append(Traffic.of(layer=i, sublayer="attn", site="cp merge", phase="forward",
+                                              kind="all_gather", shape=(cp, h, dh + 1), dtype=stats, p=cp))
+            collectives += tp_collectives(i, 1)
+    return collectives, messages
+
+
+def pass_kv_bytes_per_rank_per_layer(cfg: ModelConfig, cp: int, tp: int, n: int, elem_bytes: int) -> float:
+    """The closed form (cp − 1)·2·(S/cp)·h_kv·d·e a rank sends per layer in ring attention's pass-KV (S/cp rows per
+    rank on average: exact when 2·cp divides S)."""
+    return (cp - 1) * 2 * (n / cp) * kv_heads_per_rank(cfg.n_kv_heads, tp) * cfg.d_head * elem_bytes

@@ -1,0 +1,209 @@
+"""Context parallelism: one request's sequence split over cp ranks, attention exact through one log-sum-exp merge.
+
+Attention over a part K_a of the keys gives o_a (softmax-weighted values over K_a) and lse_a = log Σ_{k∈K_a} e^{q·k·s}.
+Parts combine exactly (`merge`): lse = log Σ_a e^{lse_a}, o = Σ_a e^{lse_a − lse}·o_a; an empty part has lse = −∞
+and weight 0. Two uses, both through `merge`:
+
+    prefill, ring attention (pass-KV)   the prompt in 2·cp chunks, rank i holding chunks i and 2·cp − 1 − i (zigzag:
+                                        every rank the same causal work); each rank's K,V go around the ring in
+                                        cp − 1 steps (★ send to the next rank, receive from the previous, posted
+                                        before this block's attention so the transfer overlaps it), each rank merging
+                                        its queries' partial attention over every block as it arrives
+    decode over a split cache           each rank keeps the K,V of the positions it owns (a prompt's from the
+                                        prefill, a new token's on rank position % cp), every rank computes the new
+                                        rows' queries (the layers outside attention run on every cp rank alike),
+                                        attends over its own keys, ★ one all-gather of (o, lse) over the cp group per
+                                        layer, merged
+
+Inside a cp rank the block is the TP block it always was (head-aligned TP over the tp group, the same all-reduces):
+the cp ranks of one TP slot hold the same heads, different tokens. Both uses are `requests` objects that
+layers/attention.attention dispatches to, as it does to the paged cache (PagedLayer).
+
+Bytes per rank per layer (tp/traffic_model.predict_ring, predict_cp_decode): pass-KV (cp − 1)·2·(S/cp)·h_kv·d·e (each
+rank's own rows, so exactly the rows it holds); the decode merge an all-gather of [T, h, d + 1] in float32 at least.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from tp.ledger import TransferRecord, active
+
+# ---- the one merge ------------------------------------------------------------------------------------------------
+
+
+def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial attention outputs o_a [..., d] with their log-sum-exps lse_a [...] (−∞: an empty part) -> (o, lse),
+    exactly the attention over the union of the parts. Rows whose every part is empty come out 0 with lse −∞."""
+    lse_all = torch.stack(lses)  # [parts, ...]
+    top = lse_all.amax(0)
+    safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # all parts empty: nothing to weigh
+    weights = torch.exp(lse_all - safe)  # e^{lse_a − max}: 0 for an empty part
+    total = weights.sum(0)
+    lse = torch.where(total > 0, safe + torch.log(total), torch.full_like(top, -math.inf))
+    w = torch.where(total > 0, weights / total.clamp_min(torch.finfo(total.dtype).tiny), torch.zeros_like(weights))
+    o = sum(wi[..., None].to(oi.dtype) * oi for wi, oi in zip(w, outs))
+    return o, lse
+
+
+def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                      scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [h, Tq, d] at positions q_pos [Tq]; k, v [h_kv, Tk, d] at k_pos [Tk]; query head j reads K,V head j // (h/h_kv);
+    key visible iff k_pos <= q_pos. Returns (o [h, Tq, d] in q's dtype, lse [h, Tq] in float32 at least; −∞ where a
+    query sees no key here)."""
+    h, Tq, d = q.shape
+    h_kv = k.shape[0]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scale = d ** -0.5 if scale is None else scale
+    qg = q.to(acc).view(h_kv, h // h_kv, Tq, d)
+    scores = torch.einsum("kgqd,ktd->kgqt", qg, k.to(acc)).reshape(h, Tq, -1) * scale
+    visible = k_pos[None, :] <= q_pos[:, None]  # [Tq, Tk]
+    scores = scores.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)  # [h, Tq]
+    probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
+    o = torch.einsum("kgqt,ktd->kgqd", probs.view(h_kv, h // h_kv, Tq, -1), v.to(acc)).reshape(h, Tq, -1)
+    return o.to(q.dtype), lse
+
+
+# ---- the zigzag layout ----------------------------------------------------------------------------------------
+
+
+def chunk_bounds(n: int, cp: int) -> list[tuple[int, int]]:
+    """The 2·cp chunks of a sequence of n positions: sizes differ by at most one, the longer ones first."""
+    parts = 2 * cp
+    base, extra = divmod(n, parts)
+    out, at = [], 0
+    for c in range(parts):
+        size = base + (1 if c < extra else 0)
+        out.append((at, at + size))
+        at += size
+    return out
+
+
+def zigzag_positions(n: int, cp: int, rank: int) -> list[int]:
+    """The positions rank `rank` holds under zigzag: chunks rank and 2·cp − 1 − rank, in order."""
+    bounds = chunk_bounds(n, cp)
+    (a, b), (c, d) = bounds[rank], bounds[2 * cp - 1 - rank]
+    return list(range(a, b)) + list(range(c, d))
+
+
+def contiguous_positions(n: int, cp: int, rank: int) -> list[int]:
+    """The naive split: rank r holds positions [r·n/cp, (r+1)·n/cp) (for comparison: its causal work grows with r)."""
+    base, extra = divmod(n, cp)
+    start = rank * base + min(rank, extra)
+    return list(range(start, start + base + (1 if rank < extra else 0)))
+
+
+def causal_pairs(positions: list[int]) -> int:
+    """Unmasked (query, key) pairs of these query positions over a causal prefix: Σ (p + 1)."""
+    return sum(p + 1 for p in positions)
+
+
+# ---- prefill: ring attention, pass-KV -------------------------------------------------------------------------
+
+
+@dataclass
+class RingPrefill:
+    """One request's prompt over the cp group, this rank holding the rows at `positions[rank]` (zigzag). attention()
+    hands it q [h, T_r, d] and kv [2, h_kv, T_r, d] of this rank's rows; it returns [T_r, h·d]. `kept` collects each
+    layer's K,V of this rank's rows (what its cache would hold)."""
+
+    group: dist.ProcessGroup
+    positions: list[list[int]]  # every cp rank's positions, by rank in the group
+    device: torch.device | str = "cpu"
+    kept: list[torch.Tensor] = field(default_factory=list)
+    scale: float | None = None
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def local_positions(self) -> torch.Tensor:
+        return torch.tensor(self.positions[self.rank], device=self.device)
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        cp, rank = len(self.positions), self.rank
+        ranks = dist.get_process_group_ranks(self.group)
+        nxt, prev = ranks[(rank + 1) % cp], ranks[(rank - 1) % cp]
+        self.kept.append(kv.detach())
+        q_pos = self.local_positions
+        block, outs, lses = kv.contiguous(), [], []
+        for step in range(cp):
+            owner = (rank - step) % cp  # whose rows `block` holds
+            pending = None
+            if step < cp - 1:  # ★ pass-KV: this block on to the next rank while it is attended here
+                incoming = kv.new_empty(2, kv.shape[1], len(self.positions[(owner - 1) % cp]), kv.shape[3])
+                pending = self._exchange(block, incoming, nxt, prev, step)
+            k_pos = torch.tensor(self.positions[owner], device=self.device)
+            o, lse = partial_attention(q, block[0], block[1], q_pos, k_pos, self.scale)
+            outs.append(o)
+            lses.append(lse)
+            if pending is not None:
+                block = self._finish(pending)
+        o, _ = merge(outs, lses)
+        return o.transpose(0, 1).reshape(q.shape[1], -1)
+
+    def _exchange(self, block, incoming, nxt, prev, step):
+        ledger, start = active(), time.perf_counter()
+        works = [dist.isend(block, nxt, group=None), dist.irecv(incoming, prev, group=None)]
+        return works, incoming, block, nxt, prev, ledger, start
+
+    def _finish(self, pending) -> torch.Tensor:
+        works, incoming, block, nxt, prev, ledger, start = pending
+        for w in works:
+            w.wait()
+        if ledger is not None:
+            took = time.perf_counter() - start
+            me = dist.get_rank()
+            dtype = str(block.dtype).removeprefix("torch.")
+            layer = ledger.layer
+            for kind, peer, t in (("send", nxt, block), ("recv", prev, incoming)):
+                ledger.transfer(TransferRecord(kind, "cp/pass-kv", 0, layer, me, peer, (0, 0), tuple(t.shape), dtype,
+                                               t.numel() * t.element_size(), took))
+        return incoming
+
+
+# ---- decode over a split cache ---------------------------------------------------------------------------------
+
+
+@dataclass
+class SplitKVDecode:
+    """New rows (decodes) of one request whose cached K,V are split over the cp group: this rank keeps the rows at
+    `cache_positions` (per layer, appended to as new tokens arrive: a new position on rank position % cp). attention()
+    hands it the new rows' q [h, T, d] and kv [2, h_kv, T, d] (every cp rank computed them alike); it keeps the rows
+    it owns, attends over its own keys, and merges the ranks' partial results (★ one all-gather per layer)."""
+
+    group: dist.ProcessGroup
+    caches: list[torch.Tensor]  # per layer: this rank's K,V [2, h_kv, n_r, d]
+    cache_positions: list[int]
+    new_positions: list[int]  # the rows' positions (consecutive new tokens of the request)
+    layer: int = 0
+    scale: float | None = None
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        from tp.comm import gather_rows_from_region
+
+        cp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        device = q.device
+        mine = [i for i, p in enumerate(self.new_positions) if p % cp == rank]
+        cache = self.caches[self.layer]
+        if mine:  # the new tokens this rank owns join its cache (written where they are owned)
+            cache = torch.cat([cache, kv[:, :, mine]], dim=2)
+            self.caches[self.layer] = cache
+        positions = self.cache_positions + [self.new_positions[i] for i in mine]
+        if self.layer == len(self.caches) - 1:
+            self.cache_positions[:] = positions  # every layer kept the same rows
+        o, lse = partial_attention(q, cache[0], cache[1], torch.tensor(self.new_positions, device=device),
+                                   torch.tensor(positions, device=device, dtype=torch.long), self.scale)
+        self.layer = (self.layer + 1) % len(self.caches)
+        acc = lse.dtype
+        packed = torch.cat([o.to(acc), lse[..., None]], dim=-1).transpose(0, 1).contiguous()  # [T, h, d + 1]
+        every = gather_rows_from_region(packed, self.group, "attn/cp merge").view(cp, *packed.shape)  # ★ [cp·T, h, d+1]
+        merged, _ = merge([part[..., :-1] for part in every], [part[..., -1] for part in every])
+        return merged.to(q.dtype).reshape(q.shape[1], -1)
