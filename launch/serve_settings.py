@@ -82,8 +82,8 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     variant, vocab_parallel = str(cfg.variant), boolean(cfg, "vocab_parallel")
     moe_parallel = parse_moe_parallel(cfg, model, world_size, layout)
     if model.family != "gpt2" and (variant != "v2" or not vocab_parallel):
-        raise ConfigError("Llama-family models are served with variant=v2 and vocab_parallel=true (the engine serves "
-                          "their v2 blocks; the untied head is vocab-parallel)")
+        raise ConfigError(f"{model.family} models are served with variant=v2 and vocab_parallel=true (the engine "
+                          f"serves their v2 blocks; the untied head is vocab-parallel)")
     if variant not in SERVING_VARIANTS:
         raise ConfigError(f"unknown variant {variant!r} for serving; choose v2 or v1 (intra_head and v2sp cut one "
                           f"forward, not a serving iteration: see run_block)")

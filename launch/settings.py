@@ -85,6 +85,15 @@ def parameter_count(model, lm: bool) -> int:
         built = (dense_lm if lm else DenseStack)(dataclasses.replace(model, n_layers=n_layers), torch.float32, "meta")
         return sum(t.numel() for t in built.parameters())
 
+    if model.family == "deepseek_v3":  # dense layers first, then MoE ones: each kind counted once
+        from layers.mla import DenseDeepseekBlock
+
+        def block(layer: int) -> int:
+            return sum(t.numel() for t in DenseDeepseekBlock(model, layer, torch.float32, "meta").parameters())
+
+        k = min(model.first_k_dense_replace, model.n_layers)
+        return (count(0) + k * (block(0) if k else 0)
+                + (model.n_layers - k) * (block(k) if k < model.n_layers else 0))
     one = count(1)
     return one + (model.n_layers - 1) * (count(2) - one)
 

@@ -71,17 +71,22 @@ def config_from_hf(hf: dict) -> DeepseekConfig:
                     rope_truncate=bool(rope.get("truncate", True)))
     if hf.get("attention_bias"):
         raise ConfigError("attention_bias=true is not supported: the MLA blocks have no biases")
+    if hf.get("quantization_config"):
+        method = (hf["quantization_config"] or {}).get("quant_method", "?")
+        raise ConfigError(f"quantization_config (quant_method={method!r}) is not supported: the weights must be "
+                          f"bfloat16, float16 or float32 (DeepSeek-V3's released FP8 weights need dequantizing first)")
     layers = hf["num_hidden_layers"]
+    # a key config.json leaves out takes transformers' DeepseekV3Config default (save_pretrained writes them all)
     return DeepseekConfig(
-        d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"], q_lora_rank=hf.get("q_lora_rank") or 0,
+        d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"], q_lora_rank=hf.get("q_lora_rank", 1536) or 0,
         kv_lora_rank=hf["kv_lora_rank"], qk_rope_head_dim=hf["qk_rope_head_dim"],
         qk_nope_head_dim=hf["qk_nope_head_dim"], v_head_dim=hf["v_head_dim"],
         d_ffn=hf.get("intermediate_size", 18432), moe_d_ffn=hf.get("moe_intermediate_size", 2048),
-        n_routed_experts=hf.get("n_routed_experts", 256), n_shared_experts=hf.get("n_shared_experts") or 0,
-        top_k=hf.get("num_experts_per_tok", 8), n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        n_routed_experts=hf.get("n_routed_experts", 256), n_shared_experts=hf.get("n_shared_experts", 1) or 0,
+        top_k=hf.get("num_experts_per_tok", 8), n_group=hf.get("n_group", 8) or 1, topk_group=hf.get("topk_group", 4) or 1,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 2.5)),
         norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-        first_k_dense_replace=min(hf.get("first_k_dense_replace") or 0, layers), n_layers=layers,
+        first_k_dense_replace=min(hf.get("first_k_dense_replace", 3) or 0, layers), n_layers=layers,
         max_seq_len=hf.get("max_position_embeddings", 4096), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         rope_interleave=bool(hf.get("rope_interleave", True)), vocab_size=hf.get("vocab_size", 129280),

@@ -5,7 +5,7 @@ first_k_dense_replace layers) or DeepSeekMoE (shared experts beside group-limite
       queries   q [d -> H·(n+r)]  (or q_a [d -> q_lora] -> RMSNorm -> q_b [q_lora -> H·(n+r)])   per head: nope n, rope r
       latent    kv_a [d -> c + r] -> c_KV = RMSNorm(first c), k_R = RoPE(last r)                  one per token, all heads
       per head  K = [W_UK·c_KV ; k_R] (n + r), V = W_UV·c_KV (v), W_UK|W_UV = kv_b's rows [H·(n+v), c]
-      attention causal, scale (n+r)^-1/2 -> o [H·v -> d] -> +x
+      attention causal, scale (n+r)^-1/2 (YaRN: times mscale²) -> o [H·v -> d] -> +x
       -> RMSNorm -> dense SwiGLU, or DeepSeekMoE: Σ_j w_j·FFN_{e_j}(h) + shared FFN(h) -> +x
 
 The cache holds c_KV and k_R only: c + r values per token per layer, the same for every head (V3: 512 + 64 = 576).
@@ -348,8 +348,11 @@ class _DeepseekParts(nn.Module):
             self.gate_up = nn.Parameter(torch.empty(2 * dense_ffn, cfg.d_model, **kw))  # rows [gate | up]
             self.down = nn.Parameter(torch.empty(cfg.d_model, dense_ffn, **kw))
             return
-        self.router = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.d_model, **kw))
-        self.router_bias = nn.Parameter(torch.empty(cfg.n_routed_experts, **kw))  # e_score_correction_bias
+        # the router in float32 at least, whatever the run's dtype (transformers keeps gate.weight and the correction
+        # bias in float32): a bfloat16 bias would move group and expert choices
+        stats = dict(dtype=torch.promote_types(dtype, torch.float32), device=device)
+        self.router = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.d_model, **stats))
+        self.router_bias = nn.Parameter(torch.empty(cfg.n_routed_experts, **stats))  # e_score_correction_bias
         self.gate_up = nn.Parameter(torch.empty(experts, 2 * expert_ffn, cfg.d_model, **kw))
         self.down = nn.Parameter(torch.empty(experts, cfg.d_model, expert_ffn, **kw))
         if cfg.n_shared_experts:

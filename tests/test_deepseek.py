@@ -236,6 +236,7 @@ def same(got, want) -> bool:
 
 
 def _serve(ctx, path, prompts, placements, engine_kw, prefill="decompressed"):
+    import layers.attention_backends as backends
     import layers.mla
     from layers.checkpoint import Checkpoint
     from layers.hf import CheckpointSource, read_config
@@ -247,6 +248,8 @@ def _serve(ctx, path, prompts, placements, engine_kw, prefill="decompressed"):
 
     cfg = read_config(path)
     out, saved, layers.mla.PREFILL = {}, layers.mla.PREFILL, prefill
+    ragged, backends.RAGGED_BELOW = backends.RAGGED_BELOW, 0 if engine_kw.get("attention") == "batched" else \
+        backends.RAGGED_BELOW  # batched: every iteration's decodes in the ragged pass (the padded one: elsewhere)
     for placement in placements:
         lm = shard_lm(CheckpointSource(Checkpoint(path), cfg, torch.float64), "v2", ctx.group, moe_parallel=placement)
         reqs = [Request(i, p, new, i) for i, (p, (_, new)) in enumerate(zip(prompts, WORKLOAD))]
@@ -254,19 +257,21 @@ def _serve(ctx, path, prompts, placements, engine_kw, prefill="decompressed"):
         formula = mla_kv_bytes_per_token(cfg.n_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, 8)
         out[placement] = ([(r["output_ids"], r["logits"]) for r in res.requests], res.ledger_matches_model,
                           res.kv_bytes_per_token_per_rank == formula, res.preemptions)
-    layers.mla.PREFILL = saved
+    layers.mla.PREFILL, backends.RAGGED_BELOW = saved, ragged
     return out
 
 
-@pytest.mark.parametrize("p,prefill", [(1, "decompressed"), (2, "decompressed"), (2, "absorbed"),
-                                       (4, "decompressed")])
-def test_served_deepseek_tokens_equal_transformers_generate(deepseek_ckpt, p, prefill):
+@pytest.mark.parametrize("p,prefill,attention", [(1, "decompressed", "reference"), (2, "decompressed", "cpu"),
+                                                 (2, "absorbed", "batched"), (4, "decompressed", "batched")])
+def test_served_deepseek_tokens_equal_transformers_generate(deepseek_ckpt, p, prefill, attention):
     """tp and ep on the serving engine (chunked prefill, mixed iterations, the latent paged cache, each rank reading
     its slices of the files): greedy tokens and their logits (1e-12) equal transformers' generate, with prompts'
     first chunks attended decompressed or absorbed; every iteration's collectives equal the model's; the pool holds
-    L·(c + r)·8 bytes per token on every rank, at every p."""
+    L·(c + r)·8 bytes per token on every rank, at every p; every attention backend (batched: its decodes in the
+    ragged pass over the one-plane pool, whose values are narrower than its keys)."""
     path, prompts, want = deepseek_ckpt
-    kw = dict(long_prefill_token_threshold=4, max_num_batched_tokens=12, max_num_seqs=12, block_size=4)
+    kw = dict(long_prefill_token_threshold=4, max_num_batched_tokens=12, max_num_seqs=12, block_size=4,
+              attention=attention)
     for got, ledger_ok, bytes_ok, _ in run_ranks(p, _serve, path, prompts, ("tp", "ep"), kw, prefill)[0].values():
         assert all(same(g, w) for g, w in zip(got, want)) and ledger_ok and bytes_ok
 
