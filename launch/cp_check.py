@@ -19,20 +19,13 @@ import torch.distributed as dist
 
 from launch.check import dense_and_input
 from launch.report import _counts, format_table, kib
-from layers.context_parallel import RingPrefill, SplitKVDecode, causal_pairs, contiguous_positions, zigzag_positions
+from layers.context_parallel import (RingPrefill, SplitKVDecode, causal_pairs, contiguous_positions, new_cp_groups,
+                                     zigzag_positions)
 from layers.shard import DenseSource, load_plan
 from layers.tp_block import tp_stack
 from tp.dist import TPContext
 from tp.ledger import TrafficLedger
 from tp.traffic_model import pass_kv_bytes_per_rank_per_layer, predict_cp
-
-
-def new_cp_groups(world: int, cp: int) -> tuple[list[dist.ProcessGroup], list[dist.ProcessGroup]]:
-    """(the tp groups by cp index, the cp groups by TP index), created in the same order on every rank."""
-    tp = world // cp
-    tp_groups = [dist.new_group(list(range(c * tp, (c + 1) * tp))) for c in range(cp)]
-    cp_groups = [dist.new_group(list(range(t, world, tp))) for t in range(tp)]
-    return tp_groups, cp_groups
 
 
 def run_cp_check(cfg, *, n: int, new_tokens: int, dtype: torch.dtype, seed: int, tolerance: float, cp: int,

@@ -36,6 +36,7 @@ from launch.serve_settings import Settings, parse_settings
 from launch.settings import launch, publish, refuse_bad_arguments
 from layers.dense import weights_checksum
 from layers.lm import NEAR_TIE
+from layers.context_parallel import rank_groups
 from serve.build import build_lm, dense_model, rank_weights
 from serve.control import agree, digest
 from serve.hooks import check_request
@@ -56,13 +57,14 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     meter = LoadMeter(s.weights)
     with meter:
         weights, dense = rank_weights(s.model, s.weights, s.dtype, ctx.device, s.seed)
+        tp_group, cp_group = rank_groups(ctx.world_size, s.cp, ctx.rank) if s.cp > 1 else (None, None)
         lm = build_lm(weights, ctx, pp=s.pp, variant=s.variant, vocab_parallel=s.vocab_parallel,
-                      moe_parallel=s.moe_parallel, pp_boundary=s.pp_boundary)
+                      moe_parallel=s.moe_parallel, pp_boundary=s.pp_boundary, group=tp_group)
     load = meter.report(ctx, lm)
     same_weights_and_prompts(s, ctx, dense)
     dense = oracle_model(s, ctx, dense)  # after the load: neither in its peak nor in its bytes read
     engine = OfflineEngine(lm, ctx, s.engine, eos_token_ids=s.eos_token_ids, seed=s.sampling_seed,
-                           on_iteration=Progress(len(s.requests)) if ctx.is_main else None)
+                           on_iteration=Progress(len(s.requests)) if ctx.is_main else None, cp_group=cp_group)
     result = engine.run(s.requests)
     report = build_report(s, ctx, result, oracle_check(dense, s, result, ctx) if s.check else None)
     if s.pp > 1:

@@ -105,6 +105,8 @@ def render(r: dict) -> str:
         f"tpref: serving on the TP stack  (tp = {r.get('tp', r['world_size'])}"
         + (f", pp = {r['pp']['pp']} stages, boundary {r['pp']['boundary']}"
            + (", chunk_pipelining" if r["config"].get("chunk_pipelining") else "") if r.get("pp") else "")
+        + (f", cp = {c['cp']}: each cp rank keeps 1/{c['cp']} of every request's K,V, one merge per layer"
+           if c.get("cp", 1) > 1 else "")
         + f", backend {r['backend']}, device {r['device']})",
         f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} {_shape(m)}"
         f"L={m['n_layers']} vocab={m['vocab_size']}; variant {c['variant']}, "
@@ -367,8 +369,8 @@ def kv_formula(m, n_layers: int, p: int, dtype: torch.dtype) -> dict:
 
 def build_report(s, ctx, result, checks: list[dict] | None) -> dict:
     m = s.model
-    p = ctx.world_size // s.pp  # the TP group's size (a pipeline stage's)
-    n_layers = len(stage_layers(m.n_layers, s.pp)[ctx.rank // p])  # the layers this rank caches: its stage's
+    p = ctx.world_size // s.pp // getattr(s, "cp", 1)  # the TP group's size (a pipeline stage's; cp: world / cp)
+    n_layers = len(stage_layers(m.n_layers, s.pp)[ctx.rank // (ctx.world_size // s.pp)])  # this rank's stage's
     kv = kv_formula(m, n_layers, p, s.dtype)
     dense_per_token = kv["dense"]
     requests = result.requests
@@ -391,6 +393,7 @@ def build_report(s, ctx, result, checks: list[dict] | None) -> dict:
                    "block_size": s.engine.block_size, "kv_blocks": s.engine.num_gpu_blocks_override, "prefix_cache": s.engine.enable_prefix_caching,
                    "attention": choose(s.engine.attention, ctx.device), "attention_setting": s.engine.attention,
                    "shared_prefix": s.shared_prefix, "comm_timing": s.engine.comm_timing, "pp": s.pp,
+                   "cp": getattr(s, "cp", 1),
                    "pp_boundary": s.pp_boundary, "chunk_pipelining": s.engine.chunk_pipelining,
                    "moe_parallel": s.moe_parallel if m.family in ("mixtral", "deepseek_v3") else None, "sampling": s.sampling},
         "notes": list(s.notes),
@@ -412,7 +415,9 @@ def build_report(s, ctx, result, checks: list[dict] | None) -> dict:
                      "ratio_to_dense": result.kv_bytes_per_token_per_rank / dense_per_token,
                      "peak_bytes_per_rank": result.kv_peak_bytes_per_rank,
                      # what the cache tensors held against the formula (no request admitted: nothing held)
-                     "matches_formula": result.kv_bytes_per_token_per_rank in (0, kv["per_rank"])},
+                     "matches_formula": result.kv_bytes_per_token_per_rank in (0, kv["per_rank"]),
+                     # context parallelism: a pool slot holds one position, and each cp rank 1/cp of every request's
+                     "bytes_per_request_token_per_rank": result.kv_bytes_per_token_per_rank / getattr(s, "cp", 1)},
         "ledger_matches_model": result.ledger_matches_model,
         "check": {"ok": None if checks is None else all(c["ok"] for c in checks),
                   "verdicts": None if checks is None else {v: sum(c["verdict"] == v for c in checks)

@@ -54,6 +54,7 @@ class Settings(LaunchSettings):
     eos_from: str | None = None  # eos_id=auto: where the id(s) came from (printed beside them)
     pp: int = 1  # pipeline stages (serve/pipeline.py): pp stages of world / pp TP ranks
     pp_boundary: str = "whole"  # whole | scatter: what each TP rank sends across a stage boundary
+    cp: int = 1  # context parallelism: cp x tp ranks, the KV cache split by token over the cp ranks
 
     @property
     def eos_id(self) -> int | list[int] | None:
@@ -70,16 +71,25 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     """Every check that needs no communication. Raises ConfigError; identical on every rank."""
     layout, streaming, pd_timeout_s, decode_block_size = parse_pd(cfg, world_size)
     pp, pp_boundary = parse_pp(cfg, world_size, layout)
+    cp = integer(cfg, "cp") if "cp" in cfg else 1
+    if cp < 1 or world_size % cp:
+        raise ConfigError(f"cp={cp} must be a positive divisor of the world size {world_size} (world = cp x tp)")
+    if cp > 1 and (pp > 1 or layout is not None):
+        raise ConfigError(f"cp={cp} with {'pp' if pp > 1 else 'pd'} is not built: serve context parallelism alone")
     tp_sizes = None if layout is None else {"pd.prefill_ranks": layout.prefill_ranks // layout.prefill_pp,
                                             "pd.decode_ranks": layout.decode_ranks}
     if pp > 1:
         tp_sizes = {"tp": world_size // pp}
+    if cp > 1:
+        tp_sizes = {"tp": world_size // cp}
     common = common_settings(cfg, world_size, local_world_size, lm=True, tp_sizes=tp_sizes, dense=None)
     if layout is not None and common["backend"] == "gloo" and common["device"] == "cuda":
         raise ConfigError("pd with backend gloo needs device=cpu: gloo's point-to-point messages take CPU tensors "
                           "(on GPUs use backend=nccl)")
     model = common["model"]
     variant, vocab_parallel = str(cfg.variant), boolean(cfg, "vocab_parallel")
+    if cp > 1 and model.family not in ("gpt2", "llama"):
+        raise ConfigError(f"cp={cp}: {model.family} models are not built for context parallelism (GPT-2 and Llama are)")
     moe_parallel = parse_moe_parallel(cfg, model, world_size, layout)
     if model.family != "gpt2" and (variant != "v2" or not vocab_parallel):
         raise ConfigError(f"{model.family} models are served with variant=v2 and vocab_parallel=true (the engine "
@@ -93,6 +103,9 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
         check_pipeline(model, world_size, pp, variant, vocab_parallel)
         engine = EngineConfig(**{f.name: cfg[f.name] for f in LAUNCHER_ENGINE})
         engine.check_pipeline(pp)
+        if engine.block_size % cp:
+            raise ValueError(f"block_size={engine.block_size} must be a multiple of cp={cp} (each cp rank keeps "
+                             f"block_size/cp positions of every block)")
     except ValueError as exc:
         where = f"pd.prefill_pp={layout.prefill_pp}: " if layout is not None and layout.prefill_pp > 1 and \
             "stages" in str(exc) else ""
@@ -117,7 +130,8 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     return Settings(**common, requests=requests, engine=engine, eos_token_ids=eos_token_ids, eos_from=eos_from,
                     variant=variant, vocab_parallel=vocab_parallel, check=check, pd=layout, streaming=streaming,
                     pd_timeout_s=pd_timeout_s, decode_block_size=decode_block_size, shared_prefix=shared_prefix,
-                    notes=tuple(notes), moe_parallel=moe_parallel, sampling=sampling, pp=pp, pp_boundary=pp_boundary)
+                    notes=tuple(notes), moe_parallel=moe_parallel, sampling=sampling, pp=pp, pp_boundary=pp_boundary,
+                    cp=cp)
 
 
 def parse_pp(cfg: DictConfig, world_size: int, pd: Layout | None) -> tuple[int, str]:

@@ -34,6 +34,21 @@ import torch.distributed as dist
 
 from tp.ledger import TransferRecord, active
 
+def new_cp_groups(world: int, cp: int) -> tuple[list[dist.ProcessGroup], list[dist.ProcessGroup]]:
+    """(the tp groups by cp index, the cp groups by TP index) of a world of cp × tp ranks, global rank c·tp + t: each
+    TP group tp consecutive ranks. Every rank creates every group, in the same order (new_group requires it)."""
+    tp = world // cp
+    tp_groups = [dist.new_group(list(range(c * tp, (c + 1) * tp))) for c in range(cp)]
+    cp_groups = [dist.new_group(list(range(t, world, tp))) for t in range(tp)]
+    return tp_groups, cp_groups
+
+
+def rank_groups(world: int, cp: int, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's (tp group, cp group)."""
+    tp_groups, cp_groups = new_cp_groups(world, cp)
+    return tp_groups[rank // (world // cp)], cp_groups[rank % (world // cp)]
+
+
 # ---- the one merge ------------------------------------------------------------------------------------------------
 
 
@@ -207,3 +222,85 @@ class SplitKVDecode:
         every = gather_rows_from_region(packed, self.group, "attn/cp merge").view(cp, *packed.shape)  # ★ [cp·T, h, d+1]
         merged, _ = merge([part[..., :-1] for part in every], [part[..., -1] for part in every])
         return merged.to(q.dtype).reshape(q.shape[1], -1)
+
+
+# ---- serving: the paged cache split over the cp group ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SplitSeq:
+    """One request's attention on this cp rank: its rows [start, end) at positions q_start.., the pool slots of the
+    keys it holds (positions t < kv_length with t % cp == its cp rank) and those positions."""
+
+    start: int
+    end: int
+    key_slots: torch.Tensor
+    key_positions: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SplitMeta:
+    owned_rows: torch.Tensor  # the iteration's rows whose K,V this rank keeps
+    owned_slots: torch.Tensor  # and where
+    seqs: tuple[SplitSeq, ...]
+
+
+class SplitCacheBackend:
+    """Attention over a paged pool split over the cp group (serve/: `context_parallel_size`): block b of a request
+    holds its positions [b·B, (b+1)·B) (B = block_size, the scheduler's), and cp rank c keeps those with t % cp == c,
+    position t at local slot blocks[t // B]·(B/cp) + (t % B) // cp of its pool of B/cp slots per block: the scheduler,
+    its block tables and prefix caching are the plain ones, and each rank's pool is 1/cp of the request's K,V. Every
+    rank computes every row's queries and new K,V (the layers outside attention run alike on the cp ranks); it writes
+    the rows it owns, attends each request's queries over the keys it holds (partial_attention, one call per request
+    on its own lengths, as the cpu backend), and ★ one all-gather of (o, lse) [cp·T, h, d + 1] over the cp group
+    merges the parts (`merge`)."""
+
+    name = "split"
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group, self.cp, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+
+    def local_slot(self, blocks, t: int, block_size: int) -> int:
+        return blocks[t // block_size] * (block_size // self.cp) + (t % block_size) // self.cp
+
+    def build(self, chunks, spans, block_size, slots, put):
+        cp, me = self.cp, self.rank
+        rows, owned = [], []
+        for c, (s, e) in zip(chunks, spans):
+            for i, t in enumerate(range(c.q_start, c.q_end)):
+                if t % cp == me:
+                    rows.append(s + i)
+                    owned.append(self.local_slot(c.blocks, t, block_size))
+        put(rows)
+        put(owned)
+        for c in chunks:
+            held = list(range(me, c.kv_length, cp))
+            put([self.local_slot(c.blocks, t, block_size) for t in held])
+            put(held)
+
+        def finish(parts):
+            owned_rows, owned_slots = next(parts), next(parts)
+            seqs = tuple(SplitSeq(s, e, next(parts), next(parts)) for s, e in spans)
+            return SplitMeta(owned_rows, owned_slots, seqs)
+
+        return finish
+
+    def forward(self, q, kv, pool, batch, *, scale=None, v_dim=None, skip_fresh=False):
+        """q [h, T, d], kv [2, h_kv, T, d] (every row's, computed alike on the cp ranks); pool [2, slots, h_kv, d], this
+        rank's. Returns [T, h·d]."""
+        from tp.comm import gather_rows_from_region
+
+        meta: SplitMeta = batch.meta
+        pool.index_copy_(1, meta.owned_slots, kv.index_select(2, meta.owned_rows).transpose(1, 2))  # its own rows
+        outs, lses = [], []
+        for seq in meta.seqs:
+            keys, values = pool.index_select(1, seq.key_slots).transpose(1, 2)  # [h_kv, held, d]
+            o, lse = partial_attention(q[:, seq.start:seq.end], keys, values, batch.positions[seq.start:seq.end],
+                                       seq.key_positions, scale)
+            outs.append(o)
+            lses.append(lse)
+        o, lse = torch.cat(outs, dim=1), torch.cat(lses, dim=1)  # [h, T, d], [h, T]
+        packed = torch.cat([o.to(lse.dtype), lse[..., None]], dim=-1).transpose(0, 1).contiguous()  # [T, h, d + 1]
+        every = gather_rows_from_region(packed, self.group, "attn/cp merge").view(self.cp, *packed.shape)  # ★
+        merged, _ = merge([part[..., :-1] for part in every], [part[..., -1] for part in every])
+        return merged.to(q.dtype).flatten(1)

@@ -43,11 +43,12 @@ def dense_model(model, checkpoint: Checkpoint | str | None, dtype: torch.dtype, 
 
 @torch.no_grad()
 def build_lm(weights, ctx: TPContext, *, pp: int = 1, variant: str = "v2", vocab_parallel: bool = True,
-             moe_parallel: str = "tp", pp_boundary: str = "whole"):
-    """This rank's model: with pp = 1 its TP shard over ctx.group (shard_lm); with pp > 1 its stage's (the world is
-    pp stages of world / pp TP ranks: layers/pipeline.py; every rank builds the stage groups, in the same order)."""
+             moe_parallel: str = "tp", pp_boundary: str = "whole", group: dist.ProcessGroup | None = None):
+    """This rank's model: with pp = 1 its TP shard over `group` (default ctx.group; context parallelism's tp group)
+    (shard_lm); with pp > 1 its stage's (the world is pp stages of world / pp TP ranks: layers/pipeline.py; every rank
+    builds the stage groups, in the same order)."""
     if pp == 1:
-        return shard_lm(weights, variant, ctx.group, vocab_parallel, moe_parallel)
+        return shard_lm(weights, variant, ctx.group if group is None else group, vocab_parallel, moe_parallel)
     from layers.pipeline import check_layout, new_pp_groups, shard_pp_lm
 
     layout = check_layout(ctx.world_size, pp, weights.cfg.n_layers, variant)
@@ -63,9 +64,10 @@ def own_group(ctx: TPContext) -> dist.ProcessGroup:
 
 
 def new_engine(lm, ctx: TPContext, config: EngineConfig | None = None, eos_token_ids: tuple[int, ...] = (),
-               seed: int = 0, hooks: list[StepHook] | None = None, draft_lm=None) -> LLMEngine:
-    """An LLMEngine for a TP model (with speculative decoding's draft model, whole on this rank, if given); for a
-    pipeline stage's model (layers/pipeline.py's PPLM, ctx the world's), the PipelineEngine."""
+               seed: int = 0, hooks: list[StepHook] | None = None, draft_lm=None, cp_group=None) -> LLMEngine:
+    """An LLMEngine for a TP model (with speculative decoding's draft model, whole on this rank, if given; with
+    context parallelism's cp group, lm being this rank's TP shard over its tp group); for a pipeline stage's model
+    (layers/pipeline.py's PPLM, ctx the world's), the PipelineEngine."""
     if hasattr(lm, "forward_stage"):
         return PipelineEngine(lm, ctx, config, eos_token_ids, seed, hooks)
-    return LLMEngine(lm, ctx, config, eos_token_ids, seed, hooks, draft_lm)
+    return LLMEngine(lm, ctx, config, eos_token_ids, seed, hooks, draft_lm, cp_group)

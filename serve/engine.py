@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from layers.lm import TPLM, TPLlamaLM
 from layers.rejection_sampler import verify
@@ -85,7 +86,7 @@ class LLMEngine:
 
     def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, config: EngineConfig | None = None,
                  eos_token_ids: tuple[int, ...] = (), seed: int = 0, hooks: list[StepHook] | None = None,
-                 draft_lm=None):
+                 draft_lm=None, cp_group=None):
         """hooks: run around every step; default LedgerCheck when config.check_ledger (an OracleCheck adds the dense
         oracle: LLM(check=True)). draft_lm: speculative decoding's draft model, whole on this rank (serve/draft.py),
         when config.speculative_config's method is draft_model."""
@@ -96,7 +97,14 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_blocks = c.pool_blocks(lm.cfg.max_seq_len)
         self.scheduler = Scheduler(c, BlockManager(self.num_blocks, c.block_size, c.enable_prefix_caching))
-        self.runner = ModelRunner(lm, ctx, self.num_blocks, c.block_size, c.attention)
+        self.cp = 1 if cp_group is None else dist.get_world_size(cp_group)  # context parallelism: ctx is cp × tp ranks
+        if self.cp > 1 and c.block_size % self.cp:
+            raise ValueError(f"block_size={c.block_size} must be a multiple of context_parallel_size={self.cp} (each "
+                             f"cp rank keeps block_size/cp positions of every block)")
+        if self.cp > 1 and c.speculative_config is not None:
+            raise ValueError("speculative decoding with context parallelism is not built: drop speculative_config or "
+                             "serve with context_parallel_size=1")
+        self.runner = ModelRunner(lm, ctx, self.num_blocks, c.block_size, c.attention, cp_group)
         drafting = c.speculative_config is not None and c.speculative_config.method == "draft_model"
         if drafting != (draft_lm is not None):
             raise ValueError("speculative_config method='draft_model' and draft_lm go together: give both or neither")
@@ -274,8 +282,9 @@ class LLMEngine:
         predicted = predict_control(p, step.payload, CONTROL_HEADER)
         if plan is not None:
             verified = 0 if step.verify is None else step.verify[0]
-            predicted += predict_iteration(self.lm.cfg, p, plan.rows, len(plan.sample_rows) - verified, self.dtype,
-                                           self.lm.variant, self.lm.vocab_parallel, FINGERPRINT_SIZE, step.sampler)
+            predicted += predict_iteration(self.lm.cfg, p // self.cp, plan.rows, len(plan.sample_rows) - verified,
+                                           self.dtype, self.lm.variant, self.lm.vocab_parallel, FINGERPRINT_SIZE,
+                                           step.sampler, self.cp)
             if step.verify is not None:
                 predicted += predict_verify(p, *step.verify, self.lm.cfg.vocab_size, self.dtype)
         return seen, predicted

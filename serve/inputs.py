@@ -39,10 +39,11 @@ def slots_of(c: ScheduledRequest, start: int, end: int, block_size: int) -> list
 
 
 def prepare_step(plan: SchedulerOutput, tokens: dict[int, list[int]], block_size: int, device,
-                 attention: str) -> StepInputs:
-    """tokens: request id -> its tokens (prompt + generated). attention: a backend's name, or auto (by device).
+                 attention) -> StepInputs:
+    """tokens: request id -> its tokens (prompt + generated). attention: a backend's name, or auto (by device), or a
+    backend itself (context parallelism's SplitCacheBackend, which holds its group).
     Returns the iteration's tensors on `device`."""
-    chosen = backend(attention, device)
+    chosen = attention if hasattr(attention, "build") else backend(attention, device)  # a name, or a backend
     flat: list[int] = []
     sizes: list[int] = []
 

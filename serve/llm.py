@@ -82,12 +82,16 @@ def load_tokenizer(source: str | None):
 
 class LLM:
     def __init__(self, model: str, tensor_parallel_size: int = 1, dtype="auto", seed: int = 0, *,
-                 pipeline_parallel_size: int = 1, tokenizer: str | None = None, backend: str = "auto",
+                 pipeline_parallel_size: int = 1, context_parallel_size: int = 1, tokenizer: str | None = None,
+                 backend: str = "auto",
                  device: str = "auto", moe_parallel: str = "tp", timeout_s: float = DEFAULT_TIMEOUT_S,
                  check: bool = False, **engine_settings):
         """model: a save_pretrained directory (GPT-2, Llama, Mixtral; sharded or not) or a preset (conf/model/).
         pipeline_parallel_size: pp stages of tensor_parallel_size ranks each (pp · tp ranks; layers/pipeline.py's
         split of the layers, serve/pipeline.py's engine with up to pp micro-batches in flight).
+        context_parallel_size: cp ranks per TP rank (cp · tp ranks) holding the same heads and each 1/cp of every
+        request's K,V (layers/context_parallel.py's split cache: token t on cp rank t % cp, one log-sum-exp merge
+        per layer); GPT-2 and Llama, pp = 1, block_size a multiple of cp.
         check: every finished request against the dense model recomputed without a cache (RequestOutput.oracle;
         rank 0 holds the dense model too). dtype: "auto" (the checkpoint's torch_dtype; float32 for presets), a name
         or a torch.dtype; `LLM.dtype` says which ran, as a name. engine_settings: EngineConfig's fields (vLLM's
@@ -103,6 +107,9 @@ class LLM:
         pp = pipeline_parallel_size
         if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
             raise ValueError(f"pipeline_parallel_size={pp!r} must be a positive integer")
+        cp = context_parallel_size
+        if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+            raise ValueError(f"context_parallel_size={cp!r} must be a positive integer")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
             raise ValueError(f"seed={seed!r} must be an integer in [0, 2**32)")
         if not isinstance(check, bool):
@@ -112,12 +119,22 @@ class LLM:
         self.config = EngineConfig.from_kwargs(**engine_settings)
         self.config.check_pipeline(pp)
         spec_config = self.config.speculative_config
+        if cp > 1:
+            why = ("pipeline_parallel_size > 1" if pp > 1 else "speculative decoding" if spec_config is not None
+                   else f"block_size={self.config.block_size}, not a multiple of {cp}" if self.config.block_size % cp
+                   else None)
+            if why:
+                raise ValueError(f"context_parallel_size={cp} with {why} is not built (each cp rank keeps "
+                                 f"block_size/cp positions of every block; pp = 1, no speculation)")
         try:
-            backend = resolve_backend(backend, p * pp)
+            backend = resolve_backend(backend, p * pp * cp)
             device = resolve_device(device, backend)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
         self.model_config, checkpoint = resolve_model(model, p, moe_parallel)
+        if cp > 1 and self.model_config.family not in ("gpt2", "llama"):
+            raise ValueError(f"context_parallel_size={cp}: {self.model_config.family} models are not built for "
+                             f"context parallelism (GPT-2 and Llama are)")
         draft = None
         if spec_config is not None and spec_config.method == "draft_model":  # whole on every rank: checked at p = 1
             from serve.spec_decode import check_draft
@@ -146,16 +163,16 @@ class LLM:
         from layers.hf import checkpoint_eos
 
         self.eos_token_ids = checkpoint_eos(checkpoint, self.model_config.vocab_size)
-        self.tensor_parallel_size, self.pipeline_parallel_size = p, pp
+        self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size = p, pp, cp
         self.num_blocks = self.config.pool_blocks(self.model_config.max_seq_len)
         spec = RankSpec(self.model_config, checkpoint, self.dtype, seed, backend, device, moe_parallel, self.config,
-                        self.eos_token_ids, float(timeout_s), check, pp, draft)
+                        self.eos_token_ids, float(timeout_s), check, pp=pp, draft=draft, cp=cp)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._stopped: set[str] = set()  # ended by a stop string here: the engine's later output is dropped
         self._count = 0
         self.last_stats: dict | None = None  # rank 0's stats() after the last step()
         self._prefix = f"generate-{secrets.token_hex(4)}-"  # generate()'s request ids: no clash with the caller's
-        self.executor = MultiprocExecutor(spec, p * pp)
+        self.executor = MultiprocExecutor(spec, p * pp * cp)
         self.backend, self.device = self.executor.info["backend"], self.executor.info["device"]
 
     def shutdown(self) -> None:

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from layers.attention_backends import choose
+from layers.context_parallel import SplitCacheBackend
 from layers.lm import TPLM, TPLlamaLM
 from layers.rejection_sampler import filtered_logprobs, rejection_sample
 from layers.sampler import SampleResult, SamplingBatch
@@ -28,20 +29,31 @@ from tp.dist import TPContext
 
 
 class ModelRunner:
-    def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, num_blocks: int, block_size: int, attention: str):
+    def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, num_blocks: int, block_size: int, attention: str,
+                 cp_group=None):
+        """cp_group: context parallelism's group (layers/context_parallel.SplitCacheBackend): this rank keeps 1/cp of
+        every block's positions, block_size/cp slots per block."""
         self.lm, self.ctx, self.block_size = lm, ctx, block_size
         self.attention = choose(attention, ctx.device)  # the backend's name: auto resolved for this rank's device
         self.dtype = next(lm.parameters()).dtype
-        cfg = lm.cfg
+        self.split = None if cp_group is None else SplitCacheBackend(cp_group)
+        if self.split is not None:
+            self.attention = self.split.name
+        slots = block_size // (1 if self.split is None else self.split.cp)
         # K,V heads this rank caches: h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention); the layers of a
         # pipeline stage's model are its own (cfg.n_layers is the stage's)
-        self.cache = KVPool.for_model(lm, num_blocks, block_size, self.dtype, ctx.device)
+        self.cache = KVPool.for_model(lm, num_blocks, slots, self.dtype, ctx.device)
+
+    @property
+    def backend(self):
+        """What prepare_step attends with: the backend's name, or the split cache's backend (it holds its group)."""
+        return self.attention if self.split is None else self.split
 
     def prepare(self, plan: SchedulerOutput, requests: dict[int, Request]) -> Prepared:
         """The iteration's tensors (one host-to-device copy) and its sampling batch. requests: id -> Request (its
         tokens so far, its sampling parameters)."""
         step = prepare_step(plan, {c.request: requests[c.request].tokens + list(c.spec) for c in plan.scheduled},
-                            self.block_size, self.ctx.device, self.attention)
+                            self.block_size, self.ctx.device, self.backend)
         return Prepared(step, sampling_batch(plan.scheduled, requests, self.ctx.device))
 
     @torch.no_grad()
@@ -61,7 +73,7 @@ class ModelRunner:
         `accepted`: the row's proposal taken), the plain rows' sampling batch, and what the verifier moved
         (rows, rounds, normalisers: tp/traffic_model.predict_verify)."""
         step = prepare_step(plan, {c.request: requests[c.request].tokens + list(c.spec) for c in plan.scheduled},
-                            self.block_size, self.ctx.device, self.attention)
+                            self.block_size, self.ctx.device, self.backend)
         lm, dev = self.lm, self.ctx.device
         x = lm.stack.forward_cached(lm.embed_rows(step.ids, step.positions), self.cache.layers(step.batch))
         verified = [bool(c.spec) for c in plan.scheduled if c.sample for _ in range(len(c.spec) + 1)]

@@ -81,8 +81,8 @@ class OfflineEngine:
 
     def __init__(self, lm, ctx: TPContext, config: EngineConfig | None = None, *,
                  eos_token_ids: tuple[int, ...] = (), hooks: StepHook | list[StepHook] | None = None, seed: int = 0,
-                 on_iteration=None):
-        self.lm, self.ctx = lm, ctx
+                 on_iteration=None, cp_group=None):
+        self.lm, self.ctx, self.cp_group = lm, ctx, cp_group
         self.config = dataclasses.replace(config or EngineConfig(), check_ledger=False)
         self.eos_token_ids = tuple(eos_token_ids)
         self.on_iteration = on_iteration
@@ -109,7 +109,7 @@ class OfflineEngine:
         result = ServeResult(num_blocks=config.num_gpu_blocks_override, block_size=config.block_size)
         recorder = Recorder(result, self.on_iteration)
         engine = self.engine = new_engine(self.lm, self.ctx, config, self.eos_token_ids, self.seed,
-                                          [recorder, *self.hooks])
+                                          [recorder, *self.hooks], cp_group=self.cp_group)
         self.cache = engine.runner.cache
         result.kv_pool_bytes_per_rank = self.cache.bytes
         agree(self.ctx, digest([settings_row(config, self.eos_token_ids)] + request_rows(requests)),

@@ -43,6 +43,7 @@ class RankSpec:
     timeout_s: float
     check: bool = False  # rank 0 checks every finished request against the dense oracle
     pp: int = 1  # pipeline stages (layers/pipeline.py): the world is pp stages of world / pp TP ranks
+    cp: int = 1  # context parallelism (layers/context_parallel.py): the world is cp × tp ranks, the KV cache split
     draft: tuple | None = None  # speculative decoding's draft model: (its config, its checkpoint or None)
 
 
@@ -102,7 +103,12 @@ def build_engine(ctx, spec: RankSpec):
 
     dtype = parse_dtype(spec.dtype)
     weights, dense = rank_weights(spec.model, spec.checkpoint, dtype, ctx.device, spec.seed)
-    lm = build_lm(weights, ctx, pp=spec.pp, moe_parallel=spec.moe_parallel)
+    tp_group, cp_group = None, None
+    if spec.cp > 1:  # every rank makes every group, in the same order
+        from layers.context_parallel import rank_groups
+
+        tp_group, cp_group = rank_groups(ctx.world_size, spec.cp, ctx.rank)
+    lm = build_lm(weights, ctx, pp=spec.pp, moe_parallel=spec.moe_parallel, group=tp_group)
     hooks = [LedgerCheck()] if spec.engine.check_ledger else []
     if spec.check and ctx.is_main:  # the dense model, on rank 0 only: random weights as made, a checkpoint read whole
         hooks.append(OracleCheck(dense_model(spec.model, spec.checkpoint, dtype, ctx.device, dense), NEAR_TIE[dtype]))
@@ -114,7 +120,7 @@ def build_engine(ctx, spec: RankSpec):
 
         draft_weights, _ = rank_weights(*spec.draft, dtype, ctx.device, spec.seed)
         draft_lm = shard_lm(draft_weights, "v2", own_group(ctx))
-    return new_engine(lm, ctx, spec.engine, spec.eos_token_ids, spec.seed, hooks, draft_lm)
+    return new_engine(lm, ctx, spec.engine, spec.eos_token_ids, spec.seed, hooks, draft_lm, cp_group)
 
 
 def _serve(rank: int, world_size: int, store: str, spec: RankSpec, conn) -> None:

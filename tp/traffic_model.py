@@ -125,14 +125,29 @@ def bytes_per_rank_per_layer(cfg: ModelConfig, p: int, n: int, dtype: torch.dtyp
 
 
 def predict_iteration(cfg: ModelConfig, p: int, rows: int, sampled: int, dtype: torch.dtype, variant: str,
-                      vocab_parallel: bool, plan_check: int, sampler: tuple[tuple[int, ...], bool, bool] | None = None
-                      ) -> list[Traffic]:
+                      vocab_parallel: bool, plan_check: int, sampler: tuple[tuple[int, ...], bool, bool] | None = None,
+                      cp: int = 1) -> list[Traffic]:
     """Every collective of one serving iteration, in issue order. plan_check: fingerprint elements per rank.
     sampler: None for a greedy head (one all-gather of (max, argmax) pairs); else (rounds, normalisers, race) of
     layers/sampler.py: the candidates each rank gave per round, whether the normalisers were all-reduced, and
-    whether any row raced over the slices (rows whose kept ids are all candidates need no more communication)."""
-    if p == 1:
+    whether any row raced over the slices (rows whose kept ids are all candidates need no more communication).
+    cp > 1: the world is cp × p (context parallelism, layers/context_parallel.SplitCacheBackend): the plan check goes
+    over all cp·p ranks, and every layer first merges its attention over the cp group, an all-gather of
+    [cp·rows, h/p, d_head + 1] in float32 at least."""
+    if p == 1 and cp == 1:
         return []
+    if cp > 1:
+        merge = [Traffic.of(layer=i, sublayer="attn", site="cp merge", phase="forward", kind="all_gather",
+                            shape=(cp * rows, cfg.n_heads // p, cfg.d_head + 1),
+                            dtype=torch.promote_types(dtype, torch.float32), p=cp) for i in range(cfg.n_layers)]
+        out = [Traffic.of(layer=None, sublayer="engine", site="plan check", phase="forward", kind="all_gather",
+                          shape=(1, plan_check * p * cp), dtype=torch.float64, p=p * cp)] if plan_check else []
+        inner = predict_iteration(cfg, p, rows, sampled, dtype, variant, vocab_parallel, 0, sampler)
+        layered = {i: [t for t in inner if t.layer == i] for i in range(cfg.n_layers)}
+        out += [t for t in inner if t.layer is None and t.sublayer == "embed"]
+        for i in range(cfg.n_layers):
+            out += [merge[i]] + layered[i]
+        return out + [t for t in inner if t.layer is None and t.sublayer != "embed"]
 
     def extra(sublayer, site, kind, shape, dt):
         return Traffic.of(layer=None, sublayer=sublayer, site=site, phase="forward", kind=kind, shape=shape,
