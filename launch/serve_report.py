@@ -158,8 +158,8 @@ def render(r: dict) -> str:
         + (f"; formula {kv.get('formula', '2·L·max(h_kv/p, 1)·d_head·e')} = {kv['formula_bytes_per_token_per_rank']}"
            + (" with L the stage's layers" if r.get("pp") else "")
            if "formula_bytes_per_token_per_rank" in kv else "")
-        + (f"; each K,V head on {r['world_size'] * kv['kv_heads_per_rank'] // kv['n_kv_heads']} ranks"
-           if kv.get("n_kv_heads") and r["world_size"] > kv["n_kv_heads"] else "") + "); "
+        + (f"; each K,V head on {r.get('tp', r['world_size']) * kv['kv_heads_per_rank'] // kv['n_kv_heads']} ranks"
+           if kv.get("n_kv_heads") and r.get("tp", r["world_size"]) > kv["n_kv_heads"] else "") + "); "
         f"peak {kib(kv['peak_bytes_per_rank'])} KiB; token embedding "
         f"{'= LM head' if r.get('lm_head_tied', True) else 'and the (untied) LM head'}: "
         f"{kib(r['embedding_bytes_per_rank'])} KiB per rank{'' if r.get('lm_head_tied', True) else ' each'} "

@@ -123,15 +123,93 @@ def test_run_block_with_cp_end_to_end(tmp_path):
         assert r["sent"] == 4 * 2 * r["rows"] * 1 * 32 * 8
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["cp=3"], "cp=3 must be a positive divisor of the world size 2"),
-    (["cp=2", "pp=2"], "pp=2 with cp=2 is not built"),
-    (["cp=2", "n_tokens=3"], "give at least 4 tokens"),
-    (["cp=2", "model=mixtral_tiny"], "mixtral blocks are not built for context parallelism"),
-    (["cp=2", "variants=[v1]"], "cp=2 runs variant v2"),
+@pytest.mark.parametrize("overrides,script,message", [
+    (["cp=3"], "run_block.py", "cp=3 must be a positive divisor of the world size 2"),
+    (["cp=2", "pp=2"], "run_block.py", "pp=2 with cp=2 is not built"),
+    (["cp=2", "n_tokens=3"], "run_block.py", "give at least 4 tokens"),
+    (["cp=2", "model=mixtral_tiny"], "run_block.py", "mixtral blocks are not built for context parallelism"),
+    (["cp=2", "variants=[v1]"], "run_block.py", "cp=2 runs variant v2"),
+    (["cp=2", "block_size=3"], "serve.py", "block_size=3 must be a multiple of cp=2"),
+    (["cp=2", "model=deepseek_tiny"], "serve.py", "deepseek_v3 models are not built for context parallelism"),
+    (["cp=2", "pp=2"], "serve.py", "cp=2 with pp is not built"),
 ])
-def test_bad_cp_settings_fail_in_one_line(overrides, message):
+def test_bad_cp_settings_fail_in_one_line(overrides, script, message):
     from tests.launching import settings_phase
 
-    proc = settings_phase(overrides, world=2, script="run_block.py")
+    proc = settings_phase(overrides, world=2, script=script)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+# ---- serving over a split cache ------------------------------------------------------------------------------------
+
+
+def _serve_cp(ctx, family, cp, block_size, pool_blocks, attention="auto"):
+    from layers.config import ModelConfig
+    from layers.context_parallel import rank_groups
+    from layers.dense import init_weights
+    from layers.llama import LlamaConfig
+    from layers.lm import dense_lm, greedy_reference, shard_lm
+    from serve.config import EngineConfig
+    from serve.offline import OfflineEngine
+    from serve.request import Request
+
+    cfg = (LlamaConfig(d_model=64, n_heads=8, n_kv_heads=2, d_head=8, d_ffn=96, n_layers=2, vocab_size=100,
+                       max_seq_len=128) if family == "llama" else
+           ModelConfig(d_model=64, n_heads=8, d_head=8, d_ffn=256, n_layers=2, vocab_size=100, max_seq_len=128))
+    tp_group, cp_group = rank_groups(ctx.world_size, cp, ctx.rank)
+    dense = init_weights(dense_lm(cfg, torch.float64), 0)
+    lm = shard_lm(dense, "v2", tp_group)
+    gen = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, 100, (12,), generator=gen).tolist()  # a prefix the later requests share
+    prompts = [shared + torch.randint(0, 100, (n,), generator=gen).tolist() for n in (1, 5, 10, 3)]
+    prompts[0] = prompts[0][:7]  # 7 and 13..22 tokens: none a multiple of 2·cp everywhere
+    want = [greedy_reference(dense, p, 6) for p in prompts]
+    config = EngineConfig(long_prefill_token_threshold=5, max_num_batched_tokens=16, max_num_seqs=16,
+                          block_size=block_size, num_gpu_blocks_override=pool_blocks, attention=attention)
+    res = OfflineEngine(lm, ctx, config, cp_group=cp_group).run([Request(i, p, 6, 2 * i) for i, p in
+                                                                  enumerate(prompts)])
+    same = all(r["output_ids"] == w.ids and all(abs(a - b) <= 1e-12 * max(1.0, abs(b))
+                                               for a, b in zip(r["logits"], w.logits))
+               for r, w in zip(res.requests, want))
+    slots = res.num_blocks * block_size // cp  # this rank's pool: block_size/cp positions of every block
+    per_slot = 2 * cfg.n_layers * max(cfg.n_kv_heads // dist_size(tp_group), 1) * cfg.d_head * 8
+    return same, res.ledger_matches_model, res.kv_pool_bytes_per_rank == slots * per_slot, res.prefix_hit_tokens, \
+        res.preemptions
+
+
+def dist_size(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
+@pytest.mark.parametrize("family,cp,tp,block_size,pool", [("gpt2", 2, 1, 4, None), ("llama", 2, 2, 4, 9),
+                                                          ("llama", 3, 1, 6, None), ("gpt2", 4, 1, 8, 7),
+                                                          ("gpt2", 2, 2, 4, None)])
+def test_serving_over_a_split_cache_equals_the_dense_recompute(family, cp, tp, block_size, pool):
+    """Requests arriving over time, chunked prefill (5 tokens), prefix hits on a shared 12-token prefix and, with a
+    small pool, preemption: greedy tokens and their logits (1e-12) equal the cache-free dense recompute; every step's
+    collectives (the cp merges among them) equal the model's; each rank's pool is block_size/cp slots per block."""
+    same, ledger_ok, pool_ok, hits, preemptions = run_ranks(cp * tp, _serve_cp, family, cp, block_size, pool)[0]
+    assert same and ledger_ok and pool_ok
+    assert hits > 0
+    if pool is not None:
+        assert preemptions > 0
+
+
+def test_llm_with_context_parallel_size_against_the_oracle():
+    """LLM(context_parallel_size=2) at tp = 2: every finished request checked against the dense model (greedy and
+    sampled), the last step's ledger equal to the model; what is not built refused in one line."""
+    from serve import LLM, SamplingParams
+
+    with LLM("llama_tiny", tensor_parallel_size=2, context_parallel_size=2, dtype="float64", check=True,
+             block_size=8) as llm:
+        outs = llm.generate([[1, 2, 3, 4, 5] * 5, [7, 8, 9]], SamplingParams(max_tokens=8))
+        outs += llm.generate([[3, 1, 4, 1, 5, 9, 2, 6]], SamplingParams(max_tokens=8, temperature=0.8, seed=1))
+        assert [o.oracle["verdict"] for o in outs] == ["match"] * 3
+        assert llm.stats()["last_iteration"]["ledger_matches_model"]
+    for kw, message in ((dict(block_size=6), "block_size=6, not a multiple of 4"),
+                        (dict(pipeline_parallel_size=2), "with pipeline_parallel_size > 1 is not built"),
+                        (dict(model="mixtral_tiny"), "mixtral models are not built for context parallelism")):
+        with pytest.raises(ValueError, match=message):
+            LLM(**{"model": "llama_tiny", "context_parallel_size": 4, **kw})
