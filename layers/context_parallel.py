@@ -70,14 +70,44 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
                       scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [h, Tq, d] at positions q_pos [Tq]; k, v [h_kv, Tk, d] at k_pos [Tk]; query head j reads K,V head j // (h/h_kv);
     key visible iff k_pos <= q_pos. Returns (o [h, Tq, d] in q's dtype, lse [h, Tq] in float32 at least; −∞ where a
-    query sees no key here)."""
+    query sees no key here). On a CPU, PyTorch's fused flash kernel (which returns the log-sum-exp); elsewhere the
+    readable form below (scores materialized)."""
+    visible = k_pos[None, :] <= q_pos[:, None]  # [Tq, Tk]
+    if q.device.type == "cpu":
+        return attend_part(q, k, v, None if bool(visible.all()) else visible, scale)
+    return materialized_attention(q, k, v, visible, scale)
+
+
+def attend_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible, scale: float | None = None):
+    """(o, lse) of q [h, Tq, d] over k, v [h_kv, Tk, d] through the CPU's fused flash kernel: visible a [Tq, Tk]
+    boolean mask, "causal" (a square block on the diagonal) or None (every key)."""
+    h, h_kv = q.shape[0], k.shape[0]
+    if not (q.shape[1] and k.shape[1]):  # nothing to attend (the kernel divides by the lengths): an empty part
+        acc = torch.promote_types(q.dtype, torch.float32)
+        return q.new_zeros(h, q.shape[1], v.shape[2]), torch.full((h, q.shape[1]), -math.inf, dtype=acc,
+                                                                  device=q.device)
+    if h != h_kv:  # the kernel takes as many K,V heads as query heads
+        k, v = k.repeat_interleave(h // h_kv, dim=0), v.repeat_interleave(h // h_kv, dim=0)
+    causal = isinstance(visible, str)
+    mask = None if causal or visible is None else \
+        torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, -math.inf)
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[None], k[None], v[None], 0.0, causal,
+                                                                         attn_mask=mask, scale=scale)
+    lse = lse[0].to(torch.promote_types(q.dtype, torch.float32))
+    if mask is not None:  # a query that sees no key here: the kernel gives 0 and lse 0; the merge needs −∞
+        lse = lse.masked_fill(~visible.any(-1)[None, :], -math.inf)
+    return o[0], lse
+
+
+def materialized_attention(q, k, v, visible: torch.Tensor, scale: float | None = None):
+    """The readable form of partial_attention (and its off-CPU path): scores [h, Tq, Tk] in float32 at least,
+    masked, log-sum-exp, probabilities, values."""
     h, Tq, d = q.shape
     h_kv = k.shape[0]
     acc = torch.promote_types(q.dtype, torch.float32)
     scale = d ** -0.5 if scale is None else scale
     qg = q.to(acc).view(h_kv, h // h_kv, Tq, d)
     scores = torch.einsum("kgqd,ktd->kgqt", qg, k.to(acc)).reshape(h, Tq, -1) * scale
-    visible = k_pos[None, :] <= q_pos[:, None]  # [Tq, Tk]
     scores = scores.masked_fill(~visible, -math.inf)
     lse = torch.logsumexp(scores, dim=-1)  # [h, Tq]
     probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
@@ -147,22 +177,43 @@ class RingPrefill:
         ranks = dist.get_process_group_ranks(self.group)
         nxt, prev = ranks[(rank + 1) % cp], ranks[(rank - 1) % cp]
         self.kept.append(kv.detach())
+        n = sum(len(p) for p in self.positions)
+        zigzag = q.device.type == "cpu" and self.positions == [zigzag_positions(n, cp, r) for r in range(cp)]
+        bounds = chunk_bounds(n, cp)
         q_pos = self.local_positions
-        block, outs, lses = kv.contiguous(), [], []
+        block, outs, lses = kv.contiguous(), [[], []], [[], []]
         for step in range(cp):
             owner = (rank - step) % cp  # whose rows `block` holds
             pending = None
             if step < cp - 1:  # ★ pass-KV: this block on to the next rank while it is attended here
                 incoming = kv.new_empty(2, kv.shape[1], len(self.positions[(owner - 1) % cp]), kv.shape[3])
                 pending = self._exchange(block, incoming, nxt, prev, step)
-            k_pos = torch.tensor(self.positions[owner], device=self.device)
-            o, lse = partial_attention(q, block[0], block[1], q_pos, k_pos, self.scale)
-            outs.append(o)
-            lses.append(lse)
+            if zigzag:  # by chunk pairs: a later chunk is skipped, the same chunk causal, an earlier one whole
+                for qi, (qc, q_rows) in enumerate(self._chunks(rank, bounds)):
+                    for kc, k_rows in self._chunks(owner, bounds):
+                        if kc > qc:
+                            continue
+                        o, lse = attend_part(q[:, q_rows], block[0][:, k_rows], block[1][:, k_rows],
+                                             "causal" if kc == qc else None, self.scale)
+                        outs[qi].append(o)
+                        lses[qi].append(lse)
+            else:
+                k_pos = torch.tensor(self.positions[owner], device=self.device)
+                o, lse = partial_attention(q, block[0], block[1], q_pos, k_pos, self.scale)
+                outs[0].append(o)
+                lses[0].append(lse)
             if pending is not None:
                 block = self._finish(pending)
-        o, _ = merge(outs, lses)
+        parts = [merge(o, lse)[0] for o, lse in zip(outs, lses) if o]
+        o = torch.cat(parts, dim=1) if zigzag else parts[0]
         return o.transpose(0, 1).reshape(q.shape[1], -1)
+
+    @staticmethod
+    def _chunks(rank: int, bounds: list[tuple[int, int]]) -> list[tuple[int, slice]]:
+        """A rank's two zigzag chunks: (chunk index, its rows in that rank's block)."""
+        first, second = rank, len(bounds) - 1 - rank
+        a = bounds[first][1] - bounds[first][0]
+        return [(first, slice(0, a)), (second, slice(a, a + bounds[second][1] - bounds[second][0]))]
 
     def _exchange(self, block, incoming, nxt, prev, step):
         ledger, start = active(), time.perf_counter()

@@ -1,0 +1,155 @@
+"""Context parallelism on this machine: one long prompt's prefill by ring attention, and a decode over a split cache.
+
+    .venv/bin/torchrun --nproc_per_node=4 benchmarks/bench_cp.py [--prompts 4096 8192] [--context 16384]
+
+One launch of 4 ranks; for cp = 1, 2, 4 the first cp ranks form the group (tp = 1) and the others wait. A Llama stack
+of llama_tiny's attention (8 query heads, 2 K,V heads of 32, d = 256) and 2 layers, float32.
+
+    prefill   one prompt of 4k and 8k tokens: cp = 1 is the plain block (SDPA, causal); cp > 1 ring attention over
+              zigzag chunks (layers/context_parallel.RingPrefill); time on the group's first rank, median of repeats;
+              the pass-KV bytes each rank sent per layer (the ledger) beside (cp − 1)·2·(S/cp)·h_kv·d·e
+    decode    one new token against a 16k-position cache: cp = 1 attends over all of it (SDPA), cp > 1 each rank
+              over its 1/cp of it (SplitKVDecode) and one all-gather merges; time per token, median of repeats
+
+This machine has 2 cores: at cp = 4 four ranks share them, so the ratios bound what the split buys from below, and
+the attention here is the readable partial_attention (scores materialized per block pair), not a fused kernel. What
+a GPU would show (each rank its own device, the transfer overlapping the block's attention) is not measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.distributed as dist
+
+from layers.context_parallel import RingPrefill, SplitKVDecode, zigzag_positions
+from layers.dense import DenseStack, init_weights
+from layers.llama import LlamaConfig
+from layers.shard import DenseSource, load_plan
+from layers.tp_block import tp_stack
+from tp.dist import init_from_env, shutdown
+from tp.ledger import TrafficLedger
+from tp.traffic_model import pass_kv_bytes_per_rank_per_layer
+
+CFG = LlamaConfig(d_model=256, n_heads=8, n_kv_heads=2, d_head=32, d_ffn=688, n_layers=2, max_seq_len=32768,
+                  vocab_size=1000)
+
+
+def median_s(fn, repeats: int, group) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="outputs/bench_cp.json")
+    args = ap.parse_args(argv)
+    ctx = init_from_env()
+    rank, world = ctx.rank, ctx.world_size
+    dense = init_weights(DenseStack(CFG, torch.float32), 0)
+    sizes = [cp for cp in (1, 2, 4) if cp <= world]
+    groups = {cp: dist.new_group(list(range(cp))) for cp in sizes}  # every rank, the same order
+    alone = _self_group(rank, world)  # tp = 1: each rank's TP group is itself
+    rows = {"prefill": [], "decode": []}
+    with torch.no_grad():
+        for cp in sizes:
+            group = groups[cp]
+            inside = rank < cp
+            stack = None
+            if inside:
+                stack = tp_stack(CFG, "v2", alone, torch.float32, None)
+                load_plan(stack, stack.plan(), DenseSource(dense))
+            for n in args.prompts:
+                if inside:
+                    x = torch.randn(n, CFG.d_model, generator=torch.Generator().manual_seed(1))
+                    positions = [zigzag_positions(n, cp, r) for r in range(cp)]
+
+                    def prefill():
+                        if cp == 1:
+                            return stack(x, None)
+                        ring = RingPrefill(group, positions)
+                        h = x[positions[rank]]
+                        for block in stack.blocks:
+                            h = block(h, ring)
+                        return h
+
+                    t = median_s(prefill, args.repeats, group)
+                    ledger = TrafficLedger(cp)
+                    with ledger.attach(stack):
+                        prefill()
+                    sent = sum(m.bytes for m in ledger.transfers if m.kind == "send") / CFG.n_layers
+                    rows["prefill"].append({"cp": cp, "tokens": n, "rank": rank, "time_s": t,
+                                            "pass_kv_sent_per_layer": sent,
+                                            "formula": pass_kv_bytes_per_rank_per_layer(CFG, cp, 1, n, 4)})
+                dist.barrier()
+            if inside:
+                n = args.context
+                held = list(range(rank, n, cp))
+                gen = torch.Generator().manual_seed(2)
+                caches = [torch.randn(2, CFG.n_kv_heads, len(held), CFG.d_head, generator=gen)
+                          for _ in range(CFG.n_layers)]
+                x = torch.randn(1, CFG.d_model, generator=gen)
+
+                def decode():
+                    split = SplitKVDecode(group, list(caches), list(held), [n])
+                    h = x
+                    for block in stack.blocks:
+                        h = block(h, split)
+                    return h
+
+                rows["decode"].append({"cp": cp, "context": n, "rank": rank,
+                                       "time_s": median_s(decode, max(args.repeats, 5), group),
+                                       "cached_per_rank": len(held)})
+            dist.barrier()
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, rows)
+    if rank == 0:
+        prefill = [r for g in gathered for r in g["prefill"] if r["rank"] == 0]
+        decode = [r for g in gathered for r in g["decode"] if r["rank"] == 0]
+        base = {r["tokens"]: r["time_s"] for r in prefill if r["cp"] == 1}
+        print(f"prefill, one prompt, {CFG.n_layers} layers of d={CFG.d_model}, h={CFG.n_heads}, h_kv={CFG.n_kv_heads}, "
+              f"float32 ({world} ranks on this machine's cores):")
+        for r in prefill:
+            print(f"  {r['tokens']:>6} tokens cp={r['cp']}: time / cp=1 {r['time_s'] / base[r['tokens']]:.2f}; "
+                  f"pass-KV sent per rank per layer {r['pass_kv_sent_per_layer'] / 1024:.0f} KiB "
+                  f"(formula {r['formula'] / 1024:.0f} KiB)")
+        one = next(r["time_s"] for r in decode if r["cp"] == 1)
+        for r in decode:
+            print(f"  decode at {r['context']} positions cp={r['cp']}: {r['cached_per_rank']} cached per rank, "
+                  f"time / cp=1 {r['time_s'] / one:.2f}")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"prefill": prefill, "decode": decode, "model": CFG.asdict()}, indent=1))
+    shutdown()
+    return 0
+
+
+_SELF: dict = {}
+
+
+def _self_group(rank: int, world: int):
+    """A group of this rank alone, every rank creating every one in the same order (once): tp = 1 inside a cp group."""
+    if not _SELF:
+        _SELF.update({r: dist.new_group([r]) for r in range(world)})
+    return _SELF[rank]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
