@@ -212,6 +212,22 @@ def kv_bytes_per_token_per_rank(n_layers: int, n_kv_heads: int, d_head: int, p: 
     return kv_bytes_per_token(n_layers, kv_heads_per_rank(n_kv_heads, p), d_head, elem_bytes)
 
 
+def pass_kv_bytes(seq: int, cp: int, kv_heads: int, d_head: int, elem_bytes: int) -> float:
+    """Ring attention's pass-KV, per rank per layer: its S/cp rows' K and V sent cp − 1 times,
+    (cp − 1)·2·(S/cp)·h_kv·d·e (layers/context_parallel.RingPrefill; tp/traffic_model.predict_cp counts it exactly)."""
+    return (cp - 1) * 2 * (seq / cp) * kv_heads * d_head * elem_bytes
+
+
+def causal_attention_flops(seq: int, heads: int, d_head: int) -> float:
+    """QKᵀ and PV of one causal layer over S positions: 2 matmuls × 2 FLOPs × S²/2 pairs × h × d."""
+    return 2 * seq * seq * heads * d_head
+
+
+# Llama-3-405B's attention (Meta's "Context Parallelism for Scalable Million-Token Inference": 1M-token prefill in
+# 77 s on 128 H100s, 16 nodes of TP 8): 126 layers, 128 query heads, 8 K,V heads of 128.
+LLAMA3_405B_ATTN = dict(n_layers=126, n_heads=128, n_kv_heads=8, d_head=128)
+
+
 # DeepSeek-V3's attention dims as the comm-model document gives them.
 DEEPSEEK_V3 = dict(d=7168, n_layers=61, n_heads=128, d_head=128, d_latent_kv=512, d_latent_q=1536, d_rope=64,
                    top_k=8, n_routed_experts=256, n_shared_experts=1)
