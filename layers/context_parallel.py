@@ -19,7 +19,7 @@ Inside a cp rank the block is the TP block it always was (head-aligned TP over t
 the cp ranks of one TP slot hold the same heads, different tokens. Both uses are `requests` objects that
 layers/attention.attention dispatches to, as it does to the paged cache (PagedLayer).
 
-Bytes per rank per layer (tp/traffic_model.predict_ring, predict_cp_decode): pass-KV (cp − 1)·2·(S/cp)·h_kv·d·e (each
+Bytes per rank per layer (tp/traffic_model.predict_cp, predict_iteration): pass-KV (cp − 1)·2·(S/cp)·h_kv·d·e (each
 rank's own rows, so exactly the rows it holds); the decode merge an all-gather of [T, h, d + 1] in float32 at least.
 """
 

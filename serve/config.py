@@ -98,6 +98,15 @@ class EngineConfig:
         if pp > 1 and self.speculative_config is not None:
             raise ValueError("speculative_config with pipeline stages (pp > 1) is not built yet: use pp = 1")
 
+    def check_context_parallel(self, cp: int) -> None:
+        """The rule between these settings and context parallelism's size (layers/context_parallel.SplitCacheBackend)."""
+        if cp > 1 and self.block_size % cp:
+            raise ValueError(f"block_size={self.block_size} must be a multiple of context_parallel_size={cp} (each "
+                             f"cp rank keeps block_size/cp positions of every block)")
+        if cp > 1 and self.speculative_config is not None:
+            raise ValueError("speculative decoding with context parallelism is not built: drop speculative_config or "
+                             "serve with context_parallel_size=1")
+
     def pool_blocks(self, max_seq_len: int, capacities: list[int] | None = None) -> int:
         """Blocks in each rank's pool: num_gpu_blocks_override, else the engine sizes it so that nothing is ever
         preempted: for a workload known up front (capacities: each request's largest number of cached positions,

@@ -32,7 +32,6 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from layers.lm import TPLM, TPLlamaLM
 from layers.rejection_sampler import verify
@@ -97,13 +96,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_blocks = c.pool_blocks(lm.cfg.max_seq_len)
         self.scheduler = Scheduler(c, BlockManager(self.num_blocks, c.block_size, c.enable_prefix_caching))
-        self.cp = 1 if cp_group is None else dist.get_world_size(cp_group)  # context parallelism: ctx is cp × tp ranks
-        if self.cp > 1 and c.block_size % self.cp:
-            raise ValueError(f"block_size={c.block_size} must be a multiple of context_parallel_size={self.cp} (each "
-                             f"cp rank keeps block_size/cp positions of every block)")
-        if self.cp > 1 and c.speculative_config is not None:
-            raise ValueError("speculative decoding with context parallelism is not built: drop speculative_config or "
-                             "serve with context_parallel_size=1")
+        self.cp = 1 if cp_group is None else cp_group.size()  # context parallelism: ctx is cp × tp ranks
+        c.check_context_parallel(self.cp)
         self.runner = ModelRunner(lm, ctx, self.num_blocks, c.block_size, c.attention, cp_group)
         drafting = c.speculative_config is not None and c.speculative_config.method == "draft_model"
         if drafting != (draft_lm is not None):

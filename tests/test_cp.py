@@ -26,7 +26,7 @@ def full_attention(q, k, v, q_pos, k_pos, scale):
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(keys=st.integers(1, 40), parts=st.integers(1, 6), seed=st.integers(0, 2**31 - 1), gqa=st.sampled_from([1, 2]))
 def test_merging_any_partition_of_the_keys_is_the_whole_attention(keys, parts, seed, gqa):
     """Keys cut into `parts` random parts (empty ones included), each attended alone and merged: the same output and
@@ -89,7 +89,7 @@ def _cp_check(ctx, family, cp, n, new):
 
 
 @pytest.mark.parametrize("family,cp,tp", [("gpt2", 2, 1), ("llama", 2, 2), ("llama", 3, 1), ("gpt2", 3, 2),
-                                          ("llama", 4, 1), ("gpt2", 4, 2)])
+                                          ("llama", 4, 1)])
 def test_ring_prefill_and_split_cache_decode_equal_the_single_device_stack(family, cp, tp):
     """A prompt of 23 tokens (not a multiple of 2·cp) by ring attention, then 3 decodes over the split cache: every
     layer's output for every position within 1e-12 of the dense stack; every rank's all-reduces, merge all-gathers
