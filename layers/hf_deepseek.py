@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 
+from layers import hf_llama
 from layers.hf_gpt2 import load_named
 from layers.mla import DeepseekConfig, DenseDeepseekBlock
 from tp.dist import ConfigError
@@ -94,12 +95,8 @@ def config_from_hf(hf: dict) -> DeepseekConfig:
 
 
 def block_prefix(state) -> str:
-    """'layers.' (DeepseekV3Model) or 'model.layers.' (DeepseekV3ForCausalLM)."""
-    for key in state:
-        m = re.match(r"^(.*?)layers\.0\.input_layernorm\.weight$", key)
-        if m:
-            return m.group(1) + "layers."
-    raise KeyError("no DeepSeek layers found (expected keys like 'model.layers.0.input_layernorm.weight')")
+    """'layers.' (DeepseekV3Model) or 'model.layers.' (DeepseekV3ForCausalLM): Llama's layout (layers/hf_llama.py)."""
+    return hf_llama.block_prefix(state)
 
 
 def _legacy(state, prefix: str, i: int) -> bool:
