@@ -302,7 +302,7 @@ DRAFTS = {  # the draft's logits: q differs from p; q's support disjoint from p'
     "q = 0 where p > 0": torch.tensor([NEG, 0.5, 0.0, NEG, NEG, NEG, NEG, NEG], dtype=torch.float64),
     "self": ZP,
 }
-SPEC_DRAWS = 50_000
+SPEC_DRAWS = 25_000
 
 
 def _slice(ctx, z: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
@@ -367,7 +367,7 @@ def target(T, top_k, top_p) -> torch.Tensor:
                                                  ("q = 0 where p > 0", 1.0, 5, 0.9)])
 def test_the_rejection_sampler_draws_the_targets_distribution(draft, T, top_k, top_p):
     """Fixed logits over 8 ids at p = 2, a draft q that differs from p in each way that matters, top-k and top-p on
-    the target (and the draft): the first two tokens of 50,000 seeded requests are independent draws of the target's
+    the target (and the draft): the first two tokens of 25,000 seeded requests are independent draws of the target's
     filtered softmax (chi-square below LIMIT). Power, on the first case: accepting with probability p(x) (q ignored),
     or drawing the residual from p instead of max(0, p − q), exceeds the limit already over 10,000 draws."""
     q = target(T, top_k, top_p)
