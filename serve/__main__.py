@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True, help="a save_pretrained directory, or a preset (conf/model/*.yaml)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (pp x tp ranks)")
+    ap.add_argument("--context-parallel-size", type=int, default=1,
+                    help="cp ranks per TP rank (cp x tp ranks), each keeping 1/cp of every request's K,V")
     ap.add_argument("--prompt", help="the prompt text (the model's tokenizer encodes it)")
     ap.add_argument("--prompt-ids", help="the prompt as comma-separated token ids, for models without a tokenizer")
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size,
                  pipeline_parallel_size=args.pipeline_parallel_size, dtype=args.dtype, seed=args.seed,
-                 **dataclasses.asdict(config)) as llm:
+                 context_parallel_size=args.context_parallel_size, **dataclasses.asdict(config)) as llm:
             ready = time.perf_counter()
             out = llm.generate([prompt] if isinstance(prompt, str) else [prompt], params)[0]
             done = time.perf_counter()

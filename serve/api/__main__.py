@@ -26,6 +26,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", required=True, help="a save_pretrained directory with tokenizer files")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (pp x tp ranks)")
+    ap.add_argument("--context-parallel-size", type=int, default=1,
+                    help="cp ranks per TP rank (cp x tp ranks), each keeping 1/cp of every request's K,V")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000, help="0: a free port (printed when ready)")
     ap.add_argument("--served-model-name", help="the name requests give as `model` (default: --model as given)")
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size,
                   pipeline_parallel_size=args.pipeline_parallel_size, dtype=dtype, seed=args.seed,
+                  context_parallel_size=args.context_parallel_size,
                   tokenizer=args.tokenizer, device=args.device, moe_parallel=args.moe_parallel,
                   **dataclasses.asdict(config))
     except ValueError as exc:
