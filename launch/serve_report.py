@@ -369,7 +369,7 @@ def kv_formula(m, n_layers: int, p: int, dtype: torch.dtype) -> dict:
 
 def build_report(s, ctx, result, checks: list[dict] | None) -> dict:
     m = s.model
-    p = ctx.world_size // s.pp // getattr(s, "cp", 1)  # the TP group's size (a pipeline stage's; cp: world / cp)
+    p = ctx.world_size // s.pp // s.cp  # the TP group's size (a pipeline stage's; cp: world / cp)
     n_layers = len(stage_layers(m.n_layers, s.pp)[ctx.rank // (ctx.world_size // s.pp)])  # this rank's stage's
     kv = kv_formula(m, n_layers, p, s.dtype)
     dense_per_token = kv["dense"]
@@ -393,7 +393,7 @@ def build_report(s, ctx, result, checks: list[dict] | None) -> dict:
                    "block_size": s.engine.block_size, "kv_blocks": s.engine.num_gpu_blocks_override, "prefix_cache": s.engine.enable_prefix_caching,
                    "attention": choose(s.engine.attention, ctx.device), "attention_setting": s.engine.attention,
                    "shared_prefix": s.shared_prefix, "comm_timing": s.engine.comm_timing, "pp": s.pp,
-                   "cp": getattr(s, "cp", 1),
+                   "cp": s.cp,
                    "pp_boundary": s.pp_boundary, "chunk_pipelining": s.engine.chunk_pipelining,
                    "moe_parallel": s.moe_parallel if m.family in ("mixtral", "deepseek_v3") else None, "sampling": s.sampling},
         "notes": list(s.notes),
@@ -417,7 +417,7 @@ def build_report(s, ctx, result, checks: list[dict] | None) -> dict:
                      # what the cache tensors held against the formula (no request admitted: nothing held)
                      "matches_formula": result.kv_bytes_per_token_per_rank in (0, kv["per_rank"]),
                      # context parallelism: a pool slot holds one position, and each cp rank 1/cp of every request's
-                     "bytes_per_request_token_per_rank": result.kv_bytes_per_token_per_rank / getattr(s, "cp", 1)},
+                     "bytes_per_request_token_per_rank": result.kv_bytes_per_token_per_rank / s.cp},
         "ledger_matches_model": result.ledger_matches_model,
         "check": {"ok": None if checks is None else all(c["ok"] for c in checks),
                   "verdicts": None if checks is None else {v: sum(c["verdict"] == v for c in checks)
