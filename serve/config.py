@@ -20,6 +20,8 @@
     chunk_pipelining              pipeline stages (pp > 1): a prompt's next chunk may enter the pipeline while its
                                   previous chunk is still in flight (off: a request is in one micro-batch in flight
                                   at most, vLLM V1's rule)
+    max_model_len                 vLLM's: a request's prompt + output tokens at most (None: the model's context; no
+                                  more than it); the online pool is sized for max_num_seqs requests this long
     speculative_config            speculative decoding (serve/spec_decode.py): None (off), or vLLM's dict
                                   {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": a,
                                   "prompt_lookup_max": b}, kept as a SpeculativeConfig
@@ -59,13 +61,14 @@ class EngineConfig:
     check_ledger: bool = True
     reserve_capacity: bool = False
     chunk_pipelining: bool = False
+    max_model_len: int | None = None
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
-        for name in COUNTS + ("num_gpu_blocks_override",):
+        for name in COUNTS + ("num_gpu_blocks_override", "max_model_len"):
             v = getattr(self, name)
-            if name == "num_gpu_blocks_override" and v is None:
+            if name in ("num_gpu_blocks_override", "max_model_len") and v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an integer of at least 1")
@@ -107,16 +110,22 @@ class EngineConfig:
             raise ValueError("speculative decoding with context parallelism is not built: drop speculative_config or "
                              "serve with context_parallel_size=1")
 
+    def check_model_len(self, max_seq_len: int) -> None:
+        """max_model_len against the model's context (max_seq_len positions)."""
+        if self.max_model_len is not None and self.max_model_len > max_seq_len:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the {max_seq_len} positions the model has "
+                             f"(its context); leave it unset or lower it")
+
     def pool_blocks(self, max_seq_len: int, capacities: list[int] | None = None) -> int:
         """Blocks in each rank's pool: num_gpu_blocks_override, else the engine sizes it so that nothing is ever
         preempted: for a workload known up front (capacities: each request's largest number of cached positions,
         serve/offline.py), every request at its largest at once; online, max_num_seqs requests at the full
-        context."""
+        context (max_model_len where it is set)."""
         if self.num_gpu_blocks_override is not None:
             return self.num_gpu_blocks_override
         if capacities is not None:
             return max(1, sum(ceil_div(n, self.block_size) for n in capacities))
-        return self.max_num_seqs * ceil_div(max_seq_len, self.block_size)
+        return self.max_num_seqs * ceil_div(min(max_seq_len, self.max_model_len or max_seq_len), self.block_size)
 
 
 def fits_alone(positions: int, num_blocks: int, block_size: int) -> str | None:
@@ -132,7 +141,7 @@ def fits_alone(positions: int, num_blocks: int, block_size: int) -> str | None:
 # The engine's settings as command-line flags (python -m serve, python -m serve.api): vLLM's flag names.
 FLAGS = {"--" + name.replace("_", "-"): name for name in
          ("block_size", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
-          "num_gpu_blocks_override", "enable_prefix_caching", "attention", "speculative_config")}
+          "num_gpu_blocks_override", "max_model_len", "enable_prefix_caching", "attention", "speculative_config")}
 
 
 def add_engine_flags(parser) -> None:
@@ -156,8 +165,10 @@ def add_engine_flags(parser) -> None:
         else:
             aliases = ["--num-gpu-blocks"] if name == "num_gpu_blocks_override" else []
             group.add_argument(flag, *aliases, dest=name, type=int, default=default, metavar="N",
-                               help=f"{name} (default: "
-                                    f"{'max-num-seqs requests at the full context' if default is None else default})")
+                               help=f"{name} (default: " + (
+                                   "the model's context" if name == "max_model_len" else
+                                   "max-num-seqs requests at the full context" if default is None else f"{default}")
+                                   + ")")
 
 
 def _json_object(text: str) -> dict:
@@ -179,7 +190,11 @@ def engine_from_flags(args) -> "EngineConfig":
     try:
         return EngineConfig(**values)
     except ValueError as exc:
-        message = str(exc)
-        for flag, name in FLAGS.items():
-            message = message.replace(f"{name}=", f"{flag}=").replace(f"{name} ", f"{flag} ")
-        raise ValueError(message) from None
+        raise ValueError(flag_names(str(exc))) from None
+
+
+def flag_names(message: str) -> str:
+    """An engine setting's error as the command line says it: max_num_seqs=0 -> --max-num-seqs=0."""
+    for flag, name in FLAGS.items():
+        message = message.replace(f"{name}=", f"{flag}=").replace(f"{name} ", f"{flag} ")
+    return message

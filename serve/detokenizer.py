@@ -4,6 +4,8 @@ A byte-level BPE (GPT-2's, Llama's) can spread one character over several tokens
 and taking what is new can end in "\\ufffd" (half a character). So the text is decoded from a window that starts a
 few tokens back (prefix_offset) and only the part after what that window already gave (read_offset) is new,
 held back while it ends in "\\ufffd" (the method of vLLM and transformers' TextStreamer).
+
+And the other way, a conversation to prompt text (render_chat): `LLM.chat` and the server's chat completions.
 """
 
 from __future__ import annotations
@@ -57,3 +59,29 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.ids)
             if self.stop:
                 self._cut(before)
+
+
+PLAIN_TEMPLATE = "{role}: {content}\n"  # per message; then "assistant:" (for a tokenizer without a chat template)
+
+
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    """The prompt text of a conversation ([{"role": ..., "content": ...}, ...]; content a string or text parts):
+    the tokenizer's chat template with the generation prompt when it has one; otherwise each message as
+    "role: content" on its own line, then "assistant:". ValueError (one line) for a malformed message."""
+    plain = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}]={m!r}: a message is a dict with a 'role' and a 'content'")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                       for part in content):
+                raise ValueError(f"messages[{i}]: only text content parts ({{'type': 'text', 'text': ...}}) are "
+                                 f"supported")
+            content = "".join(part["text"] for part in content)
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(f"messages[{i}]: content must be a string or a list of text parts")
+        plain.append({"role": m["role"], "content": content or ""})
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    return "".join(PLAIN_TEMPLATE.format(**m) for m in plain) + "assistant:"

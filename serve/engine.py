@@ -92,8 +92,8 @@ class LLMEngine:
         self.lm, self.ctx, self.config = lm, ctx, config or EngineConfig()
         self.hooks = list(hooks) if hooks is not None else [LedgerCheck()] if self.config.check_ledger else []
         self.seed = seed  # a request without a seed samples with one drawn from this and its id
-        c = self.config
-        self.eos_token_ids = tuple(eos_token_ids)
+        c, self.eos_token_ids = self.config, tuple(eos_token_ids)
+        c.check_model_len(lm.cfg.max_seq_len)
         self.num_blocks = c.pool_blocks(lm.cfg.max_seq_len)
         self.scheduler = Scheduler(c, BlockManager(self.num_blocks, c.block_size, c.enable_prefix_caching))
         self.cp = 1 if cp_group is None else cp_group.size()  # context parallelism: ctx is cp × tp ranks
@@ -139,7 +139,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already running")
         m = self.lm.cfg
         validate_prompt(prompt_token_ids, params.max_tokens, m.vocab_size, m.max_seq_len, self.num_blocks,
-                        self.config.block_size)
+                        self.config.block_size, self.config.max_model_len)
         check_speculation(self.config.speculative_config, params.logprobs)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         seed = params.seed if params.seed is not None else request_seed(self.seed, self._next)

@@ -5,6 +5,11 @@ under a private directory and rank 0 connects back over an authenticated Unix so
 waits for its reply while watching every process: a rank that failed (its traceback in error-RANK.txt) or died makes
 the call raise RuntimeError within a second, naming the rank, and every rank is stopped. Ranks never outlive the
 driver: a finalizer stops them when the driver's object goes away, and a rank whose driver is gone exits.
+
+The ranks run in their own process group, so a terminal's Ctrl-C (SIGINT to the foreground group) reaches the
+driver alone: a server drains as on SIGTERM, and a script's KeyboardInterrupt, wherever the driver waits, stops
+every rank at once (killed: nothing they were doing is worth finishing, and they print nothing) and goes on up to
+the caller.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ class MultiprocExecutor:
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-c", "from serve.worker import main; main()",
                  "--rank", str(rank), "--world-size", str(world_size), "--dir", self.dir],
-                env=env if rank == 0 else {k: v for k, v in env.items() if k != AUTHKEY_ENV}, cwd=ROOT))
+                env=env if rank == 0 else {k: v for k, v in env.items() if k != AUTHKEY_ENV}, cwd=ROOT,
+                process_group=0))  # their own group: a terminal's SIGINT is the driver's alone
         self.conn = None
         self._link: dict = {}  # what the finalizer needs (not self: that would keep this object alive)
         self._finalizer = weakref.finalize(self, MultiprocExecutor._stop, self.procs, self._link, self.dir)
@@ -55,18 +61,27 @@ class MultiprocExecutor:
         accepting = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
         accepting.start()
         deadline = time.monotonic() + START_TIMEOUT_S
-        while accepting.is_alive():
-            accepting.join(0.05)
-            self.check("start", deadline)
-        listener.close()
+        try:
+            while accepting.is_alive():
+                accepting.join(0.05)
+                self.check("start", deadline)
+        except KeyboardInterrupt:
+            self.kill()
+            raise
+        finally:
+            listener.close()
         self.conn = self._link["conn"] = accepted[0]
         self.info = self.wait("start", deadline)[1]
+
+    def exited(self) -> list[tuple[int, int]]:
+        """(rank, exit code) of every rank process that has exited (any thread may ask: nothing is sent)."""
+        return [(r, proc.returncode) for r, proc in enumerate(self.procs) if proc.poll() is not None]
 
     def check(self, what: str, deadline: float | None = None) -> None:
         """RuntimeError (every rank stopped) if a rank has exited, or the deadline has passed."""
         if self.closed:
             raise RuntimeError("this LLM is shut down")
-        dead = [(r, proc.returncode) for r, proc in enumerate(self.procs) if proc.poll() is not None]
+        dead = self.exited()
         if dead or (deadline is not None and time.monotonic() > deadline):
             self._fail(what, dead)
 
@@ -83,18 +98,26 @@ class MultiprocExecutor:
     def poll(self, what: str, timeout: float) -> bool:
         """Whether rank 0 has sent something within timeout seconds; RuntimeError if a rank died meanwhile."""
         end = time.monotonic() + timeout
-        while not self.conn.poll(max(0.0, min(0.05, end - time.monotonic()))):
-            self.check(what)
-            if time.monotonic() >= end:
-                return False
+        try:
+            while not self.conn.poll(max(0.0, min(0.05, end - time.monotonic()))):
+                self.check(what)
+                if time.monotonic() >= end:
+                    return False
+        except KeyboardInterrupt:
+            self.kill()
+            raise
         return True
 
     def wait(self, what: str, deadline: float | None = None):
-        """Rank 0's next message (kind, value); its ValueError raised here; RuntimeError at once if a rank failed."""
-        while not self.conn.poll(0.05):
-            self.check(what, deadline)
+        """Rank 0's next message (kind, value); its ValueError raised here; RuntimeError at once if a rank failed.
+        KeyboardInterrupt while waiting: every rank is killed, and it goes on up."""
         try:
+            while not self.conn.poll(0.05):
+                self.check(what, deadline)
             kind, value = self.conn.recv()
+        except KeyboardInterrupt:
+            self.kill()
+            raise
         except (EOFError, OSError):  # rank 0 gone mid-message (a reset pipe is an OSError)
             self._fail(what, [(0, self.procs[0].poll())])
         if kind == "ValueError":
@@ -122,6 +145,17 @@ class MultiprocExecutor:
         if not self.closed:
             self.closed = True
             self._finalizer()
+
+    def kill(self) -> None:
+        """Stop every rank now, without asking rank 0 (the caller was interrupted mid-call: the pipe may hold a
+        half-read answer, and rank 0 may be mid-step)."""
+        conn = self._link.pop("conn", None)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        self.shutdown()
+        if conn is not None:
+            conn.close()
 
     @staticmethod
     def _stop(procs, link, directory) -> None:

@@ -11,6 +11,11 @@ decides). Rank 0 takes the driver's calls over a pipe and every rank runs the sa
 no process group and no model, only the tokenizer: text in (encoded here), text out (decoded here as tokens
 arrive, serve/detokenizer.py), stop strings matched on that text.
 
+Conversations: `llm.chat(messages, params)` renders them with the checkpoint's chat template (the server's plain
+template, "role: content" lines then "assistant:", where it has none). `llm.get_tokenizer()` is the tokenizer the
+driver encodes with; `max_model_len=N` caps prompt + output tokens per request (vLLM's meaning; at most the model's
+context, its default).
+
 Online use, vLLM's LLMEngine calls on the same object: `add_request(request_id, prompt, params)`, `step()` (a
 RequestOutput per request that moved), `abort_request(request_id)`, `has_unfinished_requests()`.
 
@@ -46,20 +51,26 @@ def resolve_model(model: str, p: int, moe_parallel: str):
 
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model={model!r} must be a save_pretrained directory or a preset name")
+    check_model_exists(model)
     path = Path(model)
     try:
         if path.is_dir():
             cfg, checkpoint = read_config(path), str(path)
-        elif (PRESETS / f"{model}.yaml").is_file():
-            cfg, checkpoint = _preset(str(model)), None
         else:
-            presets = sorted(f.stem for f in PRESETS.glob("*.yaml"))
-            raise ValueError(f"model={str(model)!r} is neither a directory nor a preset; presets: {', '.join(presets)}")
+            cfg, checkpoint = _preset(str(model)), None
         validate(cfg, p, moe_parallel)
     except ConfigError as exc:
         raise ValueError(f"tensor_parallel_size={p}: {exc}" if "divisible" in str(exc) or "split" in str(exc)
                          else str(exc)) from None
     return cfg, checkpoint
+
+
+def check_model_exists(model, what: str = "model=") -> None:
+    """ValueError (one line) unless model is a directory or a preset's name."""
+    if not Path(model).is_dir() and not (PRESETS / f"{model}.yaml").is_file():
+        presets = sorted(f.stem for f in PRESETS.glob("*.yaml"))
+        raise ValueError(f"{what}{str(model)!r}: no such directory or preset (presets: {', '.join(presets)}; "
+                         f"python -m serve.toy_model DIR writes a small text model)")
 
 
 def _preset(name: str):
@@ -132,6 +143,8 @@ class LLM:
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
         self.model_config, checkpoint = resolve_model(model, p, moe_parallel)
+        self.config.check_model_len(self.model_config.max_seq_len)
+        self.max_model_len = self.config.max_model_len or self.model_config.max_seq_len
         if cp > 1 and self.model_config.family not in ("gpt2", "llama"):
             raise ValueError(f"context_parallel_size={cp}: {self.model_config.family} models are not built for "
                              f"context parallelism (GPT-2 and Llama are)")
@@ -174,6 +187,10 @@ class LLM:
         self._prefix = f"generate-{secrets.token_hex(4)}-"  # generate()'s request ids: no clash with the caller's
         self.executor = MultiprocExecutor(spec, p * pp * cp)
         self.backend, self.device = self.executor.info["backend"], self.executor.info["device"]
+
+    def get_tokenizer(self):
+        """The tokenizer text is encoded and decoded with here (transformers'), None where the model has none."""
+        return self.tokenizer
 
     def shutdown(self) -> None:
         """Stop every rank (harmless when called again)."""
@@ -334,6 +351,29 @@ class LLM:
             bar.close()
         return [done[n] for n in names]
 
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """messages: one conversation ([{"role": "user", "content": "..."}, ...]) or a list of them. Each is rendered
+        with the checkpoint's chat template and the generation prompt (the plain "role: content" lines, then
+        "assistant:", where it has none; serve/detokenizer.render_chat), encoded without adding special tokens (the
+        template writes its own) and generated as generate() does: one RequestOutput per conversation, in order."""
+        from serve.detokenizer import render_chat
+
+        if self.tokenizer is None:
+            raise ValueError("chat() needs a tokenizer: this model has none (a preset, or a directory without "
+                             "tokenizer files); pass tokenizer=DIR")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            if not isinstance(conversation, (list, tuple)) or not conversation:
+                raise ValueError("each conversation must be a non-empty list of {'role', 'content'} dicts")
+            text = render_chat(self.tokenizer, list(conversation))
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": self.tokenizer(text, add_special_tokens=False)["input_ids"]})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def _encode(self, prompt) -> tuple[str | None, list[int]]:
         text = None
         if isinstance(prompt, dict):
@@ -362,7 +402,7 @@ class LLM:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={list(params.stop)}: stop strings need a tokenizer (this model has none)")
         validate_prompt(ids, params.max_tokens, self.model_config.vocab_size, self.model_config.max_seq_len,
-                        self.num_blocks, self.config.block_size)
+                        self.num_blocks, self.config.block_size, self.config.max_model_len)
 
 
 def _check_id(request_id) -> None:

@@ -9,12 +9,17 @@
 Every value is checked when the object is made (a one-line ValueError). The sampler (layers/sampler.py) applies
 temperature, then min_p, top_k and top_p (vLLM's order), then draws with noise that depends only on (seed, output
 position, token id). seed None: one drawn from the engine's seed and the request's id (a run is reproducible).
-logprobs=N: each step's chosen token and the top N, log softmax of the raw logits.
+logprobs=N: each step's chosen token and the top N, log softmax of the raw logits, as {token id: logprob} (plain
+floats: `step[t]` where vLLM's Logprob objects have `step[t].logprob`).
+
+vLLM's settings that are not built here are refused by name when they would change the output (n=2,
+presence_penalty=0.5, logit_bias={...}: a one-line ValueError); given at their defaults they are accepted and
+ignored, so code written for vLLM runs unchanged where it asks for nothing more. A name neither has: ValueError too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily (as vLLM)
@@ -71,3 +76,49 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+# vLLM's SamplingParams fields not built here, each with its default (accepted, and ignored) and what is built instead.
+NOT_BUILT = {
+    "n": (1, "one completion per request"),
+    "best_of": (None, "one completion per request"),
+    "presence_penalty": (0.0, "no penalties"),
+    "frequency_penalty": (0.0, "no penalties"),
+    "repetition_penalty": (1.0, "no penalties"),
+    "min_tokens": (0, "no minimum: a request may end at its first token"),
+    "logit_bias": (None, "no logit bias"),
+    "allowed_token_ids": (None, "no restriction of the vocabulary"),
+    "bad_words": (None, "no banned words"),
+    "prompt_logprobs": (None, "logprobs of generated tokens only"),
+    "include_stop_str_in_output": (False, "the text is cut before a stop string"),
+    "logits_processors": (None, "no logits processors"),
+    "truncate_prompt_tokens": (None, "prompts are never truncated"),
+    "guided_decoding": (None, "no structured output"),
+    "structured_outputs": (None, "no structured output"),
+    "detokenize": (True, "text is always decoded where there is a tokenizer"),
+    "skip_special_tokens": (True, "special tokens are skipped in the text"),
+    "spaces_between_special_tokens": (True, "the tokenizer's own decoding"),
+}
+
+
+def _refusing_init(init):
+    known = [f.name for f in fields(SamplingParams)]
+
+    def __init__(self, *args, **kwargs):
+        for name in list(kwargs):
+            if name in known:
+                continue
+            if name not in NOT_BUILT:
+                raise ValueError(f"SamplingParams has no setting {name!r}; known: {', '.join(known)}")
+            default, built = NOT_BUILT[name]
+            value = kwargs.pop(name)
+            if value != default and not (default is None and value in ([], {}, ())) \
+                    and not (name == "best_of" and value == 1):
+                raise ValueError(f"{name}={value!r} is not built here: {built}; leave it at its default {default!r}")
+        init(self, *args, **kwargs)
+
+    __init__.__doc__ = init.__doc__
+    return __init__
+
+
+SamplingParams.__init__ = _refusing_init(SamplingParams.__init__)

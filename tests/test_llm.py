@@ -328,7 +328,7 @@ def test_detokenizer_streams_whole_characters_and_cuts_at_stop_strings(tmp_path)
 def test_llm_refuses_bad_settings_without_starting_ranks(checkpoints, tmp_path):
     from serve import LLM
 
-    cases = [(dict(model="no_such_preset"), "neither a directory nor a preset"),
+    cases = [(dict(model="no_such_preset"), "no such directory or preset"),
              (dict(model=str(tmp_path)), "config.json"),
              (dict(model="llama_tiny", tensor_parallel_size=3), "tensor_parallel_size=3"),
              (dict(model="llama_tiny", tensor_parallel_size=0), "positive integer"),

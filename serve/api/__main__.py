@@ -18,6 +18,7 @@ import time
 
 from serve.config import add_engine_flags, engine_from_flags
 
+IMPORTED = time.perf_counter()
 FAILED_LINGER_S = 1.0  # after a rank failed: how long new requests still get their 503 before the server exits
 
 
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         sock.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    ranks_ready = time.perf_counter()
     name = args.served_model_name or args.model
     metrics = ServerMetrics()
     server: uvicorn.Server | None = None
@@ -106,9 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     engine = AsyncEngine(llm, queue_timeout_s=args.queue_timeout, iteration_log=args.iteration_log, metrics=metrics,
                          on_failure=failed)
     metrics.engine = engine
-    context = llm.model_config.max_seq_len
-    app = build_app(engine, model_name=name, tokenizer=llm.tokenizer, max_model_len=context,
-                    max_positions=min(context, llm.num_blocks * llm.config.block_size), metrics=metrics)
+    context = llm.model_config.max_seq_len  # positions one request may cache: prompt + output - 1 at most
+    limit = context if config.max_model_len is None else config.max_model_len - 1  # vLLM's: prompt + output
+    app = build_app(engine, model_name=name, tokenizer=llm.tokenizer, max_model_len=llm.max_model_len,
+                    max_positions=min(limit, llm.num_blocks * llm.config.block_size), metrics=metrics)
     grace = args.shutdown_timeout
 
     class Server(uvicorn.Server):
@@ -134,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     engine.start()
     host, port = sock.getsockname()[:2]
     print(f"serving {name} on http://{host}:{port}/v1 (tensor_parallel_size={args.tensor_parallel_size}, "
-          f"{llm.backend}, {llm.device}, dtype {dtype}; ready in {time.perf_counter() - start:.1f} s)", flush=True)
+          f"{llm.backend}, {llm.device}, dtype {dtype}; ready in {since_start():.1f} s, the ranks' start "
+          f"{ranks_ready - start:.1f} s of it)", flush=True)
     try:
         server.run(sockets=[sock])
     finally:
@@ -144,6 +148,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the engine failed: {engine.detail}", file=sys.stderr)
         return 1
     return 0
+
+
+def since_start() -> float:
+    """Seconds since this process started (Linux's /proc: the interpreter's own start-up and every import count),
+    else since this module was imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks after boot
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - started / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - IMPORTED
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -160,4 +176,9 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The ranks are stopped and the socket closed: leave without the interpreter's teardown of torch and
+    # transformers (about a second on a laptop), so an idle server exits within a fraction of one.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

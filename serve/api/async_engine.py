@@ -93,6 +93,12 @@ class AsyncEngine:
         self._accepting = False
         self._ops.put(("drain", time.monotonic() + grace_s))
 
+    def exited_rank(self) -> str | None:
+        """"rank R exited (code C)" for the first rank process that has exited, None while all run (a look at the
+        processes only: nothing is sent to them)."""
+        exited = self.llm.executor.exited() if not self.done.is_set() else []
+        return f"rank {exited[0][0]} exited (code {exited[0][1]})" if exited else None
+
     @property
     def accepting(self) -> bool:
         return self._accepting and self.failed is None

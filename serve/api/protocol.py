@@ -165,16 +165,12 @@ def parse(model: type[BaseModel], data) -> BaseModel:
 
 # ---- the chat template ----------------------------------------------------------------------------------------
 
-PLAIN_TEMPLATE = "{role}: {content}\n"  # per message; then "assistant:" (the tokenizer has no chat template)
-
-
 def render_chat(tokenizer, messages: list[ChatMessage]) -> str:
-    """The prompt text of a conversation: the tokenizer's chat template with the generation prompt when it has
-    one; otherwise each message as "role: content" on its own line, then "assistant:"."""
-    plain = [{"role": m.role, "content": m.text()} for m in messages]
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
-    return "".join(PLAIN_TEMPLATE.format(**m) for m in plain) + "assistant:"
+    """The prompt text of a conversation (serve/detokenizer.render_chat: the tokenizer's chat template, or the plain
+    one: "role: content" lines, then "assistant:")."""
+    from serve.detokenizer import render_chat as render
+
+    return render(tokenizer, [{"role": m.role, "content": m.text()} for m in messages])
 
 
 # ---- answers --------------------------------------------------------------------------------------------------
