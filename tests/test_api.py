@@ -26,7 +26,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve.api.async_engine import AsyncEngine
 from serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from serve.sampling_params import SamplingParams
-from tests.common import train_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,16 +41,12 @@ SAMPLED = dict(temperature=0.8, top_p=0.9, seed=7)
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    torch.manual_seed(1)
+    """python -m serve.toy_model's GPT-2 (random weights, a BPE trained on the bundled text): the server serves what
+    a new user makes offline."""
+    from serve.toy_model import write
+
     path = tmp_path_factory.mktemp("api") / "gpt2"
-    tok = train_tokenizer(path)
-    cfg = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=2, n_positions=512, vocab_size=len(tok),
-                                  eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
-    model = transformers.GPT2LMHeadModel(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(path)
+    write(path, "gpt2", "tiny", seed=1)
     return path
 
 
@@ -72,7 +67,7 @@ def reference(checkpoint, servers):
             "stop": (needle, llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, ignore_eos=True,
                                                                      stop=[needle]))[0].outputs[0], full),
             "sampled": llm.generate(PROMPTS[2], SamplingParams(max_tokens=12, ignore_eos=True, **SAMPLED))[0],
-            "chat": llm.generate([chat_ids], SamplingParams(max_tokens=8, ignore_eos=True))[0],
+            "chat": llm.chat(CHAT, SamplingParams(max_tokens=8, ignore_eos=True))[0],
             "live": llm.generate(LIVE, [SamplingParams(max_tokens=LIVE_TOKENS, temperature=1.0, seed=100 + i,
                                                        ignore_eos=True) for i in range(len(LIVE))]),
             "chat_ids": chat_ids,
@@ -88,7 +83,9 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "serve.api", "--model", str(checkpoint), "--tensor-parallel-size", "2",
              "--port", "0", "--dtype", "float64", "--served-model-name", MODEL, "--iteration-log", str(self.log),
-             *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+             *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+            process_group=0)  # its own group, as a terminal's foreground job: Ctrl-C is SIGINT to the group
+        self.started = time.monotonic()
         self.lines: list[str] = []
         self.url = None
 
@@ -103,6 +100,7 @@ class Server:
             assert time.monotonic() < deadline, "".join(self.lines)
         else:
             raise AssertionError(f"the server exited ({self.proc.wait()}): {''.join(self.lines)}")
+        self.printed = time.monotonic() - self.started  # "ready in X s" can say no more than this
         self.url = line.split(" on ", 1)[1].split()[0]  # http://127.0.0.1:PORT/v1
         self.ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
                                                      text=True).stdout.split()]
@@ -148,9 +146,10 @@ def gone(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def servers(checkpoint):
-    """Both servers of the module, started at once: the shared one (ended by the SIGTERM test) and the one whose
-    rank the last test kills."""
-    started = {"shared": Server(checkpoint, "--shutdown-timeout", "1"), "doomed": Server(checkpoint)}
+    """The module's servers, started at once: the shared one (ended by Ctrl-C during two streams), the one whose
+    rank a test kills, and one that only starts and stops."""
+    started = {"shared": Server(checkpoint, "--shutdown-timeout", "1"), "doomed": Server(checkpoint),
+               "idle": Server(checkpoint)}
     yield started
     for s in started.values():
         s.stop()
@@ -192,7 +191,8 @@ def test_the_openai_client_gets_what_generate_gives(server, reference):
                                       stream=True, extra_body={"ignore_eos": True}))
     assert "".join(p.choices[0].text for p in parts) == want.text == full[:full.index(needle)]
     assert parts[-1].choices[0].finish_reason == "stop" == want.finish_reason
-    # chat, whole and streamed: the plain template (this tokenizer has none)
+    # chat, whole and streamed, against LLM.chat: the plain template (this tokenizer has none), written out by hand
+    assert reference["chat"].prompt_token_ids == reference["chat_ids"]
     want = reference["chat"].outputs[0]
     full = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
                                      extra_body={"ignore_eos": True})
@@ -365,9 +365,10 @@ def test_an_idle_server_sleeps(server):
     assert used < 0.15, f"an idle server used {used:.0%} of a core"  # measured: about 2%
 
 
-def test_sigterm_finishes_or_aborts_in_flight_requests_and_leaves_nothing(server):
-    """Last on the shared server: in-flight streams get the grace period (1 s here), then end with "abort" and
-    [DONE]; the server exits 0 and its ranks are gone."""
+def test_ctrl_c_finishes_or_aborts_in_flight_requests_and_leaves_nothing(server):
+    """Last on the shared server: Ctrl-C in its terminal (SIGINT to its process group; the ranks are in their own,
+    so it reaches the server alone, which drains as on SIGTERM): in-flight streams get the grace period (1 s
+    here), then end with "abort" and [DONE]; the server exits 0 with no traceback and its ranks are gone."""
     results: dict = {}
     streaming = [threading.Event() for _ in range(2)]
 
@@ -387,7 +388,7 @@ def test_sigterm_finishes_or_aborts_in_flight_requests_and_leaves_nothing(server
         t.start()
     assert all(e.wait(30) for e in streaming)  # both in flight, their first tokens sent
     t0 = time.monotonic()
-    server.proc.send_signal(signal.SIGTERM)
+    os.killpg(server.proc.pid, signal.SIGINT)
     time.sleep(0.3)  # draining: still listening, new work refused with OpenAI's 503
     health = urllib.request.Request(server.url.removesuffix("/v1") + "/health")
     with pytest.raises(urllib.error.HTTPError) as refused:
@@ -399,6 +400,7 @@ def test_sigterm_finishes_or_aborts_in_flight_requests_and_leaves_nothing(server
     for t in threads:
         t.join(10)
     assert took < 1 + 6, took
+    assert "Traceback" not in "".join(server.lines) and "KeyboardInterrupt" not in "".join(server.lines)
     for i in range(2):
         lines = results[i]
         assert lines[-1] == "data: [DONE]"
@@ -408,6 +410,25 @@ def test_sigterm_finishes_or_aborts_in_flight_requests_and_leaves_nothing(server
     while not all(gone(p) for p in server.ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(gone(p) for p in server.ranks)
+
+
+def test_an_idle_server_says_its_start_up_from_process_start_and_exits_at_once(servers):
+    """"ready in X s" counts from the process's start (imports included, a second or more). Ctrl-C
+    (SIGINT to its group) with nothing in flight: exit 0 in well under a second (measured about 0.25 s; the
+    bound below leaves room for a loaded machine), its ranks gone."""
+    s = servers["idle"].ready()
+    printed = float(s.lines[-1].split("ready in ", 1)[1].split(" s")[0])
+    ranks = float(s.lines[-1].split("the ranks' start ", 1)[1].split(" s")[0])
+    # no more than its parent has waited so far, and more than the ranks' start: the imports before them count
+    assert ranks + 0.5 < printed <= s.printed + 0.1, (printed, s.printed, ranks)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    os.killpg(s.proc.pid, signal.SIGINT)
+    assert s.proc.wait(timeout=20) == 0, "".join(s.lines)
+    took = time.monotonic() - t0
+    assert took < 1.5, took
+    time.sleep(0.2)
+    assert all(gone(p) for p in s.ranks)
 
 
 def test_a_killed_rank_fails_requests_and_the_server_exits_nonzero(servers):
@@ -431,6 +452,14 @@ def test_a_killed_rank_fails_requests_and_the_server_exits_nonzero(servers):
         assert streaming.wait(30)  # in flight: its first token sent
         t0 = time.monotonic()
         os.kill(s.ranks[1], signal.SIGKILL)
+        while True:  # /health looks at the rank processes itself: 503 as soon as the kill has taken effect
+            try:
+                urllib.request.urlopen(s.url.removesuffix("/v1") + "/health", timeout=5)
+            except urllib.error.HTTPError as e:
+                health = json.loads(e.read())["error"]
+                break
+            assert time.monotonic() - t0 < 5
+        assert "rank 1 exited" in health["message"] and health["code"] == "engine_failed", health
         statuses = []
         while s.proc.poll() is None and time.monotonic() - t0 < 10:  # new requests: 503 until it stops listening
             try:
@@ -486,6 +515,8 @@ class ScriptedLLM:
         self.hold = False
         self.fail = False
         self.closed = False
+        self.exited: list[tuple[int, int]] = []  # (rank, code) of the rank processes that have exited
+        self.executor = type("Executor", (), {"exited": lambda _: self.exited})()
         self.last_stats = self.stats()
 
     def stats(self):
@@ -585,6 +616,9 @@ def test_the_engine_thread_refuses_times_out_drains_and_fails_cleanly():
     # a rank fails: every live request hears it once, on_failure runs, new requests are refused, ranks stopped
     live = collect(engine, "live", [1], max_tokens=500)
     wait_for(lambda: live)
+    assert engine.exited_rank() is None
+    llm.exited = [(1, -9)]  # /health says so at once, before the engine thread's next look at the ranks
+    assert engine.exited_rank() == "rank 1 exited (code -9)" and engine.failed is None
     llm.fail = True
     wait_for(lambda: live[-1][0] == "error")
     assert live[-1][1].status == 503 and "rank 1 exited" in live[-1][1].message

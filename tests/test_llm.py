@@ -5,6 +5,7 @@ Oracles: the cache-free dense recompute (greedy_reference) for the online engine
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -140,13 +141,22 @@ def test_bad_requests_are_refused_before_any_collective():
 
 def refuse(ctx, bad):
     dense = init_weights(dense_lm(GPT2, torch.float64), seed=0)
-    engine = LLMEngine(shard_lm(dense, "v2", ctx.group), ctx, EngineConfig(num_gpu_blocks_override=5, block_size=16))
+    lm = shard_lm(dense, "v2", ctx.group)
+    engine = LLMEngine(lm, ctx, EngineConfig(num_gpu_blocks_override=5, block_size=16))
     out = []
     for prompt, new, msg in bad:
         with pytest.raises(ValueError) as e:
             engine.add_request("x", prompt, SamplingParams(max_tokens=new))
         out.append(msg if msg in str(e.value) else str(e.value))
     assert not engine.has_unfinished_requests()
+    # max_model_len, vLLM's meaning: prompt + max_tokens at most; no more than the model's context (96)
+    with pytest.raises(ValueError, match="max_model_len=97 exceeds the 96 positions"):
+        LLMEngine(lm, ctx, EngineConfig(max_model_len=97))
+    capped = LLMEngine(lm, ctx, EngineConfig(max_model_len=12, max_num_seqs=2))
+    assert capped.num_blocks == 2 * 1  # the online pool: max_num_seqs requests of 12 positions, 16 per block
+    with pytest.raises(ValueError, match="is 13 tokens, more than max_model_len=12"):
+        capped.add_request("y", [1] * 8, SamplingParams(max_tokens=5))
+    capped.add_request("z", [1] * 8, SamplingParams(max_tokens=4))
     return out
 
 
@@ -156,6 +166,16 @@ def test_sampling_params_and_engine_config_refuse_bad_values():
         with pytest.raises(ValueError):
             SamplingParams(**kw)
     assert SamplingParams(stop="x").stop == ("x",)
+    # vLLM's fields that are not built: refused by name, accepted at their defaults
+    for name, value in (("n", 2), ("best_of", 3), ("presence_penalty", 0.5), ("frequency_penalty", -0.1),
+                        ("repetition_penalty", 1.2), ("logit_bias", {1: 5.0}), ("min_tokens", 2),
+                        ("allowed_token_ids", [1, 2]), ("prompt_logprobs", 1)):
+        with pytest.raises(ValueError, match=f"^{re.escape(f'{name}={value!r}')} is not built here: .*; leave it at"):
+            SamplingParams(**{name: value})
+    assert SamplingParams(n=1, best_of=1, presence_penalty=0.0, logit_bias=None, skip_special_tokens=True,
+                          max_tokens=3) == SamplingParams(max_tokens=3)
+    with pytest.raises(ValueError, match="no setting 'maxtokens'; known: max_tokens"):
+        SamplingParams(maxtokens=3)
     for kw in (dict(block_size=0), dict(max_num_seqs=600), dict(attention="fast"), dict(num_gpu_blocks_override=0)):
         with pytest.raises(ValueError):
             EngineConfig(**kw)
@@ -333,6 +353,7 @@ def test_llm_refuses_bad_settings_without_starting_ranks(checkpoints, tmp_path):
              (dict(model="llama_tiny", tensor_parallel_size=3), "tensor_parallel_size=3"),
              (dict(model="llama_tiny", tensor_parallel_size=0), "positive integer"),
              (dict(model="llama_tiny", max_num_seqs=0), "max_num_seqs=0 must be"),
+             (dict(model="llama_tiny", max_model_len=2048), "max_model_len=2048 exceeds the 1024 positions"),
              (dict(model="llama_tiny", dtype="float8"), "dtype")]
     for kwargs, msg in cases:
         with pytest.raises(ValueError, match=msg):
@@ -387,6 +408,148 @@ def test_ranks_do_not_outlive_a_killed_caller(checkpoints):
         time.sleep(0.1)
     assert not any(alive(p) for p in pids)
     assert not os.path.exists(directory)  # rank 0 removed the driver's directory
+
+
+def test_ctrl_c_in_a_script_reaches_the_script_alone():
+    """A terminal's Ctrl-C is SIGINT to the script's process group; the ranks are in their own group. A script that
+    handles it (its own handler: finish what it is doing) keeps its ranks and generates on. Left to Python's
+    default, it interrupts the script's wait: every rank is stopped at once, and KeyboardInterrupt reaches the
+    script, with its own traceback only (none from a rank) and no process or directory left behind."""
+    script = textwrap.dedent("""
+        import signal
+        from serve import LLM, SamplingParams
+        asked = []
+        signal.signal(signal.SIGINT, lambda *_: asked.append(1))  # a script that winds down on Ctrl-C
+        llm = LLM("llama_tiny", tensor_parallel_size=2)
+        print(" ".join(str(p.pid) for p in llm.executor.procs), llm.executor.dir, flush=True)
+        q = SamplingParams(max_tokens=8, ignore_eos=True)
+        while not asked:
+            llm.generate([[1, 2, 3]] * 2, q)
+        print("wound down", len(llm.generate([[1, 2, 3]], q)[0].outputs[0].token_ids), flush=True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        print("again", flush=True)
+        try:
+            while True:
+                llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=1000, ignore_eos=True))
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            raise
+    """)
+    caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=os.path.dirname(os.path.dirname(__file__)), process_group=0)
+    *pids, directory = caller.stdout.readline().split()
+    pids = [int(p) for p in pids]
+    time.sleep(0.3)
+    os.killpg(caller.pid, signal.SIGINT)
+    assert caller.stdout.readline().strip() == "wound down 8"  # the ranks did not get it
+    assert caller.stdout.readline().strip() == "again"
+    time.sleep(0.5)  # generating
+    t0 = time.monotonic()
+    os.killpg(caller.pid, signal.SIGINT)
+    out, err = caller.communicate(timeout=30)
+    took = time.monotonic() - t0
+    assert out.strip() == "interrupted" and caller.returncode != 0, (out, err)
+    assert err.rstrip().endswith("KeyboardInterrupt") and err.count("Traceback") == 1, err
+    assert "serve/worker.py" not in err and "serve/engine.py" not in err, err
+    assert took < 10, took
+    assert not any(alive(p) for p in pids) and not os.path.exists(directory)
+
+
+def test_the_cli_samples_as_generate_with_the_same_settings(checkpoints, capsys, tmp_path):
+    """python -m serve's sampling flags are SamplingParams' fields: its text and logprobs at p = 2 equal LLM.generate's
+    at p = 1 with the same settings (sampling is exact at every TP size); --seed is the sampling seed."""
+    from serve import LLM
+    from serve.__main__ import main
+
+    path = str(checkpoints["gpt2"])
+    flags = ["--temperature", "0.6", "--top-p", "0.6", "--top-k", "30", "--min-p", "0.3", "--seed", "11",
+             "--max-tokens", "10", "--ignore-eos", "--logprobs", "2"]  # each filter binds on this model
+    params = SamplingParams(temperature=0.6, top_p=0.6, top_k=30, min_p=0.3, seed=11, max_tokens=10,
+                            ignore_eos=True, logprobs=2)
+    with LLM(path) as llm:
+        want = llm.generate(["the quick brown"], params)[0].outputs[0]
+        other = llm.generate(["the quick brown"], SamplingParams(**{**params.__dict__, "seed": 12}))[0].outputs[0]
+    assert want.token_ids != other.token_ids  # the seed decides the draw
+    capsys.readouterr()
+    assert main(["--model", path, "--tokenizer", path, "--tensor-parallel-size", "2", "--prompt", "the quick brown",
+                 *flags]) == 0
+    out, err = capsys.readouterr()
+    text, header, *rows = out.rstrip("\n").split("\n")
+    assert text == want.text and "finish_reason=length" in err, (out, err)
+    assert header.startswith("logprobs") and len(rows) == len(want.token_ids) == 10
+    for row, t, step in zip(rows, want.token_ids, want.logprobs):
+        chosen, top = row.split(" | ")
+        assert int(chosen.split()[1]) == t and abs(float(chosen.split()[-1]) - step[t]) < 1e-5
+        best = sorted(step.values(), reverse=True)[:2]
+        assert [round(float(part.split()[-1]), 5) for part in top.split(", ")] == [round(v, 5) for v in best]
+    # a stop string: cut where generate cuts
+    needle = next((want.text[i:i + 2] for i in range(2, len(want.text) - 2)
+                   if want.text[i:i + 2].strip() and "\ufffd" not in want.text[:i + 2]), None)
+    if needle is not None:
+        assert main(["--model", path, "--prompt", "the quick brown", *flags[:-2], "--stop", needle]) == 0
+        out, err = capsys.readouterr()
+        assert out.rstrip("\n") == want.text[:want.text.index(needle)] and "finish_reason=stop" in err, (out, err)
+    for argv, message in ((["--model", str(tmp_path / "nope"), "--prompt", "hi"], "no such directory or preset"),
+                          (["--model", path, "--tokenizer", str(tmp_path / "nope"), "--prompt", "hi"],
+                           "--tokenizer .*: no such directory"),
+                          (["--model", path, "--prompt", "hi", "--max-model-len", "4000"], "--max-model-len=4000"),
+                          (["--model", path, "--prompt", "hi", "--top-p", "0"], "top_p=0")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert re.search(message, err) and err.count("\n") == 1, err
+
+
+def test_chat_renders_the_checkpoints_template(checkpoints, tmp_path):
+    """LLM.chat with a tokenizer that has a chat template: its rendering (transformers' apply_chat_template with
+    the generation prompt), encoded without added special tokens, then generated. The plain template (no chat
+    template) is checked against the server's chat completions in test_api.py."""
+    import shutil
+
+    from serve import LLM
+
+    path = tmp_path / "chat"
+    shutil.copytree(checkpoints["gpt2"], path)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}" \
+                        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    tok.save_pretrained(path)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text",
+                                                                                           "text": "the quick"}]}]
+    text = "<system>be brief<user>the quick<assistant>"  # the template above, by hand
+    with LLM(str(path)) as llm:
+        assert llm.get_tokenizer() is llm.tokenizer and llm.max_model_len == 64
+        got = llm.chat([messages, messages[1:]], SamplingParams(max_tokens=5, ignore_eos=True))
+        want = llm.generate([{"prompt_token_ids": tok(text, add_special_tokens=False)["input_ids"]}],
+                            SamplingParams(max_tokens=5, ignore_eos=True))[0]
+        assert got[0].prompt == text and got[0].outputs[0].token_ids == want.outputs[0].token_ids
+        assert got[1].prompt == "<user>the quick<assistant>"
+        for bad, message in (([{"content": "hi"}], "a message is a dict with a 'role'"),
+                             ([{"role": "user", "content": [{"type": "image_url"}]}], "only text content parts")):
+            with pytest.raises(ValueError, match=message):
+                llm.chat(bad)
+    with LLM("llama_tiny") as llm, pytest.raises(ValueError, match="chat\\(\\) needs a tokenizer"):
+        llm.chat(messages)
+
+
+def test_the_toy_model_is_a_checkpoint_transformers_and_llm_read_alike(tmp_path):
+    """python -m serve.toy_model writes each family in save_pretrained's layout with a BPE that round-trips any
+    text; LLM's greedy tokens on it equal transformers' generate."""
+    from serve import LLM
+    from serve.toy_model import main
+
+    for family in ("gpt2", "llama", "mixtral"):
+        assert main([str(tmp_path / family), "--family", family]) == 0
+        config = transformers.AutoConfig.from_pretrained(tmp_path / family)
+        assert config.model_type == family and config.vocab_size == 1024
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "llama")
+    text = "Once upon a time, café über 中文 🙂 — and a word the corpus never had: zyxwvut"
+    assert tok.decode(tok(text)["input_ids"]) == text
+    with pytest.raises(SystemExit):  # argparse: not one of the families
+        main([str(tmp_path / "x"), "--family", "bert"])
+    want, _ = hf_generate(tmp_path / "llama", ["Once upon a time"], 8)
+    with LLM(str(tmp_path / "llama"), tensor_parallel_size=2, dtype="float64") as llm:
+        out = llm.generate("Once upon a time", SamplingParams(max_tokens=8))[0].outputs[0]
+    assert out.token_ids == want[0] and out.text == tok.decode(want[0], skip_special_tokens=True)
 
 
 def alive(pid: int) -> bool:
