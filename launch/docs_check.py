@@ -5,7 +5,8 @@
 Every `.venv/bin/torchrun ... launch/*.py ...` and `.venv/bin/python -m serve ...` command of the pages
 (tests/test_docs.py finds them and checks their settings and flags without running them) runs here as written, in a
 scratch run directory, unless it names a placeholder (DIR, /path/to/..., P, D) or runs past --timeout seconds. Its
-verdict is its last PASS/FAIL line, or its one-line error; "on page" says whether the page shows that same line
+verdict is its last PASS/FAIL line (the pages' text model, /tmp/toy, is written first with python -m serve.toy_model when
+it is not there), or its one-line error; "on page" says whether the page shows that same line
 (numbers that vary from run to run, such as times, are not compared: only the line's words up to its first digit).
 Exit 1 if a command fails and its page does not show that failure. Slow (every command starts its ranks): run it
 before a change to the docs lands, not in CI.
@@ -28,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.test_docs import documented_commands  # noqa: E402
 
+TOY = "/tmp/toy"  # the pages' text model: python -m serve.toy_model /tmp/toy
 PLACEHOLDER = re.compile(r"DIR|/path/to|=P\b|=D\b|\.\.\.|<|>")
 RUNNABLE = ("launch/run_block.py", "launch/serve.py", "serve/__main__.py")
 
@@ -77,6 +79,8 @@ def main() -> int:
         if PLACEHOLDER.search(" ".join(rest)):
             rows.append((where, "skipped (a placeholder to fill in)", ""))
             continue
+        if TOY in rest and not os.path.isdir(TOY):
+            subprocess.run([str(ROOT / ".venv/bin/python"), "-m", "serve.toy_model", TOY], cwd=ROOT, check=True)
         with tempfile.TemporaryDirectory() as run_dir:
             if script == "serve/__main__.py":
                 argv = [str(ROOT / ".venv/bin/python"), "-m", "serve", *rest]

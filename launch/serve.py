@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script by torchrun: make the repository importable
@@ -37,6 +38,8 @@ from launch.settings import launch, publish, refuse_bad_arguments
 from layers.dense import weights_checksum
 from layers.lm import NEAR_TIE
 from layers.context_parallel import rank_groups
+from layers.kv_quant import gather_scales, pseudo_quantized
+from layers.pipeline import stage_layers
 from serve.build import build_lm, dense_model, rank_weights
 from serve.control import agree, digest
 from serve.hooks import check_request
@@ -45,6 +48,7 @@ from serve.pd import new_groups, serve_pd
 from serve.pipeline import stage_report
 from serve.request import Request
 from tp.dist import ConfigError, context, env_world
+from tp.partition import kv_head_range
 
 
 def run(cfg: DictConfig) -> int:
@@ -66,7 +70,11 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     engine = OfflineEngine(lm, ctx, s.engine, eos_token_ids=s.eos_token_ids, seed=s.sampling_seed,
                            on_iteration=Progress(len(s.requests)) if ctx.is_main else None, cp_group=cp_group)
     result = engine.run(s.requests)
-    report = build_report(s, ctx, result, oracle_check(dense, s, result, ctx) if s.check else None)
+    quant = engine.cache.quant  # kv_cache_dtype fp8/int8: the oracle round-trips K,V with every rank's scales
+    scales = all_scales(quant, s, ctx) if quant is not None and s.check else None
+    with nullcontext() if scales is None else pseudo_quantized(scales, quant.name):
+        checks = oracle_check(dense, s, result, ctx) if s.check else None
+    report = build_report(s, ctx, result, checks)
     if s.pp > 1:
         report["pp"] = stage_report(engine.engine)
     if ctx.is_main:
@@ -131,6 +139,15 @@ def same_weights_and_prompts(s: Settings, ctx, dense) -> None:
     prompts = [(sum((j + 1) * t for j, t in enumerate(r.prompt)),) for r in s.requests]
     agree(ctx, digest([tuple(weights)] + prompts),
           "ranks built different weights or prompts: every rank needs the same settings and files", ConfigError)
+
+
+def all_scales(quant, s: Settings, ctx):
+    """A quantized cache's scales of the whole model [L, planes, h_kv] on every rank: each rank's stage layers and
+    K,V heads (MLA: its one latent, whole on every rank), gathered."""
+    tp = ctx.world_size // s.pp // s.cp  # rank = stage·tp + t, or c·tp + t
+    heads = 1 if s.model.family == "deepseek_v3" else s.model.n_kv_heads
+    return gather_scales(quant.scales, stage_layers(s.model.n_layers, s.pp)[ctx.rank // (ctx.world_size // s.pp)],
+                         kv_head_range(heads, ctx.rank % tp, tp), s.model.n_layers, heads, ctx.group)
 
 
 def oracle_check(dense, s: Settings, result: ServeResult, ctx) -> list[dict]:

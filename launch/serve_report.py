@@ -153,7 +153,8 @@ def render(r: dict) -> str:
         f"paged KV: {kv['blocks']} blocks x {kv['block_size']} positions per rank ({kib(kv['pool_bytes_per_rank'])} KiB "
         f"reserved), at most {kv['peak_blocks_used']} in use; {kv['prefix_hit_tokens']} prompt tokens from the prefix "
         f"cache; {t['rows_computed']} rows computed; {t['preemptions']} preemptions",
-        f"KV cache per rank: {kv['bytes_per_token_per_rank']} bytes per token (dense {kv['bytes_per_token_dense']}, "
+        f"KV cache per rank ({'the model dtype' if kv.get('cache_dtype', 'auto') == 'auto' else kv['cache_dtype']}): "
+        f"{kv['bytes_per_token_per_rank']} bytes per token (dense {kv['bytes_per_token_dense']}, "
         f"ratio {kv['ratio_to_dense']:.4f} = 1/{round(1 / kv['ratio_to_dense'])}"
         + (f"; formula {kv.get('formula', '2·L·max(h_kv/p, 1)·d_head·e')} = {kv['formula_bytes_per_token_per_rank']}"
            + (" with L the stage's layers" if r.get("pp") else "")
@@ -175,7 +176,10 @@ def render(r: dict) -> str:
         lines.append("check: off (check=true to compare with the dense oracle)")
     else:
         v = chk["verdicts"]
-        lines.append(f"check vs dense oracle (whole-prefix recompute, no cache): {v['match']} match, "
+        quantized = kv.get("cache_dtype", "auto") != "auto"
+        lines.append(f"check vs dense oracle (whole-prefix recompute, no cache"
+                     + (f"; K,V round-tripped through {kv['cache_dtype']} with the engine's scales" if quantized else "")
+                     + f"): {v['match']} match, "
                      f"{v['near-tie']} near-tie, {v['MISMATCH']} mismatch; max logit rel err "
                      f"{chk['max_logit_rel_err']:.2e}")
     kv_ok = kv.get("matches_formula", True)
@@ -350,10 +354,11 @@ def add_text(requests: list[dict], hf_checkpoint: str | None) -> None:
             req["text"] = tok.decode(req["output_ids"], skip_special_tokens=True)
 
 
-def kv_formula(m, n_layers: int, p: int, dtype: torch.dtype) -> dict:
+def kv_formula(m, n_layers: int, p: int, dtype: torch.dtype, cache_dtype: str = "auto") -> dict:
     """The cache's bytes per token: the dense model's (all layers), one rank's (its layers), the formula's words, the
-    K,V heads per rank. MLA (deepseek_v3): the latent c + r per layer, whole on every rank."""
-    elem = dtype.itemsize
+    K,V heads per rank. MLA (deepseek_v3): the latent c + r per layer, whole on every rank. e: the model dtype's
+    bytes, or 1 for a quantized cache (kv_cache_dtype fp8/int8; its scales are a fixed L·2·heads·4 bytes apart)."""
+    elem = dtype.itemsize if cache_dtype == "auto" else 1
     if m.family == "deepseek_v3":
         from tp.partition import mla_kv_bytes_per_token
 
@@ -361,7 +366,7 @@ def kv_formula(m, n_layers: int, p: int, dtype: torch.dtype) -> dict:
         return {"dense": mla_kv_bytes_per_token(m.n_layers, m.kv_lora_rank, m.qk_rope_head_dim, elem),
                 "per_rank": per_rank, "text": "L·(c + r)·e, the latent whole on every rank", "heads_per_rank": 1,
                 "n_kv_heads": None}
-    return {"dense": kv_bytes_per_token(m.n_layers, m.n_kv_heads, m.d_head, dtype),
+    return {"dense": kv_bytes_per_token_per_rank(m.n_layers, m.n_kv_heads, m.d_head, 1, elem),
             "per_rank": kv_bytes_per_token_per_rank(n_layers, m.n_kv_heads, m.d_head, p, elem),
             "text": "2·L·max(h_kv/p, 1)·d_head·e", "heads_per_rank": kv_heads_per_rank(m.n_kv_heads, p),
             "n_kv_heads": m.n_kv_heads}
@@ -371,7 +376,7 @@ def build_report(s, ctx, result, checks: list[dict] | None) -> dict:
     m = s.model
     p = ctx.world_size // s.pp // s.cp  # the TP group's size (a pipeline stage's; cp: world / cp)
     n_layers = len(stage_layers(m.n_layers, s.pp)[ctx.rank // (ctx.world_size // s.pp)])  # this rank's stage's
-    kv = kv_formula(m, n_layers, p, s.dtype)
+    kv = kv_formula(m, n_layers, p, s.dtype, s.engine.kv_cache_dtype)
     dense_per_token = kv["dense"]
     requests = result.requests
     if checks is not None:
@@ -406,6 +411,7 @@ def build_report(s, ctx, result, checks: list[dict] | None) -> dict:
                    "bytes_per_rank": sum(it["bytes_per_rank"] for it in its),
                    "preemptions": result.preemptions, "rows_computed": result.rows_computed},
         "kv_cache": {"block_size": result.block_size, "blocks": result.num_blocks,
+                     "cache_dtype": s.engine.kv_cache_dtype,  # auto: the model's dtype; fp8_e4m3 | fp8_e5m2 | int8
                      "prefix_hit_tokens": result.prefix_hit_tokens, "peak_blocks_used": result.peak_blocks_used,
                      "pool_bytes_per_rank": result.kv_pool_bytes_per_rank,
                      "bytes_per_token_per_rank": result.kv_bytes_per_token_per_rank,

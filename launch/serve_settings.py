@@ -30,8 +30,10 @@ from tp.dist import DEFAULT_TIMEOUT_S, ConfigError
 
 # The engine's settings as Hydra sees them: every EngineConfig field with its default, by its own name (check_ledger
 # aside: the offline run records every step's comparison instead of raising, serve/offline.py; speculative_config
-# aside: the launcher does not speculate yet).
-LAUNCHER_ENGINE = [f for f in dataclasses.fields(EngineConfig) if f.name not in ("check_ledger", "speculative_config")]
+# aside: the launcher does not speculate yet; kv_cache_memory_bytes aside: the launcher sizes its pool for its
+# known workload, or num_gpu_blocks_override).
+LAUNCHER_ENGINE = [f for f in dataclasses.fields(EngineConfig)
+                   if f.name not in ("check_ledger", "speculative_config", "kv_cache_memory_bytes")]
 ConfigStore.instance().store(name="engine_defaults", node={f.name: f.default for f in LAUNCHER_ENGINE})
 
 
@@ -103,6 +105,9 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
         check_pipeline(model, world_size, pp, variant, vocab_parallel)
         engine = EngineConfig(**{f.name: cfg[f.name] for f in LAUNCHER_ENGINE})
         engine.check_pipeline(pp)
+        if layout is not None and engine.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={engine.kv_cache_dtype} with pd is not built (the decode side would "
+                             f"need the prefill side's scales with the codes): serve it colocated, or drop it")
         if engine.block_size % cp:
             raise ValueError(f"block_size={engine.block_size} must be a multiple of cp={cp} (each cp rank keeps "
                              f"block_size/cp positions of every block)")

@@ -36,6 +36,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from layers.attention_backends import PagedBatch
 from layers.context_parallel import RingPrefill, SplitKVDecode
+from layers.kv_quant import QuantizedLayer, reference_round_trip
 from layers.varlen import Requests
 
 
@@ -76,6 +77,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, requests: Requests | PagedLayer
         return paged_attention(q, kv, requests)
     if isinstance(requests, (RingPrefill, SplitKVDecode)):  # context parallelism: layers/context_parallel.py
         return requests.attend(q, kv)
+    kv = reference_round_trip(kv)  # inside kv_quant.pseudo_quantized: K,V as a quantized cache would give them
     group = q.shape[0] // kv.shape[1]
     k, v = (t.repeat_interleave(group, dim=0) if group > 1 else t for t in kv)
     # Each [1, h, T, d_head]: a batch dim of 1, because on CPU PyTorch's SDPA takes its fused kernel
@@ -109,4 +111,6 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, layer: PagedLayer) -> tor
     """Write the new rows' K,V into the pool at their slots, then attend over each request's context, as the
     iteration's attention backend does it (layers/attention_backends.py). q [h, T, d_head], kv [2, h_kv, T, d_head]:
     the pool holds the h_kv K,V heads only."""
+    if isinstance(layer.pool, QuantizedLayer):  # kv_cache_dtype fp8/int8: the new rows as the cache will give them
+        kv = layer.pool.prepare(kv)
     return layer.batch.backend.forward(q, kv, layer.pool, layer.batch)

@@ -36,6 +36,10 @@ takes up to 2× the cpu one's (64 requests), 1.47× at 32 requests of 512 positi
 requests; the batched backend's ragged pass (a segment softmax over all keys at once) makes several passes over
 [keys, heads, d_head] temporaries, which a per-request SDPA call does not.
 
+Every backend touches the pool through layers/kv_quant's store (a scatter of the new rows), load (a gather of
+slots) and load_blocks (whole blocks): a plain tensor, or a quantized cache (kv_cache_dtype fp8/int8: codes and
+per-head scales, quantized on write and dequantized on read), the same code either way.
+
 The cpu backend reads whole blocks through a [2, blocks, block_size, h_kv, d_head] view of the pool: it relies on
 slot = block · block_size + offset, the layout serve/block_manager.slot_mapping and serve/kv_cache.KVPool define. A GPU library backend over paged KV (FlashAttention's block_table, FlashInfer) is not here:
 FlashAttention 2's paged KV wants blocks of a multiple of 256 positions, and neither library installs without CUDA.
@@ -49,6 +53,8 @@ from typing import Callable, Iterator, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 from einops import rearrange
+
+from layers.kv_quant import load, load_blocks, store
 
 RAGGED_BELOW = 4  # batched: decodes attend in one ragged pass when padding them to the longest would score > 4x
 PROMPT_GROUPS = 3  # batched: most SDPA calls per layer for fresh prompt chunks, and as many for chunks after a prefix
@@ -147,11 +153,11 @@ class ReferenceBackend(AttentionBackend):
         outs = []
         for (s, e), q_start, slots in zip(meta.spans, meta.q_starts, meta.slots):
             q_rows, kv_length = e - s, q_start + e - s
-            pool[:, slots[q_start:]] = kv[:, :, s:e].transpose(1, 2)  # [2, q_rows, h_kv, dh] into its new slots
+            store(pool, slots[q_start:], kv[:, :, s:e].transpose(1, 2))  # [2, q_rows, h_kv, dh] into its new slots
             if skip_fresh and q_start == 0:
                 outs.append(q.new_zeros(1, q.shape[0], e - s, value_dim(pool, v_dim)))
                 continue
-            context = pool[:, slots].transpose(1, 2)  # [2, h_kv, kv_length, dh]: its block table, read in order
+            context = load(pool, slots).transpose(1, 2)  # [2, h_kv, kv_length, dh]: its block table, read in order
             if group > 1:
                 context = context.repeat_interleave(group, dim=1)
             keys, values = split_kv(context[:, None], v_dim)  # each [1, h, kv_length, d_head]
@@ -293,7 +299,7 @@ class BatchedBackend(AttentionBackend):
 
     def forward(self, q, kv, pool, batch, *, scale=None, v_dim=None, skip_fresh=False):
         meta: BatchedMeta = batch.meta
-        pool.index_copy_(1, batch.slot_mapping, kv.transpose(1, 2))  # one scatter: every new row's K,V into its slot
+        store(pool, batch.slot_mapping, kv.transpose(1, 2))  # one scatter: every new row's K,V into its slot
         h, T, dh = q.shape
         group = h // kv.shape[1]
         out = (q.new_zeros if skip_fresh else q.new_empty)(T, h, value_dim(pool, v_dim))
@@ -304,7 +310,7 @@ class BatchedBackend(AttentionBackend):
                 continue
             B, max_q = g.rows.shape
             queries = q.index_select(1, g.rows.flatten()).view(h, B, max_q, dh).transpose(0, 1)  # [B, h, max_q, dh]
-            context = pool.index_select(1, g.slots.flatten())  # [2, B·max_kv, h_kv, dh]: the keys through the tables
+            context = load(pool, g.slots.flatten())  # [2, B·max_kv, h_kv, dh]: the keys through the tables
             keys, values = split_kv(context.view(pool.shape[0], B, -1, *pool.shape[2:]).permute(0, 1, 3, 2, 4),
                                     v_dim)  # [B, h_kv, max_kv, dh]
             if group > 1 and max_q == 1:  # decodes: a K,V head's query heads as its query rows (no copy of K,V)
@@ -329,7 +335,7 @@ def _ragged_decode(q: torch.Tensor, pool: torch.Tensor, g: DecodeGroup, scale: f
     h_kv = pool.shape[2]
     B, N, acc = g.rows.numel(), g.owner.numel(), torch.promote_types(q.dtype, torch.float32)
     queries = q.index_select(1, g.rows).transpose(0, 1).to(acc).index_select(0, g.owner)  # [N, h, dh]: each key's query
-    keys, values = split_kv(pool.index_select(1, g.slots), v_dim)  # each [N, h_kv, dh]: through the block tables
+    keys, values = split_kv(load(pool, g.slots), v_dim)  # each [N, h_kv, dh]: through the block tables
     queries = queries.view(N, h_kv, h // h_kv, dh)  # query head j reads K,V head j // (h/h_kv)
     scores = (queries * keys[:, :, None].to(acc)).sum(-1).view(N, h) * (dh ** -0.5 if scale is None else scale)
     owner = g.owner[:, None].expand(N, h)
@@ -386,10 +392,9 @@ class CPUBackend(AttentionBackend):
 
     def forward(self, q, kv, pool, batch, *, scale=None, v_dim=None, skip_fresh=False):
         meta: CPUMeta = batch.meta
-        pool.index_copy_(1, batch.slot_mapping, kv.transpose(1, 2))  # one scatter: every new row's K,V into its slot
+        store(pool, batch.slot_mapping, kv.transpose(1, 2))  # one scatter: every new row's K,V into its slot
         h_kv, dh = pool.shape[2:]
         gqa = q.shape[0] != h_kv
-        by_block = pool.view(pool.shape[0], -1, meta.block_size, h_kv, dh)  # [2, blocks, block_size, h_kv, dh]
         outs = []
         for seq in meta.seqs:
             queries = q[None, :, seq.start:seq.end]  # [1, h, q_rows, dh]
@@ -399,7 +404,7 @@ class CPUBackend(AttentionBackend):
                 keys, values = split_kv(kv[:, None, :, seq.start:seq.end], v_dim)  # each [1, h_kv, q_rows, dh]
                 o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=gqa, scale=scale)
             else:  # a decode (sees every key) or a chunk after a prefix (its mask): keys through the block table
-                context = by_block.index_select(1, seq.blocks).flatten(1, 2)[:, :seq.kv_length].transpose(1, 2)
+                context = load_blocks(pool, meta.block_size, seq.blocks)[:, :seq.kv_length].transpose(1, 2)
                 keys, values = split_kv(context[:, None], v_dim)  # each [1, h_kv, kv_length, dh]
                 if gqa and seq.mask is None:  # a decode: a K,V head's query heads as its query rows, one matmul each
                     o = F.scaled_dot_product_attention(queries.reshape(1, h_kv, -1, dh), keys, values,

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from layers.kv_quant import load, store
 from tp.ledger import TransferRecord, active
 
 def new_cp_groups(world: int, cp: int) -> tuple[list[dist.ProcessGroup], list[dist.ProcessGroup]]:
@@ -342,10 +343,10 @@ class SplitCacheBackend:
         from tp.comm import gather_rows_from_region
 
         meta: SplitMeta = batch.meta
-        pool.index_copy_(1, meta.owned_slots, kv.index_select(2, meta.owned_rows).transpose(1, 2))  # its own rows
+        store(pool, meta.owned_slots, kv.index_select(2, meta.owned_rows).transpose(1, 2))  # its own rows
         outs, lses = [], []
         for seq in meta.seqs:
-            keys, values = pool.index_select(1, seq.key_slots).transpose(1, 2)  # [h_kv, held, d]
+            keys, values = load(pool, seq.key_slots).transpose(1, 2)  # [h_kv, held, d]
             o, lse = partial_attention(q[:, seq.start:seq.end], keys, values, batch.positions[seq.start:seq.end],
                                        seq.key_positions, scale)
             outs.append(o)

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from layers.attention import PagedLayer, positions_of
+from layers.kv_quant import QuantizedLayer, reference_round_trip
 from layers.linear import ColumnParallelLinear, RowParallelLinear
 from layers.llama import RMSNorm, rope
 from layers.moe import moe_local, swiglu
@@ -290,11 +291,14 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, kv_b: torch.Tensor, cfg: De
     """q [T, H·(n+r)], kv [T, c + r] (kv_a's output), kv_b [H·(n+v), c] -> [T, H·v]. With a paged cache: absorbed,
     the latent written and read by the iteration's backend; without: decompressed, causal within each request."""
     q_nope, q_rope, latent = latent_and_queries(q, kv, cfg, requests, norm)
-    if not isinstance(requests, PagedLayer):
+    if not isinstance(requests, PagedLayer):  # (inside kv_quant.pseudo_quantized: the latent as a cache gives it)
+        latent = reference_round_trip(latent[None, None])[0, 0]
         return decompressed(q_nope, q_rope, latent, kv_b, cfg, [(0, q.shape[0])] if requests is None else requests.spans)
     batch = requests.batch
     fresh = batch.fresh if PREFILL == "decompressed" else ()
     q_tilde = absorb(q_nope, q_rope, kv_b, cfg)  # [H, T, c + r]
+    if isinstance(requests.pool, QuantizedLayer):  # a quantized cache: every latent as the cache gives it back
+        latent = requests.pool.prepare(latent[None, None])[0, 0]
     out = batch.backend.forward(q_tilde, latent[None, None], requests.pool, batch, scale=cfg.scale,
                                 v_dim=cfg.kv_lora_rank, skip_fresh=bool(fresh))  # every latent written; MQA over them
     out = unabsorb(out, kv_b, cfg)

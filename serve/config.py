@@ -20,6 +20,13 @@
     chunk_pipelining              pipeline stages (pp > 1): a prompt's next chunk may enter the pipeline while its
                                   previous chunk is still in flight (off: a request is in one micro-batch in flight
                                   at most, vLLM V1's rule)
+    kv_cache_dtype                the KV cache's storage (layers/kv_quant.py): auto (the model's dtype) | fp8_e4m3 |
+                                  fp8_e5m2 | int8, one byte per value with float32 scales per layer, K|V and head
+    calculate_kv_scales           a quantized cache's scales from the first prefill each layer sees (off: 1.0, vLLM's
+                                  default without calibrated scales; int8 needs them calculated)
+    kv_cache_memory_bytes         each rank's pool at this many bytes (blocks = bytes // a block's bytes, which
+                                  kv_cache_dtype halves against 16-bit values); None: num_gpu_blocks_override, or
+                                  max_num_seqs requests at the full context
     max_model_len                 vLLM's: a request's prompt + output tokens at most (None: the model's context; no
                                   more than it); the online pool is sized for max_num_seqs requests this long
     speculative_config            speculative decoding (serve/spec_decode.py): None (off), or vLLM's dict
@@ -43,9 +50,11 @@ from dataclasses import dataclass
 from serve.spec_decode import SpeculativeConfig
 from tp.partition import ceil_div
 
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")  # layers/kv_quant.py: the model's dtype, or one byte
 ATTENTION_MODES = ("auto", "cpu", "batched", "reference")  # layers/attention_backends.py: auto picks by device
 COUNTS = ("long_prefill_token_threshold", "max_num_batched_tokens", "max_num_seqs", "block_size")
-SWITCHES = ("enable_prefix_caching", "comm_timing", "check_ledger", "reserve_capacity", "chunk_pipelining")
+SWITCHES = ("enable_prefix_caching", "comm_timing", "check_ledger", "reserve_capacity", "chunk_pipelining",
+            "calculate_kv_scales")
 
 
 @dataclass(frozen=True)
@@ -62,13 +71,17 @@ class EngineConfig:
     reserve_capacity: bool = False
     chunk_pipelining: bool = False
     max_model_len: int | None = None
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = True
+    kv_cache_memory_bytes: int | None = None
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
-        for name in COUNTS + ("num_gpu_blocks_override", "max_model_len"):
+        optional = ("num_gpu_blocks_override", "max_model_len", "kv_cache_memory_bytes")
+        for name in COUNTS + optional:
             v = getattr(self, name)
-            if name in ("num_gpu_blocks_override", "max_model_len") and v is None:
+            if name in optional and v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an integer of at least 1")
@@ -78,6 +91,13 @@ class EngineConfig:
         if self.attention not in ATTENTION_MODES:
             raise ValueError(f"attention={self.attention!r}: choose {', '.join(ATTENTION_MODES[:-1])} or "
                              f"{ATTENTION_MODES[-1]}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose {', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_cache_dtype == "int8" and not self.calculate_kv_scales:
+            raise ValueError("kv_cache_dtype='int8' with calculate_kv_scales=False would store every value at scale "
+                             "1.0 (integers): let the scales be calculated")
+        if self.num_gpu_blocks_override is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("num_gpu_blocks_override and kv_cache_memory_bytes both size the pool: give one")
         if self.reserve_capacity and self.enable_prefix_caching:
             raise ValueError("reserve_capacity (the pre-paging rule) shares nothing: set enable_prefix_caching=False")
         if self.max_num_seqs > self.max_num_batched_tokens:
@@ -116,13 +136,21 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the {max_seq_len} positions the model has "
                              f"(its context); leave it unset or lower it")
 
-    def pool_blocks(self, max_seq_len: int, capacities: list[int] | None = None) -> int:
-        """Blocks in each rank's pool: num_gpu_blocks_override, else the engine sizes it so that nothing is ever
-        preempted: for a workload known up front (capacities: each request's largest number of cached positions,
-        serve/offline.py), every request at its largest at once; online, max_num_seqs requests at the full
-        context (max_model_len where it is set)."""
+    def pool_blocks(self, max_seq_len: int, capacities: list[int] | None = None, block_bytes: int | None = None) -> int:
+        """Blocks in each rank's pool: num_gpu_blocks_override; kv_cache_memory_bytes // block_bytes (a block's
+        bytes on this rank, which the caller knows: serve/kv_cache.KVPool.block_bytes); else the engine sizes it so
+        that nothing is ever preempted: for a workload known up front (capacities: each request's largest number of
+        cached positions, serve/offline.py), every request at its largest at once; online, max_num_seqs requests
+        at the full context (max_model_len where it is set)."""
         if self.num_gpu_blocks_override is not None:
             return self.num_gpu_blocks_override
+        if self.kv_cache_memory_bytes is not None:
+            if block_bytes is None:
+                raise ValueError("kv_cache_memory_bytes sizes the pool from a block's bytes, which only the ranks know")
+            if self.kv_cache_memory_bytes < block_bytes:
+                raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} holds no block of "
+                                 f"{block_bytes} bytes (block_size={self.block_size} positions on this rank)")
+            return self.kv_cache_memory_bytes // block_bytes
         if capacities is not None:
             return max(1, sum(ceil_div(n, self.block_size) for n in capacities))
         return self.max_num_seqs * ceil_div(min(max_seq_len, self.max_model_len or max_seq_len), self.block_size)
@@ -141,7 +169,8 @@ def fits_alone(positions: int, num_blocks: int, block_size: int) -> str | None:
 # The engine's settings as command-line flags (python -m serve, python -m serve.api): vLLM's flag names.
 FLAGS = {"--" + name.replace("_", "-"): name for name in
          ("block_size", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
-          "num_gpu_blocks_override", "max_model_len", "enable_prefix_caching", "attention", "speculative_config")}
+          "num_gpu_blocks_override", "kv_cache_memory_bytes", "max_model_len", "kv_cache_dtype",
+          "calculate_kv_scales", "enable_prefix_caching", "attention", "speculative_config")}
 
 
 def add_engine_flags(parser) -> None:
@@ -151,9 +180,13 @@ def add_engine_flags(parser) -> None:
     group = parser.add_argument_group("engine settings (EngineConfig; vLLM's flag names)")
     for flag, name in FLAGS.items():
         default = getattr(EngineConfig, name)
-        if name == "enable_prefix_caching":
+        if name in ("enable_prefix_caching", "calculate_kv_scales"):
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default,
                                help=f"{name} (default: on)")
+        elif name == "kv_cache_dtype":
+            group.add_argument(flag, dest=name, choices=KV_CACHE_DTYPES, default=default,
+                               help="the KV cache's storage: auto (the model's dtype) or one byte per value, fp8 or int8 "
+                                    "with per-head scales (default: auto)")
         elif name == "speculative_config":
             group.add_argument(flag, dest=name, type=_json_object, default=None, metavar="JSON",
                                help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
@@ -167,6 +200,7 @@ def add_engine_flags(parser) -> None:
             group.add_argument(flag, *aliases, dest=name, type=int, default=default, metavar="N",
                                help=f"{name} (default: " + (
                                    "the model's context" if name == "max_model_len" else
+                                   "off" if name == "kv_cache_memory_bytes" else
                                    "max-num-seqs requests at the full context" if default is None else f"{default}")
                                    + ")")
 

@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from serve.config import ATTENTION_MODES, EngineConfig
+from serve.config import ATTENTION_MODES, KV_CACHE_DTYPES, EngineConfig
 
 from serve.plan import FINGERPRINT_SIZE
 from serve.request import Request
@@ -122,6 +122,7 @@ def request_rows(requests: list[Request]) -> list[tuple]:
 
 def settings_row(config: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> tuple:
     """The engine settings and stop ids every rank must hold the same, as numbers (for digest)."""
-    values = [ATTENTION_MODES.index(v) if f.name == "attention" else -1 if v is None else int(v)
+    values = [ATTENTION_MODES.index(v) if f.name == "attention" else KV_CACHE_DTYPES.index(v)
+              if f.name == "kv_cache_dtype" else -1 if v is None else int(v)
               for f, v in zip(dataclasses.fields(config), dataclasses.astuple(config))]
     return (*values, sum((i + 1) * (t + 1) for i, t in enumerate(sorted(eos_token_ids))))

@@ -94,11 +94,11 @@ class LLMEngine:
         self.seed = seed  # a request without a seed samples with one drawn from this and its id
         c, self.eos_token_ids = self.config, tuple(eos_token_ids)
         c.check_model_len(lm.cfg.max_seq_len)
-        self.num_blocks = c.pool_blocks(lm.cfg.max_seq_len)
+        self.num_blocks = ModelRunner.pool_blocks(lm, c, cp_group)
         self.scheduler = Scheduler(c, BlockManager(self.num_blocks, c.block_size, c.enable_prefix_caching))
         self.cp = 1 if cp_group is None else cp_group.size()  # context parallelism: ctx is cp × tp ranks
         c.check_context_parallel(self.cp)
-        self.runner = ModelRunner(lm, ctx, self.num_blocks, c.block_size, c.attention, cp_group)
+        self.runner = ModelRunner(lm, ctx, self.num_blocks, c, cp_group)
         drafting = c.speculative_config is not None and c.speculative_config.method == "draft_model"
         if drafting != (draft_lm is not None):
             raise ValueError("speculative_config method='draft_model' and draft_lm go together: give both or neither")

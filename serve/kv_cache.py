@@ -10,6 +10,11 @@ pool only stores. Attention writes each new row's K,V at its slot and reads a re
 block table (layers/attention.py). Per layer per token a rank holds 2·heads·d_head·e bytes: exactly 1/p of the
 dense cache, because head-aligned TP gives each rank h/p whole heads.
 
+kv_cache_dtype fp8_e4m3 / fp8_e5m2 / int8 (layers/kv_quant.py): the same layout holding one-byte codes, and
+beside it float32 scales [L, planes, heads], one per layer, K|V and head; a token's bytes are then
+planes·heads·width per layer whatever the model's dtype (half of bfloat16's, a quarter of float32's), and the
+scales a fixed L·planes·heads·4 bytes on top.
+
 The pool starts zeroed, not empty: batched attention gathers padding keys from slot 0 and masks them, and a
 masked score is still computed first (NaN from uninitialized memory would survive the mask).
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from layers.attention import PagedBatch, PagedLayer
+from layers.kv_quant import QuantizedPool, storage_dtype
 from tp import partition
 
 
@@ -29,22 +35,43 @@ def kv_bytes_per_token(n_layers: int, heads: int, d_head: int, dtype: torch.dtyp
 
 class KVPool:
     def __init__(self, n_layers: int, num_blocks: int, block_size: int, heads: int, d_head: int,
-                 dtype: torch.dtype, device=None, planes: int = 2):
+                 dtype: torch.dtype, device=None, planes: int = 2, cache_dtype: str = "auto",
+                 calculate_scales: bool = True):
+        """dtype: the model's (what attention reads); cache_dtype: what the pool stores (auto: dtype)."""
         self.n_layers, self.num_blocks, self.block_size, self.heads, self.d_head = \
             n_layers, num_blocks, block_size, heads, d_head
         self.dtype, self.device, self.planes = dtype, device, planes  # planes: K and V (2), or MLA's one latent
-        self.kv = torch.zeros(n_layers, planes, num_blocks * block_size, heads, d_head, dtype=dtype, device=device)
+        self.cache_dtype = cache_dtype
+        stored = dtype if cache_dtype == "auto" else storage_dtype(cache_dtype)
+        self.kv = torch.zeros(n_layers, planes, num_blocks * block_size, heads, d_head, dtype=stored, device=device)
+        self.quant = None if cache_dtype == "auto" else \
+            QuantizedPool(n_layers, planes, heads, cache_dtype, device, calculate_scales)
 
     @classmethod
-    def for_model(cls, lm, num_blocks: int, block_size: int, dtype: torch.dtype, device=None) -> "KVPool":
+    def for_model(cls, lm, num_blocks: int, block_size: int, dtype: torch.dtype, device=None,
+                  cache_dtype: str = "auto", calculate_scales: bool = True) -> "KVPool":
         """The pool a TP model's layers cache into: lm.cache_layout (planes, heads, width) per layer."""
         planes, heads, width = lm.cache_layout
-        return cls(lm.cfg.n_layers, num_blocks, block_size, heads, width, dtype, device, planes)
+        return cls(lm.cfg.n_layers, num_blocks, block_size, heads, width, dtype, device, planes, cache_dtype,
+                   calculate_scales)
+
+    @staticmethod
+    def block_bytes(lm, block_size: int, dtype: torch.dtype, cache_dtype: str = "auto") -> int:
+        """The bytes one block of block_size positions takes in this rank's pool for lm (kv_cache_memory_bytes
+        divides by it)."""
+        planes, heads, width = lm.cache_layout
+        itemsize = dtype.itemsize if cache_dtype == "auto" else 1
+        return lm.cfg.n_layers * planes * block_size * heads * width * itemsize
 
     @property
     def bytes(self) -> int:
-        """Bytes this rank's pool holds (reserved once, used or not)."""
+        """Bytes this rank's pool holds for K,V (reserved once, used or not); a quantized pool's scales are
+        scale_bytes beside them."""
         return self.kv.numel() * self.kv.element_size()
+
+    @property
+    def scale_bytes(self) -> int:
+        return 0 if self.quant is None else self.quant.scales.numel() * self.quant.scales.element_size()
 
     @property
     def bytes_per_block(self) -> int:
@@ -56,6 +83,9 @@ class KVPool:
 
     def layers(self, batch: PagedBatch) -> list[PagedLayer]:
         """What attention reads in each layer of one iteration: the shared batch and that layer's pool."""
+        if self.quant is not None:
+            return [PagedLayer(batch, self.quant.layer(self.kv[layer], layer, self.dtype))
+                    for layer in range(self.n_layers)]
         return [PagedLayer(batch, self.kv[layer]) for layer in range(self.n_layers)]
 
     def read(self, slots: torch.Tensor, heads: slice, layer: int | None = None) -> torch.Tensor:

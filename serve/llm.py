@@ -128,6 +128,10 @@ class LLM:
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
         self.config = EngineConfig.from_kwargs(**engine_settings)
+        if check and self.config.kv_cache_dtype != "auto":
+            raise ValueError(f"check=True compares with the dense model's unquantized K,V: with kv_cache_dtype="
+                             f"{self.config.kv_cache_dtype}, check with launch/serve.py (its oracle round-trips K,V with "
+                             f"the engine's scales)")
         self.config.check_pipeline(pp)
         spec_config = self.config.speculative_config
         if cp > 1:
@@ -177,7 +181,6 @@ class LLM:
 
         self.eos_token_ids = checkpoint_eos(checkpoint, self.model_config.vocab_size)
         self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size = p, pp, cp
-        self.num_blocks = self.config.pool_blocks(self.model_config.max_seq_len)
         spec = RankSpec(self.model_config, checkpoint, self.dtype, seed, backend, device, moe_parallel, self.config,
                         self.eos_token_ids, float(timeout_s), check, pp=pp, draft=draft, cp=cp)
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -187,6 +190,7 @@ class LLM:
         self._prefix = f"generate-{secrets.token_hex(4)}-"  # generate()'s request ids: no clash with the caller's
         self.executor = MultiprocExecutor(spec, p * pp * cp)
         self.backend, self.device = self.executor.info["backend"], self.executor.info["device"]
+        self.num_blocks = self.executor.info["num_blocks"]  # each rank's pool, as rank 0 sized it
 
     def get_tokenizer(self):
         """The tokenizer text is encoded and decoded with here (transformers'), None where the model has none."""

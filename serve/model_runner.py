@@ -1,6 +1,6 @@
 """Turns one iteration's plan into tensors and runs it through this rank's TP model: nano-vllm's ModelRunner.
 
-    runner = ModelRunner(lm, ctx, num_blocks, block_size, attention)   # this rank's KV pool, once; attention
+    runner = ModelRunner(lm, ctx, num_blocks, config)   # this rank's KV pool, once; attention
                                                                         # backend: auto resolved by device
     tokens, logits = runner.run(plan, tokens_of)                        # [S] ids and their logits, every rank
 
@@ -21,6 +21,7 @@ from layers.context_parallel import SplitCacheBackend
 from layers.lm import TPLM, TPLlamaLM
 from layers.rejection_sampler import filtered_logprobs, rejection_sample
 from layers.sampler import SampleResult, SamplingBatch
+from serve.config import EngineConfig
 from serve.inputs import StepInputs, prepare_step
 from serve.kv_cache import KVPool
 from serve.plan import SchedulerOutput
@@ -29,12 +30,13 @@ from tp.dist import TPContext
 
 
 class ModelRunner:
-    def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, num_blocks: int, block_size: int, attention: str,
-                 cp_group=None):
-        """cp_group: context parallelism's group (layers/context_parallel.SplitCacheBackend): this rank keeps 1/cp of
-        every block's positions, block_size/cp slots per block."""
-        self.lm, self.ctx, self.block_size = lm, ctx, block_size
-        self.attention = choose(attention, ctx.device)  # the backend's name: auto resolved for this rank's device
+    def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, num_blocks: int, config: EngineConfig, cp_group=None):
+        """config: block_size, attention, kv_cache_dtype and calculate_kv_scales are read. cp_group: context
+        parallelism's group (layers/context_parallel.SplitCacheBackend): this rank keeps 1/cp of every block's
+        positions, block_size/cp slots per block."""
+        self.lm, self.ctx, self.block_size = lm, ctx, config.block_size
+        block_size = config.block_size
+        self.attention = choose(config.attention, ctx.device)  # the backend's name: auto resolved for this device
         self.dtype = next(lm.parameters()).dtype
         self.split = None if cp_group is None else SplitCacheBackend(cp_group)
         if self.split is not None:
@@ -42,7 +44,16 @@ class ModelRunner:
         slots = block_size // (1 if self.split is None else self.split.cp)
         # K,V heads this rank caches: h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention); the layers of a
         # pipeline stage's model are its own (cfg.n_layers is the stage's)
-        self.cache = KVPool.for_model(lm, num_blocks, slots, self.dtype, ctx.device)
+        self.cache = KVPool.for_model(lm, num_blocks, slots, self.dtype, ctx.device, config.kv_cache_dtype,
+                                      config.calculate_kv_scales)
+
+    @staticmethod
+    def pool_blocks(lm, config: EngineConfig, cp_group=None) -> int:
+        """Blocks in this rank's pool (EngineConfig.pool_blocks; kv_cache_memory_bytes over this rank's block: 1/cp
+        of its positions, in the cache's dtype)."""
+        slots = config.block_size // (1 if cp_group is None else cp_group.size())
+        return config.pool_blocks(lm.cfg.max_seq_len, None, KVPool.block_bytes(
+            lm, slots, next(lm.parameters()).dtype, config.kv_cache_dtype))
 
     @property
     def backend(self):

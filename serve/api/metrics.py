@@ -97,6 +97,12 @@ class _EngineCollector:
         def counter(name, doc, value):
             return CounterMetricFamily(name, doc, value=value)
 
+        llm = engine.llm
+        if hasattr(llm, "config"):  # vLLM's cache_config_info: the pool's settings as labels, value 1
+            info = GaugeMetricFamily("tpref:cache_config_info", "The KV cache's settings (labels)",
+                                     labels=["cache_dtype", "block_size", "num_gpu_blocks"])
+            info.add_metric([llm.config.kv_cache_dtype, str(llm.config.block_size), str(llm.num_blocks)], 1)
+            yield info
         yield gauge("tpref:num_requests_running", "Requests running in the engine", s["running"])
         yield gauge("tpref:num_requests_waiting", "Requests waiting in the engine", s["waiting"])
         yield gauge("tpref:kv_blocks_used", "KV blocks in use (each rank's pool)", s["num_blocks"] - s["free_blocks"])
