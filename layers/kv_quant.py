@@ -19,7 +19,7 @@ Every key and value a query attends to is the cache's round trip dequantize(quan
 iteration included (layers/attention.paged_attention applies it before the backend runs), so a prompt attends the
 same whether its prefix came from the cache or was computed in this step: the pseudo-quantized reference is plain
 attention on round-tripped K,V (tests/test_kv_quant.py). Statistics and the dequantized values are float32 at
-least; the attention then runs in the model's dtype.
+least (float64 for a float64 model); the attention then runs in the model's dtype.
 
 fp8 codes are kept as their bits (uint8: the CPU has no scatter or gather for float8 tensors) and viewed as float8
 to decode; a GPU kernel would read them as they are.
@@ -51,7 +51,8 @@ def scales_from(kv: torch.Tensor, name: str) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, name: str) -> torch.Tensor:
     """Codes of x [planes, n, h_kv, d] (the pool's layout) with scale [planes, h_kv], in the pool's storage dtype."""
-    y = x.to(torch.float32) / scale[:, None, :, None]
+    acc = torch.promote_types(x.dtype, torch.float32)
+    y = x.to(acc) / scale[:, None, :, None].to(acc)
     if name == "int8":
         return y.round().clamp_(-127, 127).to(torch.int8)
     top = LARGEST[name]
