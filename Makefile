@@ -63,6 +63,7 @@ bench: setup
 	$(PY) benchmarks/bench_load.py
 	$(PY) benchmarks/bench_llm.py
 	$(PY) benchmarks/bench_sampling.py
+	$(PY) benchmarks/bench_kv_quant.py
 	$(PY) benchmarks/bench_http.py
 	$(PY) benchmarks/report.py
 
