@@ -118,6 +118,9 @@ class EngineConfig:
         """The rule between these settings and the pipeline's size."""
         if pp == 1 and self.chunk_pipelining:
             raise ValueError("chunk_pipelining=True is for a pipeline: set pipeline_parallel_size (pp) > 1")
+        if pp > 1 and self.kv_cache_memory_bytes is not None:  # stages of unequal layers would size unequal pools
+            raise ValueError("kv_cache_memory_bytes with pipeline stages (pp > 1) is not built: size the pool with "
+                             "num_gpu_blocks_override")
         if pp > 1 and self.speculative_config is not None:
             raise ValueError("speculative_config with pipeline stages (pp > 1) is not built yet: use pp = 1")
 

@@ -53,7 +53,7 @@ class MultiprocExecutor:
                 [sys.executable, "-c", "from serve.worker import main; main()",
                  "--rank", str(rank), "--world-size", str(world_size), "--dir", self.dir],
                 env=env if rank == 0 else {k: v for k, v in env.items() if k != AUTHKEY_ENV}, cwd=ROOT,
-                process_group=0))  # their own group: a terminal's SIGINT is the driver's alone
+                start_new_session=True))  # their own process group: a terminal's SIGINT is the driver's alone
         self.conn = None
         self._link: dict = {}  # what the finalizer needs (not self: that would keep this object alive)
         self._finalizer = weakref.finalize(self, MultiprocExecutor._stop, self.procs, self._link, self.dir)

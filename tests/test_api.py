@@ -84,7 +84,7 @@ class Server:
             [sys.executable, "-m", "serve.api", "--model", str(checkpoint), "--tensor-parallel-size", "2",
              "--port", "0", "--dtype", "float64", "--served-model-name", MODEL, "--iteration-log", str(self.log),
              *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-            process_group=0)  # its own group, as a terminal's foreground job: Ctrl-C is SIGINT to the group
+            start_new_session=True)  # its own group, as a terminal's foreground job: Ctrl-C is SIGINT to the group
         self.started = time.monotonic()
         self.lines: list[str] = []
         self.url = None

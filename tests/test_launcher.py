@@ -13,7 +13,8 @@ from tests.launching import ROOT, launch_on_pool, settings_phase, torchrun
 
 
 def test_two_ranks_end_to_end(tmp_path):
-    proc, _ = torchrun(2, "n_tokens=12", "repeats=1", "profile=true", "model.n_layers=4", run_dir=tmp_path)
+    # (profile=true's trace against the ledger: tests/test_traffic.py, on the rank pool)
+    proc, _ = torchrun(2, "n_tokens=12", "repeats=1", "model.n_layers=2", run_dir=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert out.count("tpref: tensor-parallel block check") == 1  # rank 0 prints, rank 1 does not
@@ -30,9 +31,7 @@ def test_two_ranks_end_to_end(tmp_path):
     for variant, kind, count in (("v1", "all_gather", 4), ("v2", "all_reduce", 2), ("intra_head", "all_reduce", 3)):
         res = report["variants"][variant]
         assert res["equivalent"] is True and res["ledger_matches_model"] is True
-        assert res["profile"]["trace_matches_ledger"] is True
-        assert Path(res["profile"]["trace"]).exists()
-        assert len(res["layers"]) == 4
+        assert len(res["layers"]) == 2
         for layer in res["layers"]:
             assert layer["collective_counts"] == {kind: count}  # CommDebugMode
             assert sum(c["count"] for c in layer["collectives"]) == count  # the ledger

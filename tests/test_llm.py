@@ -436,7 +436,7 @@ def test_ctrl_c_in_a_script_reaches_the_script_alone():
             raise
     """)
     caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, cwd=os.path.dirname(os.path.dirname(__file__)), process_group=0)
+                              text=True, cwd=os.path.dirname(os.path.dirname(__file__)), start_new_session=True)
     *pids, directory = caller.stdout.readline().split()
     pids = [int(p) for p in pids]
     time.sleep(0.3)

@@ -184,7 +184,7 @@ def test_stages_on_two_nodes(tmp_path):
         port = s.getsockname()[1]
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}",
                                 "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
-                                str(ROOT / "launch" / "run_block.py"), "pp=2", "variants=[v2]", "model.n_layers=3",
+                                str(ROOT / "launch" / "run_block.py"), "pp=2", "variants=[v2]", "model.n_layers=2",
                                 f"hydra.run.dir={tmp_path / str(n)}"],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True) for n in (0, 1)]
