@@ -455,20 +455,49 @@ def test_ctrl_c_in_a_script_reaches_the_script_alone():
     assert not any(alive(p) for p in pids) and not os.path.exists(directory)
 
 
-def test_the_cli_samples_as_generate_with_the_same_settings(checkpoints, capsys, tmp_path):
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_the_cli_samples_as_generate_and_chat_renders_the_checkpoints_template(checkpoints, capsys, tmp_path):
     """python -m serve's sampling flags are SamplingParams' fields: its text and logprobs at p = 2 equal LLM.generate's
-    at p = 1 with the same settings (sampling is exact at every TP size); --seed is the sampling seed."""
+    at p = 1 with the same settings (sampling is exact at every TP size); --seed is the sampling seed. On the same
+    LLM, chat() with a tokenizer that has a chat template: its rendering (transformers' apply_chat_template with the
+    generation prompt), encoded without added special tokens, then generated. (The plain template, for a tokenizer
+    without one, is checked against the server's chat completions in test_api.py.)"""
+    import shutil
+
     from serve import LLM
     from serve.__main__ import main
 
-    path = str(checkpoints["gpt2"])
+    path = tmp_path / "chat"  # the gpt2 checkpoint, its tokenizer given a chat template
+    shutil.copytree(checkpoints["gpt2"], path)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    path = str(path)
     flags = ["--temperature", "0.6", "--top-p", "0.6", "--top-k", "30", "--min-p", "0.3", "--seed", "11",
              "--max-tokens", "10", "--ignore-eos", "--logprobs", "2"]  # each filter binds on this model
     params = SamplingParams(temperature=0.6, top_p=0.6, top_k=30, min_p=0.3, seed=11, max_tokens=10,
                             ignore_eos=True, logprobs=2)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text",
+                                                                                           "text": "the quick"}]}]
+    text = "<system>be brief<user>the quick<assistant>"  # the template above, by hand
     with LLM(path) as llm:
         want = llm.generate(["the quick brown"], params)[0].outputs[0]
         other = llm.generate(["the quick brown"], SamplingParams(**{**params.__dict__, "seed": 12}))[0].outputs[0]
+        assert llm.get_tokenizer() is llm.tokenizer and llm.max_model_len == 64
+        chats = llm.chat([messages, messages[1:]], SamplingParams(max_tokens=5, ignore_eos=True))
+        plain = llm.generate([{"prompt_token_ids": tok(text, add_special_tokens=False)["input_ids"]}],
+                             SamplingParams(max_tokens=5, ignore_eos=True))[0]
+        for bad, message in (([{"content": "hi"}], "a message is a dict with a 'role'"),
+                             ([{"role": "user", "content": [{"type": "image_url"}]}], "only text content parts")):
+            with pytest.raises(ValueError, match=message):
+                llm.chat(bad)
+    assert chats[0].prompt == text and chats[0].outputs[0].token_ids == plain.outputs[0].token_ids
+    assert chats[1].prompt == "<user>the quick<assistant>"
+    with pytest.raises(ValueError, match="chat\\(\\) needs a tokenizer"):  # refused before anything is sent
+        LLM.chat(type("NoTokenizer", (), {"tokenizer": None})(), messages)
     assert want.token_ids != other.token_ids  # the seed decides the draw
     capsys.readouterr()
     assert main(["--model", path, "--tokenizer", path, "--tensor-parallel-size", "2", "--prompt", "the quick brown",
@@ -497,38 +526,6 @@ def test_the_cli_samples_as_generate_with_the_same_settings(checkpoints, capsys,
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert re.search(message, err) and err.count("\n") == 1, err
-
-
-def test_chat_renders_the_checkpoints_template(checkpoints, tmp_path):
-    """LLM.chat with a tokenizer that has a chat template: its rendering (transformers' apply_chat_template with
-    the generation prompt), encoded without added special tokens, then generated. The plain template (no chat
-    template) is checked against the server's chat completions in test_api.py."""
-    import shutil
-
-    from serve import LLM
-
-    path = tmp_path / "chat"
-    shutil.copytree(checkpoints["gpt2"], path)
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}" \
-                        "{% if add_generation_prompt %}<assistant>{% endif %}"
-    tok.save_pretrained(path)
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text",
-                                                                                           "text": "the quick"}]}]
-    text = "<system>be brief<user>the quick<assistant>"  # the template above, by hand
-    with LLM(str(path)) as llm:
-        assert llm.get_tokenizer() is llm.tokenizer and llm.max_model_len == 64
-        got = llm.chat([messages, messages[1:]], SamplingParams(max_tokens=5, ignore_eos=True))
-        want = llm.generate([{"prompt_token_ids": tok(text, add_special_tokens=False)["input_ids"]}],
-                            SamplingParams(max_tokens=5, ignore_eos=True))[0]
-        assert got[0].prompt == text and got[0].outputs[0].token_ids == want.outputs[0].token_ids
-        assert got[1].prompt == "<user>the quick<assistant>"
-        for bad, message in (([{"content": "hi"}], "a message is a dict with a 'role'"),
-                             ([{"role": "user", "content": [{"type": "image_url"}]}], "only text content parts")):
-            with pytest.raises(ValueError, match=message):
-                llm.chat(bad)
-    with LLM("llama_tiny") as llm, pytest.raises(ValueError, match="chat\\(\\) needs a tokenizer"):
-        llm.chat(messages)
 
 
 def test_the_toy_model_is_a_checkpoint_transformers_and_llm_read_alike(tmp_path):

@@ -169,8 +169,9 @@ def test_bad_pipeline_settings_fail_before_any_collective(nproc, overrides, mess
 
 
 def test_stages_on_two_nodes(tmp_path):
-    """Two torchrun agents (two "nodes" on this machine, a static rendezvous): node 0 holds stage 0's TP group,
-    node 1 stage 1's, and the boundary crosses between them; both exit 0 and rank 0 prints PASS."""
+    """Two torchrun agents (two "nodes" on this machine, a static rendezvous): node 0 holds stage 0, node 1 stage 1
+    (one rank each: the multi-rank stages are the rank pools' tests above), and the boundary crosses between them;
+    both exit 0 and rank 0 prints PASS."""
     import os
     import signal
     import socket
@@ -183,7 +184,7 @@ def test_stages_on_two_nodes(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}",
-                                "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
+                                "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
                                 str(ROOT / "launch" / "run_block.py"), "pp=2", "variants=[v2]", "model.n_layers=2",
                                 f"hydra.run.dir={tmp_path / str(n)}"],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -197,7 +198,7 @@ def test_stages_on_two_nodes(tmp_path):
             if agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
     assert [a.returncode for a in agents] == [0, 0], outs
-    assert "PASS: v2 at pp=2 x tp=2 match the single-device block" in outs[0][0], outs[0]
+    assert "PASS: v2 at pp=2 x tp=1 match the single-device block" in outs[0][0], outs[0]
 
 
 # ---- serving iterations through the stages (PPLM) ---------------------------------------------------------------
