@@ -77,11 +77,11 @@ def reference(checkpoint, servers):
 class Server:
     """python -m serve.api in a subprocess, on a free port; its output drained in the background."""
 
-    def __init__(self, checkpoint, *flags):
+    def __init__(self, checkpoint, *flags, p: int = 2):
         """Starts it; ready() waits for it (the module starts its servers early, while the reference runs)."""
         self.log = Path(str(checkpoint) + f"-{time.monotonic_ns()}.jsonl")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "serve.api", "--model", str(checkpoint), "--tensor-parallel-size", "2",
+            [sys.executable, "-m", "serve.api", "--model", str(checkpoint), "--tensor-parallel-size", str(p),
              "--port", "0", "--dtype", "float64", "--served-model-name", MODEL, "--iteration-log", str(self.log),
              *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
             start_new_session=True)  # its own group, as a terminal's foreground job: Ctrl-C is SIGINT to the group
@@ -149,7 +149,7 @@ def servers(checkpoint):
     """The module's servers, started at once: the shared one (ended by Ctrl-C during two streams), the one whose
     rank a test kills, and one that only starts and stops."""
     started = {"shared": Server(checkpoint, "--shutdown-timeout", "1"), "doomed": Server(checkpoint),
-               "idle": Server(checkpoint)}
+               "idle": Server(checkpoint, p=1)}
     yield started
     for s in started.values():
         s.stop()

@@ -223,7 +223,7 @@ def test_the_library_and_the_cli_speculate_against_the_oracle(capsys):
         LLM("llama_tiny", speculative_config={**draft, "model": "article03"})
     with pytest.raises(ValueError, match="logprobs with speculative_config method='draft_model'"):
         check_request(SpeculativeConfig(**draft), 1)  # LLM's driver and rank 0 both apply this rule
-    with LLM("llama_tiny", tensor_parallel_size=2, check=True, speculative_config=draft) as llm:  # a self-draft
+    with LLM("llama_tiny", check=True, speculative_config=draft) as llm:  # a self-draft, p = 1 (a draft at every p: below)
         outs = llm.generate(prompts, params)
         stats = llm.stats()
     assert [o.oracle["verdict"] for o in outs] == ["match", "match", "unchecked"]
