@@ -154,7 +154,7 @@ def render(r: dict) -> str:
         f"reserved), at most {kv['peak_blocks_used']} in use; {kv['prefix_hit_tokens']} prompt tokens from the prefix "
         f"cache; {t['rows_computed']} rows computed; {t['preemptions']} preemptions",
         f"KV cache per rank ({'the model dtype' if kv.get('cache_dtype', 'auto') == 'auto' else kv['cache_dtype']}): "
-        f"{kv['bytes_per_token_per_rank']} bytes per token (dense {kv['bytes_per_token_dense']}, "
+        f"{kv['bytes_per_token_per_rank']} bytes per token (unsharded {kv['bytes_per_token_dense']}, "
         f"ratio {kv['ratio_to_dense']:.4f} = 1/{round(1 / kv['ratio_to_dense'])}"
         + (f"; formula {kv.get('formula', '2·L·max(h_kv/p, 1)·d_head·e')} = {kv['formula_bytes_per_token_per_rank']}"
            + (" with L the stage's layers" if r.get("pp") else "")

@@ -159,12 +159,17 @@ class EngineConfig:
         return self.max_num_seqs * ceil_div(min(max_seq_len, self.max_model_len or max_seq_len), self.block_size)
 
 
-def fits_alone(positions: int, num_blocks: int, block_size: int) -> str | None:
+def fits_alone(positions: int, num_blocks: int, block_size: int, block_bytes: int | None = None) -> str | None:
     """The rule "a request fits the pool alone": None when `positions` cached positions fit in num_blocks blocks of
-    block_size, else the one-line reason (every caller raises its own error type with it)."""
+    block_size, else the one-line reason (every caller raises its own error type with it). block_bytes: a block's
+    bytes on a rank, where kv_cache_memory_bytes sized the pool (the advice is then about it)."""
     need = ceil_div(positions, block_size)
     if need <= num_blocks:
         return None
+    if block_bytes is not None:
+        return (f"{positions} positions need {need} KV blocks of block_size={block_size}, more than the "
+                f"{num_blocks} that kv_cache_memory_bytes holds; raise kv_cache_memory_bytes to at least "
+                f"{need * block_bytes}")
     return (f"{positions} positions need {need} KV blocks of block_size={block_size}, more than the pool's "
             f"num_gpu_blocks_override={num_blocks}; raise num_gpu_blocks_override to at least {need}")
 

@@ -139,7 +139,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already running")
         m = self.lm.cfg
         validate_prompt(prompt_token_ids, params.max_tokens, m.vocab_size, m.max_seq_len, self.num_blocks,
-                        self.config.block_size, self.config.max_model_len)
+                        self.config.block_size, self.config.max_model_len, self.runner.block_bytes)
         check_speculation(self.config.speculative_config, params.logprobs)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         seed = params.seed if params.seed is not None else request_seed(self.seed, self._next)

@@ -59,9 +59,7 @@ class KVPool:
     def block_bytes(lm, block_size: int, dtype: torch.dtype, cache_dtype: str = "auto") -> int:
         """The bytes one block of block_size positions takes in this rank's pool for lm (kv_cache_memory_bytes
         divides by it)."""
-        planes, heads, width = lm.cache_layout
-        itemsize = dtype.itemsize if cache_dtype == "auto" else 1
-        return lm.cfg.n_layers * planes * block_size * heads * width * itemsize
+        return layout_block_bytes(lm.cfg.n_layers, lm.cache_layout, block_size, dtype, cache_dtype)
 
     @property
     def bytes(self) -> int:
@@ -98,3 +96,19 @@ class KVPool:
         """The inverse of `read`: values [L, 2, heads, n, dh] (or [2, heads, n, dh]) into `slots`."""
         kv = self.kv if layer is None else self.kv[layer]
         kv[..., slots, heads, :] = values.transpose(-3, -2)
+
+
+def cache_layout_of(cfg, p: int) -> tuple[int, int, int]:
+    """(planes, heads, width) of a TP rank's cache for a model config at tensor-parallel size p, what the rank's
+    lm.cache_layout says once built (the driver sizes with it before any rank starts): K and V of max(h_kv/p, 1)
+    heads, or MLA's one latent of c + r, whole on every rank."""
+    if cfg.family == "deepseek_v3":
+        return 1, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    return 2, partition.kv_heads_per_rank(cfg.n_kv_heads, p), cfg.d_head
+
+
+def layout_block_bytes(n_layers: int, layout: tuple[int, int, int], block_size: int, dtype: torch.dtype,
+                       cache_dtype: str = "auto") -> int:
+    """One block's bytes: n_layers · planes · block_size · heads · width · e (e = 1 for a quantized cache)."""
+    planes, heads, width = layout
+    return n_layers * planes * block_size * heads * width * (dtype.itemsize if cache_dtype == "auto" else 1)

@@ -168,6 +168,13 @@ class LLM:
             raise ValueError(f"pipeline_parallel_size={pp}: {exc}" if str(exc).startswith("pp=") else str(exc)) \
                 from None
         self.dtype = str(torch_dtype).removeprefix("torch.")  # what the ranks run: "auto" resolved
+        self.block_bytes = None  # one block's bytes on a rank, where kv_cache_memory_bytes sizes the pool
+        if self.config.kv_cache_memory_bytes is not None:  # checked here, before any rank starts
+            from serve.kv_cache import cache_layout_of, layout_block_bytes
+
+            self.block_bytes = layout_block_bytes(self.model_config.n_layers, cache_layout_of(self.model_config, p),
+                                                  self.config.block_size // cp, torch_dtype, self.config.kv_cache_dtype)
+            self.config.pool_blocks(self.model_config.max_seq_len, None, self.block_bytes)
         if checkpoint is not None:
             from layers.checkpoint import Checkpoint
             from layers.hf import check_state
@@ -406,7 +413,7 @@ class LLM:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={list(params.stop)}: stop strings need a tokenizer (this model has none)")
         validate_prompt(ids, params.max_tokens, self.model_config.vocab_size, self.model_config.max_seq_len,
-                        self.num_blocks, self.config.block_size, self.config.max_model_len)
+                        self.num_blocks, self.config.block_size, self.config.max_model_len, self.block_bytes)
 
 
 def _check_id(request_id) -> None:

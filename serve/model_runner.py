@@ -46,6 +46,8 @@ class ModelRunner:
         # pipeline stage's model are its own (cfg.n_layers is the stage's)
         self.cache = KVPool.for_model(lm, num_blocks, slots, self.dtype, ctx.device, config.kv_cache_dtype,
                                       config.calculate_kv_scales)
+        self.block_bytes = None if config.kv_cache_memory_bytes is None else \
+            KVPool.block_bytes(lm, slots, self.dtype, config.kv_cache_dtype)  # what sized the pool (errors say so)
 
     @staticmethod
     def pool_blocks(lm, config: EngineConfig, cp_group=None) -> int:

@@ -87,22 +87,20 @@ class Request:
 
 
 def validate_prompt(ids: list[int], max_tokens: int, vocab_size: int, max_seq_len: int, num_blocks: int,
-                    block_size: int, max_model_len: int | None) -> None:
-    """ValueError (one line) unless the prompt can be served: token ids of the vocabulary, room for max_tokens in
-    the model's context (and prompt + max_tokens within max_model_len where it is set, vLLM's rule), and a pool
-    that can hold the request alone (serve/config.fits_alone)."""
+                    block_size: int, max_model_len: int | None, block_bytes: int | None = None) -> None:
+    """ValueError (one line) unless the prompt can be served: token ids of the vocabulary, prompt + max_tokens within
+    max_model_len (vLLM's rule; unset: the model's context), and a pool that can hold the request alone
+    (serve/config.fits_alone; block_bytes where kv_cache_memory_bytes sized it)."""
     if not isinstance(ids, (list, tuple)) or not ids:
         raise ValueError("empty prompt: a request needs at least one token")
     bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"prompt holds {bad!r}, not a token id of the vocabulary [0, {vocab_size})")
-    if max_model_len is not None and len(ids) + max_tokens > max_model_len:
+    if len(ids) + max_tokens > (max_model_len or max_seq_len):
+        limit = f"max_model_len={max_model_len}" if max_model_len else f"the model's context of {max_seq_len}"
         raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={max_tokens} is {len(ids) + max_tokens} tokens, "
-                         f"more than max_model_len={max_model_len}; shorten the prompt or lower max_tokens")
-    need = len(ids) + max_tokens - 1
-    if need > max_seq_len:
-        raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={max_tokens} needs {need} positions, more than "
-                         f"the model's context of {max_seq_len}; shorten the prompt or lower max_tokens")
-    reason = fits_alone(need, num_blocks, block_size)
+                         f"more than {limit}; shorten the prompt or lower max_tokens")
+    need = len(ids) + max_tokens - 1  # cached positions: the last token is sampled, never fed back
+    reason = fits_alone(need, num_blocks, block_size, block_bytes)
     if reason is not None:
         raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={max_tokens}: {reason}")

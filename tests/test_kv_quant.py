@@ -20,7 +20,8 @@ from layers.lm import dense_lm, shard_lm
 from layers.config import ModelConfig
 from serve.config import EngineConfig
 from serve.engine import LLMEngine
-from serve.kv_cache import KVPool
+from serve.kv_cache import KVPool, cache_layout_of
+from serve.request import validate_prompt
 from serve.sampling_params import SamplingParams
 from tests.harness import run_ranks
 from tp.partition import kv_bytes_per_token, kv_head_range
@@ -206,6 +207,7 @@ def pools(ctx):
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         lm = shard_lm(init_weights(dense_lm(LLAMA, dtype), seed=0), "v2", ctx.group)
+        assert cache_layout_of(LLAMA, ctx.world_size) == lm.cache_layout  # what the driver sizes with
         for name in ("auto", "fp8_e4m3", "fp8_e5m2", "int8"):
             engine = LLMEngine(lm, ctx, EngineConfig(kv_cache_dtype=name, kv_cache_memory_bytes=1 << 16,
                                                      block_size=4))
@@ -239,6 +241,9 @@ def test_bad_settings_are_refused_in_one_line():
             EngineConfig(**kwargs)
     with pytest.raises(ValueError, match="holds no block"):
         EngineConfig(kv_cache_memory_bytes=10).pool_blocks(96, None, 4096)
+    with pytest.raises(ValueError, match="more than the 2 that kv_cache_memory_bytes holds; raise "
+                                         "kv_cache_memory_bytes to at least 12288"):  # 3 blocks of 4096 bytes
+        validate_prompt([1] * 9, 3, 257, 96, 2, 4, None, 4096)
     pool = KVPool(2, 4, 4, 2, 8, torch.float32, cache_dtype="fp8_e4m3")
     with pytest.raises(ValueError, match="scales of shape"):
         pool.quant.set_scales(torch.ones(2, 2, 3))

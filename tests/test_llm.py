@@ -134,6 +134,7 @@ def test_every_rank_receives_the_same_requests():
 def test_bad_requests_are_refused_before_any_collective():
     # rank 0's checks run before its step's broadcast: a refused request leaves the others waiting for nothing
     bad = [([], 4, "empty prompt"), ([1] * 90, 10, "more than the model's context"), ([5000], 2, "not a token id"),
+           ([1] * 90, 7, "is 97 tokens, more than the model's context of 96"),  # vLLM's rule: prompt + output
            ([1] * 70, 20, "num_gpu_blocks_override")]
     results = run_ranks(1, refuse, bad)
     assert results[0] == [m for _, _, m in bad]
@@ -354,6 +355,7 @@ def test_llm_refuses_bad_settings_without_starting_ranks(checkpoints, tmp_path):
              (dict(model="llama_tiny", tensor_parallel_size=0), "positive integer"),
              (dict(model="llama_tiny", max_num_seqs=0), "max_num_seqs=0 must be"),
              (dict(model="llama_tiny", max_model_len=2048), "max_model_len=2048 exceeds the 1024 positions"),
+             (dict(model="llama_tiny", kv_cache_memory_bytes=100), "kv_cache_memory_bytes=100 holds no block of"),
              (dict(model="llama_tiny", dtype="float8"), "dtype")]
     for kwargs, msg in cases:
         with pytest.raises(ValueError, match=msg):
