@@ -117,6 +117,7 @@ def test_an_unknown_preset_fails_fast_on_a_lone_rank(tmp_path):
 
 MORE_BAD = [
     (["max_new_tokens=0"], "max_new_tokens=0 (request 0) must be at least 1"),
+    (["kv_cache_dtype=fp4"], "kv_cache_dtype='fp4': choose auto, fp8_e4m3, fp8_e5m2, int8"),
     (["prompts=[[1,2,3]]", "max_new_tokens=1023"], "needs 1025 positions, more than model.max_seq_len=1024"),
     (["arrivals=[0,-1]", "prompts=[[1],[2]]"], "request 1 arrives at iteration -1"),
     (["eos_id=50257"], "eos_id=50257 is not a token id"),
@@ -188,6 +189,7 @@ PD_BAD = [
     (4, ["pd.prefill_ranks=3", "pd.decode_ranks=1"], "pd.prefill_ranks=3: n_heads=8 heads cannot be split over p=3"),
     (2, ["pd.prefill_ranks=0", "pd.decode_ranks=2"], "pd.prefill_ranks=0 must be a positive integer"),
     (2, ["pd.prefill_ranks=1", "pd.decode_ranks=1", "pd.streaming=maybe"], "pd.streaming='maybe' must be true or false"),
+    (2, ["pd.prefill_ranks=1", "pd.decode_ranks=1", "kv_cache_dtype=int8"], "kv_cache_dtype=int8 with pd is not built"),
 ]
 
 
