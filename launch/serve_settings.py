@@ -30,10 +30,10 @@ from tp.dist import DEFAULT_TIMEOUT_S, ConfigError
 
 # The engine's settings as Hydra sees them: every EngineConfig field with its default, by its own name (check_ledger
 # aside: the offline run records every step's comparison instead of raising, serve/offline.py; speculative_config
-# aside: the launcher does not speculate yet; kv_cache_memory_bytes aside: the launcher sizes its pool for its
-# known workload, or num_gpu_blocks_override).
-LAUNCHER_ENGINE = [f for f in dataclasses.fields(EngineConfig)
-                   if f.name not in ("check_ledger", "speculative_config", "kv_cache_memory_bytes")]
+# aside: the launcher does not speculate yet; kv_cache_memory_bytes and max_model_len aside: the launcher sizes its
+# pool for its known workload (or num_gpu_blocks_override) and fits its prompts to model.max_seq_len itself).
+LAUNCHER_ENGINE = [f for f in dataclasses.fields(EngineConfig) if f.name not in
+                   ("check_ledger", "speculative_config", "kv_cache_memory_bytes", "max_model_len")]
 ConfigStore.instance().store(name="engine_defaults", node={f.name: f.default for f in LAUNCHER_ENGINE})
 
 

@@ -48,15 +48,20 @@ class MultiprocExecutor:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [v for v in [env.get("PYTHONPATH")] if v])
         if world_size > 1:  # as torchrun: ranks sharing the cores get one OpenMP thread each, set before torch loads
             env.setdefault("OMP_NUM_THREADS", "1")
-        for rank in range(world_size):
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-c", "from serve.worker import main; main()",
-                 "--rank", str(rank), "--world-size", str(world_size), "--dir", self.dir],
-                env=env if rank == 0 else {k: v for k, v in env.items() if k != AUTHKEY_ENV}, cwd=ROOT,
-                start_new_session=True))  # their own process group: a terminal's SIGINT is the driver's alone
         self.conn = None
         self._link: dict = {}  # what the finalizer needs (not self: that would keep this object alive)
         self._finalizer = weakref.finalize(self, MultiprocExecutor._stop, self.procs, self._link, self.dir)
+        try:
+            for rank in range(world_size):
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-c", "from serve.worker import main; main()",
+                     "--rank", str(rank), "--world-size", str(world_size), "--dir", self.dir],
+                    env=env if rank == 0 else {k: v for k, v in env.items() if k != AUTHKEY_ENV}, cwd=ROOT,
+                    start_new_session=True))  # their own process group: a terminal's SIGINT is the driver's alone
+        except BaseException:  # interrupted (or out of processes) half-way: the ranks started so far go too
+            listener.close()
+            self.kill()
+            raise
         accepted: list = []
         accepting = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
         accepting.start()

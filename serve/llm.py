@@ -345,8 +345,9 @@ class LLM:
                 self._count += 1
                 self.add_request(names[-1], {"prompt_token_ids": ids, "prompt": text}, q)
         except BaseException:
-            for name in names[:-1]:  # nothing half-added stays behind to run in a later call
-                self.executor.call("abort_request", name)
+            if not self.executor.closed:  # (interrupted or failed: the ranks are stopped already)
+                for name in names[:-1]:  # nothing half-added stays behind to run in a later call
+                    self.executor.call("abort_request", name)
             raise
         done: dict[str, RequestOutput] = {}
         wanted = set(names)

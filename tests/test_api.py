@@ -413,7 +413,8 @@ def test_ctrl_c_finishes_or_aborts_in_flight_requests_and_leaves_nothing(server)
 
 
 def test_an_idle_server_says_its_start_up_from_process_start_and_exits_at_once(servers):
-    """"ready in X s" counts from the process's start (imports included, a second or more). Ctrl-C
+    """"ready in X s" counts from the process's start (imports included, a second or more). A chat request without
+    max_tokens is given the rest of the context. Ctrl-C
     (SIGINT to its group) with nothing in flight: exit 0 in well under a second (measured about 0.25 s; the
     bound below leaves room for a loaded machine), its ranks gone."""
     s = servers["idle"].ready()
@@ -421,6 +422,13 @@ def test_an_idle_server_says_its_start_up_from_process_start_and_exits_at_once(s
     ranks = float(s.lines[-1].split("the ranks' start ", 1)[1].split(" s")[0])
     # no more than its parent has waited so far, and more than the ranks' start: the imports before them count
     assert ranks + 0.5 < printed <= s.printed + 0.1, (printed, s.printed, ranks)
+    # a chat request without max_tokens gets the rest: prompt + output = max_model_len, here the model's context,
+    # vLLM's rule
+    code, body = s.post("/chat/completions", {"model": MODEL, "messages": CHAT, "ignore_eos": True})
+    assert code == 200 and body["choices"][0]["finish_reason"] == "length", body
+    assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] == 512
+    with urllib.request.urlopen(s.url + "/models", timeout=10) as r:
+        assert json.loads(r.read())["data"][0]["max_model_len"] == 512
     time.sleep(0.5)
     t0 = time.monotonic()
     os.killpg(s.proc.pid, signal.SIGINT)

@@ -496,6 +496,21 @@ def test_the_cli_samples_as_generate_and_chat_renders_the_checkpoints_template(c
                              ([{"role": "user", "content": [{"type": "image_url"}]}], "only text content parts")):
             with pytest.raises(ValueError, match=message):
                 llm.chat(bad)
+        # Ctrl-C while generate() adds its prompts (in the second add's wait, which kills the ranks and raises, as
+        # MultiprocExecutor.wait does): KeyboardInterrupt reaches the caller, not an error from cleaning up
+        real_wait, waits = llm.executor.wait, []
+
+        def interrupted(what, deadline=None):
+            waits.append(what)
+            if len(waits) == 2:
+                llm.executor.kill()
+                raise KeyboardInterrupt
+            return real_wait(what, deadline)
+
+        llm.executor.wait = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["a", "b", "c"], SamplingParams(max_tokens=2))
+        assert all(proc.poll() is not None for proc in llm.executor.procs)
     assert chats[0].prompt == text and chats[0].outputs[0].token_ids == plain.outputs[0].token_ids
     assert chats[1].prompt == "<user>the quick<assistant>"
     with pytest.raises(ValueError, match="chat\\(\\) needs a tokenizer"):  # refused before anything is sent

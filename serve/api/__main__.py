@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                          on_failure=failed)
     metrics.engine = engine
     context = llm.model_config.max_seq_len  # positions one request may cache: prompt + output - 1 at most
-    limit = context if config.max_model_len is None else config.max_model_len - 1  # vLLM's: prompt + output
+    limit = (config.max_model_len or context) - 1  # vLLM's rule: prompt + output <= max_model_len (or the context)
     app = build_app(engine, model_name=name, tokenizer=llm.tokenizer, max_model_len=llm.max_model_len,
                     max_positions=min(limit, llm.num_blocks * llm.config.block_size), metrics=metrics)
     grace = args.shutdown_timeout

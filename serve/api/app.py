@@ -131,10 +131,10 @@ def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, max_pos
     async def health():
         if engine.failed is not None:
             return error(APIError(503, f"the engine has failed: {engine.failed}", code="engine_failed"))
+        if not engine.accepting:  # (draining: its ranks are being stopped, not failing)
+            return error(APIError(503, "the server is shutting down", code="shutting_down"))
         if (gone := engine.exited_rank()) is not None:  # seen here at once, before the engine thread's next look
             return error(APIError(503, f"the engine has failed: {gone}", code="engine_failed"))
-        if not engine.accepting:
-            return error(APIError(503, "the server is shutting down", code="shutting_down"))
         return {"status": "ok"}
 
     @app.get("/v1/models")

@@ -59,6 +59,9 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
     request preempted on the decode side recomputes its prompt and tokens there."""
     if config.speculative_config is not None:  # every rank, before any collective
         raise ValueError("speculative_config with P/D disaggregation is not built yet: serve without it")
+    if config.kv_cache_dtype != "auto":  # the hand-over moves the model dtype's K,V, and the scales would not follow
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype} with P/D disaggregation is not built (the decode side "
+                         f"would need the prefill side's scales with the codes): serve it colocated, or drop it")
     decode_block_size = config.block_size if decode_block_size is None else decode_block_size
     cfg = weights.cfg
     validate_layout(cfg, layout, world.world_size)
