@@ -35,19 +35,18 @@ class ModelRunner:
         parallelism's group (layers/context_parallel.SplitCacheBackend): this rank keeps 1/cp of every block's
         positions, block_size/cp slots per block."""
         self.lm, self.ctx, self.block_size = lm, ctx, config.block_size
-        block_size = config.block_size
         self.attention = choose(config.attention, ctx.device)  # the backend's name: auto resolved for this device
         self.dtype = next(lm.parameters()).dtype
         self.split = None if cp_group is None else SplitCacheBackend(cp_group)
         if self.split is not None:
             self.attention = self.split.name
-        slots = block_size // (1 if self.split is None else self.split.cp)
+        slots = config.block_size // (1 if self.split is None else self.split.cp)
         # K,V heads this rank caches: h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention); the layers of a
         # pipeline stage's model are its own (cfg.n_layers is the stage's)
         self.cache = KVPool.for_model(lm, num_blocks, slots, self.dtype, ctx.device, config.kv_cache_dtype,
                                       config.calculate_kv_scales)
-        self.block_bytes = None if config.kv_cache_memory_bytes is None else \
-            KVPool.block_bytes(lm, slots, self.dtype, config.kv_cache_dtype)  # what sized the pool (errors say so)
+        # what sized the pool, where kv_cache_memory_bytes did (a request too large for it is told so)
+        self.block_bytes = None if config.kv_cache_memory_bytes is None else self.cache.bytes_per_block
 
     @staticmethod
     def pool_blocks(lm, config: EngineConfig, cp_group=None) -> int:

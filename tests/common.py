@@ -39,15 +39,8 @@ CORPUS = ["the quick brown fox jumps over the lazy dog", "tensor parallel servin
 
 
 def train_tokenizer(path):
-    """A byte-level BPE trained here (no downloads), saved as transformers saves a tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """A byte-level BPE trained here on CORPUS (no downloads), saved as transformers saves a tokenizer: the recipe of
+    python -m serve.toy_model, on the tests' own text."""
+    from serve.toy_model import train_tokenizer as train
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
-    fast.save_pretrained(path)
-    return fast
+    return train(path, CORPUS, vocab_size=400)
