@@ -31,16 +31,13 @@ fused CPU attention its output and log-sum-exp); CUDA's kernels keep others, so 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
-from tp.partition import padded
-
-if TYPE_CHECKING:  # shapes only; tp/ does not import layers/ at run time
-    from layers.config import ModelConfig
+from tp.partition import ModelShape, padded
 
 
-def activation_bytes_per_layer(cfg: ModelConfig, p: int, n: int, dtype: torch.dtype, variant: str) -> int:
+
+def activation_bytes_per_layer(cfg: ModelShape, p: int, n: int, dtype: torch.dtype, variant: str) -> int:
     """Bytes autograd saves in one block's forward on one rank (v2 or v2sp), one sequence of n rows."""
     if variant not in ("v2", "v2sp"):
         raise ValueError(f"no activation-memory formula for {variant!r} (v2 and v2sp only)")

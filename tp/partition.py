@@ -10,6 +10,20 @@ each in one function. Plain Python (no torch), so the scheduler and the block ma
 
 from __future__ import annotations
 
+from typing import Protocol
+
+
+class ModelShape(Protocol):
+    """What the analytic models (tp/traffic_model.py, tp/memory_model.py) read of a model's config: the shape every
+    family's config has (layers/config.py ModelConfig and its kin); the family's own fields are read by name where a
+    formula needs them. Declared here so that tp/ never imports layers/."""
+
+    family: str
+    d_model: int
+    n_heads: int
+    n_layers: int
+    vocab_size: int
+
 
 def ceil_div(n: int, b: int) -> int:
     return -(-n // b)

@@ -39,20 +39,17 @@ On one rank nothing is communicated.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
-from tp.partition import ceil_div, kv_head_range, kv_heads_per_rank, padded
+from tp.partition import ModelShape, ceil_div, kv_head_range, kv_heads_per_rank, padded
 from tp.ledger import Traffic, Transfer
 
-if TYPE_CHECKING:  # shapes only; tp/ does not import layers/ at run time
-    from layers.config import ModelConfig
 
 PHASES = ("forward", "backward")
 
 
-def block_collectives(cfg: ModelConfig, n: int, variant: str, phase: str,
+def block_collectives(cfg: ModelShape, n: int, variant: str, phase: str,
                       lengths: list[int] | None = None, p: int = 1) -> list[tuple[str, str, str, tuple]]:
     """(sublayer, site, kind, logical shape) for one block, in issue order. lengths: the requests (default [n]).
     p: the ranks, for v2sp's padding (n' = p·⌈n/p⌉ rows)."""
@@ -89,7 +86,7 @@ def block_collectives(cfg: ModelConfig, n: int, variant: str, phase: str,
     return table[(variant, phase)]
 
 
-def predict(cfg: ModelConfig, p: int, n: int, dtype: torch.dtype, variant: str, phase: str = "forward",
+def predict(cfg: ModelShape, p: int, n: int, dtype: torch.dtype, variant: str, phase: str = "forward",
             lengths: list[int] | None = None) -> list[Traffic]:
     """Every collective of one pass through the whole L-layer stack, layer by layer."""
     if p == 1:
@@ -101,7 +98,7 @@ def predict(cfg: ModelConfig, p: int, n: int, dtype: torch.dtype, variant: str, 
     ]
 
 
-def predict_sp_stack(cfg: ModelConfig, p: int, n: int, dtype: torch.dtype, phase: str = "forward",
+def predict_sp_stack(cfg: ModelShape, p: int, n: int, dtype: torch.dtype, phase: str = "forward",
                      gathered: bool = True, input_grad: bool = True) -> list[Traffic]:
     """v2sp's collectives outside any block (layers/tp_block.SPStack): forward, the output's all-gather [n', d]
     (if the caller gathers it); backward, the input's all-gather of dx [n', d] (if the input needs a gradient).
@@ -115,7 +112,7 @@ def predict_sp_stack(cfg: ModelConfig, p: int, n: int, dtype: torch.dtype, phase
                        dtype=dtype, p=p)] if wanted else []
 
 
-def bytes_per_rank_per_layer(cfg: ModelConfig, p: int, n: int, dtype: torch.dtype, variant: str,
+def bytes_per_rank_per_layer(cfg: ModelShape, p: int, n: int, dtype: torch.dtype, variant: str,
                              phase: str = "forward", lengths: list[int] | None = None) -> float:
     """Closed form, for sweeps and plots."""
     if p == 1:
@@ -124,7 +121,7 @@ def bytes_per_rank_per_layer(cfg: ModelConfig, p: int, n: int, dtype: torch.dtyp
                for s, t, k, sh in block_collectives(cfg, n, variant, phase, lengths, p))
 
 
-def predict_iteration(cfg: ModelConfig, p: int, rows: int, sampled: int, dtype: torch.dtype, variant: str,
+def predict_iteration(cfg: ModelShape, p: int, rows: int, sampled: int, dtype: torch.dtype, variant: str,
                       vocab_parallel: bool, plan_check: int, sampler: tuple[tuple[int, ...], bool, bool] | None = None,
                       cp: int = 1) -> list[Traffic]:
     """Every collective of one serving iteration, in issue order. plan_check: fingerprint elements per rank.
@@ -267,7 +264,7 @@ def pair_count(n_kv_heads: int, p_src: int, p_dst: int) -> int:
     return (a + b - math.gcd(a, b)) * p_dst // b
 
 
-def predict_transfers(cfg: ModelConfig, p_prefill: int, p_decode: int, handovers: list[tuple[int, int]],
+def predict_transfers(cfg: ModelShape, p_prefill: int, p_decode: int, handovers: list[tuple[int, int]],
                       dtype: torch.dtype, streaming: bool, rank: int, prefill_pp: int = 1) -> list[Transfer]:
     """The messages global rank `rank` sends (a prefill rank, 0 .. p_P−1) or receives (a decode rank, p_P ..)
     when the requests `handovers` [(request id, prompt length N)] move from the prefill to the decode group.
@@ -346,7 +343,7 @@ def pp_stage_layers(n_layers: int, pp: int) -> list[range]:
     return [range(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(pp)]
 
 
-def predict_pp_stage(cfg: ModelConfig, pp: int, tp: int, rank: int, n: int, dtype: torch.dtype, variant: str,
+def predict_pp_stage(cfg: ModelShape, pp: int, tp: int, rank: int, n: int, dtype: torch.dtype, variant: str,
                      boundary: str) -> tuple[list[Traffic], list[Transfer]]:
     """What global rank `rank` of a pp × tp pipeline moves in one forward (one micro-batch) of n rows: its stage's
     layers' collectives on its TP group (and, with the scatter boundary on every stage but the first, the all-gather
@@ -373,7 +370,7 @@ def predict_pp_stage(cfg: ModelConfig, pp: int, tp: int, rank: int, n: int, dtyp
     return collectives, messages
 
 
-def predict_cp(cfg: ModelConfig, cp: int, tp: int, rank: int, rows: list[int], new_tokens: int,
+def predict_cp(cfg: ModelShape, cp: int, tp: int, rank: int, rows: list[int], new_tokens: int,
                dtype: torch.dtype) -> tuple[list[Traffic], list[Transfer]]:
     """What global rank `rank` (= c·tp + t) of a cp × tp layout moves for one request (layers/context_parallel.py):
     the prefill of rows[c'] rows per cp rank c' by ring attention, then new_tokens decodes over the split cache.
@@ -411,7 +408,7 @@ def predict_cp(cfg: ModelConfig, cp: int, tp: int, rank: int, rows: list[int], n
     return collectives, messages
 
 
-def pass_kv_bytes_per_rank_per_layer(cfg: ModelConfig, cp: int, tp: int, n: int, elem_bytes: int) -> float:
+def pass_kv_bytes_per_rank_per_layer(cfg: ModelShape, cp: int, tp: int, n: int, elem_bytes: int) -> float:
     """The closed form (cp − 1)·2·(S/cp)·h_kv·d·e a rank sends per layer in ring attention's pass-KV (S/cp rows per
     rank on average: exact when 2·cp divides S)."""
     return (cp - 1) * 2 * (n / cp) * kv_heads_per_rank(cfg.n_kv_heads, tp) * cfg.d_head * elem_bytes
