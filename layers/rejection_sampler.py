@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
-from layers.sampler import SamplingBatch, _cut, _mix, _shr, gumbel_noise
+from layers.sampler import SamplingBatch, apply_filters, gumbel_noise, shift_right, splitmix64
 from tp.comm import gather_from_region, reduce_from_region
 
 ACCEPT_STREAM = 0x5DEECE66D  # the accept uniforms' key is (seed ^ this, position): a stream apart from the race's
@@ -49,7 +49,7 @@ def filtered_logprobs(local: torch.Tensor, start: int, group: dist.ProcessGroup 
     ids = torch.arange(start, start + n, device=dev)
     need = max(batch.candidates, 1)  # at least the global max (and argmax) of every row
     batch = dataclasses.replace(batch, candidates=need)
-    cut = _cut(local, ids, group, batch)
+    cut = apply_filters(local, ids, group, batch)
     z = local.double()
     s = z / cut.T
     m = cut.m / cut.T
@@ -68,8 +68,8 @@ def filtered_logprobs(local: torch.Tensor, start: int, group: dist.ProcessGroup 
 
 def accept_uniform(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """u ~ U(0, 1) per row, counter-based on (seed, position): the same on every rank, independent of the race."""
-    bits = _mix(_mix(seed ^ ACCEPT_STREAM) + (position + 1) * -7046029254386353131)
-    return (_shr(bits, 11).double() + 0.5) / 2.0 ** 53
+    bits = splitmix64(splitmix64(seed ^ ACCEPT_STREAM) + (position + 1) * -7046029254386353131)
+    return (shift_right(bits, 11).double() + 0.5) / 2.0 ** 53
 
 
 def rejection_sample(p_logp: torch.Tensor, q_logp: torch.Tensor, proposal: torch.Tensor, local: torch.Tensor,

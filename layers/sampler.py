@@ -149,20 +149,20 @@ def nothing_sampled() -> SampleResult:
 # ---- the noise: a function of (seed, position, id) alone -----------------------------------------------------------
 
 
-def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+def shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
     """Logical right shift of int64 (torch's >> is arithmetic)."""
     return (x >> k) & ((1 << (64 - k)) - 1)
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
     """splitmix64's finaliser on int64 (wrapping arithmetic): a bijection that scatters every input bit."""
-    x = (x ^ _shr(x, 30)) * _M1
-    x = (x ^ _shr(x, 27)) * _M2
-    return x ^ _shr(x, 31)
+    x = (x ^ shift_right(x, 30)) * _M1
+    x = (x ^ shift_right(x, 27)) * _M2
+    return x ^ shift_right(x, 31)
 
 
-def _mix_int(x: int) -> int:
-    """_mix on one Python int (the same 64 bits; plain host arithmetic, no tensor)."""
+def splitmix64_int(x: int) -> int:
+    """splitmix64 on one Python int (the same 64 bits; plain host arithmetic, no tensor)."""
     mask = (1 << 64) - 1
     x &= mask
     x = ((x ^ (x >> 30)) * _M1) & mask
@@ -172,27 +172,27 @@ def _mix_int(x: int) -> int:
 
 def request_seed(engine_seed: int, request_id: int) -> int:
     """A request without a seed of its own: one drawn from the engine's seed and its id (a run is reproducible)."""
-    return _mix_int(_mix_int(engine_seed * 1_000_003 + request_id) + _GOLDEN) & ((1 << 53) - 1)
+    return splitmix64_int(splitmix64_int(engine_seed * 1_000_003 + request_id) + _GOLDEN) & ((1 << 53) - 1)
 
 
 def exponential_noise(seed: torch.Tensor, position: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """E ~ Exp(1) for every (row, id): seed, position [S], ids [n] (or [S, n], each row its own ids) -> [S, n]
     float64. Counter-based: each rank draws its own ids and gets the numbers a single device would."""
-    row = _mix(_mix(seed + _GOLDEN) + position * _GOLDEN)  # [S]
+    row = splitmix64(splitmix64(seed + _GOLDEN) + position * _GOLDEN)  # [S]
     ids = ids if ids.dim() == 2 else ids[None, :]
-    bits = _mix(row[:, None] + (ids + 1) * _GOLDEN)  # [S, n]
-    u = (_shr(bits, 11).double() + 0.5) / 2.0 ** 53  # (0, 1), 53 random bits
+    bits = splitmix64(row[:, None] + (ids + 1) * _GOLDEN)  # [S, n]
+    u = (shift_right(bits, 11).double() + 0.5) / 2.0 ** 53  # (0, 1), 53 random bits
     return -torch.log(u)
 
 
 def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """-log E for the same (row, id) as exponential_noise, bit for bit, computed in place (the race's hot loop: one
     [S, n] int64 buffer and one float64 buffer instead of a fresh tensor per operation)."""
-    row = _mix(_mix(seed + _GOLDEN) + position * _GOLDEN)  # [S]
+    row = splitmix64(splitmix64(seed + _GOLDEN) + position * _GOLDEN)  # [S]
     ids = ids if ids.dim() == 2 else ids[None, :]
     x = row[:, None] + (ids + 1) * _GOLDEN  # [S, n]
     t = torch.empty_like(x)
-    for shift, mult in ((30, _M1), (27, _M2), (31, None)):  # _mix, in place
+    for shift, mult in ((30, _M1), (27, _M2), (31, None)):  # splitmix64, in place
         torch.bitwise_right_shift(x, shift, out=t)
         t.bitwise_and_((1 << (64 - shift)) - 1)
         x.bitwise_xor_(t)
@@ -251,8 +251,9 @@ def _all_logits(local: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
-class _Cut:
-    """What the filters decided for each row (sample()'s first half; filtered_logprobs reads it too)."""
+class Filtered:
+    """What the filters decided for each row: apply_filters' result, which both samplers read (sample() and
+    filtered_logprobs here, layers/rejection_sampler.py's verifier)."""
     T: torch.Tensor  # [S, 1] the temperature (1 on greedy rows)
     log_min_p: torch.Tensor  # [S, 1]
     greedy: torch.Tensor  # [S] bool
@@ -265,8 +266,10 @@ class _Cut:
     z_full: torch.Tensor | None  # [S] logprobs' normaliser sum exp(z - m), all-reduced
 
 
-def _cut(local: torch.Tensor, ids: torch.Tensor, group, batch: SamplingBatch) -> _Cut:
-    """The filters, exactly, with the fewest collectives: candidates, normalisers, more candidates for top-p."""
+def apply_filters(local: torch.Tensor, ids: torch.Tensor, group, batch: SamplingBatch) -> Filtered:
+    """The filters (temperature, min-p, top-k, top-p: vLLM's order), exactly, with the fewest collectives: candidates,
+    normalisers, more candidates for top-p. The one home of the filters: the plain sampler and the rejection sampler
+    both call it."""
     S, n = local.shape
     dev = local.device
     greedy = batch.temperature == 0
@@ -320,7 +323,7 @@ def _cut(local: torch.Tensor, ids: torch.Tensor, group, batch: SamplingBatch) ->
             kept_c = _kept_candidates(top_z, T, m, batch, greedy)
         kept_c = kept_c & ~(top_p_on[:, None] & (before >= batch.top_p[:, None]))  # top-p's prefix
         closed |= top_p_on
-    return _Cut(T, log_min_p, greedy, m, top_z, top_id, kept_c, closed, rounds, z_full)
+    return Filtered(T, log_min_p, greedy, m, top_z, top_id, kept_c, closed, rounds, z_full)
 
 
 def sample(local: torch.Tensor, start: int, group: dist.ProcessGroup | None, batch: SamplingBatch | None,
@@ -337,7 +340,7 @@ def sample(local: torch.Tensor, start: int, group: dist.ProcessGroup | None, bat
     S, n = local.shape
     dev = local.device
     ids = torch.arange(start, start + n, device=dev)
-    cut = _cut(local, ids, group, batch)
+    cut = apply_filters(local, ids, group, batch)
     T, closed, top_z, top_id = cut.T, cut.closed, cut.top_z, cut.top_id
     result = SampleResult(torch.empty(S, dtype=torch.long, device=dev),
                           torch.empty(S, dtype=torch.float64, device=dev), rounds=tuple(cut.rounds))
