@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from launch.shards import LINEARS
+from launch.shards import linears
+from layers import families
 
 DESCRIPTION = {
     "v1": "all column-parallel",
@@ -60,12 +61,12 @@ def _requests_table(requests: list[dict], limit: int = 12) -> list[str]:
 
 def render_variant(v: str, res: dict, tolerance: float, family: str = "gpt2") -> list[str]:
     out = ["", f"== {v} ({DESCRIPTION[v]})", "what each rank holds, W as [in x out] with y = x @ W, every layer alike:"]
-    linears, kv = LINEARS[family], "kv_heads" in res["shards"][0]
+    names, kv = linears(family), "kv_heads" in res["shards"][0]
     out.append(format_table(
         ["rank", "heads"] + ["K,V heads"] * kv
-        + [f"{n} ({res['shards'][0][n]['kind'].replace('ParallelLinear', '').lower()})" for n in linears],
+        + [f"{n} ({res['shards'][0][n]['kind'].replace('ParallelLinear', '').lower()})" for n in names],
         [[r["rank"], _heads(r)] + ([_span(*r["kv_heads"])] if kv else [])
-         + ["[{}x{}]".format(*r[n]["weight_in_out"]) for n in linears] for r in res["shards"]]))
+         + ["[{}x{}]".format(*r[n]["weight_in_out"]) for n in names] for r in res["shards"]]))
     out.append(f"forward per layer: collectives (ledger; CommDebugMode agrees: "
                f"{'yes' if res['counts_agree'] else 'NO'}), KiB, time = median of repeats, slowest rank; "
                f"error vs single-device block, tolerance {tolerance:g} on max|tp-dense|/max|dense|")
@@ -124,15 +125,15 @@ def render(report: dict) -> str:
     c, m = report["config"], report["config"]["model"]
     p = report["world_size"]
     family = c.get("family", "gpt2")
-    llama = family == "llama"
+    llama, title = families.family(family).llama_lm, families.family(family).title
     out = [
         f"tpref: tensor-parallel block check  (tp = {p}, backend {report['backend']}, device {report['device']})",
-        f"model {c['model_name']} ({'Llama' if llama else 'GPT-2'} blocks): d={m['d_model']} h={m['n_heads']} "
+        f"model {c['model_name']} ({title} blocks): d={m['d_model']} h={m['n_heads']} "
         + (f"h_kv={m['n_kv_heads']} " if llama else "")
         + f"d_head={m['d_head']} k={m['n_heads'] * m['d_head']} ffn={m['d_ffn']} L={m['n_layers']}; "
         f"dtype={c['dtype']}" + (f" ({c['dtype_from']})" if c.get("dtype_from") else "") + f" seed={c['seed']}",
     ]
-    out.append(f"weights: {'Llama' if llama else 'GPT-2'} checkpoint {c['hf_checkpoint']}" if c.get("hf_checkpoint")
+    out.append(f"weights: {title} checkpoint {c['hf_checkpoint']}" if c.get("hf_checkpoint")
                else f"weights: random (seed {c['seed']}), " + ("RMSNorm weights included (no biases)" if llama
                                                              else "biases and LayerNorms included"))
     lengths = c["requests"]

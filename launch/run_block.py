@@ -37,6 +37,7 @@ from launch.pp_check import render_pp, run_pp_check
 from launch.report import render
 from launch.settings import (LaunchSettings, boolean, common_settings, fitted_lengths, integer, launch, overridden,
                              positive_float, publish, refuse_bad_arguments)
+from layers.families import of
 from layers.config import DEFAULT_TOLERANCE, ModelConfig, parse_variants, validate_tokens, validate_variants
 from layers.llama import LlamaConfig
 from layers.moe import MOE_PARALLEL, validate_moe
@@ -85,13 +86,14 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
                               "for all three)")
         return finish_settings(cfg, common, lengths, [], notes, moe)
     variants = parse_variants(OmegaConf.to_container(cfg.variants) if OmegaConf.is_list(cfg.variants) else cfg.variants)
-    if model.family == "llama":  # Llama blocks are built as v2 (the Megatron pattern) and v2sp only
-        llama = [v for v in variants if v in ("v2", "v2sp")]
-        if "variants" in overridden(("variants",)) and llama != variants:
-            raise ConfigError(f"variants={variants}: Llama-family blocks are built as v2 or v2sp only (column -> "
-                              f"row, 2 all-reduces per layer, or their sequence-parallel cut); drop variants= or "
-                              f"set variants=[v2,v2sp]")
-        variants = llama or ["v2"]
+    built = of(model).variants  # Llama-family blocks: v2 (the Megatron pattern) and v2sp only
+    if set(variants) - set(built):
+        kept = [v for v in variants if v in built]
+        if "variants" in overridden(("variants",)):
+            raise ConfigError(f"variants={variants}: {of(model).title}-family blocks are built as "
+                              f"{' or '.join(built)} only (column -> row, 2 all-reduces per layer, or their "
+                              f"sequence-parallel cut); drop variants= or set variants=[{','.join(built)}]")
+        variants = kept or ["v2"]
     validate_variants(model, world_size, variants)
     if "v2sp" in variants and sum(lengths) < world_size:
         raise ConfigError(f"variant v2sp splits the {sum(lengths)} tokens by rows over p={world_size} ranks and needs "
@@ -110,7 +112,7 @@ def parse_context_parallel(cfg: DictConfig, common: dict, lengths: list[int], no
     """cp > 1: one request (n_tokens, or the requests' total as one sequence), prefilled by ring attention and then
     decoded cp_decode tokens over the split cache; v2 blocks of GPT-2 or Llama."""
     model = common["model"]
-    if model.family not in ("gpt2", "llama"):
+    if not of(model).context_parallel:
         raise ConfigError(f"cp={cp} runs GPT-2 and Llama blocks; {model.family} blocks are not built for context "
                           f"parallelism")
     if "variants" in overridden(("variants",)) and parse_variants(
@@ -149,14 +151,14 @@ def parse_pipeline(cfg: DictConfig, common: dict, lengths: list[int], notes: lis
     """pp > 1: variants v1 and v2 only (v2sp and intra_head cut what crosses the boundary differently: refused when
     asked for, dropped with a note from the default list), dense FFNs only, micro-batches of whole requests."""
     model = common["model"]
-    if model.family == "mixtral":
+    if not of(model).pipeline:
         raise ConfigError(f"pp={pp} with MoE blocks is not built: run model=mixtral_tiny with pp=1")
     try:
         check_layout(world_size, pp, model.n_layers, "v2")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     asked = parse_variants(OmegaConf.to_container(cfg.variants) if OmegaConf.is_list(cfg.variants) else cfg.variants)
-    variants = [v for v in asked if v in PP_VARIANTS and (model.family == "gpt2" or v == "v2")]
+    variants = [v for v in asked if v in PP_VARIANTS and v in of(model).variants]
     if "variants" in overridden(("variants",)) and variants != asked:
         raise ConfigError(f"variants={asked}: pp={pp} runs {' and '.join(PP_VARIANTS)} (Llama-family blocks: v2); "
                           f"v2sp and intra_head cut the rows or the heads' scores across the TP ranks in a way the "
@@ -180,7 +182,7 @@ def parse_pipeline(cfg: DictConfig, common: dict, lengths: list[int], notes: lis
 def parse_moe_parallel(cfg: DictConfig, model, world_size: int) -> tuple[str, ...]:
     """moe_parallel: tp | ep | ep_a2a, or null for all three (MoE models only), checked against p."""
     value = cfg.get("moe_parallel")
-    if model.family != "mixtral":
+    if not of(model).moe:
         if value is not None:
             raise ConfigError(f"moe_parallel={value} is for MoE models (model=mixtral_tiny); this model's FFN is dense")
         return ()

@@ -36,6 +36,7 @@ from launch.serve_report import add_text, build_pd_report, build_report, render,
 from launch.serve_settings import Settings, parse_settings
 from launch.settings import launch, publish, refuse_bad_arguments
 from layers.dense import weights_checksum
+from layers.families import of
 from layers.lm import NEAR_TIE
 from layers.context_parallel import rank_groups
 from layers.kv_quant import gather_scales, pseudo_quantized
@@ -82,7 +83,7 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     report["load"] = load
     embed = getattr(lm, "lm", lm).embed  # a pipeline stage's LM holds it inside (or not at all: a middle stage)
     report["embedding_bytes_per_rank"] = 0 if embed is None else embed.weight.numel() * embed.weight.element_size()
-    report["lm_head_tied"] = s.model.family == "gpt2" or s.model.tie_word_embeddings  # Llama: mostly a separate head
+    report["lm_head_tied"] = not of(s.model).llama_lm or s.model.tie_word_embeddings  # Llama: mostly a separate head
     publish(report, render, out_dir / s.report, ctx)
     ok = (report["ledger_matches_model"] and report["kv_cache"]["matches_formula"]
           and report["check"]["ok"] in (True, None))
@@ -145,7 +146,7 @@ def all_scales(quant, s: Settings, ctx):
     """A quantized cache's scales of the whole model [L, planes, h_kv] on every rank: each rank's stage layers and
     K,V heads (MLA: its one latent, whole on every rank), gathered."""
     tp = ctx.world_size // s.pp // s.cp  # rank = stage·tp + t, or c·tp + t
-    heads = 1 if s.model.family == "deepseek_v3" else s.model.n_kv_heads
+    heads = of(s.model).cache_layout(s.model, 1)[1]  # h_kv, or MLA's one latent
     return gather_scales(quant.scales, stage_layers(s.model.n_layers, s.pp)[ctx.rank // (ctx.world_size // s.pp)],
                          kv_head_range(heads, ctx.rank % tp, tp), s.model.n_layers, heads, ctx.group)
 

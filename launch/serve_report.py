@@ -8,6 +8,7 @@ import torch
 from launch.loading import render_load
 from launch.report import format_table, kib
 from layers.attention_backends import choose
+from layers.families import of
 from layers.pipeline import stage_layers
 from serve.kv_cache import kv_bytes_per_token
 from tp.cost_model import kv_bytes_per_token_per_rank
@@ -400,7 +401,7 @@ def build_report(s, ctx, result, checks: list[dict] | None) -> dict:
                    "shared_prefix": s.shared_prefix, "comm_timing": s.engine.comm_timing, "pp": s.pp,
                    "cp": s.cp,
                    "pp_boundary": s.pp_boundary, "chunk_pipelining": s.engine.chunk_pipelining,
-                   "moe_parallel": s.moe_parallel if m.family in ("mixtral", "deepseek_v3") else None, "sampling": s.sampling},
+                   "moe_parallel": s.moe_parallel if of(m).moe else None, "sampling": s.sampling},
         "notes": list(s.notes),
         "iterations": its,
         "requests": requests,

@@ -19,11 +19,11 @@ from launch.settings import (LaunchSettings, boolean, check_memory, common_setti
                              memory_need, read_transient)
 from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.hf import checkpoint_eos
-from layers.families import MOE_FAMILIES, validate
+from layers.families import of, validate
 from layers.pipeline import BOUNDARIES, check_pipeline, pp_layout
 from serve.config import EngineConfig
 from serve.pd import Layout, check_pools
-from serve.request import Request
+from serve.request import Request, context_error
 from serve.sampling_params import SamplingParams
 from serve.scheduler import Scheduler, SchedulerError
 from tp.dist import DEFAULT_TIMEOUT_S, ConfigError
@@ -90,10 +90,10 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
                           "(on GPUs use backend=nccl)")
     model = common["model"]
     variant, vocab_parallel = str(cfg.variant), boolean(cfg, "vocab_parallel")
-    if cp > 1 and model.family not in ("gpt2", "llama"):
+    if cp > 1 and not of(model).context_parallel:
         raise ConfigError(f"cp={cp}: {model.family} models are not built for context parallelism (GPT-2 and Llama are)")
     moe_parallel = parse_moe_parallel(cfg, model, world_size, layout)
-    if model.family != "gpt2" and (variant != "v2" or not vocab_parallel):
+    if of(model).llama_lm and (variant != "v2" or not vocab_parallel):
         raise ConfigError(f"{model.family} models are served with variant=v2 and vocab_parallel=true (the engine "
                           f"serves their v2 blocks; the untied head is vocab-parallel)")
     if variant not in SERVING_VARIANTS:
@@ -108,9 +108,7 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
         if layout is not None and engine.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype={engine.kv_cache_dtype} with pd is not built (the decode side would "
                              f"need the prefill side's scales with the codes): serve it colocated, or drop it")
-        if engine.block_size % cp:
-            raise ValueError(f"block_size={engine.block_size} must be a multiple of cp={cp} (each cp rank keeps "
-                             f"block_size/cp positions of every block)")
+        engine.check_context_parallel(cp, name="cp")  # pp and pd with cp: refused above
     except ValueError as exc:
         where = f"pd.prefill_pp={layout.prefill_pp}: " if layout is not None and layout.prefill_pp > 1 and \
             "stages" in str(exc) else ""
@@ -240,7 +238,7 @@ def parse_sampling(cfg: DictConfig, requests: list[Request], layout) -> dict | N
 def parse_moe_parallel(cfg: DictConfig, model, world_size: int, layout) -> str:
     """moe_parallel for MoE models: tp (default) or ep; ep_a2a is run_block's (see the error)."""
     value = cfg.get("moe_parallel")
-    if model.family not in MOE_FAMILIES:
+    if not of(model).moe:
         if value is not None:
             raise ConfigError(f"moe_parallel={value} is for MoE models (model=mixtral_tiny); this model's FFN is dense")
         return "tp"
@@ -309,7 +307,7 @@ def parse_requests(cfg: DictConfig, model: ModelConfig, seed: int, shared_prefix
         if count < 1 or mean < 1:
             raise ConfigError(f"prompt_count={count} and prompt_mean={mean} must be at least 1")
         new = per_request(cfg, "max_new_tokens", count)
-        room = longest - max(new) + 1  # random prompts are clipped so that every request fits max_seq_len
+        room = longest - max(new)  # random prompts are clipped so that prompt + max_new_tokens <= max_seq_len
         if room < 1:
             raise ConfigError(f"max_new_tokens={max(new)} leaves no room for a prompt in model.max_seq_len={longest}")
         if shared_prefix >= room:
@@ -335,9 +333,8 @@ def parse_requests(cfg: DictConfig, model: ModelConfig, seed: int, shared_prefix
             raise ConfigError(f"arrivals: request {i} arrives at iteration {a}; iterations start at 0")
         if len(prompt) > longest:
             raise ConfigError(f"prompt {i} has {len(prompt)} tokens, more than model.max_seq_len={longest}")
-        if len(prompt) + m - 1 > longest:
-            raise ConfigError(f"prompt {i} ({len(prompt)} tokens) + max_new_tokens={m} needs {len(prompt) + m - 1} "
-                              f"positions, more than model.max_seq_len={longest}; lower max_new_tokens")
+        if (error := context_error(len(prompt), m, longest)) is not None:  # the library's and the server's rule
+            raise ConfigError(f"prompt {i} with max_new_tokens={m}: {error} (model.max_seq_len={longest})")
         requests.append(Request(i, prompt, m, a))
     return requests
 

@@ -18,13 +18,10 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from layers.config import ModelConfig, validate_model
-from layers.dense import DenseStack
+from layers.config import ModelConfig
 from layers.lm import dense_lm
-from layers.llama import LlamaConfig, validate_llama
-from layers.families import config_class
-from layers.mla import validate_deepseek
-from layers.moe import MoEConfig, validate_moe
+from layers.llama import LlamaConfig
+from layers.families import config_class, of
 from layers.checkpoint import Checkpoint
 from layers.hf import check_state, read_config, read_state, resolve_dtype
 from tp.dist import ConfigError, env_world, init_from_env, resolve_backend, resolve_device, shutdown
@@ -79,23 +76,12 @@ def read_transient(weights) -> int:
 
 
 def parameter_count(model, lm: bool) -> int:
-    """The dense model's parameters, from builds of one and two layers on the meta device (every layer has the same
-    shapes): n(1) + (L - 1)·(n(2) - n(1)), without building L layers."""
-    def count(n_layers: int) -> int:
-        built = (dense_lm if lm else DenseStack)(dataclasses.replace(model, n_layers=n_layers), torch.float32, "meta")
-        return sum(t.numel() for t in built.parameters())
-
-    if model.family == "deepseek_v3":  # dense layers first, then MoE ones: each kind counted once
-        from layers.mla import DenseDeepseekBlock
-
-        def block(layer: int) -> int:
-            return sum(t.numel() for t in DenseDeepseekBlock(model, layer, torch.float32, "meta").parameters())
-
-        k = min(model.first_k_dense_replace, model.n_layers)
-        return (count(0) + k * (block(0) if k else 0)
-                + (model.n_layers - k) * (block(k) if k < model.n_layers else 0))
-    one = count(1)
-    return one + (model.n_layers - 1) * (count(2) - one)
+    """The dense model's parameters: its blocks (built on the meta device: no memory) and, for the whole LM, what
+    a build with no layers holds (embedding, final norm, head)."""
+    outside = sum(t.numel() for t in dense_lm(dataclasses.replace(model, n_layers=0), torch.float32, "meta")
+                  .parameters()) if lm else 0
+    blocks = of(model).dense_blocks(model, torch.float32, "meta")
+    return outside + sum(t.numel() for block in blocks for t in block.parameters())
 
 
 def memory_need(model, dtype: torch.dtype, p: int, local_world_size: int, lm: bool, device: str, dense: bool,
@@ -179,12 +165,11 @@ def parse_model(cfg: DictConfig, world_size: int,
     if hf_checkpoint is not None:
         model, model_name = read_config(hf_checkpoint), "hf"
     # MoE models: the placement decides what p must divide (moe_parallel, checked by the launcher); here the shape
-    validate = {"llama": validate_llama, "mixtral": lambda m, p: validate_moe(m, 1, "ep_a2a"),
-                "deepseek_v3": lambda m, p: validate_deepseek(m, 1)}.get(model.family, validate_model)
+    family = of(model)
     source = f"hf_checkpoint={hf_checkpoint}: " if hf_checkpoint else ""  # the numbers came from its config.json
     for name, p in (tp_sizes or {"": world_size}).items():
         try:
-            validate(model, p)
+            family.validate(model, 1 if family.moe else p)
         except ConfigError as exc:
             raise ConfigError(source + (f"{name}={p}: " if name else "") + str(exc)) from None
     return model, model_name, hf_checkpoint

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from layers import families
 from layers.llama import kv_heads_of_rank
 from layers.shard import heads_of_rank
 from layers.tp_block import TPStack
 from tp.dist import TPContext
 
-LINEARS = {"gpt2": ("qkv", "attn_out", "mlp_up", "mlp_down"), "llama": ("qkv", "o", "gate_up", "down")}
+def linears(family: str) -> tuple[str, ...]:
+    """A block's four linears, in forward order: Llama-family names, or GPT-2's."""
+    return ("qkv", "o", "gate_up", "down") if families.family(family).llama_lm else \
+        ("qkv", "attn_out", "mlp_up", "mlp_down")
 
 
 def shard_rows(stack: TPStack, variant: str, ctx: TPContext) -> list[dict]:
@@ -21,10 +25,10 @@ def shard_rows(stack: TPStack, variant: str, ctx: TPContext) -> list[dict]:
     else:
         heads = heads_of_rank(cfg.n_heads, r, p)
         mine = {"rank": r, "heads": [heads.start, heads.stop - 1]}
-    if cfg.family == "llama":  # its K,V heads: shared with p/h_kv − 1 other ranks once p > h_kv
+    if families.of(cfg).llama_lm:  # its K,V heads: shared with p/h_kv − 1 other ranks once p > h_kv
         kv = kv_heads_of_rank(cfg, r, p)
         mine["kv_heads"] = [kv.start, kv.stop - 1]
-    for name in LINEARS[cfg.family]:
+    for name in linears(cfg.family):
         linear = getattr(block, name)
         out_f, in_f = linear.weight.shape
         mine[name] = {"kind": type(linear).__name__, "weight_in_out": [in_f, out_f]}

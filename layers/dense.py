@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from layers.attention import PagedLayer, causal_attention
 from layers.config import ModelConfig
-from layers.llama import DenseLlamaBlock, LlamaConfig
+from layers.families import of
 from layers.varlen import Requests, check_cu_seqlens
 
 
@@ -69,19 +69,10 @@ class Stack(nn.Module):
 
 
 class DenseStack(Stack):
-    """The single-device model: L DenseBlocks, L DenseLlamaBlocks for a LlamaConfig (cfg.family == "llama"), or L
-    DenseMoEBlocks for a MoEConfig ("mixtral")."""
+    """The single-device model: the L blocks of cfg's family (layers/families.py)."""
 
-    def __init__(self, cfg: ModelConfig | LlamaConfig, dtype: torch.dtype = torch.float32, device=None):
-        from layers.moe import DenseMoEBlock  # layers/moe.py builds on layers/llama.py, as this module does
-
-        if cfg.family == "deepseek_v3":  # the FFN differs by layer (first_k_dense_replace): each block knows its index
-            from layers.mla import dense_blocks
-
-            super().__init__(cfg, dense_blocks(cfg, dtype, device))
-            return
-        block = {"llama": DenseLlamaBlock, "mixtral": DenseMoEBlock}.get(cfg.family, DenseBlock)
-        super().__init__(cfg, [block(cfg, dtype, device) for _ in range(cfg.n_layers)])
+    def __init__(self, cfg, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__(cfg, of(cfg).dense_blocks(cfg, dtype, device))
 
 
 @torch.no_grad()

@@ -1,47 +1,104 @@
-"""The model families, in one table: each family's config class and what p (and an MoE placement) it needs.
+"""The model families: one registry line each, and everything else asks here.
 
-    gpt2          layers/config.ModelConfig    layers/tp_block.py (v1, v2, intra_head, v2sp)
-    llama         layers/llama.LlamaConfig     RoPE, GQA, SwiGLU
-    mixtral       layers/moe.MoEConfig         Llama attention, routed SwiGLU experts (tp, ep, ep_a2a)
-    deepseek_v3   layers/mla.DeepseekConfig    MLA, DeepSeekMoE (tp, ep)
+    family        its module                what it is
+    gpt2          layers/hf_gpt2.py         layers/tp_block.py (v1, v2, intra_head, v2sp): LayerNorm, GeLU, learned positions
+    llama         layers/hf_llama.py        layers/llama.py: RoPE, GQA, SwiGLU, RMSNorm
+    mixtral       layers/hf_mixtral.py      layers/moe.py: Llama attention, routed SwiGLU experts (tp, ep, ep_a2a)
+    deepseek_v3   layers/hf_deepseek.py     layers/mla.py: MLA, DeepSeekMoE (tp, ep)
+    qwen3         layers/qwen3.py           Llama with an RMSNorm on each query and key head before RoPE
 
-Every entry point that turns settings or a preset into a model config, or checks it against a tensor-parallel size,
-asks here, so a family is added in one place.
+A family's module declares `FAMILY = Family(...)`: how to read its transformers config, its checkpoint key map, its
+dense and TP blocks, the LM around them, its KV cache layout and what it can be run with (MoE placements, pipeline
+stages, context parallelism). The family's name is cfg.family and config.json's model_type. Code outside the
+family's module reads these fields (`of(cfg).moe`) instead of comparing names, so a family is added with its module
+and one line of MODULES.
 """
 
 from __future__ import annotations
 
-FAMILIES = ("gpt2", "llama", "mixtral", "deepseek_v3")
-MOE_FAMILIES = ("mixtral", "deepseek_v3")  # the ones that take moe_parallel
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+MODULES = {  # the registry: family name -> the module that declares FAMILY
+    "gpt2": "layers.hf_gpt2",
+    "llama": "layers.hf_llama",
+    "mixtral": "layers.hf_mixtral",
+    "deepseek_v3": "layers.hf_deepseek",
+    "qwen3": "layers.qwen3",
+}
+FAMILIES = tuple(MODULES)
 
 
-def config_class(family: str):
-    from layers.config import ModelConfig
-    from layers.llama import LlamaConfig
-    from layers.mla import DeepseekConfig
-    from layers.moe import MoEConfig
-    from tp.dist import ConfigError
+def kv_heads_layout(cfg, p: int) -> tuple[int, int, int]:
+    """(planes, heads, width) of a TP rank's cache: K and V of max(h_kv/p, 1) heads of d_head (multi-head attention:
+    h_kv = h)."""
+    from tp.partition import kv_heads_per_rank
 
-    classes = {"gpt2": ModelConfig, "llama": LlamaConfig, "mixtral": MoEConfig, "deepseek_v3": DeepseekConfig}
-    if family not in classes:
-        raise ConfigError(f"model.family={family!r}: choose {', '.join(FAMILIES)}")
-    return classes[family]
+    return 2, kv_heads_per_rank(cfg.n_kv_heads, p), cfg.d_head
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: what the rest of the code needs to know of it."""
+
+    name: str  # cfg.family, and model_type in config.json
+    title: str  # as messages name it ("Llama")
+    config: type  # its config dataclass (the presets in conf/model/ build it)
+    # checkpoints (transformers' save_pretrained layout, read by layers/hf.py)
+    config_from_hf: Callable  # (config.json's dict) -> config; ConfigError naming what is not built
+    names: Callable  # (cfg, state, n_layers, lm) -> {our dense parameter: (its checkpoint keys, transposed?)}
+    expected_shapes: Callable  # (cfg, state, lm) -> {checkpoint key: shape}, for the checks before any load
+    # the model
+    validate: Callable  # (cfg, p, moe_parallel="tp") -> None, or ConfigError naming what to change
+    dense_blocks: Callable  # (cfg, dtype, device) -> the single-device model's L blocks
+    tp_blocks: Callable  # (cfg, variant, group, dtype, device, moe_parallel, n_layers) -> this rank's blocks
+    variants: tuple[str, ...]  # the tensor-parallel cuts its blocks are built in (layers/config.py)
+    llama_lm: bool = True  # the LM around the blocks: Llama's (token embedding, RMSNorm, own or tied head), else GPT-2's
+    cache_layout: Callable = kv_heads_layout  # (cfg, p) -> (planes, heads, width) of a TP rank's cache
+    moe: bool = False  # routed experts: takes moe_parallel
+    pipeline: bool = True  # can be cut into pipeline stages
+    context_parallel: bool = False  # served with context_parallel_size > 1
+    experts_of: Callable | None = None  # (our parameter, cfg) -> E where the files hold an [E, ...] stack per expert
+    check_lm: Callable | None = None  # (state) -> None, or ConfigError: what a whole LM's checkpoint must also hold
+    toy: Callable | None = None  # (sizes, token ids) -> transformers' config of serve/toy_model.py's model
+
+
+def family(name: str) -> Family:
+    """The family of that name (ConfigError naming the families for another)."""
+    if name not in MODULES:
+        from tp.dist import ConfigError
+
+        raise ConfigError(f"model.family={name!r}: choose {', '.join(FAMILIES)}")
+    return importlib.import_module(MODULES[name]).FAMILY
+
+
+def of(cfg) -> Family:
+    """The family of a model config."""
+    return family(cfg.family)
+
+
+def same_blocks(dense: type, tp: dict[str, type]) -> dict:
+    """dense_blocks, tp_blocks and variants for a family whose layers are all alike: one dense block class, one TP
+    block class per variant (each built as cls(cfg, [group,] dtype, device))."""
+    def dense_blocks(cfg, dtype, device) -> list:
+        return [dense(cfg, dtype, device) for _ in range(cfg.n_layers)]
+
+    def tp_blocks(cfg, variant: str, group, dtype, device, moe_parallel: str = "tp", n_layers: int | None = None):
+        return [tp[variant](cfg, group, dtype, device) for _ in range(n_layers or cfg.n_layers)]
+
+    return dict(dense_blocks=dense_blocks, tp_blocks=tp_blocks, variants=tuple(tp))
+
+
+def config_class(name: str) -> type:
+    return family(name).config
 
 
 def validate(cfg, p: int, moe_parallel: str = "tp") -> None:
     """ConfigError naming what to change when cfg cannot run at tensor-parallel size p (with the MoE placement)."""
-    from layers.config import validate_model
-    from layers.llama import validate_llama
-    from layers.mla import validate_deepseek
-    from layers.moe import validate_moe
-
-    if cfg.family == "mixtral":
-        validate_moe(cfg, p, moe_parallel)
-    elif cfg.family == "deepseek_v3":
-        validate_deepseek(cfg, p, moe_parallel)
-    elif moe_parallel != "tp":
+    fam = of(cfg)
+    if not fam.moe and moe_parallel != "tp":
         from tp.dist import ConfigError
 
         raise ConfigError(f"moe_parallel={moe_parallel!r} is for MoE models; this model's FFN is dense")
-    else:
-        (validate_llama if cfg.family == "llama" else validate_model)(cfg, p)
+    fam.validate(cfg, p, moe_parallel)

@@ -1,8 +1,10 @@
-"""Checkpoints from transformers' `save_pretrained`, of either block family: config.json picks the family.
+"""Checkpoints from transformers' `save_pretrained`: config.json's model_type picks the family (layers/families.py),
+whose module maps the files' keys to our parameters.
 
     model_type gpt2    GPT2Model / GPT2LMHeadModel      layers/hf_gpt2.py (Conv1D weights transposed)
     model_type llama   LlamaModel / LlamaForCausalLM    layers/hf_llama.py (gate_proj, up_proj stacked)
     model_type mixtral, deepseek_v3                     layers/hf_mixtral.py, layers/hf_deepseek.py (experts stacked)
+    model_type qwen3   Qwen3Model / Qwen3ForCausalLM    layers/qwen3.py (Llama's keys and q_norm, k_norm)
 
 Both are read before any collective (launch/settings.py): a file that is missing, corrupt or of an
 unsupported kind is a setting error on every rank, with the reason. The weights are read lazily
@@ -18,14 +20,13 @@ from pathlib import Path
 
 import torch
 
-from layers import hf_deepseek, hf_gpt2, hf_llama, hf_mixtral
 from layers.checkpoint import Checkpoint
 from layers.config import ModelConfig
+from layers.families import FAMILIES, family, of
+from layers.hf_gpt2 import load_named
 from layers.llama import LlamaConfig
 from layers.shard import Cut
 from tp.dist import ConfigError
-
-FAMILIES = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral, "deepseek_v3": hf_deepseek}
 
 
 def config_from_hf(hf: dict) -> ModelConfig | LlamaConfig:
@@ -34,9 +35,10 @@ def config_from_hf(hf: dict) -> ModelConfig | LlamaConfig:
         raise ConfigError(f"a model config must be a JSON object, got {type(hf).__name__}")
     kind = hf.get("model_type", "gpt2")
     if kind not in FAMILIES:
-        raise ConfigError(f"model_type={kind!r} is not supported: GPT-2 (gpt2), Llama (llama), Mixtral (mixtral) and "
-                          f"DeepSeek-V3 (deepseek_v3) checkpoints are")
-    return FAMILIES[kind].config_from_hf(hf)
+        titles = [f"{family(name).title} ({name})" for name in FAMILIES]
+        raise ConfigError(f"model_type={kind!r} is not supported: {', '.join(titles[:-1])} and {titles[-1]} "
+                          f"checkpoints are")
+    return family(kind).config_from_hf(hf)
 
 
 def read_config(path: str | Path) -> ModelConfig | LlamaConfig:
@@ -121,26 +123,34 @@ def check_state(cfg: ModelConfig | LlamaConfig, state, lm: bool = False) -> None
     that a saved lm_head equals the embedding it is tied to."""
     shapes = state.shapes if isinstance(state, Checkpoint) else {k: tuple(v.shape) for k, v in state.items()}
     with shapes_only():
-        expected = FAMILIES[cfg.family].expected_shapes(cfg, state, lm)
+        expected = of(cfg).expected_shapes(cfg, state, lm)
     for key, shape in expected.items():
         if key not in shapes:
             raise ConfigError(f"the weights have no {key!r}, which config.json's model needs")
         if tuple(shapes[key]) != shape:
             raise ConfigError(f"{key} has shape {tuple(shapes[key])}, config.json's model needs {shape}")
-    if lm and cfg.family == "gpt2":
-        hf_gpt2.check_tied(state)
+    if lm and of(cfg).check_lm is not None:
+        of(cfg).check_lm(state)
     if isinstance(state, Checkpoint):
         state.close()  # a .bin file mapped for the comparison
 
 
 def load_stack(stack, state):
     """A checkpoint's blocks into the dense stack of the same family and shape."""
-    return FAMILIES[stack.cfg.family].load_stack(stack, state)
+    fam = of(stack.cfg)
+    return load_named(stack, state, fam.names(stack.cfg, state, len(stack.blocks), lm=False), fam.title)
 
 
 def load_lm(lm, state):
     """A checkpoint into the dense LM of the same family and shape (layers/lm.dense_lm), one tensor at a time."""
-    return FAMILIES[lm.cfg.family].load_lm(lm, state)
+    fam = of(lm.cfg)
+    load_named(lm, state, fam.names(lm.cfg, state, len(lm.stack.blocks), lm=True), fam.title)
+    if fam.check_lm is not None:
+        try:
+            fam.check_lm(state)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+    return lm
 
 
 class CheckpointSource:
@@ -152,7 +162,7 @@ class CheckpointSource:
 
     def __init__(self, checkpoint: Checkpoint, cfg: ModelConfig | LlamaConfig, dtype: torch.dtype, device=None):
         self.checkpoint, self.cfg, self.dtype, self.device = checkpoint, cfg, dtype, device
-        self.names = FAMILIES[cfg.family].names(cfg, checkpoint, cfg.n_layers, lm=True)
+        self.names = of(cfg).names(cfg, checkpoint, cfg.n_layers, lm=True)
 
     def close(self) -> None:
         """The load is done (shard_lm): release what the checkpoint holds mapped."""
@@ -160,10 +170,8 @@ class CheckpointSource:
 
     def _experts(self, name: str) -> int | None:
         """E where our parameter is an [E, rows, cols] stack the files hold expert by expert (Mixtral)."""
-        family = FAMILIES[self.cfg.family]
-        keys = self.names[name][0]
-        return family.experts_of(name, self.cfg) if hasattr(family, "experts_of") and \
-            len(self.checkpoint.shapes[keys[0]]) == 2 else None
+        experts_of, keys = of(self.cfg).experts_of, self.names[name][0]
+        return experts_of(name, self.cfg) if experts_of and len(self.checkpoint.shapes[keys[0]]) == 2 else None
 
     def shape(self, name: str) -> tuple[int, ...]:
         keys, transpose = self.names[name]

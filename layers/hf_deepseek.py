@@ -23,11 +23,10 @@ from __future__ import annotations
 import re
 
 from layers import hf_llama
-from layers.hf_gpt2 import load_named
-from layers.mla import DeepseekConfig, DenseDeepseekBlock
+from layers.families import Family
+from layers.hf import load_lm  # noqa: F401  (the dense DeepSeek LM from a state dict, as for every family)
+from layers.mla import DeepseekConfig, dense_blocks, tp_blocks, validate_deepseek
 from tp.dist import ConfigError
-
-STACKED = ("gate_up", "down")
 
 _ATTENTION = {"attn_norm.weight": "input_layernorm.weight", "kv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
               "kv_norm.weight": "self_attn.kv_a_layernorm.weight", "kv_b.weight": "self_attn.kv_b_proj.weight",
@@ -94,16 +93,11 @@ def config_from_hf(hf: dict) -> DeepseekConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), **yarn)
 
 
-def block_prefix(state) -> str:
-    """'layers.' (DeepseekV3Model) or 'model.layers.' (DeepseekV3ForCausalLM): Llama's layout (layers/hf_llama.py)."""
-    return hf_llama.block_prefix(state)
-
-
 def _legacy(state, prefix: str, i: int) -> bool:
     return f"{prefix}{i}.mlp.experts.0.gate_proj.weight" in state
 
 
-def _layer_keys(cfg: DeepseekConfig, state, prefix: str, i: int) -> dict[str, tuple[str, ...]]:
+def layer_keys(cfg: DeepseekConfig, state, prefix: str, i: int) -> dict[str, tuple[str, ...]]:
     at = f"{prefix}{i}."
     keys = {ours: (at + theirs,) for ours, theirs in {**_ATTENTION, **(_Q_LORA if cfg.q_lora_rank else _Q)}.items()}
     if not cfg.moe_layer(i):
@@ -127,16 +121,7 @@ def _layer_keys(cfg: DeepseekConfig, state, prefix: str, i: int) -> dict[str, tu
 def names(cfg: DeepseekConfig, state, n_layers: int, lm: bool) -> dict[str, tuple[tuple[str, ...], bool]]:
     """Our dense parameter (of a DenseLlamaLM of DeepSeek blocks when lm, else of a DenseStack) -> (checkpoint keys,
     False); several keys are stacked along rows."""
-    prefix, base = block_prefix(state), "stack." if lm else ""
-    out = {f"{base}blocks.{i}.{ours}": (keys, False)
-           for i in range(n_layers) for ours, keys in _layer_keys(cfg, state, prefix, i).items()}
-    if lm:
-        top = prefix.removesuffix("layers.")
-        out.update({"embed.weight": ((top + "embed_tokens.weight",), False),
-                    "norm.weight": ((top + "norm.weight",), False)})
-        if not cfg.tie_word_embeddings:
-            out["lm_head.weight"] = (("lm_head.weight",), False)
-    return out
+    return hf_llama.layout_names(cfg, state, n_layers, lm, layer_keys)
 
 
 def experts_of(name: str, cfg: DeepseekConfig) -> int | None:
@@ -145,35 +130,29 @@ def experts_of(name: str, cfg: DeepseekConfig) -> int | None:
     return cfg.n_routed_experts if m and cfg.moe_layer(int(m.group(1))) else None
 
 
-def load_stack(stack, state):
-    return load_named(stack, state, names(stack.cfg, state, len(stack.blocks), lm=False), "DeepSeek-V3")
-
-
-def load_lm(lm, state):
-    return load_named(lm, state, names(lm.cfg, state, len(lm.stack.blocks), lm=True), "DeepSeek-V3")
-
-
 def expected_shapes(cfg: DeepseekConfig, state, lm: bool) -> dict[str, tuple]:
     """Every checkpoint key the config needs, with its shape (from meta-device blocks: no memory)."""
-    try:
-        prefix = block_prefix(state)
-    except KeyError as exc:
-        raise ConfigError(str(exc).strip("'\"")) from None
-    out = {}
-    for i in range(cfg.n_layers):
-        block = DenseDeepseekBlock(cfg, i, device="meta")
-        for ours, keys in _layer_keys(cfg, state, prefix, i).items():
-            shape = tuple(block.get_parameter(ours).shape)
-            if len(shape) == 3 and len(keys) > 1:  # one expert's gate / up / down: its rows of the [E·rows, cols] view
-                shape = (shape[0] * shape[1] // len(keys), shape[2])
-            elif len(keys) > 1:  # gate_up from gate_proj and up_proj
-                shape = (shape[0] // len(keys),) + shape[1:]
-            for key in keys:
-                out[key] = shape
-    if lm:
-        top = prefix.removesuffix("layers.")
-        out[top + "embed_tokens.weight"] = (cfg.vocab_size, cfg.d_model)
-        out[top + "norm.weight"] = (cfg.d_model,)
-        if not cfg.tie_word_embeddings:
-            out["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
-    return out
+    return hf_llama.layout_shapes(cfg, state, lm, layer_keys, "DeepseekV3")
+
+
+def toy_config(s: dict, ids: dict):
+    """transformers' DeepseekV3Config of the toy model (serve/toy_model.py): MLA with a query LoRA, one dense layer,
+    then DeepSeekMoE (8 routed experts in 2 groups, top 2, one shared)."""
+    import transformers
+
+    dh = s["hidden"] // s["heads"]
+    shape = {**hf_llama.toy_shape(s, ids), "num_key_value_heads": s["heads"]}
+    return transformers.DeepseekV3Config(
+        q_lora_rank=s["hidden"] // 2, kv_lora_rank=s["hidden"] // 4, qk_rope_head_dim=dh // 2, qk_nope_head_dim=dh,
+        v_head_dim=dh, intermediate_size=s["hidden"] * 2, moe_intermediate_size=s["hidden"] // 2, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, **shape)
+
+
+FAMILY = Family(
+    "deepseek_v3", "DeepSeek-V3", DeepseekConfig, config_from_hf, names, expected_shapes, validate=validate_deepseek,
+    dense_blocks=dense_blocks,
+    tp_blocks=lambda cfg, variant, group, dtype, device, moe_parallel="tp", n_layers=None:
+        tp_blocks(cfg, moe_parallel, group, dtype, device),
+    variants=("v2",), moe=True, pipeline=False, experts_of=experts_of, toy=toy_config,
+    cache_layout=lambda cfg, p: (1, 1, cfg.latent_dim),  # MLA: one latent of c + r per token, whole on every rank
+)

@@ -18,9 +18,11 @@ import re
 
 import torch
 
-from layers.config import ModelConfig
+from layers.config import ModelConfig, validate_model
 from layers.dense import DenseBlock, DenseStack
+from layers.families import Family, same_blocks
 from layers.lm import DenseLM
+from layers.tp_block import TPBlockIntraHead, TPBlockV1, TPBlockV2, TPBlockV2SP
 from tp.dist import ConfigError
 
 # (our parameter, HF key, transpose?)
@@ -177,3 +179,19 @@ def expected_shapes(cfg: ModelConfig, state: dict[str, torch.Tensor], lm: bool) 
         expected.update({prefix.removesuffix("h.") + name: tuple(model.get_parameter(name).shape)
                          for name in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias")})
     return expected
+
+
+def toy_config(s: dict, ids: dict):
+    """transformers' GPT2Config of the toy model (serve/toy_model.py)."""
+    import transformers
+
+    return transformers.GPT2Config(n_embd=s["hidden"], n_head=s["heads"], n_layer=s["layers"], n_positions=s["context"],
+                                   **ids)
+
+
+FAMILY = Family(
+    "gpt2", "GPT-2", ModelConfig, config_from_hf, names, expected_shapes,
+    validate=lambda cfg, p, moe_parallel="tp": validate_model(cfg, p),
+    **same_blocks(DenseBlock, {"v1": TPBlockV1, "v2": TPBlockV2, "intra_head": TPBlockIntraHead, "v2sp": TPBlockV2SP}),
+    llama_lm=False, context_parallel=True, check_lm=check_tied, toy=toy_config,
+)

@@ -17,8 +17,9 @@ import re
 
 import torch
 
-from layers.hf_gpt2 import load_named
-from layers.llama import DenseLlamaBlock, LlamaConfig
+from layers.families import Family, same_blocks
+from layers.hf import load_lm, load_stack  # noqa: F401  (Llama weights into the dense stack or LM)
+from layers.llama import DenseLlamaBlock, LlamaConfig, TPLlamaBlock, TPLlamaBlockSP, validate_llama
 from tp.dist import ConfigError
 
 # (our parameter, HF key(s)): gate_up is HF's gate_proj and up_proj, stacked
@@ -76,54 +77,92 @@ def block_prefix(state) -> str:
                    "'model.layers.0.input_layernorm.weight')")
 
 
-def names(cfg: LlamaConfig, state, n_layers: int, lm: bool) -> dict[str, tuple[tuple[str, ...], bool]]:
-    """Our dense parameter (of a DenseLlamaLM when lm, else of a DenseStack) -> (its checkpoint keys, False): gate_up
-    is gate_proj's rows, then up_proj's; nothing is transposed. A tied head has no key of its own."""
-    prefix, base = block_prefix(state), "stack." if lm else ""
-    out = {f"{base}blocks.{i}.{ours}": (tuple(f"{prefix}{i}.{key}" for key in theirs), False)
-           for i in range(n_layers) for ours, theirs in _BLOCK_KEYS}
-    if lm:
-        out.update({ours: ((theirs,), False) for ours, theirs in _lm_keys(prefix).items()})
-        if not cfg.tie_word_embeddings:
-            out["lm_head.weight"] = (("lm_head.weight",), False)
+# ---- Llama's checkpoint layout, which Mixtral, DeepSeek-V3 and Qwen3 share: only their layers' keys differ ----------
+
+
+def layer_keys(cfg, state, prefix: str, i: int) -> dict[str, tuple[str, ...]]:
+    """Layer i's parameters (ours) -> their checkpoint keys (gate_up: gate_proj's rows, then up_proj's)."""
+    return {ours: tuple(f"{prefix}{i}.{key}" for key in theirs) for ours, theirs in _BLOCK_KEYS}
+
+
+def _lm_keys(cfg, prefix: str) -> dict[str, str]:
+    """The embedding, the final norm and (unless tied to the embedding) the head."""
+    base = prefix.removesuffix("layers.")
+    out = {"embed.weight": base + "embed_tokens.weight", "norm.weight": base + "norm.weight"}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = "lm_head.weight"
     return out
 
 
-def load_stack(stack, state):
-    """A LlamaModel / LlamaForCausalLM state dict's layers into a DenseStack of DenseLlamaBlocks."""
-    return load_named(stack, state, names(stack.cfg, state, len(stack.blocks), lm=False), "Llama")
+def layout_names(cfg, state, n_layers: int, lm: bool, keys=layer_keys) -> dict[str, tuple[tuple[str, ...], bool]]:
+    """Our dense parameter (of a DenseLlamaLM when lm, else of a DenseStack) -> (its checkpoint keys, False), for a
+    checkpoint in Llama's layout whose layer i holds keys(cfg, state, prefix, i); several keys are stacked along
+    rows; nothing is transposed. A tied head has no key of its own."""
+    prefix, base = block_prefix(state), "stack." if lm else ""
+    out = {f"{base}blocks.{i}.{ours}": (theirs, False)
+           for i in range(n_layers) for ours, theirs in keys(cfg, state, prefix, i).items()}
+    if lm:
+        out.update({ours: ((theirs,), False) for ours, theirs in _lm_keys(cfg, prefix).items()})
+    return out
 
 
-def _lm_keys(prefix: str) -> dict[str, str]:
-    base = prefix.removesuffix("layers.")
-    return {"embed.weight": base + "embed_tokens.weight", "norm.weight": base + "norm.weight"}
+def layout_shapes(cfg, state, lm: bool, keys=layer_keys, model: str = "Llama") -> dict[str, tuple]:
+    """Every checkpoint key the config needs, with its shape (from the family's blocks on the meta device: no memory).
+    Where several keys fill one parameter they split its rows evenly: gate_up's gate_proj and up_proj, or the
+    experts of an [E, rows, cols] stack saved one expert per key (their rows of the [E·rows, cols] view). model:
+    transformers' name of the family's classes, for the message about a base model without a head."""
+    from layers.families import of
 
-
-def load_lm(lm, state):
-    """A LlamaForCausalLM state dict into a DenseLlamaLM: layers, embedding, final norm, and the head (none to
-    read when config.json ties it to the embedding: lm.lm_head is then the embedding's parameter)."""
-    return load_named(lm, state, names(lm.cfg, state, len(lm.stack.blocks), lm=True), "Llama")
-
-
-def expected_shapes(cfg: LlamaConfig, state: dict[str, torch.Tensor], lm: bool) -> dict[str, tuple]:
-    """Every checkpoint key the config needs, with its shape (from a meta-device block: no memory)."""
     try:
         prefix = block_prefix(state)
     except KeyError as exc:
         raise ConfigError(str(exc).strip("'\"")) from None
-    block = DenseLlamaBlock(cfg, device="meta")
     out = {}
-    for i in range(cfg.n_layers):
-        for ours, theirs in _BLOCK_KEYS:
+    for i, block in enumerate(of(cfg).dense_blocks(cfg, torch.float32, "meta")):
+        for ours, theirs in keys(cfg, state, prefix, i).items():
             shape = tuple(block.get_parameter(ours).shape)
-            for key in theirs:  # gate_up: each of gate_proj and up_proj holds half the rows
-                out[f"{prefix}{i}.{key}"] = (shape[0] // len(theirs),) + shape[1:]
+            if len(shape) == 3 and len(theirs) > 1:
+                shape = (shape[0] * shape[1] // len(theirs), shape[2])
+            elif len(theirs) > 1:
+                shape = (shape[0] // len(theirs),) + shape[1:]
+            out.update({key: shape for key in theirs})
     if lm:
         if not cfg.tie_word_embeddings and "lm_head.weight" not in state and not prefix.startswith("model."):
-            raise ConfigError("a LlamaModel checkpoint has no LM head: serving needs a LlamaForCausalLM directory")
-        keys = _lm_keys(prefix)
-        out[keys["embed.weight"]] = (cfg.vocab_size, cfg.d_model)
-        out[keys["norm.weight"]] = (cfg.d_model,)
-        if not cfg.tie_word_embeddings:  # an untied head must be there (tie_word_embeddings false in config.json)
-            out["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
+            raise ConfigError(f"a {model}Model checkpoint has no LM head: serving needs a {model}ForCausalLM "
+                              f"directory")
+        shapes = {"embed.weight": (cfg.vocab_size, cfg.d_model), "norm.weight": (cfg.d_model,),
+                  "lm_head.weight": (cfg.vocab_size, cfg.d_model)}  # an untied head must be there
+        out.update({theirs: shapes[ours] for ours, theirs in _lm_keys(cfg, prefix).items()})
     return out
+
+
+def names(cfg: LlamaConfig, state, n_layers: int, lm: bool) -> dict[str, tuple[tuple[str, ...], bool]]:
+    """Our dense parameter -> (its checkpoint keys, False): layout_names of Llama's layers."""
+    return layout_names(cfg, state, n_layers, lm)
+
+
+def expected_shapes(cfg: LlamaConfig, state, lm: bool) -> dict[str, tuple]:
+    """Every checkpoint key the config needs, with its shape."""
+    return layout_shapes(cfg, state, lm)
+
+
+def toy_shape(s: dict, ids: dict) -> dict:
+    """transformers' config fields of a Llama-layout toy model (serve/toy_model.py) of sizes s, token ids ids."""
+    return dict(hidden_size=s["hidden"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+                num_hidden_layers=s["layers"], max_position_embeddings=s["context"], tie_word_embeddings=False, **ids)
+
+
+def toy_config(s: dict, ids: dict):
+    """transformers' LlamaConfig of the toy model (serve/toy_model.py)."""
+    import transformers
+
+    return transformers.LlamaConfig(intermediate_size=s["hidden"] * 8 // 3 // 8 * 8, **toy_shape(s, ids))
+
+
+FAMILY = Family(
+    "llama", "Llama", LlamaConfig, config_from_hf, names, expected_shapes,
+    validate=lambda cfg, p, moe_parallel="tp": validate_llama(cfg, p),
+    **same_blocks(DenseLlamaBlock, {"v2": TPLlamaBlock, "v2sp": TPLlamaBlockSP}),  # v2: the Megatron pattern
+    context_parallel=True,
+    toy=toy_config,
+)

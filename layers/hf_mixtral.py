@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 
 from layers import hf_llama
-from layers.hf_gpt2 import load_named
-from layers.moe import HF_LAYER_KEYS, DenseMoEBlock, MoEConfig
+from layers.families import Family
+from layers.moe import HF_LAYER_KEYS, DenseMoEBlock, MoEConfig, moe_block, validate_moe
 from tp.dist import ConfigError
 
 STACKED = ("gate_up", "down")  # our [E, rows, cols] parameters
@@ -38,15 +38,12 @@ def config_from_hf(hf: dict) -> MoEConfig:
     return MoEConfig(**dataclasses.asdict(llama), n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"])
 
 
-def block_prefix(state) -> str:
-    return hf_llama.block_prefix(state)
-
-
 def _legacy(state, prefix: str) -> bool:
     return f"{prefix}0.block_sparse_moe.gate.weight" in state
 
 
-def _layer_keys(cfg: MoEConfig, state, prefix: str, i: int) -> dict[str, tuple[str, ...]]:
+def layer_keys(cfg: MoEConfig, state, prefix: str, i: int) -> dict[str, tuple[str, ...]]:
+    """Layer i's parameters (ours) -> their checkpoint keys, in either layout."""
     keys = {ours: (f"{prefix}{i}.{theirs}",) for ours, theirs in HF_LAYER_KEYS.items()}
     if _legacy(state, prefix):
         moe = f"{prefix}{i}.block_sparse_moe."
@@ -59,16 +56,7 @@ def _layer_keys(cfg: MoEConfig, state, prefix: str, i: int) -> dict[str, tuple[s
 def names(cfg: MoEConfig, state, n_layers: int, lm: bool) -> dict[str, tuple[tuple[str, ...], bool]]:
     """Our dense parameter (of a DenseLlamaLM of MoE blocks when lm, else of a DenseStack) -> (checkpoint keys,
     False): several keys are stacked along rows (the experts of the files' layout)."""
-    prefix, base = block_prefix(state), "stack." if lm else ""
-    out = {f"{base}blocks.{i}.{ours}": (keys, False)
-           for i in range(n_layers) for ours, keys in _layer_keys(cfg, state, prefix, i).items()}
-    if lm:
-        top = prefix.removesuffix("layers.")
-        out.update({"embed.weight": ((top + "embed_tokens.weight",), False), "norm.weight": ((top + "norm.weight",),
-                                                                                          False)})
-        if not cfg.tie_word_embeddings:
-            out["lm_head.weight"] = (("lm_head.weight",), False)
-    return out
+    return hf_llama.layout_names(cfg, state, n_layers, lm, layer_keys)
 
 
 def experts_of(name: str, cfg: MoEConfig) -> int | None:
@@ -76,33 +64,29 @@ def experts_of(name: str, cfg: MoEConfig) -> int | None:
     return cfg.n_experts if name.rsplit(".", 1)[-1] in STACKED else None
 
 
-def load_stack(stack, state):
-    return load_named(stack, state, names(stack.cfg, state, len(stack.blocks), lm=False), "Mixtral")
-
-
-def load_lm(lm, state):
-    return load_named(lm, state, names(lm.cfg, state, len(lm.stack.blocks), lm=True), "Mixtral")
-
-
 def expected_shapes(cfg: MoEConfig, state, lm: bool) -> dict[str, tuple]:
-    """Every checkpoint key the config needs, with its shape (from a meta-device block: no memory)."""
-    try:
-        prefix = block_prefix(state)
-    except KeyError as exc:
-        raise ConfigError(str(exc).strip("'\"")) from None
-    block, legacy = DenseMoEBlock(cfg, device="meta"), _legacy(state, prefix)
-    out = {}
-    for i in range(cfg.n_layers):
-        for ours, keys in _layer_keys(cfg, state, prefix, i).items():
-            shape = tuple(block.get_parameter(ours).shape)
-            if legacy and ours in STACKED:  # an expert's w1 / w3 [f, d] or w2 [d, f]: its rows of the [E·rows, cols] view
-                shape = (shape[0] * shape[1] // len(keys), shape[2])
-            for key in keys:
-                out[key] = shape
-    if lm:
-        top = prefix.removesuffix("layers.")
-        out[top + "embed_tokens.weight"] = (cfg.vocab_size, cfg.d_model)
-        out[top + "norm.weight"] = (cfg.d_model,)
-        if not cfg.tie_word_embeddings:
-            out["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
-    return out
+    """Every checkpoint key the config needs, with its shape (from meta-device blocks: no memory)."""
+    return hf_llama.layout_shapes(cfg, state, lm, layer_keys, "Mixtral")
+
+
+def tp_blocks(cfg: MoEConfig, variant: str, group, dtype, device, moe_parallel: str = "tp", n_layers=None) -> list:
+    """Served MoE blocks: the experts split (tp) or whole per rank (ep); v2 attention."""
+    if moe_parallel not in ("tp", "ep"):
+        raise ValueError(f"serving runs moe_parallel tp or ep, not {moe_parallel!r}")
+    return [moe_block(cfg, moe_parallel, group, dtype, device) for _ in range(n_layers or cfg.n_layers)]
+
+
+def toy_config(s: dict, ids: dict):
+    """transformers' MixtralConfig of the toy model (serve/toy_model.py)."""
+    import transformers
+
+    return transformers.MixtralConfig(intermediate_size=s["hidden"], num_local_experts=4, num_experts_per_tok=2,
+                                      **hf_llama.toy_shape(s, ids))
+
+
+FAMILY = Family(
+    "mixtral", "Mixtral", MoEConfig, config_from_hf, names, expected_shapes,
+    validate=lambda cfg, p, moe_parallel="tp": validate_moe(cfg, p, moe_parallel),
+    dense_blocks=lambda cfg, dtype, device: [DenseMoEBlock(cfg, dtype, device) for _ in range(cfg.n_layers)],
+    tp_blocks=tp_blocks, variants=("v2",), moe=True, pipeline=False, experts_of=experts_of, toy=toy_config,
+)

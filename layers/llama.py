@@ -55,6 +55,7 @@ class LlamaConfig:
     tie_word_embeddings: bool = False  # the LM head is the token embedding (some checkpoints); Llama-2: separate
 
     family = "llama"  # the block family (layers/config.ModelConfig is "gpt2"); not a dataclass field
+    llama_block = True  # the analytic models (tp/) count its blocks as Llama's: RMSNorm, GQA, SwiGLU, no biases
 
     @property
     def k(self) -> int:
@@ -171,7 +172,16 @@ def dense_attention(module: nn.Module, cfg: LlamaConfig, dtype, device) -> None:
     module.o = nn.Linear(cfg.k, cfg.d_model, **kw)
 
 
-class DenseLlamaBlock(nn.Module):
+class RotaryBlock(nn.Module):
+    """What every Llama-family block shares: `attention`, RoPE and causal GQA on the block's (or this rank's) heads.
+    A family that changes only what enters the attention overrides it (Qwen3's per-head q, k norms: layers/qwen3.py)."""
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  requests: Requests | PagedLayer | None) -> torch.Tensor:
+        return rotary_attention(q, k, v, self.cfg, requests)
+
+
+class DenseLlamaBlock(RotaryBlock):
     def __init__(self, cfg: LlamaConfig, dtype=torch.float32, device=None):
         super().__init__()
         kw = dict(dtype=dtype, device=device, bias=False)
@@ -183,12 +193,12 @@ class DenseLlamaBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, requests: Requests | PagedLayer | None = None) -> torch.Tensor:
         h = self.attn_norm(x)
-        x = x + self.o(rotary_attention(self.q(h), self.k(h), self.v(h), self.cfg, requests))
+        x = x + self.o(self.attention(self.q(h), self.k(h), self.v(h), requests))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
 
-class TPLlamaBlock(nn.Module):
+class TPLlamaBlock(RotaryBlock):
     """Column (fused q|k|v of this rank's heads) -> GQA on local heads -> row (o); column (gate|up) -> row (down)."""
 
     def __init__(self, cfg: LlamaConfig, group: dist.ProcessGroup, dtype=torch.float32, device=None):
@@ -211,7 +221,7 @@ class TPLlamaBlock(nn.Module):
     def forward(self, x: torch.Tensor, requests: Requests | PagedLayer | None = None) -> torch.Tensor:
         q, k, v = self.qkv(self.attn_norm(x)).split(  # this rank's query heads, then its K,V heads
             [self.q_heads * self.cfg.d_head, self.kv_heads * self.cfg.d_head, self.kv_heads * self.cfg.d_head], dim=-1)
-        x = x + self.o(rotary_attention(q, k, v, self.cfg, requests))  # ★ all-reduce #1: partial [n, d] summed
+        x = x + self.o(self.attention(q, k, v, requests))  # ★ all-reduce #1: partial [n, d] summed
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)  # this rank's f/p columns of each
         return x + self.down(F.silu(gate) * up)  # ★ all-reduce #2: partial [n, d] summed over ranks
 
@@ -247,7 +257,7 @@ class TPLlamaBlockSP(TPLlamaBlock):
         h = gather_rows_to_parallel(rms_norm(x, w, eps), g, "attn/all-gather #1")  # ★ all-gather: [T', d]
         q, k, v = F.linear(h[:n], self.qkv.weight).split(  # no copy_to_region: the gather's backward sums dX
             [self.q_heads * dh, self.kv_heads * dh, self.kv_heads * dh], dim=-1)
-        partial = F.linear(rotary_attention(q, k, v, self.cfg, requests), self.o.weight)  # [T, d] partial sums
+        partial = F.linear(self.attention(q, k, v, requests), self.o.weight)  # [T, d] partial sums
         x = x + reduce_scatter_rows(pad_rows(partial, h.shape[0]), g, "attn/reduce-scatter #1")  # ★ [T'/p, d]
         w = copy_to_region(self.mlp_norm.weight, g, "mlp/norm dw")
         h = gather_rows_to_parallel(rms_norm(x, w, eps), g, "mlp/all-gather #2")  # ★ all-gather: [T', d]

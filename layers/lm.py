@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from layers.attention import PagedLayer
 from layers.config import SERVING_VARIANTS, ModelConfig
 from layers.dense import DenseStack
+from layers.families import of
 from layers.llama import LlamaConfig, RMSNorm
 from layers.sampler import SampleResult, SamplingBatch, nothing_sampled, sample
 from layers.shard import DenseSource, Part, Source, load_plan, prefixed, whole
@@ -78,7 +79,7 @@ class DenseLlamaLM(nn.Module):
 
 def dense_lm(cfg: ModelConfig | LlamaConfig, dtype: torch.dtype = torch.float32, device=None) -> nn.Module:
     """The single-device LM of cfg's block family."""
-    return (DenseLlamaLM if cfg.family in ("llama", "mixtral", "deepseek_v3") else DenseLM)(cfg, dtype, device)
+    return (DenseLlamaLM if of(cfg).llama_lm else DenseLM)(cfg, dtype, device)
 
 
 @torch.no_grad()
@@ -266,23 +267,12 @@ def shard_lm(weights: DenseLM | DenseLlamaLM | Source, variant: str, group: dist
 def tp_lm(cfg: ModelConfig | LlamaConfig, variant: str, group: dist.ProcessGroup, vocab_parallel: bool = True,
           dtype: torch.dtype = torch.float32, device=None, moe_parallel: str = "tp") -> TPLM | TPLlamaLM:
     """The TP LM of cfg's family, its parameters not yet loaded (load_plan fills them from its plan). An MoE model
-    (family mixtral) is a TPLlamaLM whose blocks route their FFN (tp: experts split; ep: whole experts per rank)."""
+    is a TPLlamaLM whose blocks route their FFN (tp: experts split; ep: whole experts per rank)."""
     if variant not in SERVING_VARIANTS:
         raise ValueError(f"serving runs variant v1 or v2, not {variant!r}")
     kw = dict(dtype=dtype, device=device)
-    if cfg.family == "deepseek_v3":
-        from layers.mla import tp_blocks
-
-        stack = TPStack(cfg, tp_blocks(cfg, moe_parallel, group, dtype, device))
-    elif cfg.family == "mixtral":
-        if moe_parallel not in ("tp", "ep"):
-            raise ValueError(f"serving runs moe_parallel tp or ep, not {moe_parallel!r}")
-        from layers.moe import moe_block
-
-        stack = TPStack(cfg, [moe_block(cfg, moe_parallel, group, dtype, device) for _ in range(cfg.n_layers)])
-    else:
-        stack = tp_stack(cfg, variant, group, dtype, device)
-    if cfg.family in ("llama", "mixtral", "deepseek_v3"):
+    stack = tp_stack(cfg, variant, group, dtype, device, moe_parallel=moe_parallel)
+    if of(cfg).llama_lm:
         if variant != "v2" or not vocab_parallel:
             raise ValueError("Llama-family models are served with variant v2 and a vocab-parallel embedding and head")
         embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, group, **kw)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from layers.families import of
 from layers.sampler import SampleResult, nothing_sampled, table_width
 from layers.shard import Part, load_plan
 from layers.tp_block import TPStack, tp_stack
@@ -88,7 +89,7 @@ def pp_layout(world_size: int, pp: int) -> PPLayout:
 def check_pipeline(model, world_size: int, pp: int, variant: str = "v2", vocab_parallel: bool = True) -> PPLayout:
     """Every rule of serving a model through pp stages (check_layout's, and what serving adds), checked before any
     collective; ValueError, one line."""
-    if pp > 1 and model.family in ("mixtral", "deepseek_v3"):
+    if pp > 1 and not of(model).pipeline:
         raise ValueError(f"pp={pp} with an MoE model is not built: its experts are placed over the world, not one "
                          f"stage (serve it with pp=1)")
     if pp > 1 and not vocab_parallel:
@@ -403,12 +404,12 @@ ENDS = ("embed", "wpe", "ln_f", "norm", "head")  # an LM's modules outside its b
 
 def stage_input(cfg) -> set[str]:
     """What the first stage holds besides its blocks: the token embedding (and GPT-2's learned positions)."""
-    return {"embed", "wpe"} if cfg.family == "gpt2" else {"embed"}
+    return {"embed"} if of(cfg).llama_lm else {"embed", "wpe"}
 
 
 def stage_output(cfg) -> set[str]:
     """What the last stage holds besides its blocks: the final norm and the head (the embedding itself when tied)."""
-    if cfg.family == "gpt2":
+    if not of(cfg).llama_lm:
         return {"embed", "ln_f"}  # GPT-2's head is its token embedding
     return {"head", "norm"} | ({"embed"} if cfg.tie_word_embeddings else set())
 

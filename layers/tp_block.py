@@ -32,8 +32,9 @@ from einops import rearrange
 from layers.attention import PagedLayer, causal_attention
 from layers.config import ModelConfig
 from layers.dense import DenseStack, Stack
+from layers.families import of
 from layers.linear import ColumnParallelLinear, RowParallelLinear
-from layers.llama import TPLlamaBlock, TPLlamaBlockSP, pad_rows
+from layers.llama import pad_rows
 from layers.shard import DenseSource, Part, cols, even, head_aligned_cut, intra_head_cut, load_plan, prefixed, rows, whole
 from layers.varlen import Requests, check_cu_seqlens
 from tp.partition import ceil_div
@@ -168,12 +169,6 @@ class TPBlockV2SP(TPBlockV2):
         return x + reduce_scatter_rows(partial, g, "mlp/reduce-scatter #2") + down_b  # ★ reduce-scatter: [n'/p, d]
 
 
-BLOCKS = {("gpt2", "v1"): TPBlockV1, ("gpt2", "v2"): TPBlockV2, ("gpt2", "intra_head"): TPBlockIntraHead,
-          ("gpt2", "v2sp"): TPBlockV2SP,
-          ("llama", "v2"): TPLlamaBlock,  # layers/llama.py: the Megatron pattern with GQA, RoPE, SwiGLU
-          ("llama", "v2sp"): TPLlamaBlockSP}
-
-
 class TPStack(Stack):
     """L tensor-parallel blocks of one variant; every rank returns the same full [n, d] outputs."""
 
@@ -251,15 +246,14 @@ class SPStack(TPStack):
 
 
 def tp_stack(cfg, variant: str, group: dist.ProcessGroup, dtype: torch.dtype, device,
-             n_layers: int | None = None) -> TPStack:
-    """The `variant` TP stack of cfg's block family (n_layers blocks, default cfg.n_layers), its parameters not yet
-    loaded: load_plan fills them."""
-    if (cfg.family, variant) not in BLOCKS:
-        raise ValueError(f"no {variant!r} TP block for the {cfg.family} family; it has "
-                         f"{', '.join(v for f, v in BLOCKS if f == cfg.family)}")
-    cls = BLOCKS[(cfg.family, variant)]
-    return (SPStack if variant == "v2sp" else TPStack)(cfg, [cls(cfg, group, dtype, device)
-                                                             for _ in range(n_layers or cfg.n_layers)])
+             n_layers: int | None = None, moe_parallel: str = "tp") -> TPStack:
+    """The `variant` TP stack of cfg's family (n_layers blocks, default cfg.n_layers; an MoE family's experts placed
+    by moe_parallel), its parameters not yet loaded: load_plan fills them."""
+    family = of(cfg)
+    if variant not in family.variants:
+        raise ValueError(f"no {variant!r} TP block for the {cfg.family} family; it has {', '.join(family.variants)}")
+    blocks = family.tp_blocks(cfg, variant, group, dtype, device, moe_parallel, n_layers)
+    return (SPStack if variant == "v2sp" else TPStack)(cfg, blocks)
 
 
 def shard_stack(dense: DenseStack, variant: str, group: dist.ProcessGroup) -> TPStack:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from layers.attention import PagedBatch, PagedLayer
+from layers.families import of
 from layers.kv_quant import QuantizedPool, storage_dtype
 from tp import partition
 
@@ -102,9 +103,7 @@ def cache_layout_of(cfg, p: int) -> tuple[int, int, int]:
     """(planes, heads, width) of a TP rank's cache for a model config at tensor-parallel size p, what the rank's
     lm.cache_layout says once built (the driver sizes with it before any rank starts): K and V of max(h_kv/p, 1)
     heads, or MLA's one latent of c + r, whole on every rank."""
-    if cfg.family == "deepseek_v3":
-        return 1, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    return 2, partition.kv_heads_per_rank(cfg.n_kv_heads, p), cfg.d_head
+    return of(cfg).cache_layout(cfg, p)
 
 
 def layout_block_bytes(n_layers: int, layout: tuple[int, int, int], block_size: int, dtype: torch.dtype,

@@ -2,7 +2,7 @@
 here on a bundled text (serve/toy_corpus.txt), saved as transformers saves a tokenizer.
 
     python -m serve.toy_model /tmp/toy                            # GPT-2, tiny
-    python -m serve.toy_model /tmp/toy-llama --family llama --size small
+    python -m serve.toy_model /tmp/toy-llama --family llama --size small      # or mixtral, deepseek_v3, qwen3
     python -m serve --model /tmp/toy --prompt "Once upon a time"   # then every text example runs offline
 
 The weights are random (drawn from --seed), so the text is gibberish; everything else is a real checkpoint: LLM,
@@ -12,16 +12,20 @@ BPE's alphabet is the 256 bytes), and the tokenizer's <|endoftext|> is the model
     size   hidden  heads (K,V)  layers  context  vocab   tensor_parallel_size
     tiny   128     8 (4)        2       512      1024    1, 2, 4
     small  512     8 (4)        4       1024     1024    1, 2, 4
+
+Each family's module says how its toy is shaped at a size (layers/families.py, its `toy`): DeepSeek-V3's has MLA
+and one dense layer before DeepSeekMoE, Qwen3's a head_dim of 32.
 """
 
 from __future__ import annotations
 
-import argparse
+from serve.config import FlagParser
 import sys
 from pathlib import Path
 
+from layers.families import FAMILIES  # every family's module says how its toy is shaped (its `toy`)
+
 CORPUS = Path(__file__).resolve().parent / "toy_corpus.txt"
-FAMILIES = ("gpt2", "llama", "mixtral")
 SIZES = {  # hidden, heads, K,V heads, layers, context, vocab
     "tiny": dict(hidden=128, heads=8, kv_heads=4, layers=2, context=512, vocab=1024),
     "small": dict(hidden=512, heads=8, kv_heads=4, layers=4, context=1024, vocab=1024),
@@ -49,20 +53,10 @@ def train_tokenizer(path, texts: list[str] | None = None, vocab_size: int = 1024
 
 def hf_config(family: str, size: str, tok):
     """transformers' config of the family at this size, for this tokenizer."""
-    import transformers
+    from layers.families import family as family_of
 
-    s = SIZES[size]
     ids = dict(vocab_size=len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
-    if family == "gpt2":
-        return transformers.GPT2Config(n_embd=s["hidden"], n_head=s["heads"], n_layer=s["layers"],
-                                       n_positions=s["context"], **ids)
-    common = dict(hidden_size=s["hidden"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-                  num_hidden_layers=s["layers"], max_position_embeddings=s["context"], tie_word_embeddings=False,
-                  **ids)
-    if family == "llama":
-        return transformers.LlamaConfig(intermediate_size=s["hidden"] * 8 // 3 // 8 * 8, **common)
-    return transformers.MixtralConfig(intermediate_size=s["hidden"], num_local_experts=4, num_experts_per_tok=2,
-                                      **common)
+    return family_of(family).toy(SIZES[size], ids)
 
 
 def write(path, family: str = "gpt2", size: str = "tiny", seed: int = 0) -> dict:
@@ -81,11 +75,9 @@ def write(path, family: str = "gpt2", size: str = "tiny", seed: int = 0) -> dict
     path.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(path, vocab_size=SIZES[size]["vocab"])
     cfg = hf_config(family, size, tok)
-    cls = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM,
-           "mixtral": transformers.MixtralForCausalLM}[family]
     with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
         torch.manual_seed(seed)
-        model = cls(cfg)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.05 * torch.randn_like(p))  # away from init's symmetric values: varied tokens
@@ -96,12 +88,14 @@ def write(path, family: str = "gpt2", size: str = "tiny", seed: int = 0) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m serve.toy_model", description=__doc__.splitlines()[0])
+    ap = FlagParser(prog="python -m serve.toy_model", description=__doc__.splitlines()[0])
     ap.add_argument("dir", help="where to write it (created)")
     ap.add_argument("--family", default="gpt2", choices=FAMILIES)
     ap.add_argument("--size", default="tiny", choices=tuple(SIZES))
     ap.add_argument("--seed", type=int, default=0, help="the random weights are drawn from it")
     args = ap.parse_args(argv)
+    from serve.llm import python_command
+
     try:
         made = write(args.dir, args.family, args.size, args.seed)
     except (ValueError, OSError) as exc:
@@ -109,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"wrote a {made['size']} {made['family']} with random weights ({made['parameters']:,} parameters, "
           f"a {made['vocab']}-token BPE, {made['context']} positions) to {args.dir}\n"
-          f"try: python -m serve --model {args.dir} --prompt \"Once upon a time\" --max-tokens 16")
+          f"try: {python_command()} -m serve --model {args.dir} --prompt \"Once upon a time\" --max-tokens 16")
     return 0
 
 

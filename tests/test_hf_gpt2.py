@@ -100,8 +100,8 @@ BROKEN = {
                           "cannot read the weights (model.safetensors is truncated or not safetensors: 14 bytes"),
     "config not JSON": ("{not json", None, "config.json is not valid JSON"),
     "another model type": ({"model_type": "mistral", "hidden_size": 64}, None,
-                           "model_type='mistral' is not supported: GPT-2 (gpt2), Llama (llama), Mixtral (mixtral) and "
-                           "DeepSeek-V3 (deepseek_v3) checkpoints are"),
+                           "model_type='mistral' is not supported: GPT-2 (gpt2), Llama (llama), Mixtral (mixtral), "
+                           "DeepSeek-V3 (deepseek_v3) and Qwen3 (qwen3) checkpoints are"),
     "a Llama config missing fields": ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 8}, None,
                                       "not a Llama config (no num_hidden_layers, intermediate_size)"),
     "a Llama activation": (dict(LLAMA, hidden_act="gelu"), None, "hidden_act='gelu' is not supported"),

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tp.ledger import ring_bytes_per_rank
-from tp.partition import kv_bytes_per_token, kv_heads_per_rank, mla_kv_bytes_per_token, padded  # noqa: F401
+from tp.partition import kv_bytes_per_token, kv_heads_per_rank, llama_block, mla_kv_bytes_per_token, padded  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,8 @@ def block_params(cfg) -> int:
     """Parameters of one block. GPT-2 (layers.config.ModelConfig): QKV, out, up, down with biases, two LayerNorms.
     Llama (layers.llama.LlamaConfig): q [d, k], k and v [d, k_kv] each, o, gate|up [d, 2f], down, two RMSNorms."""
     d, k, f = cfg.d_model, cfg.k, cfg.d_ffn
-    if cfg.family == "llama":
-        return d * (k + 2 * cfg.k_kv) + k * d + 3 * d * f + 2 * d
+    if llama_block(cfg):  # Qwen3 (qk_norm): and its two per-head norms of d_head
+        return d * (k + 2 * cfg.k_kv) + k * d + 3 * d * f + 2 * d + (2 * cfg.d_head if getattr(cfg, "qk_norm", 0) else 0)
     return d * 3 * k + 3 * k + k * d + d + d * f + f + f * d + d + 4 * d
 
 
@@ -255,7 +255,7 @@ def serving_iteration(cfg, p: int, chunks: list[tuple[int, int]], sampled: int, 
     """
     d, k, f, L, dh = cfg.d_model, cfg.k, cfg.d_ffn, cfg.n_layers, cfg.d_head
     rows = sum(q_end - q_start for q_start, q_end in chunks)
-    if cfg.family == "llama":
+    if llama_block(cfg):
         kv_heads = kv_heads_per_rank(cfg.n_kv_heads, p)
         block_weights = L * ((d * k + k * d + 3 * d * f) / p + 2 * d * kv_heads * dh)
     else:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 
 import torch
-from tp.partition import ModelShape, padded
+from tp.partition import ModelShape, llama_block, padded
 
 
 
@@ -43,7 +43,9 @@ def activation_bytes_per_layer(cfg: ModelShape, p: int, n: int, dtype: torch.dty
         raise ValueError(f"no activation-memory formula for {variant!r} (v2 and v2sp only)")
     d, k, f, h = cfg.d_model, cfg.k, cfg.d_ffn, cfg.n_heads
     e, e_s = dtype.itemsize, torch.promote_types(dtype, torch.float32).itemsize
-    if cfg.family == "llama":
+    if getattr(cfg, "qk_norm", False):
+        raise ValueError("no activation-memory formula for blocks with per-head q, k norms (Qwen3)")
+    if llama_block(cfg):
         return _llama_bytes(cfg, p, n, e, e_s, variant)
     shared = 4 * n * k // p + 2 * n * f // p  # attention and MLP activations: split by heads and columns alike
     if variant == "v2":

@@ -6,6 +6,7 @@ each in one function. Plain Python (no torch), so the scheduler and the block ma
     kv_head_range(h_kv, r, p)   the K,V heads rank r holds (grouped-query attention: replicated once p > h_kv)
     kv_heads_per_rank(h_kv, p)  how many: h_kv/p, at least 1
     kv_bytes_per_token(L, heads, d_head, e)   K and V of `heads` heads in every layer, for one token: 2·L·heads·d_head·e
+    llama_block(cfg)            whether the formulas take cfg's blocks as Llama's or GPT-2's
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ class ModelShape(Protocol):
     n_heads: int
     n_layers: int
     vocab_size: int
+
+
+def llama_block(cfg) -> bool:
+    """Whether the analytic models count cfg's blocks as Llama's (RMSNorm, grouped-query attention, SwiGLU with gate
+    and up one matmul, no biases), which the config says (layers/llama.LlamaConfig.llama_block), or as GPT-2's."""
+    return getattr(cfg, "llama_block", False)
 
 
 def ceil_div(n: int, b: int) -> int:

@@ -42,7 +42,7 @@ import math
 
 import torch
 
-from tp.partition import ModelShape, ceil_div, kv_head_range, kv_heads_per_rank, padded
+from tp.partition import ModelShape, ceil_div, kv_head_range, kv_heads_per_rank, llama_block, padded
 from tp.ledger import Traffic, Transfer
 
 
@@ -56,11 +56,12 @@ def block_collectives(cfg: ModelShape, n: int, variant: str, phase: str,
     d, k, f, h = cfg.d_model, cfg.k, cfg.d_ffn, cfg.n_heads
     scores = (h, sum(x * x for x in (lengths or [n])))
     ar, ag, rs = "all_reduce", "all_gather", "reduce_scatter"
-    up = "gate_up dx" if cfg.family == "llama" else "mlp_up dx"  # Llama: gate and up are one column-parallel matmul
-    if cfg.family == "llama" and variant not in ("v2", "v2sp"):
+    llama = llama_block(cfg)
+    up = "gate_up dx" if llama else "mlp_up dx"  # Llama: gate and up are one column-parallel matmul
+    if llama and variant not in ("v2", "v2sp"):
         raise ValueError(f"Llama-family blocks are built as v2 or v2sp only, not {variant!r}")
     rows = padded(n, p)  # v2sp: n padded up to a multiple of p
-    dw = ("norm dw", (d,)) if cfg.family == "llama" else ("norm+bias dw", (3 * d,))  # v2sp's replicated parameters
+    dw = ("norm dw", (d,)) if llama else ("norm+bias dw", (3 * d,))  # v2sp's replicated parameters
     table = {
         ("v2", "forward"): [("attn", "all-reduce #1", ar, (n, d)), ("mlp", "all-reduce #2", ar, (n, d))],
         ("v2", "backward"): [("mlp", up, ar, (n, d)), ("attn", "qkv dx", ar, (n, d))],
@@ -83,6 +84,8 @@ def block_collectives(cfg: ModelShape, n: int, variant: str, phase: str,
     }
     if (variant, phase) not in table:
         raise ValueError(f"no traffic model for variant={variant!r} phase={phase!r}")
+    if getattr(cfg, "qk_norm", False) and phase == "backward":  # Qwen3: the per-head norms' gradients, partial over heads
+        return table[(variant, phase)] + [("attn", "qk_norm dw", ar, (2 * cfg.d_head,))]
     return table[(variant, phase)]
 
 

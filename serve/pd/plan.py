@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from layers.config import validate_model
-from layers.llama import validate_llama
+from layers.families import validate
 from serve.config import EngineConfig, fits_alone
 from serve.request import Request
 from serve.scheduler import Scheduler, pipeline_schedule, schedule_loop
@@ -40,7 +39,7 @@ def validate_layout(cfg, layout: Layout, world_size: int) -> None:
         raise ConfigError(f"pd.prefill_pp={pp} is more stages than the model's {cfg.n_layers} layers")
     for name, p in (("pd.prefill_ranks", p_p // pp), ("pd.decode_ranks", p_d)):
         try:
-            (validate_llama if cfg.family == "llama" else validate_model)(cfg, p)
+            validate(cfg, p)
         except ConfigError as exc:
             where = f"pd.prefill_ranks={p_p} / pd.prefill_pp={pp}" if name == "pd.prefill_ranks" and pp > 1 else \
                 f"{name}={p}"
