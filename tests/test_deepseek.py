@@ -341,3 +341,22 @@ def test_bad_deepseek_settings_fail_in_one_line(overrides, script, message):
 
     proc = settings_phase(overrides, world=2, script=script)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+def test_the_toy_deepseek_v3_is_served_as_transformers_generates_it(tmp_path):
+    """python -m serve.toy_model --family deepseek_v3 (MLA with a query LoRA, one dense layer, then DeepSeekMoE; the
+    toy BPE): LLM at tensor_parallel_size 2 gives transformers' greedy tokens and text."""
+    from layers.hf import read_config
+    from serve import LLM, SamplingParams
+    from serve.toy_model import main
+    from tests.test_llm import hf_generate
+
+    path, prompts = tmp_path / "deepseek_v3", ["Once upon a time", "café über 中文"]
+    assert main([str(path), "--family", "deepseek_v3"]) == 0
+    cfg = read_config(path)
+    assert cfg.family == "deepseek_v3" and cfg.q_lora_rank > 0 and cfg.moe_layer(1) and not cfg.moe_layer(0)
+    want, tok = hf_generate(path, prompts, 10)
+    with LLM(str(path), tensor_parallel_size=2, dtype="float64") as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert [o.outputs[0].text for o in outs] == [tok.decode(ids, skip_special_tokens=True) for ids in want]

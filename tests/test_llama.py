@@ -13,6 +13,7 @@ from layers.llama import (LlamaConfig, RMSNorm, kv_heads_of_rank, valid_llama_tp
                           validate_llama)
 from layers.tp_block import shard_stack
 from layers.varlen import Requests
+from tests.common import exact_norms_and_rope
 from tests.harness import run_ranks
 from tp.dist import ConfigError
 
@@ -43,22 +44,7 @@ def hf_model(cfg: LlamaConfig, causal_lm: bool = False):
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
 
-    def rms_forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    def rotary_forward(self, x, position_ids):
-        dh = cfg.d_head
-        inv = 1.0 / cfg.rope_theta ** (torch.arange(0, dh, 2, dtype=torch.float64) / dh)
-        freqs = position_ids[..., None].to(torch.float64) * inv
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-    for module in model.modules():
-        if isinstance(module, ml.LlamaRMSNorm):
-            module.forward = rms_forward.__get__(module)
-        if isinstance(module, ml.LlamaRotaryEmbedding):
-            module.forward = rotary_forward.__get__(module)
-    return model
+    return exact_norms_and_rope(model, ml.LlamaRMSNorm, ml.LlamaRotaryEmbedding, cfg.d_head, cfg.rope_theta)
 
 
 LENGTHS = [4, N - 4]  # two requests flattened into one forward; each starts at position 0

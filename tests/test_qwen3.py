@@ -3,8 +3,8 @@ float64, on python -m serve.toy_model's Qwen3 (random weights, head_dim 32: h·d
 
 Oracles: transformers' logits (its norms and rotary tables kept in float64) for the dense model; the dense model for
 the TP blocks at p = 2, 4 in v2 and v2sp, forward and gradients, every collective against the traffic model (the
-norms' one backward all-reduce included); transformers' greedy `generate` for LLM at tensor_parallel_size 1, 2, 4 and
-for the server."""
+norms' one backward all-reduce included); transformers' greedy `generate` for LLM at tensor_parallel_size 1 and 4,
+and for the server (its LLM at 2)."""
 
 import os
 from collections import Counter
@@ -16,6 +16,7 @@ from layers.hf import load_lm, read_config, read_state
 from layers.lm import dense_lm
 from layers.varlen import Requests
 from serve.sampling_params import SamplingParams
+from tests.common import exact_norms_and_rope
 from tests.harness import run_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,36 +29,20 @@ LENGTHS = [5, 9]  # two requests in one forward of the blocks
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from serve.toy_model import write
+    from serve.toy_model import main
 
     path = tmp_path_factory.mktemp("qwen3") / "toy"
-    write(path, "qwen3", "tiny", seed=3)
+    assert main([str(path), "--family", "qwen3", "--seed", "3"]) == 0
     return path
 
 
 def exact_transformers(path):
-    """transformers' Qwen3ForCausalLM in float64 with its RMSNorms and rotary tables in float64 too (transformers
-    computes both in float32 by design, which caps agreement near 1e-7)."""
+    """transformers' Qwen3ForCausalLM in float64, its norms and rotary tables in float64 too."""
     from transformers.models.qwen3 import modeling_qwen3 as mq
 
     model = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
-
-    def rms_forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    def rotary_forward(self, x, position_ids):
-        dh = model.config.head_dim
-        inv = 1.0 / model.config.rope_parameters["rope_theta"] ** (torch.arange(0, dh, 2, dtype=torch.float64) / dh)
-        freqs = position_ids[..., None].to(torch.float64) * inv
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-    for module in model.modules():
-        if isinstance(module, mq.Qwen3RMSNorm):
-            module.forward = rms_forward.__get__(module)
-        if isinstance(module, mq.Qwen3RotaryEmbedding):
-            module.forward = rotary_forward.__get__(module)
-    return model
+    return exact_norms_and_rope(model, mq.Qwen3RMSNorm, mq.Qwen3RotaryEmbedding, model.config.head_dim,
+                                model.config.rope_parameters["rope_theta"])
 
 
 def dense(path):
@@ -135,19 +120,15 @@ def test_tp_qwen3_blocks_equal_the_dense_ones_forward_and_backward(checkpoint, p
 @pytest.fixture(scope="module")
 def expected(checkpoint):
     """transformers' greedy generate, float64, as from_pretrained gives it (no patches), and the tokenizer."""
-    tok = transformers.AutoTokenizer.from_pretrained(checkpoint)
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).eval()
-    out = []
-    for text in PROMPTS:
-        ids = tok(text, return_tensors="pt")["input_ids"]
-        gen = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=tok.eos_token_id)
-        out.append(gen[0, ids.shape[1]:].tolist())
-    return out, tok
+    from tests.test_llm import hf_generate
+
+    return hf_generate(checkpoint, PROMPTS, NEW)
 
 
-@pytest.mark.parametrize("p", [1, 2, 4])
+@pytest.mark.parametrize("p", [1, 4])
 def test_llm_generates_what_transformers_generates(checkpoint, expected, p):
-    """p = 4: one K,V head per rank; every step's collectives are checked against the traffic model in the engine."""
+    """p = 4: one K,V head per rank; every step's collectives are checked against the traffic model in the engine.
+    p = 2 is the server's (its LLM, below)."""
     from serve import LLM
 
     want, tok = expected
@@ -160,6 +141,7 @@ def test_llm_generates_what_transformers_generates(checkpoint, expected, p):
 
 
 def test_the_server_answers_what_transformers_generates(server, expected):
+    """python -m serve.api serves through LLM at tensor_parallel_size 2: the tokens are transformers'."""
     from tests.test_api import MODEL
 
     got = server.ready().client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=NEW, temperature=0,
