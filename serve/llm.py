@@ -34,7 +34,7 @@ from serve.config import EngineConfig
 from serve.detokenizer import IncrementalDetokenizer
 from serve.executor import MultiprocExecutor
 from serve.outputs import RequestOutput
-from serve.sampling_params import SamplingParams
+from serve.sampling_params import FieldError, SamplingParams
 from serve.worker import RankSpec
 from tp.dist import DEFAULT_TIMEOUT_S
 
@@ -394,16 +394,18 @@ class LLM:
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+                raise FieldError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}",
+                                 "prompt")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer: this model has none (a preset, or a directory "
-                                 "without tokenizer files); pass token ids, or tokenizer=DIR")
+                raise FieldError("a text prompt needs a tokenizer: this model has none (a preset, or a directory "
+                                 "without tokenizer files); pass token ids, or tokenizer=DIR", "prompt")
             text, ids = prompt, self.tokenizer(prompt)["input_ids"]
         elif not isinstance(prompt, dict):
             ids = prompt
         if not isinstance(ids, (list, tuple)):
-            raise ValueError(f"a prompt is a string, a list of token ids or a dict, not {type(ids).__name__}")
+            raise FieldError(f"a prompt is a string, a list of token ids or a dict, not {type(ids).__name__}",
+                             "prompt")
         return text, list(ids)
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
@@ -412,7 +414,7 @@ class LLM:
 
         check_request(self.config.speculative_config, params.logprobs)
         if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop={list(params.stop)}: stop strings need a tokenizer (this model has none)")
+            raise FieldError(f"stop={list(params.stop)}: stop strings need a tokenizer (this model has none)", "stop")
         validate_prompt(ids, params.max_tokens, self.model_config.vocab_size, self.model_config.max_seq_len,
                         self.num_blocks, self.config.block_size, self.config.max_model_len, self.block_bytes)
 

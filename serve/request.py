@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass, field
 
 from serve.config import fits_alone
-from serve.sampling_params import SamplingParams
+from serve.sampling_params import FieldError, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -92,15 +92,19 @@ def validate_prompt(ids: list[int], max_tokens: int, vocab_size: int, max_seq_le
     max_model_len (vLLM's rule; unset: the model's context), and a pool that can hold the request alone
     (serve/config.fits_alone; block_bytes where kv_cache_memory_bytes sized it)."""
     if not isinstance(ids, (list, tuple)) or not ids:
-        raise ValueError("empty prompt: a request needs at least one token")
+        raise FieldError("empty prompt: a request needs at least one token", "prompt")
     bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ValueError(f"prompt holds {bad!r}, not a token id of the vocabulary [0, {vocab_size})")
+        raise FieldError(f"prompt holds {bad!r}, not a token id of the vocabulary [0, {vocab_size})", "prompt")
+    # too long: the field to change is max_tokens where the prompt with one new token would fit, else the prompt
     if len(ids) + max_tokens > (max_model_len or max_seq_len):
         limit = f"max_model_len={max_model_len}" if max_model_len else f"the model's context of {max_seq_len}"
-        raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={max_tokens} is {len(ids) + max_tokens} tokens, "
-                         f"more than {limit}; shorten the prompt or lower max_tokens")
+        raise FieldError(f"prompt of {len(ids)} tokens + max_tokens={max_tokens} is {len(ids) + max_tokens} tokens, "
+                         f"more than {limit}; shorten the prompt or lower max_tokens",
+                         "max_tokens" if len(ids) < (max_model_len or max_seq_len) else "prompt")
     need = len(ids) + max_tokens - 1  # cached positions: the last token is sampled, never fed back
     reason = fits_alone(need, num_blocks, block_size, block_bytes)
     if reason is not None:
-        raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={max_tokens}: {reason}")
+        alone = fits_alone(len(ids), num_blocks, block_size, block_bytes) is None  # with one new token
+        raise FieldError(f"prompt of {len(ids)} tokens + max_tokens={max_tokens}: {reason}",
+                         "max_tokens" if alone else "prompt")

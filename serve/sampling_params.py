@@ -29,6 +29,15 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+class FieldError(ValueError):
+    """A request refused because of one of its fields: `field` names it (a SamplingParams name, or "prompt"), so that a
+    server's error can name it too (OpenAI's `param`)."""
+
+    def __init__(self, message: str, field: str | None = None):  # message first: a pickled copy is rebuilt from it
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16  # new tokens at most: finish_reason "length" when reached

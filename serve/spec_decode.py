@@ -35,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from serve.sampling_params import FieldError
+
 METHODS = ("ngram", "draft_model")
 
 
@@ -80,8 +82,8 @@ class SpeculativeConfig:
 def check_request(config: "SpeculativeConfig | None", logprobs: int | None) -> None:
     """The rule between speculation and a request (the driver checks it before sending, rank 0 again on arrival)."""
     if config is not None and config.method == "draft_model" and logprobs is not None:
-        raise ValueError("logprobs with speculative_config method='draft_model' is not built yet: drop logprobs, or "
-                         "use method='ngram'")
+        raise FieldError("logprobs with speculative_config method='draft_model' is not built yet: drop logprobs, or "
+                         "use method='ngram'", "logprobs")
 
 
 def check_draft(draft_cfg, target_cfg, name: str) -> None:

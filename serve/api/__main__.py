@@ -2,6 +2,8 @@
 
 Starts the ranks (as `LLM` does), then serves OpenAI's API on host:port until SIGTERM or SIGINT: taking no new
 requests, it lets those in flight finish for --shutdown-timeout seconds, aborts the rest, stops the ranks and exits 0.
+A second signal aborts what runs at the engine's next step and exits as soon as the ranks are stopped. Each signal,
+and the exit, prints a line on stderr.
 If a rank fails, in-flight requests get an error, new ones a 503, and the process exits 1 with no rank left behind.
 """
 
@@ -20,6 +22,8 @@ from serve.config import add_engine_flags, engine_from_flags
 
 IMPORTED = time.perf_counter()
 FAILED_LINGER_S = 1.0  # after a rank failed: how long new requests still get their 503 before the server exits
+STOP_WAIT_S = 2.0  # after a second signal: how long the engine's step in flight may delay the cut of connections
+STOP_LINGER_S = 0.25  # ... and how long after the ranks stopped an answer may take to end before it is cut
 
 
 def parser() -> argparse.ArgumentParser:
@@ -115,20 +119,41 @@ def main(argv: list[str] | None = None) -> int:
     grace = args.shutdown_timeout
 
     class Server(uvicorn.Server):
-        """SIGTERM / SIGINT: the server keeps listening and answers 503 to new requests while in-flight ones get
-        the grace period (then they are aborted), and closes once the ranks are stopped. A second signal: uvicorn's
-        own exit (connections closed now)."""
+        """The first SIGTERM / SIGINT drains: the server keeps listening and answers 503 to new requests while
+        in-flight ones get the grace period (then they are aborted), and closes once the ranks are stopped. A second
+        one stops now: what runs is aborted at the engine's next step (streams end with "abort" and [DONE]), the
+        server stops listening, closes each connection as its answer ends, and exits once the ranks are stopped (a
+        connection still open then is cut). A third SIGINT: uvicorn's own exit (connections cut at once)."""
+
+        first: float | None = None  # when the first signal came
+        last: tuple[str, float] | None = None  # the last signal handled here, and when
 
         def handle_exit(self, sig, frame) -> None:
-            if not engine.accepting or self.should_exit:
+            if self.should_exit or engine.failed is not None:  # stopping already (a third signal, or a failure)
                 super().handle_exit(sig, frame)
                 return
-            engine.drain(grace)
-            threading.Thread(target=self._exit_when_drained, daemon=True).start()
+            self.last = (signal.Signals(sig).name, time.monotonic())
+            n = engine.live
+            if self.first is None:
+                self.first = self.last[1]
+                say(f"shutting down: draining {requests(n)} for up to {grace:g} s (Ctrl-C again to stop now)" if n
+                    else "shutting down: no request in flight")
+                engine.drain(grace)
+                threading.Thread(target=self._exit_when_drained, daemon=True).start()
+                return
+            say(f"stopping now: aborting {requests(n)}" if n else "stopping now")
+            engine.drain(0)
+            super().handle_exit(sig, frame)  # should_exit: stop listening, close each connection as its answer ends
+            threading.Thread(target=self._cut_when_stopped, daemon=True).start()
 
         def _exit_when_drained(self) -> None:
             engine.done.wait(grace + 15)
             self.should_exit = True
+
+        def _cut_when_stopped(self) -> None:
+            engine.done.wait(STOP_WAIT_S)
+            time.sleep(STOP_LINGER_S)
+            self.force_exit = True  # uvicorn stops waiting for the connections still open
 
     server = Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=grace + 2,
                                    timeout_keep_alive=5))
@@ -147,7 +172,24 @@ def main(argv: list[str] | None = None) -> int:
     if engine.failed is not None:
         print(f"error: the engine failed: {engine.detail}", file=sys.stderr)
         return 1
+    if server.first is not None:
+        signame, last = server.last
+        now = time.monotonic()
+        line = f"stopped {now - server.first:.2f} s after {signame}"
+        if last > server.first:
+            line += f", {now - last:.2f} s after the second"
+        counts = [f"{n} {what}" for n, what in ((engine.drained, "finished"), (engine.cut, "aborted")) if n]
+        print(line + (f" (requests: {', '.join(counts)})" if counts else ""), file=sys.stderr, flush=True)
     return 0
+
+
+def say(line: str) -> None:
+    """A line on stderr from a signal handler (os.write: no buffered stream to re-enter)."""
+    os.write(2, (line + "\n").encode())
+
+
+def requests(n: int) -> str:
+    return f"{n} request{'s' * (n != 1)}"
 
 
 def since_start() -> float:

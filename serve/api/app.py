@@ -180,7 +180,7 @@ def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, max_pos
                         return Response(status_code=499)  # the client is gone; nobody reads this
                     i, (what, value) = event
                     if what == "error":
-                        raise value
+                        raise as_asked(value, req)
                     if what == "abort" or value.finished:
                         finals[i] = value
                 return shape.full([finals[i] for i in range(len(prompts))], [len(ids) for _, ids in prompts])
@@ -193,7 +193,7 @@ def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, max_pos
                     return Response(status_code=499)
                 i, (what, value) = event
                 if what == "error":
-                    raise value
+                    raise as_asked(value, req)
                 started.append(event)
                 waiting.discard(i)
         except BaseException:
@@ -229,6 +229,13 @@ def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, max_pos
             sub.abort_open()
 
     return app
+
+
+def as_asked(error: APIError, req) -> APIError:
+    """An engine error names SamplingParams' field: a chat request's max_tokens may be its max_completion_tokens."""
+    if error.param == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
+        error.param = "max_completion_tokens"
+    return error
 
 
 class Sent:

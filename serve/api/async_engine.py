@@ -15,7 +15,7 @@ loop per step, however many streams), or, without one, are called on the engine 
 
     ("output", RequestOutput)   the request moved (cumulative tokens and text; finished=True at the end)
     ("error", APIError)         refused (400), timed out in the queue (503), or the engine failed (503)
-    ("abort", None)             ended by the server's shutdown after the grace period
+    ("abort", None)             ended by the server's shutdown: after the grace period, or at once (drain(0))
 
 A client that goes away is aborted at the next step (its blocks go back to the pool there); nothing more is sent to
 it. A request that has not produced its first token queue_timeout_s after it arrived is aborted and answered 503.
@@ -62,6 +62,7 @@ class AsyncEngine:
         self._live: dict[str, Live] = {}
         self._accepting = True
         self._deadline: float | None = None  # draining: live requests are aborted at this time
+        self.drained = self.cut = 0  # while draining: requests that finished, requests aborted by the shutdown
         self._expect_until = 0.0  # steps may still come until then, with nothing live (an abort's)
         self._log = open(iteration_log, "w", buffering=1) if iteration_log else None
         self._start = time.monotonic()
@@ -89,7 +90,8 @@ class AsyncEngine:
         self._ops.put(("abort", request_id))
 
     def drain(self, grace_s: float) -> None:
-        """Stop taking requests; live ones may finish for grace_s, then they are aborted and the ranks stopped."""
+        """Stop taking requests; live ones may finish for grace_s, then they are aborted and the ranks stopped. Called
+        again (a second Ctrl-C: drain(0)), the earlier deadline holds."""
         self._accepting = False
         self._ops.put(("drain", time.monotonic() + grace_s))
 
@@ -102,6 +104,11 @@ class AsyncEngine:
     @property
     def accepting(self) -> bool:
         return self._accepting and self.failed is None
+
+    @property
+    def live(self) -> int:
+        """Requests in flight (taken by the engine thread, not yet ended)."""
+        return len(self._live)
 
     # -- the engine thread -------------------------------------------------------------------------------------------
 
@@ -171,7 +178,7 @@ class AsyncEngine:
                 if (live := self._live.pop(arg, None)) is not None:
                     self._send_abort(arg, live)
             elif kind == "drain":
-                self._deadline = arg
+                self._deadline = arg if self._deadline is None else min(self._deadline, arg)
             try:
                 op = self._ops.get_nowait()
             except queue.Empty:
@@ -183,12 +190,8 @@ class AsyncEngine:
             return
         try:
             self.llm.add_request(request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params, wait=False)
-        except ValueError as exc:
-            message = str(exc)
-            context = getattr(getattr(self.llm, "model_config", None), "max_seq_len", None)
-            alone_fits = context is None or len(prompt_ids) <= context
-            param = "max_tokens" if "max_tokens" in message and alone_fits else "prompt"
-            self._emit(sink, ("error", APIError(400, message, param)))
+        except ValueError as exc:  # the request's checks: a FieldError names the field it refuses (OpenAI's param)
+            self._emit(sink, ("error", APIError(400, str(exc), getattr(exc, "field", None))))
             return
         self._live[request_id] = Live(sink, arrival, len(prompt_ids))
 
@@ -226,6 +229,7 @@ class AsyncEngine:
                 del self._live[rid]
                 self._send_abort(rid, live)
                 self._emit(live.sink, ("abort", None))
+                self.cut += 1
 
     def _hand_out(self, outputs: list, stats: dict) -> None:
         outputs = self.llm.detokenize(outputs)
@@ -253,6 +257,7 @@ class AsyncEngine:
                 del self._live[o.request_id]
                 self._expect_until = time.monotonic() + EXPECT_S  # a stop string's abort step may follow
                 finished[o.request_id] = o.outputs[0].finish_reason
+                self.drained += not self._accepting  # drain() was called
                 if self.metrics is not None:
                     self.metrics.finished(o.outputs[0].finish_reason, live.prompt_tokens, n,
                                           (now - live.first) / (n - 1) if live.first is not None and n > 1 else None)
