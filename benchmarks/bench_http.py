@@ -158,12 +158,12 @@ def bench(p: int, checkpoint: Path, rates: list[float], n: int, repeats: int, vo
     server = Server(checkpoint, p)
     try:
         with LLM(str(checkpoint), tensor_parallel_size=p) as llm:
-            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm
+            llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2))  # warm
             asyncio.run(run_rate(server.url, "bench", work[:4], math.inf))  # warm
             for rep in range(repeats):
                 start = time.perf_counter()
                 outs = llm.generate([{"prompt_token_ids": pr} for pr, _ in work],
-                                    [SamplingParams(max_tokens=k, ignore_eos=True) for _, k in work])
+                                    [SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True) for _, k in work])
                 direct = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
                 http = asyncio.run(run_rate(server.url, "bench", work, math.inf))["tokens_per_s"]
                 ratios.append({"http_tokens_per_s": http, "generate_tokens_per_s": direct, "ratio": http / direct})

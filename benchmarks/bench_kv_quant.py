@@ -47,11 +47,12 @@ def capacity(p: int, name: str, memory: int, prompts: list[list[int]]) -> dict:
     from serve import LLM, SamplingParams
 
     with LLM(MODEL, tensor_parallel_size=p, dtype="bfloat16", kv_cache_memory_bytes=memory, kv_cache_dtype=name,
+             calculate_kv_scales=name != "auto",
              block_size=BLOCK, max_num_seqs=COUNT, max_num_batched_tokens=2048,
              long_prefill_token_threshold=512) as llm:
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1))  # warm-up
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=1))  # warm-up
         start = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(max_tokens=NEW, ignore_eos=True))
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
         took = time.perf_counter() - start
         stats = llm.stats()
     per_request = -(-(PROMPT + NEW - 1) // BLOCK)  # blocks of one request at its largest
@@ -63,8 +64,9 @@ def capacity(p: int, name: str, memory: int, prompts: list[list[int]]) -> dict:
 def generate(p: int, name: str, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
     from serve import LLM, SamplingParams
 
-    with LLM(MODEL, tensor_parallel_size=p, dtype="float32", kv_cache_dtype=name) as llm:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=24, logprobs=0, ignore_eos=True))
+    with LLM(MODEL, tensor_parallel_size=p, dtype="float32", kv_cache_dtype=name,
+             calculate_kv_scales=name != "auto") as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, logprobs=0, ignore_eos=True))
     return [(o.outputs[0].token_ids, [step[t] for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
             for o in outs]
 

@@ -65,12 +65,12 @@ def library(p: int, ids: list[list[int]]) -> dict:
 
     start = time.perf_counter()
     with LLM("article03", tensor_parallel_size=p, **SETTINGS) as llm:
-        llm.generate([[1]], SamplingParams(max_tokens=1))
+        llm.generate([[1]], SamplingParams(temperature=0.0, max_tokens=1))
         startup = time.perf_counter() - start
         rates = []
         for _ in range(3):  # the first run is cold (as the torchrun run is), the next two warm
             t0 = time.perf_counter()
-            outs = llm.generate(ids, SamplingParams(max_tokens=NEW))
+            outs = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=NEW))
             got = [o.outputs[0].token_ids for o in outs]
             rates.append(sum(map(len, got)) / (time.perf_counter() - t0))
         ledger = llm.stats()["last_iteration"]["ledger_matches_model"]

@@ -98,7 +98,7 @@ def cost_table(repeats: int) -> dict:
         for B in (1, 8, 32):
             gen = torch.Generator().manual_seed(B)
             prompts = [torch.randint(0, 50257, (32,), generator=gen).tolist() for _ in range(B)]
-            greedy = SamplingParams(max_tokens=32, ignore_eos=True)
+            greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
             def timed(q):
                 t0 = time.perf_counter()

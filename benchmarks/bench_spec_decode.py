@@ -6,7 +6,8 @@
          once (B = 1, 4, 16), greedy, --max-tokens new tokens each (ignore_eos), K = 4 proposals: n-gram
          (prompt_lookup_max 3), and a self-draft (the draft model is article03 itself: every proposal accepted,
          the upper bound of any draft, at the cost of a draft as large as the target): generate()'s time with
-         speculation against without, alternating A B B A within each repeat; tokens are checked equal (greedy). The workload: random 16-token prompts whose continuations, under
+         speculation against without, alternating A B B A within each repeat (--repeats 2: 4 runs of each, the
+         median taken); tokens are checked equal (greedy). The workload: random 16-token prompts whose continuations, under
          random weights, fall into runs of repeated tokens and phrases after a few steps (what prompt lookup finds:
          the copying case). Acceptance: vLLM's rate (accepted / proposed) and mean acceptance length
          (1 + accepted / drafts).
@@ -14,7 +15,8 @@
          greedy race's all-gather of (value, id) against all-gathering the float32 logits, vocab 50257 and 128256,
          p = 2, 4, 8. A verified chunk of K + 1 rows moves K + 1 times a row's bytes, nothing more.
 
-Writes outputs/bench_spec_decode.json and prints both tables (markdown).
+Prints a line per measurement as it goes (to stderr) and its run time at the end; writes
+outputs/bench_spec_decode.json and prints both tables (markdown).
 """
 
 from __future__ import annotations
@@ -41,14 +43,14 @@ def speed(tp: int, repeats: int, max_tokens: int) -> list[dict]:
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 50257, (16,), generator=g).tolist() for _ in range(max(BATCHES))]
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     engines = {"plain": LLM("article03", tensor_parallel_size=tp),
                "ngram": LLM("article03", tensor_parallel_size=tp, speculative_config=NGRAM),
                "self-draft": LLM("article03", tensor_parallel_size=tp, speculative_config=SELF_DRAFT)}
-    rows = []
+    rows, began = [], time.perf_counter()
     try:
         for llm in engines.values():  # warm-up
-            llm.generate(prompts[:1], SamplingParams(max_tokens=4))
+            llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))
         for b in BATCHES:
             for method in ("ngram", "self-draft"):
                 times = {name: [] for name in ("plain", method)}
@@ -59,6 +61,9 @@ def speed(tp: int, repeats: int, max_tokens: int) -> list[dict]:
                         outs = engines[name].generate(prompts[:b], params)
                         times[name].append(time.perf_counter() - start)
                         tokens[name] = [o.outputs[0].token_ids for o in outs]
+                print(f"B={b} {method}: median {statistics.median(times['plain']):.2f} s plain, "
+                      f"{statistics.median(times[method]):.2f} s speculative ({time.perf_counter() - began:.0f} s so "
+                      f"far)", file=sys.stderr, flush=True)
                 after = engines[method].stats()
                 drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
                 proposed = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
@@ -93,7 +98,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--tp", type=int, default=1)
     args = ap.parse_args()
+    began = time.perf_counter()
     result = {"bytes": row_bytes(), "speed": speed(args.tp, args.repeats, args.max_tokens)}
+    print(f"ran {time.perf_counter() - began:.0f} s", file=sys.stderr)
     out = ROOT / "outputs" / "bench_spec_decode.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

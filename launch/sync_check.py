@@ -59,17 +59,19 @@ class Syncs(StepHook):
 
 
 def arrivals_feed(prompts: list[list[int]], arrivals: dict[int, int], max_tokens: int = 8):
-    """drive()'s feed and pending for rank 0: arrivals[i] of the prompts, in order, before loop turn i (greedy,
-    max_tokens each, eos ignored)."""
+    """drive()'s feed for rank 0: arrivals[i] of the prompts, in order, before loop turn i (greedy, max_tokens each,
+    eos ignored); a step is due while a request is unfinished or a prompt is still to come."""
     turn, added = [0], [0]
 
-    def feed(engine: LLMEngine) -> None:
+    def feed(engine: LLMEngine) -> bool:
         for _ in range(arrivals.get(turn[0], 0)):
-            engine.add_request(str(added[0]), prompts[added[0]], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            engine.add_request(str(added[0]), prompts[added[0]],
+                               SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
             added[0] += 1
         turn[0] += 1
+        return engine.has_unfinished_requests() or added[0] < len(prompts)
 
-    return feed, lambda: added[0] < len(prompts)
+    return feed
 
 
 def run(ctx, name: str, record: bool) -> list[tuple[str, int]]:
@@ -88,7 +90,7 @@ def run(ctx, name: str, record: bool) -> list[tuple[str, int]]:
         if record:
             torch.cuda.set_sync_debug_mode("warn")
         try:
-            drive(engine, *arrivals_feed(prompts, {0: 2, 3: 1, 6: 2}))
+            drive(engine, arrivals_feed(prompts, {0: 2, 3: 1, 6: 2}))
         finally:
             if record:
                 torch.cuda.set_sync_debug_mode("default")

@@ -14,17 +14,17 @@ SamplingParams (--temperature --top-p --top-k --min-p --seed --stop --stop-token
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
 import time
 
-from serve.config import add_engine_flags, engine_from_flags, flag_names
+from serve.config import FlagParser, add_engine_flags, engine_from_flags, flag_names
+from serve.sampling_params import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m serve", description="Generate a completion on the TP engine.")
+    ap = FlagParser(prog="python -m serve", description="Generate a completion on the TP engine.")
     ap.add_argument("--model", required=True, help="a save_pretrained directory, or a preset (conf/model/*.yaml)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (pp x tp ranks)")
@@ -35,9 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", help="a directory with tokenizer files (default: the model's)")
     ap.add_argument("--dtype", default="auto", help="auto (the checkpoint's torch_dtype, else float32) or a dtype")
     ap.add_argument("--weights-seed", type=int, default=0, help="a preset's random weights are drawn from it")
+    ap.add_argument("--threads-per-rank", type=int, default=None, metavar="N",
+                    help="each rank's intra-op threads (default: the cores this process may use, one left to the "
+                         "driver, shared among the ranks; or OMP_NUM_THREADS)")
     sampling = ap.add_argument_group("sampling (SamplingParams; vLLM's names)")
     sampling.add_argument("--max-tokens", type=int, default=16)
-    sampling.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    sampling.add_argument("--temperature", type=float, default=SamplingParams.temperature,
+                          help=f"{SamplingParams.temperature} by default (vLLM's); 0: greedy")
     sampling.add_argument("--top-p", type=float, default=1.0, help="1: off")
     sampling.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
     sampling.add_argument("--min-p", type=float, default=0.0, help="0: off")
@@ -53,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if (args.prompt is None) == (args.prompt_ids is None):
         ap.error("give one of --prompt TEXT or --prompt-ids 1,2,3")
-    from serve import LLM, SamplingParams
+    from serve import LLM
     from serve.llm import check_model_exists, has_tokenizer
 
     try:
@@ -76,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size,
                  pipeline_parallel_size=args.pipeline_parallel_size, dtype=args.dtype, seed=args.weights_seed,
                  context_parallel_size=args.context_parallel_size, tokenizer=args.tokenizer,
-                 **dataclasses.asdict(config)) as llm:
+                 threads_per_rank=args.threads_per_rank, **dataclasses.asdict(config)) as llm:
             ready = time.perf_counter()
+            summary = llm.settings_summary()
             out = llm.generate([prompt] if isinstance(prompt, str) else [prompt], params)[0]
             done = time.perf_counter()
             stats = llm.stats()
@@ -93,9 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{i:4d} {_token(llm, t)} {step[t]:.6f} | "
                   + ", ".join(f"{_token(llm, tid)} {lp:.6f}" for tid, lp in top))
     print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}, start-up {ready - start:.1f} s, "
-          f"generate {done - ready:.2f} s, tensor_parallel_size={args.tensor_parallel_size}, "
-          f"pipeline_parallel_size={args.pipeline_parallel_size}, dtype {llm.dtype}, {llm.backend}"
-          + (f", speculative: {stats['spec_decode_num_accepted_tokens']} of {stats['spec_decode_num_draft_tokens']} "
+          f"generate {done - ready:.2f} s; {summary}"
+          + (f"; speculative: {stats['spec_decode_num_accepted_tokens']} of {stats['spec_decode_num_draft_tokens']} "
              f"proposed tokens accepted" if config.speculative_config is not None else "") + "]", file=sys.stderr)
     return 0
 

@@ -21,9 +21,10 @@
                                   previous chunk is still in flight (off: a request is in one micro-batch in flight
                                   at most, vLLM V1's rule)
     kv_cache_dtype                the KV cache's storage (layers/kv_quant.py): auto (the model's dtype) | fp8_e4m3 |
-                                  fp8_e5m2 | int8, one byte per value with float32 scales per layer, K|V and head
-    calculate_kv_scales           a quantized cache's scales from the first prefill each layer sees (off: 1.0, vLLM's
-                                  default without calibrated scales; int8 needs them calculated)
+                                  fp8_e5m2 | int8 (fp8: vLLM's name for fp8_e4m3), one byte per value with float32
+                                  scales per layer, K|V and head
+    calculate_kv_scales           a quantized cache's scales from the first prefill each layer sees (off, the default
+                                  as in vLLM: 1.0; int8 needs them calculated)
     kv_cache_memory_bytes         each rank's pool at this many bytes (blocks = bytes // a block's bytes, which
                                   kv_cache_dtype halves against 16-bit values); None: num_gpu_blocks_override, or
                                   max_num_seqs requests at the full context
@@ -32,6 +33,8 @@
     speculative_config            speculative decoding (serve/spec_decode.py): None (off), or vLLM's dict
                                   {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": a,
                                   "prompt_lookup_max": b}, kept as a SpeculativeConfig
+    scheduling_policy             who is admitted first and preempted last (serve/scheduler.py POLICIES): fcfs (first
+                                  come, first served) | priority (each request's priority, lower first; vLLM's)
 
 Every entry point makes one EngineConfig and passes it whole: `LLM(**kwargs)` (its keyword arguments are these
 fields), `python -m serve` and `python -m serve.api` (FLAGS: vLLM's flag names), launch/serve.py (Hydra's node
@@ -44,6 +47,7 @@ Plain Python, no torch.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass
 
@@ -51,7 +55,9 @@ from serve.spec_decode import SpeculativeConfig
 from tp.partition import ceil_div
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")  # layers/kv_quant.py: the model's dtype, or one byte
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name: fp8 is e4m3 (as on CUDA)
 ATTENTION_MODES = ("auto", "cpu", "batched", "reference")  # layers/attention_backends.py: auto picks by device
+SCHEDULING_POLICIES = ("fcfs", "priority")  # serve/scheduler.py POLICIES
 COUNTS = ("long_prefill_token_threshold", "max_num_batched_tokens", "max_num_seqs", "block_size")
 SWITCHES = ("enable_prefix_caching", "comm_timing", "check_ledger", "reserve_capacity", "chunk_pipelining",
             "calculate_kv_scales")
@@ -72,9 +78,10 @@ class EngineConfig:
     chunk_pipelining: bool = False
     max_model_len: int | None = None
     kv_cache_dtype: str = "auto"
-    calculate_kv_scales: bool = True
+    calculate_kv_scales: bool = False
     kv_cache_memory_bytes: int | None = None
     speculative_config: SpeculativeConfig | None = None
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
@@ -91,11 +98,15 @@ class EngineConfig:
         if self.attention not in ATTENTION_MODES:
             raise ValueError(f"attention={self.attention!r}: choose {', '.join(ATTENTION_MODES[:-1])} or "
                              f"{ATTENTION_MODES[-1]}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r}: choose {' or '.join(SCHEDULING_POLICIES)}")
+        object.__setattr__(self, "kv_cache_dtype", KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype))
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose {', '.join(KV_CACHE_DTYPES)}")
         if self.kv_cache_dtype == "int8" and not self.calculate_kv_scales:
-            raise ValueError("kv_cache_dtype='int8' with calculate_kv_scales=False would store every value at scale "
-                             "1.0 (integers): let the scales be calculated")
+            raise ValueError("kv_cache_dtype='int8' needs calculate_kv_scales=True: at scale 1.0 (vLLM's default "
+                             "without calculated scales) every value would be stored as an integer; let the scales "
+                             "be calculated")
         if self.num_gpu_blocks_override is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("num_gpu_blocks_override and kv_cache_memory_bytes both size the pool: give one")
         if self.reserve_capacity and self.enable_prefix_caching:
@@ -124,14 +135,23 @@ class EngineConfig:
         if pp > 1 and self.speculative_config is not None:
             raise ValueError("speculative_config with pipeline stages (pp > 1) is not built yet: use pp = 1")
 
-    def check_context_parallel(self, cp: int) -> None:
-        """The rule between these settings and context parallelism's size (layers/context_parallel.SplitCacheBackend)."""
-        if cp > 1 and self.block_size % cp:
-            raise ValueError(f"block_size={self.block_size} must be a multiple of context_parallel_size={cp} (each "
-                             f"cp rank keeps block_size/cp positions of every block)")
-        if cp > 1 and self.speculative_config is not None:
-            raise ValueError("speculative decoding with context parallelism is not built: drop speculative_config or "
-                             "serve with context_parallel_size=1")
+    def check_context_parallel(self, cp: int, pp: int = 1, name: str = "context_parallel_size") -> None:
+        """The rules between these settings and context parallelism's size (layers/context_parallel.SplitCacheBackend),
+        one ValueError each, naming what to change; name: the setting as the caller spells it (the launcher's cp)."""
+        if cp == 1:
+            return
+        if pp > 1:
+            raise ValueError(f"{name}={cp} with pipeline_parallel_size > 1 is not built: use context parallelism or "
+                             f"pipeline stages, not both")
+        if self.speculative_config is not None:
+            raise ValueError(f"{name}={cp} with speculative decoding is not built: drop speculative_config or use "
+                             f"{name}=1")
+        if self.block_size % cp:
+            low, high = cp * (self.block_size // cp), cp * ceil_div(self.block_size, cp)
+            advice = " or ".join(f"block_size={b}" for b in (low, high) if b > 0)
+            raise ValueError(f"{name}={cp} needs a block_size that is a multiple of {cp} (each cp rank keeps "
+                             f"block_size/{cp} positions of every block): block_size={self.block_size}, not a multiple "
+                             f"of {cp}; use {advice}")
 
     def check_model_len(self, max_seq_len: int) -> None:
         """max_model_len against the model's context (max_seq_len positions)."""
@@ -178,7 +198,15 @@ def fits_alone(positions: int, num_blocks: int, block_size: int, block_bytes: in
 FLAGS = {"--" + name.replace("_", "-"): name for name in
          ("block_size", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
           "num_gpu_blocks_override", "kv_cache_memory_bytes", "max_model_len", "kv_cache_dtype",
-          "calculate_kv_scales", "enable_prefix_caching", "attention", "speculative_config")}
+          "calculate_kv_scales", "enable_prefix_caching", "attention", "speculative_config", "scheduling_policy")}
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse's parser for the command lines (python -m serve, python -m serve.api, python -m serve.toy_model):
+    an error is one line naming the flag, without the usage text (--help prints that)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def add_engine_flags(parser) -> None:
@@ -190,15 +218,20 @@ def add_engine_flags(parser) -> None:
         default = getattr(EngineConfig, name)
         if name in ("enable_prefix_caching", "calculate_kv_scales"):
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default,
-                               help=f"{name} (default: on)")
+                               help=f"{name} (default: {'on' if default else 'off'})")
         elif name == "kv_cache_dtype":
-            group.add_argument(flag, dest=name, choices=KV_CACHE_DTYPES, default=default,
-                               help="the KV cache's storage: auto (the model's dtype) or one byte per value, fp8 or int8 "
-                                    "with per-head scales (default: auto)")
+            group.add_argument(flag, dest=name, choices=KV_CACHE_DTYPES + tuple(KV_CACHE_DTYPE_ALIASES),
+                               default=default, help="the KV cache's storage: auto (the model's dtype) or one byte per "
+                                                     "value, fp8 (= fp8_e4m3) or int8, with per-head scales (default: "
+                                                     "auto)")
         elif name == "speculative_config":
             group.add_argument(flag, dest=name, type=_json_object, default=None, metavar="JSON",
                                help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
                                     '"num_speculative_tokens": 3}\' (default: off)')
+        elif name == "scheduling_policy":
+            group.add_argument(flag, dest=name, choices=SCHEDULING_POLICIES, default=default,
+                               help="fcfs (first come, first served) or priority (each request's priority, lower "
+                                    "first, ties by arrival; the server's `priority` field) (default: fcfs)")
         elif name == "attention":
             group.add_argument(flag, dest=name, choices=ATTENTION_MODES, default=default,
                                help=f"{name}: the attention backend (default: auto, cpu on a CPU device and batched "
@@ -237,6 +270,9 @@ def engine_from_flags(args) -> "EngineConfig":
 
 def flag_names(message: str) -> str:
     """An engine setting's error as the command line says it: max_num_seqs=0 -> --max-num-seqs=0."""
-    for flag, name in FLAGS.items():
+    names = [*FLAGS.values(), "tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
+             "threads_per_rank"]  # LLM's own settings, flags of both command lines too
+    for name in names:
+        flag = "--" + name.replace("_", "-")
         message = message.replace(f"{name}=", f"{flag}=").replace(f"{name} ", f"{flag} ")
     return message

@@ -14,10 +14,11 @@ both go into the step's ledger, which the model predicts (tp/traffic_model.py: p
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import torch
 
-from serve.config import ATTENTION_MODES, KV_CACHE_DTYPES, EngineConfig
+from serve.config import EngineConfig
 
 from serve.plan import FINGERPRINT_SIZE
 from serve.request import Request
@@ -26,7 +27,7 @@ from tp.comm import broadcast_from_main, gather_from_region
 from tp.dist import TPContext, control_device, host_control
 
 CONTROL_HEADER = 4  # (new requests, aborted requests, payload length, flag), float64
-REQUEST_FIELDS = 15  # per new request, before its stop ids, prompt and output: see encode
+REQUEST_FIELDS = 16  # per new request, before its stop ids, prompt and output: see encode
 RUN, IDLE, STOP = 0, 1, 2  # the header's flag: run a step | rank 0 is idle (keep-alive, no step) | end the loop
 
 
@@ -65,10 +66,10 @@ def encode(new: list[Request], aborts: list[int]) -> list[float]:
     below 2**53 exactly (SamplingParams refuses larger seeds, request_seed draws below 2**53)."""
     out: list[float] = []
     for r in new:
-        q = r.params or SamplingParams(max_tokens=r.max_new_tokens)
+        q = r.params or SamplingParams(temperature=0.0, max_tokens=r.max_new_tokens)
         out += [r.id, r.arrival, r.max_new_tokens, len(r.prompt), len(r.stop_ids), len(r.output),
                 r.num_computed_tokens, r.params is not None, q.temperature, q.top_k, q.top_p, q.min_p,
-                q.seed is not None, r.sampling_seed or 0, -1 if q.logprobs is None else q.logprobs]
+                q.seed is not None, r.sampling_seed or 0, -1 if q.logprobs is None else q.logprobs, r.priority]
         out += sorted(r.stop_ids) + r.prompt + r.output
     return out + aborts
 
@@ -78,7 +79,7 @@ def decode(payload: list[float], n_new: int, n_abort: int) -> tuple[list[Request
     new, at = [], 0
     for _ in range(n_new):
         (rid, arrival, max_tokens, n_prompt, n_stop, n_output, computed, has_params, temp, top_k, top_p, min_p,
-         has_seed, seed, logprobs) = payload[at:at + REQUEST_FIELDS]
+         has_seed, seed, logprobs, priority) = payload[at:at + REQUEST_FIELDS]
         at += REQUEST_FIELDS
         stop = frozenset(int(t) for t in payload[at:at + int(n_stop)])
         at += int(n_stop)
@@ -89,7 +90,7 @@ def decode(payload: list[float], n_new: int, n_abort: int) -> tuple[list[Request
         params = SamplingParams(int(max_tokens), temp, int(top_k), top_p, min_p, int(seed) if has_seed else None,
                                 logprobs=None if logprobs < 0 else int(logprobs)) if has_params else None
         new.append(Request(int(rid), prompt, int(max_tokens), int(arrival), output, int(computed), stop_ids=stop,
-                           params=params, sampling_seed=None if params is None else int(seed)))
+                           params=params, sampling_seed=None if params is None else int(seed), priority=int(priority)))
     return new, [int(t) for t in payload[at:at + n_abort]]
 
 
@@ -117,12 +118,13 @@ def digest(rows: list[tuple]) -> list[float]:
 def request_rows(requests: list[Request]) -> list[tuple]:
     """What every rank must hold the same of a workload's requests (for digest)."""
     return [(r.id, len(r.prompt), sum(r.prompt), r.max_new_tokens, r.arrival, r.num_computed_tokens,
-             sum((i + 1) * t for i, t in enumerate(sorted(r.stop_ids)))) for r in requests]
+             sum((i + 1) * t for i, t in enumerate(sorted(r.stop_ids))), r.priority) for r in requests]
 
 
 def settings_row(config: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> tuple:
-    """The engine settings and stop ids every rank must hold the same, as numbers (for digest)."""
-    values = [ATTENTION_MODES.index(v) if f.name == "attention" else KV_CACHE_DTYPES.index(v)
-              if f.name == "kv_cache_dtype" else -1 if v is None else int(v)
-              for f, v in zip(dataclasses.fields(config), dataclasses.astuple(config))]
+    """The engine settings and stop ids every rank must hold the same, as numbers (for digest): a number as itself,
+    None as -1, anything else (a name, speculative_config) by a checksum of its repr, so a new field of any type is
+    compared too."""
+    values = [-1 if v is None else int(v) if isinstance(v, (bool, int)) else v if isinstance(v, float)
+              else zlib.crc32(repr(v).encode()) for v in (getattr(config, f.name) for f in dataclasses.fields(config))]
     return (*values, sum((i + 1) * (t + 1) for i, t in enumerate(sorted(eos_token_ids))))

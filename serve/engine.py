@@ -43,12 +43,11 @@ from serve.hooks import LedgerCheck, StepHook, StepRecord
 from serve.model_runner import ModelRunner
 from serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from serve.plan import FINGERPRINT_SIZE, SchedulerOutput
-from serve.request import Request, RequestStatus, validate_prompt
+from serve.request import Request, RequestStatus
 from serve.sampling_params import SamplingParams
-from serve.scheduler import Scheduler, next_plan
+from serve.scheduler import Scheduler, check_request, next_plan
 from serve.draft import DraftRunner, lm_vocab_slice
 from serve.spec_decode import SpecDecodeStats, accept, propose_ngram
-from serve.spec_decode import check_request as check_speculation
 from tp.dist import TPContext
 from tp.ledger import TrafficLedger
 from tp.traffic_model import predict_control, predict_iteration, predict_verify
@@ -129,22 +128,21 @@ class LLMEngine:
     # -- rank 0: requests in -----------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    prompt: str | None = None) -> None:
-        """Queue a request for the next step (rank 0). Bad input raises ValueError here, before any collective."""
+                    prompt: str | None = None, priority: int = 0) -> None:
+        """Queue a request for the next step (rank 0). Bad input raises ValueError here, before any collective.
+        priority: with scheduling_policy "priority", lower is admitted first and preempted last (vLLM's meaning)."""
         self._main_only("add_request")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, not {type(params).__name__}")
         if request_id in self._ids:
             raise ValueError(f"request_id {request_id!r} is already running")
-        m = self.lm.cfg
-        validate_prompt(prompt_token_ids, params.max_tokens, m.vocab_size, m.max_seq_len, self.num_blocks,
-                        self.config.block_size, self.config.max_model_len, self.runner.block_bytes)
-        check_speculation(self.config.speculative_config, params.logprobs)
+        budget = check_request(self.config, self.lm.cfg, self.num_blocks, self.runner.block_bytes, prompt_token_ids,
+                               params, priority)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         seed = params.seed if params.seed is not None else request_seed(self.seed, self._next)
-        r = Request(self._next, list(prompt_token_ids), params.max_tokens, self.index, stop_ids=frozenset(stop),
-                    params=params, sampling_seed=seed)
+        r = Request(self._next, list(prompt_token_ids), budget, self.index, stop_ids=frozenset(stop),
+                    params=params, sampling_seed=seed, priority=priority)
         self._next += 1
         self._ids[request_id] = r.id
         self._outputs[r.id] = RequestOutput(request_id, prompt, r.prompt, [CompletionOutput(0, "", r.output)], False,

@@ -46,8 +46,7 @@ class MultiprocExecutor:
         listener = Listener(os.path.join(self.dir, "driver.sock"), "AF_UNIX", authkey=key)
         env = dict(os.environ, **{AUTHKEY_ENV: key.hex()})
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [v for v in [env.get("PYTHONPATH")] if v])
-        if world_size > 1:  # as torchrun: ranks sharing the cores get one OpenMP thread each, set before torch loads
-            env.setdefault("OMP_NUM_THREADS", "1")
+        env["OMP_NUM_THREADS"] = str(spec.threads)  # before torch loads: OpenMP sizes its pool once
         self.conn = None
         self._link: dict = {}  # what the finalizer needs (not self: that would keep this object alive)
         self._finalizer = weakref.finalize(self, MultiprocExecutor._stop, self.procs, self._link, self.dir)

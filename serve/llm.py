@@ -17,7 +17,9 @@ driver encodes with; `max_model_len=N` caps prompt + output tokens per request (
 context, its default).
 
 Online use, vLLM's LLMEngine calls on the same object: `add_request(request_id, prompt, params)`, `step()` (a
-RequestOutput per request that moved), `abort_request(request_id)`, `has_unfinished_requests()`.
+RequestOutput per request that moved), `abort_request(request_id)`, `has_unfinished_requests()`. With
+`scheduling_policy="priority"`, `generate(..., priority=[...])` and `add_request(..., priority=p)` order the requests
+(lower first, ties by arrival; serve/scheduler.py).
 
 Every bad input is a one-line ValueError in the caller before anything runs; a rank that fails or dies makes the
 next call raise RuntimeError within a second, and every rank is stopped. Ranks never outlive the caller.
@@ -25,6 +27,7 @@ next call raise RuntimeError within a second, and every rank is stopped. Ranks n
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import time
@@ -65,12 +68,24 @@ def resolve_model(model: str, p: int, moe_parallel: str):
     return cfg, checkpoint
 
 
+def python_command() -> str:
+    """How a hint writes this interpreter: as the README does (.venv/bin/python) when it lies under the current
+    directory, else its full path."""
+    import sys
+
+    try:
+        rel = os.path.relpath(sys.executable)
+    except ValueError:  # another drive
+        return sys.executable
+    return sys.executable if rel.startswith("..") else rel
+
+
 def check_model_exists(model, what: str = "model=") -> None:
     """ValueError (one line) unless model is a directory or a preset's name."""
     if not Path(model).is_dir() and not (PRESETS / f"{model}.yaml").is_file():
         presets = sorted(f.stem for f in PRESETS.glob("*.yaml"))
         raise ValueError(f"{what}{str(model)!r}: no such directory or preset (presets: {', '.join(presets)}; "
-                         f"python -m serve.toy_model DIR writes a small text model)")
+                         f"{python_command()} -m serve.toy_model DIR writes a small text model)")
 
 
 def _preset(name: str):
@@ -96,13 +111,15 @@ class LLM:
                  pipeline_parallel_size: int = 1, context_parallel_size: int = 1, tokenizer: str | None = None,
                  backend: str = "auto",
                  device: str = "auto", moe_parallel: str = "tp", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 check: bool = False, **engine_settings):
+                 check: bool = False, threads_per_rank: int | None = None, **engine_settings):
         """model: a save_pretrained directory (GPT-2, Llama, Mixtral; sharded or not) or a preset (conf/model/).
         pipeline_parallel_size: pp stages of tensor_parallel_size ranks each (pp · tp ranks; layers/pipeline.py's
         split of the layers, serve/pipeline.py's engine with up to pp micro-batches in flight).
         context_parallel_size: cp ranks per TP rank (cp · tp ranks) holding the same heads and each 1/cp of every
         request's K,V (layers/context_parallel.py's split cache: token t on cp rank t % cp, one log-sum-exp merge
         per layer); GPT-2 and Llama, pp = 1, block_size a multiple of cp.
+        threads_per_rank: each rank's intra-op threads (None: tp/dist.py threads_per_rank's choice from the cores
+        this process may use, or OMP_NUM_THREADS; `LLM.threads_per_rank` says which ran, and why).
         check: every finished request against the dense model recomputed without a cache (RequestOutput.oracle;
         rank 0 holds the dense model too). dtype: "auto" (the checkpoint's torch_dtype; float32 for presets), a name
         or a torch.dtype; `LLM.dtype` says which ran, as a name. engine_settings: EngineConfig's fields (vLLM's
@@ -110,6 +127,7 @@ class LLM:
         from layers.hf import resolve_dtype
         from layers.pipeline import check_pipeline
         from tp.dist import ConfigError, resolve_backend, resolve_device
+        from tp.dist import threads_per_rank as resolve_threads
 
         self.executor = None
         p = tensor_parallel_size
@@ -134,16 +152,11 @@ class LLM:
                              f"the engine's scales)")
         self.config.check_pipeline(pp)
         spec_config = self.config.speculative_config
-        if cp > 1:
-            why = ("pipeline_parallel_size > 1" if pp > 1 else "speculative decoding" if spec_config is not None
-                   else f"block_size={self.config.block_size}, not a multiple of {cp}" if self.config.block_size % cp
-                   else None)
-            if why:
-                raise ValueError(f"context_parallel_size={cp} with {why} is not built (each cp rank keeps "
-                                 f"block_size/cp positions of every block; pp = 1, no speculation)")
+        self.config.check_context_parallel(cp, pp)
         try:
             backend = resolve_backend(backend, p * pp * cp)
             device = resolve_device(device, backend)
+            self.threads_per_rank, self.threads_why = resolve_threads(p * pp * cp, device, threads_per_rank)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
         self.model_config, checkpoint = resolve_model(model, p, moe_parallel)
@@ -189,7 +202,8 @@ class LLM:
         self.eos_token_ids = checkpoint_eos(checkpoint, self.model_config.vocab_size)
         self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size = p, pp, cp
         spec = RankSpec(self.model_config, checkpoint, self.dtype, seed, backend, device, moe_parallel, self.config,
-                        self.eos_token_ids, float(timeout_s), check, pp=pp, draft=draft, cp=cp)
+                        self.eos_token_ids, float(timeout_s), check, pp=pp, draft=draft, cp=cp,
+                        threads=self.threads_per_rank)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._stopped: set[str] = set()  # ended by a stop string here: the engine's later output is dropped
         self._count = 0
@@ -198,6 +212,25 @@ class LLM:
         self.executor = MultiprocExecutor(spec, p * pp * cp)
         self.backend, self.device = self.executor.info["backend"], self.executor.info["device"]
         self.num_blocks = self.executor.info["num_blocks"]  # each rank's pool, as rank 0 sized it
+
+    def settings_summary(self) -> str:
+        """One line of what runs: the parallel sizes, the dtype, where, each rank's threads, and every engine setting
+        that differs from its default (read off EngineConfig's fields, so a new setting is never left out)."""
+        parts = [f"tensor_parallel_size={self.tensor_parallel_size}",
+                 f"pipeline_parallel_size={self.pipeline_parallel_size}",
+                 f"context_parallel_size={self.context_parallel_size}", f"dtype {self.dtype}",
+                 f"{self.backend}, {self.device}",
+                 f"{self.threads_per_rank} thread{'s' if self.threads_per_rank > 1 else ''} per rank "
+                 f"({self.threads_why})"]
+        default = EngineConfig()
+        for f in dataclasses.fields(self.config):
+            value = getattr(self.config, f.name)
+            if value != getattr(default, f.name):
+                if dataclasses.is_dataclass(value):  # speculative_config: its fields that are set
+                    value = "{" + ", ".join(f"{g.name}={getattr(value, g.name)}" for g in dataclasses.fields(value)
+                                            if getattr(value, g.name) is not None) + "}"
+                parts.append(f"{f.name}={value}")
+        return ", ".join(parts)
 
     def get_tokenizer(self):
         """The tokenizer text is encoded and decoded with here (transformers'), None where the model has none."""
@@ -216,20 +249,22 @@ class LLM:
 
     # -- online: vLLM's LLMEngine calls --------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, wait: bool = True) -> None:
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, wait: bool = True,
+                    priority: int = 0) -> None:
         """prompt: a string (needs a tokenizer), a list of token ids, or {"prompt_token_ids": [...]}/{"prompt": ...}.
         Checked here (ValueError); wait=False: sent without waiting for rank 0's answer (as under serve()), for
-        callers whose request ids never repeat while running: rank 0 refusing it then fails the engine."""
+        callers whose request ids never repeat while running: rank 0 refusing it then fails the engine. priority:
+        scheduling_policy "priority" only (lower first)."""
         _check_id(request_id)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
         text, ids = self._encode(prompt)
-        self._check(ids, params)
+        self._check(ids, params, priority)
         if wait:
-            self.executor.call("add_request", request_id, ids, params, text)
+            self.executor.call("add_request", request_id, ids, params, text, priority)
         else:
-            self.executor.send("add_nowait", request_id, ids, params, text)
+            self.executor.send("add_nowait", request_id, ids, params, text, priority)
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
 
@@ -316,9 +351,10 @@ class LLM:
     # -- offline: generate --------------------------------------------------------------------------------------------
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of strings, a list of token-id lists, or vLLM's {"prompt_token_ids": [...]}
-        (one or a list). sampling_params: one for all, or one per prompt. One RequestOutput per prompt, in order.
+        (one or a list). sampling_params: one for all, or one per prompt. priority: one per prompt, lower first
+        (scheduling_policy "priority"). One RequestOutput per prompt, in order.
         Rank 0 steps until every request has ended (requests added online before are run to their end too; their
         outputs are not returned here), sending each step's outputs while it goes on with the next."""
         if isinstance(prompts, (str, dict)):
@@ -332,18 +368,21 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
         params = [SamplingParams() if q is None else q for q in params]
+        priority = [0] * len(prompts) if priority is None else priority
+        if not isinstance(priority, (list, tuple)) or len(priority) != len(prompts):
+            raise ValueError(f"priority={priority!r}: give one priority per prompt ({len(prompts)})")
         for q in params:
             if not isinstance(q, SamplingParams):
                 raise ValueError(f"sampling params must be SamplingParams, not {type(q).__name__}")
         encoded = [self._encode(pr) for pr in prompts]
-        for (_, ids), q in zip(encoded, params):  # every prompt is checked before the first one is added
-            self._check(ids, q)
+        for (_, ids), q, rank in zip(encoded, params, priority):  # every prompt is checked before the first is added
+            self._check(ids, q, rank)
         names = []
         try:
-            for (text, ids), q in zip(encoded, params):
+            for (text, ids), q, rank in zip(encoded, params, priority):
                 names.append(f"{self._prefix}{self._count}")
                 self._count += 1
-                self.add_request(names[-1], {"prompt_token_ids": ids, "prompt": text}, q)
+                self.add_request(names[-1], {"prompt_token_ids": ids, "prompt": text}, q, priority=rank)
         except BaseException:
             if not self.executor.closed:  # (interrupted or failed: the ranks are stopped already)
                 for name in names[:-1]:  # nothing half-added stays behind to run in a later call
@@ -408,15 +447,12 @@ class LLM:
                              "prompt")
         return text, list(ids)
 
-    def _check(self, ids: list[int], params: SamplingParams) -> None:
-        from serve.engine import validate_prompt
-        from serve.spec_decode import check_request
+    def _check(self, ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+        from serve.scheduler import check_request
 
-        check_request(self.config.speculative_config, params.logprobs)
         if params.stop and self.tokenizer is None:
             raise FieldError(f"stop={list(params.stop)}: stop strings need a tokenizer (this model has none)", "stop")
-        validate_prompt(ids, params.max_tokens, self.model_config.vocab_size, self.model_config.max_seq_len,
-                        self.num_blocks, self.config.block_size, self.config.max_model_len, self.block_bytes)
+        check_request(self.config, self.model_config, self.num_blocks, self.block_bytes, ids, params, priority)
 
 
 def _check_id(request_id) -> None:

@@ -1,6 +1,6 @@
 """A workload known up front, served by an LLMEngine on every rank, every iteration recorded: what launch/serve.py,
 the benchmarks and the oracle tests run. `drive` is the one step loop every driver shares (this run, the rank
-processes behind LLM in serve/worker.py, launch/sync_check.py).
+processes behind LLM and a server in serve/worker.py, launch/sync_check.py): a feed and a sink make the difference.
 
     result = OfflineEngine(lm, ctx, EngineConfig(...), eos_token_ids=(50256,)).run(requests)   # every rank
     result.iterations, result.requests, result.ledger_matches_model, ...
@@ -54,20 +54,22 @@ class ServeResult:
         return self.idle_steps_match and all(it["ledger_matches_model"] for it in self.iterations)
 
 
-def drive(engine: LLMEngine, feed: Callable[[LLMEngine], None] = lambda engine: None,
-          pending: Callable[[], bool] = lambda: False) -> None:
-    """The step loop, on every rank. Rank 0: feed(engine) adds what has arrived before each step, and the loop ends
-    when nothing is unfinished and nothing is pending (a hook's hand-overs still to come), then stops the other
-    ranks; they step until told to stop."""
+def drive(engine: LLMEngine, feed: Callable[[LLMEngine], bool] | None = None,
+          sink: Callable[[list], None] | None = None) -> None:
+    """The one step loop, on every rank of every entry point: LLM's ranks and a server's (serve/worker.py, rank 0
+    fed by the driver's calls), OfflineEngine.run (launch/serve.py, the benchmarks, P/D, pipeline stages) and
+    launch/sync_check.py. What differs between them is the feed and the sink. Rank 0: feed(engine) adds what has
+    arrived (and may wait for it) and says whether a step is due; False ends the loop and stops the other ranks.
+    Each step's outputs go to sink. The other ranks step until rank 0 stops them (their requests come in each
+    step's control message)."""
     if not engine.ctx.is_main:
         while not engine.stopped:
             engine.step()
         return
-    while True:
-        feed(engine)
-        if not engine.has_unfinished_requests() and not pending():
-            break
-        engine.step()
+    while feed(engine):
+        outputs = engine.step()
+        if sink is not None:
+            sink(outputs)
     engine.shutdown()
 
 
@@ -118,14 +120,16 @@ class OfflineEngine:
         start = result.started_at = time.perf_counter()
         arriving = sorted(requests, key=lambda q: (q.arrival, q.id))[::-1]  # the next arrival last
 
-        def feed(engine: LLMEngine) -> None:
-            # add what has arrived; with nothing running, the next arrivals now (the step skips ahead to them)
+        def feed(engine: LLMEngine) -> bool:
+            # add what has arrived; with nothing running, the next arrivals now (the step skips ahead to them); a
+            # step is due while anything is unfinished or a hook's hand-overs are still to come
             horizon = engine.index if engine.has_unfinished_requests() or not arriving else \
                 max(engine.index, arriving[-1].arrival)
             while arriving and arriving[-1].arrival <= horizon:
                 engine.add(arriving.pop())
+            return engine.has_unfinished_requests() or any(h.has_pending() for h in self.hooks)
 
-        drive(engine, feed, lambda: any(h.has_pending() for h in self.hooks))
+        drive(engine, feed)
         wait_for_stream(self.ctx.device)
         result.time_s = time.perf_counter() - start
         return self._result(result, recorder, requests, start)

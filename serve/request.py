@@ -52,6 +52,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     spec_token_ids: list[int] = field(default_factory=list)  # proposals for its next step (serve/spec_decode.py)
     draft_computed: int | None = None  # positions whose K,V a draft model holds (serve/draft.py); None: no draft
+    priority: int = 0  # scheduling_policy "priority" (serve/scheduler.py): lower is admitted first, preempted last
 
     @property
     def finished(self) -> bool:
@@ -86,25 +87,44 @@ class Request:
         self.status = RequestStatus.FINISHED_ABORTED
 
 
+def output_budget(prompt_len: int, max_tokens: int, limit: int) -> int:
+    """The new tokens a request may get: max_tokens, cut where prompt + output reaches the limit (max_model_len, or
+    the model's context), at least one. vLLM's engine rule: such a request finishes with "length" there."""
+    return min(max_tokens, max(1, limit - prompt_len))
+
+
+def context_error(prompt_len: int, max_tokens: int, limit: int) -> FieldError | None:
+    """vLLM's server rule, the one formula for the context limit: prompt + max_tokens <= max_model_len (limit: it, or
+    the model's context). The error, in vLLM's words, names max_tokens where the prompt alone fits (with a token to
+    spare), else the prompt; None within the limit."""
+    if prompt_len + max_tokens <= limit:
+        return None
+    return FieldError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                      f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
+                      f"completion). Please reduce the length of the messages or completion.",
+                      "max_tokens" if prompt_len < limit else "prompt")
+
+
 def validate_prompt(ids: list[int], max_tokens: int, vocab_size: int, max_seq_len: int, num_blocks: int,
                     block_size: int, max_model_len: int | None, block_bytes: int | None = None) -> None:
-    """ValueError (one line) unless the prompt can be served: token ids of the vocabulary, prompt + max_tokens within
-    max_model_len (vLLM's rule; unset: the model's context), and a pool that can hold the request alone
-    (serve/config.fits_alone; block_bytes where kv_cache_memory_bytes sized it)."""
+    """ValueError (one line) unless the prompt can be served: token ids of the vocabulary, a prompt no longer than
+    max_model_len (unset: the model's context; a longer max_tokens is cut there, output_budget, as vLLM's engine
+    does), and a pool that can hold the request alone (serve/config.fits_alone; block_bytes where
+    kv_cache_memory_bytes sized it)."""
     if not isinstance(ids, (list, tuple)) or not ids:
         raise FieldError("empty prompt: a request needs at least one token", "prompt")
     bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
     if bad is not None:
         raise FieldError(f"prompt holds {bad!r}, not a token id of the vocabulary [0, {vocab_size})", "prompt")
-    # too long: the field to change is max_tokens where the prompt with one new token would fit, else the prompt
-    if len(ids) + max_tokens > (max_model_len or max_seq_len):
-        limit = f"max_model_len={max_model_len}" if max_model_len else f"the model's context of {max_seq_len}"
-        raise FieldError(f"prompt of {len(ids)} tokens + max_tokens={max_tokens} is {len(ids) + max_tokens} tokens, "
-                         f"more than {limit}; shorten the prompt or lower max_tokens",
-                         "max_tokens" if len(ids) < (max_model_len or max_seq_len) else "prompt")
+    limit = max_model_len or max_seq_len
+    if len(ids) > limit:
+        what = f"max_model_len={max_model_len}" if max_model_len else f"the model's context of {max_seq_len}"
+        raise FieldError(f"the prompt of {len(ids)} tokens is longer than {what}; shorten it", "prompt")
+    max_tokens = output_budget(len(ids), max_tokens, limit)
     need = len(ids) + max_tokens - 1  # cached positions: the last token is sampled, never fed back
     reason = fits_alone(need, num_blocks, block_size, block_bytes)
     if reason is not None:
         alone = fits_alone(len(ids), num_blocks, block_size, block_bytes) is None  # with one new token
         raise FieldError(f"prompt of {len(ids)} tokens + max_tokens={max_tokens}: {reason}",
                          "max_tokens" if alone else "prompt")
+

@@ -1,6 +1,7 @@
 """How one request is decoded: vLLM's `SamplingParams`, with vLLM's names and meanings.
 
-    SamplingParams(max_tokens=16)                      # greedy, 16 new tokens at most
+    SamplingParams(max_tokens=16)                      # sampled at temperature 1 (vLLM's default), 16 tokens at most
+    SamplingParams(temperature=0.0, max_tokens=16)     # greedy
     SamplingParams(max_tokens=64, stop_token_ids=[13]) # ... or until token 13 is sampled
     SamplingParams(ignore_eos=True)                    # the checkpoint's EOS does not end it
 
@@ -41,7 +42,7 @@ class FieldError(ValueError):
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16  # new tokens at most: finish_reason "length" when reached
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 1.0  # vLLM's default (the distribution as the model gives it); 0: greedy
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0  # 1.0: off
     min_p: float = 0.0  # 0: off

@@ -9,17 +9,26 @@ Between two iterations, and identically on every rank:
              they are scheduled first
     chunk    running requests with more left get their next chunk: at most long_prefill_token_threshold rows, and never more
              than the budget max_num_batched_tokens has left this iteration
-    admit    waiting requests (arrived, not running; preempted ones first), oldest first, while budget, the
-             running limit (max_num_seqs, at most max_num_batched_tokens) and free blocks allow; each brings its
+    admit    waiting requests (arrived, not running) in the policy's order (below), while budget, the running
+             limit (max_num_seqs, at most max_num_batched_tokens) and free blocks allow; each brings its
              first chunk in the same iteration, starting after the longest run of cached full blocks its prompt
              shares with earlier requests (prefix caching), or its first decode row if it arrives with its
              prompt already in the cache (a decode side taking over prefilled requests, serve/pd/)
     preempt  a running request that needs a block when none is free takes one from a waiting request that holds
-             blocks (a decode side's handed-over request not yet admitted), else from the most recently admitted
-             running request (itself, if it is that one): the victim gives every block back and waits again,
+             blocks (a decode side's handed-over request not yet admitted), else from the running request the
+             policy picks (itself, if it is that one): the victim gives every block back and waits again,
              to recompute its prompt and the tokens it generated so far (vLLM's preemption by recompute;
              greedy tokens come out the same). So only running requests ever hold blocks for long, and a pool
              that holds each request alone always makes progress
+
+The policy (EngineConfig.scheduling_policy, vLLM's setting; POLICIES below) makes the two choices of order:
+
+    fcfs      first come, first served: arrivals queue at the back, preempted requests rejoin at the front once
+              the iteration's admission is done; the victim is the most recently admitted running request
+    priority  by Request.priority, lower first, ties by arrival: the queue in (priority, arrival, id) order, a
+              preempted request rejoins at its place at once, so nothing behind it is admitted in the iteration
+              that preempted it; the victim is the running request last in that order. As in vLLM v1, a waiting
+              request never preempts a running one to be admitted: it waits for blocks at the head of the queue
 
 Memory: a BlockManager (serve/block_manager.py) holds every request's block table; a plan's chunks carry the
 tables, so the engine turns a plan into slot mappings without asking anything else. A request's state is
@@ -31,11 +40,14 @@ computed (as in vLLM's v1 scheduler).
 from __future__ import annotations
 
 from collections import Counter, deque
+from typing import Sequence
 
 from serve.block_manager import BlockManager
-from serve.config import EngineConfig, fits_alone
+from serve.config import SCHEDULING_POLICIES, EngineConfig, fits_alone
 from serve.plan import ScheduledRequest, SchedulerOutput
-from serve.request import Request, RequestStatus
+from serve.request import Request, RequestStatus, output_budget, validate_prompt
+from serve.sampling_params import SamplingParams
+from serve.spec_decode import check_request as check_speculation
 from tp.partition import ceil_div
 
 
@@ -51,6 +63,73 @@ def fits_or_raise(r: Request, num_blocks: int, block_size: int) -> None:
                              f"{r.max_new_tokens} - 1 = {reason}")
 
 
+class SchedulingPolicy:
+    """Who is admitted next and who gives its blocks back. The waiting queue is kept in admission order: `enqueue`
+    puts a request at its place (an arrival, or, with preempted, a running request preempted in this iteration, put
+    back after the iteration's admission); admission takes the head while it fits. `victim`: the request that gives
+    its blocks back, of the running ones that may (in admission order). `holds_back(v, r)`: v, preempted in this
+    iteration, keeps r from being admitted in it (r would overtake it)."""
+
+    def enqueue(self, waiting: deque[Request], r: Request, preempted: bool = False) -> None:
+        raise NotImplementedError
+
+    def victim(self, running: Sequence[Request]) -> Request:
+        raise NotImplementedError
+
+    def holds_back(self, victim: Request, r: Request) -> bool:
+        raise NotImplementedError
+
+
+class FCFSPolicy(SchedulingPolicy):
+    """vLLM's "fcfs": arrivals at the back; the victims of an iteration back at the front (the scheduler puts them
+    back latest admitted first, so the earliest admitted leads); the victim is the last admitted."""
+
+    def enqueue(self, waiting, r, preempted=False):
+        if preempted:
+            waiting.appendleft(r)
+        else:
+            waiting.append(r)
+
+    def victim(self, running):
+        return running[-1]
+
+    def holds_back(self, victim, r):
+        return False  # it rejoins once admission is done: requests already waiting may take its blocks at once
+
+
+class PriorityPolicy(SchedulingPolicy):
+    """vLLM's "priority": every request by key(), lower first; a victim rejoins at its place, and nothing after it
+    is admitted in the iteration that preempted it; the victim is the running request with the largest key (the
+    lowest priority, arrived last)."""
+
+    @staticmethod
+    def key(r: Request) -> tuple[int, int, int]:
+        return r.priority, r.arrival, r.id  # id: the order requests were added within one iteration
+
+    def enqueue(self, waiting, r, preempted=False):
+        waiting.insert(next((i for i, w in enumerate(waiting) if self.key(w) < self.key(r)), len(waiting)), r)
+
+    def victim(self, running):
+        return max(running, key=self.key)
+
+    def holds_back(self, victim, r):
+        return self.key(victim) < self.key(r)
+
+
+POLICIES: dict[str, SchedulingPolicy] = {"fcfs": FCFSPolicy(), "priority": PriorityPolicy()}
+assert tuple(POLICIES) == SCHEDULING_POLICIES, (tuple(POLICIES), SCHEDULING_POLICIES)
+
+
+def check_priority(priority, policy: str) -> None:
+    """ValueError (one line) unless a request may carry this priority under this policy: an integer (of less than
+    2**53 in size: the control message carries it as float64), other than 0 only under "priority" (vLLM's rule)."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) >= 2 ** 53:
+        raise ValueError(f"priority={priority!r} must be an integer (lower is scheduled first)")
+    if priority and policy != "priority":
+        raise ValueError(f"priority={priority} needs scheduling_policy='priority' (this engine's is {policy!r}): "
+                         f"set it, or leave priority at 0")
+
+
 class Scheduler:
     """The scheduler of one engine (every rank holds an identical one). config: the engine's settings, checked there
     (serve/config.py); blocks: the pool's block manager; requests: a workload held from the start (host planning:
@@ -60,6 +139,7 @@ class Scheduler:
         assert blocks.block_size == config.block_size, (blocks.block_size, config.block_size)
         self.config = c = config
         self.blocks = blocks
+        self.policy = POLICIES[c.scheduling_policy]
         for r in requests:
             self.check_fits(r)
         self._rows: dict[int, tuple[int, int]] = {}  # this iteration: request -> its rows (q_start, q_end)
@@ -175,7 +255,7 @@ class Scheduler:
         """The plan of iteration `index`; None when no request gets a row: nothing has arrived yet and nothing runs
         (or waiting requests cannot get blocks while nothing runs: the engine refuses to spin on that)."""
         while self.pending and self.pending[0].arrival <= index:
-            self.waiting.append(self.pending.popleft())
+            self.policy.enqueue(self.waiting, self.pending.popleft())
         c = self.config
         self._rows, self._left = {}, c.max_num_batched_tokens
         preempted: list[Request] = []
@@ -196,8 +276,8 @@ class Scheduler:
         while (self.waiting and self._left > 0 and len(self.running) < c.max_num_seqs
                and len(self._rows) < cap):
             r = self.waiting[0]
-            if r.id in self.preempted_waiting:  # preempted in this iteration: not admitted again at once
-                break
+            if r.id in self.preempted_waiting or any(self.policy.holds_back(v, r) for v in preempted):
+                break  # preempted in this iteration: not admitted again at once, nor overtaken where the policy says
             if r.id in self.blocks.tables:  # its cached positions already hold blocks (a decode side placed them)
                 fits = self.blocks.rows_that_fit(r.id, r.num_computed_tokens, 1) > 0
             elif r.num_computed_tokens > 0:  # arrives with cached positions: blocks for them and its first decode row, at once
@@ -207,8 +287,8 @@ class Scheduler:
                 if c.reserve_capacity:
                     need = self.blocks.blocks_for(r.capacity)
                 fits = need <= self.blocks.num_free
-            if not fits:  # first come, first served: nobody overtakes the oldest waiting request; a request waiting
-                # behind it that holds blocks (placed by a decode side) gives them back for it
+            if not fits:  # nobody overtakes the head of the queue; a request waiting behind it that holds blocks
+                # (placed by a decode side) gives them back for it
                 holder = next((w for w in reversed(self.waiting) if w is not r and w.id in self.blocks.tables), None)
                 if holder is None:
                     break
@@ -230,8 +310,8 @@ class Scheduler:
             r.status = RequestStatus.RUNNING
             admitted.append(r.id)
             self._reserve(r, 1 if r.decoding else c.long_prefill_token_threshold, preempted)  # fits: checked above, never preempts
-        for victim in preempted:  # back to the front of the queue, after admission: not re-admitted at once
-            self.waiting.appendleft(victim)
+        for victim in preempted:  # back in the queue after admission (fcfs: at the front): not re-admitted at once
+            self.policy.enqueue(self.waiting, victim, preempted=True)
         chunks = []
         for r in self.running:
             if r.id in self._rows:
@@ -253,8 +333,8 @@ class Scheduler:
 
     def _reserve(self, r: Request, most: int, preempted: list[Request]) -> bool:
         """Give r its rows this iteration (at most `most`, the budget left and what fits in memory), growing its
-        block table; with no block free, preempt the most recently admitted running request until one is (r
-        itself, if it is that request). False if r got no rows."""
+        block table; with no block free, preempt the running request the policy picks until one is (r itself, if it
+        is that request: the policy never picks one before it). False if r got no rows."""
         proposed = len(r.spec_token_ids) if r.decoding else 0  # a decode's proposals ride in the rows after its own
         want = min(most, len(r.tokens) + proposed - r.num_computed_tokens, self._left)
         while (rows := self.blocks.rows_that_fit(r.id, r.num_computed_tokens, want)) == 0:
@@ -262,7 +342,7 @@ class Scheduler:
             if holder is not None:  # a handed-over request still waiting holds blocks: it gives them back first
                 self._preempt(holder, preempted, waiting=True)
                 continue
-            victim = next(w for w in reversed(self.running) if w.id not in self.in_flight)  # r at the latest
+            victim = self.policy.victim([w for w in self.running if w.id not in self.in_flight])  # r at the latest
             if victim is r and self.in_flight:  # the other holders are in micro-batches in flight: r waits for
                 return False  # them to come back rather than give up its blocks and recompute
             self._preempt(victim, preempted)
@@ -383,3 +463,16 @@ def pipeline_schedule(sched: Scheduler, pp: int, before_schedule=None):
         if queue[0][1] == index - (pp - 1):
             yield queue.popleft()[0]
         index += 1
+
+
+def check_request(config, model, num_blocks: int, block_bytes: int | None, ids: list[int], params: SamplingParams,
+                  priority: int = 0) -> int:
+    """Every rule a new request meets, in one call for the driver (LLM, before anything is sent) and for rank 0
+    (LLMEngine.add_request, before its step's broadcast): the prompt (validate_prompt), the sampling settings under
+    speculation, the priority under the scheduling policy. One-line ValueErrors naming the field; returns the
+    request's output budget (output_budget)."""
+    validate_prompt(ids, params.max_tokens, model.vocab_size, model.max_seq_len, num_blocks, config.block_size,
+                    config.max_model_len, block_bytes)
+    check_speculation(config.speculative_config, params.logprobs)
+    check_priority(priority, config.scheduling_policy)
+    return output_budget(len(ids), params.max_tokens, config.max_model_len or model.max_seq_len)

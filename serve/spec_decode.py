@@ -38,29 +38,49 @@ from dataclasses import dataclass, field
 from serve.sampling_params import FieldError
 
 METHODS = ("ngram", "draft_model")
+NGRAM_WINDOW = 5  # vLLM's prompt_lookup_min = prompt_lookup_max when neither is given
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "ngram"
-    num_speculative_tokens: int = 3
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
+    """vLLM's speculative_config, resolved by vLLM's rules: a `model` without a `method` is a draft model; the number
+    of proposals is required; n-gram's window is prompt_lookup_min..prompt_lookup_max tokens, 5..5 when neither is
+    given and the one given for both when only one is."""
+
+    method: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
     model: str | None = None  # draft_model: a checkpoint with the target's vocabulary
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"speculative_config method={self.method!r}: choose {' or '.join(METHODS)}")
-        if self.method == "draft_model" and not self.model:
+        method = self.method
+        if method is None:
+            if not self.model:
+                raise ValueError("speculative_config needs a method ('ngram') or a draft model "
+                                 "({'model': DIR, 'num_speculative_tokens': K})")
+            method = "draft_model"  # vLLM's inference for a plain draft checkpoint
+        if method not in METHODS:
+            raise ValueError(f"speculative_config method={method!r}: choose {' or '.join(METHODS)}")
+        if method == "draft_model" and not self.model:
             raise ValueError("speculative_config method='draft_model' needs a model: a checkpoint directory or a "
                              "preset with the target's vocabulary")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if method == "ngram":  # vLLM's defaults
+            low, high = (NGRAM_WINDOW, NGRAM_WINDOW) if low is None and high is None else \
+                (high if low is None else low, low if high is None else high)
+        for name, v in (("prompt_lookup_min", low), ("prompt_lookup_max", high),
+                        ("num_speculative_tokens", self.num_speculative_tokens)):
+            if v is None and name == "num_speculative_tokens":
+                raise ValueError("speculative_config num_speculative_tokens is required (as in vLLM): the proposals "
+                                 "per step, e.g. 3")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"speculative_config {name}={v!r} must be an integer of at least 1")
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} is larger than "
-                             f"prompt_lookup_max={self.prompt_lookup_max}")
+            if name == "prompt_lookup_max" and low is not None and low > high:
+                raise ValueError(f"speculative_config prompt_lookup_min={low} is larger than prompt_lookup_max={high}")
+        object.__setattr__(self, "method", method)
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
 
     @classmethod
     def of(cls, value) -> "SpeculativeConfig | None":
@@ -74,8 +94,6 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}")
-        if "method" not in value:
-            raise ValueError("speculative_config needs a method: 'ngram' or 'draft_model'")
         return cls(**value)
 
 

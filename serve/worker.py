@@ -45,6 +45,7 @@ class RankSpec:
     pp: int = 1  # pipeline stages (layers/pipeline.py): the world is pp stages of world / pp TP ranks
     cp: int = 1  # context parallelism (layers/context_parallel.py): the world is cp × tp ranks, the KV cache split
     draft: tuple | None = None  # speculative decoding's draft model: (its config, its checkpoint or None)
+    threads: int = 1  # each rank's intra-op threads (tp/dist.py threads_per_rank)
 
 
 def _watch_parent(parent: int, directory: str, rank: int) -> None:
@@ -130,108 +131,90 @@ def _serve(rank: int, world_size: int, store: str, spec: RankSpec, conn) -> None
     from serve.offline import drive
     from tp.dist import init_from_env
 
-    if world_size > 1:
-        torch.set_num_threads(1)  # as torchrun: one intra-op thread per rank when ranks share the cores
+    torch.set_num_threads(spec.threads)  # OMP_NUM_THREADS was set to it before torch loaded (serve/executor.py)
     ctx = init_from_env(spec.backend, timeout_s=spec.timeout_s, init_method=f"file://{store}", device=spec.device)
     engine = build_engine(ctx, spec)
-    if rank == 0:
-        conn.send(("ready", {"num_blocks": engine.num_blocks, "backend": ctx.backend, "device": str(ctx.device)}))
-        _driven(engine, conn, spec.timeout_s)
-    else:
-        drive(engine)  # until rank 0 says STOP
+    feed = DriverFeed(conn, min(KEEP_ALIVE_S, spec.timeout_s / 4)) if rank == 0 else None
+    if feed is not None:
+        conn.send(("ready", {"num_blocks": engine.num_blocks, "backend": ctx.backend, "device": str(ctx.device),
+                             "threads": torch.get_num_threads()}))
+    drive(engine, feed, None if feed is None else feed.sink)  # the one step loop; rank 0 fed by the driver's calls
     dist.barrier(group=ctx.group)  # everyone is out of its loop before the group goes away
     dist.destroy_process_group()
 
 
-def _driven(engine, conn, timeout_s: float) -> None:
-    """Rank 0: run the driver's calls until shutdown (or until the driver's end of the pipe closes). Whenever the
-    other ranks have had no control message for KEEP_ALIVE_S (the driver idle, or busy with calls that are not
-    steps), an IDLE one goes out first, so their wait never reaches the group's timeout."""
-    calls = {
-        "add_request": engine.add_request,
-        "abort_request": engine.abort_request,
-        "step": engine.step,
-        "has_unfinished_requests": engine.has_unfinished_requests,
-        "stats": engine.stats,
-    }
-    every = min(KEEP_ALIVE_S, timeout_s / 4)
-    while True:
-        quiet = time.monotonic() - engine.last_control
-        if quiet >= every:
-            engine.keep_alive()
-            continue
-        if not conn.poll(every - quiet):
-            continue
+class DriverFeed:
+    """Rank 0's feed and sink in the step loop (serve/offline.py drive) behind LLM: the driver's calls over the pipe.
+
+    Waiting for a call, it answers the calls that are not steps (add_request, abort_request, stats, ...) and, whenever
+    the other ranks have had no control message for `every` seconds (the driver idle, or busy with calls that are
+    not steps), sends an IDLE one, so their wait never reaches the group's timeout. A step is due when the driver
+    asks for one ("step"), and for as long as any request is unfinished after "run" (generate(): each step's outputs
+    sent without waiting for the driver, which decodes them while the next step runs; then "ok") or "serve" (a
+    server: the outputs with the stats, requests and aborts taken between steps without an answer). The loop ends
+    at "shutdown", or when the driver's end of the pipe closes; the other ranks are told to stop."""
+
+    def __init__(self, conn, every: float):
+        self.conn, self.every = conn, every
+        self.mode: str | None = None  # None: waiting for a call; "step", "run" or "serve": stepping for it
+
+    def __call__(self, engine) -> bool:
+        """Take the driver's calls until a step is due (True), or the loop ends (False)."""
+        self.engine = engine
+        while True:
+            if self.mode in ("run", "serve"):
+                while self.conn.poll(0):  # between steps: what came meanwhile, without waiting
+                    if not self._take(engine):
+                        return False
+                if engine.has_unfinished_requests():
+                    return True
+                if self.mode == "run":  # generate() is done: its answer, then back to waiting for calls
+                    self.conn.send(("ok", None))
+                    self.mode = None
+            if self.mode == "step":
+                return True
+            quiet = time.monotonic() - engine.last_control
+            if quiet >= self.every:
+                engine.keep_alive()
+            elif self.conn.poll(self.every - quiet) and not self._take(engine):
+                return False
+
+    def sink(self, outputs: list) -> None:
+        """Each step's outputs to the driver: a step's answer (with the pool and queues after it, which a server's
+        /metrics reads), or sent without waiting while generate() or a server runs."""
+        if self.mode == "step":
+            self.conn.send(("ok", (outputs, self.engine.stats())))
+            self.mode = None
+        else:
+            self.conn.send(("outputs", outputs if self.mode == "run" else (outputs, self.engine.stats())))
+
+    def _take(self, engine) -> bool:
+        """One call from the driver; False when the loop ends (shutdown, or the driver is gone)."""
         try:
-            op, args = conn.recv()
+            op, args = self.conn.recv()
         except EOFError:  # the driver is gone
             engine.shutdown()
-            return
+            return False
         if op == "shutdown":
             engine.shutdown()
-            conn.send(("ok", None))
-            return
+            self.conn.send(("ok", None))
+            return False
         if op == "abort_nowait":  # a stop string matched in the driver, or a caller that does not wait
             engine.abort_request(*args)
-            continue
-        if op == "run":  # generate(): step until nothing is left, each step's outputs sent without waiting for the
-            _run(engine, conn)  # driver, which decodes them while the next step runs
-            continue
-        if op == "serve":  # a server: step on its own while there is work, until shutdown
-            _serve_requests(engine, conn, every)
-            return
-        if op == "step":  # the step's outputs, and the pool and queues after it (a server's /metrics reads them)
-            outputs = engine.step()
-            conn.send(("ok", (outputs, engine.stats())))
-            continue
-        try:  # the other calls change nothing when they refuse: the caller's error, and the engine goes on
-            result = calls[op](*args)
-        except (ValueError, TypeError, KeyError) as exc:
-            conn.send(("ValueError", f"{exc}" if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"))
-            continue
-        conn.send(("ok", result))
-
-
-def _run(engine, conn) -> None:
-    """Rank 0: step until every request has ended; the only calls taken meanwhile are aborts without an answer (a
-    stop string matched in the driver)."""
-    while engine.has_unfinished_requests():
-        while conn.poll(0):
-            op, args = conn.recv()
-            if op != "abort_nowait":
-                raise RuntimeError(f"{op} while generate() runs: only aborts are taken then")
-            engine.abort_request(*args)
-        conn.send(("outputs", engine.step()))
-    conn.send(("ok", None))
-
-
-def _serve_requests(engine, conn, every: float) -> None:
-    """Rank 0 under a server (LLM.serve): step while any request is unfinished, sending each step's outputs and stats
-    without waiting for the driver (its work is off the step's path); between steps, take the requests and aborts
-    that came (add_nowait: checked by the driver already, so a refusal here, e.g. a repeated id, fails the engine).
-    Idle, wait for a message, keeping the other ranks alive. It returns after shutdown or when the
-    driver is gone (the ranks are told to stop)."""
-    while True:
-        busy = engine.has_unfinished_requests()
-        if not busy and not conn.poll(max(0.0, every - (time.monotonic() - engine.last_control))):
-            engine.keep_alive()
-            continue
-        while conn.poll(0):
-            try:
-                op, args = conn.recv()
-            except EOFError:
-                engine.shutdown()
-                return
-            if op == "add_nowait":
-                engine.add_request(*args)
-            elif op == "abort_nowait":
-                engine.abort_request(*args)
-            elif op == "shutdown":
-                engine.shutdown()
-                conn.send(("ok", None))
-                return
-            else:
-                raise RuntimeError(f"{op} while serving: only add_nowait, abort_nowait, shutdown")
-        if engine.has_unfinished_requests():
-            outputs = engine.step()
-            conn.send(("outputs", (outputs, engine.stats())))
+        elif self.mode == "serve" and op == "add_nowait":  # checked by the driver: a refusal fails the engine
+            engine.add_request(*args)
+        elif self.mode is not None:
+            raise RuntimeError(f"{op} while {'generate() runs' if self.mode == 'run' else 'serving'}: only "
+                               f"{'aborts are' if self.mode == 'run' else 'add_nowait, abort_nowait, shutdown are'} "
+                               f"taken then")
+        elif op in ("run", "serve", "step"):
+            self.mode = op
+        else:
+            calls = {"add_request": engine.add_request, "abort_request": engine.abort_request,
+                     "has_unfinished_requests": engine.has_unfinished_requests, "stats": engine.stats}
+            try:  # the other calls change nothing when they refuse: the caller's error, and the engine goes on
+                self.conn.send(("ok", calls[op](*args)))
+            except (ValueError, TypeError, KeyError) as exc:
+                self.conn.send(("ValueError", f"{exc}" if isinstance(exc, ValueError) else
+                                f"{type(exc).__name__}: {exc}"))
+        return True

@@ -57,17 +57,17 @@ def reference(checkpoint, servers):
 
     with LLM(str(checkpoint), tensor_parallel_size=2, dtype="float64") as llm:
         chat_ids = llm.tokenizer(CHAT_TEXT, add_special_tokens=False)["input_ids"]
-        greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=10, logprobs=1))
+        greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10, logprobs=1))
         # a stop string: two clean characters from the middle of a greedy text (random weights make partial bytes)
-        full = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, ignore_eos=True))[0].outputs[0].text
+        full = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0].outputs[0].text
         needle = next(full[i:i + 2] for i in range(len(full) // 2, len(full) - 1)
                       if "\ufffd" not in full[i:i + 2] and full[i:i + 2].strip())
         return {
             "greedy": greedy,
-            "stop": (needle, llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, ignore_eos=True,
+            "stop": (needle, llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
                                                                      stop=[needle]))[0].outputs[0], full),
             "sampled": llm.generate(PROMPTS[2], SamplingParams(max_tokens=12, ignore_eos=True, **SAMPLED))[0],
-            "chat": llm.chat(CHAT, SamplingParams(max_tokens=8, ignore_eos=True))[0],
+            "chat": llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0],
             "live": llm.generate(LIVE, [SamplingParams(max_tokens=LIVE_TOKENS, temperature=1.0, seed=100 + i,
                                                        ignore_eos=True) for i in range(len(LIVE))]),
             "chat_ids": chat_ids,
@@ -621,7 +621,7 @@ class ScriptedLLM:
 
 def collect(engine, rid, prompt, max_tokens=3):
     events: list = []
-    engine.submit(rid, prompt, None, SamplingParams(max_tokens=max_tokens), events.append)
+    engine.submit(rid, prompt, None, SamplingParams(temperature=0.0, max_tokens=max_tokens), events.append)
     return events
 
 
@@ -672,7 +672,7 @@ def test_the_engine_thread_refuses_times_out_drains_and_fails_cleanly():
     assert "\n" not in engine.failed and "traceback" in engine.detail
     assert failures == [1] and engine.done.wait(5) and llm.closed
     with pytest.raises(Exception, match="failed"):
-        engine.submit("late", [1], None, SamplingParams(), print)
+        engine.submit("late", [1], None, SamplingParams(temperature=0.0), print)
 
 
 def test_draining_lets_requests_finish_then_aborts_the_rest():
@@ -686,4 +686,4 @@ def test_draining_lets_requests_finish_then_aborts_the_rest():
     assert engine.done.wait(5) and llm.closed
     assert long[-1] == ("abort", None) and "long" in llm.aborted
     with pytest.raises(Exception, match="shutting down"):
-        engine.submit("late", [1], None, SamplingParams(), print)
+        engine.submit("late", [1], None, SamplingParams(temperature=0.0), print)

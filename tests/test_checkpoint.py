@@ -340,7 +340,7 @@ def test_pipeline_stages_read_only_their_own_slices(checkpoints, pp, world):
 
 def test_dtype_auto_is_the_checkpoints_in_the_library_and_the_cli(checkpoints, capsys):
     """dtype "auto" everywhere: a saved bfloat16 Llama runs in bfloat16 through LLM (LLM.dtype says so) and through
-    python -m serve with default settings, and both give the same greedy tokens; a given dtype (a name or a
+    python -m serve with default settings (and --temperature 0), and both give the same greedy tokens; a given dtype (a name or a
     torch.dtype) wins."""
     from serve import LLM, SamplingParams
     from serve.__main__ import main
@@ -349,10 +349,11 @@ def test_dtype_auto_is_the_checkpoints_in_the_library_and_the_cli(checkpoints, c
     prompt = [1, 2, 3, 4]
     with LLM(path) as llm:
         assert llm.dtype == "bfloat16"
-        ids = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids
+        ids = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids
     capsys.readouterr()
+    # --temperature 0: the CLI samples at vLLM's default temperature 1.0 unless told to decode greedily
     assert main(["--model", path, "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "6",
-                 "--ignore-eos"]) == 0
+                 "--ignore-eos", "--temperature", "0"]) == 0
     out, err = capsys.readouterr()
     assert "dtype bfloat16" in err and out.split() == [str(t) for t in ids], (out, err)
     with LLM(path, dtype=torch.float32, num_gpu_blocks_override=4) as llm:

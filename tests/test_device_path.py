@@ -103,7 +103,7 @@ def _engine_waits(ctx, family: str, moe_parallel: str, attention: str, workload:
         arrivals = {0: 2, 3: 1, 6: 2}  # step -> requests added before it
     engine = LLMEngine(lm, ctx, config, hooks=[Waits()])
     with counter.counting():
-        drive(engine, *arrivals_feed(prompts, arrivals))
+        drive(engine, arrivals_feed(prompts, arrivals))
     return cfg.n_layers, steps
 
 
@@ -251,3 +251,25 @@ def test_bfloat16_served_tokens_equal_transformers_generate_except_at_near_ties(
             (top1, second) = top2[first]
             assert top1 - second < BF16_NEAR_TIE * max(1.0, abs(top1)), (first, got, ids, top2[first])
     assert agreed >= 0.75 * total, (agreed, total)
+
+
+# ---- threads per rank (tp/dist.py threads_per_rank, the one place that chooses them) ------------------------------
+
+
+def test_threads_per_rank_leave_a_core_to_the_driver_and_honour_settings(monkeypatch):
+    """On a CPU: the cores this process may use, one left to the driver, shared among the ranks (at least one each);
+    OMP_NUM_THREADS from the environment, then a given number, win; on CUDA one each. (LLM's rank 0 reports the
+    threads it runs with: tests/test_llm.py checks them against this choice.)"""
+    from tp.dist import ConfigError, threads_per_rank
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert [threads_per_rank(w, "cpu")[0] for w in (1, 2, 4, 8, 16, 32)] == [15, 7, 3, 1, 1, 1]
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert threads_per_rank(1, "cpu") == (1, "2 cores, one left to the driver, 1 rank")
+    assert threads_per_rank(1, "cuda")[0] == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads_per_rank(2, "cpu") == (3, "OMP_NUM_THREADS")
+    assert threads_per_rank(2, "cpu", 2) == (2, "threads_per_rank")
+    with pytest.raises(ConfigError, match="threads_per_rank=0 must be a positive integer"):
+        threads_per_rank(2, "cpu", 0)

@@ -77,7 +77,7 @@ def _serve(ctx, w: dict):
     while added < len(w["prompts"]) or engine.has_unfinished_requests():
         while added < len(w["prompts"]) and w["arrivals"][added] <= i:
             engine.add_request(str(added), w["prompts"][added],
-                               SamplingParams(max_tokens=w["max_tokens"][added], ignore_eos=True))
+                               SamplingParams(temperature=0.0, max_tokens=w["max_tokens"][added], ignore_eos=True))
             added += 1
         for o in engine.step():
             if o.finished:

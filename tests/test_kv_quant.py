@@ -116,7 +116,7 @@ def serve(ctx, cfg, reqs, config):
     while step <= max(at for *_, at in reqs) or engine.has_unfinished_requests():
         for i, (prompt, new, at) in enumerate(reqs):
             if at == step:
-                engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=new, logprobs=0))
+                engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=new, logprobs=0))
         for o in engine.step():
             if o.finished:
                 c = o.outputs[0]
@@ -168,7 +168,8 @@ def reference(dense, prompt: list[int], n: int, scales, name: str) -> tuple[list
                               "llama-replicated-kv-p4-batched-int8", "gpt2-p4-cpu-e4m3"])
 def test_the_engine_equals_the_pseudo_quantized_reference(cfg, p, attention, name):
     reqs = workload(seed=p)
-    config = EngineConfig(**SMALL, attention=attention, kv_cache_dtype=name)
+    # calculated scales (off by default, as in vLLM): what the pseudo-quantized reference applies
+    config = EngineConfig(**SMALL, attention=attention, kv_cache_dtype=name, calculate_kv_scales=True)
     results = run_ranks(p, serve, cfg, reqs, config)
     (done, preemptions, hits), _ = results[0]
     dense = init_weights(dense_lm(cfg, torch.float64), seed=0, std=0.1)
@@ -210,7 +211,7 @@ def pools(ctx):
         assert cache_layout_of(LLAMA, ctx.world_size) == lm.cache_layout  # what the driver sizes with
         for name in ("auto", "fp8_e4m3", "fp8_e5m2", "int8"):
             engine = LLMEngine(lm, ctx, EngineConfig(kv_cache_dtype=name, kv_cache_memory_bytes=1 << 16,
-                                                     block_size=4))
+                                                     block_size=4, calculate_kv_scales=name == "int8"))
             pool = engine.runner.cache
             out[(str(dtype), name)] = (engine.num_blocks, pool.measured_bytes_per_token(), pool.bytes,
                                        pool.scale_bytes, str(pool.kv.dtype))
@@ -232,9 +233,24 @@ def test_the_pool_holds_the_formulas_bytes_and_twice_the_blocks_of_bfloat16():
         assert got[("torch.float32", name)][0] == 4 * got[("torch.float32", "auto")][0]
 
 
+def test_vllm_names_and_defaults():
+    """vLLM's "fp8" is fp8_e4m3; scales are not calculated unless asked (vLLM's default), and the CLI's flag says so."""
+    import argparse
+
+    from serve.config import add_engine_flags, engine_from_flags
+
+    assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
+    assert EngineConfig().calculate_kv_scales is False
+    ap = argparse.ArgumentParser()
+    add_engine_flags(ap)
+    config = engine_from_flags(ap.parse_args(["--kv-cache-dtype", "fp8"]))
+    assert (config.kv_cache_dtype, config.calculate_kv_scales) == ("fp8_e4m3", False)
+    assert engine_from_flags(ap.parse_args(["--kv-cache-dtype", "int8", "--calculate-kv-scales"])).calculate_kv_scales
+
+
 def test_bad_settings_are_refused_in_one_line():
     for kwargs, message in ((dict(kv_cache_dtype="fp4"), "kv_cache_dtype='fp4': choose auto, fp8_e4m3"),
-                            (dict(kv_cache_dtype="int8", calculate_kv_scales=False), "let the scales be calculated"),
+                            (dict(kv_cache_dtype="int8"), "needs calculate_kv_scales=True"),  # off by default, as vLLM
                             (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes=0 must be"),
                             (dict(kv_cache_memory_bytes=10, num_gpu_blocks_override=4), "give one")):
         with pytest.raises(ValueError, match=message):
@@ -263,9 +279,9 @@ def errors(ctx, prompts):
     lm = shard_lm(dense, "v2", ctx.group)
     out = {}
     for name in ("auto", "fp8_e4m3", "fp8_e5m2", "int8"):
-        engine = LLMEngine(lm, ctx, EngineConfig(kv_cache_dtype=name))
+        engine = LLMEngine(lm, ctx, EngineConfig(kv_cache_dtype=name, calculate_kv_scales=True))  # off by default
         for i, prompt in enumerate(prompts):
-            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=12, logprobs=0))
+            engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=12, logprobs=0))
         done = {}
         while engine.has_unfinished_requests():
             for o in engine.step():

@@ -59,7 +59,7 @@ def run_online(ctx, cfg, reqs, add_at, abort=None, moe_parallel="tp", config=SMA
             if at == step:
                 if abort is not None and f"r{i}" == abort[0]:
                     seen["before"] = engine.free_blocks
-                engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=new))
+                engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=new))
         if abort is not None and step == abort[1]:
             assert engine.abort_request(abort[0])
         for o in engine.step():
@@ -113,8 +113,8 @@ def control_roundtrip(ctx):
     dense = init_weights(dense_lm(GPT2, torch.float64), seed=0)
     engine = LLMEngine(shard_lm(dense, "v2", ctx.group), ctx, SMALL, eos_token_ids=(7,))
     if ctx.is_main:
-        engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, stop_token_ids=[9, 4]))
-        engine.add_request("b", [1], SamplingParams(max_tokens=2, ignore_eos=True))
+        engine.add_request("a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, stop_token_ids=[9, 4]))
+        engine.add_request("b", [1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     engine.step()
     got = {r.id: (r.prompt, r.max_new_tokens, sorted(r.stop_ids), r.arrival) for r in engine.scheduler.by_id.values()}
     if ctx.is_main:
@@ -133,8 +133,8 @@ def test_every_rank_receives_the_same_requests():
 
 def test_bad_requests_are_refused_before_any_collective():
     # rank 0's checks run before its step's broadcast: a refused request leaves the others waiting for nothing
-    bad = [([], 4, "empty prompt"), ([1] * 90, 10, "more than the model's context"), ([5000], 2, "not a token id"),
-           ([1] * 90, 7, "is 97 tokens, more than the model's context of 96"),  # vLLM's rule: prompt + output
+    # a prompt + max_tokens over the context is not refused: vLLM's engine cuts the output there (below)
+    bad = [([], 4, "empty prompt"), ([1] * 97, 10, "longer than the model's context"), ([5000], 2, "not a token id"),
            ([1] * 70, 20, "num_gpu_blocks_override")]
     results = run_ranks(1, refuse, bad)
     assert results[0] == [m for _, _, m in bad]
@@ -147,7 +147,7 @@ def refuse(ctx, bad):
     out = []
     for prompt, new, msg in bad:
         with pytest.raises(ValueError) as e:
-            engine.add_request("x", prompt, SamplingParams(max_tokens=new))
+            engine.add_request("x", prompt, SamplingParams(temperature=0.0, max_tokens=new))
         out.append(msg if msg in str(e.value) else str(e.value))
     assert not engine.has_unfinished_requests()
     # max_model_len, vLLM's meaning: prompt + max_tokens at most; no more than the model's context (96)
@@ -155,9 +155,15 @@ def refuse(ctx, bad):
         LLMEngine(lm, ctx, EngineConfig(max_model_len=97))
     capped = LLMEngine(lm, ctx, EngineConfig(max_model_len=12, max_num_seqs=2))
     assert capped.num_blocks == 2 * 1  # the online pool: max_num_seqs requests of 12 positions, 16 per block
-    with pytest.raises(ValueError, match="is 13 tokens, more than max_model_len=12"):
-        capped.add_request("y", [1] * 8, SamplingParams(max_tokens=5))
-    capped.add_request("z", [1] * 8, SamplingParams(max_tokens=4))
+    # vLLM's engine rule (this test refused it before): prompt 8 + max_tokens 5 > 12 runs, and finishes with
+    # "length" once prompt + output reach max_model_len, after 4 tokens
+    capped.add_request("y", [1] * 8, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    capped.add_request("z", [1] * 8, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    ended = {}
+    while capped.has_unfinished_requests():
+        ended.update({o.request_id: o.outputs[0] for o in capped.step() if o.finished})
+    assert {k: (len(c.token_ids), c.finish_reason) for k, c in ended.items()} == {"y": (4, "length"),
+                                                                                  "z": (3, "length")}
     return out
 
 
@@ -166,17 +172,17 @@ def test_sampling_params_and_engine_config_refuse_bad_values():
                dict(stop_token_ids=["a"]), dict(stop=[""]), dict(seed=2 ** 60)):
         with pytest.raises(ValueError):
             SamplingParams(**kw)
-    assert SamplingParams(stop="x").stop == ("x",)
+    assert SamplingParams(temperature=0.0, stop="x").stop == ("x",)
     # vLLM's fields that are not built: refused by name, accepted at their defaults
     for name, value in (("n", 2), ("best_of", 3), ("presence_penalty", 0.5), ("frequency_penalty", -0.1),
                         ("repetition_penalty", 1.2), ("logit_bias", {1: 5.0}), ("min_tokens", 2),
                         ("allowed_token_ids", [1, 2]), ("prompt_logprobs", 1)):
         with pytest.raises(ValueError, match=f"^{re.escape(f'{name}={value!r}')} is not built here: .*; leave it at"):
             SamplingParams(**{name: value})
-    assert SamplingParams(n=1, best_of=1, presence_penalty=0.0, logit_bias=None, skip_special_tokens=True,
-                          max_tokens=3) == SamplingParams(max_tokens=3)
+    assert SamplingParams(temperature=0.0, n=1, best_of=1, presence_penalty=0.0, logit_bias=None, skip_special_tokens=True,
+                          max_tokens=3) == SamplingParams(temperature=0.0, max_tokens=3)
     with pytest.raises(ValueError, match="no setting 'maxtokens'; known: max_tokens"):
-        SamplingParams(maxtokens=3)
+        SamplingParams(temperature=0.0, maxtokens=3)
     for kw in (dict(block_size=0), dict(max_num_seqs=600), dict(attention="fast"), dict(num_gpu_blocks_override=0)):
         with pytest.raises(ValueError):
             EngineConfig(**kw)
@@ -263,8 +269,9 @@ def test_generate_equals_transformers(checkpoints, name, p, moe):
     online = (name, p) == ("gpt2", 2)
     with LLM(str(checkpoints[name]), tensor_parallel_size=p, dtype="float64", check=online,
              moe_parallel=moe) as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12))
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12))
         stats = llm.stats()
+        assert llm.executor.info["threads"] == llm.threads_per_rank  # the default choice, as rank 0 runs it
         if online:  # the online calls and bad input, on the same ranks, every request against the oracle
             online_checks(llm, tok)
             verdicts = llm.stats()["oracle"]
@@ -285,28 +292,28 @@ def test_generate_equals_transformers(checkpoints, name, p, moe):
 def online_checks(llm, tok):
     from serve import SamplingParams as SP
 
-    greedy = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SP(max_tokens=10, ignore_eos=True))[0].outputs[0]
+    greedy = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SP(temperature=0.0, max_tokens=10, ignore_eos=True))[0].outputs[0]
     # a stop token id cuts at its first occurrence; a stop string cuts the text before it
     stop_id = greedy.token_ids[3]
     first = greedy.token_ids.index(stop_id)
-    cut = llm.generate([[5, 6, 7]], SP(max_tokens=10, ignore_eos=True, stop_token_ids=[stop_id]))[0].outputs[0]
+    cut = llm.generate([[5, 6, 7]], SP(temperature=0.0, max_tokens=10, ignore_eos=True, stop_token_ids=[stop_id]))[0].outputs[0]
     assert cut.token_ids == greedy.token_ids[:first + 1] and cut.finish_reason == "stop" and cut.stop_reason == stop_id
     full = tok.decode(greedy.token_ids, skip_special_tokens=True)
     clean = [full[i:i + 2] for i in range(1, len(full) - 1) if "\ufffd" not in full[:i + 2]]
     if clean and clean[-1].strip():  # random weights may give no clean text; test_detokenizer covers stops for sure
         needle = clean[-1]
-        s = llm.generate([[5, 6, 7]], SP(max_tokens=10, ignore_eos=True, stop=[needle]))[0].outputs[0]
+        s = llm.generate([[5, 6, 7]], SP(temperature=0.0, max_tokens=10, ignore_eos=True, stop=[needle]))[0].outputs[0]
         assert s.text == full[:full.index(needle)] and s.finish_reason == "stop" and s.stop_reason == needle
     # sampled with a seed: the same tokens alone and in a batch; logprobs for each token
     q = SP(max_tokens=8, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True, logprobs=2)
     alone = llm.generate([[5, 6, 7]], q)[0].outputs[0]
-    crowd = llm.generate([[9, 9], [5, 6, 7], "the quick"], [SP(max_tokens=5, temperature=0.7), q, SP()])[1].outputs[0]
+    crowd = llm.generate([[9, 9], [5, 6, 7], "the quick"], [SP(max_tokens=5, temperature=0.7), q, SP(temperature=0.0)])[1].outputs[0]
     assert crowd.token_ids == alone.token_ids and len(alone.logprobs) == 8
     assert all(t in step and len(step) <= 3 for t, step in zip(alone.token_ids, alone.logprobs))
     assert abs(alone.cumulative_logprob - sum(step[t] for t, step in zip(alone.token_ids, alone.logprobs))) < 1e-9
     # online: add, step, abort between steps
-    llm.add_request("a", "the quick", SP(max_tokens=20, ignore_eos=True))
-    llm.add_request("b", "tensor", SP(max_tokens=5, ignore_eos=True))
+    llm.add_request("a", "the quick", SP(temperature=0.0, max_tokens=20, ignore_eos=True))
+    llm.add_request("b", "tensor", SP(temperature=0.0, max_tokens=5, ignore_eos=True))
     llm.step()
     llm.step()
     assert llm.abort_request("a")
@@ -319,10 +326,10 @@ def online_checks(llm, tok):
     assert llm.stats()["free_blocks"] == llm.stats()["num_blocks"]
     # bad input: one line, in the caller, and the engine goes on
     for prompt, params, msg in ((["x"], None, "not a token id"), ("", None, "empty prompt"),
-                                ("the " * 40, SP(max_tokens=40), "context")):
+                                ("the " * 100, SP(temperature=0.0, max_tokens=1), "context")):
         with pytest.raises(ValueError, match=msg):
             llm.generate(prompt if isinstance(prompt, str) else [prompt], params)
-    assert llm.generate([[1, 2]], SP(max_tokens=2))[0].outputs[0].finish_reason in ("length", "stop")
+    assert llm.generate([[1, 2]], SP(temperature=0.0, max_tokens=2))[0].outputs[0].finish_reason in ("length", "stop")
 
 
 def test_detokenizer_streams_whole_characters_and_cuts_at_stop_strings(tmp_path):
@@ -366,7 +373,7 @@ def test_a_dead_rank_raises_in_the_caller_and_stops_the_others(checkpoints):
     from serve import LLM
 
     llm = LLM(str(checkpoints["gpt2"]), tensor_parallel_size=2)
-    llm.add_request("a", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))
+    llm.add_request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     llm.step()
     llm.executor.procs[1].kill()
     start = time.monotonic()
@@ -383,12 +390,14 @@ def test_a_caller_that_polls_without_stepping_keeps_the_ranks_alive():
     """Calls that are not steps (here for twice the group's timeout) still let rank 0 send its keep-alives."""
     from serve import LLM
 
-    with LLM("llama_tiny", tensor_parallel_size=2, timeout_s=1.5) as llm:
+    with LLM("llama_tiny", tensor_parallel_size=2, timeout_s=1.5, threads_per_rank=2) as llm:
+        # each rank runs with the threads chosen for it (tp/dist.py threads_per_rank; a given number wins)
+        assert (llm.threads_per_rank, llm.executor.info["threads"]) == (2, 2)
         end = time.monotonic() + 3.0
         while time.monotonic() < end:
             assert not llm.has_unfinished_requests()
             time.sleep(0.05)
-        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
+        assert len(llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0].token_ids) == 3
 
 
 def test_ranks_do_not_outlive_a_killed_caller(checkpoints):
@@ -489,9 +498,9 @@ def test_the_cli_samples_as_generate_and_chat_renders_the_checkpoints_template(c
         want = llm.generate(["the quick brown"], params)[0].outputs[0]
         other = llm.generate(["the quick brown"], SamplingParams(**{**params.__dict__, "seed": 12}))[0].outputs[0]
         assert llm.get_tokenizer() is llm.tokenizer and llm.max_model_len == 64
-        chats = llm.chat([messages, messages[1:]], SamplingParams(max_tokens=5, ignore_eos=True))
+        chats = llm.chat([messages, messages[1:]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
         plain = llm.generate([{"prompt_token_ids": tok(text, add_special_tokens=False)["input_ids"]}],
-                             SamplingParams(max_tokens=5, ignore_eos=True))[0]
+                             SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0]
         for bad, message in (([{"content": "hi"}], "a message is a dict with a 'role'"),
                              ([{"role": "user", "content": [{"type": "image_url"}]}], "only text content parts")):
             with pytest.raises(ValueError, match=message):
@@ -509,7 +518,7 @@ def test_the_cli_samples_as_generate_and_chat_renders_the_checkpoints_template(c
 
         llm.executor.wait = interrupted
         with pytest.raises(KeyboardInterrupt):
-            llm.generate(["a", "b", "c"], SamplingParams(max_tokens=2))
+            llm.generate(["a", "b", "c"], SamplingParams(temperature=0.0, max_tokens=2))
         assert all(proc.poll() is not None for proc in llm.executor.procs)
     assert chats[0].prompt == text and chats[0].outputs[0].token_ids == plain.outputs[0].token_ids
     assert chats[1].prompt == "<user>the quick<assistant>"
@@ -562,7 +571,7 @@ def test_the_toy_model_is_a_checkpoint_transformers_and_llm_read_alike(tmp_path)
         main([str(tmp_path / "x"), "--family", "bert"])
     want, _ = hf_generate(tmp_path / "llama", ["Once upon a time"], 8)
     with LLM(str(tmp_path / "llama"), dtype="float64") as llm:
-        out = llm.generate("Once upon a time", SamplingParams(max_tokens=8))[0].outputs[0]
+        out = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0]
     assert out.token_ids == want[0] and out.text == tok.decode(want[0], skip_special_tokens=True)
 
 
@@ -609,11 +618,21 @@ def test_the_spine_reads_in_one_screen():
     from serve.engine import LLMEngine
     from serve.offline import OfflineEngine, drive
 
+    import pathlib
+
+    from serve import worker
+
     step = inspect.getsource(LLMEngine.step).splitlines()
     assert len(step) <= 40, len(step)
     run, loop = inspect.getsource(OfflineEngine.run), inspect.getsource(drive)
     assert "drive(engine" in run and "engine.step()" in loop
     assert all("runner.run" not in s and ".schedule(" not in s for s in (run, loop))
+    # the ranks behind LLM and a server reach the same loop: rank 0 fed by the driver's calls (a feed and a sink)
+    assert "drive(engine, feed" in inspect.getsource(worker._serve)
+    root = pathlib.Path(__file__).resolve().parent.parent
+    stepping = [str(p.relative_to(root)) for d in ("serve", "launch", "benchmarks") for p in (root / d).rglob("*.py")
+                if re.search(r"\bengine\.step\(\)", p.read_text())]
+    assert stepping == ["serve/offline.py"], stepping  # no second loop over LLMEngine.step outside drive()
 
 
 def test_a_stop_string_ends_the_request_in_the_driver_and_aborts_it_in_the_engine(tmp_path):

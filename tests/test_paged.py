@@ -301,8 +301,9 @@ PAGING_BAD = [
     (["enable_prefix_caching=maybe"], "enable_prefix_caching='maybe' must be true or false"),
     (["attention=fast"], "attention='fast': choose auto, cpu, batched or reference"),
     (["shared_prefix=-1"], "shared_prefix=-1 must be 0 or more"),
-    (["shared_prefix=1009"], "shared_prefix=1009 is too long: with max_new_tokens=16 a prompt has at most 1009 "
-                             "positions in model.max_seq_len=1024, and needs one token of its own; use shared_prefix <= 1008"),
+    # prompt + max_new_tokens <= max_seq_len (vLLM's rule): 1024 - 16 = 1008 positions for a prompt
+    (["shared_prefix=1008"], "shared_prefix=1008 is too long: with max_new_tokens=16 a prompt has at most 1008 "
+                             "positions in model.max_seq_len=1024, and needs one token of its own; use shared_prefix <= 1007"),
     (["shared_prefix=4", "prompts=[[1,2]]"], "shared_prefix=4 applies to random prompts"),
     (["pd.prefill_ranks=1", "pd.decode_ranks=1", "prompts=[[1,2,3,4,5,6,7,8,9]]", "max_new_tokens=8", "block_size=8",
       "num_gpu_blocks_override=2", "pd.decode_block_size=4"],

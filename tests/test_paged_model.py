@@ -14,6 +14,12 @@ tokens). From that alone it says
   - what a request generates: the "model" below picks the next token from the tokens so far, so a request's
     output must equal that function iterated on its prompt, whatever preemptions and prefix hits it went through.
 
+Each example draws a scheduling policy (fcfs or priority) and every request a priority (fcfs ignores it). A second
+reference model, written from each policy's rules, keeps the waiting queue and the running requests in order
+(arrivals, admissions, preemptions, finishes, aborts) and says which requests an iteration may admit (a prefix of
+its queue) and which running request each preemption must take (fcfs: the one admitted last; priority: the largest
+(priority, arrival, id)); the scheduler's queue and running list must equal the model's after every operation.
+
 CI runs MAX_EXAMPLES examples of up to STEPS operations (TPREF_HYPOTHESIS_EXAMPLES=N runs more).
 """
 
@@ -26,7 +32,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 from serve.block_manager import BlockManager
-from serve.config import EngineConfig
+from serve.config import SCHEDULING_POLICIES, EngineConfig
 from serve.request import RequestStatus
 from serve.request import Request
 from serve.scheduler import Scheduler
@@ -85,10 +91,12 @@ class WatchedBlocks(BlockManager):
 class PagedMachine(RuleBasedStateMachine):
     blocks_class = WatchedBlocks
 
+    policy_under_test = None  # a SchedulingPolicy to run instead of the one the config names (a broken one, below)
+
     @initialize(data=st.data(), block_size=st.integers(1, 8), extra_blocks=st.integers(0, 10),
                 chunk=st.integers(1, 12), max_num_seqs=st.integers(1, 4), more_budget=st.integers(0, 12),
-                eos=st.booleans())
-    def setup(self, data, block_size, extra_blocks, chunk, max_num_seqs, more_budget, eos):
+                eos=st.booleans(), policy=st.sampled_from(SCHEDULING_POLICIES))
+    def setup(self, data, block_size, extra_blocks, chunk, max_num_seqs, more_budget, eos, policy):
         self.bs = block_size
         self.pieces = [data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=block_size, max_size=block_size))
                        for _ in range(PIECES)]
@@ -100,7 +108,15 @@ class PagedMachine(RuleBasedStateMachine):
         self.stops = frozenset() if self.eos is None else frozenset({self.eos})
         self.sched = Scheduler(EngineConfig(long_prefill_token_threshold=chunk, max_num_batched_tokens=max_num_seqs + more_budget,
                                             max_num_seqs=max_num_seqs, block_size=block_size,
-                                            enable_prefix_caching=self.blocks.enable_prefix_caching), self.blocks)
+                                            enable_prefix_caching=self.blocks.enable_prefix_caching,
+                                            scheduling_policy=policy), self.blocks)
+        if self.policy_under_test is not None:
+            self.sched.policy = self.policy_under_test
+        self.policy = policy
+        self.queue: list[int] = []  # the policy's reference model: waiting requests in admission order,
+        self.run_order: list[int] = []  # running requests in the order they were admitted,
+        self.pending: set[int] = set()  # requests added that have not arrived yet,
+        self.holders: set[int] = set()  # and waiting requests that hold blocks (handed over, placed)
         self.requests: dict[int, Request] = {}
         self.reference_hits: dict[int, int] = {}
         self.index = 0
@@ -116,39 +132,92 @@ class PagedMachine(RuleBasedStateMachine):
             k += 1
         return k
 
+    def key(self, rid: int) -> tuple[int, int, int]:
+        """The priority policy's order, from its definition: lower priority first, then earlier arrival, then the
+        order of adding."""
+        return self.requests[rid].priority, self.requests[rid].arrival, rid
+
+    def expected_victim(self, running: list[int]) -> int:
+        return running[-1] if self.policy == "fcfs" else max(running, key=self.key)
+
+    def arrive(self) -> None:
+        """Requests whose iteration has come join the queue: fcfs at the back, in order of arrival; priority at
+        their place in key order."""
+        for rid in sorted(self.pending, key=lambda i: (self.requests[i].arrival, i)):
+            if self.requests[rid].arrival <= self.index:
+                self.pending.discard(rid)
+                self.queue.append(rid)
+        if self.policy == "priority":
+            self.queue.sort(key=self.key)
+
+    def check_choices(self, plan, running: list[int]) -> tuple[list[int], list[int]]:
+        """An iteration's admissions and victims against the model; (running victims, waiting ones that gave their
+        blocks back)."""
+        admitted = list(plan.admitted)
+        assert admitted == self.queue[:len(admitted)], \
+            f"{self.policy}: admitted {admitted}, the head of the queue is {self.queue[:len(admitted)]}"
+        victims = [v for v in plan.preempted if v in running]
+        left = list(running)
+        for v in victims:
+            assert v == self.expected_victim(left), \
+                f"{self.policy}: preempted {v} of {left}, the policy takes {self.expected_victim(left)}"
+            left.remove(v)
+        gave_back = [v for v in plan.preempted if v not in running]
+        holders = [rid for rid in self.queue if rid in self.holders]
+        for v in gave_back:  # the holder last in the queue first
+            assert holders and v == holders[-1], f"request {v} gave its blocks back before {holders}"
+            holders.remove(v)
+        if self.policy == "priority" and victims:  # nothing after a victim in the queue is admitted with it
+            assert all(self.key(a) < self.key(v) for a in admitted for v in victims), (admitted, victims)
+        assert not set(admitted) & set(victims)
+        return victims, gave_back
+
+    def after_iteration(self, admitted: list[int], victims: list[int], gave_back: list[int], finished: list[int],
+                        running: list[int]) -> None:
+        del self.queue[:len(admitted)]
+        self.run_order += admitted
+        self.holders -= set(admitted) | set(gave_back)
+        self.run_order = [rid for rid in self.run_order if rid not in victims and rid not in finished]
+        if self.policy == "fcfs":  # back at the front, in the order they were admitted
+            self.queue = [rid for rid in running if rid in victims] + self.queue
+        else:
+            self.queue = sorted(self.queue + victims, key=self.key)
+
     # ---- operations ------------------------------------------------------------------------------------------
 
-    def _add(self, prompt, max_new, delay):
+    def _add(self, prompt, max_new, delay, priority):
         rid = len(self.requests)
-        r = Request(rid, prompt, max_new, arrival=self.index + delay, stop_ids=self.stops)
+        r = Request(rid, prompt, max_new, arrival=self.index + delay, stop_ids=self.stops, priority=priority)
         self.requests[rid], self.reference_hits[rid] = r, 0
         self.prompts.append(prompt)
         self.sched.add(r)
+        self.pending.add(rid)
 
     @rule(pieces=st.lists(st.integers(0, PIECES - 1), max_size=MAX_PIECES), tail=st.data(),
-          max_new=st.integers(1, MAX_NEW), delay=st.integers(0, 2))
-    def add_from_pieces(self, pieces, tail, max_new, delay):
+          max_new=st.integers(1, MAX_NEW), delay=st.integers(0, 2), priority=st.integers(0, 3))
+    def add_from_pieces(self, pieces, tail, max_new, delay, priority):
         """Whole blocks shared, reordered, or re-used after a different prefix; a tail that may shift alignment."""
         rest = tail.draw(st.lists(st.integers(0, VOCAB - 1), min_size=0 if pieces else 1, max_size=self.bs + 1))
-        self._add([t for i in pieces for t in self.pieces[i]] + rest, max_new, delay)
+        self._add([t for i in pieces for t in self.pieces[i]] + rest, max_new, delay, priority)
 
     @precondition(lambda self: self.prompts)
-    @rule(which=st.data(), cut=st.integers(0, 3), max_new=st.integers(1, MAX_NEW), delay=st.integers(0, 2))
-    def add_repeat(self, which, cut, max_new, delay):
+    @rule(which=st.data(), cut=st.integers(0, 3), max_new=st.integers(1, MAX_NEW), delay=st.integers(0, 2),
+          priority=st.integers(0, 3))
+    def add_repeat(self, which, cut, max_new, delay, priority):
         """An earlier prompt again, whole or shortened."""
         prompt = which.draw(st.sampled_from(self.prompts))
-        self._add(prompt[:max(1, len(prompt) - cut)], max_new, delay)
+        self._add(prompt[:max(1, len(prompt) - cut)], max_new, delay, priority)
 
     @rule(pieces=st.lists(st.integers(0, PIECES - 1), max_size=MAX_PIECES), tail=st.data(),
-          max_new=st.integers(2, MAX_NEW))
-    def hand_over(self, pieces, tail, max_new):
+          max_new=st.integers(2, MAX_NEW), priority=st.integers(0, 3))
+    def hand_over(self, pieces, tail, max_new, priority):
         """A request prefilled elsewhere (P/D): it arrives with its prompt's K,V and its first token, and is placed
         into the pool when blocks are free for its prompt and its first decode row, as serve/pd/ does."""
         rest = tail.draw(st.lists(st.integers(0, VOCAB - 1), min_size=0 if pieces else 1, max_size=self.bs + 1))
         prompt = [t for i in pieces for t in self.pieces[i]] + rest
         rid = len(self.requests)
         r = Request(rid, prompt, max_new, output=[next_token(prompt)], num_computed_tokens=len(prompt),
-                    stop_ids=self.stops)
+                    stop_ids=self.stops, priority=priority)
         self.requests[rid], self.reference_hits[rid] = r, 0
         self.prompts.append(prompt)
         self.ready.append(r)  # the scheduler meets it when it is placed
@@ -160,6 +229,8 @@ class PagedMachine(RuleBasedStateMachine):
                 r.status = RequestStatus.FINISHED_STOPPED
                 continue
             self.sched.add_computed(r, self.index)
+            self.pending.add(r.id)
+            self.holders.add(r.id)
             for t in range(r.num_computed_tokens):  # the K,V that came with it
                 self.blocks.content[self.blocks.tables[r.id][t // self.bs]][t % self.bs] = tuple(r.tokens[:t + 1])
 
@@ -174,11 +245,17 @@ class PagedMachine(RuleBasedStateMachine):
         free_before, held = self.blocks.num_free, self.blocks.tables.get(rid, [])
         freed = sum(self.blocks.blocks[b].ref_count == 1 for b in held)
         assert self.sched.abort(rid)
+        self.pending.discard(rid)
+        self.holders.discard(rid)
+        self.queue = [i for i in self.queue if i != rid]
+        self.run_order = [i for i in self.run_order if i != rid]
         assert self.blocks.num_free == free_before + freed and rid not in self.blocks.tables  # freed at once
 
     @rule()
     def step(self):
         self._place()
+        self.arrive()
+        running = list(self.run_order)
         plan = self.sched.schedule(self.index)
         if plan is None:  # nothing to do may only mean nothing has arrived: never a stall with work waiting
             assert not self.sched.running and not self.sched.waiting, "the scheduler stalls with requests waiting"
@@ -194,10 +271,19 @@ class PagedMachine(RuleBasedStateMachine):
                     self.blocks.content[b][t % self.bs] = tuple(r.tokens[:t + 1])
                 if c.sample:
                     sampled[r.id] = next_token(r.tokens)
-            self.sched.update(plan, sampled)
+            victims, gave_back = self.check_choices(plan, running)
+            finished = self.sched.update(plan, sampled)
+            self.after_iteration(list(plan.admitted), victims, gave_back, finished, running)
         self.index += 1
 
     # ---- invariants --------------------------------------------------------------------------------------------
+
+    @invariant()
+    def queues_follow_the_policy(self):
+        if not hasattr(self, "blocks"):
+            return
+        assert [r.id for r in self.sched.waiting] == self.queue, (self.policy, [r.id for r in self.sched.waiting])
+        assert [r.id for r in self.sched.running] == self.run_order, (self.policy, [r.id for r in self.sched.running])
 
     @invariant()
     def blocks_are_consistent(self):

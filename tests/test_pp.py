@@ -379,13 +379,13 @@ def pp_online(ctx, pp):
         return None
     prompts = {"a": [5, 9, 2, 7, 1], "b": [4, 4, 8], "c": [11, 2, 6, 6, 13, 3, 3], "d": [8, 1]}
     for name in "abc":
-        engine.add_request(name, prompts[name], SamplingParams(max_tokens=6))
+        engine.add_request(name, prompts[name], SamplingParams(temperature=0.0, max_tokens=6))
     outs, aborted, steps = {}, None, 0
     while engine.has_unfinished_requests() and steps < 200:
         if steps == 2:  # a request in a micro-batch in flight (requests a, b, c are ids 0, 1, 2)
             aborted = "abc"[min(engine.scheduler.in_flight)]
             engine.abort_request(aborted)
-            engine.add_request("d", prompts["d"], SamplingParams(max_tokens=4))
+            engine.add_request("d", prompts["d"], SamplingParams(temperature=0.0, max_tokens=4))
         for o in engine.step():
             outs[o.request_id] = o
         steps += 1
@@ -510,8 +510,8 @@ def test_the_library_serves_a_pipeline_equal_to_the_oracle():
     with pytest.raises(ValueError, match="pipeline_parallel_size=9: pp=9 is more stages than the model's 8 layers"):
         LLM("article03", pipeline_parallel_size=9)
     prompts = [[464, 3290, 318], [40, 1101, 257, 3290, 11, 290], [1, 2, 3, 4, 5]]
-    params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=5, temperature=0.8, seed=3),
-              SamplingParams(max_tokens=4, logprobs=2)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6), SamplingParams(max_tokens=5, temperature=0.8, seed=3),
+              SamplingParams(temperature=0.0, max_tokens=4, logprobs=2)]
     with LLM("article03", pipeline_parallel_size=2, check=True, max_num_seqs=4, long_prefill_token_threshold=4,
              max_num_batched_tokens=16) as llm:
         outs = llm.generate(prompts, params)

@@ -88,7 +88,7 @@ def reference_generate(dense, prompt, q: SamplingParams, seed: int, stop=()):
     return out, logprobs
 
 
-PARAMS = [SamplingParams(max_tokens=6),  # greedy beside sampled rows
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=6),  # greedy beside sampled rows
           SamplingParams(max_tokens=6, temperature=0.7, seed=1),
           SamplingParams(max_tokens=6, temperature=1.3, top_k=5, seed=2),
           SamplingParams(max_tokens=6, temperature=1.0, top_p=0.8, seed=3),

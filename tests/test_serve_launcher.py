@@ -118,7 +118,8 @@ def test_an_unknown_preset_fails_fast_on_a_lone_rank(tmp_path):
 MORE_BAD = [
     (["max_new_tokens=0"], "max_new_tokens=0 (request 0) must be at least 1"),
     (["kv_cache_dtype=fp4"], "kv_cache_dtype='fp4': choose auto, fp8_e4m3, fp8_e5m2, int8"),
-    (["prompts=[[1,2,3]]", "max_new_tokens=1023"], "needs 1025 positions, more than model.max_seq_len=1024"),
+    # vLLM's rule, the library's and the server's: prompt + max_new_tokens <= max_seq_len (3 + 1022 = 1025 tokens)
+    (["prompts=[[1,2,3]]", "max_new_tokens=1022"], "maximum context length is 1024 tokens. However, you requested 1025"),
     (["arrivals=[0,-1]", "prompts=[[1],[2]]"], "request 1 arrives at iteration -1"),
     (["eos_id=50257"], "eos_id=50257 is not a token id"),
     (["prompts=[1,2]"], "prompts[0]=1 is not a list of token ids"),
@@ -128,7 +129,7 @@ MORE_BAD = [
     (["temperature=-1"], "temperature=-1 must be a number >= 0"),
     (["temperature=0.8", "top_p=0"], "top_p=0 must be in (0, 1]"),
     (["temperature=0.8", "pd.prefill_ranks=1", "pd.decode_ranks=1"], "temperature=0.8 with pd"),
-    (["prompt_mean=100000"], "prompt_mean=100000 cannot be met: random prompts have at most 1009 tokens here "
+    (["prompt_mean=100000"], "prompt_mean=100000 cannot be met: random prompts have at most 1008 tokens here "
                              "(model.max_seq_len=1024, max_new_tokens=16, shared_prefix=0)"),
 ]
 

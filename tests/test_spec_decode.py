@@ -113,12 +113,12 @@ def repetitive_prompts(n: int, seed: int = 0, shared=()) -> list[list[int]]:
     return out
 
 
-PARAMS = [SamplingParams(max_tokens=12, ignore_eos=True),  # greedy
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),  # greedy
           SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=1),
           SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.2, top_k=5, seed=2),
           SamplingParams(max_tokens=11, ignore_eos=True, temperature=0.9, top_p=0.8, min_p=0.05, seed=3),
           SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.7, logprobs=2, seed=4),
-          SamplingParams(max_tokens=9, ignore_eos=True)]
+          SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)]
 
 
 def spec_run(ctx, cfg, reqs, config, draft=None):
@@ -210,7 +210,7 @@ def test_the_library_and_the_cli_speculate_against_the_oracle(capsys):
     from serve.__main__ import main
 
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 9, 10, 9, 10], [1, 2, 3, 1, 2, 3, 1]]
-    params = [SamplingParams(max_tokens=10, ignore_eos=True), SamplingParams(max_tokens=8, ignore_eos=True),
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
               SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True)]
     with LLM("llama_tiny", tensor_parallel_size=2, check=True, speculative_config=NGRAM) as llm:
         outs = llm.generate(prompts, params)
@@ -432,7 +432,7 @@ def test_a_draft_model_gives_plain_greedy_tokens_and_the_same_sampled_tokens_at_
 
     shared = list(range(40, 48))
     ps = repetitive_prompts(10, seed=3, shared=shared)
-    params = [SamplingParams(max_tokens=10, ignore_eos=True),
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
               SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, seed=1),
               SamplingParams(max_tokens=9, ignore_eos=True, temperature=1.1, top_k=20, top_p=0.9, seed=2),
               SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.7, min_p=0.02, seed=3)]

@@ -82,6 +82,27 @@ def resolve_device(device: str, backend: str) -> str:
     return "cuda" if device == "cuda" else "cpu"
 
 
+def threads_per_rank(world_size: int, device: str, requested: int | None = None) -> tuple[int, str]:
+    """Each rank's intra-op (OpenMP) threads, and why, for a start-up line. A given number wins, then OMP_NUM_THREADS
+    from the environment. Else, on a CPU, the cores this process may use (its affinity), one of them left to the
+    driver and the rest of the machine (vLLM's reserved CPU), shared among the ranks: one thread each on 2 cores.
+    OpenMP's threads spin while they wait for each other, so a rank with a thread on a core something else keeps
+    busy runs many times slower (measured: docs/benchmarks.md); one core to spare keeps a default off that cliff.
+    On CUDA one each, as vLLM sets for its GPU workers: the host only launches kernels."""
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise ConfigError(f"threads_per_rank={requested!r} must be a positive integer")
+        return requested, "threads_per_rank"
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env), "OMP_NUM_THREADS"
+    if device == "cuda":
+        return 1, "a GPU per rank"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, (cores - 1) // world_size), f"{cores} cores, one left to the driver, {world_size} rank" + \
+        ("s" if world_size > 1 else "")
+
+
 def device_for(backend: str, local_rank: int, device: str = "auto") -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", local_rank)  # one GPU per rank

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from serve.config import add_engine_flags, engine_from_flags
+from serve.config import FlagParser, add_engine_flags, engine_from_flags
 
 IMPORTED = time.perf_counter()
 FAILED_LINGER_S = 1.0  # after a rank failed: how long new requests still get their 503 before the server exits
@@ -27,7 +27,7 @@ STOP_LINGER_S = 0.25  # ... and how long after the ranks stopped an answer may t
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m serve.api", description="An OpenAI-compatible server on the TP engine.")
+    ap = FlagParser(prog="python -m serve.api", description="An OpenAI-compatible server on the TP engine.")
     ap.add_argument("--model", required=True, help="a save_pretrained directory with tokenizer files")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (pp x tp ranks)")
@@ -41,6 +41,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="seeds requests that give none (reproducible per server run)")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--moe-parallel", default="tp", help="tp | ep | ep_a2a (Mixtral checkpoints)")
+    ap.add_argument("--threads-per-rank", type=int, default=None, metavar="N",
+                    help="each rank's intra-op threads (default: the cores this process may use, one left to the "
+                         "server, shared among the ranks; or OMP_NUM_THREADS)")
     ap.add_argument("--queue-timeout", type=float, default=300.0,
                     help="seconds a request may wait for its first token before it is answered 503")
     ap.add_argument("--shutdown-timeout", type=float, default=10.0,
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                   pipeline_parallel_size=args.pipeline_parallel_size, dtype=dtype, seed=args.seed,
                   context_parallel_size=args.context_parallel_size,
                   tokenizer=args.tokenizer, device=args.device, moe_parallel=args.moe_parallel,
-                  **dataclasses.asdict(config))
+                  threads_per_rank=args.threads_per_rank, **dataclasses.asdict(config))
     except ValueError as exc:
         sock.close()
         print(f"error: {exc}", file=sys.stderr)
@@ -161,9 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: None)      # returns: ignored then, so the ranks are stopped below and we exit 0
     engine.start()
     host, port = sock.getsockname()[:2]
-    print(f"serving {name} on http://{host}:{port}/v1 (tensor_parallel_size={args.tensor_parallel_size}, "
-          f"{llm.backend}, {llm.device}, dtype {dtype}; ready in {since_start():.1f} s, the ranks' start "
-          f"{ranks_ready - start:.1f} s of it)", flush=True)
+    print(f"serving {name} on http://{host}:{port}/v1 ({llm.settings_summary()}; ready in {since_start():.1f} s, "
+          f"the ranks' start {ranks_ready - start:.1f} s of it)", flush=True)
     try:
         server.run(sockets=[sock])
     finally:

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.api.metrics import CONTENT_TYPE
+from serve.request import context_error
 from serve.api.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Logprobs, created, new_id, parse,
                                 render_chat, usage)
 
@@ -48,13 +49,13 @@ def _run_sinks(batch) -> None:
 class Submission:
     """One HTTP request's engine requests and their events, (index, event), in arrival order."""
 
-    def __init__(self, engine, base: str, prompts: list[tuple[str | None, list[int]]], params: list):
+    def __init__(self, engine, base: str, prompts: list[tuple[str | None, list[int]]], params: list, priority: int = 0):
         self.engine, self.loop, self.queue = engine, asyncio.get_running_loop(), asyncio.Queue()
         self.ids = [f"{base}-{i}" for i in range(len(prompts))]
         self.open = set(range(len(prompts)))  # not yet finished: aborted if the client goes away
         self.asked = time.monotonic()  # when the client was last checked for
         for i, ((text, ids), q) in enumerate(zip(prompts, params)):
-            engine.submit(self.ids[i], ids, text, q, self._sink(i))
+            engine.submit(self.ids[i], ids, text, q, self._sink(i), priority)
 
     def _sink(self, i: int):
         return lambda event: self.queue.put_nowait((i, event))  # run on the loop (engine.deliver)
@@ -167,7 +168,10 @@ def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, max_pos
         return await answer(request, "chat", req, [(text, ids)], [req.sampling_params(most, top)], top)
 
     async def answer(request: Request, kind: str, req, prompts, params, top: int | None):
-        sub = Submission(engine, new_id("cmpl" if kind == "completion" else "chatcmpl"), prompts, params)
+        for (_, ids), q in zip(prompts, params):  # vLLM's server rule: prompt + max_tokens <= max_model_len
+            if (error := context_error(len(ids), q.max_tokens, max_model_len)) is not None:
+                raise as_asked(APIError(400, str(error), error.field), req)
+        sub = Submission(engine, new_id("cmpl" if kind == "completion" else "chatcmpl"), prompts, params, req.priority)
         shape = Shape(kind, sub.ids[0].rsplit("-", 1)[0], model_name, tokenizer, top, params[0].stop,
                       req.return_token_ids)
         try:

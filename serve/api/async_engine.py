@@ -74,14 +74,15 @@ class AsyncEngine:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request_id: str, prompt_ids: list[int], text: str | None, params, sink: Callable) -> None:
+    def submit(self, request_id: str, prompt_ids: list[int], text: str | None, params, sink: Callable,
+               priority: int = 0) -> None:
         """Queue a request; its events go to sink (run on the server's loop through `deliver`, or on the engine thread
         without one). APIError(503) at once when the server is failing or shutting down."""
         if self.failed is not None:
             raise APIError(503, f"the engine has failed: {self.failed}", code="engine_failed")
         if not self._accepting:
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        self._ops.put(("add", (request_id, prompt_ids, text, params, sink, time.monotonic())))
+        self._ops.put(("add", (request_id, prompt_ids, text, params, sink, time.monotonic(), priority)))
         if self.done.is_set():  # the thread ended between the check above and the put: answer it here
             self._refuse_queued()
 
@@ -184,12 +185,13 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _add(self, request_id, prompt_ids, text, params, sink, arrival) -> None:
+    def _add(self, request_id, prompt_ids, text, params, sink, arrival, priority) -> None:
         if not self._accepting:
             self._emit(sink, ("error", APIError(503, "the server is shutting down", code="shutting_down")))
             return
         try:
-            self.llm.add_request(request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params, wait=False)
+            self.llm.add_request(request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params, wait=False,
+                                 priority=priority)
         except ValueError as exc:  # the request's checks: a FieldError names the field it refuses (OpenAI's param)
             self._emit(sink, ("error", APIError(400, str(exc), getattr(exc, "field", None))))
             return

@@ -1,5 +1,5 @@
 """The OpenAI API's request and response shapes, with OpenAI's names and meanings (and vLLM's extras top_k, min_p,
-ignore_eos, stop_token_ids), and the error every refusal answers with:
+ignore_eos, stop_token_ids, priority), and the error every refusal answers with:
 
     400  {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
 
@@ -65,6 +65,7 @@ class _Common(BaseModel):
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
     return_token_ids: StrictBool = False  # each choice (and stream chunk) also carries its new token ids
+    priority: StrictInt = 0  # scheduling_policy "priority": lower first, ties by arrival (serve/scheduler.py)
 
     def refuse_unsupported(self) -> None:
         if self.n != 1:

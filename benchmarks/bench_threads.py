@@ -1,0 +1,96 @@
+"""Threads per rank: LLM's default against fixed OpenMP thread counts, on an idle machine and with one core busy.
+
+    python benchmarks/bench_threads.py [--repeats 2] [--prompts 16] [--max-tokens 16]
+
+Each measurement is a fresh process: `LLM("article03", tensor_parallel_size=tp)` (GPT-2 sizes, float32, random
+weights), a warm-up, then generate() of --prompts prompts x --max-tokens new tokens (greedy, ignore_eos), timed;
+tokens/s = tokens / generate()'s wall time. Settings: the default (tp/dist.py threads_per_rank: the cores this
+process may use, one left to the driver, shared among the ranks), and OMP_NUM_THREADS=1 and =2 set in the
+environment (what a user can set; 2 was the default at tp = 1 before). "One core busy": another process spinning
+on the CPU for the whole measurement (a Python busy loop), as when a second job shares the laptop.
+The runs of one (load, tp) alternate between the settings, repeated --repeats times; the median per setting is
+reported, and each setting's ratio to the best one of its row (1.00: the best). Prints a line per run as it goes.
+Writes outputs/bench_threads.json and prints the table (markdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+RUN = r"""
+import json, sys, time
+from serve import LLM, SamplingParams
+tp, count, new = (int(a) for a in sys.argv[1:4])
+with LLM("article03", tensor_parallel_size=tp) as llm:
+    prompts = [[(7 * i + j) % 1000 + 1 for j in range(8 + i)] for i in range(count)]
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    took = time.perf_counter() - start
+    print(json.dumps({"tokens_per_s": count * new / took, "threads": llm.threads_per_rank, "why": llm.threads_why}))
+"""
+
+SETTINGS = {"default": {}, "OMP_NUM_THREADS=1": {"OMP_NUM_THREADS": "1"}, "OMP_NUM_THREADS=2": {"OMP_NUM_THREADS": "2"}}
+
+
+def measure(tp: int, setting: str, count: int, new: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | SETTINGS[setting]
+    r = subprocess.run([sys.executable, "-c", RUN, str(tp), str(count), str(new)], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=900)
+    if r.returncode:
+        sys.exit(f"bench_threads: tp={tp} {setting} failed: {r.stderr.strip()[-600:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    args = ap.parse_args()
+    rows, began = [], time.perf_counter()
+    for load in ("idle", "one core busy"):
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if load != "idle" else None
+        try:
+            for tp in (1, 2):
+                runs = {name: [] for name in SETTINGS}
+                for i in range(args.repeats):
+                    for name in (list(SETTINGS) if i % 2 == 0 else list(SETTINGS)[::-1]):
+                        got = measure(tp, name, args.prompts, args.max_tokens)
+                        runs[name].append(got)
+                        print(f"{load}, tp={tp}, {name}: {got['tokens_per_s']:.0f} tokens/s ({got['threads']} "
+                              f"threads per rank: {got['why']}; {time.perf_counter() - began:.0f} s so far)",
+                              file=sys.stderr, flush=True)
+                medians = {name: statistics.median(r["tokens_per_s"] for r in rs) for name, rs in runs.items()}
+                best = max(medians.values())
+                rows.append({"load": load, "tp": tp, "default_threads": runs["default"][0]["threads"],
+                             "default_why": runs["default"][0]["why"],
+                             **{f"{name} tokens_per_s": medians[name] for name in SETTINGS},
+                             **{f"{name} behind_best": best / medians[name] for name in SETTINGS}})
+        finally:
+            if busy is not None:
+                busy.kill()
+    print(f"ran {time.perf_counter() - began:.0f} s", file=sys.stderr)
+    out = ROOT / "outputs" / "bench_threads.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
+    print("| load | tp | default: threads per rank | " + " | ".join(f"{n} tokens/s (x behind the best)"
+                                                           for n in SETTINGS) + " |")
+    print("|---|---|---|" + "---|" * len(SETTINGS))
+    for r in rows:
+        print(f"| {r['load']} | {r['tp']} | {r['default_threads']} | " + " | ".join(
+            f"{r[f'{n} tokens_per_s']:.0f} ({r[f'{n} behind_best']:.2f}x)" for n in SETTINGS) + " |")
+
+
+if __name__ == "__main__":
+    main()
