@@ -107,7 +107,7 @@ class PriorityPolicy(SchedulingPolicy):
         return r.priority, r.arrival, r.id  # id: the order requests were added within one iteration
 
     def enqueue(self, waiting, r, preempted=False):
-        waiting.insert(next((i for i, w in enumerate(waiting) if self.key(w) < self.key(r)), len(waiting)), r)
+        waiting.insert(next((i for i, w in enumerate(waiting) if self.key(w) > self.key(r)), len(waiting)), r)
 
     def victim(self, running):
         return max(running, key=self.key)
