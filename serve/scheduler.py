@@ -46,7 +46,7 @@ from serve.block_manager import BlockManager
 from serve.config import SCHEDULING_POLICIES, EngineConfig, fits_alone
 from serve.plan import ScheduledRequest, SchedulerOutput
 from serve.request import Request, RequestStatus, output_budget, validate_prompt
-from serve.sampling_params import SamplingParams
+from serve.sampling_params import FieldError, SamplingParams
 from serve.spec_decode import check_request as check_speculation
 from tp.partition import ceil_div
 
@@ -124,10 +124,10 @@ def check_priority(priority, policy: str) -> None:
     """ValueError (one line) unless a request may carry this priority under this policy: an integer (of less than
     2**53 in size: the control message carries it as float64), other than 0 only under "priority" (vLLM's rule)."""
     if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) >= 2 ** 53:
-        raise ValueError(f"priority={priority!r} must be an integer (lower is scheduled first)")
+        raise FieldError(f"priority={priority!r} must be an integer (lower is scheduled first)", "priority")
     if priority and policy != "priority":
-        raise ValueError(f"priority={priority} needs scheduling_policy='priority' (this engine's is {policy!r}): "
-                         f"set it, or leave priority at 0")
+        raise FieldError(f"priority={priority} needs scheduling_policy='priority' (this engine's is {policy!r}): "
+                         f"set it, or leave priority at 0", "priority")
 
 
 class Scheduler:
