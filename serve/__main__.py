@@ -14,30 +14,20 @@ SamplingParams (--temperature --top-p --top-k --min-p --seed --stop --stop-token
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
 
-from serve.config import FlagParser, add_engine_flags, engine_from_flags, flag_names
+from serve.config import FlagParser, add_engine_flags, add_llm_flags, engine_from_flags, flag_names, llm_settings
 from serve.sampling_params import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = FlagParser(prog="python -m serve", description="Generate a completion on the TP engine.")
-    ap.add_argument("--model", required=True, help="a save_pretrained directory, or a preset (conf/model/*.yaml)")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1)
-    ap.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (pp x tp ranks)")
-    ap.add_argument("--context-parallel-size", type=int, default=1,
-                    help="cp ranks per TP rank (cp x tp ranks), each keeping 1/cp of every request's K,V")
+    add_llm_flags(ap, "a save_pretrained directory, or a preset (conf/model/*.yaml)")
     ap.add_argument("--prompt", help="the prompt text (the model's tokenizer encodes it)")
     ap.add_argument("--prompt-ids", help="the prompt as comma-separated token ids, for models without a tokenizer")
-    ap.add_argument("--tokenizer", help="a directory with tokenizer files (default: the model's)")
-    ap.add_argument("--dtype", default="auto", help="auto (the checkpoint's torch_dtype, else float32) or a dtype")
     ap.add_argument("--weights-seed", type=int, default=0, help="a preset's random weights are drawn from it")
-    ap.add_argument("--threads-per-rank", type=int, default=None, metavar="N",
-                    help="each rank's intra-op threads (default: the cores this process may use, one left to the "
-                         "driver, shared among the ranks; or OMP_NUM_THREADS)")
     sampling = ap.add_argument_group("sampling (SamplingParams; vLLM's names)")
     sampling.add_argument("--max-tokens", type=int, default=16)
     sampling.add_argument("--temperature", type=float, default=SamplingParams.temperature,
@@ -77,10 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--stop needs a tokenizer (stop strings are matched on the text): pass --tokenizer DIR, "
                              "or --stop-token-ids")
         start = time.perf_counter()
-        with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size,
-                 pipeline_parallel_size=args.pipeline_parallel_size, dtype=args.dtype, seed=args.weights_seed,
-                 context_parallel_size=args.context_parallel_size, tokenizer=args.tokenizer,
-                 threads_per_rank=args.threads_per_rank, **dataclasses.asdict(config)) as llm:
+        with LLM(args.model, seed=args.weights_seed, **llm_settings(args, config)) as llm:
             ready = time.perf_counter()
             summary = llm.settings_summary()
             out = llm.generate([prompt] if isinstance(prompt, str) else [prompt], params)[0]

@@ -209,6 +209,36 @@ class FlagParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+# LLM's own settings (not EngineConfig's), flags of both command lines: (flag, LLM's keyword, argparse's options).
+LLM_FLAGS = (
+    ("--tensor-parallel-size", "tensor_parallel_size", dict(type=int, default=1)),
+    ("--pipeline-parallel-size", "pipeline_parallel_size", dict(type=int, default=1,
+                                                                help="pipeline stages (pp x tp ranks)")),
+    ("--context-parallel-size", "context_parallel_size", dict(
+        type=int, default=1, help="cp ranks per TP rank (cp x tp ranks), each keeping 1/cp of every request's K,V")),
+    ("--tokenizer", "tokenizer", dict(help="a directory with tokenizer files (default: the model's)")),
+    ("--dtype", "dtype", dict(default="auto", help="auto (the checkpoint's torch_dtype, else float32) or a dtype")),
+    ("--device", "device", dict(default="auto", help="auto | cpu | cuda")),
+    ("--moe-parallel", "moe_parallel", dict(default="tp", help="tp | ep | ep_a2a (MoE checkpoints)")),
+    ("--threads-per-rank", "threads_per_rank", dict(
+        type=int, default=None, metavar="N", help="each rank's intra-op threads (default: the cores this process "
+                                                  "may use, one left to the driver, shared among the ranks; or "
+                                                  "OMP_NUM_THREADS)")),
+)
+
+
+def add_llm_flags(parser, model_help: str) -> None:
+    """--model and LLM's own settings (LLM_FLAGS), each defaulting to LLM's default."""
+    parser.add_argument("--model", required=True, help=model_help)
+    for flag, _, options in LLM_FLAGS:
+        parser.add_argument(flag, **options)
+
+
+def llm_settings(args, config: "EngineConfig") -> dict:
+    """LLM's keyword arguments from the parsed flags: LLM_FLAGS', and config's (engine_from_flags) fields."""
+    return {name: getattr(args, name) for _, name, _ in LLM_FLAGS} | dataclasses.asdict(config)
+
+
 def add_engine_flags(parser) -> None:
     """Add the engine's flags to an argparse parser; each defaults to EngineConfig's own default."""
     import argparse

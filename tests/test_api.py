@@ -558,13 +558,19 @@ class ScriptedLLM:
         self.fail = False
         self.closed = False
         self.exited: list[tuple[int, int]] = []  # (rank, code) of the rank processes that have exited
+        self.scheduling_policy = "fcfs"
+        self.priorities: dict[str, int] = {}  # each request's priority as add_request received it
         self.executor = type("Executor", (), {"exited": lambda _: self.exited})()
         self.last_stats = self.stats()
 
     def stats(self):
         return {"running": len(self.live), "waiting": 0, "free_blocks": 8, "num_blocks": 8}
 
-    def add_request(self, rid, prompt, params, wait=True):
+    def add_request(self, rid, prompt, params, wait=True, priority=0):
+        from serve.scheduler import check_priority
+
+        check_priority(priority, self.scheduling_policy)  # LLM's rule
+        self.priorities[rid] = priority
         if len(prompt["prompt_token_ids"]) > 4:
             raise FieldError("prompt holds 5, not a token id of the vocabulary [0, 4)", "prompt")  # as LLM's checks
         if 0 in prompt["prompt_token_ids"]:
@@ -687,3 +693,40 @@ def test_draining_lets_requests_finish_then_aborts_the_rest():
     assert long[-1] == ("abort", None) and "long" in llm.aborted
     with pytest.raises(Exception, match="shutting down"):
         engine.submit("late", [1], None, SamplingParams(temperature=0.0), print)
+
+
+def test_the_priority_field_reaches_the_engine():
+    """vLLM's extra field `priority` on completions and chat requests is the priority LLM.add_request receives (one
+    per prompt of a request); with scheduling_policy fcfs a priority other than 0 is a 400 naming it."""
+    from starlette.testclient import TestClient
+
+    from serve.api.app import build_app
+    from serve.api.metrics import ServerMetrics
+
+    class Tokenizer:  # a tokenizer of one id per request text: the prompt fits the scripted LLM's check
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [1]}
+
+    llm = ScriptedLLM()
+    llm.scheduling_policy = "priority"
+    engine = AsyncEngine(llm, queue_timeout_s=60)
+    engine.start()
+    app = build_app(engine, model_name="m", tokenizer=Tokenizer(), max_model_len=16, max_positions=16,
+                    metrics=ServerMetrics())
+    ask = dict(model="m", max_tokens=2, temperature=0.0)
+    with TestClient(app) as client:
+        done = client.post("/v1/completions", json=dict(ask, prompt=[[1], [2, 3]], priority=-5))
+        chat = client.post("/v1/chat/completions", json=dict(ask, messages=[{"role": "user", "content": "hi"}],
+                                                               priority=7))
+        plain = client.post("/v1/completions", json=dict(ask, prompt=[1]))
+        assert (done.status_code, chat.status_code, plain.status_code) == (200, 200, 200), done.text + chat.text
+        assert sorted(llm.priorities.values()) == [-5, -5, 0, 7]
+        assert [v for k, v in llm.priorities.items() if k.startswith("chatcmpl-")] == [7]
+        llm.scheduling_policy = "fcfs"
+        refused = client.post("/v1/completions", json=dict(ask, prompt=[1], priority=1))
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
+        assert "needs scheduling_policy='priority'" in refused.json()["error"]["message"]
+        bad = client.post("/v1/completions", json=dict(ask, prompt=[1], priority="high"))
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+    engine.drain(0)
+    assert engine.done.wait(5)

@@ -64,8 +64,9 @@ def test_the_pages_show_commands():
 
 def test_every_documented_flag_exists():
     """Each --flag a page gives a script (python -m serve, python -m serve.api, benchmarks/*.py, ...) is one its
-    parser declares: a string literal of the script, or an engine flag (serve/config.py FLAGS) where it adds them."""
-    from serve.config import FLAGS
+    parser declares: a string literal of the script, or an engine flag (serve/config.py FLAGS) or one of LLM's
+    (LLM_FLAGS) where it adds them."""
+    from serve.config import FLAGS, LLM_FLAGS
 
     bad = []
     for where, script, args in COMMANDS:
@@ -76,6 +77,8 @@ def test_every_documented_flag_exists():
         known = set(re.findall(r"[\"'](--[\w-]+)[\"']", source))
         if "add_engine_flags(" in source:
             known |= set(FLAGS) | {"--no-enable-prefix-caching", "--num-gpu-blocks"}
+        if "add_llm_flags(" in source:
+            known |= {flag for flag, _, _ in LLM_FLAGS} | {"--model"}
         bad += [f"{where}: {script} {a}" for a in args if a.startswith("--") and a.split("=")[0] not in known]
     assert not bad, "\n".join(bad)
 

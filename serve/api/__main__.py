@@ -10,7 +10,6 @@ If a rank fails, in-flight requests get an error, new ones a 503, and the proces
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import signal
 import socket
@@ -18,7 +17,7 @@ import sys
 import threading
 import time
 
-from serve.config import FlagParser, add_engine_flags, engine_from_flags
+from serve.config import FlagParser, add_engine_flags, add_llm_flags, engine_from_flags, llm_settings
 
 IMPORTED = time.perf_counter()
 FAILED_LINGER_S = 1.0  # after a rank failed: how long new requests still get their 503 before the server exits
@@ -28,22 +27,11 @@ STOP_LINGER_S = 0.25  # ... and how long after the ranks stopped an answer may t
 
 def parser() -> argparse.ArgumentParser:
     ap = FlagParser(prog="python -m serve.api", description="An OpenAI-compatible server on the TP engine.")
-    ap.add_argument("--model", required=True, help="a save_pretrained directory with tokenizer files")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1)
-    ap.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (pp x tp ranks)")
-    ap.add_argument("--context-parallel-size", type=int, default=1,
-                    help="cp ranks per TP rank (cp x tp ranks), each keeping 1/cp of every request's K,V")
+    add_llm_flags(ap, "a save_pretrained directory with tokenizer files")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000, help="0: a free port (printed when ready)")
     ap.add_argument("--served-model-name", help="the name requests give as `model` (default: --model as given)")
-    ap.add_argument("--tokenizer", help="a directory with tokenizer files (default: the model's)")
-    ap.add_argument("--dtype", default="auto", help="auto (the checkpoint's torch_dtype, else float32) or a dtype")
     ap.add_argument("--seed", type=int, default=0, help="seeds requests that give none (reproducible per server run)")
-    ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    ap.add_argument("--moe-parallel", default="tp", help="tp | ep | ep_a2a (Mixtral checkpoints)")
-    ap.add_argument("--threads-per-rank", type=int, default=None, metavar="N",
-                    help="each rank's intra-op threads (default: the cores this process may use, one left to the "
-                         "server, shared among the ranks; or OMP_NUM_THREADS)")
     ap.add_argument("--queue-timeout", type=float, default=300.0,
                     help="seconds a request may wait for its first token before it is answered 503")
     ap.add_argument("--shutdown-timeout", type=float, default=10.0,
@@ -94,11 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     try:
-        llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size,
-                  pipeline_parallel_size=args.pipeline_parallel_size, dtype=dtype, seed=args.seed,
-                  context_parallel_size=args.context_parallel_size,
-                  tokenizer=args.tokenizer, device=args.device, moe_parallel=args.moe_parallel,
-                  threads_per_rank=args.threads_per_rank, **dataclasses.asdict(config))
+        llm = LLM(args.model, seed=args.seed, **(llm_settings(args, config) | {"dtype": dtype}))
     except ValueError as exc:
         sock.close()
         print(f"error: {exc}", file=sys.stderr)
