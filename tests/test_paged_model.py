@@ -35,7 +35,7 @@ from serve.block_manager import BlockManager
 from serve.config import SCHEDULING_POLICIES, EngineConfig
 from serve.request import RequestStatus
 from serve.request import Request
-from serve.scheduler import Scheduler
+from serve.scheduler import FCFSPolicy, PriorityPolicy, Scheduler
 from tp.partition import ceil_div
 
 MAX_EXAMPLES = int(os.environ.get("TPREF_HYPOTHESIS_EXAMPLES", "200"))
@@ -91,7 +91,7 @@ class WatchedBlocks(BlockManager):
 class PagedMachine(RuleBasedStateMachine):
     blocks_class = WatchedBlocks
 
-    policy_under_test = None  # a SchedulingPolicy to run instead of the one the config names (a broken one, below)
+    policies_under_test: dict = {}  # a policy's name -> a SchedulingPolicy to run in its place (a broken one, below)
 
     @initialize(data=st.data(), block_size=st.integers(1, 8), extra_blocks=st.integers(0, 10),
                 chunk=st.integers(1, 12), max_num_seqs=st.integers(1, 4), more_budget=st.integers(0, 12),
@@ -110,8 +110,7 @@ class PagedMachine(RuleBasedStateMachine):
                                             max_num_seqs=max_num_seqs, block_size=block_size,
                                             enable_prefix_caching=self.blocks.enable_prefix_caching,
                                             scheduling_policy=policy), self.blocks)
-        if self.policy_under_test is not None:
-            self.sched.policy = self.policy_under_test
+        self.sched.policy = self.policies_under_test.get(policy, self.sched.policy)
         self.policy = policy
         self.queue: list[int] = []  # the policy's reference model: waiting requests in admission order,
         self.run_order: list[int] = []  # running requests in the order they were admitted,
@@ -357,5 +356,23 @@ def test_the_reference_model_sees_a_broken_prefix_cache():
     """The same machine fails on a prefix cache that ignores what precedes a block (the check can fail)."""
     with pytest.raises(AssertionError):
         run_state_machine_as_test(LooseMachine, settings=settings(
+            max_examples=MAX_EXAMPLES, stateful_step_count=STEPS, deadline=None, derandomize=True,
+            phases=[Phase.generate], suppress_health_check=[HealthCheck.too_slow], print_blob=False))
+
+
+class LastAdmittedFirst(PriorityPolicy):
+    """A broken priority policy: its victim is the request admitted last (fcfs's), whatever its priority."""
+
+    victim = FCFSPolicy.victim
+
+
+class BrokenPolicyMachine(PagedMachine):
+    policies_under_test = {"priority": LastAdmittedFirst()}
+
+
+def test_the_reference_model_sees_a_policy_that_preempts_the_wrong_request():
+    """The same machine fails on a priority policy whose victim is the request admitted last (the check can fail)."""
+    with pytest.raises(AssertionError, match="the policy takes"):
+        run_state_machine_as_test(BrokenPolicyMachine, settings=settings(
             max_examples=MAX_EXAMPLES, stateful_step_count=STEPS, deadline=None, derandomize=True,
             phases=[Phase.generate], suppress_health_check=[HealthCheck.too_slow], print_blob=False))
