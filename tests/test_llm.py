@@ -192,6 +192,35 @@ def test_sampling_params_and_engine_config_refuse_bad_values():
         EngineConfig.from_kwargs(gpu_memory_utilization=0.9)
 
 
+def test_priority_scheduling_admits_and_preempts_by_priority_with_the_oracles_tokens():
+    """LLM(scheduling_policy="priority") on a pool of 8 blocks of 4 positions, two requests at once: a low-priority
+    request admitted first is preempted for a high-priority one admitted after it (fcfs would preempt the later one),
+    so the later one finishes first; of three short prompts given to generate at once (two fit the pool together: no
+    preemption), the one of the largest priority value waits and finishes last (fcfs would admit it first). Every
+    request's tokens equal the dense recompute's."""
+    from serve import LLM
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    prompts = [[5 + i, 17, 3 * i + 1, 40, 2, 9, 11 + i, 7] for i in range(3)]
+    with LLM("llama_tiny", dtype="float64", check=True, scheduling_policy="priority", block_size=4,
+             num_gpu_blocks_override=8, max_num_seqs=2) as llm:
+        llm.add_request("low", prompts[0], greedy, priority=5)
+        ended = [o for o in llm.step() if o.finished]
+        llm.add_request("high", prompts[1], greedy, priority=0)  # admitted after "low", which has blocks to spare
+        while llm.has_unfinished_requests():
+            ended += [o for o in llm.step() if o.finished]
+        assert [o.request_id for o in ended] == ["high", "low"] and llm.last_stats["preemptions"] > 0
+        preempted = llm.last_stats["preemptions"]
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), priority=[2, 0, 1])
+        assert llm.stats()["preemptions"] == preempted  # 11 positions each: two hold 6 of the 8 blocks
+        assert sorted(o.metrics.finished_time for o in outs)[1] < outs[0].metrics.finished_time  # prompt 0 last
+        assert [o.oracle["verdict"] for o in ended + outs] == ["match"] * 5
+        with pytest.raises(ValueError, match=r"give one priority per prompt \(3\)"):
+            llm.generate(prompts, greedy, priority=[0])
+        with pytest.raises(ValueError, match="priority='high' must be an integer"):
+            llm.add_request("x", prompts[0], greedy, priority="high")
+
+
 # ---- LLM from plain Python: ranks started here, text in and out ---------------------------------------------------
 
 transformers = pytest.importorskip("transformers", reason="the transformers oracle needs pip install -e .[hf]")
