@@ -1,5 +1,7 @@
 """The ORCA scheduler and its plans, on host data only (no process group): its rules and seeds/05's numbers."""
 
+import argparse
+
 import pytest
 
 from serve.config import EngineConfig
@@ -148,3 +150,42 @@ def test_fingerprint_tells_plans_apart():
     b = SchedulerOutput(a.index, a.scheduled[::-1], a.admitted)
     assert a.fingerprint() != b.fingerprint()
     assert a.fingerprint() == SchedulerOutput(a.index, a.scheduled, ()).fingerprint()
+
+
+def test_priority_policy_admits_by_priority_then_arrival_and_fcfs_by_arrival():
+    for policy, order in (("priority", [1, 2, 3, 0]), ("fcfs", [0, 1, 3, 2])):  # one request running at a time
+        reqs = [Request(0, [1] * 3, 2, priority=2), Request(1, [1] * 3, 2, priority=0),
+                Request(2, [1] * 3, 2, arrival=1, priority=0), Request(3, [1] * 3, 2, priority=1)]
+        config = EngineConfig(8, 8, 1, enable_prefix_caching=False, scheduling_policy=policy)
+        sched, admitted, index = Scheduler.for_workload(reqs, config), [], 0
+        while sched.has_work():
+            plan = sched.schedule(index)
+            admitted += plan.admitted
+            sched.update(plan, {c.request: 7 for c in plan.scheduled if c.sample})
+            index += 1
+        assert admitted == order, policy  # priority: 1 and 2 (priority 0; 2 arrives later), 3, then 0
+
+
+def test_priority_rules_settings_and_the_control_message():
+    from serve.config import add_engine_flags, engine_from_flags
+    from serve.control import decode, encode, request_rows, settings_row
+    from serve.scheduler import check_priority
+
+    check_priority(-3, "priority")
+    check_priority(0, "fcfs")
+    with pytest.raises(ValueError, match=r"^priority=1 needs scheduling_policy='priority' \(this engine's is 'fcfs'\)"):
+        check_priority(1, "fcfs")
+    for bad in (True, 1.5, "1", 2 ** 53):
+        with pytest.raises(ValueError, match="must be an integer"):
+            check_priority(bad, "priority")
+    with pytest.raises(ValueError, match="scheduling_policy='lifo': choose fcfs or priority"):
+        EngineConfig(scheduling_policy="lifo")
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert engine_from_flags(parser.parse_args(["--scheduling-policy", "priority"])).scheduling_policy == "priority"
+    assert engine_from_flags(parser.parse_args([])).scheduling_policy == "fcfs"
+    # every rank gets each request's priority; the ranks' agreement digests tell policies and priorities apart
+    r = Request(4, [1, 2], 3, priority=-(2 ** 40))
+    assert decode(encode([r], []), 1, 0)[0][0].priority == -(2 ** 40)
+    assert request_rows([r]) != request_rows([Request(4, [1, 2], 3)])
+    assert settings_row(EngineConfig(scheduling_policy="priority")) != settings_row(EngineConfig())
