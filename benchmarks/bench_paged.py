@@ -46,7 +46,7 @@ from layers.dense import init_weights
 from layers.lm import DenseLM, TPLM, shard_lm
 from serve.offline import OfflineEngine
 from serve.config import EngineConfig
-from serve.inputs import prepare_step
+from serve.model_runner import prepare_step
 from serve.kv_cache import KVPool
 from serve.plan import ScheduledRequest, SchedulerOutput
 from serve.request import Request

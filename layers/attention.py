@@ -22,7 +22,7 @@ wrong here, so a chunk after a cached prefix gets an explicit mask.
 
 How the pool is written and read is the iteration's attention backend (layers/attention_backends.py: reference,
 batched as a GPU runs it, cpu without padding; `auto` picks per device), chosen once per run and built once per
-iteration (serve/inputs.py).
+iteration (serve/model_runner.py prepare_step).
 """
 
 from __future__ import annotations

@@ -36,9 +36,9 @@ takes up to 2× the cpu one's (64 requests), 1.47× at 32 requests of 512 positi
 requests; the batched backend's ragged pass (a segment softmax over all keys at once) makes several passes over
 [keys, heads, d_head] temporaries, which a per-request SDPA call does not.
 
-Every backend touches the pool through layers/kv_quant's store (a scatter of the new rows), load (a gather of
+Every backend touches the pool through store (a scatter of the new rows), load (a gather of
 slots) and load_blocks (whole blocks): a plain tensor, or a quantized cache (kv_cache_dtype fp8/int8: codes and
-per-head scales, quantized on write and dequantized on read), the same code either way.
+per-head scales, quantized on write and dequantized on read: layers/kv_quant.py), the same code either way.
 
 The cpu backend reads whole blocks through a [2, blocks, block_size, h_kv, d_head] view of the pool: it relies on
 slot = block · block_size + offset, the layout serve/block_manager.slot_mapping and serve/kv_cache.KVPool define. A GPU library backend over paged KV (FlashAttention's block_table, FlashInfer) is not here:
@@ -54,11 +54,35 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from layers.kv_quant import load, load_blocks, store
+from layers.kv_quant import QuantizedLayer
 
 RAGGED_BELOW = 4  # batched: decodes attend in one ragged pass when padding them to the longest would score > 4x
 PROMPT_GROUPS = 3  # batched: most SDPA calls per layer for fresh prompt chunks, and as many for chunks after a prefix
 CALL_COST = 64 * 64  # batched: a call's fixed cost, in padded score entries: no group is split off for less
+
+
+# ---- the pool's reads and writes: one scatter or gather per layer, quantized where the layer is (layers/kv_quant.py)
+
+
+def store(pool, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """rows [planes, n, h_kv, d] into the pool's `slots` (one scatter)."""
+    if isinstance(pool, QuantizedLayer):
+        pool.store(slots, rows)
+    else:
+        pool.index_copy_(1, slots, rows)
+
+
+def load(pool, slots: torch.Tensor) -> torch.Tensor:
+    """[planes, n, h_kv, d] at the pool's `slots` (one gather), in the model's dtype."""
+    return pool.load(slots) if isinstance(pool, QuantizedLayer) else pool.index_select(1, slots)
+
+
+def load_blocks(pool, block_size: int, blocks: torch.Tensor) -> torch.Tensor:
+    """[planes, len(blocks) · block_size, h_kv, d]: whole blocks of the pool, in order."""
+    if isinstance(pool, QuantizedLayer):
+        return pool.blocks(block_size, blocks)
+    planes, _, h_kv, d = pool.shape
+    return pool.view(planes, -1, block_size, h_kv, d).index_select(1, blocks).flatten(1, 2)
 
 
 class ChunkLike(Protocol):
@@ -79,7 +103,7 @@ Slots = Callable[[ChunkLike, int, int], list[int]]  # the pool slots of position
 
 @dataclass(frozen=True)
 class PagedBatch:
-    """What attention needs for one serving iteration, built once (serve/inputs.py), shared by every layer.
+    """What attention needs for one serving iteration, built once (serve/model_runner.py prepare_step), shared by every layer.
 
     positions [T]      each row's position in its request (RoPE, GPT-2's position embedding)
     slot_mapping [T]   where each new row's K,V go in a layer's flat pool view

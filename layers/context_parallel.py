@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from layers.kv_quant import load, store
+from layers.attention_backends import load, store
 from tp.ledger import TransferRecord, active
 
 def new_cp_groups(world: int, cp: int) -> tuple[list[dist.ProcessGroup], list[dist.ProcessGroup]]:

@@ -171,27 +171,3 @@ def gather_scales(scales: torch.Tensor, layers: range, heads: range, n_layers: i
     for rows, cols, part in parts:
         full[rows.start:rows.stop, :, cols.start:cols.stop] = part
     return full
-
-
-# The three ways the backends touch a layer's pool, for a plain tensor or a quantized layer alike.
-
-
-def store(pool, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """rows [planes, n, h_kv, d] into the pool's `slots` (one scatter)."""
-    if isinstance(pool, QuantizedLayer):
-        pool.store(slots, rows)
-    else:
-        pool.index_copy_(1, slots, rows)
-
-
-def load(pool, slots: torch.Tensor) -> torch.Tensor:
-    """[planes, n, h_kv, d] at the pool's `slots` (one gather), in the model's dtype."""
-    return pool.load(slots) if isinstance(pool, QuantizedLayer) else pool.index_select(1, slots)
-
-
-def load_blocks(pool, block_size: int, blocks: torch.Tensor) -> torch.Tensor:
-    """[planes, len(blocks) · block_size, h_kv, d]: whole blocks of the pool, in order."""
-    if isinstance(pool, QuantizedLayer):
-        return pool.blocks(block_size, blocks)
-    planes, _, h_kv, d = pool.shape
-    return pool.view(planes, -1, block_size, h_kv, d).index_select(1, blocks).flatten(1, 2)

@@ -48,6 +48,12 @@ def slot_mapping(table, block_size: int, start: int, end: int) -> list[int]:
     return [table[t // block_size] * block_size + t % block_size for t in range(start, end)]
 
 
+def slots_of(c, start: int, end: int, block_size: int) -> list[int]:
+    """The slot mapping of positions [start, end) of a scheduled request (serve/plan.py), off the block table the
+    plan carries."""
+    return slot_mapping(c.blocks, block_size, start, end)
+
+
 @dataclass
 class BlockManager:
     num_blocks: int

@@ -38,7 +38,9 @@ class PlanMismatch(RuntimeError):
 def broadcast_control(ctx: TPContext, flag: int, new: list[Request], aborts: list[int]
                       ) -> tuple[int, list[Request], list[int], int]:
     """★ rank 0's control message to every rank of ctx.group: every rank returns (flag, new requests, aborted ids,
-    payload length); rank 0 passes what it has, the others empty lists."""
+    payload length); rank 0 passes what it has, the others empty lists. A group of one rank sends nothing."""
+    if ctx.world_size == 1:
+        return flag, new, aborts, 0
     device = control_device(ctx.group)
     with host_control():  # CPU tensors over the group's gloo backend: no wait for the GPU
         if ctx.is_main:
@@ -97,7 +99,9 @@ def decode(payload: list[float], n_new: int, n_abort: int) -> tuple[list[Request
 def agree(ctx: TPContext, fingerprint: list[float], what: str, error: type[Exception] = PlanMismatch) -> None:
     """★ Every rank's FINGERPRINT_SIZE numbers against every other's (one all-gather, host control); `error` on every
     rank, naming `what`, when any differ. The one rank agreement of the engines (the plan of each step, a workload's
-    requests and settings)."""
+    requests and settings). A group of one rank agrees with itself."""
+    if ctx.world_size == 1:
+        return
     assert len(fingerprint) == FINGERPRINT_SIZE, fingerprint
     with host_control():
         mine = torch.tensor([fingerprint], dtype=torch.float64, device=control_device(ctx.group))

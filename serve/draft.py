@@ -30,8 +30,8 @@ import torch
 
 from layers.rejection_sampler import DRAFT_STREAM, filtered_logprobs
 from layers.sampler import SamplingBatch, sample
-from serve.inputs import prepare_step
 from serve.kv_cache import KVPool
+from serve.model_runner import prepare_step
 from serve.plan import ScheduledRequest, SchedulerOutput
 from serve.request import Request
 
@@ -90,9 +90,9 @@ class DraftRunner:
         chunks.sort(key=lambda c: not c.decode)
         plan = SchedulerOutput(-1, tuple(chunks))
         tokens = {c.request: requests[c.request].tokens + drafted.get(c.request, []) for c in chunks}
-        step = prepare_step(plan, tokens, self.block_size, self.device, self.attention)
+        step = prepare_step(plan, tokens, self.block_size, self.device, self.attention, self.cache)
         lm = self.lm
-        x = lm.stack.forward_cached(lm.embed_rows(step.ids, step.positions), self.cache.layers(step.batch))
+        x = lm.stack.forward_cached(lm.embed_rows(step.ids, step.positions), step.layers)
         sampling = [c for c in chunks if c.sample]
         if not sampling:
             return

@@ -6,7 +6,8 @@
 Rank 0 adds and aborts requests between any two steps and every rank of the group runs the same steps (SPMD).
 Memory is paged (docs/background.md, paged KV cache): the scheduler's BlockManager decides every request's block
 table on the host, identically on every rank, and each rank's KVPool (one tensor, allocated once) stores K,V of the
-rank's own heads at the slots those tables name. serve/inputs.py turns each plan into the iteration's tensors, once.
+rank's own heads at the slots those tables name. serve/model_runner.py's prepare_step turns each plan into the
+iteration's tensors, once.
 
 Every rank's scheduler makes the same plan because every rank sees the same requests at the same step (rank 0's
 control message, serve/control.py); before each forward the ranks agree on the plan (one all-gather of its
@@ -21,8 +22,8 @@ serve/offline.py drives an engine over a workload known up front.
 
 What the host waits for, per step: one read of the sampled tokens and their logits (one device-to-host copy; it also
 ends the iteration's clock, so timing costs no extra wait). The inputs go over in one host-to-device copy
-(serve/inputs.py), the ledger counts without waiting, and per-collective times (comm_timing=True) add two waits for
-the compute stream per collective.
+(serve/model_runner.py's prepare_step), the ledger counts without waiting, and per-collective times (comm_timing=True)
+add two waits for the compute stream per collective.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from layers.sampler import SampleResult, request_seed, row_logprobs
 from serve.block_manager import BlockManager
 from serve.config import EngineConfig
 from serve.control import CONTROL_HEADER, IDLE, RUN, STOP, agree, broadcast_control
-from serve.hooks import LedgerCheck, StepHook, StepRecord
+from serve.hooks import LedgerCheck, StepHook, StepRecord, overriding
 from serve.model_runner import ModelRunner
 from serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from serve.plan import FINGERPRINT_SIZE, SchedulerOutput
@@ -90,6 +91,7 @@ class LLMEngine:
         when config.speculative_config's method is draft_model."""
         self.lm, self.ctx, self.config = lm, ctx, config or EngineConfig()
         self.hooks = list(hooks) if hooks is not None else [LedgerCheck()] if self.config.check_ledger else []
+        self._hook = {name: overriding(self.hooks, name) for name in ("before_schedule", "before_forward", "after_step")}
         self.seed = seed  # a request without a seed samples with one drawn from this and its id
         c, self.eos_token_ids = self.config, tuple(eos_token_ids)
         c.check_model_len(lm.cfg.max_seq_len)
@@ -221,8 +223,8 @@ class LLMEngine:
             plan, self.index = next_plan(self.scheduler, self.index, self._before_schedule)
             if plan is not None:
                 plan = self._drafted(plan)
-                for hook in self.hooks:
-                    hook.before_forward(self, plan)
+                for call in self._hook["before_forward"]:
+                    call(self, plan)
                 agree(self.ctx, plan.fingerprint(), f"iteration {plan.index}: ranks scheduled different rows")  # ★
             ran = self._run(plan)
         if ran.done is None:  # nothing came back this step (nothing to run, or a pipeline filling)
@@ -334,12 +336,12 @@ class LLMEngine:
 
     def _before_schedule(self, index: int) -> None:
         self.index = index  # an idle stretch skipped: hooks see the iteration about to be planned
-        for hook in self.hooks:
-            hook.before_schedule(self)
+        for call in self._hook["before_schedule"]:
+            call(self)
 
     def _after(self, step: StepRecord) -> None:
-        for hook in self.hooks:
-            hook.after_step(self, step)
+        for call in self._hook["after_step"]:
+            call(self, step)
 
     def keep_alive(self) -> None:
         """Rank 0 with nothing to do: an IDLE control message, so the other ranks' wait never times out."""

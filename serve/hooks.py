@@ -70,6 +70,12 @@ class StepHook:
         return False
 
 
+def overriding(hooks: list[StepHook], name: str) -> list:
+    """The hooks' `name` methods that do something: those a hook's class overrides (StepHook's own do nothing), so
+    that a step calls only them."""
+    return [getattr(h, name) for h in hooks if getattr(type(h), name) is not getattr(StepHook, name)]
+
+
 class LedgerCheck(StepHook):
     """Every step's collectives against the model (engine.traffic: tp/traffic_model.py). A difference raises (on by default:
     EngineConfig.check_ledger). The record is the engine's last_iteration."""

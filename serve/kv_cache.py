@@ -47,6 +47,9 @@ class KVPool:
         self.kv = torch.zeros(n_layers, planes, num_blocks * block_size, heads, d_head, dtype=stored, device=device)
         self.quant = None if cache_dtype == "auto" else \
             QuantizedPool(n_layers, planes, heads, cache_dtype, device, calculate_scales)
+        # what each layer's attention reads and writes: a view of the pool, or the view and its scales (quantized)
+        self.pools = [self.kv[layer] if self.quant is None else self.quant.layer(self.kv[layer], layer, dtype)
+                      for layer in range(n_layers)]
 
     @classmethod
     def for_model(cls, lm, num_blocks: int, block_size: int, dtype: torch.dtype, device=None,
@@ -82,10 +85,7 @@ class KVPool:
 
     def layers(self, batch: PagedBatch) -> list[PagedLayer]:
         """What attention reads in each layer of one iteration: the shared batch and that layer's pool."""
-        if self.quant is not None:
-            return [PagedLayer(batch, self.quant.layer(self.kv[layer], layer, self.dtype))
-                    for layer in range(self.n_layers)]
-        return [PagedLayer(batch, self.kv[layer]) for layer in range(self.n_layers)]
+        return [PagedLayer(batch, pool) for pool in self.pools]
 
     def read(self, slots: torch.Tensor, heads: slice, layer: int | None = None) -> torch.Tensor:
         """K,V at `slots` (a request's positions, in order) of `heads`: [L, 2, heads, n, dh], or [2, heads, n, dh]

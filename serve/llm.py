@@ -162,7 +162,9 @@ class LLM:
         self.model_config, checkpoint = resolve_model(model, p, moe_parallel)
         self.config.check_model_len(self.model_config.max_seq_len)
         self.max_model_len = self.config.max_model_len or self.model_config.max_seq_len
-        if cp > 1 and self.model_config.family not in ("gpt2", "llama"):
+        from layers.families import of
+
+        if cp > 1 and not of(self.model_config).context_parallel:
             raise ValueError(f"context_parallel_size={cp}: {self.model_config.family} models are not built for "
                              f"context parallelism (GPT-2 and Llama are)")
         draft = None

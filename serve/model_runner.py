@@ -5,24 +5,38 @@
     tokens, logits = runner.run(plan, tokens_of)                        # [S] ids and their logits, every rank
 
 It owns the rank's KV pool (serve/kv_cache.py: K,V of the rank's own heads, one tensor), builds the step's
-inputs once per iteration (serve/inputs.py: ids, positions, slot mapping, block tables, attention groups; one
-host-to-device copy) and calls the model's `step` (layers/lm.py: embedding, the stack over the paged cache, the
-vocab-parallel head's pick). The results stay on the device: reading them is the engine's one wait per step.
+inputs once per iteration (prepare_step, below) and calls the model's `step` (layers/lm.py: embedding, the stack
+over the paged cache, the vocab-parallel head's pick). The results stay on the device: reading them is the engine's
+one wait per step.
+
+One iteration's plan -> the tensors the model reads, built once per iteration (not per layer), in one place:
+
+    ids [T]            the token of every row, decodes first (the plan's order)
+    positions [T]      each row's position in its request: q_start, q_start + 1, ...
+    slot_mapping [T]   where each row's K,V go: blocks[t // block_size] · block_size + t % block_size
+    sample_rows [S]    the rows whose logits give a token
+    batch              what the attention backend reads (layers/attention_backends.py): block tables, groups, masks
+
+Everything integer is laid out on the host in one list and moved with one host-to-device copy (pinned and
+non-blocking on a GPU); masks are then built on the device. The attention backend adds its own lists to the same copy
+(its build), and turns its part of the copy into its metadata (its finish).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from layers.attention_backends import choose
+from layers.attention import PagedLayer
+from layers.attention_backends import PagedBatch, backend, choose
 from layers.context_parallel import SplitCacheBackend
 from layers.lm import TPLM, TPLlamaLM
 from layers.rejection_sampler import filtered_logprobs, rejection_sample
 from layers.sampler import SampleResult, SamplingBatch
 from serve.config import EngineConfig
-from serve.inputs import StepInputs, prepare_step
+from serve.block_manager import slot_mapping
 from serve.kv_cache import KVPool
 from serve.plan import SchedulerOutput
 from serve.request import Request
@@ -65,7 +79,7 @@ class ModelRunner:
         """The iteration's tensors (one host-to-device copy) and its sampling batch. requests: id -> Request (its
         tokens so far, its sampling parameters)."""
         step = prepare_step(plan, {c.request: requests[c.request].tokens + list(c.spec) for c in plan.scheduled},
-                            self.block_size, self.ctx.device, self.backend)
+                            self.block_size, self.ctx.device, self.backend, self.cache)
         return Prepared(step, sampling_batch(plan.scheduled, requests, self.ctx.device))
 
     @torch.no_grad()
@@ -73,7 +87,7 @@ class ModelRunner:
         """Returns the sampled rows' tokens and their logits (and logprobs when asked), on the device, and the sampling
         batch (None: every row greedy)."""
         step, sampling = self.prepare(plan, requests)
-        out = self.lm.step(step.ids, step.positions, self.cache.layers(step.batch), step.sample_rows, sampling)
+        out = self.lm.step(step.ids, step.positions, step.layers, step.sample_rows, sampling)
         return out, sampling
 
     @torch.no_grad()
@@ -85,9 +99,9 @@ class ModelRunner:
         `accepted`: the row's proposal taken), the plain rows' sampling batch, and what the verifier moved
         (rows, rounds, normalisers: tp/traffic_model.predict_verify)."""
         step = prepare_step(plan, {c.request: requests[c.request].tokens + list(c.spec) for c in plan.scheduled},
-                            self.block_size, self.ctx.device, self.backend)
+                            self.block_size, self.ctx.device, self.backend, self.cache)
         lm, dev = self.lm, self.ctx.device
-        x = lm.stack.forward_cached(lm.embed_rows(step.ids, step.positions), self.cache.layers(step.batch))
+        x = lm.stack.forward_cached(lm.embed_rows(step.ids, step.positions), step.layers)
         verified = [bool(c.spec) for c in plan.scheduled if c.sample for _ in range(len(c.spec) + 1)]
         where = torch.tensor(verified, dtype=torch.bool, device=dev)
         plain_chunks = [c for c in plan.scheduled if not c.spec]
@@ -109,7 +123,7 @@ class ModelRunner:
         """A pipeline stage's part of a micro-batch (layers/pipeline.py's PPLM): its hidden states [T, d]. received:
         its input's receive, posted earlier (None on the first stage)."""
         step = prepared.step
-        return self.lm.forward_stage(step.ids, step.positions, self.cache.layers(step.batch), microbatch, received)
+        return self.lm.forward_stage(step.ids, step.positions, step.layers, microbatch, received)
 
 
 class Prepared(NamedTuple):
@@ -142,3 +156,44 @@ def sampling_batch(chunks, requests: dict[int, Request], device) -> SamplingBatc
     if all(row[0] == 0 for row in rows) and logprobs < 0:
         return None
     return SamplingBatch.build(rows, logprobs, device)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    ids: torch.Tensor
+    positions: torch.Tensor
+    batch: PagedBatch
+    sample_rows: torch.Tensor
+    layers: list | None = None  # each layer's PagedLayer: the batch and that layer's pool (when one was given)
+
+
+def prepare_step(plan: SchedulerOutput, tokens: dict[int, list[int]], block_size: int, device,
+                 attention, pool: KVPool | None = None) -> StepInputs:
+    """tokens: request id -> its tokens (prompt + generated). attention: a backend's name, or auto (by device), or a
+    backend itself (context parallelism's SplitCacheBackend, which holds its group). pool: the KV pool the step's
+    layers read (StepInputs.layers).
+    Returns the iteration's tensors on `device`."""
+    chosen = attention if hasattr(attention, "build") else backend(attention, device)  # a name, or a backend
+    flat: list[int] = []
+    sizes: list[int] = []
+
+    def put(values: list[int]) -> None:
+        flat.extend(values)
+        sizes.append(len(values))
+
+    spans = plan.spans
+    put([t for c in plan.scheduled for t in tokens[c.request][c.q_start:c.q_end]])
+    put([t for c in plan.scheduled for t in range(c.q_start, c.q_end)])
+    put([s for c in plan.scheduled for s in slot_mapping(c.blocks, block_size, c.q_start, c.q_end)])
+    put(plan.sample_rows)
+    finish = chosen.build(plan.scheduled, spans, block_size, lambda c, s, e: slot_mapping(c.blocks, block_size, s, e),
+                          put)
+    host = torch.tensor(flat, dtype=torch.int64)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    parts = iter(host.to(device, non_blocking=True).split(sizes))  # ★ the iteration's one host-to-device copy
+    ids, positions, slots, sample_rows = (next(parts) for _ in range(4))
+    fresh = tuple(span for c, span in zip(plan.scheduled, spans) if c.q_start == 0)  # prompt chunks from position 0
+    batch = PagedBatch(chosen, positions, slots, finish(parts), fresh=fresh)
+    return StepInputs(ids, positions, batch, sample_rows,
+                      None if pool is None else [PagedLayer(batch, layer) for layer in pool.pools])

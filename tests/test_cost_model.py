@@ -128,7 +128,7 @@ def _serving_counts(ctx, family):
     from layers.dense import init_weights
     from layers.llama import LlamaConfig
     from layers.lm import dense_lm, shard_lm
-    from serve.inputs import prepare_step
+    from serve.model_runner import prepare_step
     from serve.kv_cache import KVPool, kv_bytes_per_token
     from serve.plan import ScheduledRequest, SchedulerOutput
     from tests.test_serve import CFG

@@ -162,7 +162,7 @@ def test_absorbed_attention_over_paged_blocks_equals_decompressed(block_size, pr
     from layers.attention import PagedLayer
     from layers.dense import init_weights
     from layers.varlen import Requests
-    from serve.inputs import prepare_step
+    from serve.model_runner import prepare_step
     from serve.plan import ScheduledRequest, SchedulerOutput
 
     monkeypatch.setattr(layers.mla, "PREFILL", prefill)

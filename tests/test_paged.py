@@ -13,7 +13,7 @@ from layers.lm import dense_lm, greedy_reference, shard_lm
 from serve.block_manager import BlockManager
 from serve.offline import OfflineEngine
 from serve.config import EngineConfig
-from serve.inputs import prepare_step
+from serve.model_runner import prepare_step
 from serve.plan import ScheduledRequest, SchedulerOutput
 from serve.request import Request
 from serve.scheduler import Scheduler, SchedulerError

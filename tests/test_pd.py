@@ -8,7 +8,7 @@ import torch
 
 from layers.lm import greedy_reference, shard_lm
 from serve.pd import Layout, new_groups, prefill_schedule, serve_pd
-from serve.inputs import slots_of
+from serve.block_manager import slots_of
 from serve.offline import OfflineEngine
 from serve.config import EngineConfig
 from serve.control import PlanMismatch

@@ -221,7 +221,7 @@ def pp_serve(ctx, pp, family, n_layers, boundary, attention, prompts, new):
     """A greedy run written out by hand, iteration by iteration, through PPLM.step over each stage's paged KV pool:
     all prompts whole in the first iteration (one in two chunks), then one decode row per request per iteration."""
     from layers.lm import greedy_reference
-    from serve.inputs import prepare_step
+    from serve.model_runner import prepare_step
     from serve.kv_cache import KVPool
     from serve.plan import ScheduledRequest, SchedulerOutput
 

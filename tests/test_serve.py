@@ -48,7 +48,7 @@ def test_prefix_causal_mask():
 @pytest.mark.parametrize("chunks", [[10], [1] * 10, [3, 3, 3, 1], [4, 6], [7, 1, 1, 1]])
 def test_chunked_attention_over_blocks_equals_causal_attention(chunks, block_size, mode):
     """One request's chunks written into scattered blocks of a pool, read back through its block table."""
-    from serve.inputs import prepare_step
+    from serve.model_runner import prepare_step
     from serve.plan import ScheduledRequest, SchedulerOutput
 
     h, dh, n = 4, 8, sum(chunks)

@@ -260,21 +260,33 @@ def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup, site: str | N
 
 def copy_to_region(x: torch.Tensor, group: dist.ProcessGroup, site: str | None = None) -> torch.Tensor:
     """Enter a parallel region with a replicated input ("f"): forward identity, backward all-reduce."""
+    if not torch.is_grad_enabled() or dist.get_world_size(group) == 1:  # no backward to prepare
+        return x
     return _CopyToRegion.apply(x, group, site)
 
 
 def reduce_from_region(x: torch.Tensor, group: dist.ProcessGroup, site: str | None = None) -> torch.Tensor:
     """Leave a parallel region by summing partial results ("g"): forward all-reduce, backward identity."""
+    if dist.get_world_size(group) == 1:  # the identity, both ways
+        return x
+    if not torch.is_grad_enabled():  # inference: the raw all-reduce, no autograd node
+        return _all_reduce(x.clone(), group, _Where(site), "forward")
     return _ReduceFromRegion.apply(x, group, site)
 
 
 def gather_from_region(x: torch.Tensor, group: dist.ProcessGroup, site: str | None = None) -> torch.Tensor:
     """Leave a parallel region by concatenating column shards: forward all-gather, backward split."""
+    if dist.get_world_size(group) == 1:
+        return x
+    if not torch.is_grad_enabled():
+        return _all_gather_last(x, group, _Where(site), "forward")
     return _GatherFromRegion.apply(x, group, site)
 
 
 def scatter_to_region(x: torch.Tensor, group: dist.ProcessGroup, site: str | None = None) -> torch.Tensor:
     """Enter a parallel region by keeping this rank's columns: forward split, backward all-gather."""
+    if dist.get_world_size(group) == 1:
+        return x
     return _ScatterToRegion.apply(x, group, site)
 
 

@@ -11,7 +11,7 @@ import contextvars
 import datetime
 import gc
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,10 +34,10 @@ class TPContext:
     world_size: int
     backend: str
     device: torch.device
+    is_main: bool = field(init=False)  # rank 0: the one that takes requests and answers
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+    def __post_init__(self):
+        object.__setattr__(self, "is_main", self.rank == 0)
 
 
 def env_world() -> tuple[int, int, int]:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from serve.hooks import StepHook
-from serve.inputs import slots_of
+from serve.block_manager import slots_of
 from serve.kv_cache import KVPool
 from serve.plan import SchedulerOutput
 from serve.pd.plan import Layout
