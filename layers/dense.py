@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from layers.attention import PagedLayer, causal_attention
+from layers.attention import causal_attention
 from layers.config import ModelConfig
 from layers.families import of
 from layers.varlen import Requests, check_cu_seqlens
@@ -59,13 +59,6 @@ class Stack(nn.Module):
             outs.append(x)
         return tuple(outs)
 
-    def forward_cached(self, x: torch.Tensor, layers: list[PagedLayer]) -> torch.Tensor:
-        """One serving iteration: block i attends with layers[i] (its requests' K,V caches). Returns [T, d]."""
-        if len(layers) != len(self.blocks):
-            raise ValueError(f"{len(layers)} cache layers for {len(self.blocks)} blocks")
-        for block, cached in zip(self.blocks, layers):
-            x = block(x, cached)
-        return x
 
 
 class DenseStack(Stack):

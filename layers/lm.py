@@ -184,9 +184,18 @@ class TPLM(nn.Module):
              sample_rows: torch.Tensor, sampling: SamplingBatch | None = None) -> SampleResult:
         """One iteration. ids, positions: [T]; the tokens picked for sample_rows [S] (greedy without `sampling`),
         the same on every rank."""
-        x = self.embed_rows(ids, positions)
-        x = self.stack.forward_cached(x, layers)  # ★ v2: 2 all-reduces [T, d] per layer; v1: 4 all-gathers
-        return self.pick(x, sample_rows, sampling)
+        return self.pick(self.hidden(ids, positions, layers), sample_rows, sampling)
+
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, layers: list[PagedLayer],
+               x: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's one forward over the paged cache, [T, d] before the final norm: what `step` picks from, the
+        verifier's and the draft's rows (serve/model_runner.py, serve/draft.py) and a pipeline stage's part
+        (layers/pipeline.py). Block i attends with layers[i]; x: a stage's received hidden states (ids are then not
+        embedded)."""
+        x = self.embed_rows(ids, positions) if x is None else x
+        for block, cached in zip(self.stack.blocks, layers, strict=True):
+            x = block(x, cached)  # ★ v2: 2 all-reduces [T, d] per layer; v1: 4 all-gathers
+        return x
 
     def embed_rows(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.embed(ids) + self.wpe(positions)  # ★ vocab-parallel: all-reduce [T, d]
@@ -236,6 +245,7 @@ class TPLlamaLM(nn.Module):
                 + prefixed(self.stack.plan(), "stack."))
 
     step = TPLM.step  # embed_rows, the stack over the paged cache (★ 2 all-reduces [T, d] per layer), pick
+    hidden = TPLM.hidden
 
     def embed_rows(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.embed(ids)  # ★ all-reduce [T, d]; positions enter in every block (RoPE)

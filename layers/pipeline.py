@@ -361,11 +361,9 @@ class PPLM(StagePosition, nn.Module):
     def forward_stage(self, ids, positions, layers, microbatch: int = 0,
                       received: PostedReceive | None = None) -> torch.Tensor:
         """received: the stage's input, its receive posted earlier (Boundary.post_receive); None: received now."""
-        if self.first:
-            x = self.lm.embed_rows(ids, positions)
-        else:
-            x = self.link.take(received) if received is not None else self.link.receive(ids.shape[0], microbatch)
-        x = self.lm.stack.forward_cached(x, layers)
+        x = None if self.first else \
+            self.link.take(received) if received is not None else self.link.receive(ids.shape[0], microbatch)
+        x = self.lm.hidden(ids, positions, layers, x)  # the first stage embeds ids
         if not self.last:
             self.flush()  # the previous tick's send has been received: the next stage took it before this tick's end
             self._posted.append(self.link.send(x, microbatch, wait=False))

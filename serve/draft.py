@@ -92,7 +92,7 @@ class DraftRunner:
         tokens = {c.request: requests[c.request].tokens + drafted.get(c.request, []) for c in chunks}
         step = prepare_step(plan, tokens, self.block_size, self.device, self.attention, self.cache)
         lm = self.lm
-        x = lm.stack.forward_cached(lm.embed_rows(step.ids, step.positions), step.layers)
+        x = lm.hidden(step.ids, step.positions, step.layers)
         sampling = [c for c in chunks if c.sample]
         if not sampling:
             return

@@ -54,6 +54,8 @@ class ModelRunner:
         self.split = None if cp_group is None else SplitCacheBackend(cp_group)
         if self.split is not None:
             self.attention = self.split.name
+        # what prepare_step attends with, resolved once: the backend itself (the split cache's holds its group)
+        self.backend = backend(self.attention, ctx.device) if self.split is None else self.split
         slots = config.block_size // (1 if self.split is None else self.split.cp)
         # K,V heads this rank caches: h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention); the layers of a
         # pipeline stage's model are its own (cfg.n_layers is the stage's)
@@ -69,11 +71,6 @@ class ModelRunner:
         slots = config.block_size // (1 if cp_group is None else cp_group.size())
         return config.pool_blocks(lm.cfg.max_seq_len, None, KVPool.block_bytes(
             lm, slots, next(lm.parameters()).dtype, config.kv_cache_dtype))
-
-    @property
-    def backend(self):
-        """What prepare_step attends with: the backend's name, or the split cache's backend (it holds its group)."""
-        return self.attention if self.split is None else self.split
 
     def prepare(self, plan: SchedulerOutput, requests: dict[int, Request]) -> Prepared:
         """The iteration's tensors (one host-to-device copy) and its sampling batch. requests: id -> Request (its
@@ -101,7 +98,7 @@ class ModelRunner:
         step = prepare_step(plan, {c.request: requests[c.request].tokens + list(c.spec) for c in plan.scheduled},
                             self.block_size, self.ctx.device, self.backend, self.cache)
         lm, dev = self.lm, self.ctx.device
-        x = lm.stack.forward_cached(lm.embed_rows(step.ids, step.positions), step.layers)
+        x = lm.hidden(step.ids, step.positions, step.layers)
         verified = [bool(c.spec) for c in plan.scheduled if c.sample for _ in range(len(c.spec) + 1)]
         where = torch.tensor(verified, dtype=torch.bool, device=dev)
         plain_chunks = [c for c in plan.scheduled if not c.spec]
