@@ -269,7 +269,7 @@ def bare_step(lm: TPLM, ids: torch.Tensor, positions: torch.Tensor, cu: list[int
     x = lm.embed(ids) + lm.wpe(positions)
     x = lm.stack(x, cu)[-1]
     head = lm.embed  # the vocab-parallel head's greedy pick, as TPLM.step takes it
-    return sample(head.local_logits(lm.ln_f(x)), head.start, head.head_group(), None, lm.cfg.vocab_size)
+    return sample(head.local_logits(lm.ln_f(x)), head.start, head.head_group, None, lm.cfg.vocab_size)
 
 
 def bench_overhead(lm: TPLM, ctx: TPContext, repeats: int, batches=OVERHEAD_BATCHES,

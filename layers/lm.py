@@ -210,7 +210,7 @@ class TPLM(nn.Module):
     def head_logits(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, int, dist.ProcessGroup | None]:
         """Rows `rows` of the stack's output through the final norm and this rank's slice of the head: (logits
         [S, V'/p], the slice's first id, the head's group). LayerNorm is per row, so only these rows need it."""
-        return self.embed.local_logits(self.ln_f(x[rows])), self.embed.start, self.embed.head_group()
+        return self.embed.local_logits(self.ln_f(x[rows])), self.embed.start, self.embed.head_group
 
 
 class TPLlamaLM(nn.Module):
@@ -258,7 +258,7 @@ class TPLlamaLM(nn.Module):
 
     def head_logits(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, int, dist.ProcessGroup | None]:
         """As TPLM.head_logits: the final RMSNorm, then this rank's slice of the head."""
-        return self.head.local_logits(self.norm(x[rows])), self.head.start, self.head.head_group()
+        return self.head.local_logits(self.norm(x[rows])), self.head.start, self.head.head_group
 
 
 def shard_lm(weights: DenseLM | DenseLlamaLM | Source, variant: str, group: dist.ProcessGroup,

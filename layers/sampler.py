@@ -111,10 +111,6 @@ class SampleResult:
             read.append(self.accepted[:, None])
         return torch.cat(read, dim=1)
 
-    def to_host(self) -> list[list[float]]:
-        """The table in one device-to-host copy."""
-        return self.table().tolist()
-
     @classmethod
     def from_table(cls, table: torch.Tensor) -> "SampleResult":
         """The pick a table() holds (what a pipeline's other stages receive)."""

@@ -38,6 +38,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, d_model: int, group: dist.ProcessGroup, dtype=None, device=None):
         super().__init__()
         self.group = group
+        self.head_group = group  # what the head's pick gathers over (layers/sampler.py)
         p, rank = dist.get_world_size(group), dist.get_rank(group)
         self.vocab_size = vocab_size
         self.per_rank = padded_vocab(vocab_size, p) // p
@@ -68,8 +69,6 @@ class VocabParallelEmbedding(nn.Module):
         logits[:, self.n_real:] = float("-inf")
         return logits
 
-    def head_group(self) -> dist.ProcessGroup | None:
-        return self.group
 
 
 class ReplicatedEmbedding(nn.Module):
@@ -94,5 +93,4 @@ class ReplicatedEmbedding(nn.Module):
     def local_logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)  # [S, V]
 
-    def head_group(self) -> None:
-        return None  # nothing to gather: the pick is local
+    head_group = None  # nothing to gather: the pick is local

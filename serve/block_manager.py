@@ -125,7 +125,7 @@ class BlockManager:
 
     def rows_that_fit(self, request: int, start: int, rows: int) -> int:
         """How many of positions [start, start + rows) the request's table can hold, growing by free blocks."""
-        room = (len(self.tables[request]) + self.num_free) * self.block_size - start
+        room = (len(self.tables[request]) + len(self.free)) * self.block_size - start
         return max(0, min(rows, room))
 
     def grow(self, request: int, end: int) -> None:

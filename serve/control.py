@@ -96,12 +96,13 @@ def decode(payload: list[float], n_new: int, n_abort: int) -> tuple[list[Request
     return new, [int(t) for t in payload[at:at + n_abort]]
 
 
-def agree(ctx: TPContext, fingerprint: list[float], what: str, error: type[Exception] = PlanMismatch) -> None:
-    """★ Every rank's FINGERPRINT_SIZE numbers against every other's (one all-gather, host control); `error` on every
+def agree(ctx: TPContext, fingerprint, what: str, error: type[Exception] = PlanMismatch) -> None:
+    """★ Every rank's FINGERPRINT_SIZE numbers (or a function giving them) against every other's (one all-gather, host control); `error` on every
     rank, naming `what`, when any differ. The one rank agreement of the engines (the plan of each step, a workload's
     requests and settings). A group of one rank agrees with itself."""
     if ctx.world_size == 1:
         return
+    fingerprint = fingerprint() if callable(fingerprint) else fingerprint  # a plan's, computed only when sent
     assert len(fingerprint) == FINGERPRINT_SIZE, fingerprint
     with host_control():
         mine = torch.tensor([fingerprint], dtype=torch.float64, device=control_device(ctx.group))

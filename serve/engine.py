@@ -16,9 +16,8 @@ issue collectives of different sizes. The traffic ledger records every collectiv
 compared with the analytic model (tp/traffic_model.py: predict_control + predict_iteration) by a hook
 (serve/hooks.py: LedgerCheck).
 
-Over pipeline stages (layers/pipeline.py's PPLM) the same step runs as serve/pipeline.py's PipelineEngine, which
-overrides only `_run` (one tick of the pipeline) and the traffic model. serve/build.py's new_engine picks the class;
-serve/offline.py drives an engine over a workload known up front.
+Over pipeline stages the same step runs as serve/pipeline.py's PipelineEngine (its `_run`: one tick of the pipeline,
+and its traffic model); serve/build.py's new_engine picks the class. serve/offline.py's drive is the step loop.
 
 What the host waits for, per step: one read of the sampled tokens and their logits (one device-to-host copy; it also
 ends the iteration's clock, so timing costs no extra wait). The inputs go over in one host-to-device copy
@@ -92,6 +91,7 @@ class LLMEngine:
         self.lm, self.ctx, self.config = lm, ctx, config or EngineConfig()
         self.hooks = list(hooks) if hooks is not None else [LedgerCheck()] if self.config.check_ledger else []
         self._hook = {name: overriding(self.hooks, name) for name in ("before_schedule", "before_forward", "after_step")}
+        self._on_schedule = self._before_schedule if self._hook["before_schedule"] else None  # skipped without hooks
         self.seed = seed  # a request without a seed samples with one drawn from this and its id
         c, self.eos_token_ids = self.config, tuple(eos_token_ids)
         c.check_model_len(lm.cfg.max_seq_len)
@@ -108,6 +108,7 @@ class LLMEngine:
         self._verify = None  # this step's proposals and q from the draft (run_verified's inputs)
         self.dtype = self.runner.dtype
         self.ledger = TrafficLedger(ctx.world_size, ctx.device, timing=c.comm_timing)
+        self.ledger.label_layers(self.lm.stack, self.first_layer)  # once: each step then only records
         self.index = 0  # the next step's iteration number
         self.stopped = False
         self.last_control = time.monotonic()  # when rank 0 last broadcast a control message (keep-alives read it)
@@ -220,18 +221,18 @@ class LLMEngine:
                 self.scheduler.abort(rid)
             if self.config.speculative_config is not None:
                 self._propose()
-            plan, self.index = next_plan(self.scheduler, self.index, self._before_schedule)
+            plan, self.index = next_plan(self.scheduler, self.index, self._on_schedule)
             if plan is not None:
-                plan = self._drafted(plan)
+                plan = self._drafted(plan) if self.draft is not None else plan
                 for call in self._hook["before_forward"]:
                     call(self, plan)
-                agree(self.ctx, plan.fingerprint(), f"iteration {plan.index}: ranks scheduled different rows")  # ★
+                agree(self.ctx, plan.fingerprint, f"iteration {plan.index}: ranks scheduled different rows")  # ★
             ran = self._run(plan)
         if ran.done is None:  # nothing came back this step (nothing to run, or a pipeline filling)
             self._after(StepRecord(None, payload, ran.sampler, ended=aborts, **ran.extra))
             return self._outputs_of([], aborts)
         plan, sched = ran.done, self.scheduler
-        sampled, rows, finished = self._update(plan, ran.result.to_host())  # ★ the step's one wait for the device
+        sampled, rows, finished = self._update(plan, ran.result.table().tolist())  # ★ the step's one wait (host copy)
         self.prefix_hit_tokens += plan.prefix_hits
         self.prefix_queried_tokens += sum(len(sched.by_id[rid].prompt) for rid in plan.admitted if rid in sched.by_id)
         self.collective_bytes_per_rank += sum(r.traffic().bytes_per_rank for r in self.ledger.records)
@@ -244,11 +245,13 @@ class LLMEngine:
 
     # -- what a pipeline overrides (serve/pipeline.py) ---------------------------------------------------------------
 
+    first_layer = 0  # the model's number of this rank's first block (a pipeline stage's is later)
+
     @contextmanager
     def _attached(self):
         """The ledger, cleared and recording the step's collectives."""
         self.ledger.clear()
-        with self.ledger.attach(self.lm.stack):
+        with self.ledger.recording():
             yield
 
     def _run(self, plan: SchedulerOutput | None) -> Ran:
@@ -264,8 +267,7 @@ class LLMEngine:
         return Ran(plan, result, result.traffic(sampling), extra)
 
     def _flush(self) -> None:
-        """A control message without a step (IDLE, STOP): what is still in flight is waited for (a pipeline's
-        sends)."""
+        """A control message without a step (IDLE, STOP): what is in flight is waited for (a pipeline's sends)."""
 
     def traffic(self, step: StepRecord) -> tuple[list, list]:
         """The collectives the step's ledger saw, and the model's: the control message, and when a forward ran the
@@ -328,8 +330,6 @@ class LLMEngine:
     def _drafted(self, plan: SchedulerOutput) -> SchedulerOutput:
         """With a draft model: its forwards fill the plan's proposals (no collective: it is whole on every rank), before
         the ranks agree on the plan; the verifier's inputs wait for _run."""
-        if self.draft is None:
-            return plan
         plan, *verify = self.draft.propose(plan, self.scheduler.by_id)
         self._verify = verify if any(c.spec for c in plan.scheduled) else None
         return plan

@@ -74,12 +74,16 @@ class PipelineEngine(LLMEngine):
     def has_unfinished_requests(self) -> bool:
         return super().has_unfinished_requests() or bool(self.queue)
 
+    @property
+    def first_layer(self) -> int:
+        return self.lm.layers.start  # the ledger labels this stage's blocks with the model's layer numbers
+
     @contextmanager
     def _attached(self):
         """The ledger, its collectives and its boundary messages cleared, recording this stage's layers."""
         self.ledger.clear()
         self.ledger.transfers.clear()
-        with self.ledger.attach(self.lm.stack, self.lm.layers.start):
+        with self.ledger.recording():
             yield
 
     def _flush(self) -> None:

@@ -16,7 +16,7 @@ iteration's growth (serve/block_manager.py): the plan alone says where every row
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -28,14 +28,12 @@ class ScheduledRequest:
     sample: bool  # this chunk's last row yields the request's next token
     blocks: tuple[int, ...] = ()  # the request's block table: position t lives in block blocks[t // block_size]
     spec: tuple[int, ...] = ()  # a decode's proposed tokens, verified in rows 1.. of the chunk (each row sampled)
+    q_rows: int = field(init=False, compare=False)  # q_end - q_start
+    kv_length: int = field(init=False, compare=False)  # q_end: the positions attended to
 
-    @property
-    def q_rows(self) -> int:
-        return self.q_end - self.q_start
-
-    @property
-    def kv_length(self) -> int:
-        return self.q_end
+    def __post_init__(self):
+        object.__setattr__(self, "q_rows", self.q_end - self.q_start)
+        object.__setattr__(self, "kv_length", self.q_end)
 
     @property
     def triple(self) -> tuple[int, int, int]:
@@ -49,25 +47,21 @@ class SchedulerOutput:
     admitted: tuple[int, ...] = ()  # requests that joined the running set at this iteration
     preempted: tuple[int, ...] = ()  # requests that gave their blocks back at this iteration, to recompute later
     prefix_hits: int = 0  # prompt tokens whose K,V the requests admitted now found in the prefix cache
+    # derived once, when the plan is made:
+    spans: list[tuple[int, int]] = field(init=False, compare=False)  # each chunk's rows in the flat tensor
+    rows: int = field(init=False, compare=False)  # rows through the model
+    sample_rows: list[int] = field(init=False, compare=False)  # rows whose logits give a token: a chunk's last row,
+    #                                                            or every row of a verified chunk
 
-    @property
-    def rows(self) -> int:
-        return sum(c.q_rows for c in self.scheduled)
-
-    @property
-    def spans(self) -> list[tuple[int, int]]:
-        """Each chunk's rows in the flat tensor."""
-        out, start = [], 0
+    def __post_init__(self):
+        spans, start = [], 0
         for c in self.scheduled:
-            out.append((start, start + c.q_rows))
+            spans.append((start, start + c.q_rows))
             start += c.q_rows
-        return out
-
-    @property
-    def sample_rows(self) -> list[int]:
-        """The rows whose logits give a token: a chunk's last row, or every row of a verified chunk."""
-        return [r for c, (s, e) in zip(self.scheduled, self.spans) if c.sample
-                for r in (range(s, e) if c.spec else (e - 1,))]
+        object.__setattr__(self, "spans", spans)
+        object.__setattr__(self, "rows", start)
+        object.__setattr__(self, "sample_rows", [r for c, (s, e) in zip(self.scheduled, spans) if c.sample
+                                                 for r in (range(s, e) if c.spec else (e - 1,))])
 
     @property
     def decodes(self) -> int:

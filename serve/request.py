@@ -35,6 +35,9 @@ class RequestStatus(enum.Enum):
                 RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
 
 
+FINISHED = frozenset(s for s in RequestStatus if s.finish_reason is not None)
+
+
 @dataclass
 class Request:
     id: int
@@ -56,7 +59,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status.finish_reason is not None
+        return self.status in FINISHED
 
     @property
     def tokens(self) -> list[int]:

@@ -264,7 +264,7 @@ class Scheduler:
                  or (c.chunk_pipelining and r.num_computed_tokens < len(r.tokens))]  # a prompt's next chunk
         decodes = [r for r in ready if r.decoding]
         carried = [r for r in ready if not r.decoding]
-        cap = self.microbatch_cap()
+        cap = self.config.max_num_seqs if self.stages == 1 else self.microbatch_cap()
         spare = self._left - len(decodes)  # rows for proposals: what the budget holds beyond one row per decode
         for r in decodes + carried:  # decodes first: one row each (max_num_seqs <= budget: they always fit)
             if r in self.running and self._left > 0 and len(self._rows) < cap:

@@ -13,7 +13,7 @@ def pick(emb, x):
     """The greedy pick (layers/sampler.py) on an embedding's tied head."""
     from layers.sampler import greedy_pick
 
-    return greedy_pick(emb.local_logits(x), emb.start, emb.head_group())
+    return greedy_pick(emb.local_logits(x), emb.start, emb.head_group)
 
 
 def dense_table():

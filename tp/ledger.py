@@ -170,14 +170,20 @@ class TrafficLedger:
         finally:
             _ACTIVE.reset(token)
 
-    @contextlib.contextmanager
-    def attach(self, stack: torch.nn.Module, first_layer: int = 0):
-        """Record while inside, labelling each collective with the index of the block that issued it (first_layer +
-        its index in the stack: a pipeline stage's blocks carry the model's layer numbers)."""
+    def label_layers(self, stack: torch.nn.Module, first_layer: int = 0) -> list:
+        """Label each collective with the index of the block that issued it (first_layer + its index in the stack: a
+        pipeline stage's blocks carry the model's layer numbers), for as long as the returned hooks stay (an engine
+        keeps them: each step then only records)."""
         handles = []
         for i, block in enumerate(stack.blocks):
             handles.append(block.register_forward_pre_hook(lambda m, a, i=i + first_layer: setattr(self, "layer", i)))
             handles.append(block.register_forward_hook(lambda m, a, o: setattr(self, "layer", None)))
+        return handles
+
+    @contextlib.contextmanager
+    def attach(self, stack: torch.nn.Module, first_layer: int = 0):
+        """Record while inside, each collective labelled with its block (label_layers, for this while only)."""
+        handles = self.label_layers(stack, first_layer)
         try:
             with self.recording():
                 yield self
