@@ -190,7 +190,9 @@ PD_BAD = [
     (4, ["pd.prefill_ranks=3", "pd.decode_ranks=1"], "pd.prefill_ranks=3: n_heads=8 heads cannot be split over p=3"),
     (2, ["pd.prefill_ranks=0", "pd.decode_ranks=2"], "pd.prefill_ranks=0 must be a positive integer"),
     (2, ["pd.prefill_ranks=1", "pd.decode_ranks=1", "pd.streaming=maybe"], "pd.streaming='maybe' must be true or false"),
-    (2, ["pd.prefill_ranks=1", "pd.decode_ranks=1", "kv_cache_dtype=int8"], "kv_cache_dtype=int8 with pd is not built"),
+    # int8 needs calculate_kv_scales (off by default, as vLLM): on, so that the pd rule is the one refusing
+    (2, ["pd.prefill_ranks=1", "pd.decode_ranks=1", "kv_cache_dtype=int8", "calculate_kv_scales=true"],
+     "kv_cache_dtype=int8 with pd is not built"),
 ]
 
 
