@@ -55,7 +55,7 @@ def slots_of(c, start: int, end: int, block_size: int) -> list[int]:
 
 
 @dataclass
-class BlockManager:
+class KVCacheManager:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = EngineConfig.enable_prefix_caching

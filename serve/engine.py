@@ -1,10 +1,10 @@
 """The online engine on the TP stack: nano-vllm's spine with vLLM's names.
 
-    LLMEngine.step  ->  Scheduler.schedule  ->  BlockManager  ->  ModelRunner  ->  the TP model  ->  Sampler
-                                                                                                 ->  Scheduler.update
+    LLMEngine.step  ->  Scheduler.schedule  ->  KVCacheManager  ->  ModelRunner  ->  the TP model  ->  Sampler
+                    ->  Scheduler.update_from_output
 
 Rank 0 adds and aborts requests between any two steps and every rank of the group runs the same steps (SPMD).
-Memory is paged (docs/background.md, paged KV cache): the scheduler's BlockManager decides every request's block
+Memory is paged (docs/background.md, paged KV cache): the scheduler's KVCacheManager decides every request's block
 table on the host, identically on every rank, and each rank's KVPool (one tensor, allocated once) stores K,V of the
 rank's own heads at the slots those tables name. serve/model_runner.py's prepare_step turns each plan into the
 iteration's tensors, once.
@@ -36,7 +36,7 @@ import torch
 from layers.lm import TPLM, TPLlamaLM
 from layers.rejection_sampler import verify
 from layers.sampler import SampleResult, request_seed, row_logprobs
-from serve.block_manager import BlockManager
+from serve.block_manager import KVCacheManager
 from serve.config import EngineConfig
 from serve.control import CONTROL_HEADER, IDLE, RUN, STOP, agree, broadcast_control
 from serve.hooks import LedgerCheck, StepHook, StepRecord, overriding
@@ -74,7 +74,7 @@ class LLMEngine:
         schedule  Scheduler.schedule: finish, carry decodes, chunk, admit, preempt (host data, same on every rank)
         agree     ★ all-gather of the plan's fingerprint: a rank that planned otherwise raises PlanMismatch
         run       ModelRunner.run: the step's tensors, one forward through the TP model, the head's pick
-        update    one read of the sampled ids (the step's wait), Scheduler.update: append, finish, free blocks
+        update    one read of the sampled ids (the step's wait), Scheduler.update_from_output: append, finish, free
 
     and rank 0 returns a RequestOutput for each request that produced a token or finished. The ranks other than 0
     call `step` in a loop until the control message says STOP (`shutdown`); while rank 0 has nothing to do it
@@ -96,7 +96,7 @@ class LLMEngine:
         c, self.eos_token_ids = self.config, tuple(eos_token_ids)
         c.check_model_len(lm.cfg.max_seq_len)
         self.num_blocks = ModelRunner.pool_blocks(lm, c, cp_group)
-        self.scheduler = Scheduler(c, BlockManager(self.num_blocks, c.block_size, c.enable_prefix_caching))
+        self.scheduler = Scheduler(c, KVCacheManager(self.num_blocks, c.block_size, c.enable_prefix_caching))
         self.cp = 1 if cp_group is None else cp_group.size()  # context parallelism: ctx is cp × tp ranks
         c.check_context_parallel(self.cp)
         self.runner = ModelRunner(lm, ctx, self.num_blocks, c, cp_group)
@@ -294,7 +294,7 @@ class LLMEngine:
         sched = self.scheduler
         per_request = self._tokens_of(plan, rows)
         held = {rid: len(sched.by_id[rid].output) for rid in per_request if rid in sched.by_id}
-        finished = sched.update(plan, {rid: tokens for rid, (tokens, _) in per_request.items()})
+        finished = sched.update_from_output(plan, {rid: tokens for rid, (tokens, _) in per_request.items()})
         live = [(rid, row) for rid, (_, its) in per_request.items() if rid in held
                 and sched.by_id[rid].status is not RequestStatus.FINISHED_ABORTED
                 for row in its[:len(sched.by_id[rid].output) - held[rid]]]

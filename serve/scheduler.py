@@ -30,7 +30,7 @@ The policy (EngineConfig.scheduling_policy, vLLM's setting; POLICIES below) make
               that preempted it; the victim is the running request last in that order. As in vLLM v1, a waiting
               request never preempts a running one to be admitted: it waits for blocks at the head of the queue
 
-Memory: a BlockManager (serve/block_manager.py) holds every request's block table; a plan's chunks carry the
+Memory: a KVCacheManager (serve/block_manager.py) holds every request's block table; a plan's chunks carry the
 tables, so the engine turns a plan into slot mappings without asking anything else. A request's state is
 how many of its tokens have K,V in the cache (`computed`): the next iteration gives it rows
 [computed, min(len(tokens), computed + chunk)). There is no prefill phase and decode phase, only tokens not yet
@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from typing import Sequence
 
-from serve.block_manager import BlockManager
+from serve.block_manager import KVCacheManager
 from serve.config import SCHEDULING_POLICIES, EngineConfig, fits_alone
 from serve.plan import ScheduledRequest, SchedulerOutput
 from serve.request import Request, RequestStatus, output_budget, validate_prompt
@@ -135,7 +135,7 @@ class Scheduler:
     (serve/config.py); blocks: the pool's block manager; requests: a workload held from the start (host planning:
     P/D's replay of the prefill side's schedule), else requests arrive by add()."""
 
-    def __init__(self, config: EngineConfig, blocks: BlockManager, requests: list[Request] = ()):
+    def __init__(self, config: EngineConfig, blocks: KVCacheManager, requests: list[Request] = ()):
         assert blocks.block_size == config.block_size, (blocks.block_size, config.block_size)
         self.config = c = config
         self.blocks = blocks
@@ -174,7 +174,7 @@ class Scheduler:
         serve/pd/ replays the prefill side's schedule with it, and OfflineEngine checks a workload with it before
         anything runs."""
         n = config.pool_blocks(0, [r.capacity for r in requests])
-        return cls(config, BlockManager(n, config.block_size, config.enable_prefix_caching), requests)
+        return cls(config, KVCacheManager(n, config.block_size, config.enable_prefix_caching), requests)
 
     def check_fits(self, r: Request) -> None:
         fits_or_raise(r, self.blocks.num_blocks, self.blocks.block_size)
@@ -372,7 +372,7 @@ class Scheduler:
         if not waiting:
             preempted.append(victim)
 
-    def update(self, plan: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[int]:
+    def update_from_output(self, plan: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[int]:
         """Apply an iteration's results (request id -> its new token, or a verified chunk's tokens: the accepted
         proposals and the target's own); return the ids that finished now, whose blocks are given back (their
         contents stay in the pool until reused: a hook may still read them). A verified request keeps the K,V of the
@@ -436,7 +436,7 @@ def next_plan(sched: Scheduler, index: int, before_schedule=None) -> tuple[Sched
 
 
 def schedule_loop(sched: Scheduler, before_schedule=None):
-    """Every plan of a workload held from the start, in order; the caller applies each plan's tokens (sched.update)
+    """Every plan of a workload held from the start, in order; the caller applies each plan's tokens (sched.update_from_output)
     before asking for the next."""
     index = 0
     while sched.has_work():
@@ -450,7 +450,7 @@ def schedule_loop(sched: Scheduler, before_schedule=None):
 def pipeline_schedule(sched: Scheduler, pp: int, before_schedule=None):
     """The micro-batches of a workload held from the start, in the order they come back from the last of pp stages:
     PipelineEngine.step's ticks without the model (P/D's decode side knows from it what a pipelined prefill side will
-    hand over, and in which order). The caller applies each one's tokens (sched.update) before asking for the next."""
+    hand over, and in which order). The caller applies each one's tokens (sched.update_from_output) before asking for the next."""
     sched.stages = pp
     queue, index = deque(), 0
     while sched.has_work() or queue:

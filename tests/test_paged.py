@@ -10,7 +10,7 @@ import torch
 from layers.dense import init_weights
 from layers.llama import LlamaConfig
 from layers.lm import dense_lm, greedy_reference, shard_lm
-from serve.block_manager import BlockManager
+from serve.block_manager import KVCacheManager
 from serve.offline import OfflineEngine
 from serve.config import EngineConfig
 from serve.model_runner import prepare_step
@@ -48,7 +48,7 @@ def oracle(dense, reqs):
 
 
 def test_block_table_grows_one_block_at_a_time_and_slots_follow_it():
-    bm = BlockManager(num_blocks=4, block_size=3)
+    bm = KVCacheManager(num_blocks=4, block_size=3)
     bm.admit(0, [])
     for end, blocks in [(1, 1), (3, 1), (4, 2), (7, 3)]:
         bm.grow(0, end)
@@ -61,7 +61,7 @@ def test_block_table_grows_one_block_at_a_time_and_slots_follow_it():
 
 
 def test_prefix_blocks_are_shared_counted_and_revived_lru():
-    bm = BlockManager(num_blocks=6, block_size=2)
+    bm = KVCacheManager(num_blocks=6, block_size=2)
     a = [1, 2, 3, 4, 5]
     bm.admit(0, bm.match_prefix(a))
     bm.grow(0, 5)
@@ -91,7 +91,7 @@ def test_prefix_blocks_are_shared_counted_and_revived_lru():
 
 
 def test_release_below_zero_is_caught():
-    bm = BlockManager(num_blocks=2, block_size=2)
+    bm = KVCacheManager(num_blocks=2, block_size=2)
     bm.admit(0, [])
     bm.grow(0, 2)
     b = bm.tables[0][0]
@@ -102,12 +102,12 @@ def test_release_below_zero_is_caught():
 
 def test_a_request_that_cannot_fit_alone_is_refused_with_the_minimum():
     with pytest.raises(SchedulerError, match=r"raise num_gpu_blocks_override to at least 4"):
-        Scheduler(EngineConfig(long_prefill_token_threshold=4, max_num_batched_tokens=8, max_num_seqs=8, block_size=4), BlockManager(3, 4), [Request(0, [1] * 10, 4)])  # 13 positions: 4 blocks of 4
+        Scheduler(EngineConfig(long_prefill_token_threshold=4, max_num_batched_tokens=8, max_num_seqs=8, block_size=4), KVCacheManager(3, 4), [Request(0, [1] * 10, 4)])  # 13 positions: 4 blocks of 4
 
 
 def drive(reqs, num_gpu_blocks_override, block_size, chunk=4, budget=8, enable_prefix_caching=True):
     """The scheduler alone with made-up tokens (the request id): every plan, and the manager."""
-    bm = BlockManager(num_gpu_blocks_override, block_size, enable_prefix_caching)
+    bm = KVCacheManager(num_gpu_blocks_override, block_size, enable_prefix_caching)
     sched, plans, index = Scheduler(EngineConfig(long_prefill_token_threshold=chunk, max_num_batched_tokens=budget, max_num_seqs=budget, block_size=block_size, enable_prefix_caching=enable_prefix_caching), bm, reqs), [], 0
     while sched.has_work():
         plan = sched.schedule(index)
@@ -116,7 +116,7 @@ def drive(reqs, num_gpu_blocks_override, block_size, chunk=4, budget=8, enable_p
             continue
         plans.append((plan, bm.num_used))
         assert bm.num_used <= num_gpu_blocks_override
-        sched.update(plan, {c.request: 100 + c.request for c in plan.scheduled if c.sample})
+        sched.update_from_output(plan, {c.request: 100 + c.request for c in plan.scheduled if c.sample})
         bm.check()
         index += 1
     return sched, plans

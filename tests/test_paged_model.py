@@ -1,4 +1,4 @@
-"""Model-based tests of the paged state machine: hypothesis drives the real Scheduler and BlockManager with random
+"""Model-based tests of the paged state machine: hypothesis drives the real Scheduler and KVCacheManager with random
 operations (requests from prompt families that share, repeat, reorder and re-use whole blocks after different
 prefixes; steps; aborts) under random block sizes, pool sizes down to the minimum, chunk sizes and budgets, and
 checks them after every operation against a plain reference model written here.
@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from serve.block_manager import BlockManager
+from serve.block_manager import KVCacheManager
 from serve.config import SCHEDULING_POLICIES, EngineConfig
 from serve.request import RequestStatus
 from serve.request import Request
@@ -63,8 +63,8 @@ def reference_output(prompt: list[int], max_new: int, eos: int | None) -> list[i
     return out
 
 
-class WatchedBlocks(BlockManager):
-    """The BlockManager under test, with the reference model's events: a block taken for new tokens loses its
+class WatchedBlocks(KVCacheManager):
+    """The KVCacheManager under test, with the reference model's events: a block taken for new tokens loses its
     content, and each admission's hit is recorded beside the reference's longest allowed hit at that moment."""
 
     def setup(self, machine):
@@ -271,7 +271,7 @@ class PagedMachine(RuleBasedStateMachine):
                 if c.sample:
                     sampled[r.id] = next_token(r.tokens)
             victims, gave_back = self.check_choices(plan, running)
-            finished = self.sched.update(plan, sampled)
+            finished = self.sched.update_from_output(plan, sampled)
             self.after_iteration(list(plan.admitted), victims, gave_back, finished, running)
         self.index += 1
 

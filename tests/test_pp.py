@@ -406,13 +406,13 @@ def test_an_online_pipeline_aborts_a_request_in_flight_without_a_deadlock():
 def test_the_scheduler_forms_pp_micro_batches_of_disjoint_requests():
     """Host only: with 2 stages, six requests go out as two micro-batches of three; a request in flight gets no rows and
     is never the preemption victim; once its micro-batch is back it is scheduled again."""
-    from serve.block_manager import BlockManager
+    from serve.block_manager import KVCacheManager
     from serve.config import EngineConfig
     from serve.request import Request
     from serve.scheduler import Scheduler
 
     reqs = [Request(i, [1 + i, 2, 3], 4) for i in range(6)]
-    sched = Scheduler(EngineConfig(long_prefill_token_threshold=8, max_num_batched_tokens=64, max_num_seqs=64, block_size=4, enable_prefix_caching=False), BlockManager(12, 4, enable_prefix_caching=False), reqs)
+    sched = Scheduler(EngineConfig(long_prefill_token_threshold=8, max_num_batched_tokens=64, max_num_seqs=64, block_size=4, enable_prefix_caching=False), KVCacheManager(12, 4, enable_prefix_caching=False), reqs)
     sched.stages = 2
     first = sched.schedule(0)
     sched.in_flight.update(c.request for c in first.scheduled)
@@ -420,24 +420,24 @@ def test_the_scheduler_forms_pp_micro_batches_of_disjoint_requests():
     sched.in_flight.update(c.request for c in second.scheduled)
     assert [c.request for c in first.scheduled] == [0, 1, 2] and [c.request for c in second.scheduled] == [3, 4, 5]
     assert sched.schedule(2) is None  # everything is in flight
-    sched.update(first, {0: 7, 1: 7, 2: 7})
+    sched.update_from_output(first, {0: 7, 1: 7, 2: 7})
     third = sched.schedule(3)
     assert [c.request for c in third.scheduled] == [0, 1, 2] and all(c.decode for c in third.scheduled)
     # a pool with no free block: the decodes that need one wait rather than preempt a request in flight
     tight = [Request(i, [1, 2, 3, 4], 3) for i in range(2)]
-    sched = Scheduler(EngineConfig(long_prefill_token_threshold=8, max_num_batched_tokens=64, max_num_seqs=64, block_size=4, enable_prefix_caching=False), BlockManager(2, 4, enable_prefix_caching=False), tight)
+    sched = Scheduler(EngineConfig(long_prefill_token_threshold=8, max_num_batched_tokens=64, max_num_seqs=64, block_size=4, enable_prefix_caching=False), KVCacheManager(2, 4, enable_prefix_caching=False), tight)
     sched.stages = 2
     a = sched.schedule(0)
     sched.in_flight.update(c.request for c in a.scheduled)
     b = sched.schedule(1)
     sched.in_flight.update(c.request for c in b.scheduled)
-    sched.update(a, {0: 9})
+    sched.update_from_output(a, {0: 9})
     c = sched.schedule(2)  # request 0's decode needs a second block; request 1 holds the other and is in flight:
     # request 0 waits for it (no preemption, no recompute), and request 1 is never the victim
     assert c is None and sched.preemptions == 0
     assert sched.by_id[0].status.value == sched.by_id[1].status.value == "running"
     assert 0 in sched.blocks.tables and 1 in sched.blocks.tables
-    sched.update(b, {1: 9})  # request 1 is back: now request 0's decode preempts the latest admitted, request 1
+    sched.update_from_output(b, {1: 9})  # request 1 is back: now request 0's decode preempts the latest admitted, request 1
     d = sched.schedule(3)
     assert [c.request for c in d.scheduled] == [0] and sched.preemptions == 1 and 1 not in sched.blocks.tables
 

@@ -32,7 +32,7 @@ def drive(requests, long_prefill_token_threshold, budget, max_num_seqs=None, tok
             index = sched.next_arrival()
             continue
         plans.append(plan)
-        sched.update(plan, {c.request: token(c.request, index) for c in plan.scheduled if c.sample})
+        sched.update_from_output(plan, {c.request: token(c.request, index) for c in plan.scheduled if c.sample})
         index += 1
     return plans
 
@@ -107,10 +107,10 @@ def test_arrivals_finishing_and_admission_mid_stream():
     sched = workload(reqs, 8, 8)
     p0 = sched.schedule(0)
     assert p0.admitted == (0,) and p0.rows == 4
-    assert sched.update(p0, {0: 11}) == []
+    assert sched.update_from_output(p0, {0: 11}) == []
     p1 = sched.schedule(1)
     assert [c.triple for c in p1.scheduled] == [(4, 5, 5)]
-    assert sched.update(p1, {0: 12}) == [0]  # finished the moment it reaches max_new_tokens
+    assert sched.update_from_output(p1, {0: 12}) == [0]  # finished the moment it reaches max_new_tokens
     assert sched.schedule(2) is None and sched.next_arrival() == 3  # idle until request 1 arrives
     p3 = sched.schedule(3)
     assert p3.admitted == (1,) and [c.triple for c in p3.scheduled] == [(0, 3, 3)]
@@ -120,7 +120,7 @@ def test_eos_finishes_early():
     reqs = [Request(0, [1, 2], 10, stop_ids=frozenset({50256}))]
     sched = workload(reqs, 4, 4)
     plan = sched.schedule(0)
-    assert sched.update(plan, {0: 50256}) == [0] and reqs[0].output == [50256] and not sched.has_work()
+    assert sched.update_from_output(plan, {0: 50256}) == [0] and reqs[0].output == [50256] and not sched.has_work()
 
 
 def test_max_running_limits_admission():
@@ -161,7 +161,7 @@ def test_priority_policy_admits_by_priority_then_arrival_and_fcfs_by_arrival():
         while sched.has_work():
             plan = sched.schedule(index)
             admitted += plan.admitted
-            sched.update(plan, {c.request: 7 for c in plan.scheduled if c.sample})
+            sched.update_from_output(plan, {c.request: 7 for c in plan.scheduled if c.sample})
             index += 1
         assert admitted == order, policy  # priority: 1 and 2 (priority 0; 2 arrives later), 3, then 0
 

@@ -14,7 +14,7 @@ import torch
 from layers.dense import init_weights
 from layers.lm import dense_lm
 from layers.sampler import SamplingBatch, sample
-from serve.block_manager import BlockManager
+from serve.block_manager import KVCacheManager
 from serve.config import EngineConfig
 from serve.request import Request
 from serve.sampling_params import SamplingParams
@@ -79,24 +79,24 @@ def test_rejected_rows_give_their_blocks_back():
     accepted rows keep theirs, and only blocks full of accepted tokens are named for the prefix cache."""
     config = EngineConfig(block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
                           speculative_config=NGRAM)
-    blocks = BlockManager(8, 4, True)
+    blocks = KVCacheManager(8, 4, True)
     sched = Scheduler(config, blocks)
     r = Request(0, [1, 2, 3], 10)
     sched.add(r)
     plan = sched.schedule(0)
-    sched.update(plan, {0: [9]})  # prompt computed (3 positions), token 9 sampled: 4 tokens, one block used
+    sched.update_from_output(plan, {0: [9]})  # prompt computed (3 positions), token 9 sampled: 4 tokens, one block used
     assert blocks.num_free == 7
     r.spec_token_ids = [1, 2, 3]
     plan = sched.schedule(1)
     (c,) = plan.scheduled
     assert (c.q_start, c.q_end, c.spec) == (3, 7, (1, 2, 3)) and plan.sample_rows == [0, 1, 2, 3]
     assert blocks.num_free == 6  # positions 3..6: a second block
-    sched.update(plan, {0: [4]})  # x_1 = 1 rejected: the target's 4
+    sched.update_from_output(plan, {0: [4]})  # x_1 = 1 rejected: the target's 4
     assert r.output == [9, 4] and r.num_computed_tokens == 4 and blocks.num_free == 7
     assert blocks.hashed[0] == 1  # block 0 (tokens 1, 2, 3, 9) is full of computed tokens: named
     r.spec_token_ids = [5, 6, 7]
     plan = sched.schedule(2)
-    sched.update(plan, {0: [5, 6, 8]})  # two accepted, then the target's 8: positions 4..6 hold K,V
+    sched.update_from_output(plan, {0: [5, 6, 8]})  # two accepted, then the target's 8: positions 4..6 hold K,V
     assert r.output == [9, 4, 5, 6, 8] and r.num_computed_tokens == 7 and blocks.num_free == 6
     blocks.check()
 

@@ -58,7 +58,7 @@ def prefill_schedule(requests: list[Request], config: EngineConfig, pp: int = 1)
         done = [c.request for c in plan.scheduled if c.sample]
         if done:
             out.append((plan.index, done))
-        sched.update(plan, {rid: 0 for rid in done})  # max_new_tokens = 1: the token's value changes nothing
+        sched.update_from_output(plan, {rid: 0 for rid in done})  # max_new_tokens = 1: the token's value is moot
     return out
 
 
