@@ -65,6 +65,7 @@ bench: setup
 	$(PY) benchmarks/bench_sampling.py
 	$(PY) benchmarks/bench_kv_quant.py
 	$(PY) benchmarks/bench_spec_decode.py
+	$(PY) benchmarks/bench_threads.py
 	$(PY) benchmarks/bench_http.py
 	$(PY) benchmarks/report.py
 

@@ -22,6 +22,7 @@ from benchmarks.bench_http import section as http_section  # noqa: E402
 from benchmarks.bench_load import section as load_section  # noqa: E402
 from benchmarks.bench_pp import section as pp_section  # noqa: E402
 from benchmarks.bench_pp_serve import plot as pp_serve_plot, section as pp_serve_section  # noqa: E402
+from benchmarks.bench_threads import section as threads_section  # noqa: E402
 from benchmarks.report_paged import section as paged_section  # noqa: E402
 from benchmarks.report_serve import pd_section, plot_timeline, section as serving_section  # noqa: E402
 from layers.config import VARIANTS  # noqa: E402
@@ -132,6 +133,9 @@ def main() -> int:
     load = _load("bench_load.json")
     if load:
         lines += load_section(load)
+    threads = _load("bench_threads.json")
+    if threads:
+        lines += threads_section(threads)
     page = Path("docs/benchmarks.md")
     text, kept = merge("\n".join(lines) + "\n", page.read_text() if page.exists() else "")
     page.write_text(text)
