@@ -419,9 +419,9 @@ def test_a_caller_that_polls_without_stepping_keeps_the_ranks_alive():
     """Calls that are not steps (here for twice the group's timeout) still let rank 0 send its keep-alives."""
     from serve import LLM
 
-    with LLM("llama_tiny", tensor_parallel_size=2, timeout_s=1.5, threads_per_rank=2) as llm:
+    with LLM("llama_tiny", tensor_parallel_size=2, timeout_s=1.5, threads_per_rank=1) as llm:
         # each rank runs with the threads chosen for it (tp/dist.py threads_per_rank; a given number wins)
-        assert (llm.threads_per_rank, llm.executor.info["threads"]) == (2, 2)
+        assert (llm.threads_per_rank, llm.threads_why, llm.executor.info["threads"]) == (1, "threads_per_rank", 1)
         end = time.monotonic() + 3.0
         while time.monotonic() < end:
             assert not llm.has_unfinished_requests()
