@@ -124,18 +124,11 @@ def main() -> int:
     if pp_serve:
         print(pp_serve_plot(pp_serve))
     lines += pp_serve_section(pp_serve)
-    kv = _load("bench_kv.json")
-    if kv:
-        lines += kv_section(kv)
-    http = _load("bench_http.json")
-    if http:
-        lines += http_section(http)
-    load = _load("bench_load.json")
-    if load:
-        lines += load_section(load)
-    threads = _load("bench_threads.json")
-    if threads:
-        lines += threads_section(threads)
+    for name, render in (("bench_kv.json", kv_section), ("bench_http.json", http_section),
+                         ("bench_load.json", load_section), ("bench_threads.json", threads_section)):
+        data = _load(name)
+        if data:
+            lines += render(data)
     page = Path("docs/benchmarks.md")
     text, kept = merge("\n".join(lines) + "\n", page.read_text() if page.exists() else "")
     page.write_text(text)
