@@ -28,21 +28,40 @@ import dataclasses
 
 import torch
 
-from layers.rejection_sampler import DRAFT_STREAM, filtered_logprobs
+from layers.rejection_sampler import DRAFT_STREAM, filtered_logprobs, verify
 from layers.sampler import SamplingBatch, sample
 from serve.kv_cache import KVPool
 from serve.model_runner import prepare_step
 from serve.plan import ScheduledRequest, SchedulerOutput
 from serve.request import Request
+from serve.spec_decode import Proposer, SpeculativeConfig
 
 
-class DraftRunner:
-    def __init__(self, lm, num_blocks: int, block_size: int, attention: str, device, vocab_slice: tuple[int, int]):
+class DraftRunner(Proposer):
+    """The draft model as speculative decoding's Proposer: k placeholders per decoding request before planning (the
+    scheduler gives their rows), filled by the draft's forwards once the plan is made (propose), verified by the
+    rejection sampler (its verdict rides in each row of the table: accept)."""
+
+    def __init__(self, config: SpeculativeConfig, lm, num_blocks: int, block_size: int, attention: str, device,
+                 vocab_slice: tuple[int, int]):
         """lm: the draft's TPLM (or TPLlamaLM) over a group of one rank; vocab_slice: (start, n) of the target's
         vocabulary split on this rank (q is kept on those ids)."""
+        super().__init__(config)
         self.lm, self.block_size, self.attention, self.device = lm, block_size, attention, device
         self.start, self.n = vocab_slice
         self.cache = KVPool.for_model(lm, num_blocks, block_size, next(lm.parameters()).dtype, device)
+
+    def proposals(self, r: Request, k: int) -> list[int]:
+        return [-1] * k  # placeholders: the draft fills them once the plan is made
+
+    def fill(self, plan: SchedulerOutput, requests: dict[int, Request]) -> SchedulerOutput:
+        """The draft's forwards (no collective: it is whole on every rank), before the ranks agree on the plan."""
+        plan, *verify = self.propose(plan, requests)
+        self.verify = verify if any(c.spec for c in plan.scheduled) else None
+        return plan
+
+    def accept(self, rows: list[list[float]], spec: tuple[int, ...]) -> list[int]:
+        return verify([bool(row[-1]) for row in rows], [int(row[0]) for row in rows])  # the verdict: the last column
 
     @torch.no_grad()
     def propose(self, plan: SchedulerOutput, requests: dict[int, Request]

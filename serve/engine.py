@@ -34,7 +34,6 @@ from typing import NamedTuple
 import torch
 
 from layers.lm import TPLM, TPLlamaLM
-from layers.rejection_sampler import verify
 from layers.sampler import SampleResult, request_seed, row_logprobs
 from serve.block_manager import KVCacheManager
 from serve.config import EngineConfig
@@ -47,7 +46,7 @@ from serve.request import Request, RequestStatus
 from serve.sampling_params import SamplingParams
 from serve.scheduler import Scheduler, check_request, next_plan
 from serve.draft import DraftRunner, lm_vocab_slice
-from serve.spec_decode import SpecDecodeStats, accept, propose_ngram
+from serve.spec_decode import NgramProposer, SpecDecodeStats
 from tp.dist import TPContext
 from tp.ledger import TrafficLedger
 from tp.traffic_model import predict_control, predict_iteration, predict_verify
@@ -103,9 +102,10 @@ class LLMEngine:
         drafting = c.speculative_config is not None and c.speculative_config.method == "draft_model"
         if drafting != (draft_lm is not None):
             raise ValueError("speculative_config method='draft_model' and draft_lm go together: give both or neither")
-        self.draft = None if draft_lm is None else DraftRunner(draft_lm, self.num_blocks, c.block_size,
-                                                               self.runner.attention, ctx.device, lm_vocab_slice(lm))
-        self._verify = None  # this step's proposals and q from the draft (run_verified's inputs)
+        spec = c.speculative_config  # speculative decoding's proposer (serve/spec_decode.py Proposer), or None
+        self.proposer = None if spec is None else NgramProposer(spec) if draft_lm is None else DraftRunner(
+            spec, draft_lm, self.num_blocks, c.block_size, self.runner.attention, ctx.device, lm_vocab_slice(lm))
+        self.draft = self.proposer if draft_lm is not None else None
         self.dtype = self.runner.dtype
         self.ledger = TrafficLedger(ctx.world_size, ctx.device, timing=c.comm_timing)
         self.ledger.label_layers(self.lm.stack, self.first_layer)  # once: each step then only records
@@ -219,11 +219,11 @@ class LLMEngine:
                 self.scheduler.add(r)
             for rid in aborts:
                 self.scheduler.abort(rid)
-            if self.config.speculative_config is not None:
-                self._propose()
+            if self.proposer is not None:
+                self.proposer.prepare(self.scheduler.running)  # each decoding request's proposals, or placeholders
             plan, self.index = next_plan(self.scheduler, self.index, self._on_schedule)
             if plan is not None:
-                plan = self._drafted(plan) if self.draft is not None else plan
+                plan = plan if self.proposer is None else self.proposer.fill(plan, self.scheduler.by_id)
                 for call in self._hook["before_forward"]:
                     call(self, plan)
                 agree(self.ctx, plan.fingerprint, f"iteration {plan.index}: ranks scheduled different rows")  # ★
@@ -258,9 +258,9 @@ class LLMEngine:
         """The plan through this rank's model: its tokens are ready at once (one group, no pipeline)."""
         if plan is None:
             return Ran(None, None, None, {})
-        if self._verify is not None:  # a draft's proposals: the rejection sampler verifies them
-            result, sampling, verify = self.runner.run_verified(plan, self.scheduler.by_id, *self._verify)
-            self._verify, extra = None, {"verify": verify}
+        if self.draft is not None and self.draft.verify is not None:  # the rejection sampler verifies a draft's rows
+            result, sampling, verify = self.runner.run_verified(plan, self.scheduler.by_id, *self.draft.verify)
+            self.draft.verify, extra = None, {"verify": verify}
         else:
             (result, sampling), extra = self.runner.run(plan, self.scheduler.by_id), {}
         self.index = plan.index + 1
@@ -302,37 +302,17 @@ class LLMEngine:
 
     def _tokens_of(self, plan: SchedulerOutput, rows: list[list[float]]) -> dict[int, tuple[list[int], list]]:
         """Each sampled request's new tokens and their rows of the table: a chunk's one token, or a verified chunk's
-        accepted proposals and the target's own (serve/spec_decode.py's accept), counted in the acceptance stats."""
+        accepted proposals and the target's own (the proposer's accept), counted in the acceptance stats."""
         out, i = {}, 0
         for c in plan.scheduled:
             if c.sample:
                 its = rows[i:i + len(c.spec) + 1]
                 i += len(its)
-                tokens = [int(row[0]) for row in its]
-                if c.spec:  # a draft's rows carry the rejection sampler's verdicts; n-gram's are read off the tokens
-                    tokens = (verify([bool(row[-1]) for row in its], tokens) if self.draft is not None
-                              else accept(tokens, c.spec))
+                tokens = self.proposer.accept(its, c.spec) if c.spec else [int(its[0][0])]
+                if c.spec:
                     self.spec_stats.observe(len(c.spec), len(tokens) - 1)
                 out[c.request] = (tokens, its)
         return out
-
-    def _propose(self) -> None:
-        """Every rank, before planning: each decoding request's proposals for this step, at most what its max_tokens
-        leaves after the target's own. n-gram: prompt lookup over its own tokens (host only, the same on every rank);
-        a draft model: k placeholders, so that the scheduler gives the rows (the draft fills them: _drafted)."""
-        spec = self.config.speculative_config
-        for r in self.scheduler.running:
-            if r.decoding:
-                k = min(spec.num_speculative_tokens, r.max_new_tokens - len(r.output) - 1)
-                r.spec_token_ids = [-1] * max(k, 0) if self.draft is not None else \
-                    propose_ngram(r.tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, k)
-
-    def _drafted(self, plan: SchedulerOutput) -> SchedulerOutput:
-        """With a draft model: its forwards fill the plan's proposals (no collective: it is whole on every rank), before
-        the ranks agree on the plan; the verifier's inputs wait for _run."""
-        plan, *verify = self.draft.propose(plan, self.scheduler.by_id)
-        self._verify = verify if any(c.spec for c in plan.scheduled) else None
-        return plan
 
     def _before_schedule(self, index: int) -> None:
         self.index = index  # an idle stretch skipped: hooks see the iteration about to be planned

@@ -139,6 +139,50 @@ def accept(sampled: list[int], proposals: tuple[int, ...]) -> list[int]:
     return sampled[:n + 1]
 
 
+class Proposer:
+    """Speculative decoding's seam (vLLM v1's proposers), one per engine, called by the step in this order:
+
+        prepare(running)      before planning: each decoding request's proposals (Request.spec_token_ids), at most
+                              what its max_tokens leaves after the target's own; the scheduler gives them rows and
+                              carries them in its SchedulerOutput (ScheduledRequest.spec)
+        fill(plan, requests)  after planning: the plan's proposals made now where they need the plan (a draft
+                              model's forwards fill its placeholders); `verify` then holds the verifier's inputs
+        accept(rows, spec)    after the step's one read: a verified chunk's tokens from its rows of the table
+
+    NgramProposer (prompt lookup, host only) and serve/draft.py's DraftRunner (a draft model) are its two kinds."""
+
+    verify: list | None = None  # this step's inputs of the rejection sampler (a draft's proposals and q), or None
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+
+    def prepare(self, running) -> None:
+        for r in running:
+            if r.decoding:
+                k = min(self.config.num_speculative_tokens, r.max_new_tokens - len(r.output) - 1)
+                r.spec_token_ids = self.proposals(r, max(k, 0))
+
+    def proposals(self, r, k: int) -> list[int]:
+        raise NotImplementedError
+
+    def fill(self, plan, requests):
+        return plan
+
+    def accept(self, rows: list[list[float]], spec: tuple[int, ...]) -> list[int]:
+        raise NotImplementedError
+
+
+class NgramProposer(Proposer):
+    """n-gram prompt lookup over a request's own tokens (host only, the same on every rank); its verifier is the
+    plain sampler's race, so a row's token is read off the table and accept() compares it with the proposal."""
+
+    def proposals(self, r, k: int) -> list[int]:
+        return propose_ngram(r.tokens, self.config.prompt_lookup_min, self.config.prompt_lookup_max, k)
+
+    def accept(self, rows: list[list[float]], spec: tuple[int, ...]) -> list[int]:
+        return accept([int(row[0]) for row in rows], spec)
+
+
 @dataclass
 class SpecDecodeStats:
     """Running totals, vLLM's names (its spec_decode_* counters)."""
