@@ -37,7 +37,7 @@ from launch.pp_check import render_pp, run_pp_check
 from launch.report import render
 from launch.settings import (LaunchSettings, boolean, common_settings, fitted_lengths, integer, launch, overridden,
                              positive_float, publish, refuse_bad_arguments)
-from layers.families import of
+from layers.families import FAMILIES, family, of
 from layers.config import DEFAULT_TOLERANCE, ModelConfig, parse_variants, validate_tokens, validate_variants
 from layers.llama import LlamaConfig
 from layers.moe import MOE_PARALLEL, validate_moe
@@ -70,9 +70,9 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
         raise ConfigError(f"pp={pp} with cp={cp} is not built: run context parallelism with pp=1")
     common = common_settings(cfg, world_size, local_world_size, tp_sizes={"tp": world_size // pp // cp})
     model = common["model"]
-    if model.family == "deepseek_v3":
-        raise ConfigError("run_block checks gpt2, llama and mixtral blocks; DeepSeek-V3 (MLA) blocks are checked by "
-                          "serving them: launch/serve.py model=deepseek_tiny")
+    if not of(model).block_check:
+        raise ConfigError(f"run_block checks {', '.join(f for f in FAMILIES if family(f).block_check)} blocks; "
+                          f"{of(model).title} blocks are checked by serving them (launch/serve.py)")
     notes: list[str] = []
     lengths = request_lengths(cfg, model, common["seed"], notes)
     if cp > 1:

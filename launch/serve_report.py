@@ -360,7 +360,7 @@ def kv_formula(m, n_layers: int, p: int, dtype: torch.dtype, cache_dtype: str = 
     K,V heads per rank. MLA (deepseek_v3): the latent c + r per layer, whole on every rank. e: the model dtype's
     bytes, or 1 for a quantized cache (kv_cache_dtype fp8/int8; its scales are a fixed L·2·heads·4 bytes apart)."""
     elem = dtype.itemsize if cache_dtype == "auto" else 1
-    if m.family == "deepseek_v3":
+    if of(m).cache_layout(m, p)[0] == 1:  # one plane: MLA's latent, not K and V
         from tp.partition import mla_kv_bytes_per_token
 
         per_rank = mla_kv_bytes_per_token(n_layers, m.kv_lora_rank, m.qk_rope_head_dim, elem)

@@ -153,6 +153,6 @@ FAMILY = Family(
     dense_blocks=dense_blocks,
     tp_blocks=lambda cfg, variant, group, dtype, device, moe_parallel="tp", n_layers=None:
         tp_blocks(cfg, moe_parallel, group, dtype, device),
-    variants=("v2",), moe=True, pipeline=False, experts_of=experts_of, toy=toy_config,
+    variants=("v2",), moe=True, pipeline=False, experts_of=experts_of, toy=toy_config, block_check=False,
     cache_layout=lambda cfg, p: (1, 1, cfg.latent_dim),  # MLA: one latent of c + r per token, whole on every rank
 )

@@ -331,7 +331,7 @@ def test_serve_launcher_with_deepseek_tiny(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,script,message", [
-    (["model=deepseek_tiny"], "run_block.py", "DeepSeek-V3 (MLA) blocks are checked by serving them"),
+    (["model=deepseek_tiny"], "run_block.py", "DeepSeek-V3 blocks are checked by serving them"),
     (["model=deepseek_tiny", "moe_parallel=ep_a2a"], "serve.py", "moe_parallel=ep_a2a is not served"),
     (["model=deepseek_tiny", "model.n_heads=3"], "serve.py", "n_heads=3 cannot be split over p=2 ranks"),
     (["model=deepseek_tiny", "pp=2"], "serve.py", "pp=2 with an MoE model is not built"),
