@@ -6,8 +6,8 @@ One launch of 4 ranks; for cp = 1, 2, 4 the first cp ranks form the group (tp = 
 of llama_tiny's attention (8 query heads, 2 K,V heads of 32, d = 256) and 2 layers, float32.
 
     prefill   one prompt of 4k and 8k tokens: cp = 1 is the plain block (SDPA, causal); cp > 1 ring attention over
-              zigzag chunks (layers/context_parallel.RingPrefill); time on the group's first rank, median of repeats;
-              the pass-KV bytes each rank sent per layer (the ledger) beside (cp − 1)·2·(S/cp)·h_kv·d·e
+              zigzag chunks (layers/attention/context_parallel.RingPrefill); time on the group's first rank, median
+              of repeats; the pass-KV bytes each rank sent per layer (the ledger) beside (cp − 1)·2·(S/cp)·h_kv·d·e
     decode    one new token against a 16k-position cache: cp = 1 attends over all of it (SDPA), cp > 1 each rank
               over its 1/cp of it (SplitKVDecode) and one all-gather merges; time per token, median of repeats
 
@@ -31,11 +31,11 @@ if __package__ in (None, ""):
 import torch
 import torch.distributed as dist
 
-from layers.context_parallel import RingPrefill, SplitKVDecode, zigzag_positions
-from layers.dense import DenseStack, init_weights
-from layers.llama import LlamaConfig
-from layers.shard import DenseSource, load_plan
-from layers.tp_block import tp_stack
+from layers.attention.context_parallel import RingPrefill, SplitKVDecode, zigzag_positions
+from layers.models.dense import DenseStack, init_weights
+from layers.models.llama import LlamaConfig
+from layers.models.tp_block import tp_stack
+from layers.parallel.shard import DenseSource, load_plan
 from tp.dist import init_from_env, shutdown
 from tp.ledger import TrafficLedger
 from tp.traffic_model import pass_kv_bytes_per_rank_per_layer

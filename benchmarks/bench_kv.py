@@ -28,9 +28,9 @@ if __package__ in (None, ""):
 import torch
 import torch.distributed as dist
 
-from layers.dense import init_weights
-from layers.llama import LLAMA_TINY, valid_llama_tp_sizes
-from layers.lm import DenseLlamaLM, greedy_reference, shard_lm
+from layers.models.dense import init_weights
+from layers.models.llama import LLAMA_TINY, valid_llama_tp_sizes
+from layers.models.lm import DenseLlamaLM, greedy_reference, shard_lm
 from serve.offline import OfflineEngine
 from serve.config import EngineConfig
 from serve.request import Request

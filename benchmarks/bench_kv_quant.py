@@ -88,7 +88,7 @@ def main() -> int:
     ap.add_argument("--p", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    from layers.llama import LlamaConfig  # noqa: F401  (the preset's family)
+    from layers.models.llama import LlamaConfig  # noqa: F401  (the preset's family)
     from serve.llm import resolve_model
     from tp.partition import kv_bytes_per_token, kv_heads_per_rank
 

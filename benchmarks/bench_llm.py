@@ -38,7 +38,7 @@ def prompts() -> list[list[int]]:
     from omegaconf import OmegaConf
 
     from launch.serve_settings import parse_requests
-    from layers.config import ARTICLE03
+    from layers.models.config import ARTICLE03
 
     cfg = OmegaConf.create({"prompts": None, "prompt_count": COUNT, "prompt_mean": MEAN, "prompt_dist": "lognormal",
                             "max_new_tokens": NEW, "arrivals": 0})

@@ -1,7 +1,7 @@
 """Loading a sharded bfloat16 Llama-shaped checkpoint on p = 1, 2, 4 ranks: each rank's peak resident memory and
 load time, per-rank slices against load everything.
 
-    per-rank slices    launch/serve.py's path: each rank reads only its slices (layers/hf.CheckpointSource)
+    per-rank slices    launch/serve.py's path: each rank reads only its slices (layers/models/hf.CheckpointSource)
     load everything    the path before it: every rank reads every file whole, builds the dense model, then cuts
                        its shard (load dense, then shard)
 
@@ -95,8 +95,8 @@ def _measure(ctx, path: str, how: str) -> dict:
     from safetensors.torch import load_file
 
     from launch.loading import LoadMeter
-    from layers.hf import CheckpointSource, load_lm, read_config, read_state
-    from layers.lm import dense_lm, shard_lm
+    from layers.models.hf import CheckpointSource, load_lm, read_config, read_state
+    from layers.models.lm import dense_lm, shard_lm
 
     cfg, ckpt = read_config(path), read_state(path)
     meter = LoadMeter(ckpt if how == "per-rank slices" else None, path=how)
@@ -121,7 +121,7 @@ def run(layers: int, shard_bytes: int, ps: list[int]) -> dict:
     from launch.spawn import spawn_ranks
 
     path = make_checkpoint(OUT / f"bench_load_ckpt_L{layers}", layers, shard_bytes)
-    from layers.checkpoint import Checkpoint
+    from layers.models.checkpoint import Checkpoint
 
     ckpt = Checkpoint(path)
     rows = []

@@ -11,7 +11,7 @@ whole on every rank, so MLA's count does not grow with p while the heads' caches
 Part 2, decode time: one MLA layer of DeepSeek-V3's per-rank shape at TP = 8 (16 heads, c = 512, r = 64, nope 128,
 v 128), `batch` decodes against contexts of 1k and 4k cached latents, float32 on this machine:
     decompressed   K, V rebuilt per head from the whole cached latent every step (kv_b over N positions), then MHA
-    absorbed       q̃ = q_nope·W_UK, MQA over the 576-wide latent, then W_UV (layers/mla.py's serving path)
+    absorbed       q̃ = q_nope·W_UK, MQA over the 576-wide latent, then W_UV (layers/models/mla.py's serving path)
 And one prompt of 512 and 2048 tokens from position 0 (causal), decompressed (the served prefill) against absorbed.
 Both outputs are compared (they are the same attention); the time ratio is measured in one run (median of repeats).
 """
@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from layers.lm import tp_lm
-from layers.llama import LlamaConfig
-from layers.mla import DEEPSEEK_TINY, DeepseekConfig, absorb, decompress, decompressed, unabsorb
+from layers.models.llama import LlamaConfig
+from layers.models.lm import tp_lm
+from layers.models.mla import DEEPSEEK_TINY, DeepseekConfig, absorb, decompress, decompressed, unabsorb
 from serve.kv_cache import KVPool
 from tp.partition import kv_bytes_per_token, kv_heads_per_rank, mla_kv_bytes_per_token
 

@@ -41,9 +41,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from benchmarks.bench_serve import bench_overhead, random_prompts
 from launch.settings import generate_lengths
 from launch.timing import medians
-from layers.config import ARTICLE03
-from layers.dense import init_weights
-from layers.lm import DenseLM, TPLM, shard_lm
+from layers.models.config import ARTICLE03
+from layers.models.dense import init_weights
+from layers.models.lm import DenseLM, TPLM, shard_lm
 from serve.offline import OfflineEngine
 from serve.config import EngineConfig
 from serve.model_runner import prepare_step
@@ -173,7 +173,7 @@ def bench_backends(lm: TPLM, ctx: TPContext, repeats: int) -> dict:
     and the context lengths, the median of 2 + 3·repeats iterations (the backends in turn, ABBA), and the share of it
     inside attention (the layers' paged_attention calls: torch.profiler's record_function around each, over
     `repeats` iterations)."""
-    import layers.attention as attention_module
+    import layers.attention.attention as attention_module
 
     inner = attention_module.paged_attention
 

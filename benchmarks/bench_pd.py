@@ -24,9 +24,9 @@ if __package__ in (None, ""):
 
 import torch
 
-from layers.config import ARTICLE03
-from layers.dense import init_weights
-from layers.lm import DenseLM
+from layers.models.config import ARTICLE03
+from layers.models.dense import init_weights
+from layers.models.lm import DenseLM
 from serve.config import EngineConfig
 from serve.pd import Layout, new_groups, serve_pd
 from serve.request import Request

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=P benchmarks/bench_pp.py [--pp 2] [--rows 512] [--repeats 3]
 
-The article03 stack (d=512, L=8), float32, v2, pp stages × tp = P/pp ranks (layers/pipeline.py, boundary whole).
+The article03 stack (d=512, L=8), float32, v2, pp stages × tp = P/pp ranks (layers/models/pipeline.py, boundary whole).
 A batch of --rows rows (one sequence of rows/m tokens per micro-batch) split into m = 1, 2, 4, 8 micro-batches runs
 through the stages; per stage, busy = the sum of its micro-batches' compute, and the bubble = 1 − busy / the
 schedule's span (the last stage's end). The formula assumes equal stages and free messages; on a CPU the ranks share
@@ -24,9 +24,9 @@ if __package__ in (None, ""):
 import torch
 import torch.distributed as dist
 
-from layers.config import ARTICLE03
-from layers.dense import DenseStack, init_weights
-from layers.pipeline import check_layout, new_pp_groups, shard_stage
+from layers.models.config import ARTICLE03
+from layers.models.dense import DenseStack, init_weights
+from layers.models.pipeline import check_layout, new_pp_groups, shard_stage
 from tp.dist import env_world, init_from_env, shutdown
 
 MICROBATCHES = (1, 2, 4, 8)
@@ -98,8 +98,8 @@ def section(runs: list[dict]) -> list[str]:
     lines = ["## Pipeline stages: the GPipe bubble", "",
              "`.venv/bin/torchrun --nproc_per_node=P benchmarks/bench_pp.py --pp P`: the article03 stack (L=8), float32, "
              f"v2, pp stages × tp = {first['tp']}, {first['rows']} rows split into m equal micro-batches, a forward-only "
-             "GPipe schedule (layers/pipeline.py); per stage, busy = its micro-batches' compute (sends and waits are "
-             "idle), bubble = 1 − busy / the schedule's span; the mean over stages, median of "
+             "GPipe schedule (layers/models/pipeline.py); per stage, busy = its micro-batches' compute (sends and "
+             "waits are idle), bubble = 1 − busy / the schedule's span; the mean over stages, median of "
              f"{first['repeats']} runs.", "",
              "| pp | m | rows per micro-batch | bubble measured | (pp − 1)/(m + pp − 1) | per stage |",
              "|---|---|---|---|---|---|"]

@@ -34,10 +34,10 @@ if __package__ in (None, ""):
 import torch
 import torch.distributed as dist
 
-from layers.config import ARTICLE03
-from layers.dense import init_weights
-from layers.lm import DenseLM, shard_lm
-from layers.pipeline import check_layout, new_pp_groups, shard_pp_lm
+from layers.models.config import ARTICLE03
+from layers.models.dense import init_weights
+from layers.models.lm import DenseLM, shard_lm
+from layers.models.pipeline import check_layout, new_pp_groups, shard_pp_lm
 from serve.offline import OfflineEngine
 from serve.config import EngineConfig
 from serve.pipeline import stage_report

@@ -40,8 +40,8 @@ FILTERS = {"greedy": dict(temperature=0.0), "temperature": dict(temperature=0.8)
 def measure_bytes(ctx, vocab: int) -> dict:
     import torch
 
-    from layers.sampler import SamplingBatch, sample
-    from layers.vocab import padded_vocab
+    from layers.parallel.vocab import padded_vocab
+    from layers.sampling.sampler import SamplingBatch, sample
     from tp.comm import gather_from_region
     from tp.ledger import TrafficLedger
     from tp.traffic_model import predict_sampler

@@ -43,11 +43,11 @@ import torch.distributed as dist
 
 from launch.settings import generate_lengths
 from launch.timing import medians
-from layers.config import ARTICLE03
-from layers.dense import init_weights
-from layers.hf_gpt2 import load_lm
-from layers.lm import DenseLM, TPLM, greedy_reference, shard_lm
-from layers.sampler import sample
+from layers.models.config import ARTICLE03
+from layers.models.dense import init_weights
+from layers.models.hf_gpt2 import load_lm
+from layers.models.lm import DenseLM, TPLM, greedy_reference, shard_lm
+from layers.sampling.sampler import sample
 from serve.config import EngineConfig
 from serve.offline import OfflineEngine, ServeResult
 from serve.request import Request

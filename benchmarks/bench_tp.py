@@ -34,10 +34,10 @@ import torch.distributed as dist
 
 from launch.timing import medians
 from launch.spawn import spawn_ranks
-from layers.config import ARTICLE03
-from layers.dense import DenseStack, init_weights
-from layers.shard import qkv_head_aligned_shard
-from layers.tp_block import shard_stack
+from layers.models.config import ARTICLE03
+from layers.models.dense import DenseStack, init_weights
+from layers.models.tp_block import shard_stack
+from layers.parallel.shard import qkv_head_aligned_shard
 from tp.dist import TPContext
 from tp.ledger import TrafficLedger
 

@@ -23,12 +23,12 @@ if __package__ in (None, ""):
 import torch
 
 from launch.timing import medians
-from layers.config import ModelConfig
-from layers.dense import DenseStack, init_weights
+from layers.models.config import ModelConfig
+from layers.models.dense import DenseStack, init_weights
 from launch.settings import generate_lengths
-from layers.config import SERVING_VARIANTS
-from layers.tp_block import shard_stack
-from layers.varlen import Requests, score_entries
+from layers.attention.varlen import Requests, score_entries
+from layers.models.config import SERVING_VARIANTS
+from layers.models.tp_block import shard_stack
 from tp.dist import init_from_env, shutdown
 
 

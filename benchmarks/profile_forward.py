@@ -17,9 +17,9 @@ if __package__ in (None, ""):
 
 import torch
 
-from layers.config import ARTICLE03
-from layers.dense import DenseStack, init_weights
-from layers.tp_block import shard_stack
+from layers.models.config import ARTICLE03
+from layers.models.dense import DenseStack, init_weights
+from layers.models.tp_block import shard_stack
 from tp.dist import init_from_env, shutdown
 
 

@@ -21,12 +21,12 @@ if __package__ in (None, ""):
 
 import torch
 
-import layers.attention as attention_module
+import layers.attention.attention as attention_module
 from benchmarks.bench_serve import HF_BUDGET, HF_CHUNK, hf_workload
-from layers.attention_backends import BACKENDS
-from layers.config import ARTICLE03
-from layers.dense import init_weights
-from layers.lm import DenseLM, shard_lm
+from layers.attention.backends import BACKENDS
+from layers.models.config import ARTICLE03
+from layers.models.dense import init_weights
+from layers.models.lm import DenseLM, shard_lm
 from serve.config import EngineConfig
 from serve.offline import OfflineEngine
 from serve.request import Request

@@ -25,7 +25,7 @@ from benchmarks.bench_pp_serve import plot as pp_serve_plot, section as pp_serve
 from benchmarks.bench_threads import section as threads_section  # noqa: E402
 from benchmarks.report_paged import section as paged_section  # noqa: E402
 from benchmarks.report_serve import pd_section, plot_timeline, section as serving_section  # noqa: E402
-from layers.config import VARIANTS  # noqa: E402
+from layers.models.config import VARIANTS  # noqa: E402
 
 OUT = Path("outputs")
 

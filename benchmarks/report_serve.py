@@ -101,7 +101,7 @@ def hf_section(runs: dict[int, dict]) -> list[str]:
              "GPT-2 weights in both. Ours: the engine, long_prefill_token_threshold "
              f"{any_run['chunk_size']}, max_num_batched_tokens {any_run['max_batched_tokens']}"
              + (f", max_num_seqs {any_run['max_running']} (EngineConfig's default) or all {any_run['requests']} at "
-                "once (tuned), per attention backend (layers/attention_backends.py; the settings alternate over the "
+                "once (tuned), per attention backend (layers/attention/backends.py; the settings alternate over the "
                 "repeats)" if "engines" in any_run else "") + ". transformers: "
              "`GPT2LMHeadModel.generate` (greedy,",
              "SDPA attention, EOS off) over static batches in request order, left-padded with an attention mask, each",
@@ -306,7 +306,7 @@ def matmul_flops(model: dict, h: dict):
     """FLOPs of the linears and the head of a run of the hf workload: rows through the blocks (2 · the blocks'
     parameters each) plus rows scored by the head (2 · V · d each): the engine scores each token it samples (batch
     None), transformers' static batches every request of the batch in each of the batch's forwards."""
-    from layers.config import ModelConfig
+    from layers.models.config import ModelConfig
     from tp.cost_model import shape_of
 
     cfg = ModelConfig(**{k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__})

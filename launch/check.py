@@ -21,12 +21,12 @@ from launch.memory import saved_bytes_per_layer
 from launch.profiling import profile_variant
 from launch.shards import shard_rows
 from launch.traffic import measure_traffic
-from layers.config import ModelConfig
-from layers.llama import LlamaConfig
-from layers.dense import DenseStack, init_weights, weights_checksum
-from layers.hf import load_stack
-from layers.tp_block import shard_stack
-from layers.varlen import Requests, check_same_on_every_rank
+from layers.attention.varlen import Requests, check_same_on_every_rank
+from layers.models.config import ModelConfig
+from layers.models.dense import DenseStack, init_weights, weights_checksum
+from layers.models.hf import load_stack
+from layers.models.llama import LlamaConfig
+from layers.models.tp_block import shard_stack
 from tp.dist import TPContext, same_on_every_rank
 from tp.memory_model import activation_bytes_per_layer
 

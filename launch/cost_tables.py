@@ -94,7 +94,7 @@ def main() -> int:
     print(f"  N = B·S = {B * S:,} tokens in prefill, B = {B} in decode: every volume shrinks S-fold in decode\n"
           f"  TP+SP (not in the doc): its reduce-scatter + all-gather move exactly the all-reduce's volume\n"
           f"  PP: once per stage boundary, not per layer; PP/TP: each of a stage's TP ranks sends its 1/TP of the rows\n"
-          f"  and the next stage all-gathers them (layers/pipeline.py's scatter boundary, vLLM's way)\n")
+          f"  and the next stage all-gathers them (layers/models/pipeline.py's scatter boundary, vLLM's way)\n")
 
     rows = []
     for tp in (1, 8, 16, 28, 32):

@@ -1,5 +1,5 @@
-"""run_block with cp > 1: one long request over cp × tp ranks (layers/context_parallel.py), checked against the
-single-device stack: its prompt by ring attention (zigzag chunks, pass-KV), then `cp_decode` new tokens over the
+"""run_block with cp > 1: one long request over cp × tp ranks (layers/attention/context_parallel.py), checked against
+the single-device stack: its prompt by ring attention (zigzag chunks, pass-KV), then `cp_decode` new tokens over the
 split cache (one log-sum-exp merge per layer); every rank's collectives and ring messages against the traffic model
 (tp/traffic_model.predict_cp); the causal work per rank under zigzag beside the naive split.
 
@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from launch.check import dense_and_input
 from launch.report import _counts, format_table, kib
-from layers.context_parallel import (RingPrefill, SplitKVDecode, causal_pairs, contiguous_positions, new_cp_groups,
-                                     zigzag_positions)
-from layers.shard import DenseSource, load_plan
-from layers.tp_block import tp_stack
+from layers.attention.context_parallel import (RingPrefill, SplitKVDecode, causal_pairs, contiguous_positions,
+                                               new_cp_groups, zigzag_positions)
+from layers.models.tp_block import tp_stack
+from layers.parallel.shard import DenseSource, load_plan
 from tp.dist import TPContext
 from tp.ledger import TrafficLedger
 from tp.traffic_model import pass_kv_bytes_per_rank_per_layer, predict_cp

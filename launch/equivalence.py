@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
-from layers.tp_block import TPStack
-from layers.varlen import Requests
+from layers.attention.varlen import Requests
+from layers.models.tp_block import TPStack
 from tp.dist import TPContext
 from tp.ledger import collective_kind
 

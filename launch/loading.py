@@ -1,6 +1,6 @@
 """Loading the weights a launcher serves, and what it costs each rank: peak resident memory and time.
 
-    per-rank slices     a checkpoint: each rank reads only the slices it holds (layers/hf.CheckpointSource)
+    per-rank slices     a checkpoint: each rank reads only the slices it holds (layers/models/hf.CheckpointSource)
     dense, then shard   random weights: every rank builds the dense model from `seed` and cuts its slices
 
 The peak is the kernel's own high-water mark (VmHWM in /proc/self/status), reset when loading starts by writing

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from layers.tp_block import TPStack
+from layers.models.tp_block import TPStack
 
 
 def saved_bytes_per_layer(stack: TPStack, x: torch.Tensor) -> list[int]:

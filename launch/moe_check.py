@@ -21,11 +21,11 @@ import torch.distributed as dist
 
 from launch.report import format_table, kib
 from launch.timing import sample, slowest
-from layers.dense import DenseStack, Stack, init_weights, weights_checksum
-from layers.hf import load_stack
-from layers.moe import dense_routing, moe_block
-from layers.shard import DenseSource, load_plan
-from layers.varlen import Requests
+from layers.attention.varlen import Requests
+from layers.models.dense import DenseStack, Stack, init_weights, weights_checksum
+from layers.models.hf import load_stack
+from layers.models.moe import dense_routing, moe_block
+from layers.parallel.shard import DenseSource, load_plan
 from tp.cost_model import ep_alltoall_elems_per_gpu
 from tp.dist import TPContext, same_on_every_rank
 from tp.ledger import TrafficLedger
@@ -44,7 +44,7 @@ def run_moe_check(cfg, *, lengths: list[int], dtype: torch.dtype, seed: int, pla
     p, rank = ctx.world_size, ctx.rank
     requests = Requests.from_lengths(lengths)
     dense = init_weights(DenseStack(cfg, dtype, ctx.device), seed)
-    if weights is not None:  # a Mixtral checkpoint (layers/hf_mixtral.py), one whole tensor at a time
+    if weights is not None:  # a Mixtral checkpoint (layers/models/hf_mixtral.py), one whole tensor at a time
         load_stack(dense, weights)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(sum(lengths), cfg.d_model, generator=gen, dtype=torch.float64).to(ctx.device, dtype)

@@ -1,5 +1,5 @@
-"""run_block with pp > 1: the stack as pp pipeline stages of tp ranks each (layers/pipeline.py), checked against the
-single-device stack layer by layer, every rank's collectives and stage-boundary messages against the traffic model,
+"""run_block with pp > 1: the stack as pp pipeline stages of tp ranks each (layers/models/pipeline.py), checked against
+the single-device stack layer by layer, every rank's collectives and stage-boundary messages against the traffic model,
 and the forward-only GPipe schedule's bubble per stage beside (pp − 1)/(m + pp − 1).
 
     torchrun --nproc_per_node=8 launch/run_block.py pp=2                      # 2 stages × tp 4
@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from launch.check import dense_and_input
 from launch.report import _counts, format_table, kib
-from layers.pipeline import PPLayout, new_pp_groups, shard_stage
-from layers.varlen import Requests
+from layers.attention.varlen import Requests
+from layers.models.pipeline import PPLayout, new_pp_groups, shard_stage
 from tp.dist import TPContext
 from tp.ledger import TrafficLedger
 from tp.traffic_model import predict_pp_stage

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from layers.tp_block import TPStack
+from layers.models.tp_block import TPStack
 from tp.dist import TPContext
 from tp.ledger import TrafficLedger
 from tp.trace import backend_witness, collectives_by_layer, layer_scopes

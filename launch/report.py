@@ -5,7 +5,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from launch.shards import linears
-from layers import families
+from layers.models import families
 
 DESCRIPTION = {
     "v1": "all column-parallel",

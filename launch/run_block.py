@@ -37,12 +37,12 @@ from launch.pp_check import render_pp, run_pp_check
 from launch.report import render
 from launch.settings import (LaunchSettings, boolean, common_settings, fitted_lengths, integer, launch, overridden,
                              positive_float, publish, refuse_bad_arguments)
-from layers.families import FAMILIES, family, of
-from layers.config import DEFAULT_TOLERANCE, ModelConfig, parse_variants, validate_tokens, validate_variants
-from layers.llama import LlamaConfig
-from layers.moe import MOE_PARALLEL, validate_moe
-from layers.pipeline import BOUNDARIES, PP_VARIANTS, check_layout, pp_layout
-from layers.varlen import score_entries
+from layers.attention.varlen import score_entries
+from layers.models.config import DEFAULT_TOLERANCE, ModelConfig, parse_variants, validate_tokens, validate_variants
+from layers.models.families import FAMILIES, family, of
+from layers.models.llama import LlamaConfig
+from layers.models.moe import MOE_PARALLEL, validate_moe
+from layers.models.pipeline import BOUNDARIES, PP_VARIANTS, check_layout, pp_layout
 from tp.dist import ConfigError, env_world
 
 

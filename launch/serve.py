@@ -35,12 +35,12 @@ from launch.loading import LoadMeter
 from launch.serve_report import add_text, build_pd_report, build_report, render, render_pd
 from launch.serve_settings import Settings, parse_settings
 from launch.settings import launch, publish, refuse_bad_arguments
-from layers.dense import weights_checksum
-from layers.families import of
-from layers.lm import NEAR_TIE
-from layers.context_parallel import rank_groups
-from layers.kv_quant import gather_scales, pseudo_quantized
-from layers.pipeline import stage_layers
+from layers.attention.context_parallel import rank_groups
+from layers.attention.kv_quant import gather_scales, pseudo_quantized
+from layers.models.dense import weights_checksum
+from layers.models.families import of
+from layers.models.lm import NEAR_TIE
+from layers.models.pipeline import stage_layers
 from serve.build import build_lm, dense_model, rank_weights
 from serve.control import agree, digest
 from serve.hooks import check_request

@@ -7,9 +7,9 @@ import torch
 
 from launch.loading import render_load
 from launch.report import format_table, kib
-from layers.attention_backends import choose
-from layers.families import of
-from layers.pipeline import stage_layers
+from layers.attention.backends import choose
+from layers.models.families import of
+from layers.models.pipeline import stage_layers
 from serve.kv_cache import kv_bytes_per_token
 from tp.cost_model import kv_bytes_per_token_per_rank
 from tp.ledger import ring_bytes_per_rank

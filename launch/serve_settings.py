@@ -17,10 +17,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from launch.settings import (LaunchSettings, boolean, check_memory, common_settings, fitted_lengths, integer,
                              memory_need, read_transient)
-from layers.config import SERVING_VARIANTS, ModelConfig
-from layers.hf import checkpoint_eos
-from layers.families import of, validate
-from layers.pipeline import BOUNDARIES, check_pipeline, pp_layout
+from layers.models.config import SERVING_VARIANTS, ModelConfig
+from layers.models.families import of, validate
+from layers.models.hf import checkpoint_eos
+from layers.models.pipeline import BOUNDARIES, check_pipeline, pp_layout
 from serve.config import EngineConfig
 from serve.pd import Layout, check_pools
 from serve.request import Request, context_error

@@ -18,12 +18,12 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from layers.config import ModelConfig
-from layers.lm import dense_lm
-from layers.llama import LlamaConfig
-from layers.families import config_class, of
-from layers.checkpoint import Checkpoint
-from layers.hf import check_state, read_config, read_state, resolve_dtype
+from layers.models.checkpoint import Checkpoint
+from layers.models.config import ModelConfig
+from layers.models.families import config_class, of
+from layers.models.hf import check_state, read_config, read_state, resolve_dtype
+from layers.models.llama import LlamaConfig
+from layers.models.lm import dense_lm
 from tp.dist import ConfigError, env_world, init_from_env, resolve_backend, resolve_device, shutdown
 
 
@@ -305,7 +305,7 @@ def known_settings(config_name: str, preset: str | None = None) -> set[str]:
 
 
 def read_checkpoint(path: str):
-    """The checkpoint's index and headers (layers/checkpoint.Checkpoint), read in the settings phase: a missing,
+    """The checkpoint's index and headers (layers/models/checkpoint.Checkpoint), read in the settings phase: a missing,
     truncated or corrupt file is a setting error, not a crash later. No tensor is read here."""
     try:
         return read_state(path)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from layers import families
-from layers.llama import kv_heads_of_rank
-from layers.shard import heads_of_rank
-from layers.tp_block import TPStack
+from layers.models import families
+from layers.models.llama import kv_heads_of_rank
+from layers.models.tp_block import TPStack
+from layers.parallel.shard import heads_of_rank
 from tp.dist import TPContext
 
 def linears(family: str) -> tuple[str, ...]:

@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from layers.config import ModelConfig  # noqa: E402
-from layers.dense import init_weights  # noqa: E402
-from layers.llama import LlamaConfig  # noqa: E402
-from layers.lm import dense_lm, shard_lm  # noqa: E402
-from layers.moe import MoEConfig  # noqa: E402
+from layers.models.config import ModelConfig  # noqa: E402
+from layers.models.dense import init_weights  # noqa: E402
+from layers.models.llama import LlamaConfig  # noqa: E402
+from layers.models.lm import dense_lm, shard_lm  # noqa: E402
+from layers.models.moe import MoEConfig  # noqa: E402
 from serve.config import EngineConfig  # noqa: E402
 from serve.hooks import StepHook  # noqa: E402
 from serve.engine import LLMEngine  # noqa: E402

@@ -13,8 +13,8 @@ from collections import Counter
 import torch
 
 from launch.timing import sample, slowest
-from layers.config import ModelConfig
-from layers.tp_block import TPStack
+from layers.models.config import ModelConfig
+from layers.models.tp_block import TPStack
 from tp.dist import TPContext
 from tp.ledger import CommRecord, Traffic, TrafficLedger
 from tp.traffic_model import PHASES, predict, predict_sp_stack

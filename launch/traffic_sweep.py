@@ -24,9 +24,9 @@ if __package__ in (None, ""):
 import torch
 
 from launch.spawn import spawn_ranks
-from layers.config import ALL_VARIANTS as VARIANTS, ModelConfig, validate_model, validate_variants
-from layers.dense import DenseStack, init_weights
-from layers.tp_block import shard_stack
+from layers.models.config import ALL_VARIANTS as VARIANTS, ModelConfig, validate_model, validate_variants
+from layers.models.dense import DenseStack, init_weights
+from layers.models.tp_block import shard_stack
 from tp.dist import ConfigError, TPContext
 from tp.ledger import TrafficLedger
 from tp.traffic_model import bytes_per_rank_per_layer

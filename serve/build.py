@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from layers.checkpoint import Checkpoint
-from layers.dense import init_weights
-from layers.hf import CheckpointSource, load_lm
-from layers.lm import dense_lm, shard_lm
+from layers.models.checkpoint import Checkpoint
+from layers.models.dense import init_weights
+from layers.models.hf import CheckpointSource, load_lm
+from layers.models.lm import dense_lm, shard_lm
 from serve.config import EngineConfig
 from serve.engine import LLMEngine
 from serve.hooks import StepHook
@@ -45,11 +45,11 @@ def dense_model(model, checkpoint: Checkpoint | str | None, dtype: torch.dtype, 
 def build_lm(weights, ctx: TPContext, *, pp: int = 1, variant: str = "v2", vocab_parallel: bool = True,
              moe_parallel: str = "tp", pp_boundary: str = "whole", group: dist.ProcessGroup | None = None):
     """This rank's model: with pp = 1 its TP shard over `group` (default ctx.group; context parallelism's tp group)
-    (shard_lm); with pp > 1 its stage's (the world is pp stages of world / pp TP ranks: layers/pipeline.py; every rank
-    builds the stage groups, in the same order)."""
+    (shard_lm); with pp > 1 its stage's (the world is pp stages of world / pp TP ranks: layers/models/pipeline.py; every
+    rank builds the stage groups, in the same order)."""
     if pp == 1:
         return shard_lm(weights, variant, ctx.group if group is None else group, vocab_parallel, moe_parallel)
-    from layers.pipeline import check_layout, new_pp_groups, shard_pp_lm
+    from layers.models.pipeline import check_layout, new_pp_groups, shard_pp_lm
 
     layout = check_layout(ctx.world_size, pp, weights.cfg.n_layers, variant)
     stages = new_pp_groups(layout)
@@ -67,7 +67,7 @@ def new_engine(lm, ctx: TPContext, config: EngineConfig | None = None, eos_token
                seed: int = 0, hooks: list[StepHook] | None = None, draft_lm=None, cp_group=None) -> LLMEngine:
     """An LLMEngine for a TP model (with speculative decoding's draft model, whole on this rank, if given; with
     context parallelism's cp group, lm being this rank's TP shard over its tp group); for a pipeline stage's model
-    (layers/pipeline.py's PPLM, ctx the world's), the PipelineEngine."""
+    (layers/models/pipeline.py's PPLM, ctx the world's), the PipelineEngine."""
     if hasattr(lm, "forward_stage"):
         return PipelineEngine(lm, ctx, config, eos_token_ids, seed, hooks)
     return LLMEngine(lm, ctx, config, eos_token_ids, seed, hooks, draft_lm, cp_group)

@@ -10,7 +10,7 @@
     block_size                    token positions per KV block
     num_gpu_blocks_override       blocks in each rank's pool; None: the engine sizes it (pool_blocks, below)
     enable_prefix_caching         share full blocks of identical prompt prefixes
-    attention                     the attention backend (layers/attention_backends.py): auto (cpu on a CPU, batched
+    attention                     the attention backend (layers/attention/backends.py): auto (cpu on a CPU, batched
                                   on CUDA) | cpu (one call per request, nothing padded) | batched (one cache write and
                                   a few calls per layer, as a GPU runs it) | reference (the readable loop)
     comm_timing                   per-collective wall times in the ledger (two waits each)
@@ -20,9 +20,9 @@
     chunk_pipelining              pipeline stages (pp > 1): a prompt's next chunk may enter the pipeline while its
                                   previous chunk is still in flight (off: a request is in one micro-batch in flight
                                   at most, vLLM V1's rule)
-    kv_cache_dtype                the KV cache's storage (layers/kv_quant.py): auto (the model's dtype) | fp8_e4m3 |
-                                  fp8_e5m2 | int8 (fp8: vLLM's name for fp8_e4m3), one byte per value with float32
-                                  scales per layer, K|V and head
+    kv_cache_dtype                the KV cache's storage (layers/attention/kv_quant.py): auto (the model's dtype) |
+                                  fp8_e4m3 | fp8_e5m2 | int8 (fp8: vLLM's name for fp8_e4m3), one byte per value with
+                                  float32 scales per layer, K|V and head
     calculate_kv_scales           a quantized cache's scales from the first prefill each layer sees (off, the default
                                   as in vLLM: 1.0; int8 needs them calculated)
     kv_cache_memory_bytes         each rank's pool at this many bytes (blocks = bytes // a block's bytes, which
@@ -54,9 +54,9 @@ from dataclasses import dataclass
 from serve.spec_decode import SpeculativeConfig
 from tp.partition import ceil_div
 
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")  # layers/kv_quant.py: the model's dtype, or one byte
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")  # layers/attention/kv_quant.py: model dtype, or one byte
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name: fp8 is e4m3 (as on CUDA)
-ATTENTION_MODES = ("auto", "cpu", "batched", "reference")  # layers/attention_backends.py: auto picks by device
+ATTENTION_MODES = ("auto", "cpu", "batched", "reference")  # layers/attention/backends.py: auto picks by device
 SCHEDULING_POLICIES = ("fcfs", "priority")  # serve/scheduler.py POLICIES
 COUNTS = ("long_prefill_token_threshold", "max_num_batched_tokens", "max_num_seqs", "block_size")
 SWITCHES = ("enable_prefix_caching", "comm_timing", "check_ledger", "reserve_capacity", "chunk_pipelining",
@@ -136,8 +136,9 @@ class EngineConfig:
             raise ValueError("speculative_config with pipeline stages (pp > 1) is not built yet: use pp = 1")
 
     def check_context_parallel(self, cp: int, pp: int = 1, name: str = "context_parallel_size") -> None:
-        """The rules between these settings and context parallelism's size (layers/context_parallel.SplitCacheBackend),
-        one ValueError each, naming what to change; name: the setting as the caller spells it (the launcher's cp)."""
+        """The rules between these settings and context parallelism's size
+        (layers/attention/context_parallel.SplitCacheBackend), one ValueError each, naming what to change; name: the
+        setting as the caller spells it (the launcher's cp)."""
         if cp == 1:
             return
         if pp > 1:

@@ -28,8 +28,8 @@ import dataclasses
 
 import torch
 
-from layers.rejection_sampler import DRAFT_STREAM, filtered_logprobs, verify
-from layers.sampler import SamplingBatch, sample
+from layers.sampling.rejection_sampler import DRAFT_STREAM, filtered_logprobs, verify
+from layers.sampling.sampler import SamplingBatch, sample
 from serve.kv_cache import KVPool
 from serve.model_runner import prepare_step
 from serve.plan import ScheduledRequest, SchedulerOutput

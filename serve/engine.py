@@ -33,8 +33,8 @@ from typing import NamedTuple
 
 import torch
 
-from layers.lm import TPLM, TPLlamaLM
-from layers.sampler import SampleResult, request_seed, row_logprobs
+from layers.models.lm import TPLM, TPLlamaLM
+from layers.sampling.sampler import SampleResult, request_seed, row_logprobs
 from serve.block_manager import KVCacheManager
 from serve.config import EngineConfig
 from serve.control import CONTROL_HEADER, IDLE, RUN, STOP, agree, broadcast_control

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from layers.lm import greedy_reference, oracle_verdict, sampled_reference
+from layers.models.lm import greedy_reference, oracle_verdict, sampled_reference
 from serve.plan import SchedulerOutput
 from serve.request import Request, RequestStatus
 

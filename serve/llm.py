@@ -48,8 +48,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tok
 
 def resolve_model(model: str, p: int, moe_parallel: str):
     """(model config, checkpoint directory or None, preset name or None), valid at tensor-parallel size p."""
-    from layers.families import validate
-    from layers.hf import read_config
+    from layers.models.families import validate
+    from layers.models.hf import read_config
     from tp.dist import ConfigError
 
     if not isinstance(model, (str, os.PathLike)):
@@ -91,7 +91,7 @@ def check_model_exists(model, what: str = "model=") -> None:
 def _preset(name: str):
     from omegaconf import OmegaConf
 
-    from layers.families import config_class
+    from layers.models.families import config_class
 
     fields = OmegaConf.to_container(OmegaConf.load(PRESETS / f"{name}.yaml"), resolve=True)
     return config_class(fields.pop("family", "gpt2"))(**fields)
@@ -113,19 +113,19 @@ class LLM:
                  device: str = "auto", moe_parallel: str = "tp", timeout_s: float = DEFAULT_TIMEOUT_S,
                  check: bool = False, threads_per_rank: int | None = None, **engine_settings):
         """model: a save_pretrained directory (GPT-2, Llama, Mixtral; sharded or not) or a preset (conf/model/).
-        pipeline_parallel_size: pp stages of tensor_parallel_size ranks each (pp · tp ranks; layers/pipeline.py's
+        pipeline_parallel_size: pp stages of tensor_parallel_size ranks each (pp · tp ranks; layers/models/pipeline.py's
         split of the layers, serve/pipeline.py's engine with up to pp micro-batches in flight).
         context_parallel_size: cp ranks per TP rank (cp · tp ranks) holding the same heads and each 1/cp of every
-        request's K,V (layers/context_parallel.py's split cache: token t on cp rank t % cp, one log-sum-exp merge
-        per layer); GPT-2 and Llama, pp = 1, block_size a multiple of cp.
+        request's K,V (layers/attention/context_parallel.py's split cache: token t on cp rank t % cp, one log-sum-exp
+        merge per layer); GPT-2 and Llama, pp = 1, block_size a multiple of cp.
         threads_per_rank: each rank's intra-op threads (None: tp/dist.py threads_per_rank's choice from the cores
         this process may use, or OMP_NUM_THREADS; `LLM.threads_per_rank` says which ran, and why).
         check: every finished request against the dense model recomputed without a cache (RequestOutput.oracle;
         rank 0 holds the dense model too). dtype: "auto" (the checkpoint's torch_dtype; float32 for presets), a name
         or a torch.dtype; `LLM.dtype` says which ran, as a name. engine_settings: EngineConfig's fields (vLLM's
         names: serve/config.py); check_ledger (every step's collectives against the model) is on by default."""
-        from layers.hf import resolve_dtype
-        from layers.pipeline import check_pipeline
+        from layers.models.hf import resolve_dtype
+        from layers.models.pipeline import check_pipeline
         from tp.dist import ConfigError, resolve_backend, resolve_device
         from tp.dist import threads_per_rank as resolve_threads
 
@@ -162,7 +162,7 @@ class LLM:
         self.model_config, checkpoint = resolve_model(model, p, moe_parallel)
         self.config.check_model_len(self.model_config.max_seq_len)
         self.max_model_len = self.config.max_model_len or self.model_config.max_seq_len
-        from layers.families import of
+        from layers.models.families import of
 
         if cp > 1 and not of(self.model_config).context_parallel:
             raise ValueError(f"context_parallel_size={cp}: {self.model_config.family} models are not built for "
@@ -191,15 +191,15 @@ class LLM:
                                                   self.config.block_size // cp, torch_dtype, self.config.kv_cache_dtype)
             self.config.pool_blocks(self.model_config.max_seq_len, None, self.block_bytes)
         if checkpoint is not None:
-            from layers.checkpoint import Checkpoint
-            from layers.hf import check_state
+            from layers.models.checkpoint import Checkpoint
+            from layers.models.hf import check_state
 
             try:
                 check_state(self.model_config, Checkpoint(checkpoint), lm=True)  # headers only: no tensor is read
             except (ConfigError, OSError) as exc:
                 raise ValueError(f"model={checkpoint}: {exc}") from None
         self.tokenizer = load_tokenizer(tokenizer or checkpoint)
-        from layers.hf import checkpoint_eos
+        from layers.models.hf import checkpoint_eos
 
         self.eos_token_ids = checkpoint_eos(checkpoint, self.model_config.vocab_size)
         self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size = p, pp, cp

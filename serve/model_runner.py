@@ -5,7 +5,7 @@
     tokens, logits = runner.run(plan, tokens_of)                        # [S] ids and their logits, every rank
 
 It owns the rank's KV pool (serve/kv_cache.py: K,V of the rank's own heads, one tensor), builds the step's
-inputs once per iteration (prepare_step, below) and calls the model's `step` (layers/lm.py: embedding, the stack
+inputs once per iteration (prepare_step, below) and calls the model's `step` (layers/models/lm.py: embedding, the stack
 over the paged cache, the vocab-parallel head's pick). The results stay on the device: reading them is the engine's
 one wait per step.
 
@@ -15,7 +15,7 @@ One iteration's plan -> the tensors the model reads, built once per iteration (n
     positions [T]      each row's position in its request: q_start, q_start + 1, ...
     slot_mapping [T]   where each row's K,V go: blocks[t // block_size] · block_size + t % block_size
     sample_rows [S]    the rows whose logits give a token
-    batch              what the attention backend reads (layers/attention_backends.py): block tables, groups, masks
+    batch              what the attention backend reads (layers/attention/backends.py): block tables, groups, masks
 
 Everything integer is laid out on the host in one list and moved with one host-to-device copy (pinned and
 non-blocking on a GPU); masks are then built on the device. The attention backend adds its own lists to the same copy
@@ -29,12 +29,12 @@ from typing import NamedTuple
 
 import torch
 
-from layers.attention import PagedLayer
-from layers.attention_backends import PagedBatch, backend, choose
-from layers.context_parallel import SplitCacheBackend
-from layers.lm import TPLM, TPLlamaLM
-from layers.rejection_sampler import filtered_logprobs, rejection_sample
-from layers.sampler import SampleResult, SamplingBatch
+from layers.attention.attention import PagedLayer
+from layers.attention.backends import PagedBatch, backend, choose
+from layers.attention.context_parallel import SplitCacheBackend
+from layers.models.lm import TPLM, TPLlamaLM
+from layers.sampling.rejection_sampler import filtered_logprobs, rejection_sample
+from layers.sampling.sampler import SampleResult, SamplingBatch
 from serve.config import EngineConfig
 from serve.block_manager import slot_mapping
 from serve.kv_cache import KVPool
@@ -46,7 +46,7 @@ from tp.dist import TPContext
 class ModelRunner:
     def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, num_blocks: int, config: EngineConfig, cp_group=None):
         """config: block_size, attention, kv_cache_dtype and calculate_kv_scales are read. cp_group: context
-        parallelism's group (layers/context_parallel.SplitCacheBackend): this rank keeps 1/cp of every block's
+        parallelism's group (layers/attention/context_parallel.SplitCacheBackend): this rank keeps 1/cp of every block's
         positions, block_size/cp slots per block."""
         self.lm, self.ctx, self.block_size = lm, ctx, config.block_size
         self.attention = choose(config.attention, ctx.device)  # the backend's name: auto resolved for this device
@@ -91,9 +91,9 @@ class ModelRunner:
     def run_verified(self, plan: SchedulerOutput, requests: dict[int, Request], proposal: torch.Tensor,
                      q: torch.Tensor) -> tuple[SampleResult, SamplingBatch | None, tuple]:
         """A plan with a draft's proposals (serve/draft.py): the rows of chunks without proposals are picked as in
-        run(); the verified rows go through the rejection sampler (layers/rejection_sampler.py) with q, the draft's
-        distribution on this rank's ids. One SampleResult for every sampled row in plan order (tokens, logits, and
-        `accepted`: the row's proposal taken), the plain rows' sampling batch, and what the verifier moved
+        run(); the verified rows go through the rejection sampler (layers/sampling/rejection_sampler.py) with q, the
+        draft's distribution on this rank's ids. One SampleResult for every sampled row in plan order (tokens, logits,
+        and `accepted`: the row's proposal taken), the plain rows' sampling batch, and what the verifier moved
         (rows, rounds, normalisers: tp/traffic_model.predict_verify)."""
         step = prepare_step(plan, {c.request: requests[c.request].tokens + list(c.spec) for c in plan.scheduled},
                             self.block_size, self.ctx.device, self.backend, self.cache)
@@ -117,8 +117,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward_stage(self, prepared: Prepared, microbatch: int, received=None) -> torch.Tensor:
-        """A pipeline stage's part of a micro-batch (layers/pipeline.py's PPLM): its hidden states [T, d]. received:
-        its input's receive, posted earlier (None on the first stage)."""
+        """A pipeline stage's part of a micro-batch (layers/models/pipeline.py's PPLM): its hidden states [T, d].
+        received: its input's receive, posted earlier (None on the first stage)."""
         step = prepared.step
         return self.lm.forward_stage(step.ids, step.positions, step.layers, microbatch, received)
 

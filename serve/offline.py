@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from layers.sampler import request_seed
+from layers.sampling.sampler import request_seed
 from serve.build import new_engine
 from serve.config import EngineConfig
 from serve.control import agree, digest, request_rows, settings_row

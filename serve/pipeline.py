@@ -1,4 +1,5 @@
-"""The online engine over pp pipeline stages × tp ranks (layers/pipeline.py's PPLM): up to pp micro-batches in flight.
+"""The online engine over pp pipeline stages × tp ranks (layers/models/pipeline.py's PPLM): up to pp micro-batches in
+flight.
 
 Every rank of the world runs the same steps (SPMD, as LLMEngine). A step is one tick of the pipeline:
 
@@ -34,7 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from layers.sampler import table_width
+from layers.sampling.sampler import table_width
 from serve.control import CONTROL_HEADER
 from serve.engine import LLMEngine, Ran
 from serve.hooks import StepRecord

@@ -7,7 +7,7 @@
 
     SamplingParams(temperature=0.8, top_p=0.95, seed=1)  # sampled; the same tokens at any TP size, in any batch
 
-Every value is checked when the object is made (a one-line ValueError). The sampler (layers/sampler.py) applies
+Every value is checked when the object is made (a one-line ValueError). The sampler (layers/sampling/sampler.py) applies
 temperature, then min_p, top_k and top_p (vLLM's order), then draws with noise that depends only on (seed, output
 position, token id). seed None: one drawn from the engine's seed and the request's id (a run is reproducible).
 logprobs=N: each step's chosen token and the top N, log softmax of the raw logits, as {token id: logprob} (plain

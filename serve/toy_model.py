@@ -13,7 +13,7 @@ BPE's alphabet is the 256 bytes), and the tokenizer's <|endoftext|> is the model
     tiny   128     8 (4)        2       512      1024    1, 2, 4
     small  512     8 (4)        4       1024     1024    1, 2, 4
 
-Each family's module says how its toy is shaped at a size (layers/families.py, its `toy`): DeepSeek-V3's has MLA
+Each family's module says how its toy is shaped at a size (layers/models/families.py, its `toy`): DeepSeek-V3's has MLA
 and one dense layer before DeepSeekMoE, Qwen3's a head_dim of 32.
 """
 
@@ -23,7 +23,7 @@ from serve.config import FlagParser
 import sys
 from pathlib import Path
 
-from layers.families import FAMILIES  # every family's module says how its toy is shaped (its `toy`)
+from layers.models.families import FAMILIES  # every family's module says how its toy is shaped (its `toy`)
 
 CORPUS = Path(__file__).resolve().parent / "toy_corpus.txt"
 SIZES = {  # hidden, heads, K,V heads, layers, context, vocab
@@ -53,7 +53,7 @@ def train_tokenizer(path, texts: list[str] | None = None, vocab_size: int = 1024
 
 def hf_config(family: str, size: str, tok):
     """transformers' config of the family at this size, for this tokenizer."""
-    from layers.families import family as family_of
+    from layers.models.families import family as family_of
 
     ids = dict(vocab_size=len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     return family_of(family).toy(SIZES[size], ids)

@@ -42,8 +42,8 @@ class RankSpec:
     eos_token_ids: tuple[int, ...]
     timeout_s: float
     check: bool = False  # rank 0 checks every finished request against the dense oracle
-    pp: int = 1  # pipeline stages (layers/pipeline.py): the world is pp stages of world / pp TP ranks
-    cp: int = 1  # context parallelism (layers/context_parallel.py): the world is cp × tp ranks, the KV cache split
+    pp: int = 1  # pipeline stages (layers/models/pipeline.py): the world is pp stages of world / pp TP ranks
+    cp: int = 1  # context parallelism (layers/attention/context_parallel.py): cp × tp ranks, the KV cache split
     draft: tuple | None = None  # speculative decoding's draft model: (its config, its checkpoint or None)
     threads: int = 1  # each rank's intra-op threads (tp/dist.py threads_per_rank)
 
@@ -97,8 +97,8 @@ def main() -> None:
 
 
 def build_engine(ctx, spec: RankSpec):
-    from layers.config import parse_dtype
-    from layers.lm import NEAR_TIE
+    from layers.models.config import parse_dtype
+    from layers.models.lm import NEAR_TIE
     from serve.build import build_lm, dense_model, new_engine, rank_weights
     from serve.hooks import LedgerCheck, OracleCheck
 
@@ -106,7 +106,7 @@ def build_engine(ctx, spec: RankSpec):
     weights, dense = rank_weights(spec.model, spec.checkpoint, dtype, ctx.device, spec.seed)
     tp_group, cp_group = None, None
     if spec.cp > 1:  # every rank makes every group, in the same order
-        from layers.context_parallel import rank_groups
+        from layers.attention.context_parallel import rank_groups
 
         tp_group, cp_group = rank_groups(ctx.world_size, spec.cp, ctx.rank)
     lm = build_lm(weights, ctx, pp=spec.pp, moe_parallel=spec.moe_parallel, group=tp_group)
@@ -116,7 +116,7 @@ def build_engine(ctx, spec: RankSpec):
     del weights, dense
     draft_lm = None
     if spec.draft is not None:  # whole on every rank: sharded over a group of this rank alone
-        from layers.lm import shard_lm
+        from layers.models.lm import shard_lm
         from serve.build import own_group
 
         draft_weights, _ = rank_weights(*spec.draft, dtype, ctx.device, spec.seed)

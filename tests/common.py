@@ -2,11 +2,11 @@
 
 import torch
 
-from layers.config import ARTICLE03, DEFAULT_TOLERANCE, ModelConfig
+from layers.models.config import ARTICLE03, DEFAULT_TOLERANCE, ModelConfig
 
 __all__ = ["ARTICLE03", "REL_TOL", "SMALL", "collective_counts", "dense_and_input", "exact_norms_and_rope", "rel_err",
            "train_tokenizer"]
-from layers.dense import DenseStack, init_weights
+from layers.models.dense import DenseStack, init_weights
 from tp.ledger import collective_kind
 
 SMALL = ModelConfig(d_model=64, n_heads=8, d_head=8, d_ffn=256, n_layers=3)

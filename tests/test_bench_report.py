@@ -86,7 +86,7 @@ def test_kv_section_marks_a_measurement_that_misses_the_formula():
 def test_transformers_table_counts_matmul_flops_and_pairs_the_ratio(tmp_path):
     """With the model and the engine's runs per backend recorded: the FLOPs column is rows · 2·(blocks' parameters)
     plus scored rows · 2·V·d, and the ratio shown is the one paired round by round."""
-    from layers.config import ARTICLE03
+    from layers.models.config import ARTICLE03
     from tp.cost_model import shape_of
 
     r = run()

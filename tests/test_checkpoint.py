@@ -1,4 +1,4 @@
-"""Per-rank loading of save_pretrained checkpoints (layers/checkpoint.py, layers/hf.CheckpointSource).
+"""Per-rank loading of save_pretrained checkpoints (layers/models/checkpoint.py, layers/models/hf.CheckpointSource).
 
 Against load dense, then shard (the dense model read from the same files one whole tensor at a time, then cut by
 the same plan): bitwise equal parameters on every rank, for GPT-2 (Conv1D transposes, tied head) and Llama (GQA
@@ -65,7 +65,7 @@ def checkpoints(tmp_path_factory):
 
 
 def test_sharded_saves_are_sharded(checkpoints):
-    from layers.checkpoint import Checkpoint
+    from layers.models.checkpoint import Checkpoint
 
     for name, path in checkpoints.items():
         ckpt = Checkpoint(path)
@@ -75,7 +75,7 @@ def test_sharded_saves_are_sharded(checkpoints):
 
 def _expected_read(lm, itemsize: int) -> int:
     """The bytes of this rank's parameters that come from the files: all but the vocabulary's padding rows."""
-    from layers.vocab import VocabParallelEmbedding
+    from layers.parallel.vocab import VocabParallelEmbedding
 
     n = sum(p.numel() for p in lm.parameters())
     pads = {id(m): m for m in lm.modules() if isinstance(m, VocabParallelEmbedding)}
@@ -84,7 +84,7 @@ def _expected_read(lm, itemsize: int) -> int:
 
 class _Counted:
     """safetensors.safe_open, counting the bytes every get_slice[...] and get_tensor hands over: the reads as the
-    library performs them, whatever layers/checkpoint.py does with them afterwards."""
+    library performs them, whatever layers/models/checkpoint.py does with them afterwards."""
 
     handed = 0
 
@@ -121,8 +121,8 @@ class _Counted:
 def _load_both_ways(ctx, checkpoints: dict):
     import safetensors
 
-    from layers.hf import CheckpointSource, load_lm, read_config, read_state
-    from layers.lm import dense_lm, shard_lm
+    from layers.models.hf import CheckpointSource, load_lm, read_config, read_state
+    from layers.models.lm import dense_lm, shard_lm
 
     p, done = ctx.world_size, []
     for name, path in checkpoints.items():
@@ -165,9 +165,9 @@ def test_per_rank_slices_equal_dense_then_shard_bitwise(checkpoints, p):
 
 def test_reading_a_slice_copies_only_its_bytes(checkpoints):
     """get_slice hands over only the ranges asked for: rows, columns, and a stacked pair (Llama's gate|up)."""
-    from layers.checkpoint import Checkpoint
-    from layers.hf import CheckpointSource, read_config
-    from layers.shard import cols, rows
+    from layers.models.checkpoint import Checkpoint
+    from layers.models.hf import CheckpointSource, read_config
+    from layers.parallel.shard import cols, rows
 
     path = checkpoints["llama-bfloat16-sharded"]
     ckpt = Checkpoint(path)
@@ -191,8 +191,8 @@ def test_reading_a_slice_copies_only_its_bytes(checkpoints):
 
 
 def test_a_gpt2_bin_whose_head_is_not_its_embedding_is_refused(checkpoints, tmp_path):
-    from layers.config import ModelConfig  # noqa: F401
-    from layers.hf import check_state, read_config, read_state
+    from layers.models.config import ModelConfig  # noqa: F401
+    from layers.models.hf import check_state, read_config, read_state
     from tp.dist import ConfigError
 
     path = checkpoints["gpt2-float32-bin"]
@@ -260,7 +260,7 @@ def test_check_auto_turns_the_oracle_off_where_the_dense_model_would_not_fit(mon
     (with a note) where only the shards fit; check=true is refused there, naming check=false."""
     import launch.serve_settings as serve
     import launch.settings as settings
-    from layers.hf import read_config, read_state
+    from layers.models.hf import read_config, read_state
     from serve.request import Request
     from tp.dist import ConfigError
 
@@ -303,13 +303,13 @@ def test_dtype_and_eos_auto_come_from_the_checkpoint(checkpoints):
 
 
 def _stages_from_files(ctx, checkpoints: dict, pp: int):
-    """Each rank's pipeline stage read from the files (layers/hf.CheckpointSource) against the same stage cut from the
-    dense model loaded whole: equal bit for bit, and the bytes read are the stage's own parameters only."""
+    """Each rank's pipeline stage read from the files (layers/models/hf.CheckpointSource) against the same stage cut
+    from the dense model loaded whole: equal bit for bit, and the bytes read are the stage's own parameters only."""
     import torch.distributed as dist
 
-    from layers.hf import CheckpointSource, load_lm, read_config, read_state
-    from layers.lm import dense_lm
-    from layers.pipeline import check_layout, new_pp_groups, shard_pp_lm
+    from layers.models.hf import CheckpointSource, load_lm, read_config, read_state
+    from layers.models.lm import dense_lm
+    from layers.models.pipeline import check_layout, new_pp_groups, shard_pp_lm
 
     rank, done = dist.get_rank(), []
     for name in ("gpt2-float32-sharded", "llama-float32-sharded", "llama-bfloat16-single"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
-from layers.tp_block import shard_stack
+from layers.models.tp_block import shard_stack
 from tests.common import SMALL, collective_counts, dense_and_input
 from tests.harness import run_ranks
 

@@ -59,8 +59,8 @@ def test_block_flops_match_torch_flop_counter():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from layers.config import ARTICLE03
-    from layers.dense import DenseBlock
+    from layers.models.config import ARTICLE03
+    from layers.models.dense import DenseBlock
     from tp.cost_model import block_flops
 
     cfg, n = ARTICLE03, 40
@@ -86,7 +86,7 @@ def test_iteration_table_by_hand():
 def _ledger_bytes(ctx, n):
     import torch
 
-    from layers.tp_block import shard_stack
+    from layers.models.tp_block import shard_stack
     from tests.common import ARTICLE03, dense_and_input
     from tp.ledger import TrafficLedger
 
@@ -109,7 +109,7 @@ def test_tp_allreduce_volume_equals_the_ledger(p):
 
 
 def test_presets_and_shapes():
-    from layers.config import ModelConfig
+    from layers.models.config import ModelConfig
     from tp.cost_model import A100, H200, regime, shape_of
 
     assert H200.ridge == pytest.approx(989e12 / 4.8e12) and A100.ridge == pytest.approx(312e12 / 2.039e12)
@@ -125,9 +125,9 @@ def _serving_counts(ctx, family):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from layers.dense import init_weights
-    from layers.llama import LlamaConfig
-    from layers.lm import dense_lm, shard_lm
+    from layers.models.dense import init_weights
+    from layers.models.llama import LlamaConfig
+    from layers.models.lm import dense_lm, shard_lm
     from serve.model_runner import prepare_step
     from serve.kv_cache import KVPool, kv_bytes_per_token
     from serve.plan import ScheduledRequest, SchedulerOutput
@@ -172,7 +172,7 @@ def test_serving_iteration_matches_the_flop_counter_and_the_rank_s_weights(famil
 
 
 def test_serving_iteration_by_hand():
-    from layers.config import ARTICLE03
+    from layers.models.config import ARTICLE03
     from tp.cost_model import serving_iteration
 
     # a fresh 100-token prompt, sampled at its end, at p=2: the causal triangle, the head padded to V' = 50258

@@ -1,6 +1,6 @@
-"""Context parallelism (layers/context_parallel.py, launch/cp_check.py): the log-sum-exp merge over random partitions,
-ring-attention prefill and decode over a split cache against the single-device stack at cp = 2, 3, 4 with tp = 1
-and 2 (GPT-2 and Llama with GQA, prompts not a multiple of 2·cp), every rank's collectives and ring messages against
+"""Context parallelism (layers/attention/context_parallel.py, launch/cp_check.py): the log-sum-exp merge over random
+partitions, ring-attention prefill and decode over a split cache against the single-device stack at cp = 2, 3, 4 with
+tp = 1 and 2 (GPT-2 and Llama with GQA, prompts not a multiple of 2·cp), every rank's collectives and ring messages against
 the traffic model, and the zigzag layout's balance beside the naive split's."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from layers.context_parallel import (causal_pairs, chunk_bounds, contiguous_positions, merge, partial_attention,
-                                     zigzag_positions)
+from layers.attention.context_parallel import (causal_pairs, chunk_bounds, contiguous_positions, merge,
+                                               partial_attention, zigzag_positions)
 from tests.harness import run_ranks
 
 
@@ -78,8 +78,8 @@ def test_zigzag_balances_the_causal_work_and_the_naive_split_does_not(cp):
 
 def _cp_check(ctx, family, cp, n, new):
     from launch.cp_check import run_cp_check
-    from layers.config import ModelConfig
-    from layers.llama import LlamaConfig
+    from layers.models.config import ModelConfig
+    from layers.models.llama import LlamaConfig
 
     cfg = (LlamaConfig(d_model=64, n_heads=8, n_kv_heads=2, d_head=8, d_ffn=96, n_layers=2, vocab_size=100)
            if family == "llama" else ModelConfig(d_model=64, n_heads=8, d_head=8, d_ffn=256, n_layers=2,
@@ -143,11 +143,11 @@ def test_bad_cp_settings_fail_in_one_line(overrides, script, message):
 
 
 def _serve_cp(ctx, family, cp, block_size, pool_blocks, attention="auto"):
-    from layers.config import ModelConfig
-    from layers.context_parallel import rank_groups
-    from layers.dense import init_weights
-    from layers.llama import LlamaConfig
-    from layers.lm import dense_lm, greedy_reference, shard_lm
+    from layers.attention.context_parallel import rank_groups
+    from layers.models.config import ModelConfig
+    from layers.models.dense import init_weights
+    from layers.models.llama import LlamaConfig
+    from layers.models.lm import dense_lm, greedy_reference, shard_lm
     from serve.config import EngineConfig
     from serve.offline import OfflineEngine
     from serve.request import Request

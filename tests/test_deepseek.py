@@ -1,7 +1,7 @@
-"""DeepSeek-V3's architecture (layers/mla.py, layers/hf_deepseek.py): the dense model against transformers'
-DeepseekV3ForCausalLM, the absorbed decode against the decompressed attention over paged blocks, and the served model
-(tp and ep, from a sharded save_pretrained checkpoint each rank reads its slices of) against transformers' generate,
-with the latent pool's bytes and the ledger checked per step."""
+"""DeepSeek-V3's architecture (layers/models/mla.py, layers/models/hf_deepseek.py): the dense model against
+transformers' DeepseekV3ForCausalLM, the absorbed decode against the decompressed attention over paged blocks, and the
+served model (tp and ep, from a sharded save_pretrained checkpoint each rank reads its slices of) against transformers'
+generate, with the latent pool's bytes and the ledger checked per step."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from layers.mla import DeepseekConfig, DenseDeepseekBlock, mla_attention, routing_margin, validate_deepseek
+from layers.models.mla import DeepseekConfig, DenseDeepseekBlock, mla_attention, routing_margin, validate_deepseek
 from tests.harness import run_ranks
 from tp.dist import ConfigError
 
@@ -94,9 +94,9 @@ def hf_deepseek(q_lora: int | None = 32, interleave: bool = True, yarn: bool = F
 
 
 def ours(model):
-    from layers import hf_deepseek
-    from layers.hf import config_from_hf
-    from layers.lm import dense_lm
+    from layers.models import hf_deepseek
+    from layers.models.hf import config_from_hf
+    from layers.models.lm import dense_lm
 
     cfg = config_from_hf(model.config.to_dict())
     return hf_deepseek.load_lm(dense_lm(cfg, torch.float64), model.state_dict())
@@ -128,7 +128,7 @@ def test_dense_deepseek_equals_transformers(q_lora, interleave, yarn):
 def test_the_router_is_group_limited_and_biased():
     """The correction bias moves the choice and not the weights; a group outside the topk_group best is never used
     even when it holds the best single expert."""
-    from layers.mla import route_grouped
+    from layers.models.mla import route_grouped
 
     cfg = DeepseekConfig(n_routed_experts=8, n_group=2, topk_group=1, top_k=2, routed_scaling_factor=2.0)
     router = torch.zeros(8, 4, dtype=torch.float64)
@@ -158,14 +158,14 @@ def test_absorbed_attention_over_paged_blocks_equals_decompressed(block_size, pr
     2 runs a chunk after a cached prefix, a decode and a fresh prompt, in every attention backend. The absorbed
     outputs (MQA over the latent) equal the decompressed attention over each whole sequence to 1e-12 in float64;
     fresh prompt chunks attend decompressed (the served default) or absorbed like the rest."""
-    import layers.mla
-    from layers.attention import PagedLayer
-    from layers.dense import init_weights
-    from layers.varlen import Requests
+    import layers.models.mla
+    from layers.attention.attention import PagedLayer
+    from layers.attention.varlen import Requests
+    from layers.models.dense import init_weights
     from serve.model_runner import prepare_step
     from serve.plan import ScheduledRequest, SchedulerOutput
 
-    monkeypatch.setattr(layers.mla, "PREFILL", prefill)
+    monkeypatch.setattr(layers.models.mla, "PREFILL", prefill)
     cfg = DeepseekConfig(q_lora_rank=0, n_layers=1, first_k_dense_replace=1)
     block = init_weights(DenseDeepseekBlock(cfg, 0, torch.float64), 3)
     gen = torch.Generator().manual_seed(4)
@@ -236,18 +236,18 @@ def same(got, want) -> bool:
 
 
 def _serve(ctx, path, prompts, placements, engine_kw, prefill="decompressed"):
-    import layers.attention_backends as backends
-    import layers.mla
-    from layers.checkpoint import Checkpoint
-    from layers.hf import CheckpointSource, read_config
-    from layers.lm import shard_lm
+    import layers.attention.backends as backends
+    import layers.models.mla
+    from layers.models.checkpoint import Checkpoint
+    from layers.models.hf import CheckpointSource, read_config
+    from layers.models.lm import shard_lm
     from serve.config import EngineConfig
     from serve.offline import OfflineEngine
     from serve.request import Request
     from tp.partition import mla_kv_bytes_per_token
 
     cfg = read_config(path)
-    out, saved, layers.mla.PREFILL = {}, layers.mla.PREFILL, prefill
+    out, saved, layers.models.mla.PREFILL = {}, layers.models.mla.PREFILL, prefill
     ragged, backends.RAGGED_BELOW = backends.RAGGED_BELOW, 0 if engine_kw.get("attention") == "batched" else \
         backends.RAGGED_BELOW  # batched: every iteration's decodes in the ragged pass (the padded one: elsewhere)
     for placement in placements:
@@ -257,7 +257,7 @@ def _serve(ctx, path, prompts, placements, engine_kw, prefill="decompressed"):
         formula = mla_kv_bytes_per_token(cfg.n_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, 8)
         out[placement] = ([(r["output_ids"], r["logits"]) for r in res.requests], res.ledger_matches_model,
                           res.kv_bytes_per_token_per_rank == formula, res.preemptions)
-    layers.mla.PREFILL, backends.RAGGED_BELOW = saved, ragged
+    layers.models.mla.PREFILL, backends.RAGGED_BELOW = saved, ragged
     return out
 
 
@@ -302,7 +302,7 @@ def test_bad_deepseek_layouts_are_refused_by_name(change, placement, p, message)
 
 
 def test_other_rope_scalings_are_refused_not_served_wrong():
-    from layers.hf import config_from_hf
+    from layers.models.hf import config_from_hf
 
     hf = hf_deepseek(32, True).config.to_dict()
     hf["rope_parameters"] = {"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0}
@@ -346,7 +346,7 @@ def test_bad_deepseek_settings_fail_in_one_line(overrides, script, message):
 def test_the_toy_deepseek_v3_is_served_as_transformers_generates_it(tmp_path):
     """python -m serve.toy_model --family deepseek_v3 (MLA with a query LoRA, one dense layer, then DeepSeekMoE; the
     toy BPE): LLM at tensor_parallel_size 2 gives transformers' greedy tokens and text."""
-    from layers.hf import read_config
+    from layers.models.hf import read_config
     from serve import LLM, SamplingParams
     from serve.toy_model import main
     from tests.test_llm import hf_generate

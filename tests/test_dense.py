@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from layers.config import ModelConfig
-from layers.dense import DenseBlock, DenseStack, init_weights, weights_checksum
+from layers.models.config import ModelConfig
+from layers.models.dense import DenseBlock, DenseStack, init_weights, weights_checksum
 
 CFG = ModelConfig(d_model=48, n_heads=4, d_head=12, d_ffn=96, n_layers=3)
 

@@ -11,7 +11,7 @@ from tests.harness import run_ranks
 
 
 def _count_syncs(ctx, comm_timing):
-    from layers.lm import shard_lm
+    from layers.models.lm import shard_lm
     from serve.offline import OfflineEngine
     from serve.config import EngineConfig
     from tests.syncs import SyncCounter
@@ -57,12 +57,12 @@ def test_one_host_sync_per_decode_iteration(p):
 def _engine_waits(ctx, family: str, moe_parallel: str, attention: str, workload: str = "mixed"):
     """LLMEngine.step on every rank over a workload that decodes, chunks prompts, hits the prefix cache and preempts;
     per step: (what kind of iteration it was, the device waits, the control reads)."""
-    from layers.dense import init_weights
-    from layers.lm import dense_lm, shard_lm
+    from layers.models.dense import init_weights
+    from layers.models.lm import dense_lm, shard_lm
     from serve.config import EngineConfig
     from serve.hooks import StepHook
     from serve.engine import LLMEngine
-    from layers.attention_backends import ragged_decodes
+    from layers.attention.backends import ragged_decodes
     from launch.sync_check import arrivals_feed
     from serve.offline import drive
     from tests.syncs import SyncCounter
@@ -152,7 +152,7 @@ def _big_residual(d: int, dtype) -> torch.Tensor:
 def test_norms_keep_float32_statistics_in_half_precision(dtype):
     """float16 squares overflow above |x| ~ 256: squared in x's dtype the row's statistic is inf and the row becomes
     zeros. RMSNorm (ours) and LayerNorm (PyTorch's) take their statistics in float32 and equal a float32 norm."""
-    from layers.llama import RMSNorm
+    from layers.models.llama import RMSNorm
 
     d = 64
     x = _big_residual(d, dtype)
@@ -174,8 +174,8 @@ def test_norms_keep_float32_statistics_in_half_precision(dtype):
 def test_half_precision_llama_block_with_a_large_residual(dtype):
     """A Llama block in float16/bfloat16 on residual rows of magnitude 1e3-1e4 is finite and equals the float32 block
     within the format's tolerance, down to what its attention and MLP see (the normed rows)."""
-    from layers.dense import init_weights
-    from layers.llama import DenseLlamaBlock, LlamaConfig
+    from layers.models.dense import init_weights
+    from layers.models.llama import DenseLlamaBlock, LlamaConfig
 
     cfg = LlamaConfig(d_model=64, n_heads=8, n_kv_heads=2, d_head=8, d_ffn=96, n_layers=1, vocab_size=100)
     block = init_weights(DenseLlamaBlock(cfg, torch.float32), seed=0)
@@ -226,8 +226,8 @@ def bf16_llama(tmp_path_factory):
 
 
 def _serve_bf16(ctx, path, prompts):
-    from layers.hf import CheckpointSource, read_config, read_state
-    from layers.lm import shard_lm
+    from layers.models.hf import CheckpointSource, read_config, read_state
+    from layers.models.lm import shard_lm
     from serve.offline import OfflineEngine
     from serve.config import EngineConfig
     from serve.request import Request

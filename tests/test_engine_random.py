@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from layers.lm import greedy_reference
+from layers.models.lm import greedy_reference
 from tests.harness import run_ranks
 from tests.test_serve import CFG, dense_lm
 
@@ -50,7 +50,7 @@ def workload(seed: int) -> dict:
 
 def _serve(ctx, w: dict):
     """Run one workload through LLMEngine; rank 0 returns, per request, (token ids, logits) and the step counts."""
-    from layers.lm import shard_lm
+    from layers.models.lm import shard_lm
     from serve.config import EngineConfig
     from serve.hooks import StepHook
     from serve.engine import LLMEngine

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
-from layers.tp_block import shard_stack
-from layers.config import DTYPES, VARIANTS
+from layers.models.config import DTYPES, VARIANTS
+from layers.models.tp_block import shard_stack
 from tests.common import ARTICLE03, REL_TOL, SMALL, dense_and_input, rel_err
 from tests.harness import run_ranks
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from layers.dense import DenseStack, init_weights
-from layers.hf_gpt2 import config_from_hf, load_stack
-from layers.tp_block import shard_stack
+from layers.models.dense import DenseStack, init_weights
+from layers.models.hf_gpt2 import config_from_hf, load_stack
+from layers.models.tp_block import shard_stack
 from tests.common import rel_err
 from tests.harness import run_ranks
 

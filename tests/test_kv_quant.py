@@ -1,5 +1,5 @@
-"""KV cache quantization (layers/kv_quant.py): fp8_e4m3, fp8_e5m2 and int8 codes with per-layer, per-K|V, per-head
-scales in the paged pool.
+"""KV cache quantization (layers/attention/kv_quant.py): fp8_e4m3, fp8_e5m2 and int8 codes with per-layer, per-K|V,
+per-head scales in the paged pool.
 
 Oracles: a float64 quantizer written here (the codes and the round trip); the dense model recomputed without a
 cache with its K,V round-tripped through the same scales (kv_quant.pseudo_quantized: the pseudo-quantized
@@ -12,12 +12,12 @@ import random
 import pytest
 import torch
 
-import layers.attention as attention_module
-from layers.dense import init_weights
-from layers.kv_quant import HEADROOM, LARGEST, pseudo_quantized, quantize, round_trip, scales_from
-from layers.llama import LlamaConfig
-from layers.lm import dense_lm, shard_lm
-from layers.config import ModelConfig
+import layers.attention.attention as attention_module
+from layers.attention.kv_quant import HEADROOM, LARGEST, pseudo_quantized, quantize, round_trip, scales_from
+from layers.models.config import ModelConfig
+from layers.models.dense import init_weights
+from layers.models.llama import LlamaConfig
+from layers.models.lm import dense_lm, shard_lm
 from serve.config import EngineConfig
 from serve.engine import LLMEngine
 from serve.kv_cache import KVPool, cache_layout_of

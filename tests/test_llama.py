@@ -7,12 +7,11 @@ from collections import Counter
 import pytest
 import torch
 
-from layers.dense import DenseStack
-from layers.hf_llama import load_stack
-from layers.llama import (LlamaConfig, RMSNorm, kv_heads_of_rank, valid_llama_tp_sizes,
-                          validate_llama)
-from layers.tp_block import shard_stack
-from layers.varlen import Requests
+from layers.attention.varlen import Requests
+from layers.models.dense import DenseStack
+from layers.models.hf_llama import load_stack
+from layers.models.llama import LlamaConfig, RMSNorm, kv_heads_of_rank, valid_llama_tp_sizes, validate_llama
+from layers.models.tp_block import shard_stack
 from tests.common import exact_norms_and_rope
 from tests.harness import run_ranks
 from tp.dist import ConfigError
@@ -161,8 +160,8 @@ WORKLOAD = [(11, 6, 0), (5, 7, 0), (14, 5, 1), (2, 6, 2)]  # (prompt, max_new_to
 
 @pytest.fixture(scope="module")
 def llama_lm():
-    from layers.hf_llama import load_lm
-    from layers.lm import DenseLlamaLM, greedy_reference
+    from layers.models.hf_llama import load_lm
+    from layers.models.lm import DenseLlamaLM, greedy_reference
 
     cfg = cfg_for(2)
     model = hf_model(cfg, causal_lm=True)
@@ -185,8 +184,8 @@ def llama_lm():
 
 
 def _serve_llama(ctx, state, prompts):
-    from layers.hf_llama import load_lm
-    from layers.lm import DenseLlamaLM, shard_lm
+    from layers.models.hf_llama import load_lm
+    from layers.models.lm import DenseLlamaLM, shard_lm
     from serve.offline import OfflineEngine
     from serve.config import EngineConfig
     from serve.request import Request
@@ -213,7 +212,7 @@ def test_served_llama_tokens_equal_transformers_generate(llama_lm, p):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rope_in_half_precision_keeps_positions_apart(dtype):
     """Positions 256 and 257 (and 2048, 2049) rotate differently in bfloat16/float16: the angles are float32."""
-    from layers.llama import rope, rope_tables
+    from layers.models.llama import rope, rope_tables
 
     x = torch.randn(2, 4, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     positions = torch.tensor([256, 257, 2048, 2049])

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from layers.hf import config_from_hf
-from layers.llama import LLAMA2_7B_SHAPE, LLAMA_TINY
+from layers.models.hf import config_from_hf
+from layers.models.llama import LLAMA2_7B_SHAPE, LLAMA_TINY
 from tests.launching import launch_on_pool, settings_phase
 from tp.dist import ConfigError
 
@@ -74,8 +74,8 @@ def test_memory_check_refuses_what_cannot_fit(monkeypatch):
 
 def test_parameter_counts_and_kv_formula():
     """Counted off (meta) modules, against the published Llama-2-7B size and the cost model's own formula."""
-    from layers.dense import DenseStack
-    from layers.lm import dense_lm
+    from layers.models.dense import DenseStack
+    from layers.models.lm import dense_lm
     from tp.cost_model import LLAMA2_7B, kv_bytes_per_token_per_rank, shape_of
 
     count = lambda m: sum(t.numel() for t in m.parameters())  # noqa: E731
@@ -124,8 +124,8 @@ def hf_llama(tmp_path=None, max_shard_size="10GB", **extra):
 
 def test_tied_llama_checkpoint_uses_the_embedding_as_head():
     """A checkpoint with tie_word_embeddings (no lm_head.weight stored): the head is the embedding."""
-    from layers.hf import load_lm
-    from layers.lm import DenseLlamaLM
+    from layers.models.hf import load_lm
+    from layers.models.lm import DenseLlamaLM
 
     model = hf_llama(tie_word_embeddings=True)
     state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
@@ -189,7 +189,7 @@ def test_serve_pd_llama_tiny(tmp_path):
 
 
 def test_a_llama_model_without_head_cannot_be_served_but_its_blocks_can_be_checked():
-    from layers.hf import check_state
+    from layers.models.hf import check_state
 
     transformers = pytest.importorskip("transformers")
     cfg = {k: v for k, v in HF_LLAMA.items() if k != "model_type"}

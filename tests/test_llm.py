@@ -15,11 +15,11 @@ import time
 import pytest
 import torch
 
-from layers.config import ModelConfig
-from layers.dense import init_weights
-from layers.lm import dense_lm, greedy_reference, shard_lm
-from layers.llama import LlamaConfig
-from layers.moe import MoEConfig
+from layers.models.config import ModelConfig
+from layers.models.dense import init_weights
+from layers.models.llama import LlamaConfig
+from layers.models.lm import dense_lm, greedy_reference, shard_lm
+from layers.models.moe import MoEConfig
 from serve.config import EngineConfig
 from serve.engine import LLMEngine
 from serve.sampling_params import SamplingParams
@@ -624,7 +624,7 @@ def test_every_engine_default_is_written_once():
     import re
 
     root = pathlib.Path(__file__).resolve().parent.parent
-    sources = {p: p.read_text() for d in ("serve", "launch", "tp", "layers") for p in (root / d).glob("*.py")}
+    sources = {p: p.read_text() for d in ("serve", "launch", "tp", "layers") for p in (root / d).rglob("*.py")}
     config = root / "serve" / "config.py"
     for f in dataclasses.fields(EngineConfig):
         if f.default is None or f.name == "check_ledger":

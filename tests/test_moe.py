@@ -1,4 +1,4 @@
-"""Mixture-of-experts blocks (layers/moe.py): the dense block against transformers' Mixtral, the three placements
+"""Mixture-of-experts blocks (layers/models/moe.py): the dense block against transformers' Mixtral, the three placements
 against the dense block, and the all-to-all bytes against the model computed from the routing."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import functools
 import pytest
 import torch
 
-from layers.dense import Stack
-from layers.moe import MoEConfig, DenseMoEBlock, dense_routing as routing, load_hf_layer, moe_block, route
-from layers.shard import DenseSource, load_plan
-from layers.varlen import Requests
+from layers.attention.varlen import Requests
+from layers.models.dense import Stack
+from layers.models.moe import MoEConfig, DenseMoEBlock, dense_routing as routing, load_hf_layer, moe_block, route
+from layers.parallel.shard import DenseSource, load_plan
 from tests.harness import run_ranks
 
 CFG = MoEConfig(d_model=64, n_heads=8, n_kv_heads=2, d_head=8, d_ffn=48, n_layers=2, max_seq_len=64,
@@ -263,9 +263,9 @@ def mixtral_lm():
 
 
 def _serve_mixtral(ctx, state, prompts, placement):
-    from layers.hf_gpt2 import load_named
-    from layers.lm import dense_lm, shard_lm
-    from layers.moe import hf_lm_names
+    from layers.models.hf_gpt2 import load_named
+    from layers.models.lm import dense_lm, shard_lm
+    from layers.models.moe import hf_lm_names
     from serve.offline import OfflineEngine
     from serve.config import EngineConfig
     from serve.request import Request
@@ -330,8 +330,8 @@ def mixtral_ckpt(tmp_path_factory, mixtral_lm):
 
 
 def _per_rank_against_dense(ctx, path):
-    from layers.hf import CheckpointSource, load_lm, read_config, read_state
-    from layers.lm import dense_lm, shard_lm
+    from layers.models.hf import CheckpointSource, load_lm, read_config, read_state
+    from layers.models.lm import dense_lm, shard_lm
 
     cfg, out = read_config(path), {}
     for placement in ("tp", "ep"):
@@ -348,7 +348,7 @@ def _per_rank_against_dense(ctx, path):
 def test_a_saved_mixtral_loads_per_rank_bitwise_and_serves_transformers_tokens(mixtral_ckpt, tmp_path):
     import json
 
-    from layers.checkpoint import Checkpoint
+    from layers.models.checkpoint import Checkpoint
     from tests.launching import launch_on_pool
 
     path, prompts, want = mixtral_ckpt

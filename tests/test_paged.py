@@ -7,9 +7,9 @@ without prefix caching. Float64 throughout.
 import pytest
 import torch
 
-from layers.dense import init_weights
-from layers.llama import LlamaConfig
-from layers.lm import dense_lm, greedy_reference, shard_lm
+from layers.models.dense import init_weights
+from layers.models.llama import LlamaConfig
+from layers.models.lm import dense_lm, greedy_reference, shard_lm
 from serve.block_manager import KVCacheManager
 from serve.offline import OfflineEngine
 from serve.config import EngineConfig
@@ -268,7 +268,7 @@ def test_aten_ops_per_decode_iteration_do_not_grow_with_requests():
 
 
 def test_auto_picks_the_attention_backend_by_device():
-    from layers.attention_backends import BACKENDS, choose
+    from layers.attention.backends import BACKENDS, choose
     from serve.config import ATTENTION_MODES
 
     assert set(ATTENTION_MODES) == {"auto", *BACKENDS}  # the settings' list is the backends'
@@ -375,7 +375,7 @@ def test_pd_launcher_on_bounded_pools_with_a_shared_prefix_and_its_own_decode_bl
 
 
 def test_prompt_chunks_are_grouped_by_length_into_a_fixed_number_of_calls():
-    from layers.attention_backends import PROMPT_GROUPS, split
+    from layers.attention.backends import PROMPT_GROUPS, split
 
     chunks = [ScheduledRequest(i, 0, n, decode=False, sample=True) for i, n in enumerate([300, 4, 6, 5, 120, 310, 7, 128])]
     groups = split(list(range(len(chunks))), chunks)
@@ -387,7 +387,7 @@ def test_prompt_chunks_are_grouped_by_length_into_a_fixed_number_of_calls():
 
 def ragged(ctx, family):
     """Every decode iteration through the ragged pass (the threshold forced), against the dense oracle."""
-    from layers import attention_backends as backends
+    from layers.attention import backends
 
     dense = model(family)
     lm = shard_lm(dense, "v2", ctx.group)
@@ -409,7 +409,7 @@ def test_ragged_decode_pass_equals_the_dense_oracle(family, p):
 def test_ragged_and_padded_decodes_equal_the_reference(kv_heads):
     """One long context among short ones: the batched form takes the ragged pass; it and the cpu backend's calls equal
     the per-request loop."""
-    from layers.attention import PagedLayer, attention
+    from layers.attention.attention import PagedLayer, attention
 
     gen = torch.Generator().manual_seed(3)
     lengths, block_size = [1, 2, 1, 3, 90], 4

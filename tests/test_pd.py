@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from layers.lm import greedy_reference, shard_lm
+from layers.models.lm import greedy_reference, shard_lm
 from serve.pd import Layout, new_groups, prefill_schedule, serve_pd
 from serve.block_manager import slots_of
 from serve.offline import OfflineEngine
@@ -205,15 +205,15 @@ LLAMA_PD = {  # (p_P, p_D, h_kv): the (prefill rank, decode rank, K,V heads) pai
 
 
 def llama_cfg(h_kv):
-    from layers.llama import LlamaConfig
+    from layers.models.llama import LlamaConfig
 
     return LlamaConfig(d_model=64, n_heads=8, n_kv_heads=h_kv, d_head=8, d_ffn=96, n_layers=2, max_seq_len=96,
                        vocab_size=CFG.vocab_size)
 
 
 def dense_llama(h_kv):
-    from layers.dense import init_weights
-    from layers.lm import DenseLlamaLM
+    from layers.models.dense import init_weights
+    from layers.models.lm import DenseLlamaLM
 
     return init_weights(DenseLlamaLM(llama_cfg(h_kv), torch.float64), seed=0)
 
@@ -368,8 +368,8 @@ def test_pd_refuses_a_pool_too_small_for_a_request_on_either_side():
 def pd_pipelined(ctx, p_prefill, prefill_pp, p_decode, streaming, n_layers):
     from dataclasses import replace
 
-    from layers.dense import init_weights
-    from layers.lm import dense_lm as make_lm
+    from layers.models.dense import init_weights
+    from layers.models.lm import dense_lm as make_lm
 
     dense = init_weights(make_lm(replace(CFG, n_layers=n_layers), torch.float64), seed=0)
     layout = Layout(p_prefill, p_decode, prefill_pp)
@@ -398,7 +398,7 @@ def test_pd_with_a_pipelined_prefill_side_equals_the_oracle(p_prefill, prefill_p
     assert sum(t["bytes"] for t in kv) == sum(handed) * k_tok  # L_p · K_tok, as with one prefill stage
     senders = {t["rank"] for t in kv}
     assert senders == set(range(p_prefill))  # every stage's ranks send (their layers)
-    from layers.pipeline import stage_layers
+    from layers.models.pipeline import stage_layers
 
     for stage, layers in enumerate(stage_layers(n_layers, prefill_pp)):
         mine = [t for t in kv if t["rank"] // tp == stage]
@@ -411,7 +411,7 @@ def test_pd_with_a_pipelined_prefill_side_equals_the_oracle(p_prefill, prefill_p
 def pipelined_prefill(ctx, pp):
     import torch.distributed as dist
 
-    from layers.pipeline import check_layout, new_pp_groups, shard_pp_lm
+    from layers.models.pipeline import check_layout, new_pp_groups, shard_pp_lm
 
     layout = check_layout(ctx.world_size, pp, CFG.n_layers, "v2")
     stages = new_pp_groups(layout)

@@ -1,5 +1,5 @@
-"""Pipeline parallelism composed with TP (layers/pipeline.py): pp stages × tp ranks against the dense stack, the stage
-boundary's messages and collectives against the traffic model, and bad layouts refused before any collective."""
+"""Pipeline parallelism composed with TP (layers/models/pipeline.py): pp stages × tp ranks against the dense stack, the
+stage boundary's messages and collectives against the traffic model, and bad layouts refused before any collective."""
 
 from dataclasses import replace
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from layers.dense import DenseStack, init_weights
-from layers.pipeline import check_layout, new_pp_groups, shard_stage, stage_layers
+from layers.models.dense import DenseStack, init_weights
+from layers.models.pipeline import check_layout, new_pp_groups, shard_stage, stage_layers
 from tests.harness import run_ranks
 from tests.test_paged import LLAMA
 from tests.test_serve import CFG
@@ -206,8 +206,8 @@ def test_stages_on_two_nodes(tmp_path):
 
 def stage_lm(ctx, pp, family, n_layers, boundary="whole"):
     """(the dense LM of `family` with n_layers, float64, seed 0; this rank's PPLM of it at pp stages)."""
-    from layers.lm import dense_lm
-    from layers.pipeline import shard_pp_lm
+    from layers.models.lm import dense_lm
+    from layers.models.pipeline import shard_pp_lm
 
     cfg = replace(CFG if family == "gpt2" else LLAMA, n_layers=n_layers)
     layout = check_layout(ctx.world_size, pp, n_layers, "v2")
@@ -220,7 +220,7 @@ def stage_lm(ctx, pp, family, n_layers, boundary="whole"):
 def pp_serve(ctx, pp, family, n_layers, boundary, attention, prompts, new):
     """A greedy run written out by hand, iteration by iteration, through PPLM.step over each stage's paged KV pool:
     all prompts whole in the first iteration (one in two chunks), then one decode row per request per iteration."""
-    from layers.lm import greedy_reference
+    from layers.models.lm import greedy_reference
     from serve.model_runner import prepare_step
     from serve.kv_cache import KVPool
     from serve.plan import ScheduledRequest, SchedulerOutput
@@ -299,7 +299,7 @@ class InFlightCheck:
 
 
 def pp_engine(ctx, pp, family, n_layers, boundary, attention="auto", workload=None, **settings):
-    from layers.lm import greedy_reference
+    from layers.models.lm import greedy_reference
     from serve.offline import OfflineEngine
     from serve.config import EngineConfig
     from tests.test_paged import requests
@@ -314,7 +314,7 @@ def pp_engine(ctx, pp, family, n_layers, boundary, attention="auto", workload=No
     res = engine.run(requests(workload))
     want = [greedy_reference(dense, r.prompt, r.max_new_tokens).ids for r in requests(workload)]
     rows = [t["rows"] for t in engine.engine.timeline if t["microbatch"] is not None]  # this stage's micro-batches
-    from layers.pipeline import ENDS
+    from layers.models.pipeline import ENDS
 
     return {"same": [r["output_ids"] for r in res.requests] == want, "ledger": res.ledger_matches_model,
             "ends": sorted(n for n in ENDS if getattr(lm.lm, n, None) is not None),
@@ -366,7 +366,7 @@ def test_pipelined_serving_preempts_by_recompute_and_gives_every_block_back():
 def pp_online(ctx, pp):
     """Rank 0 drives a PipelineEngine by hand: adds three requests, aborts one while its micro-batch is in flight, adds
     another mid-run; the other ranks step until told to stop."""
-    from layers.lm import greedy_reference
+    from layers.models.lm import greedy_reference
     from serve.config import EngineConfig
     from serve.build import new_engine
     from serve.sampling_params import SamplingParams

@@ -1,5 +1,6 @@
-"""Qwen3 (layers/qwen3.py: Llama with an RMSNorm on every query and key head) against transformers' Qwen3ForCausalLM,
-float64, on python -m serve.toy_model's Qwen3 (random weights, head_dim 32: h·dh = 2d, 4 K,V heads for 8 query heads).
+"""Qwen3 (layers/models/qwen3.py: Llama with an RMSNorm on every query and key head) against transformers'
+Qwen3ForCausalLM, float64, on python -m serve.toy_model's Qwen3 (random weights, head_dim 32: h·dh = 2d, 4 K,V heads for
+8 query heads).
 
 Oracles: transformers' logits (its norms and rotary tables kept in float64) for the dense model; the dense model for
 the TP blocks at p = 2, 4 in v2 and v2sp, forward and gradients, every collective against the traffic model (the
@@ -12,9 +13,9 @@ from collections import Counter
 import pytest
 import torch
 
-from layers.hf import load_lm, read_config, read_state
-from layers.lm import dense_lm
-from layers.varlen import Requests
+from layers.attention.varlen import Requests
+from layers.models.hf import load_lm, read_config, read_state
+from layers.models.lm import dense_lm
 from serve.sampling_params import SamplingParams
 from tests.common import exact_norms_and_rope
 from tests.harness import run_ranks
@@ -74,7 +75,7 @@ def test_the_dense_qwen3_equals_transformers(checkpoint, server):
 def _tp_blocks(ctx, path):
     """Each variant's TP stack sharded from the dense one: its output, its norms' gradients (all-reduced over the
     ranks' heads) and the input's against the dense stack's, and its collectives against the traffic model."""
-    from layers.tp_block import shard_stack
+    from layers.models.tp_block import shard_stack
     from tp.ledger import TrafficLedger
     from tp.traffic_model import PHASES, predict, predict_sp_stack
 

@@ -1,4 +1,5 @@
-"""Sampling under the vocab-parallel head (layers/sampler.py) against a sampler written here from the definitions.
+"""Sampling under the vocab-parallel head (layers/sampling/sampler.py) against a sampler written here from the
+definitions.
 
 Exactness: the same tokens at p = 1, 2, 3, 4 as the plain reference below applied to the dense model's logits
 with the same noise. The noise is an input, E_i ~ Exp(1) as a function of (seed, position, id) alone; the reference
@@ -14,11 +15,11 @@ import random
 import pytest
 import torch
 
-from layers.config import ModelConfig
-from layers.dense import init_weights
-from layers.lm import dense_lm, shard_lm
-from layers.llama import LlamaConfig
-from layers.sampler import SamplingBatch, exponential_noise, gumbel_noise, request_seed, sample
+from layers.models.config import ModelConfig
+from layers.models.dense import init_weights
+from layers.models.llama import LlamaConfig
+from layers.models.lm import dense_lm, shard_lm
+from layers.sampling.sampler import SamplingBatch, exponential_noise, gumbel_noise, request_seed, sample
 from serve.config import EngineConfig
 from serve.engine import LLMEngine
 from serve.sampling_params import SamplingParams

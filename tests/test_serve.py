@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from layers.attention import PagedLayer, causal_attention
-from layers.attention_backends import prefix_causal_mask
-from layers.config import ModelConfig
-from layers.dense import init_weights
-from layers.lm import DenseLM, greedy_reference, shard_lm
+from layers.attention.attention import PagedLayer, causal_attention
+from layers.attention.backends import prefix_causal_mask
+from layers.models.config import ModelConfig
+from layers.models.dense import init_weights
+from layers.models.lm import DenseLM, greedy_reference, shard_lm
 from serve.offline import OfflineEngine
 from serve.config import EngineConfig
 from serve.control import PlanMismatch

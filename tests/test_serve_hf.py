@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from layers.hf import load_lm, read_config, read_state
-from layers.lm import DenseLM, greedy_reference, shard_lm
+from layers.models.hf import load_lm, read_config, read_state
+from layers.models.lm import DenseLM, greedy_reference, shard_lm
 from serve.offline import OfflineEngine
 from serve.config import EngineConfig
 from serve.request import Request

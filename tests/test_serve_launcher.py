@@ -157,7 +157,7 @@ def test_clipped_prompt_lengths_are_said_not_hidden():
 def test_article03_preset_is_the_default_model():
     import yaml
 
-    from layers.config import ARTICLE03
+    from layers.models.config import ARTICLE03
 
     preset = yaml.safe_load((ROOT / "conf" / "model" / "article03.yaml").read_text())
     assert preset == {k: v for k, v in ARTICLE03.asdict().items() if k in preset}

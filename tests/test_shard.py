@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from layers.shard import column_shard, qkv_head_aligned_shard, row_shard
-from layers.tp_block import shard_stack
+from layers.models.tp_block import shard_stack
+from layers.parallel.shard import column_shard, qkv_head_aligned_shard, row_shard
 from tests.common import SMALL, dense_and_input
 from tests.harness import run_ranks
 
@@ -81,7 +81,7 @@ def test_module_shards_per_rank(p, variant):
 
 def test_a_plan_must_cover_every_row_exactly_once():
     """load_plan refuses a plan that writes rows twice or leaves rows of torch.empty behind."""
-    from layers.shard import DenseSource, Part, load_plan, rows
+    from layers.parallel.shard import DenseSource, Part, load_plan, rows
 
     module = torch.nn.Linear(2, 4, bias=False)  # weight [4, 2]
     dense = DenseSource({"w": torch.arange(8.0).reshape(4, 2)})

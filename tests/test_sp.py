@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from layers.config import ModelConfig
-from layers.llama import LlamaConfig, kv_heads_of_rank
-from layers.tp_block import shard_stack
+from layers.models.config import ModelConfig
+from layers.models.llama import LlamaConfig, kv_heads_of_rank
+from layers.models.tp_block import shard_stack
 from tests.common import SMALL, dense_and_input, rel_err
 from tests.harness import run_ranks
 from tests.test_equivalence import full_grads
@@ -58,10 +58,10 @@ def check_sp(ctx, cfg_name, lengths, drop_param_all_reduce=False):
     dense, x = dense_and_input(cfg, torch.float64, n)
     cu = None if len(lengths) == 1 else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     if drop_param_all_reduce:  # the counterfactual: the norms' (and row biases') gradients left partial
-        import layers.llama
-        import layers.tp_block
+        import layers.models.llama
+        import layers.models.tp_block
 
-        for module in (layers.llama, layers.tp_block):
+        for module in (layers.models.llama, layers.models.tp_block):
             module.copy_to_region, module._real_copy = (lambda t, g, site=None: t), module.copy_to_region
     try:
         stack = shard_stack(dense, "v2sp", ctx.group)
@@ -76,7 +76,7 @@ def check_sp(ctx, cfg_name, lengths, drop_param_all_reduce=False):
         sum((o[:hi - lo] * w[lo:hi]).sum() for o, w in zip(outs, weights)).backward()
     finally:
         if drop_param_all_reduce:
-            for module in (layers.llama, layers.tp_block):
+            for module in (layers.models.llama, layers.models.tp_block):
                 module.copy_to_region = module._real_copy
     errs = {"rows": max(rel_err(o[:hi - lo], r[lo:hi]) if hi > lo else 0.0 for o, r in zip(outs, ref)),
             "dx": rel_err(x_sp.grad, x_dense.grad)}

@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from layers.dense import init_weights
-from layers.lm import dense_lm
-from layers.sampler import SamplingBatch, sample
+from layers.models.dense import init_weights
+from layers.models.lm import dense_lm
+from layers.sampling.sampler import SamplingBatch, sample
 from serve.block_manager import KVCacheManager
 from serve.config import EngineConfig
 from serve.request import Request
@@ -315,7 +315,7 @@ def speculate(ctx, zq: torch.Tensor, first: int, T: float, top_k: int, top_p: fl
     """SPEC_DRAWS requests at the fixed target logits ZP and draft logits zq (the same at every position), from
     output position `first`: the draft samples K proposals (its own noise stream), the target verifies them in K + 1
     rows; each request's tokens. breaks: a deliberately wrong verifier, to show the tests' power."""
-    from layers.rejection_sampler import DRAFT_STREAM, filtered_logprobs, rejection_sample, verify
+    from layers.sampling.rejection_sampler import DRAFT_STREAM, filtered_logprobs, rejection_sample, verify
 
     D, V = draws, len(ZP)
     params = lambda pos, salt=0: SamplingBatch.build(  # noqa: E731
@@ -394,7 +394,7 @@ def test_a_self_draft_accepts_everything_and_the_bonus_is_the_targets():
 
 def filtered_grid(ctx) -> list[list[float]]:
     """filtered_logprobs of tests/test_sampling.py's LOGITS, a row per case of its GRID, on this rank's slice."""
-    from layers.rejection_sampler import filtered_logprobs
+    from layers.sampling.rejection_sampler import filtered_logprobs
     from tests.test_sampling import GRID, LOGITS
 
     V, p = len(LOGITS), ctx.world_size
@@ -477,7 +477,7 @@ def draft_distributions(ctx, reqs, config, draft_cfg, draft_seed) -> float:
     """Serve reqs at p = 1 with a draft model and record every proposal's q (the draft's distribution on the ids,
     from its paged cache); the largest difference from the dense draft model recomputed without a cache on the
     request's tokens and the proposals before it."""
-    from layers.lm import shard_lm
+    from layers.models.lm import shard_lm
     from serve.build import own_group
     from serve.engine import LLMEngine
 

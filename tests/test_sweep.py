@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from layers.config import ALL_VARIANTS
+from layers.models.config import ALL_VARIANTS
 
 ROOT = Path(__file__).resolve().parent.parent
 

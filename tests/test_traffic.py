@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
-from layers.config import VARIANTS, ModelConfig
-from layers.tp_block import shard_stack
+from layers.models.config import VARIANTS, ModelConfig
+from layers.models.tp_block import shard_stack
 from tests.common import ARTICLE03, SMALL, collective_counts, dense_and_input
 from tests.harness import run_ranks
 from tp.ledger import TrafficLedger, active, ring_bytes_per_rank

@@ -5,15 +5,15 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.debug import CommDebugMode
 
-from layers.attention import causal_attention
-from layers.tp_block import shard_stack
-from layers.varlen import Requests, check_cu_seqlens, check_same_on_every_rank, score_entries
+from layers.attention.attention import causal_attention
+from layers.attention.varlen import Requests, check_cu_seqlens, check_same_on_every_rank, score_entries
+from layers.models.tp_block import shard_stack
 from tests.common import SMALL, collective_counts, dense_and_input, rel_err
 from tests.harness import run_ranks
 from tp.dist import ConfigError
 from tp.ledger import TrafficLedger
 from tp.traffic_model import predict
-from layers.config import VARIANTS
+from layers.models.config import VARIANTS
 
 
 def random_lengths(seed: int, count: int, longest: int) -> list[int]:

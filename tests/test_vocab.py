@@ -3,15 +3,15 @@
 import pytest
 import torch
 
-from layers.vocab import ReplicatedEmbedding, VocabParallelEmbedding, padded_vocab
+from layers.parallel.vocab import ReplicatedEmbedding, VocabParallelEmbedding, padded_vocab
 from tests.harness import run_ranks
 
 V, D = 37, 16  # 37 is prime: padded at every p > 1
 
 
 def pick(emb, x):
-    """The greedy pick (layers/sampler.py) on an embedding's tied head."""
-    from layers.sampler import greedy_pick
+    """The greedy pick (layers/sampling/sampler.py) on an embedding's tied head."""
+    from layers.sampling.sampler import greedy_pick
 
     return greedy_pick(emb.local_logits(x), emb.start, emb.head_group)
 

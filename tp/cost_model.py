@@ -75,8 +75,9 @@ HARDWARE = {hw.name: hw for hw in (H100, H100_PEAK, H200, A100)}
 
 
 def block_params(cfg) -> int:
-    """Parameters of one block. GPT-2 (layers.config.ModelConfig): QKV, out, up, down with biases, two LayerNorms.
-    Llama (layers.llama.LlamaConfig): q [d, k], k and v [d, k_kv] each, o, gate|up [d, 2f], down, two RMSNorms."""
+    """Parameters of one block. GPT-2 (layers.models.config.ModelConfig): QKV, out, up, down with biases, two
+    LayerNorms. Llama (layers.models.llama.LlamaConfig): q [d, k], k and v [d, k_kv] each, o, gate|up [d, 2f], down, two
+    RMSNorms."""
     d, k, f = cfg.d_model, cfg.k, cfg.d_ffn
     if llama_block(cfg):  # Qwen3 (qk_norm): and its two per-head norms of d_head
         return d * (k + 2 * cfg.k_kv) + k * d + 3 * d * f + 2 * d + (2 * cfg.d_head if getattr(cfg, "qk_norm", 0) else 0)
@@ -214,7 +215,8 @@ def kv_bytes_per_token_per_rank(n_layers: int, n_kv_heads: int, d_head: int, p: 
 
 def pass_kv_bytes(seq: int, cp: int, kv_heads: int, d_head: int, elem_bytes: int) -> float:
     """Ring attention's pass-KV, per rank per layer: its S/cp rows' K and V sent cp − 1 times,
-    (cp − 1)·2·(S/cp)·h_kv·d·e (layers/context_parallel.RingPrefill; tp/traffic_model.predict_cp counts it exactly)."""
+    (cp − 1)·2·(S/cp)·h_kv·d·e (layers/attention/context_parallel.RingPrefill; tp/traffic_model.predict_cp counts it
+    exactly)."""
     return (cp - 1) * 2 * (seq / cp) * kv_heads * d_head * elem_bytes
 
 
@@ -240,8 +242,8 @@ def serving_iteration(cfg, p: int, chunks: list[tuple[int, int]], sampled: int, 
                       vocab_parallel: bool = True) -> Iteration:
     """What one of p ranks computes and loads in one serve/engine.py iteration of the LM (GPT-2 or Llama).
 
-    cfg: a layers.config.ModelConfig or layers.llama.LlamaConfig; chunks: (q_start, q_end) of every request in
-    the iteration; sampled: rows that go through the LM head.
+    cfg: a layers.models.config.ModelConfig or layers.models.llama.LlamaConfig; chunks: (q_start, q_end) of every
+    request in the iteration; sampled: rows that go through the LM head.
       linear     2 FLOPs per weight per row; a rank holds 1/p of every block matmul (GPT-2: d·3k + k·d + 2·d·f;
                  Llama: d·k + k·d + 3·d·f, plus the K and V projections of its max(h_kv/p, 1) K,V heads,
                  replicated once p > h_kv), and V'/p rows of the head (all V rows when replicated), used by the

@@ -55,7 +55,7 @@ def activation_bytes_per_layer(cfg: ModelShape, p: int, n: int, dtype: torch.dty
 
 
 def _llama_bytes(cfg, p: int, n: int, e: int, e_s: int, variant: str) -> int:
-    """A Llama block (layers/llama.py). Per RMSNorm: its input in float32 at least (the squares' operand), 1/rms
+    """A Llama block (layers/models/llama.py). Per RMSNorm: its input in float32 at least (the squares' operand), 1/rms
     [T] in float32 at least, the normalized rows rounded to x's dtype, and the weighted rows (the matmul's input;
     v2sp: the gathered rows instead). Attention: the rotary tables cos, sin [T, d_head]; q and the K,V expanded to
     this rank's h/p query heads (grouped-query attention repeats them), the output [T, k/p], the log-sum-exp

@@ -16,8 +16,8 @@ from typing import Protocol
 
 class ModelShape(Protocol):
     """What the analytic models (tp/traffic_model.py, tp/memory_model.py) read of a model's config: the shape every
-    family's config has (layers/config.py ModelConfig and its kin); the family's own fields are read by name where a
-    formula needs them. Declared here so that tp/ never imports layers/."""
+    family's config has (layers/models/config.py ModelConfig and its kin); the family's own fields are read by name
+    where a formula needs them. Declared here so that tp/ never imports layers/."""
 
     family: str
     d_model: int
@@ -28,7 +28,8 @@ class ModelShape(Protocol):
 
 def llama_block(cfg) -> bool:
     """Whether the analytic models count cfg's blocks as Llama's (RMSNorm, grouped-query attention, SwiGLU with gate
-    and up one matmul, no biases), which the config says (layers/llama.LlamaConfig.llama_block), or as GPT-2's."""
+    and up one matmul, no biases), which the config says (layers/models/llama.LlamaConfig.llama_block), or as
+    GPT-2's."""
     return getattr(cfg, "llama_block", False)
 
 

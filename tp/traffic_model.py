@@ -19,14 +19,14 @@ same, so with p | n its forward moves exactly v2's bytes per layer, in twice as 
 With many requests flattened (lengths Lᵢ, n = Σ Lᵢ) nothing changes but n, except
 intra_head's scores: each request's [h, Lᵢ, Lᵢ] block, side by side, [h, Σ Lᵢ²].
 
-Llama-family blocks (layers/llama.py) are v2: the same list, whatever h_kv is (grouped-query
+Llama-family blocks (layers/models/llama.py) are v2: the same list, whatever h_kv is (grouped-query
 attention changes what each rank caches, not what it sends); the MLP's backward site is
 "gate_up dx". The backward listed is the input gradients' (all that is checked). Training with
 K,V heads replicated (p > h_kv) would add an all-reduce of those heads' weight gradients among
 their p/h_kv replicas, which is not modelled: nothing here trains. Their LM has the vocab-parallel embedding and an untied vocab-parallel head,
 so a serving iteration adds exactly what GPT-2's vocab-parallel LM adds.
 
-A serving iteration (layers/lm.py) of T rows, S of them sampled, adds to the stack's
+A serving iteration (layers/models/lm.py) of T rows, S of them sampled, adds to the stack's
 collectives, outside any block: an all-gather of every rank's plan fingerprint (the engine
 checks that all ranks scheduled the same rows), and with the vocab-parallel embedding one
 all-reduce of [T, d] after the lookup and one all-gather of (max, argmax) pairs [S, 2] float64
@@ -103,7 +103,7 @@ def predict(cfg: ModelShape, p: int, n: int, dtype: torch.dtype, variant: str, p
 
 def predict_sp_stack(cfg: ModelShape, p: int, n: int, dtype: torch.dtype, phase: str = "forward",
                      gathered: bool = True, input_grad: bool = True) -> list[Traffic]:
-    """v2sp's collectives outside any block (layers/tp_block.SPStack): forward, the output's all-gather [n', d]
+    """v2sp's collectives outside any block (layers/models/tp_block.SPStack): forward, the output's all-gather [n', d]
     (if the caller gathers it); backward, the input's all-gather of dx [n', d] (if the input needs a gradient).
     The input's scatter and the output gather's backward split rows: no communication."""
     if p == 1:
@@ -129,10 +129,10 @@ def predict_iteration(cfg: ModelShape, p: int, rows: int, sampled: int, dtype: t
                       cp: int = 1) -> list[Traffic]:
     """Every collective of one serving iteration, in issue order. plan_check: fingerprint elements per rank.
     sampler: None for a greedy head (one all-gather of (max, argmax) pairs); else (rounds, normalisers, race) of
-    layers/sampler.py: the candidates each rank gave per round, whether the normalisers were all-reduced, and
+    layers/sampling/sampler.py: the candidates each rank gave per round, whether the normalisers were all-reduced, and
     whether any row raced over the slices (rows whose kept ids are all candidates need no more communication).
-    cp > 1: the world is cp × p (context parallelism, layers/context_parallel.SplitCacheBackend): the plan check goes
-    over all cp·p ranks, and every layer first merges its attention over the cp group, an all-gather of
+    cp > 1: the world is cp × p (context parallelism, layers/attention/context_parallel.SplitCacheBackend): the plan
+    check goes over all cp·p ranks, and every layer first merges its attention over the cp group, an all-gather of
     [cp·rows, h/p, d_head + 1] in float32 at least."""
     if p == 1 and cp == 1:
         return []
@@ -164,8 +164,8 @@ def predict_iteration(cfg: ModelShape, p: int, rows: int, sampled: int, dtype: t
 
 def predict_sampler(p: int, sampled: int, sampler: tuple[tuple[int, ...], bool, bool] | None, vocab_size: int = 0,
                     dtype: torch.dtype = torch.float32) -> list[Traffic]:
-    """The vocab-parallel head's pick (layers/sampler.py) for `sampled` rows: greedy, one all-gather of (max, argmax)
-    pairs [S, 2p]; sampling, per round of c candidates an all-gather [S, 2cp] (the first followed by the
+    """The vocab-parallel head's pick (layers/sampling/sampler.py) for `sampled` rows: greedy, one all-gather of (max,
+    argmax) pairs [S, 2p]; sampling, per round of c candidates an all-gather [S, 2cp] (the first followed by the
     normalisers' all-reduce [S, 2] when top-p or logprobs need them; a round of 0: the logits themselves, [S, V'] in
     the model's dtype), then, when some row races over the slices, the race's all-gather [S, 3p]."""
     def gather(site, width, dt=torch.float64):
@@ -187,9 +187,9 @@ def predict_sampler(p: int, sampled: int, sampler: tuple[tuple[int, ...], bool, 
 
 def predict_verify(p: int, rows: int, rounds: tuple[int, ...], normalisers: bool, vocab_size: int = 0,
                    dtype: torch.dtype = torch.float32) -> list[Traffic]:
-    """Speculative decoding's verifier (layers/rejection_sampler.py) over `rows` verified rows: filtered_logprobs (the
-    candidates' rounds and the normalisers as the sampler's, then the kept ids' normaliser all-reduce [S]), the
-    accept all-reduce [S, 3] and the residual race's all-gather [S, 3p]."""
+    """Speculative decoding's verifier (layers/sampling/rejection_sampler.py) over `rows` verified rows:
+    filtered_logprobs (the candidates' rounds and the normalisers as the sampler's, then the kept ids' normaliser
+    all-reduce [S]), the accept all-reduce [S, 3] and the residual race's all-gather [S, 3p]."""
     if p == 1 or not rows:
         return []
     out = [t for t in predict_sampler(p, rows, (rounds, normalisers, False), vocab_size, dtype)]
@@ -311,7 +311,7 @@ def predict_transfers(cfg: ModelShape, p_prefill: int, p_decode: int, handovers:
 
 def predict_moe_layer(cfg, placement: str, p: int, rank: int, layer: int, dtype: torch.dtype,
                       ids_by_rank: list[torch.Tensor], n: int | None = None) -> list[Traffic]:
-    """One MoE block's forward collectives on `rank` (layers/moe.py), from the routing alone.
+    """One MoE block's forward collectives on `rank` (layers/models/moe.py), from the routing alone.
 
     tp, ep   attn all-reduce #1 and mlp all-reduce #2 of [n, d]: the routing does not change the bytes.
     ep_a2a   ids_by_rank[s]: the expert ids [T_s, k] of rank s's own tokens. Rank r's pairs bound for rank j are
@@ -339,8 +339,8 @@ def predict_moe_layer(cfg, placement: str, p: int, rank: int, layer: int, dtype:
 
 
 def pp_stage_layers(n_layers: int, pp: int) -> list[range]:
-    """The layers of each of pp stages (layers/pipeline.stage_layers' rule, written again here from its statement so
-    that the model does not read the code it checks): L // pp each, and the L % pp left over one each to the stages
+    """The layers of each of pp stages (layers/models/pipeline.stage_layers' rule, written again here from its statement
+    so that the model does not read the code it checks): L // pp each, and the L % pp left over one each to the stages
     just before the last."""
     sizes = [n_layers // pp + (1 if pp - 1 - (n_layers % pp) <= s < pp - 1 else 0) for s in range(pp)]
     return [range(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(pp)]
@@ -375,8 +375,9 @@ def predict_pp_stage(cfg: ModelShape, pp: int, tp: int, rank: int, n: int, dtype
 
 def predict_cp(cfg: ModelShape, cp: int, tp: int, rank: int, rows: list[int], new_tokens: int,
                dtype: torch.dtype) -> tuple[list[Traffic], list[Transfer]]:
-    """What global rank `rank` (= c·tp + t) of a cp × tp layout moves for one request (layers/context_parallel.py):
-    the prefill of rows[c'] rows per cp rank c' by ring attention, then new_tokens decodes over the split cache.
+    """What global rank `rank` (= c·tp + t) of a cp × tp layout moves for one request
+    (layers/attention/context_parallel.py): the prefill of rows[c'] rows per cp rank c' by ring attention, then
+    new_tokens decodes over the split cache.
 
     prefill, per layer   its TP all-reduces of [rows[c], d] over the tp group (v2's two); cp − 1 pass-KV steps, each
                          a send of the block it holds (owner (c − s) mod cp: [2, h_kv/tp, rows[owner], d_head]) to the

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         if not has_tokenizer(args.model, args.tokenizer):
             raise ValueError(f"{args.tokenizer or args.model} has no tokenizer files; the server takes and returns "
                              f"text: pass --tokenizer DIR")
-        from layers.hf import resolve_dtype
+        from layers.models.hf import resolve_dtype
         from tp.dist import ConfigError
 
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from layers.families import validate
+from layers.models.families import validate
 from serve.config import EngineConfig, fits_alone
 from serve.request import Request
 from serve.scheduler import Scheduler, pipeline_schedule, schedule_loop

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from layers.lm import shard_lm
-from layers.pipeline import check_layout, new_pp_groups, shard_pp_lm
+from layers.models.lm import shard_lm
+from layers.models.pipeline import check_layout, new_pp_groups, shard_pp_lm
 from serve.config import EngineConfig
 from serve.control import agree, digest, request_rows, settings_row
 from serve.offline import OfflineEngine
@@ -49,7 +49,7 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
              meter=None, decode_block_size: int | None = None) -> PDResult:
     """Serve `requests` with prefill on ranks [0, p_P) and decode on [p_P, p_P + p_D). Every rank of the world
     calls this with the same arguments (checked first: a mismatch raises PlanMismatch on every rank).
-    weights: a dense LM, or a per-rank source (layers/hf.CheckpointSource), that shard_lm cuts this rank's model
+    weights: a dense LM, or a per-rank source (layers/models/hf.CheckpointSource), that shard_lm cuts this rank's model
     from on its side's group (under `meter`, launch/loading.LoadMeter, when given).
     timeout_s bounds every wait for a hand-over message (HandoverTimeout, naming the message and the pair).
     config: both sides' engine settings; its num_gpu_blocks_override bounds each side's pool (None: enough for its

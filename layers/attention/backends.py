@@ -38,7 +38,7 @@ requests; the batched backend's ragged pass (a segment softmax over all keys at 
 
 Every backend touches the pool through store (a scatter of the new rows), load (a gather of
 slots) and load_blocks (whole blocks): a plain tensor, or a quantized cache (kv_cache_dtype fp8/int8: codes and
-per-head scales, quantized on write and dequantized on read: layers/kv_quant.py), the same code either way.
+per-head scales, quantized on write and dequantized on read: layers/attention/kv_quant.py), the same code either way.
 
 The cpu backend reads whole blocks through a [2, blocks, block_size, h_kv, d_head] view of the pool: it relies on
 slot = block · block_size + offset, the layout serve/block_manager.slot_mapping and serve/kv_cache.KVPool define. A GPU library backend over paged KV (FlashAttention's block_table, FlashInfer) is not here:
@@ -54,14 +54,14 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from layers.kv_quant import QuantizedLayer
+from layers.attention.kv_quant import QuantizedLayer
 
 RAGGED_BELOW = 4  # batched: decodes attend in one ragged pass when padding them to the longest would score > 4x
 PROMPT_GROUPS = 3  # batched: most SDPA calls per layer for fresh prompt chunks, and as many for chunks after a prefix
 CALL_COST = 64 * 64  # batched: a call's fixed cost, in padded score entries: no group is split off for less
 
 
-# ---- the pool's reads and writes: one scatter or gather per layer, quantized where the layer is (layers/kv_quant.py)
+# ---- the pool's reads and writes: one scatter or gather per layer, quantized where the layer is (kv_quant.py)
 
 
 def store(pool, slots: torch.Tensor, rows: torch.Tensor) -> None:
@@ -135,10 +135,10 @@ class AttentionBackend:
                 scale: float | None = None, v_dim: int | None = None, skip_fresh: bool = False) -> torch.Tensor:
         """q [h, T, d_head]; kv [2, h_kv, T, d_head] (this layer's new K,V); pool [2, slots, h_kv, d_head]. Returns
         [T, h·d_head]; query head j reads K,V head j // (h/h_kv); scores scaled by `scale` (default d_head^-1/2).
-        A one-plane pool [1, slots, h_kv, width] (MLA's latent, layers/mla.py) holds keys whose first v_dim values
-        are also the values: kv [1, h_kv, T, width], and the output is [T, h·v_dim]. skip_fresh: prompt chunks from
-        position 0 (batch.fresh) are written but not attended (their rows are zeros; the caller attends them its own
-        way: MLA's decompressed prefill)."""
+        A one-plane pool [1, slots, h_kv, width] (MLA's latent, layers/models/mla.py) holds keys whose first v_dim
+        values are also the values: kv [1, h_kv, T, width], and the output is [T, h·v_dim]. skip_fresh: prompt chunks
+        from position 0 (batch.fresh) are written but not attended (their rows are zeros; the caller attends them its
+        own way: MLA's decompressed prefill)."""
         raise NotImplementedError
 
 

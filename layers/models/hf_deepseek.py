@@ -1,5 +1,5 @@
 """Import transformers DeepSeek-V3 weights (DeepseekV3ForCausalLM / DeepseekV3Model) into the dense DeepSeek stack or
-LM (layers/mla.py). Nothing is transposed (nn.Linear [out, in], as ours).
+LM (layers/models/mla.py). Nothing is transposed (nn.Linear [out, in], as ours).
 
     DeepseekV3DecoderLayer keys   input_layernorm.weight, post_attention_layernorm.weight,
         attention                 self_attn.q_proj.weight (q_lora_rank null) or self_attn.q_a_proj.weight,
@@ -11,7 +11,7 @@ LM (layers/mla.py). Nothing is transposed (nn.Linear [out, in], as ours).
             save_pretrained       mlp.experts.<j>.gate_proj.weight [f, d], .up_proj [f, d], .down_proj [d, f]
             transformers in memory  mlp.experts.gate_up_proj [E, 2f, d], mlp.experts.down_proj [E, d, f]
 
-Ours stacks the experts as the second layout (layers/hf_mixtral.py does the same for Mixtral); from the first,
+Ours stacks the experts as the second layout (layers/models/hf_mixtral.py does the same for Mixtral); from the first,
 gate_up is the rows gate_0, up_0, gate_1, up_1, ... of its [E·2f, d] view. Rotary positions: default, or YaRN (V3's
 own config.json: factor 40 over 4096 original positions), as transformers computes them. Refused by name: another
 rope type, biases, another activation, a scoring function other than sigmoid; the multi-token-prediction layer is
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import re
 
-from layers import hf_llama
-from layers.families import Family
-from layers.hf import load_lm  # noqa: F401  (the dense DeepSeek LM from a state dict, as for every family)
-from layers.mla import DeepseekConfig, dense_blocks, tp_blocks, validate_deepseek
+from layers.models import hf_llama
+from layers.models.families import Family
+from layers.models.hf import load_lm  # noqa: F401  (the dense DeepSeek LM from a state dict, as for every family)
+from layers.models.mla import DeepseekConfig, dense_blocks, tp_blocks, validate_deepseek
 from tp.dist import ConfigError
 
 _ATTENTION = {"attn_norm.weight": "input_layernorm.weight", "kv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",

@@ -7,7 +7,7 @@ holds embedding rows [r·V'/p, (r+1)·V'/p):
 
   lookup   ids outside this rank's slice give zero rows; ★ one all-reduce of [T, d] sums the p slices.
   LM head  x [S, d] @ wte_rᵀ -> local logits [S, V'/p] (padded ids set to -inf, so they never win);
-           layers/sampler.py picks the token from the slices: greedy keeps each rank's (max, argmax) per
+           layers/sampling/sampler.py picks the token from the slices: greedy keeps each rank's (max, argmax) per
            row; ★ one all-gather of those pairs, [S, 2] per rank, and every rank picks the same winner:
            the largest value, ties to the lowest rank and so to the lowest token id, exactly as
            torch.argmax over the full row. The full [S, V] logits never exist anywhere.
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from layers.shard import DenseSource, Part, load_plan, rows
+from layers.parallel.shard import DenseSource, Part, load_plan, rows
 from tp.comm import reduce_from_region
 from tp.partition import padded
 
@@ -38,7 +38,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, d_model: int, group: dist.ProcessGroup, dtype=None, device=None):
         super().__init__()
         self.group = group
-        self.head_group = group  # what the head's pick gathers over (layers/sampler.py)
+        self.head_group = group  # what the head's pick gathers over (layers/sampling/sampler.py)
         p, rank = dist.get_world_size(group), dist.get_rank(group)
         self.vocab_size = vocab_size
         self.per_rank = padded_vocab(vocab_size, p) // p
@@ -64,7 +64,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def local_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The tied LM head on this rank's slice: x [S, d] final hidden rows -> logits [S, V'/p] (padding ids -inf,
-        so they never win). The full [S, V] logits never exist: layers/sampler.py picks from the slices."""
+        so they never win). The full [S, V] logits never exist: layers/sampling/sampler.py picks from the slices."""
         logits = F.linear(x, self.weight)  # [S, V'/p]
         logits[:, self.n_real:] = float("-inf")
         return logits

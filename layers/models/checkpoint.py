@@ -39,7 +39,7 @@ class Checkpoint(Mapping):
     """The tensors of a checkpoint directory by name: shapes and dtypes from the headers, data on demand.
 
     `ckpt[key]` reads a whole tensor (the dense model's loader); `fill(dest, key, dim, ranges)` copies only ranges
-    along one dimension (each rank's slices, layers/hf.CheckpointSource)."""
+    along one dimension (each rank's slices, layers/models/hf.CheckpointSource)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)

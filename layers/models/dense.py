@@ -1,7 +1,7 @@
 """The single-device reference: a GPT-2 pre-LN block and a stack of them.
 
 This is the model a user already has. Tensor-parallel modules are built from
-its weights (see layers/shard.py), and the equivalence check compares against it.
+its weights (see layers/parallel/shard.py), and the equivalence check compares against it.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from layers.attention import causal_attention
-from layers.config import ModelConfig
-from layers.families import of
-from layers.varlen import Requests, check_cu_seqlens
+from layers.attention.attention import causal_attention
+from layers.attention.varlen import Requests, check_cu_seqlens
+from layers.models.config import ModelConfig
+from layers.models.families import of
 
 
 class DenseBlock(nn.Module):
@@ -62,7 +62,7 @@ class Stack(nn.Module):
 
 
 class DenseStack(Stack):
-    """The single-device model: the L blocks of cfg's family (layers/families.py)."""
+    """The single-device model: the L blocks of cfg's family (layers/models/families.py)."""
 
     def __init__(self, cfg, dtype: torch.dtype = torch.float32, device=None):
         super().__init__(cfg, of(cfg).dense_blocks(cfg, dtype, device))
@@ -77,7 +77,7 @@ def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> nn.Module:
     """
     gen = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
-        if ".ln_" in f".{name}" or "norm." in name:  # GPT-2's LayerNorms, Llama's RMSNorms (layers/llama.py)
+        if ".ln_" in f".{name}" or "norm." in name:  # GPT-2's LayerNorms, Llama's RMSNorms (layers/models/llama.py)
             base = 1.0 if name.endswith("weight") else 0.0
             values = base + 0.1 * torch.randn(param.shape, generator=gen, dtype=torch.float64)
         else:

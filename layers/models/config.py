@@ -14,7 +14,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 # variant, v2sp included, at p = 2, 4, 8 (docs/precision.md).
 DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 5e-2, torch.float16: 6e-3}
 VARIANTS = ("v1", "v2", "intra_head")  # every rank holds the whole residual stream [n, d]
-SP_VARIANTS = ("v2sp",)  # sequence parallelism: each rank holds n/p rows between sub-layers (layers/tp_block.SPStack)
+SP_VARIANTS = ("v2sp",)  # sequence parallelism: each rank holds n/p rows between sub-layers (tp_block.SPStack)
 ALL_VARIANTS = VARIANTS + SP_VARIANTS  # what run_block runs
 SERVING_VARIANTS = ("v1", "v2")  # intra_head is a counterfactual of one forward, not served
 
@@ -30,9 +30,9 @@ class ModelConfig:
     n_layers: int = 8
     max_seq_len: int = 1024
     ln_eps: float = 1e-5
-    vocab_size: int = 50257  # GPT-2's BPE vocabulary; only the language model (layers/lm.py) uses it
+    vocab_size: int = 50257  # GPT-2's BPE vocabulary; only the language model (layers/models/lm.py) uses it
 
-    family = "gpt2"  # the block family (layers/llama.LlamaConfig is "llama"); not a dataclass field
+    family = "gpt2"  # the block family (layers/models/llama.LlamaConfig is "llama"); not a dataclass field
 
     @property
     def k(self) -> int:

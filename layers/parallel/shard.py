@@ -4,7 +4,7 @@ Every tensor-parallel module lists its parameters as `Part`s: "rows `row`.. of m
 `cut` of the dense parameter `source`". Two loaders read those lists, so they cannot disagree:
 
     load dense, then shard   DenseSource: cut the dense model's tensors (run_block's check, random weights)
-    per-rank, lazily         layers/hf.CheckpointSource: read only those slices from the checkpoint files
+    per-rank, lazily         layers/models/hf.CheckpointSource: read only those slices from the checkpoint files
 
 A Cut is ranges along one dimension of the dense [out, in] (nn.Linear) layout, concatenated in order:
 

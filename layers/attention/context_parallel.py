@@ -17,7 +17,7 @@ and weight 0. Two uses, both through `merge`:
 
 Inside a cp rank the block is the TP block it always was (head-aligned TP over the tp group, the same all-reduces):
 the cp ranks of one TP slot hold the same heads, different tokens. Both uses are `requests` objects that
-layers/attention.attention dispatches to, as it does to the paged cache (PagedLayer).
+layers/attention/attention.attention dispatches to, as it does to the paged cache (PagedLayer).
 
 Bytes per rank per layer (tp/traffic_model.predict_cp, predict_iteration): pass-KV (cp − 1)·2·(S/cp)·h_kv·d·e (each
 rank's own rows, so exactly the rows it holds); the decode merge an all-gather of [T, h, d + 1] in float32 at least.
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from layers.attention_backends import load, store
+from layers.attention.backends import load, store
 from tp.ledger import TransferRecord, active
 
 def new_cp_groups(world: int, cp: int) -> tuple[list[dist.ProcessGroup], list[dist.ProcessGroup]]:

@@ -4,7 +4,7 @@
       -> causal GQA -> o [h·dh -> d] -> +x -> RMSNorm -> gate|up -> silu(gate)·up -> down -> +x      (no biases)
 
 q_norm and k_norm hold dh weights each, shared by all heads; head_dim is explicit (Qwen3-8B: h·dh = 4096 = d, Qwen3-
-0.6B: 16·128 = 2048 ≠ d = 1024). Everything else is Llama's (layers/llama.py): this module adds the two norms and
+0.6B: 16·128 = 2048 ≠ d = 1024). Everything else is Llama's (layers/models/llama.py): this module adds the two norms and
 nothing more.
 
 Tensor parallel: each rank holds whole heads (Llama's head-aligned cut), so each head is normalized on the rank that
@@ -12,7 +12,8 @@ holds it: the norms are replicated, whole on every rank, and the forward adds no
 as Llama). In backward each rank's gradient of the norm weights covers its own heads only: ★ one all-reduce of
 [2·dh] per block (copy_to_region; transformers' tensor-parallel plan: "replicated_with_grad_allreduce").
 
-Checkpoints: Llama's layout (layers/hf_llama.py) and, per layer, self_attn.q_norm.weight and self_attn.k_norm.weight.
+Checkpoints: Llama's layout (layers/models/hf_llama.py) and, per layer, self_attn.q_norm.weight and
+self_attn.k_norm.weight.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from layers import hf_llama
-from layers.attention import PagedLayer
-from layers.families import Family, same_blocks
-from layers.llama import (DenseLlamaBlock, LlamaConfig, RMSNorm, TPLlamaBlock, TPLlamaBlockSP, rms_norm,
-                          rotary_attention, validate_llama)
-from layers.shard import Part, whole
-from layers.varlen import Requests
+from layers.attention.attention import PagedLayer
+from layers.attention.varlen import Requests
+from layers.models import hf_llama
+from layers.models.families import Family, same_blocks
+from layers.models.llama import (DenseLlamaBlock, LlamaConfig, RMSNorm, TPLlamaBlock, TPLlamaBlockSP, rms_norm,
+                                 rotary_attention, validate_llama)
+from layers.parallel.shard import Part, whole
 from tp.comm import copy_to_region
 from tp.dist import ConfigError
 
@@ -92,8 +93,8 @@ class TPQwen3BlockSP(TPQwen3Block, TPLlamaBlockSP):
 
 
 def config_from_hf(hf: dict) -> Qwen3Config:
-    """Qwen3Config from a Qwen3 config.json: Llama's fields and refusals (layers/hf_llama.py); sliding-window layers
-    are refused by name."""
+    """Qwen3Config from a Qwen3 config.json: Llama's fields and refusals (layers/models/hf_llama.py); sliding-window
+    layers are refused by name."""
     if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
         raise ConfigError("use_sliding_window=true is not supported: the blocks attend to the whole prefix")
     return Qwen3Config(**dataclasses.asdict(hf_llama.config_from_hf(hf)))

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
-from layers.sampler import SamplingBatch, apply_filters, gumbel_noise, shift_right, splitmix64
+from layers.sampling.sampler import SamplingBatch, apply_filters, gumbel_noise, shift_right, splitmix64
 from tp.comm import gather_from_region, reduce_from_region
 
 ACCEPT_STREAM = 0x5DEECE66D  # the accept uniforms' key is (seed ^ this, position): a stream apart from the race's

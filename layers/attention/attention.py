@@ -5,7 +5,7 @@ rank (its h/p heads): heads never talk to each other, which is why a
 head-aligned split needs no communication inside attention.
 
 With `requests` (many requests flattened into one [T, ...] tensor, see
-layers/varlen.py) each request attends causally within itself only, and only
+layers/attention/varlen.py) each request attends causally within itself only, and only
 its own [Lᵢ × Lᵢ] block of scores is computed: the work is Σ Lᵢ², not (Σ Lᵢ)².
 `requests.padded` selects the baseline: pad every request to the longest, mask.
 
@@ -20,7 +20,7 @@ A fresh prompt (q_start = 0) is the plain causal square; a decode (one row) sees
 SDPA's `is_causal` puts the triangle at the top-left when q_rows != kv_length, which is
 wrong here, so a chunk after a cached prefix gets an explicit mask.
 
-How the pool is written and read is the iteration's attention backend (layers/attention_backends.py: reference,
+How the pool is written and read is the iteration's attention backend (layers/attention/backends.py: reference,
 batched as a GPU runs it, cpu without padding; `auto` picks per device), chosen once per run and built once per
 iteration (serve/model_runner.py prepare_step).
 """
@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.nn.utils.rnn import pad_sequence
 
-from layers.attention_backends import PagedBatch
-from layers.context_parallel import RingPrefill, SplitKVDecode
-from layers.kv_quant import QuantizedLayer, reference_round_trip
-from layers.varlen import Requests
+from layers.attention.backends import PagedBatch
+from layers.attention.context_parallel import RingPrefill, SplitKVDecode
+from layers.attention.kv_quant import QuantizedLayer, reference_round_trip
+from layers.attention.varlen import Requests
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, requests: Requests | PagedLayer
     j // (h/h_kv) (grouped-query attention; h_kv = h is plain multi-head). Returns [T, h*d_head]."""
     if isinstance(requests, PagedLayer):
         return paged_attention(q, kv, requests)
-    if isinstance(requests, (RingPrefill, SplitKVDecode)):  # context parallelism: layers/context_parallel.py
+    if isinstance(requests, (RingPrefill, SplitKVDecode)):  # context parallelism: layers/attention/context_parallel.py
         return requests.attend(q, kv)
     kv = reference_round_trip(kv)  # inside kv_quant.pseudo_quantized: K,V as a quantized cache would give them
     group = q.shape[0] // kv.shape[1]
@@ -109,7 +109,7 @@ def _padded(q, k, v, lengths: list[int]) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, kv: torch.Tensor, layer: PagedLayer) -> torch.Tensor:
     """Write the new rows' K,V into the pool at their slots, then attend over each request's context, as the
-    iteration's attention backend does it (layers/attention_backends.py). q [h, T, d_head], kv [2, h_kv, T, d_head]:
+    iteration's attention backend does it (layers/attention/backends.py). q [h, T, d_head], kv [2, h_kv, T, d_head]:
     the pool holds the h_kv K,V heads only."""
     if isinstance(layer.pool, QuantizedLayer):  # kv_cache_dtype fp8/int8: the new rows as the cache will give them
         kv = layer.pool.prepare(kv)

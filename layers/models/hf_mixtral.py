@@ -1,6 +1,6 @@
-"""Import transformers Mixtral weights (MixtralForCausalLM / MixtralModel) into the dense MoE stack or LM (layers/moe.py).
+"""Import transformers Mixtral weights (MixtralForCausalLM / MixtralModel) into the dense MoE stack or LM (layers/models/moe.py).
 
-Attention, norms, embedding and head are Llama's (layers/hf_llama.py). The routed FFN comes in two layouts:
+Attention, norms, embedding and head are Llama's (layers/models/hf_llama.py). The routed FFN comes in two layouts:
 
     files written by save_pretrained      block_sparse_moe.gate.weight [E, d], and per expert j
                                           block_sparse_moe.experts.<j>.w1 (gate) [f, d], .w3 (up) [f, d], .w2 (down) [d, f]
@@ -8,16 +8,17 @@ Attention, norms, embedding and head are Llama's (layers/hf_llama.py). The route
 
 Ours is the second: gate_up [E, 2f, d] (each expert's gate rows, then its up rows) and down [E, d, f]. From the
 first, gate_up is the rows w1_0, w3_0, w1_1, w3_1, ... of its [E·2f, d] view, down the rows w2_0, w2_1, ... of its
-[E·d, f] view: a stack of rows, which the dense loader and the per-rank one (layers/hf.CheckpointSource) both read.
+[E·d, f] view: a stack of rows, which the dense loader and the per-rank one (layers/models/hf.CheckpointSource) both
+read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from layers import hf_llama
-from layers.families import Family
-from layers.moe import HF_LAYER_KEYS, DenseMoEBlock, MoEConfig, moe_block, validate_moe
+from layers.models import hf_llama
+from layers.models.families import Family
+from layers.models.moe import HF_LAYER_KEYS, DenseMoEBlock, MoEConfig, moe_block, validate_moe
 from tp.dist import ConfigError
 
 STACKED = ("gate_up", "down")  # our [E, rows, cols] parameters

@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from layers.families import of
-from layers.sampler import SampleResult, nothing_sampled, table_width
-from layers.shard import Part, load_plan
-from layers.tp_block import TPStack, tp_stack
+from layers.models.families import of
+from layers.models.tp_block import TPStack, tp_stack
+from layers.parallel.shard import Part, load_plan
+from layers.sampling.sampler import SampleResult, nothing_sampled, table_width
 from tp.comm import broadcast_from, gather_rows_to_parallel
 from tp.dist import wait_for_stream
 from tp.ledger import TransferRecord, active
@@ -162,8 +162,8 @@ class PPStage(StagePosition, nn.Module):
     def forward(self, x: torch.Tensor | None, rows: int, microbatch: int = 0, received: bool = False,
                 requests=None, send: bool = True) -> tuple[torch.Tensor, ...]:
         """received: x is this stage's input already (run() received it); else stages after the first receive it.
-        requests: layers/varlen.Requests, when x flattens several (each attends within itself). send: pass the last
-        output on to the next stage (run() sends it itself, to time the compute alone)."""
+        requests: layers/attention/varlen.Requests, when x flattens several (each attends within itself). send: pass the
+        last output on to the next stage (run() sends it itself, to time the compute alone)."""
         if not self.first and not received:
             x = self.receive(rows, microbatch)
         ledger = active()
@@ -185,7 +185,7 @@ class PPStage(StagePosition, nn.Module):
         """A forward-only GPipe schedule of len(rows) micro-batches: each stage takes micro-batch m as soon as it
         arrives, runs it, sends it on and takes m + 1, so stage s works on m while stage s + 1 works on m − 1.
         inputs: the micro-batches' stack inputs (stage 0; None elsewhere); requests: each micro-batch's
-        layers/varlen.Requests when it flattens several (None: one sequence each). Returns every micro-batch's layer outputs
+        layers/attention/varlen.Requests when it flattens several (None: one sequence each). Returns every micro-batch's layer outputs
         and this stage's timeline: per micro-batch the time from the schedule's start at which it began and ended
         its compute, the time it waited to receive its input and the time its send took (on a GPU each is
         closed by a wait for the stream, so the compute is the device's time)."""
@@ -303,7 +303,7 @@ class PostedReceive:
 def shard_stage(dense, variant: str, layout: PPLayout, rank: int, group: dist.ProcessGroup,
                 boundary: str = "whole") -> PPStage:
     """Load dense (a DenseStack), then shard: this rank's stage, holding its TP slices of its layers' weights."""
-    from layers.shard import DenseSource
+    from layers.parallel.shard import DenseSource
 
     source = DenseSource(dense)
     stage = PPStage(dense.cfg, variant, layout, rank, group, source.dtype, source.device, boundary)
@@ -415,12 +415,12 @@ def stage_output(cfg) -> set[str]:
 def shard_pp_lm(weights, variant: str, layout: PPLayout, rank: int, group: dist.ProcessGroup,
                 boundary: str = "whole", world: dist.ProcessGroup | None = None) -> PPLM:
     """This rank's PPLM, its stage's blocks (and the embedding on the first stage, the final norm and head on the
-    last), each cut over the stage's TP group: from a dense LM (DenseLM or DenseLlamaLM: load, then shard) or a Source (layers/hf.CheckpointSource: the rank reads only
-    its stage's slices of the files), as layers/lm.shard_lm."""
+    last), each cut over the stage's TP group: from a dense LM (DenseLM or DenseLlamaLM: load, then shard) or a Source (layers/models/hf.CheckpointSource: the rank reads only
+    its stage's slices of the files), as layers/models/lm.shard_lm."""
     from dataclasses import replace as replaced
 
-    from layers.lm import tp_lm
-    from layers.shard import DenseSource
+    from layers.models.lm import tp_lm
+    from layers.parallel.shard import DenseSource
 
     source = weights if hasattr(weights, "fill") else DenseSource(weights)
     cfg = source.cfg

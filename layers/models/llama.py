@@ -4,7 +4,7 @@
       -> RMSNorm -> gate|up [d -> 2f] -> silu(gate)·up -> down [f -> d] -> +x              (no biases)
 
 h query heads share h_kv key/value heads: query head j reads K,V head j // (h/h_kv). Tensor parallel, as
-for GPT-2 (layers/tp_block.py), with the same ColumnParallelLinear / RowParallelLinear and 2 all-reduces
+for GPT-2 (layers/models/tp_block.py), with the same ColumnParallelLinear / RowParallelLinear and 2 all-reduces
 of [n, d] per block. Head alignment keeps each query head with its K,V head: rank r holds query heads
 [r·h/p, (r+1)·h/p) and
     p ≤ h_kv   K,V heads [r·h_kv/p, (r+1)·h_kv/p)          (each K,V head on exactly one rank)
@@ -16,9 +16,9 @@ down is row-parallel.
 
 The block family is a choice inside one design, not a second code path: Llama blocks take the same
 `requests` (None, varlen Requests, or serving's PagedLayer) as GPT-2's, attend through the same
-layers/attention.attention (which handles h_kv < h), stack in the same layers/dense.Stack, shard through
-layers/tp_block.shard_stack and are served by the same engine (layers/lm.TPLlamaLM). Checkpoints:
-layers/hf_llama.py.
+layers/attention/attention.attention (which handles h_kv < h), stack in the same layers/models/dense.Stack, shard
+through layers/models/tp_block.shard_stack and are served by the same engine (layers/models/lm.TPLlamaLM). Checkpoints:
+layers/models/hf_llama.py.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from layers.attention import PagedLayer, attention, positions_of
-from layers.linear import ColumnParallelLinear, RowParallelLinear
-from layers.shard import Part, cols, even, heads_range, rows, whole
-from layers.varlen import Requests
+from layers.attention.attention import PagedLayer, attention, positions_of
+from layers.attention.varlen import Requests
+from layers.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from layers.parallel.shard import Part, cols, even, heads_range, rows, whole
 from tp.comm import copy_to_region, gather_rows_to_parallel, reduce_scatter_rows
 from tp.dist import ConfigError
 from tp.partition import kv_head_range
@@ -54,7 +54,7 @@ class LlamaConfig:
     vocab_size: int = 32000
     tie_word_embeddings: bool = False  # the LM head is the token embedding (some checkpoints); Llama-2: separate
 
-    family = "llama"  # the block family (layers/config.ModelConfig is "gpt2"); not a dataclass field
+    family = "llama"  # the block family (layers/models/config.ModelConfig is "gpt2"); not a dataclass field
     llama_block = True  # the analytic models (tp/) count its blocks as Llama's: RMSNorm, GQA, SwiGLU, no biases
 
     @property
@@ -146,7 +146,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def rotary_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: LlamaConfig,
                      requests: Requests | PagedLayer | None) -> torch.Tensor:
     """q [T, h·dh], k, v [T, h_kv·dh] (this rank's heads): RoPE on q and k at each row's position, then causal
-    grouped-query attention (layers/attention.py, which also keeps the cache). Returns [T, h·dh]."""
+    grouped-query attention (layers/attention/attention.py, which also keeps the cache). Returns [T, h·dh]."""
     key = ("rope", cfg.d_head, cfg.rope_theta, q.dtype)
     if isinstance(requests, PagedLayer) and key in requests.batch.tables:  # serving: once per iteration, not per layer
         cos, sin = requests.batch.tables[key]
@@ -174,7 +174,8 @@ def dense_attention(module: nn.Module, cfg: LlamaConfig, dtype, device) -> None:
 
 class RotaryBlock(nn.Module):
     """What every Llama-family block shares: `attention`, RoPE and causal GQA on the block's (or this rank's) heads.
-    A family that changes only what enters the attention overrides it (Qwen3's per-head q, k norms: layers/qwen3.py)."""
+    A family that changes only what enters the attention overrides it (Qwen3's per-head q, k norms:
+    layers/models/qwen3.py)."""
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   requests: Requests | PagedLayer | None) -> torch.Tensor:
@@ -226,8 +227,8 @@ class TPLlamaBlock(RotaryBlock):
         return x + self.down(F.silu(gate) * up)  # ★ all-reduce #2: partial [n, d] summed over ranks
 
     def plan(self) -> list[Part]:
-        """This rank's slices of the dense block (the rules: layers/shard.py). qkv stacks three dense tensors: its
-        query heads' rows of q, then its K,V heads' rows of k and of v (the same K,V head on p/h_kv ranks once
+        """This rank's slices of the dense block (the rules: layers/parallel/shard.py). qkv stacks three dense tensors:
+        its query heads' rows of q, then its K,V heads' rows of k and of v (the same K,V head on p/h_kv ranks once
         p > h_kv); gate_up takes its f/p rows of gate and of up."""
         c, rank, p = self.cfg, dist.get_rank(self.group), dist.get_world_size(self.group)
         q_heads, kv = range(rank * self.q_heads, (rank + 1) * self.q_heads), kv_heads_of_rank(c, rank, p)

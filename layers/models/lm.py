@@ -6,10 +6,10 @@
 DenseLM   the single-device model, and the serving oracle: `logits` recomputes a whole
           sequence without any cache; `greedy_reference` generates by recomputing every step.
 TPLM      the same weights on p ranks: vocab-parallel (or replicated) embedding and head
-          (layers/vocab.py), the v1 or v2 stack, and this rank's paged K,V pool handed in by the
+          (layers/parallel/vocab.py), the v1 or v2 stack, and this rank's paged K,V pool handed in by the
           engine. `step` runs one serving iteration of flat rows and returns the tokens picked
-          (greedy, or sampled: layers/sampler.py) for the rows asked for; the full logits are never formed.
-DenseLlamaLM, TPLlamaLM   the same for Llama-family models (layers/llama.py): v2 blocks, the embedding and the
+          (greedy, or sampled: layers/sampling/sampler.py) for the rows asked for; the full logits are never formed.
+DenseLlamaLM, TPLlamaLM   the same for Llama-family models (layers/models/llama.py): v2 blocks, the embedding and the
           head (separate, or tied) both vocab-parallel, caches of this rank's K,V heads only (`cache_heads`).
 `shard_lm` shards either.
 """
@@ -23,15 +23,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from layers.attention import PagedLayer
-from layers.config import SERVING_VARIANTS, ModelConfig
-from layers.dense import DenseStack
-from layers.families import of
-from layers.llama import LlamaConfig, RMSNorm
-from layers.sampler import SampleResult, SamplingBatch, nothing_sampled, sample
-from layers.shard import DenseSource, Part, Source, load_plan, prefixed, whole
-from layers.tp_block import TPStack, tp_stack
-from layers.vocab import ReplicatedEmbedding, VocabParallelEmbedding
+from layers.attention.attention import PagedLayer
+from layers.models.config import SERVING_VARIANTS, ModelConfig
+from layers.models.dense import DenseStack
+from layers.models.families import of
+from layers.models.llama import LlamaConfig, RMSNorm
+from layers.models.tp_block import TPStack, tp_stack
+from layers.parallel.shard import DenseSource, Part, Source, load_plan, prefixed, whole
+from layers.parallel.vocab import ReplicatedEmbedding, VocabParallelEmbedding
+from layers.sampling.sampler import SampleResult, SamplingBatch, nothing_sampled, sample
 
 
 class DenseLM(nn.Module):
@@ -109,8 +109,8 @@ def greedy_reference(lm: DenseLM, prompt: list[int], max_new_tokens: int, eos_id
 
 @torch.no_grad()
 def sampled_reference(lm: DenseLM | DenseLlamaLM, prompt: list[int], params, seed: int, eos_id=None) -> Greedy:
-    """The oracle of a sampled request: the same sampler (layers/sampler.py) on the dense logits, recomputed with no
-    cache every step, with the request's noise (seed, position). margins: each step's lead in the race."""
+    """The oracle of a sampled request: the same sampler (layers/sampling/sampler.py) on the dense logits, recomputed
+    with no cache every step, with the request's noise (seed, position). margins: each step's lead in the race."""
     device, stops = next(lm.parameters()).device, _stops(eos_id)
     tokens, out = list(prompt), Greedy([], [], [])
     for position in range(params.max_tokens):
@@ -165,8 +165,8 @@ class TPLM(nn.Module):
         return isinstance(self.embed, VocabParallelEmbedding)
 
     def plan(self) -> list[Part]:
-        """This rank's slices of the dense DenseLM's parameters (layers/shard.py): its vocabulary rows of wte (or all
-        of it), the replicated wpe and ln_f, and the stack's."""
+        """This rank's slices of the dense DenseLM's parameters (layers/parallel/shard.py): its vocabulary rows of wte
+        (or all of it), the replicated wpe and ln_f, and the stack's."""
         return (prefixed(self.embed.plan("wte.weight"), "embed.", "") + whole("wpe.weight", "ln_f.weight", "ln_f.bias")
                 + prefixed(self.stack.plan(), "stack."))
 
@@ -190,8 +190,8 @@ class TPLM(nn.Module):
                x: torch.Tensor | None = None) -> torch.Tensor:
         """The model's one forward over the paged cache, [T, d] before the final norm: what `step` picks from, the
         verifier's and the draft's rows (serve/model_runner.py, serve/draft.py) and a pipeline stage's part
-        (layers/pipeline.py). Block i attends with layers[i]; x: a stage's received hidden states (ids are then not
-        embedded)."""
+        (layers/models/pipeline.py). Block i attends with layers[i]; x: a stage's received hidden states (ids are then
+        not embedded)."""
         x = self.embed_rows(ids, positions) if x is None else x
         for block, cached in zip(self.stack.blocks, layers, strict=True):
             x = block(x, cached)  # ★ v2: 2 all-reduces [T, d] per layer; v1: 4 all-gathers
@@ -204,7 +204,8 @@ class TPLM(nn.Module):
         """The tokens of rows sample_rows of the stack's output x [T, d]."""
         if sample_rows.numel() == 0:  # only prompt chunks that do not finish their prompt: nothing to sample
             return nothing_sampled()
-        # ★ vocab-parallel: greedy, an all-gather of (max, argmax) pairs [S, 2] per rank (sampling: layers/sampler.py)
+        # ★ vocab-parallel: greedy, an all-gather of (max, argmax) pairs [S, 2] per rank (sampling:
+        # layers/sampling/sampler.py)
         return sample(*self.head_logits(x, sample_rows), sampling, self.cfg.vocab_size)
 
     def head_logits(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, int, dist.ProcessGroup | None]:
@@ -253,7 +254,7 @@ class TPLlamaLM(nn.Module):
     def pick(self, x: torch.Tensor, sample_rows: torch.Tensor, sampling: SamplingBatch | None) -> SampleResult:
         if sample_rows.numel() == 0:
             return nothing_sampled()
-        # ★ greedy: an all-gather of (max, argmax) pairs [S, 2] per rank (sampling: layers/sampler.py)
+        # ★ greedy: an all-gather of (max, argmax) pairs [S, 2] per rank (sampling: layers/sampling/sampler.py)
         return sample(*self.head_logits(x, sample_rows), sampling, self.cfg.vocab_size)
 
     def head_logits(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, int, dist.ProcessGroup | None]:
@@ -264,8 +265,8 @@ class TPLlamaLM(nn.Module):
 def shard_lm(weights: DenseLM | DenseLlamaLM | Source, variant: str, group: dist.ProcessGroup,
              vocab_parallel: bool = True, moe_parallel: str = "tp") -> TPLM | TPLlamaLM:
     """This rank's TPLM (or TPLlamaLM), holding its slices of the weights: a dense LM (load dense, then shard) or a
-    Source with cfg, dtype and device (layers/hf.CheckpointSource: each rank reads only its slices of the files).
-    moe_parallel: an MoE model's placement of its experts (tp or ep; layers/moe.py)."""
+    Source with cfg, dtype and device (layers/models/hf.CheckpointSource: each rank reads only its slices of the files).
+    moe_parallel: an MoE model's placement of its experts (tp or ep; layers/models/moe.py)."""
     source = weights if hasattr(weights, "fill") else DenseSource(weights)
     lm = tp_lm(source.cfg, variant, group, vocab_parallel, source.dtype, source.device, moe_parallel)
     try:

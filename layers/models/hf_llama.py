@@ -1,8 +1,8 @@
 """Import transformers Llama weights (LlamaModel / LlamaForCausalLM) into the dense Llama stack or LM.
 
 transformers' Llama linears are nn.Linear ([out, in], as ours), so nothing is transposed; gate_proj and
-up_proj are stacked into our one gate_up weight (rows [gate | up]), which layers/llama.TPLlamaBlock cuts
-column-parallel. Nothing is downloaded: a directory from `save_pretrained` is read by layers/hf.py.
+up_proj are stacked into our one gate_up weight (rows [gate | up]), which layers/models/llama.TPLlamaBlock cuts
+column-parallel. Nothing is downloaded: a directory from `save_pretrained` is read by layers/models/hf.py.
 
     LlamaDecoderLayer keys  input_layernorm.weight, self_attn.{q,k,v,o}_proj.weight,
                             post_attention_layernorm.weight, mlp.{gate,up,down}_proj.weight
@@ -17,9 +17,9 @@ import re
 
 import torch
 
-from layers.families import Family, same_blocks
-from layers.hf import load_lm, load_stack  # noqa: F401  (Llama weights into the dense stack or LM)
-from layers.llama import DenseLlamaBlock, LlamaConfig, TPLlamaBlock, TPLlamaBlockSP, validate_llama
+from layers.models.families import Family, same_blocks
+from layers.models.hf import load_lm, load_stack  # noqa: F401  (Llama weights into the dense stack or LM)
+from layers.models.llama import DenseLlamaBlock, LlamaConfig, TPLlamaBlock, TPLlamaBlockSP, validate_llama
 from tp.dist import ConfigError
 
 # (our parameter, HF key(s)): gate_up is HF's gate_proj and up_proj, stacked
@@ -111,7 +111,7 @@ def layout_shapes(cfg, state, lm: bool, keys=layer_keys, model: str = "Llama") -
     Where several keys fill one parameter they split its rows evenly: gate_up's gate_proj and up_proj, or the
     experts of an [E, rows, cols] stack saved one expert per key (their rows of the [E·rows, cols] view). model:
     transformers' name of the family's classes, for the message about a base model without a head."""
-    from layers.families import of
+    from layers.models.families import of
 
     try:
         prefix = block_prefix(state)

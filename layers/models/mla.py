@@ -17,7 +17,7 @@ Two ways to attend, equal in exact arithmetic (tested to 1e-12 in float64):
                    latent itself (keys [c_KV ; k_R], values c_KV), W_UV applied after: out·W_UVᵀ (data-movement
                    friendly: nothing per head is ever read from the cache). Serving: decodes and chunks after a
                    cached prefix, through the same attention backends as the other families
-                   (layers/attention_backends.py) over a one-plane pool; prompt chunks from position 0 are written
+                   (layers/attention/backends.py) over a one-plane pool; prompt chunks from position 0 are written
                    by the backend and attended decompressed (PREFILL), their keys being their own rows.
 
 Tensor parallel: the H query heads split (q or q_b and kv_b column-parallel by heads, o row-parallel, ★ one
@@ -28,10 +28,10 @@ bytes per token per rank = L·(c + r)·e at every p (tp/partition.mla_kv_bytes_p
 DeepSeekMoE: router logits in float32 at least, sigmoid scores; the choice adds the correction bias, keeps the
 topk_group groups (of n_group) with the highest sum of their two best biased scores, then the top_k experts inside
 them; weights are the unbiased scores of the chosen, normalized when norm_topk_prob, times routed_scaling_factor
-(transformers' DeepseekV3TopkRouter). Placements as Mixtral's (layers/moe.py): tp (every routed expert split f'/p)
-or ep (E/p whole routed experts per rank); the shared experts are split f_s/p in both, their partial output joins
+(transformers' DeepseekV3TopkRouter). Placements as Mixtral's (layers/models/moe.py): tp (every routed expert split
+f'/p) or ep (E/p whole routed experts per rank); the shared experts are split f_s/p in both, their partial output joins
 the routed one before ★ the one all-reduce [T, d]. The dense layers' FFN is Llama's (column gate|up, row down).
-Checkpoints: layers/hf_deepseek.py.
+Checkpoints: layers/models/hf_deepseek.py.
 """
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from layers.attention import PagedLayer, positions_of
-from layers.kv_quant import QuantizedLayer, reference_round_trip
-from layers.linear import ColumnParallelLinear, RowParallelLinear
-from layers.llama import RMSNorm, rope
-from layers.moe import moe_local, swiglu
-from layers.shard import Cut, Part, cols, even, heads_range, rows, whole
-from layers.varlen import Requests
+from layers.attention.attention import PagedLayer, positions_of
+from layers.attention.kv_quant import QuantizedLayer, reference_round_trip
+from layers.attention.varlen import Requests
+from layers.models.llama import RMSNorm, rope
+from layers.models.moe import moe_local, swiglu
+from layers.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from layers.parallel.shard import Cut, Part, cols, even, heads_range, rows, whole
 from tp.comm import reduce_from_region
 from tp.dist import ConfigError
 
@@ -456,7 +456,7 @@ class TPDeepseekBlock(_DeepseekParts):
         return x + reduce_from_region(partial, self.group, "mlp/all-reduce #2")  # ★ all-reduce #2
 
     def plan(self) -> list[Part]:
-        """This rank's slices of DenseDeepseekBlock's parameters (the rules: layers/shard.py)."""
+        """This rank's slices of DenseDeepseekBlock's parameters (the rules: layers/parallel/shard.py)."""
         c, rank, p = self.cfg, dist.get_rank(self.group), dist.get_world_size(self.group)
         mine = range(rank * self.heads, (rank + 1) * self.heads)
         out = whole("attn_norm.weight", "kv_a.weight", "kv_norm.weight", "mlp_norm.weight")

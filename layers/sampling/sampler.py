@@ -249,7 +249,7 @@ def _all_logits(local: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]
 @dataclass
 class Filtered:
     """What the filters decided for each row: apply_filters' result, which both samplers read (sample() and
-    filtered_logprobs here, layers/rejection_sampler.py's verifier)."""
+    filtered_logprobs here, layers/sampling/rejection_sampler.py's verifier)."""
     T: torch.Tensor  # [S, 1] the temperature (1 on greedy rows)
     log_min_p: torch.Tensor  # [S, 1]
     greedy: torch.Tensor  # [S] bool

@@ -16,8 +16,8 @@ with HEADROOM for later prompts of a wider range; beyond it a value is clipped t
 from then on: every request, prefix hit, preemption and recompute reads the same codes the same way.
 
 Every key and value a query attends to is the cache's round trip dequantize(quantize(·)), the new rows of the
-iteration included (layers/attention.paged_attention applies it before the backend runs), so a prompt attends the
-same whether its prefix came from the cache or was computed in this step: the pseudo-quantized reference is plain
+iteration included (layers/attention/attention.paged_attention applies it before the backend runs), so a prompt attends
+the same whether its prefix came from the cache or was computed in this step: the pseudo-quantized reference is plain
 attention on round-tripped K,V (tests/test_kv_quant.py). Statistics and the dequantized values are float32 at
 least (float64 for a float64 model); the attention then runs in the model's dtype.
 
@@ -138,7 +138,7 @@ _REFERENCE: list[dict] = []  # the active pseudo_quantized contexts (innermost l
 
 @contextmanager
 def pseudo_quantized(scales: torch.Tensor, name: str):
-    """Within it, attention without a cache (layers/attention.attention, MLA's decompressed path) attends to
+    """Within it, attention without a cache (layers/attention/attention.attention, MLA's decompressed path) attends to
     round_trip(K,V) with scales [L, planes, h_kv] (every head of the whole model): layer l of each forward takes
     scales[l], layers counted in the order they attend. What a quantized cache gives, computed without one: the
     oracle of launch/serve.py's check and of tests/test_kv_quant.py."""

@@ -14,7 +14,7 @@ for a column shard and [out, in/p] for a row shard.)
 
 Megatron's versions also take gather_output= and input_is_parallel=; here the
 block does any gather itself, on a line of its forward marked ★, so that every
-collective of a block can be counted by reading one function (layers/tp_block.py).
+collective of a block can be counted by reading one function (layers/models/tp_block.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from layers.shard import per_rank
+from layers.parallel.shard import per_rank
 from tp.comm import copy_to_region, reduce_from_region
 
 

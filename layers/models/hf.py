@@ -1,15 +1,15 @@
-"""Checkpoints from transformers' `save_pretrained`: config.json's model_type picks the family (layers/families.py),
-whose module maps the files' keys to our parameters.
+"""Checkpoints from transformers' `save_pretrained`: config.json's model_type picks the family (families.py),
+whose module maps the files' keys to our parameters (modules of layers/models/):
 
-    model_type gpt2    GPT2Model / GPT2LMHeadModel      layers/hf_gpt2.py (Conv1D weights transposed)
-    model_type llama   LlamaModel / LlamaForCausalLM    layers/hf_llama.py (gate_proj, up_proj stacked)
-    model_type mixtral, deepseek_v3                     layers/hf_mixtral.py, layers/hf_deepseek.py (experts stacked)
-    model_type qwen3   Qwen3Model / Qwen3ForCausalLM    layers/qwen3.py (Llama's keys and q_norm, k_norm)
+    model_type gpt2    GPT2Model / GPT2LMHeadModel      hf_gpt2.py (Conv1D weights transposed)
+    model_type llama   LlamaModel / LlamaForCausalLM    hf_llama.py (gate_proj, up_proj stacked)
+    model_type mixtral, deepseek_v3                     hf_mixtral.py, hf_deepseek.py (experts stacked)
+    model_type qwen3   Qwen3Model / Qwen3ForCausalLM    qwen3.py (Llama's keys and q_norm, k_norm)
 
 Both are read before any collective (launch/settings.py): a file that is missing, corrupt or of an
 unsupported kind is a setting error on every rank, with the reason. The weights are read lazily
-(layers/checkpoint.py): the dense model's loader reads one whole tensor at a time, and CheckpointSource lets
-each rank read only the slices it holds, by the rules of layers/shard.py (shard_lm).
+(layers/models/checkpoint.py): the dense model's loader reads one whole tensor at a time, and CheckpointSource lets
+each rank read only the slices it holds, by the rules of layers/parallel/shard.py (shard_lm).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from layers.checkpoint import Checkpoint
-from layers.config import ModelConfig
-from layers.families import FAMILIES, family, of
-from layers.hf_gpt2 import load_named
-from layers.llama import LlamaConfig
-from layers.shard import Cut
+from layers.models.checkpoint import Checkpoint
+from layers.models.config import ModelConfig
+from layers.models.families import FAMILIES, family, of
+from layers.models.hf_gpt2 import load_named
+from layers.models.llama import LlamaConfig
+from layers.parallel.shard import Cut
 from tp.dist import ConfigError
 
 
@@ -61,7 +61,7 @@ def resolve_dtype(dtype, checkpoint: str | Path | None) -> tuple[torch.dtype, st
     ("bfloat16") or a torch.dtype as given; "auto": the checkpoint's torch_dtype (float32 where it names none),
     float32 for presets and random weights. Returns (dtype, where it came from: None when given); ConfigError for an
     unknown name."""
-    from layers.config import parse_dtype
+    from layers.models.config import parse_dtype
 
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
@@ -75,8 +75,8 @@ def resolve_dtype(dtype, checkpoint: str | Path | None) -> tuple[torch.dtype, st
 
 def checkpoint_dtype(path: str | Path) -> str | None:
     """The dtype config.json says the weights were saved in (`torch_dtype`, or `dtype` in newer transformers), when it
-    is one of ours (layers/config.DTYPES); None if it names none."""
-    from layers.config import DTYPES
+    is one of ours (layers/models/config.DTYPES); None if it names none."""
+    from layers.models.config import DTYPES
 
     f = Path(path) / "config.json"
     hf = json.loads(f.read_text()) if f.is_file() else {}
@@ -101,7 +101,8 @@ def checkpoint_eos(path: str | Path | None, vocab_size: int) -> tuple[int, ...]:
 
 def read_state(path: str | Path) -> Checkpoint:
     """The weights of a directory saved by `save_pretrained` (model.safetensors, sharded safetensors with their
-    index, or pytorch_model.bin): a lazy Mapping of the tensors by name, read on demand (layers/checkpoint.py)."""
+    index, or pytorch_model.bin): a lazy Mapping of the tensors by name, read on demand
+    (layers/models/checkpoint.py)."""
     return Checkpoint(path)
 
 
@@ -142,7 +143,7 @@ def load_stack(stack, state):
 
 
 def load_lm(lm, state):
-    """A checkpoint into the dense LM of the same family and shape (layers/lm.dense_lm), one tensor at a time."""
+    """A checkpoint into the dense LM of the same family and shape (layers/models/lm.dense_lm), one tensor at a time."""
     fam = of(lm.cfg)
     load_named(lm, state, fam.names(lm.cfg, state, len(lm.stack.blocks), lm=True), fam.title)
     if fam.check_lm is not None:
@@ -154,8 +155,8 @@ def load_lm(lm, state):
 
 
 class CheckpointSource:
-    """Per-rank loading (layers/shard.Source): each Part of a TP model's plan, read straight from the checkpoint
-    files into this rank's parameters, converted to the run's dtype slice by slice; nothing else is read.
+    """Per-rank loading (layers/parallel/shard.Source): each Part of a TP model's plan, read straight from the
+    checkpoint files into this rank's parameters, converted to the run's dtype slice by slice; nothing else is read.
 
     Our parameters are in the dense model's layout; the files are in transformers': GPT-2's Conv1D weights are
     transposed (a cut of our rows is a cut of its columns), Llama's gate_up is gate_proj's rows then up_proj's."""

@@ -1,11 +1,11 @@
 """The model families: one registry line each, and everything else asks here.
 
-    family        its module                what it is
-    gpt2          layers/hf_gpt2.py         layers/tp_block.py (v1, v2, intra_head, v2sp): LayerNorm, GeLU, learned positions
-    llama         layers/hf_llama.py        layers/llama.py: RoPE, GQA, SwiGLU, RMSNorm
-    mixtral       layers/hf_mixtral.py      layers/moe.py: Llama attention, routed SwiGLU experts (tp, ep, ep_a2a)
-    deepseek_v3   layers/hf_deepseek.py     layers/mla.py: MLA, DeepSeekMoE (tp, ep)
-    qwen3         layers/qwen3.py           Llama with an RMSNorm on each query and key head before RoPE
+    family        its module (layers/models/)   what it is
+    gpt2          hf_gpt2.py                    tp_block.py (v1, v2, intra_head, v2sp): LayerNorm, GeLU, learned positions
+    llama         hf_llama.py                   llama.py: RoPE, GQA, SwiGLU, RMSNorm
+    mixtral       hf_mixtral.py                 moe.py: Llama attention, routed SwiGLU experts (tp, ep, ep_a2a)
+    deepseek_v3   hf_deepseek.py                mla.py: MLA, DeepSeekMoE (tp, ep)
+    qwen3         qwen3.py                      Llama with an RMSNorm on each query and key head before RoPE
 
 A family's module declares `FAMILY = Family(...)`: how to read its transformers config, its checkpoint key map, its
 dense and TP blocks, the LM around them, its KV cache layout and what it can be run with (MoE placements, pipeline
@@ -21,11 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 MODULES = {  # the registry: family name -> the module that declares FAMILY
-    "gpt2": "layers.hf_gpt2",
-    "llama": "layers.hf_llama",
-    "mixtral": "layers.hf_mixtral",
-    "deepseek_v3": "layers.hf_deepseek",
-    "qwen3": "layers.qwen3",
+    "gpt2": "layers.models.hf_gpt2",
+    "llama": "layers.models.hf_llama",
+    "mixtral": "layers.models.hf_mixtral",
+    "deepseek_v3": "layers.models.hf_deepseek",
+    "qwen3": "layers.models.qwen3",
 }
 FAMILIES = tuple(MODULES)
 
@@ -45,7 +45,7 @@ class Family:
     name: str  # cfg.family, and model_type in config.json
     title: str  # as messages name it ("Llama")
     config: type  # its config dataclass (the presets in conf/model/ build it)
-    # checkpoints (transformers' save_pretrained layout, read by layers/hf.py)
+    # checkpoints (transformers' save_pretrained layout, read by layers/models/hf.py)
     config_from_hf: Callable  # (config.json's dict) -> config; ConfigError naming what is not built
     names: Callable  # (cfg, state, n_layers, lm) -> {our dense parameter: (its checkpoint keys, transposed?)}
     expected_shapes: Callable  # (cfg, state, lm) -> {checkpoint key: shape}, for the checks before any load
@@ -53,7 +53,7 @@ class Family:
     validate: Callable  # (cfg, p, moe_parallel="tp") -> None, or ConfigError naming what to change
     dense_blocks: Callable  # (cfg, dtype, device) -> the single-device model's L blocks
     tp_blocks: Callable  # (cfg, variant, group, dtype, device, moe_parallel, n_layers) -> this rank's blocks
-    variants: tuple[str, ...]  # the tensor-parallel cuts its blocks are built in (layers/config.py)
+    variants: tuple[str, ...]  # the tensor-parallel cuts its blocks are built in (layers/models/config.py)
     llama_lm: bool = True  # the LM around the blocks: Llama's (token embedding, RMSNorm, own or tied head), else GPT-2's
     cache_layout: Callable = kv_heads_layout  # (cfg, p) -> (planes, heads, width) of a TP rank's cache
     moe: bool = False  # routed experts: takes moe_parallel

@@ -3,9 +3,9 @@
 transformers' GPT-2 stores its linears as `Conv1D` with weight [in, out] (y = x·W + b),
 nn.Linear stores [out, in]: every weight is transposed on the way in. The fused
 `attn.c_attn` keeps GPT-2's [Q | K | V] column layout, which is the layout
-layers/shard.py cuts head-aligned. Works on a plain state dict: transformers itself
+layers/parallel/shard.py cuts head-aligned. Works on a plain state dict: transformers itself
 is needed only to make one (pip install -e .[hf]); nothing is downloaded here. A directory from
-`save_pretrained` is read by layers/hf.py, which also imports Llama checkpoints (layers/hf_llama.py).
+`save_pretrained` is read by layers/models/hf.py, which also imports Llama checkpoints (layers/models/hf_llama.py).
 
     GPT2Block keys        ln_1.weight, attn.c_attn.weight, attn.c_proj.weight, mlp.c_fc.weight, ...
     GPT2Model keys        h.<i>.<block key>, wte.weight, wpe.weight, ln_f.weight, ln_f.bias
@@ -18,11 +18,11 @@ import re
 
 import torch
 
-from layers.config import ModelConfig, validate_model
-from layers.dense import DenseBlock, DenseStack
-from layers.families import Family, same_blocks
-from layers.lm import DenseLM
-from layers.tp_block import TPBlockIntraHead, TPBlockV1, TPBlockV2, TPBlockV2SP
+from layers.models.config import ModelConfig, validate_model
+from layers.models.dense import DenseBlock, DenseStack
+from layers.models.families import Family, same_blocks
+from layers.models.lm import DenseLM
+from layers.models.tp_block import TPBlockIntraHead, TPBlockV1, TPBlockV2, TPBlockV2SP
 from tp.dist import ConfigError
 
 # (our parameter, HF key, transpose?)

@@ -29,14 +29,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from layers.attention import PagedLayer, causal_attention
-from layers.config import ModelConfig
-from layers.dense import DenseStack, Stack
-from layers.families import of
-from layers.linear import ColumnParallelLinear, RowParallelLinear
-from layers.llama import pad_rows
-from layers.shard import DenseSource, Part, cols, even, head_aligned_cut, intra_head_cut, load_plan, prefixed, rows, whole
-from layers.varlen import Requests, check_cu_seqlens
+from layers.attention.attention import PagedLayer, causal_attention
+from layers.attention.varlen import Requests, check_cu_seqlens
+from layers.models.config import ModelConfig
+from layers.models.dense import DenseStack, Stack
+from layers.models.families import of
+from layers.models.llama import pad_rows
+from layers.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from layers.parallel.shard import (DenseSource, Part, cols, even, head_aligned_cut, intra_head_cut, load_plan, prefixed,
+                                   rows, whole)
 from tp.partition import ceil_div
 from tp.comm import (copy_to_region, gather_from_region, gather_rows_from_region, gather_rows_to_parallel,
                      reduce_from_region, reduce_scatter_rows, scatter_rows_to_region)
@@ -55,7 +56,8 @@ class _TPBlockBase(nn.Module):
         self.mlp_up = ColumnParallelLinear(cfg.d_model, cfg.d_ffn, group, site="mlp/mlp_up dx", **kw)
 
     def plan(self) -> list[Part]:
-        """Which slice of the dense block's parameters each of this rank's holds (the rules: layers/shard.py)."""
+        """Which slice of the dense block's parameters each of this rank's holds (the rules:
+        layers/parallel/shard.py)."""
         c, r, p = self.cfg, dist.get_rank(self.group), dist.get_world_size(self.group)
         qkv, up = head_aligned_cut(c.n_heads, c.d_head, r, p), rows(even(c.d_ffn, r, p))
         return whole("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias") + [

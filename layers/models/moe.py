@@ -1,6 +1,6 @@
 """Mixture-of-experts blocks: Llama attention, then Mixtral's routed FFN, on one device and on p ranks.
 
-    x -> RMSNorm -> attention (layers/llama.py: RoPE, GQA) -> +x
+    x -> RMSNorm -> attention (layers/models/llama.py: RoPE, GQA) -> +x
       -> RMSNorm -> h -> router [d -> E] -> softmax (float32 at least) -> top-k experts per token, the k weights
          renormalized to sum to 1 -> Σ_j w_j · FFN_{e_j}(h), each expert a SwiGLU FFN [d -> 2f -> d] -> +x
 
@@ -32,10 +32,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from layers.attention import PagedLayer
-from layers.llama import LlamaConfig, RMSNorm, TPLlamaBlock, dense_attention, rotary_attention, validate_llama
-from layers.shard import Cut, Part, even, whole
-from layers.varlen import Requests
+from layers.attention.attention import PagedLayer
+from layers.attention.varlen import Requests
+from layers.models.llama import LlamaConfig, RMSNorm, TPLlamaBlock, dense_attention, rotary_attention, validate_llama
+from layers.parallel.shard import Cut, Part, even, whole
 from tp.comm import all_to_all_rows, reduce_from_region
 from tp.dist import ConfigError
 
@@ -282,7 +282,7 @@ def dense_routing(stack, x: torch.Tensor, requests: Requests | None) -> tuple[li
 
 def hf_lm_names(cfg: MoEConfig) -> dict[str, tuple[tuple[str, ...], bool]]:
     """Our DenseLlamaLM (MoE blocks) parameter -> (transformers 5.x MixtralForCausalLM key, transposed?), for
-    layers/hf_gpt2.load_named: the stacked experts keep transformers' own layout."""
+    layers/models/hf_gpt2.load_named: the stacked experts keep transformers' own layout."""
     out = {f"stack.blocks.{i}.{ours}": ((f"model.layers.{i}.{theirs}",), False)
            for i in range(cfg.n_layers) for ours, theirs in HF_LAYER_KEYS.items()}
     out.update({"embed.weight": (("model.embed_tokens.weight",), False), "norm.weight": (("model.norm.weight",), False)})
