@@ -3,38 +3,8 @@
     EngineConfig()                                   # the defaults
     EngineConfig(max_num_seqs=8, enable_prefix_caching=False)
 
-    setting                       meaning
-    long_prefill_token_threshold  most prompt rows one request gets in one iteration (its chunk)
-    max_num_batched_tokens        rows per iteration (decodes first, then prompt chunks)
-    max_num_seqs                  requests running at once (at most max_num_batched_tokens: one decode row each)
-    block_size                    token positions per KV block
-    num_gpu_blocks_override       blocks in each rank's pool; None: the engine sizes it (pool_blocks, below)
-    enable_prefix_caching         share full blocks of identical prompt prefixes
-    attention                     the attention backend (layers/attention/backends.py): auto (cpu on a CPU, batched
-                                  on CUDA) | cpu (one call per request, nothing padded) | batched (one cache write and
-                                  a few calls per layer, as a GPU runs it) | reference (the readable loop)
-    comm_timing                   per-collective wall times in the ledger (two waits each)
-    check_ledger                  compare every iteration's collectives with the model (raise on a difference)
-    reserve_capacity              the pre-paging rule, kept to measure what paging frees: a request takes blocks for
-                                  its whole capacity when admitted (needs enable_prefix_caching off)
-    chunk_pipelining              pipeline stages (pp > 1): a prompt's next chunk may enter the pipeline while its
-                                  previous chunk is still in flight (off: a request is in one micro-batch in flight
-                                  at most, vLLM V1's rule)
-    kv_cache_dtype                the KV cache's storage (layers/attention/kv_quant.py): auto (the model's dtype) |
-                                  fp8_e4m3 | fp8_e5m2 | int8 (fp8: vLLM's name for fp8_e4m3), one byte per value with
-                                  float32 scales per layer, K|V and head
-    calculate_kv_scales           a quantized cache's scales from the first prefill each layer sees (off, the default
-                                  as in vLLM: 1.0; int8 needs them calculated)
-    kv_cache_memory_bytes         each rank's pool at this many bytes (blocks = bytes // a block's bytes, which
-                                  kv_cache_dtype halves against 16-bit values); None: num_gpu_blocks_override, or
-                                  max_num_seqs requests at the full context
-    max_model_len                 vLLM's: a request's prompt + output tokens at most (None: the model's context; no
-                                  more than it); the online pool is sized for max_num_seqs requests this long
-    speculative_config            speculative decoding (serve/spec_decode.py): None (off), or vLLM's dict
-                                  {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": a,
-                                  "prompt_lookup_max": b}, kept as a SpeculativeConfig
-    scheduling_policy             who is admitted first and preempted last (serve/scheduler.py POLICIES): fcfs (first
-                                  come, first served) | priority (each request's priority, lower first; vLLM's)
+Each field carries its meaning (`help`) and whether the command lines take it (`flag`): `python -m serve --help`
+prints them, and the flags (FLAGS, add_engine_flags) are derived from the fields, so a new setting is described once.
 
 Every entry point makes one EngineConfig and passes it whole: `LLM(**kwargs)` (its keyword arguments are these
 fields), `python -m serve` and `python -m serve.api` (FLAGS: vLLM's flag names), launch/serve.py (Hydra's node
@@ -63,25 +33,51 @@ SWITCHES = ("enable_prefix_caching", "comm_timing", "check_ledger", "reserve_cap
             "calculate_kv_scales")
 
 
+def setting(default, help: str, flag: bool = True):
+    """An EngineConfig field: its default, its meaning (the command lines' --help), and whether `python -m serve` and
+    `python -m serve.api` take it as a flag (vLLM's name, --max-num-seqs). A None default's meaning says what None
+    does; the others' defaults are shown beside it."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    long_prefill_token_threshold: int = 256
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 16
-    block_size: int = 16
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
-    attention: str = "auto"
-    comm_timing: bool = False
-    check_ledger: bool = True
-    reserve_capacity: bool = False
-    chunk_pipelining: bool = False
-    max_model_len: int | None = None
-    kv_cache_dtype: str = "auto"
-    calculate_kv_scales: bool = False
-    kv_cache_memory_bytes: int | None = None
-    speculative_config: SpeculativeConfig | None = None
-    scheduling_policy: str = "fcfs"
+    long_prefill_token_threshold: int = setting(256, "most prompt rows one request gets in one iteration (its chunk)")
+    max_num_batched_tokens: int = setting(512, "rows per iteration (decodes first, then prompt chunks)")
+    max_num_seqs: int = setting(16, "requests running at once (at most max_num_batched_tokens: one decode row each)")
+    block_size: int = setting(16, "token positions per KV block")
+    num_gpu_blocks_override: int | None = setting(
+        None, "blocks in each rank's pool (default: the engine sizes it, max_num_seqs requests at the full context)")
+    enable_prefix_caching: bool = setting(True, "share full blocks of identical prompt prefixes")
+    attention: str = setting("auto", "the attention backend (layers/attention/backends.py): auto (cpu on a CPU, "
+                             "batched on CUDA), cpu (one call per request, nothing padded), batched (one cache write "
+                             "and a few calls per layer, as a GPU runs it), reference (the readable loop)")
+    comm_timing: bool = setting(False, "per-collective wall times in the ledger (two waits each)", flag=False)
+    check_ledger: bool = setting(True, "compare every iteration's collectives with the model (raise on a difference)",
+                                 flag=False)
+    reserve_capacity: bool = setting(False, "the pre-paging rule, kept to measure what paging frees: a request takes "
+                                     "blocks for its whole capacity when admitted (needs enable_prefix_caching off)",
+                                     flag=False)
+    chunk_pipelining: bool = setting(False, "pipeline stages (pp > 1): a prompt's next chunk may enter the pipeline "
+                                     "while its previous chunk is in flight (off: one micro-batch in flight per "
+                                     "request, vLLM V1's rule)", flag=False)
+    max_model_len: int | None = setting(
+        None, "vLLM's: a request's prompt + output tokens at most (default: the model's context; no more than it); "
+              "the online pool is sized for max_num_seqs requests this long")
+    kv_cache_dtype: str = setting("auto", "the KV cache's storage (layers/attention/kv_quant.py): auto (the model's "
+                                  "dtype), or one byte per value with float32 scales per layer, K|V and head: "
+                                  "fp8_e4m3 (vLLM's fp8), fp8_e5m2, int8")
+    calculate_kv_scales: bool = setting(False, "a quantized cache's scales from the first prefill each layer sees "
+                                        "(off, vLLM's default: 1.0; int8 needs them calculated)")
+    kv_cache_memory_bytes: int | None = setting(
+        None, "each rank's pool at this many bytes, blocks = bytes // a block's bytes, which kv_cache_dtype halves "
+              "against 16-bit values (default: off)")
+    speculative_config: SpeculativeConfig | None = setting(
+        None, "speculative decoding (serve/spec_decode.py), vLLM's JSON: '{\"method\": \"ngram\", "
+              "\"num_speculative_tokens\": 3}' (default: off)")
+    scheduling_policy: str = setting("fcfs", "who is admitted first and preempted last (serve/scheduler.py): fcfs "
+                                     "(first come, first served) or priority (each request's priority, lower first, "
+                                     "ties by arrival; vLLM's)")
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
@@ -195,11 +191,9 @@ def fits_alone(positions: int, num_blocks: int, block_size: int, block_bytes: in
             f"num_gpu_blocks_override={num_blocks}; raise num_gpu_blocks_override to at least {need}")
 
 
-# The engine's settings as command-line flags (python -m serve, python -m serve.api): vLLM's flag names.
-FLAGS = {"--" + name.replace("_", "-"): name for name in
-         ("block_size", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
-          "num_gpu_blocks_override", "kv_cache_memory_bytes", "max_model_len", "kv_cache_dtype",
-          "calculate_kv_scales", "enable_prefix_caching", "attention", "speculative_config", "scheduling_policy")}
+# The engine's settings as command-line flags (python -m serve, python -m serve.api): vLLM's flag names, the fields
+# that say flag=True.
+FLAGS = {"--" + f.name.replace("_", "-"): f.name for f in dataclasses.fields(EngineConfig) if f.metadata["flag"]}
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -240,41 +234,26 @@ def llm_settings(args, config: "EngineConfig") -> dict:
     return {name: getattr(args, name) for _, name, _ in LLM_FLAGS} | dataclasses.asdict(config)
 
 
-def add_engine_flags(parser) -> None:
-    """Add the engine's flags to an argparse parser; each defaults to EngineConfig's own default."""
-    import argparse
+CHOICES = {"attention": ATTENTION_MODES, "kv_cache_dtype": KV_CACHE_DTYPES + tuple(KV_CACHE_DTYPE_ALIASES),
+           "scheduling_policy": SCHEDULING_POLICIES}
 
+
+def add_engine_flags(parser) -> None:
+    """Add the engine's flags to an argparse parser, each from its field: its default, its help, its type (a switch:
+    --x / --no-x; a name among CHOICES; speculative_config: JSON; a count: N)."""
     group = parser.add_argument_group("engine settings (EngineConfig; vLLM's flag names)")
-    for flag, name in FLAGS.items():
-        default = getattr(EngineConfig, name)
-        if name in ("enable_prefix_caching", "calculate_kv_scales"):
-            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default,
-                               help=f"{name} (default: {'on' if default else 'off'})")
-        elif name == "kv_cache_dtype":
-            group.add_argument(flag, dest=name, choices=KV_CACHE_DTYPES + tuple(KV_CACHE_DTYPE_ALIASES),
-                               default=default, help="the KV cache's storage: auto (the model's dtype) or one byte per "
-                                                     "value, fp8 (= fp8_e4m3) or int8, with per-head scales (default: "
-                                                     "auto)")
-        elif name == "speculative_config":
-            group.add_argument(flag, dest=name, type=_json_object, default=None, metavar="JSON",
-                               help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", '
-                                    '"num_speculative_tokens": 3}\' (default: off)')
-        elif name == "scheduling_policy":
-            group.add_argument(flag, dest=name, choices=SCHEDULING_POLICIES, default=default,
-                               help="fcfs (first come, first served) or priority (each request's priority, lower "
-                                    "first, ties by arrival; the server's `priority` field) (default: fcfs)")
-        elif name == "attention":
-            group.add_argument(flag, dest=name, choices=ATTENTION_MODES, default=default,
-                               help=f"{name}: the attention backend (default: auto, cpu on a CPU device and batched "
-                                    f"on CUDA)")
-        else:
-            aliases = ["--num-gpu-blocks"] if name == "num_gpu_blocks_override" else []
-            group.add_argument(flag, *aliases, dest=name, type=int, default=default, metavar="N",
-                               help=f"{name} (default: " + (
-                                   "the model's context" if name == "max_model_len" else
-                                   "off" if name == "kv_cache_memory_bytes" else
-                                   "max-num-seqs requests at the full context" if default is None else f"{default}")
-                                   + ")")
+    for f in dataclasses.fields(EngineConfig):
+        if not f.metadata["flag"]:
+            continue
+        flag, name, default = "--" + f.name.replace("_", "-"), f.name, f.default
+        shown = "" if default is None else f" (default: {default})" if not isinstance(default, bool) else \
+            f" (default: {'on' if default else 'off'})"
+        kind = ({"action": argparse.BooleanOptionalAction} if isinstance(default, bool) else
+                {"choices": CHOICES[name]} if name in CHOICES else
+                {"type": _json_object, "metavar": "JSON"} if name == "speculative_config" else
+                {"type": int, "metavar": "N"})
+        aliases = ["--num-gpu-blocks"] if name == "num_gpu_blocks_override" else []
+        group.add_argument(flag, *aliases, dest=name, default=default, help=f.metadata["help"] + shown, **kind)
 
 
 def _json_object(text: str) -> dict:

@@ -141,3 +141,13 @@ def test_each_launcher_page_names_every_setting(config, page):
     keys = {k for k in known_settings(config) if "." not in k}
     missing = sorted(k for k in keys if k not in named and f"{k}.*" not in named)
     assert not missing, f"{page} does not name {missing}"
+
+
+def test_the_server_page_names_every_engine_flag():
+    """The engine's flags are derived from EngineConfig's fields (serve/config.py setting): a new one is described
+    once, there, and docs/server.md's table names every one of them."""
+    from serve.config import FLAGS
+
+    text = (ROOT / "docs" / "server.md").read_text()
+    missing = [flag for flag in FLAGS if f"`{flag}`" not in text]
+    assert not missing, f"docs/server.md does not name {missing}"

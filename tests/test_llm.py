@@ -630,7 +630,7 @@ def test_every_engine_default_is_written_once():
         if f.default is None or f.name == "check_ledger":
             continue
         value = f"[\"']{re.escape(f.default)}[\"']" if isinstance(f.default, str) else re.escape(repr(f.default))
-        literal = re.compile(rf"\b{f.name}(: [\w| ]+)?\s*=\s*{value}\s*[,)\n]")
+        literal = re.compile(rf"\b{f.name}(: [\w| ]+)?\s*=\s*(setting\()?{value}\s*[,)\n]")  # setting(default, help)
         where = [p.name for p, text in sources.items() if literal.search(text)]
         assert where == [config.name] if f.name not in ("comm_timing",) else config.name in where, (f.name, where)
     timeouts = [p.name for p, text in sources.items() if re.search(r"timeout_s\w*(: float)?\s*=\s*120", text)]
