@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import sys
 import time
 from pathlib import Path
 
@@ -71,8 +72,6 @@ def resolve_model(model: str, p: int, moe_parallel: str):
 def python_command() -> str:
     """How a hint writes this interpreter: as the README does (.venv/bin/python) when it lies under the current
     directory, else its full path."""
-    import sys
-
     try:
         rel = os.path.relpath(sys.executable)
     except ValueError:  # another drive
@@ -124,6 +123,7 @@ class LLM:
         rank 0 holds the dense model too). dtype: "auto" (the checkpoint's torch_dtype; float32 for presets), a name
         or a torch.dtype; `LLM.dtype` says which ran, as a name. engine_settings: EngineConfig's fields (vLLM's
         names: serve/config.py); check_ledger (every step's collectives against the model) is on by default."""
+        from layers.models.families import FAMILIES, family, of
         from layers.models.hf import resolve_dtype
         from layers.models.pipeline import check_pipeline
         from tp.dist import ConfigError, resolve_backend, resolve_device
@@ -162,11 +162,10 @@ class LLM:
         self.model_config, checkpoint = resolve_model(model, p, moe_parallel)
         self.config.check_model_len(self.model_config.max_seq_len)
         self.max_model_len = self.config.max_model_len or self.model_config.max_seq_len
-        from layers.models.families import of
-
         if cp > 1 and not of(self.model_config).context_parallel:
+            built = ", ".join(family(f).title for f in FAMILIES if family(f).context_parallel)
             raise ValueError(f"context_parallel_size={cp}: {self.model_config.family} models are not built for "
-                             f"context parallelism (GPT-2 and Llama are)")
+                             f"context parallelism ({built} are)")
         draft = None
         if spec_config is not None and spec_config.method == "draft_model":  # whole on every rank: checked at p = 1
             from serve.spec_decode import check_draft
