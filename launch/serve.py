@@ -35,13 +35,12 @@ from launch.loading import LoadMeter
 from launch.serve_report import add_text, build_pd_report, build_report, render, render_pd
 from launch.serve_settings import Settings, parse_settings
 from launch.settings import launch, publish, refuse_bad_arguments
-from layers.attention.context_parallel import rank_groups
 from layers.attention.kv_quant import gather_scales, pseudo_quantized
 from layers.models.dense import weights_checksum
 from layers.models.families import of
 from layers.models.lm import NEAR_TIE
 from layers.models.pipeline import stage_layers
-from serve.build import build_lm, dense_model, rank_weights
+from serve.build import build_lm, build_rank, dense_model, rank_weights
 from serve.control import agree, digest
 from serve.hooks import check_request
 from serve.offline import OfflineEngine, ServeResult
@@ -61,10 +60,7 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
         return serve_disaggregated(s, out_dir, ctx)
     meter = LoadMeter(s.weights)
     with meter:
-        weights, dense = rank_weights(s.model, s.weights, s.dtype, ctx.device, s.seed)
-        tp_group, cp_group = rank_groups(ctx.world_size, s.cp, ctx.rank) if s.cp > 1 else (None, None)
-        lm = build_lm(weights, ctx, pp=s.pp, variant=s.variant, vocab_parallel=s.vocab_parallel,
-                      moe_parallel=s.moe_parallel, pp_boundary=s.pp_boundary, group=tp_group)
+        lm, dense, cp_group = build_rank(s, ctx)  # as every rank behind LLM builds its part (serve/worker.py)
     load = meter.report(ctx, lm)
     same_weights_and_prompts(s, ctx, dense)
     dense = oracle_model(s, ctx, dense)  # after the load: neither in its peak nor in its bytes read
@@ -128,7 +124,7 @@ def oracle_model(s: Settings, ctx, dense):
     if not s.check:
         return None
     try:
-        return dense_model(s.model, s.weights, s.dtype, ctx.device, dense)
+        return dense_model(s.model, s.checkpoint, s.dtype, ctx.device, dense)
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"hf_checkpoint={s.hf_checkpoint}: {exc}") from None
 

@@ -15,7 +15,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from launch.settings import (LaunchSettings, boolean, check_memory, common_settings, fitted_lengths, integer,
+from launch.settings import (boolean, check_memory, common_settings, fitted_lengths, integer,
                              memory_need, read_transient)
 from layers.models.config import SERVING_VARIANTS, ModelConfig
 from layers.models.families import of, validate
@@ -26,37 +26,38 @@ from serve.pd import Layout, check_pools
 from serve.request import Request, context_error
 from serve.sampling_params import SamplingParams
 from serve.scheduler import Scheduler, SchedulerError
+from serve.worker import RankSpec
 from tp.dist import DEFAULT_TIMEOUT_S, ConfigError
 
-# The engine's settings as Hydra sees them: every EngineConfig field with its default, by its own name (check_ledger
-# aside: the offline run records every step's comparison instead of raising, serve/offline.py; speculative_config
-# aside: the launcher does not speculate yet; kv_cache_memory_bytes and max_model_len aside: the launcher sizes its
-# pool for its known workload (or num_gpu_blocks_override) and fits its prompts to model.max_seq_len itself).
-LAUNCHER_ENGINE = [f for f in dataclasses.fields(EngineConfig) if f.name not in
-                   ("check_ledger", "speculative_config", "kv_cache_memory_bytes", "max_model_len")]
+# The engine's settings as Hydra sees them: every EngineConfig field the launcher takes (serve/config.py setting's
+# `launcher`), with its default, by its own name.
+LAUNCHER_ENGINE = [f for f in dataclasses.fields(EngineConfig) if f.metadata["launcher"]]
 ConfigStore.instance().store(name="engine_defaults", node={f.name: f.default for f in LAUNCHER_ENGINE})
 
 
-@dataclass(frozen=True)
-class Settings(LaunchSettings):
+@dataclass(frozen=True, kw_only=True)
+class Settings(RankSpec):
+    """serve/worker.py's RankSpec (what every rank builds, as LLM's ranks do) with the launcher's workload and report.
+    checkpoint: the Checkpoint, its headers read (None: random weights from seed)."""
+
     requests: list[Request]
-    engine: EngineConfig  # num_gpu_blocks_override None: sized for the workload (serve/offline.py)
-    eos_token_ids: tuple[int, ...]  # the ids that finish a request (eos_id: one, several, or none)
-    variant: str
-    vocab_parallel: bool
-    check: bool
+    model_name: str
+    hf_checkpoint: str | None
+    report: str
+    dtype_from: str | None  # dtype=auto: where the dtype came from (printed beside it); None: given
+    eos_from: str | None = None  # eos_id=auto: where the id(s) came from (printed beside them)
     pd: Layout | None = None  # prefill/decode disaggregation: the two groups' sizes
     streaming: bool = True
     pd_timeout_s: float = DEFAULT_TIMEOUT_S  # pd.timeout_s: the longest wait for one hand-over message
     decode_block_size: int | None = None  # pd.decode_block_size: the decode side's blocks (None: block_size)
     shared_prefix: int = 0
     notes: tuple[str, ...] = ()  # what was changed from what was asked, said by rank 0 and kept in the report
-    moe_parallel: str = "tp"  # MoE models: where the experts live (tp: split; ep: whole experts per rank)
     sampling: dict | None = None  # temperature, top_k, top_p, min_p, sampling_seed; None: greedy
-    eos_from: str | None = None  # eos_id=auto: where the id(s) came from (printed beside them)
-    pp: int = 1  # pipeline stages (serve/pipeline.py): pp stages of world / pp TP ranks
-    pp_boundary: str = "whole"  # whole | scatter: what each TP rank sends across a stage boundary
-    cp: int = 1  # context parallelism: cp x tp ranks, the KV cache split by token over the cp ranks
+
+    @property
+    def weights(self):
+        """The checkpoint (its headers read), None with random weights."""
+        return self.checkpoint
 
     @property
     def eos_id(self) -> int | list[int] | None:
@@ -130,6 +131,7 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     if check not in ("auto", "true", "false"):
         raise ConfigError(f"check={cfg.check!r} must be auto, true or false")
     check = check_and_memory(check, common, requests, tp_sizes, world_size, local_world_size, notes)
+    common["checkpoint"] = common.pop("weights")
     return Settings(**common, requests=requests, engine=engine, eos_token_ids=eos_token_ids, eos_from=eos_from,
                     variant=variant, vocab_parallel=vocab_parallel, check=check, pd=layout, streaming=streaming,
                     pd_timeout_s=pd_timeout_s, decode_block_size=decode_block_size, shared_prefix=shared_prefix,

@@ -56,6 +56,21 @@ def build_lm(weights, ctx: TPContext, *, pp: int = 1, variant: str = "v2", vocab
     return shard_pp_lm(weights, variant, layout, ctx.rank, stages[layout.stage_of(ctx.rank)], pp_boundary)
 
 
+def build_rank(spec, ctx: TPContext):
+    """(lm, dense, cp_group) for a serve/worker.py RankSpec: this rank's model (its TP shard, its pipeline stage, or
+    with context parallelism its shard over its tp group), the dense model when making the weights made it (random
+    weights; None from a checkpoint), and this rank's cp group (None without context parallelism)."""
+    weights, dense = rank_weights(spec.model, spec.checkpoint, spec.dtype, ctx.device, spec.seed)
+    tp_group, cp_group = None, None
+    if spec.cp > 1:  # every rank makes every group, in the same order
+        from layers.attention.context_parallel import rank_groups
+
+        tp_group, cp_group = rank_groups(ctx.world_size, spec.cp, ctx.rank)
+    lm = build_lm(weights, ctx, pp=spec.pp, variant=spec.variant, vocab_parallel=spec.vocab_parallel,
+                  moe_parallel=spec.moe_parallel, pp_boundary=spec.pp_boundary, group=tp_group)
+    return lm, dense, cp_group
+
+
 def own_group(ctx: TPContext) -> dist.ProcessGroup:
     """A group of this rank alone (every rank creates every rank's, in the same order, as new_group requires): a
     model sharded over it is whole here and issues no collective (speculative decoding's draft, serve/draft.py)."""

@@ -33,11 +33,12 @@ SWITCHES = ("enable_prefix_caching", "comm_timing", "check_ledger", "reserve_cap
             "calculate_kv_scales")
 
 
-def setting(default, help: str, flag: bool = True):
-    """An EngineConfig field: its default, its meaning (the command lines' --help), and whether `python -m serve` and
-    `python -m serve.api` take it as a flag (vLLM's name, --max-num-seqs). A None default's meaning says what None
-    does; the others' defaults are shown beside it."""
-    return dataclasses.field(default=default, metadata={"help": help, "flag": flag})
+def setting(default, help: str, flag: bool = True, launcher: bool = True):
+    """An EngineConfig field: its default, its meaning (the command lines' --help), whether `python -m serve` and
+    `python -m serve.api` take it as a flag (vLLM's name, --max-num-seqs), and whether launch/serve.py takes it as a
+    Hydra key (its own name, max_num_seqs=8). A None default's meaning says what None does; the others' defaults are
+    shown beside it. The ranks must hold every field the same (serve/control.py settings_row digests them all)."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "launcher": launcher})
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class EngineConfig:
                              "and a few calls per layer, as a GPU runs it), reference (the readable loop)")
     comm_timing: bool = setting(False, "per-collective wall times in the ledger (two waits each)", flag=False)
     check_ledger: bool = setting(True, "compare every iteration's collectives with the model (raise on a difference)",
-                                 flag=False)
+                                 flag=False, launcher=False)  # the launcher records every step's comparison
     reserve_capacity: bool = setting(False, "the pre-paging rule, kept to measure what paging frees: a request takes "
                                      "blocks for its whole capacity when admitted (needs enable_prefix_caching off)",
                                      flag=False)
@@ -63,7 +64,7 @@ class EngineConfig:
                                      "request, vLLM V1's rule)", flag=False)
     max_model_len: int | None = setting(
         None, "vLLM's: a request's prompt + output tokens at most (default: the model's context; no more than it); "
-              "the online pool is sized for max_num_seqs requests this long")
+              "the online pool is sized for max_num_seqs requests this long", launcher=False)  # prompts fit the model
     kv_cache_dtype: str = setting("auto", "the KV cache's storage (layers/attention/kv_quant.py): auto (the model's "
                                   "dtype), or one byte per value with float32 scales per layer, K|V and head: "
                                   "fp8_e4m3 (vLLM's fp8), fp8_e5m2, int8")
@@ -71,10 +72,10 @@ class EngineConfig:
                                         "(off, vLLM's default: 1.0; int8 needs them calculated)")
     kv_cache_memory_bytes: int | None = setting(
         None, "each rank's pool at this many bytes, blocks = bytes // a block's bytes, which kv_cache_dtype halves "
-              "against 16-bit values (default: off)")
+              "against 16-bit values (default: off)", launcher=False)  # the launcher sizes its pool for its workload
     speculative_config: SpeculativeConfig | None = setting(
         None, "speculative decoding (serve/spec_decode.py), vLLM's JSON: '{\"method\": \"ngram\", "
-              "\"num_speculative_tokens\": 3}' (default: off)")
+              "\"num_speculative_tokens\": 3}' (default: off)", launcher=False)  # not in the launcher
     scheduling_policy: str = setting("fcfs", "who is admitted first and preempted last (serve/scheduler.py): fcfs "
                                      "(first come, first served) or priority (each request's priority, lower first, "
                                      "ties by arrival; vLLM's)")

@@ -202,9 +202,9 @@ class LLM:
 
         self.eos_token_ids = checkpoint_eos(checkpoint, self.model_config.vocab_size)
         self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size = p, pp, cp
-        spec = RankSpec(self.model_config, checkpoint, self.dtype, seed, backend, device, moe_parallel, self.config,
-                        self.eos_token_ids, float(timeout_s), check, pp=pp, draft=draft, cp=cp,
-                        threads=self.threads_per_rank)
+        spec = RankSpec(self.model_config, checkpoint, torch_dtype, seed, backend, device, self.config,
+                        tuple(self.eos_token_ids), moe_parallel, check, pp=pp, cp=cp, timeout_s=float(timeout_s),
+                        draft=draft, threads=self.threads_per_rank)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._stopped: set[str] = set()  # ended by a stop string here: the engine's later output is dropped
         self._count = 0

@@ -29,21 +29,25 @@ KEEP_ALIVE_S = 5.0  # the other ranks hear from rank 0 at least this often (and 
 
 @dataclass(frozen=True)
 class RankSpec:
-    """What every rank needs to build its part of the engine (pickled to each)."""
+    """What every rank builds its part of the engine from: the one record of LLM's ranks (pickled to each) and of the
+    launcher's (launch/serve_settings.Settings is this record with the launcher's workload and report added)."""
 
-    model: object  # ModelConfig | LlamaConfig | MoEConfig
-    checkpoint: str | None  # a save_pretrained directory, or None: random weights from seed
-    dtype: str
+    model: object  # ModelConfig | LlamaConfig | MoEConfig | ...
+    checkpoint: object  # a save_pretrained directory (or its Checkpoint, headers read), or None: random from seed
+    dtype: object  # torch.dtype
     seed: int
     backend: str
     device: str
-    moe_parallel: str
     engine: object  # EngineConfig
-    eos_token_ids: tuple[int, ...]
-    timeout_s: float
-    check: bool = False  # rank 0 checks every finished request against the dense oracle
+    eos_token_ids: tuple[int, ...] = ()
+    moe_parallel: str = "tp"  # MoE models: where the experts live (tp: split; ep: whole experts per rank)
+    check: bool = False  # requests checked against the dense oracle (LLM: on rank 0; the launcher: by every rank)
     pp: int = 1  # pipeline stages (layers/models/pipeline.py): the world is pp stages of world / pp TP ranks
+    pp_boundary: str = "whole"  # whole | scatter: what each TP rank sends across a stage boundary
     cp: int = 1  # context parallelism (layers/attention/context_parallel.py): cp × tp ranks, the KV cache split
+    variant: str = "v2"  # the blocks served: v2 (Megatron) or v1 (all column-parallel)
+    vocab_parallel: bool = True  # the embedding and head split over the ranks (False: whole on each)
+    timeout_s: float | None = None  # the group's timeout (None: tp/dist.py DEFAULT_TIMEOUT_S)
     draft: tuple | None = None  # speculative decoding's draft model: (its config, its checkpoint or None)
     threads: int = 1  # each rank's intra-op threads (tp/dist.py threads_per_rank)
 
@@ -97,29 +101,22 @@ def main() -> None:
 
 
 def build_engine(ctx, spec: RankSpec):
-    from layers.models.config import parse_dtype
     from layers.models.lm import NEAR_TIE
-    from serve.build import build_lm, dense_model, new_engine, rank_weights
+    from serve.build import build_rank, dense_model, new_engine, rank_weights
     from serve.hooks import LedgerCheck, OracleCheck
 
-    dtype = parse_dtype(spec.dtype)
-    weights, dense = rank_weights(spec.model, spec.checkpoint, dtype, ctx.device, spec.seed)
-    tp_group, cp_group = None, None
-    if spec.cp > 1:  # every rank makes every group, in the same order
-        from layers.attention.context_parallel import rank_groups
-
-        tp_group, cp_group = rank_groups(ctx.world_size, spec.cp, ctx.rank)
-    lm = build_lm(weights, ctx, pp=spec.pp, moe_parallel=spec.moe_parallel, group=tp_group)
+    lm, dense, cp_group = build_rank(spec, ctx)
     hooks = [LedgerCheck()] if spec.engine.check_ledger else []
     if spec.check and ctx.is_main:  # the dense model, on rank 0 only: random weights as made, a checkpoint read whole
-        hooks.append(OracleCheck(dense_model(spec.model, spec.checkpoint, dtype, ctx.device, dense), NEAR_TIE[dtype]))
-    del weights, dense
+        hooks.append(OracleCheck(dense_model(spec.model, spec.checkpoint, spec.dtype, ctx.device, dense),
+                                 NEAR_TIE[spec.dtype]))
+    del dense
     draft_lm = None
     if spec.draft is not None:  # whole on every rank: sharded over a group of this rank alone
         from layers.models.lm import shard_lm
         from serve.build import own_group
 
-        draft_weights, _ = rank_weights(*spec.draft, dtype, ctx.device, spec.seed)
+        draft_weights, _ = rank_weights(*spec.draft, spec.dtype, ctx.device, spec.seed)
         draft_lm = shard_lm(draft_weights, "v2", own_group(ctx))
     return new_engine(lm, ctx, spec.engine, spec.eos_token_ids, spec.seed, hooks, draft_lm, cp_group)
 
@@ -129,12 +126,13 @@ def _serve(rank: int, world_size: int, store: str, spec: RankSpec, conn) -> None
     import torch.distributed as dist
 
     from serve.offline import drive
-    from tp.dist import init_from_env
+    from tp.dist import DEFAULT_TIMEOUT_S, init_from_env
 
     torch.set_num_threads(spec.threads)  # OMP_NUM_THREADS was set to it before torch loaded (serve/executor.py)
-    ctx = init_from_env(spec.backend, timeout_s=spec.timeout_s, init_method=f"file://{store}", device=spec.device)
+    timeout_s = spec.timeout_s or DEFAULT_TIMEOUT_S
+    ctx = init_from_env(spec.backend, timeout_s=timeout_s, init_method=f"file://{store}", device=spec.device)
     engine = build_engine(ctx, spec)
-    feed = DriverFeed(conn, min(KEEP_ALIVE_S, spec.timeout_s / 4)) if rank == 0 else None
+    feed = DriverFeed(conn, min(KEEP_ALIVE_S, timeout_s / 4)) if rank == 0 else None
     if feed is not None:
         conn.send(("ready", {"num_blocks": engine.num_blocks, "backend": ctx.backend, "device": str(ctx.device),
                              "threads": torch.get_num_threads()}))
