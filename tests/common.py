@@ -5,7 +5,7 @@ import torch
 from layers.models.config import ARTICLE03, DEFAULT_TOLERANCE, ModelConfig
 
 __all__ = ["ARTICLE03", "REL_TOL", "SMALL", "collective_counts", "dense_and_input", "exact_norms_and_rope", "rel_err",
-           "train_tokenizer"]
+           "step_engine", "train_tokenizer"]
 from layers.models.dense import DenseStack, init_weights
 from tp.ledger import collective_kind
 
@@ -65,3 +65,25 @@ def exact_norms_and_rope(model, norm_class, rotary_class, d_head: int, theta: fl
         if isinstance(module, rotary_class):
             module.forward = rotary_forward.__get__(module)
     return model
+
+
+def step_engine(engine, before=None, last: int = 0, sink=None) -> int:
+    """A test's engine through the one step loop (serve/offline.py drive), on every rank: rank 0 calls
+    before(engine, i) ahead of step i (to add or abort requests) and sink(outputs, i) after it, and steps while
+    i <= last or a request is unfinished; the other ranks step until rank 0 stops them. Returns the steps rank 0
+    took (0 elsewhere)."""
+    from serve.offline import drive
+
+    steps = 0
+
+    def feed(engine) -> bool:
+        nonlocal steps
+        if steps > last and not engine.has_unfinished_requests():
+            return False
+        if before is not None:
+            before(engine, steps)
+        steps += 1
+        return True
+
+    drive(engine, feed, None if sink is None else lambda outputs: sink(outputs, steps - 1))
+    return steps

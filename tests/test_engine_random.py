@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from layers.models.lm import greedy_reference
+from tests.common import step_engine
 from tests.harness import run_ranks
 from tests.test_serve import CFG, dense_lm
 
@@ -69,21 +70,20 @@ def _serve(ctx, w: dict):
 
     rows = Rows()
     engine = LLMEngine(shard_lm(dense_lm(), "v2", ctx.group), ctx, EngineConfig(**w["config"]), hooks=[rows])
+    out = {}
+
+    def before(engine, i):
+        for n, at in enumerate(w["arrivals"]):
+            if at == i:
+                engine.add_request(str(n), w["prompts"][n],
+                                   SamplingParams(temperature=0.0, max_tokens=w["max_tokens"][n], ignore_eos=True))
+
+    def sink(outputs, i):
+        out.update({int(o.request_id): (o.outputs[0].token_ids, o.num_cached_tokens) for o in outputs if o.finished})
+
+    i = step_engine(engine, before, max(w["arrivals"]), sink)
     if not ctx.is_main:
-        while not engine.stopped:
-            engine.step()
         return None
-    out, added, i = {}, 0, 0
-    while added < len(w["prompts"]) or engine.has_unfinished_requests():
-        while added < len(w["prompts"]) and w["arrivals"][added] <= i:
-            engine.add_request(str(added), w["prompts"][added],
-                               SamplingParams(temperature=0.0, max_tokens=w["max_tokens"][added], ignore_eos=True))
-            added += 1
-        for o in engine.step():
-            if o.finished:
-                out[int(o.request_id)] = (o.outputs[0].token_ids, o.num_cached_tokens)
-        i += 1
-    engine.shutdown()
     hits = sum(r.prefix_hit for r in engine.scheduler.by_id.values())
     return {"outputs": out, "logits": rows.logits, "preempted": rows.preempted, "steps": i, "hits": hits}
 

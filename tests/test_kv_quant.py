@@ -23,6 +23,7 @@ from serve.engine import LLMEngine
 from serve.kv_cache import KVPool, cache_layout_of
 from serve.request import validate_prompt
 from serve.sampling_params import SamplingParams
+from tests.common import step_engine
 from tests.harness import run_ranks
 from tp.partition import kv_bytes_per_token, kv_head_range
 
@@ -108,21 +109,23 @@ def serve(ctx, cfg, reqs, config):
     engine = LLMEngine(shard_lm(dense, "v2", ctx.group), ctx, config)
     quant = engine.runner.cache.quant
     heads = kv_head_range(cfg.n_kv_heads, ctx.rank, ctx.world_size)
-    if not ctx.is_main:
-        while not engine.stopped:
-            engine.step()
-        return None, (quant.scales.clone(), heads, list(quant.scaled))
-    done, step = {}, 0
-    while step <= max(at for *_, at in reqs) or engine.has_unfinished_requests():
+    done = {}
+
+    def before(engine, step):
         for i, (prompt, new, at) in enumerate(reqs):
             if at == step:
                 engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=new, logprobs=0))
-        for o in engine.step():
+
+    def sink(outputs, step):
+        for o in outputs:
             if o.finished:
                 c = o.outputs[0]
                 done[o.request_id] = (c.token_ids, [step_lp[t] for step_lp, t in zip(c.logprobs, c.token_ids)],
                                       c.finish_reason)
-        step += 1
+
+    step_engine(engine, before, max(at for *_, at in reqs), sink)
+    if not ctx.is_main:
+        return None, (quant.scales.clone(), heads, list(quant.scaled))
     stats = engine.stats()
     engine.shutdown()
     return (done, stats["preemptions"], stats["prefix_hit_tokens"]), (quant.scales.clone(), heads, list(quant.scaled))
@@ -283,13 +286,14 @@ def errors(ctx, prompts):
         for i, prompt in enumerate(prompts):
             engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=12, logprobs=0))
         done = {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    c = o.outputs[0]
-                    done[o.request_id] = (c.token_ids, [s[t] for s, t in zip(c.logprobs, c.token_ids)])
+
+        def sink(outputs, step):
+            done.update({o.request_id: (o.outputs[0].token_ids, [s[t] for s, t in zip(o.outputs[0].logprobs,
+                                                                                       o.outputs[0].token_ids)])
+                         for o in outputs if o.finished})
+
+        step_engine(engine, sink=sink)
         out[name] = [done[f"r{i}"] for i in range(len(prompts))]
-        engine.shutdown()
     return out
 
 

@@ -23,7 +23,7 @@ from layers.models.moe import MoEConfig
 from serve.config import EngineConfig
 from serve.engine import LLMEngine
 from serve.sampling_params import SamplingParams
-from tests.common import train_tokenizer
+from tests.common import step_engine, train_tokenizer
 from tests.harness import run_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -48,13 +48,9 @@ def run_online(ctx, cfg, reqs, add_at, abort=None, moe_parallel="tp", config=SMA
     Returns rank 0's finished outputs, the free blocks seen around the abort, and every step's ledger verdict."""
     dense = init_weights(dense_lm(cfg, torch.float64), seed=0)
     engine = LLMEngine(shard_lm(dense, "v2", ctx.group, True, moe_parallel), ctx, config)
-    done, seen, verdicts, step = {}, {}, [], 0
-    if not ctx.is_main:
-        while not engine.stopped:
-            engine.step()
-            verdicts.append(engine.last_iteration is None or engine.last_iteration["ledger_matches_model"])
-        return None, None, verdicts
-    while step <= max(add_at) or engine.has_unfinished_requests():
+    done, seen, verdicts = {}, {}, []
+
+    def before(engine, step):
         for i, ((prompt, new), at) in enumerate(zip(reqs, add_at)):
             if at == step:
                 if abort is not None and f"r{i}" == abort[0]:
@@ -62,15 +58,19 @@ def run_online(ctx, cfg, reqs, add_at, abort=None, moe_parallel="tp", config=SMA
                 engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=new))
         if abort is not None and step == abort[1]:
             assert engine.abort_request(abort[0])
-        for o in engine.step():
+
+    def sink(outputs, step):
+        for o in outputs:
             if o.finished:
                 done[o.request_id] = (o.outputs[0].token_ids, o.outputs[0].finish_reason)
         if abort is not None and step == abort[1]:
             held = sum(len(t) for t in engine.scheduler.blocks.tables.values())
             seen["after"], seen["held_by_others"] = engine.free_blocks, held
         verdicts.append(engine.last_iteration is None or engine.last_iteration["ledger_matches_model"])
-        step += 1
-    engine.shutdown()
+
+    step_engine(engine, before, max(add_at), sink)
+    if not ctx.is_main:
+        return None, None, verdicts
     seen["end"] = engine.free_blocks
     return done, seen, verdicts
 
@@ -640,8 +640,8 @@ def test_every_engine_default_is_written_once():
 
 def test_the_spine_reads_in_one_screen():
     """LLMEngine.step is the decode path in order (control, schedule, agree, run, update, hooks), short enough to
-    read at once; the offline driver (OfflineEngine.run) steps it through drive(), the one step loop, not a second
-    copy of the loop."""
+    read at once; the offline driver (OfflineEngine.run), the ranks behind LLM and the tests' drivers
+    (tests/common.py step_engine) step it through drive(), the one step loop, not a second copy of the loop."""
     import inspect
 
     from serve.engine import LLMEngine
@@ -659,8 +659,9 @@ def test_the_spine_reads_in_one_screen():
     # the ranks behind LLM and a server reach the same loop: rank 0 fed by the driver's calls (a feed and a sink)
     assert "drive(engine, feed" in inspect.getsource(worker._serve)
     root = pathlib.Path(__file__).resolve().parent.parent
-    stepping = [str(p.relative_to(root)) for d in ("serve", "launch", "benchmarks") for p in (root / d).rglob("*.py")
-                if re.search(r"\bengine\.step\(\)", p.read_text())]
+    loop = re.compile(r"(while|for) [^\n]*:\n[^\n]*\bengine\.step\(\)")  # a loop whose body steps an engine
+    stepping = [str(p.relative_to(root)) for d in ("serve", "launch", "benchmarks", "tests")
+                for p in (root / d).rglob("*.py") if loop.search(p.read_text())]
     assert stepping == ["serve/offline.py"], stepping  # no second loop over LLMEngine.step outside drive()
 
 

@@ -23,6 +23,7 @@ from layers.sampling.sampler import SamplingBatch, exponential_noise, gumbel_noi
 from serve.config import EngineConfig
 from serve.engine import LLMEngine
 from serve.sampling_params import SamplingParams
+from tests.common import step_engine
 from tests.harness import run_ranks
 
 GPT2 = ModelConfig(d_model=64, n_heads=12, d_head=8, d_ffn=192, n_layers=2, max_seq_len=64, vocab_size=1001)  # pads at p=2,3,4
@@ -117,23 +118,21 @@ def serve(ctx, cfg, reqs, config=EngineConfig(long_prefill_token_threshold=6, ma
     draft_lm = None if draft is None else \
         shard_lm(init_weights(dense_lm(draft[0], torch.float64), seed=draft[1]), "v2", own_group(ctx))
     engine = LLMEngine(shard_lm(dense, "v2", ctx.group), ctx, config, eos_token_ids=eos, seed=0, draft_lm=draft_lm)
-    if not ctx.is_main:
-        while not engine.stopped:
-            engine.step()
-        return None
-    done, ids, step = {}, {}, 0
-    while step <= max(r[3] for r in reqs) or engine.has_unfinished_requests():
+    done, ids = {}, {}
+
+    def before(engine, step):
         for name, prompt, q, at in reqs:
             if at == step:
                 ids[name] = engine._next
                 engine.add_request(name, prompt, q)
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o.outputs[0]
-        step += 1
-    preempted = engine.scheduler.preemptions
-    engine.shutdown()
-    return done, ids, preempted, engine.scheduler.blocks.num_free
+
+    def sink(outputs, step):
+        done.update({o.request_id: o.outputs[0] for o in outputs if o.finished})
+
+    step_engine(engine, before, max(r[3] for r in reqs), sink)
+    if not ctx.is_main:
+        return None
+    return done, ids, engine.scheduler.preemptions, engine.scheduler.blocks.num_free
 
 
 @pytest.mark.parametrize("cfg,sizes", [(GPT2, (1, 2, 3, 4)), (LLAMA, (1, 2, 4))], ids=["gpt2", "llama"])

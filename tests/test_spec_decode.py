@@ -20,6 +20,7 @@ from serve.request import Request
 from serve.sampling_params import SamplingParams
 from serve.scheduler import Scheduler
 from serve.spec_decode import SpeculativeConfig, accept, check_request, propose_ngram
+from tests.common import step_engine
 from tests.harness import run_ranks
 from tests.test_sampling import GPT2, LLAMA, chi2, expected, reference_generate, serve
 
@@ -497,14 +498,13 @@ def draft_distributions(ctx, reqs, config, draft_cfg, draft_seed) -> float:
         return plan, proposal, q
 
     engine.draft.propose = recording
-    step = 0
-    while step <= max(r[3] for r in reqs) or engine.has_unfinished_requests():
+
+    def before(engine, step):
         for name, prompt, q, at in reqs:
             if at == step:
                 engine.add_request(name, prompt, q)
-        engine.step()
-        step += 1
-    engine.shutdown()
+
+    step_engine(engine, before, max(r[3] for r in reqs))
     worst = 0.0
     with torch.no_grad():
         for tokens, spec, q in seen:
