@@ -4,8 +4,8 @@ import torch
 
 from layers.models.config import ARTICLE03, DEFAULT_TOLERANCE, ModelConfig
 
-__all__ = ["ARTICLE03", "REL_TOL", "SMALL", "collective_counts", "dense_and_input", "exact_norms_and_rope", "rel_err",
-           "step_engine", "train_tokenizer"]
+__all__ = ["ARTICLE03", "REL_TOL", "SMALL", "collective_counts", "dense_and_input", "exact_norms_and_rope",
+           "exact_rms_forward", "patch_forwards", "rel_err", "step_engine", "train_tokenizer"]
 from layers.models.dense import DenseStack, init_weights
 from tp.ledger import collective_kind
 
@@ -47,24 +47,30 @@ def train_tokenizer(path):
     return train(path, CORPUS, vocab_size=400)
 
 
+def exact_rms_forward(self, x):
+    """transformers' RMSNorm forward without its float32 cast."""
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def patch_forwards(model, forwards: dict):
+    """Every module of `model` that is an instance of a key of `forwards` gets that function as its forward."""
+    for module in model.modules():
+        for cls, forward in forwards.items():
+            if isinstance(module, cls):
+                module.forward = forward.__get__(module)
+    return model
+
+
 def exact_norms_and_rope(model, norm_class, rotary_class, d_head: int, theta: float):
     """A float64 transformers model whose RMSNorms (norm_class) and rotary tables (rotary_class, default RoPE) are
     computed in float64 too: transformers computes both in float32 by design, which caps agreement near 1e-7."""
-    def rms_forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
     def rotary_forward(self, x, position_ids):
         inv = 1.0 / theta ** (torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)
         freqs = position_ids[..., None].to(torch.float64) * inv
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
-    for module in model.modules():
-        if isinstance(module, norm_class):
-            module.forward = rms_forward.__get__(module)
-        if isinstance(module, rotary_class):
-            module.forward = rotary_forward.__get__(module)
-    return model
+    return patch_forwards(model, {norm_class: exact_rms_forward, rotary_class: rotary_forward})
 
 
 def step_engine(engine, before=None, last: int = 0, sink=None) -> int:

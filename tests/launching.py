@@ -164,3 +164,13 @@ def launch_on_pool(nproc: int, *overrides: str, run_dir: Path, script: str = "ru
     code = next((c for c, _, _ in ranks if c), 0)
     return subprocess.CompletedProcess([script, *overrides], code, "".join(o for _, o, _ in ranks),
                                        "".join(e for _, _, e in ranks)), time.monotonic() - start
+
+
+def refused(overrides, message: str, world: int = 2, script: str = "serve.py") -> subprocess.CompletedProcess:
+    """Bad settings, as every rank meets them before any collective (the last rank's settings phase, above): exit code
+    2 and one line, `[rank world-1] error: ...`, that holds `message`."""
+    proc = settings_phase(overrides, world, script)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"[rank {world - 1}] error: ") and message in lines[0], lines
+    return proc

@@ -23,18 +23,23 @@ def _counts(mode: CommDebugMode) -> int:
     return sum(mode.get_comm_counts().values())
 
 
+def _check(op, x, want, upstream, want_grad, forward_comms: int, backward_comms: int, tol: float = 0.0):
+    """y = op(x): the collectives issued forward and backward, y, and the gradient reaching x."""
+    with CommDebugMode() as fwd:
+        y = op(x)
+    assert _counts(fwd) == forward_comms
+    torch.testing.assert_close(y, want, rtol=tol, atol=tol)
+    with CommDebugMode() as bwd:
+        y.backward(upstream)
+    assert _counts(bwd) == backward_comms
+    torch.testing.assert_close(x.grad, want_grad, rtol=tol, atol=tol)
+
+
 def check_copy_to_region(ctx):
     p, r = ctx.world_size, ctx.rank
     x = _draw(100, N, C).requires_grad_()
     upstream = [_draw(200 + q, N, C) for q in range(p)]
-    with CommDebugMode() as fwd:
-        y = copy_to_region(x, ctx.group)
-    assert _counts(fwd) == 0
-    torch.testing.assert_close(y, x, rtol=0, atol=0)
-    with CommDebugMode() as bwd:
-        y.backward(upstream[r])
-    assert _counts(bwd) == (1 if p > 1 else 0)
-    torch.testing.assert_close(x.grad, sum(upstream), rtol=1e-14, atol=1e-14)
+    _check(lambda t: copy_to_region(t, ctx.group), x, x, upstream[r], sum(upstream), 0, 1 if p > 1 else 0, 1e-14)
 
 
 def check_copy_to_region_leaves_shared_grad_alone(ctx):
@@ -49,46 +54,25 @@ def check_copy_to_region_leaves_shared_grad_alone(ctx):
 def check_reduce_from_region(ctx):
     p, r = ctx.world_size, ctx.rank
     xs = [_draw(400 + q, N, C) for q in range(p)]
-    x = xs[r].clone().requires_grad_()
-    with CommDebugMode() as fwd:
-        y = reduce_from_region(x, ctx.group)
-    assert _counts(fwd) == (1 if p > 1 else 0)
-    torch.testing.assert_close(y, sum(xs), rtol=1e-14, atol=1e-14)
+    x, upstream = xs[r].clone().requires_grad_(), _draw(500 + r, N, C)
+    _check(lambda t: reduce_from_region(t, ctx.group), x, sum(xs), upstream, upstream, 1 if p > 1 else 0, 0, 1e-14)
     torch.testing.assert_close(x.detach(), xs[r], rtol=0, atol=0)  # input left untouched
-    upstream = _draw(500 + r, N, C)
-    with CommDebugMode() as bwd:
-        y.backward(upstream)
-    assert _counts(bwd) == 0
-    torch.testing.assert_close(x.grad, upstream, rtol=0, atol=0)
 
 
 def check_gather_from_region(ctx):
     p, r = ctx.world_size, ctx.rank
     xs = [_draw(600 + q, N, C) for q in range(p)]
-    x = xs[r].clone().requires_grad_()
-    with CommDebugMode() as fwd:
-        y = gather_from_region(x, ctx.group)
-    assert _counts(fwd) == (1 if p > 1 else 0)
-    torch.testing.assert_close(y, torch.cat(xs, dim=-1), rtol=0, atol=0)
-    upstream = _draw(700 + r, N, p * C)
-    with CommDebugMode() as bwd:
-        y.backward(upstream)
-    assert _counts(bwd) == 0
-    torch.testing.assert_close(x.grad, upstream[:, r * C:(r + 1) * C], rtol=0, atol=0)
+    x, upstream = xs[r].clone().requires_grad_(), _draw(700 + r, N, p * C)
+    _check(lambda t: gather_from_region(t, ctx.group), x, torch.cat(xs, dim=-1), upstream,
+           upstream[:, r * C:(r + 1) * C], 1 if p > 1 else 0, 0)
 
 
 def check_scatter_to_region(ctx):
     p, r = ctx.world_size, ctx.rank
     full = _draw(800, N, p * C).requires_grad_()
-    with CommDebugMode() as fwd:
-        y = scatter_to_region(full, ctx.group)
-    assert _counts(fwd) == 0
-    torch.testing.assert_close(y, full.detach()[:, r * C:(r + 1) * C], rtol=0, atol=0)
     upstream = [_draw(900 + q, N, C) for q in range(p)]
-    with CommDebugMode() as bwd:
-        y.backward(upstream[r])
-    assert _counts(bwd) == (1 if p > 1 else 0)
-    torch.testing.assert_close(full.grad, torch.cat(upstream, dim=-1), rtol=0, atol=0)
+    _check(lambda t: scatter_to_region(t, ctx.group), full, full.detach()[:, r * C:(r + 1) * C], upstream[r],
+           torch.cat(upstream, dim=-1), 0, 1 if p > 1 else 0)
 
 
 def check_gather_3d(ctx):

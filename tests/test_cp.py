@@ -133,10 +133,9 @@ def test_run_block_with_cp_end_to_end(tmp_path):
     (["cp=2", "pp=2"], "serve.py", "cp=2 with pp is not built"),
 ])
 def test_bad_cp_settings_fail_in_one_line(overrides, script, message):
-    from tests.launching import settings_phase
+    from tests.launching import refused
 
-    proc = settings_phase(overrides, world=2, script=script)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    refused(overrides, message, script=script)
 
 
 # ---- serving over a split cache ------------------------------------------------------------------------------------

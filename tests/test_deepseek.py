@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from layers.models.mla import DeepseekConfig, DenseDeepseekBlock, mla_attention, routing_margin, validate_deepseek
+from tests.common import exact_rms_forward, patch_forwards
 from tests.harness import run_ranks
 from tp.dist import ConfigError
 
@@ -61,9 +62,6 @@ def hf_deepseek(q_lora: int | None = 32, interleave: bool = True, yarn: bool = F
                 m.e_score_correction_bias.copy_(0.1 * torch.randn_like(m.e_score_correction_bias))
     r = config.qk_rope_head_dim
 
-    def rms_forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
     def rotary_forward(self, x, position_ids):  # the frequencies in float64; transformers' attention_scaling kept
         inv = (yarn_inv_freq(r, 10000.0, YARN["factor"], YARN["original_max_position_embeddings"], YARN["beta_fast"],
                              YARN["beta_slow"]) if yarn else 1.0 / 10000.0 ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
@@ -83,14 +81,8 @@ def hf_deepseek(q_lora: int | None = 32, interleave: bool = True, yarn: bool = F
         w = w / (w.sum(-1, keepdim=True) + 1e-20) if self.norm_topk_prob else w
         return logits, w * self.routed_scaling_factor, ids
 
-    for m in model.modules():
-        if isinstance(m, md.DeepseekV3RMSNorm):
-            m.forward = rms_forward.__get__(m)
-        if isinstance(m, md.DeepseekV3RotaryEmbedding):
-            m.forward = rotary_forward.__get__(m)
-        if isinstance(m, md.DeepseekV3TopkRouter):
-            m.forward = router_forward.__get__(m)
-    return model
+    return patch_forwards(model, {md.DeepseekV3RMSNorm: exact_rms_forward, md.DeepseekV3RotaryEmbedding: rotary_forward,
+                                  md.DeepseekV3TopkRouter: router_forward})
 
 
 def ours(model):
@@ -337,10 +329,9 @@ def test_serve_launcher_with_deepseek_tiny(tmp_path):
     (["model=deepseek_tiny", "pp=2"], "serve.py", "pp=2 with an MoE model is not built"),
 ])
 def test_bad_deepseek_settings_fail_in_one_line(overrides, script, message):
-    from tests.launching import settings_phase
+    from tests.launching import refused
 
-    proc = settings_phase(overrides, world=2, script=script)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    refused(overrides, message, script=script)
 
 
 def test_the_toy_deepseek_v3_is_served_as_transformers_generates_it(tmp_path):

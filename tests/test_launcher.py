@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from tests.launching import ROOT, launch_on_pool, settings_phase, torchrun
+from tests.launching import ROOT, launch_on_pool, refused, settings_phase, torchrun
 
 
 def test_two_ranks_end_to_end(tmp_path):
@@ -114,10 +114,7 @@ if not torch.cuda.is_available():
 def test_bad_settings_fail_before_any_collective(nproc, overrides, message, advice):
     """Every rank validates on its own, before joining the group: the last rank's settings phase (in process,
     tests/launching.py) prints one line and returns exit code 2 without waiting for anyone."""
-    alone = settings_phase(overrides, world=nproc, script="run_block.py")
-    assert alone.returncode == 2, alone.stdout + alone.stderr
-    lines = alone.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"[rank {nproc - 1}] error: ") and message in lines[0], lines
+    alone = refused(overrides, message, nproc, "run_block.py")
     assert advice in alone.stderr
 
 

@@ -10,7 +10,7 @@ import torch
 
 from layers.models.hf import config_from_hf
 from layers.models.llama import LLAMA2_7B_SHAPE, LLAMA_TINY
-from tests.launching import launch_on_pool, settings_phase
+from tests.launching import launch_on_pool, refused
 from tp.dist import ConfigError
 
 HF_LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2,
@@ -47,10 +47,7 @@ def test_bad_llama_block_settings_on_a_lone_rank(overrides, message):
     if overrides == ["model=llama2_7b"]:  # float64 and 4000 layers: refused on any machine
         overrides += ["dtype=float64", "model.n_layers=4000"]
     world = 3 if "model.n_heads=12" in overrides else 2
-    alone = settings_phase(overrides, world=world, script="run_block.py")
-    assert alone.returncode == 2, alone.stdout + alone.stderr
-    lines = alone.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"[rank {world - 1}] error: ") and message in lines[0], lines
+    refused(overrides, message, world, "run_block.py")
 
 
 def test_memory_check_refuses_what_cannot_fit(monkeypatch):

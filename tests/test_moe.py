@@ -12,6 +12,7 @@ from layers.attention.varlen import Requests
 from layers.models.dense import Stack
 from layers.models.moe import MoEConfig, DenseMoEBlock, dense_routing as routing, load_hf_layer, moe_block, route
 from layers.parallel.shard import DenseSource, load_plan
+from tests.common import exact_rms_forward, patch_forwards
 from tests.harness import run_ranks
 
 CFG = MoEConfig(d_model=64, n_heads=8, n_kv_heads=2, d_head=8, d_ffn=48, n_layers=2, max_seq_len=64,
@@ -38,9 +39,6 @@ def hf_mixtral(cfg: MoEConfig):
         for name, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * (0.1 if "norm" in name else 0.2)).add_(1.0 if "norm" in name else 0.0)
 
-    def rms_forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
     def rotary_forward(self, x, position_ids):
         inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.d_head, 2, dtype=torch.float64) / cfg.d_head)
         emb = torch.cat([position_ids[..., None].double() * inv] * 2, dim=-1)
@@ -51,14 +49,8 @@ def hf_mixtral(cfg: MoEConfig):
         top, ids = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)  # float64, not float32
         return logits, top / top.sum(dim=-1, keepdim=True), ids
 
-    for module in model.modules():
-        if isinstance(module, mm.MixtralRMSNorm):
-            module.forward = rms_forward.__get__(module)
-        if isinstance(module, mm.MixtralRotaryEmbedding):
-            module.forward = rotary_forward.__get__(module)
-        if isinstance(module, mm.MixtralTopKRouter):
-            module.forward = router_forward.__get__(module)
-    return model
+    return patch_forwards(model, {mm.MixtralRMSNorm: exact_rms_forward, mm.MixtralRotaryEmbedding: rotary_forward,
+                                  mm.MixtralTopKRouter: router_forward})
 
 
 def dense_stack(cfg: MoEConfig, state: dict) -> Stack:
@@ -218,19 +210,15 @@ BAD = [
 
 @pytest.mark.parametrize("overrides,world,message", BAD, ids=[" ".join(b[0]) for b in BAD])
 def test_bad_moe_settings_fail_in_one_line(overrides, world, message):
-    from tests.launching import settings_phase
+    from tests.launching import refused
 
-    proc = settings_phase(["model=mixtral_tiny", *overrides], world=world, script="run_block.py")
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"[rank {world - 1}] error: ") and message in lines[0], lines
+    refused(["model=mixtral_tiny", *overrides], message, world, "run_block.py")
 
 
 def test_moe_parallel_on_a_dense_model_is_refused():
-    from tests.launching import settings_phase
+    from tests.launching import refused
 
-    proc = settings_phase(["moe_parallel=ep"], world=2, script="run_block.py")
-    assert proc.returncode == 2 and "moe_parallel=ep is for MoE models (model=mixtral_tiny)" in proc.stderr
+    refused(["moe_parallel=ep"], "moe_parallel=ep is for MoE models (model=mixtral_tiny)", script="run_block.py")
 
 
 # ---- serving: tokens against transformers' MixtralForCausalLM.generate -------------------------------------
@@ -308,10 +296,9 @@ def test_serve_mixtral_tiny_with_whole_experts_per_rank(tmp_path):
     (["moe_parallel=tp"], "moe_parallel=tp is for MoE models"),
 ])
 def test_bad_moe_serving_settings_fail_in_one_line(overrides, message):
-    from tests.launching import settings_phase
+    from tests.launching import refused
 
-    proc = settings_phase(overrides, world=2, script="serve.py")
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    refused(overrides, message)
 
 
 # ---- Mixtral checkpoints (save_pretrained's per-expert layout) --------------------------------------------

@@ -161,12 +161,9 @@ PP_BAD = [
 
 @pytest.mark.parametrize("nproc,overrides,message", PP_BAD, ids=[" ".join(b[1]) for b in PP_BAD])
 def test_bad_pipeline_settings_fail_before_any_collective(nproc, overrides, message):
-    from tests.launching import settings_phase
+    from tests.launching import refused
 
-    alone = settings_phase(overrides, world=nproc, script="run_block.py")
-    assert alone.returncode == 2, alone.stdout + alone.stderr
-    lines = alone.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], lines
+    refused(overrides, message, nproc, "run_block.py")
 
 
 def test_stages_on_two_nodes(tmp_path):
@@ -414,9 +411,14 @@ def test_the_scheduler_forms_pp_micro_batches_of_disjoint_requests():
     from serve.request import Request
     from serve.scheduler import Scheduler
 
-    reqs = [Request(i, [1 + i, 2, 3], 4) for i in range(6)]
-    sched = Scheduler(EngineConfig(long_prefill_token_threshold=8, max_num_batched_tokens=64, max_num_seqs=64, block_size=4, enable_prefix_caching=False), KVCacheManager(12, 4, enable_prefix_caching=False), reqs)
-    sched.stages = 2
+    def two_stages(blocks, requests):
+        config = EngineConfig(long_prefill_token_threshold=8, max_num_batched_tokens=64, max_num_seqs=64, block_size=4,
+                              enable_prefix_caching=False)
+        sched = Scheduler(config, KVCacheManager(blocks, 4, enable_prefix_caching=False), requests)
+        sched.stages = 2
+        return sched
+
+    sched = two_stages(12, [Request(i, [1 + i, 2, 3], 4) for i in range(6)])
     first = sched.schedule(0)
     sched.in_flight.update(c.request for c in first.scheduled)
     second = sched.schedule(1)
@@ -428,8 +430,7 @@ def test_the_scheduler_forms_pp_micro_batches_of_disjoint_requests():
     assert [c.request for c in third.scheduled] == [0, 1, 2] and all(c.decode for c in third.scheduled)
     # a pool with no free block: the decodes that need one wait rather than preempt a request in flight
     tight = [Request(i, [1, 2, 3, 4], 3) for i in range(2)]
-    sched = Scheduler(EngineConfig(long_prefill_token_threshold=8, max_num_batched_tokens=64, max_num_seqs=64, block_size=4, enable_prefix_caching=False), KVCacheManager(2, 4, enable_prefix_caching=False), tight)
-    sched.stages = 2
+    sched = two_stages(2, tight)
     a = sched.schedule(0)
     sched.in_flight.update(c.request for c in a.scheduled)
     b = sched.schedule(1)
@@ -495,12 +496,9 @@ PP_SERVE_BAD = [
 
 @pytest.mark.parametrize("nproc,overrides,message", PP_SERVE_BAD, ids=[" ".join(b[1]) for b in PP_SERVE_BAD])
 def test_bad_pipeline_serving_settings_fail_before_any_collective(nproc, overrides, message):
-    from tests.launching import settings_phase
+    from tests.launching import refused
 
-    alone = settings_phase(overrides, world=nproc)
-    assert alone.returncode == 2, alone.stdout + alone.stderr
-    lines = alone.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], lines
+    refused(overrides, message, nproc)
 
 
 def test_the_library_serves_a_pipeline_equal_to_the_oracle():
