@@ -26,7 +26,6 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by torchrun: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import hydra
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
@@ -34,7 +33,7 @@ from omegaconf import DictConfig
 from launch.loading import LoadMeter
 from launch.serve_report import add_text, build_pd_report, build_report, render, render_pd
 from launch.serve_settings import Settings, parse_settings
-from launch.settings import launch, publish, refuse_bad_arguments
+from launch.settings import launch, publish, script_main
 from layers.attention.kv_quant import gather_scales, pseudo_quantized
 from layers.models.dense import weights_checksum
 from layers.models.families import of
@@ -47,7 +46,7 @@ from serve.offline import OfflineEngine, ServeResult
 from serve.pd import new_groups, serve_pd
 from serve.pipeline import stage_report
 from serve.request import Request
-from tp.dist import ConfigError, context, env_world
+from tp.dist import ConfigError, context
 from tp.partition import kv_head_range
 
 
@@ -176,13 +175,5 @@ class Progress:
                   f"{tokens} tokens generated", flush=True)
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="serve")
-def main(cfg: DictConfig) -> None:
-    sys.exit(run(cfg))
-
-
 if __name__ == "__main__":
-    refuse_bad_arguments(sys.argv, env_world()[0], "serve")
-    if env_world()[0] != 0:
-        sys.argv.append("hydra.output_subdir=null")  # only rank 0 writes Hydra's .hydra/ record
-    main()
+    script_main(run, "serve")

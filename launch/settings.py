@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
@@ -244,6 +245,22 @@ def boolean(cfg: DictConfig, key: str) -> bool:
 
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def script_main(run, config_name: str) -> None:
+    """A launcher run as a script by torchrun: its command line checked before Hydra reads it (refuse_bad_arguments),
+    Hydra's .hydra/ record written by rank 0 alone (the ranks share the run directory), then run(cfg) under
+    hydra.main with conf/<config_name>.yaml, its return value the exit code."""
+    rank = env_world()[0]
+    refuse_bad_arguments(sys.argv, rank, config_name)
+    if rank != 0:
+        sys.argv.append("hydra.output_subdir=null")
+
+    def main(cfg: DictConfig) -> None:
+        sys.exit(run(cfg))
+
+    conf = str(Path(__file__).resolve().parent.parent / "conf")
+    hydra.main(version_base=None, config_path=conf, config_name=config_name)(main)()
 
 
 def refuse_bad_arguments(argv: list[str], rank: int, config_name: str) -> None:
