@@ -62,17 +62,19 @@ class EngineConfig:
     chunk_pipelining: bool = setting(False, "pipeline stages (pp > 1): a prompt's next chunk may enter the pipeline "
                                      "while its previous chunk is in flight (off: one micro-batch in flight per "
                                      "request, vLLM V1's rule)", flag=False)
-    max_model_len: int | None = setting(
-        None, "vLLM's: a request's prompt + output tokens at most (default: the model's context; no more than it); "
-              "the online pool is sized for max_num_seqs requests this long", launcher=False)  # prompts fit the model
+    # the launcher fits its prompts to the model's context itself
+    max_model_len: int | None = setting(None, "vLLM's: a request's prompt + output tokens at most (default: the "
+                                        "model's context; no more than it); the online pool is sized for "
+                                        "max_num_seqs requests this long", launcher=False)
     kv_cache_dtype: str = setting("auto", "the KV cache's storage (layers/attention/kv_quant.py): auto (the model's "
                                   "dtype), or one byte per value with float32 scales per layer, K|V and head: "
                                   "fp8_e4m3 (vLLM's fp8), fp8_e5m2, int8")
     calculate_kv_scales: bool = setting(False, "a quantized cache's scales from the first prefill each layer sees "
                                         "(off, vLLM's default: 1.0; int8 needs them calculated)")
-    kv_cache_memory_bytes: int | None = setting(
-        None, "each rank's pool at this many bytes, blocks = bytes // a block's bytes, which kv_cache_dtype halves "
-              "against 16-bit values (default: off)", launcher=False)  # the launcher sizes its pool for its workload
+    # the launcher sizes its pool for its workload
+    kv_cache_memory_bytes: int | None = setting(None, "each rank's pool at this many bytes, blocks = bytes // a "
+                                                "block's bytes, which kv_cache_dtype halves against 16-bit values "
+                                                "(default: off)", launcher=False)
     speculative_config: SpeculativeConfig | None = setting(
         None, "speculative decoding (serve/spec_decode.py), vLLM's JSON: '{\"method\": \"ngram\", "
               "\"num_speculative_tokens\": 3}' (default: off)", launcher=False)  # not in the launcher

@@ -88,27 +88,24 @@ class SamplingParams:
         return self.temperature == 0
 
 
-# vLLM's SamplingParams fields not built here, each with its default (accepted, and ignored) and what is built instead.
-NOT_BUILT = {
-    "n": (1, "one completion per request"),
-    "best_of": (None, "one completion per request"),
-    "presence_penalty": (0.0, "no penalties"),
-    "frequency_penalty": (0.0, "no penalties"),
-    "repetition_penalty": (1.0, "no penalties"),
-    "min_tokens": (0, "no minimum: a request may end at its first token"),
-    "logit_bias": (None, "no logit bias"),
-    "allowed_token_ids": (None, "no restriction of the vocabulary"),
-    "bad_words": (None, "no banned words"),
-    "prompt_logprobs": (None, "logprobs of generated tokens only"),
-    "include_stop_str_in_output": (False, "the text is cut before a stop string"),
-    "logits_processors": (None, "no logits processors"),
-    "truncate_prompt_tokens": (None, "prompts are never truncated"),
-    "guided_decoding": (None, "no structured output"),
-    "structured_outputs": (None, "no structured output"),
-    "detokenize": (True, "text is always decoded where there is a tokenizer"),
-    "skip_special_tokens": (True, "special tokens are skipped in the text"),
-    "spaces_between_special_tokens": (True, "the tokenizer's own decoding"),
+# vLLM's SamplingParams fields not built here, by what is built instead: each with its default (accepted, and ignored).
+NOT_BUILT_BY_REASON = {
+    "one completion per request": {"n": 1, "best_of": None},
+    "no penalties": {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0},
+    "no minimum: a request may end at its first token": {"min_tokens": 0},
+    "no logit bias": {"logit_bias": None},
+    "no restriction of the vocabulary": {"allowed_token_ids": None},
+    "no banned words": {"bad_words": None},
+    "logprobs of generated tokens only": {"prompt_logprobs": None},
+    "the text is cut before a stop string": {"include_stop_str_in_output": False},
+    "no logits processors": {"logits_processors": None},
+    "prompts are never truncated": {"truncate_prompt_tokens": None},
+    "no structured output": {"guided_decoding": None, "structured_outputs": None},
+    "text is always decoded where there is a tokenizer": {"detokenize": True},
+    "special tokens are skipped in the text": {"skip_special_tokens": True},
+    "the tokenizer's own decoding": {"spaces_between_special_tokens": True},
 }
+NOT_BUILT = {name: (default, built) for built, fields in NOT_BUILT_BY_REASON.items() for name, default in fields.items()}
 
 
 def _refusing_init(init):

@@ -67,16 +67,20 @@ class _Common(BaseModel):
     return_token_ids: StrictBool = False  # each choice (and stream chunk) also carries its new token ids
     priority: StrictInt = 0  # scheduling_policy "priority": lower first, ties by arrival (serve/scheduler.py)
 
+    def refusals(self) -> list[tuple[bool, str, str]]:
+        """(refused, why, the field) for every field this server reads but does not build, in the order checked."""
+        return [(self.n != 1, f"n={self.n}: this server returns one choice per prompt (n=1)", "n"),
+                *((bool(getattr(self, name)), f"{name} is not supported (leave it at 0)", name)
+                  for name in ("presence_penalty", "frequency_penalty")),
+                (bool(self.logit_bias), "logit_bias is not supported", "logit_bias"),
+                (self.stream_options is not None and not self.stream, "stream_options is only allowed with stream=true",
+                 "stream_options")]
+
     def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, f"n={self.n}: this server returns one choice per prompt (n=1)", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported (leave it at 0)", name)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "logit_bias")
-        if self.stream_options is not None and not self.stream:
-            raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
+        """APIError(400) naming the first refused field (refusals)."""
+        for refused, why, field in self.refusals():
+            if refused:
+                raise APIError(400, why, field)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         try:
@@ -96,14 +100,11 @@ class CompletionRequest(_Common):
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
 
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
-        if self.echo:
-            raise APIError(400, "echo is not supported", "echo")
-        if self.best_of not in (None, 1):
-            raise APIError(400, f"best_of={self.best_of}: not supported (1 or unset)", "best_of")
-        if self.suffix:
-            raise APIError(400, "suffix is not supported", "suffix")
+    def refusals(self) -> list[tuple[bool, str, str]]:
+        return super().refusals() + [
+            (self.echo, "echo is not supported", "echo"),
+            (self.best_of not in (None, 1), f"best_of={self.best_of}: not supported (1 or unset)", "best_of"),
+            (bool(self.suffix), "suffix is not supported", "suffix")]
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt (text or token ids) or a batch of them; each is a choice of the answer, in order."""
@@ -140,16 +141,14 @@ class ChatCompletionRequest(_Common):
     tools: list | None = None
     response_format: dict | None = None
 
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
-        if self.tools:
-            raise APIError(400, "tools (tool calling) is not supported", "tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise APIError(400, "response_format other than text is not supported", "response_format")
-        if self.top_logprobs is not None and not self.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise APIError(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+    def refusals(self) -> list[tuple[bool, str, str]]:
+        return super().refusals() + [
+            (bool(self.tools), "tools (tool calling) is not supported", "tools"),
+            (bool(self.response_format) and self.response_format.get("type") not in (None, "text"),
+             "response_format other than text is not supported", "response_format"),
+            (self.top_logprobs is not None and not self.logprobs, "top_logprobs needs logprobs=true", "top_logprobs"),
+            (self.max_tokens is not None and self.max_completion_tokens is not None,
+             "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")]
 
 
 def parse(model: type[BaseModel], data) -> BaseModel:
