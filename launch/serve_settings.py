@@ -91,8 +91,6 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
                           "(on GPUs use backend=nccl)")
     model = common["model"]
     variant, vocab_parallel = str(cfg.variant), boolean(cfg, "vocab_parallel")
-    if cp > 1 and not of(model).context_parallel:
-        raise ConfigError(f"cp={cp}: {model.family} models are not built for context parallelism (GPT-2 and Llama are)")
     moe_parallel = parse_moe_parallel(cfg, model, world_size, layout)
     if of(model).llama_lm and (variant != "v2" or not vocab_parallel):
         raise ConfigError(f"{model.family} models are served with variant=v2 and vocab_parallel=true (the engine "
@@ -103,13 +101,10 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     try:
         if layout is not None and layout.prefill_pp > 1:
             check_pipeline(model, layout.prefill_ranks, layout.prefill_pp, variant, vocab_parallel)
-        check_pipeline(model, world_size, pp, variant, vocab_parallel)
         engine = EngineConfig(**{f.name: cfg[f.name] for f in LAUNCHER_ENGINE})
-        engine.check_pipeline(pp)
         if layout is not None and engine.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype={engine.kv_cache_dtype} with pd is not built (the decode side would "
                              f"need the prefill side's scales with the codes): serve it colocated, or drop it")
-        engine.check_context_parallel(cp, name="cp")  # pp and pd with cp: refused above
     except ValueError as exc:
         where = f"pd.prefill_pp={layout.prefill_pp}: " if layout is not None and layout.prefill_pp > 1 and \
             "stages" in str(exc) else ""
@@ -132,11 +127,16 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
         raise ConfigError(f"check={cfg.check!r} must be auto, true or false")
     check = check_and_memory(check, common, requests, tp_sizes, world_size, local_world_size, notes)
     common["checkpoint"] = common.pop("weights")
-    return Settings(**common, requests=requests, engine=engine, eos_token_ids=eos_token_ids, eos_from=eos_from,
+    settings = Settings(**common, requests=requests, engine=engine, eos_token_ids=eos_token_ids, eos_from=eos_from,
                     variant=variant, vocab_parallel=vocab_parallel, check=check, pd=layout, streaming=streaming,
                     pd_timeout_s=pd_timeout_s, decode_block_size=decode_block_size, shared_prefix=shared_prefix,
                     notes=tuple(notes), moe_parallel=moe_parallel, sampling=sampling, pp=pp, pp_boundary=pp_boundary,
                     cp=cp)
+    try:
+        settings.validate(world_size)  # the rules LLM checks too, in one place (serve/worker.py RankSpec)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return settings
 
 
 def parse_pp(cfg: DictConfig, world_size: int, pd: Layout | None) -> tuple[int, str]:

@@ -123,9 +123,7 @@ class LLM:
         rank 0 holds the dense model too). dtype: "auto" (the checkpoint's torch_dtype; float32 for presets), a name
         or a torch.dtype; `LLM.dtype` says which ran, as a name. engine_settings: EngineConfig's fields (vLLM's
         names: serve/config.py); check_ledger (every step's collectives against the model) is on by default."""
-        from layers.models.families import FAMILIES, family, of
         from layers.models.hf import resolve_dtype
-        from layers.models.pipeline import check_pipeline
         from tp.dist import ConfigError, resolve_backend, resolve_device
         from tp.dist import threads_per_rank as resolve_threads
 
@@ -150,9 +148,7 @@ class LLM:
             raise ValueError(f"check=True compares with the dense model's unquantized K,V: with kv_cache_dtype="
                              f"{self.config.kv_cache_dtype}, check with launch/serve.py (its oracle round-trips K,V with "
                              f"the engine's scales)")
-        self.config.check_pipeline(pp)
         spec_config = self.config.speculative_config
-        self.config.check_context_parallel(cp, pp)
         try:
             backend = resolve_backend(backend, p * pp * cp)
             device = resolve_device(device, backend)
@@ -162,10 +158,6 @@ class LLM:
         self.model_config, checkpoint = resolve_model(model, p, moe_parallel)
         self.config.check_model_len(self.model_config.max_seq_len)
         self.max_model_len = self.config.max_model_len or self.model_config.max_seq_len
-        if cp > 1 and not of(self.model_config).context_parallel:
-            built = ", ".join(family(f).title for f in FAMILIES if family(f).context_parallel)
-            raise ValueError(f"context_parallel_size={cp}: {self.model_config.family} models are not built for "
-                             f"context parallelism ({built} are)")
         draft = None
         if spec_config is not None and spec_config.method == "draft_model":  # whole on every rank: checked at p = 1
             from serve.spec_decode import check_draft
@@ -177,10 +169,15 @@ class LLM:
             check_draft(draft[0], self.model_config, spec_config.model)
         try:
             torch_dtype, _ = resolve_dtype(dtype, checkpoint)
-            check_pipeline(self.model_config, p * pp, pp)
-        except (ConfigError, ValueError) as exc:
-            raise ValueError(f"pipeline_parallel_size={pp}: {exc}" if str(exc).startswith("pp=") else str(exc)) \
-                from None
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        from layers.models.hf import checkpoint_eos
+
+        self.eos_token_ids = checkpoint_eos(checkpoint, self.model_config.vocab_size)
+        spec = RankSpec(self.model_config, checkpoint, torch_dtype, seed, backend, device, self.config,
+                        tuple(self.eos_token_ids), moe_parallel, check, pp=pp, cp=cp, timeout_s=float(timeout_s),
+                        draft=draft, threads=self.threads_per_rank)
+        spec.validate(p * pp * cp, "pipeline_parallel_size", "context_parallel_size")
         self.dtype = str(torch_dtype).removeprefix("torch.")  # what the ranks run: "auto" resolved
         self.block_bytes = None  # one block's bytes on a rank, where kv_cache_memory_bytes sizes the pool
         if self.config.kv_cache_memory_bytes is not None:  # checked here, before any rank starts
@@ -198,13 +195,7 @@ class LLM:
             except (ConfigError, OSError) as exc:
                 raise ValueError(f"model={checkpoint}: {exc}") from None
         self.tokenizer = load_tokenizer(tokenizer or checkpoint)
-        from layers.models.hf import checkpoint_eos
-
-        self.eos_token_ids = checkpoint_eos(checkpoint, self.model_config.vocab_size)
         self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size = p, pp, cp
-        spec = RankSpec(self.model_config, checkpoint, torch_dtype, seed, backend, device, self.config,
-                        tuple(self.eos_token_ids), moe_parallel, check, pp=pp, cp=cp, timeout_s=float(timeout_s),
-                        draft=draft, threads=self.threads_per_rank)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._stopped: set[str] = set()  # ended by a stop string here: the engine's later output is dropped
         self._count = 0

@@ -51,6 +51,25 @@ class RankSpec:
     draft: tuple | None = None  # speculative decoding's draft model: (its config, its checkpoint or None)
     threads: int = 1  # each rank's intra-op threads (tp/dist.py threads_per_rank)
 
+    def validate(self, world_size: int, pp_name: str = "pp", cp_name: str = "cp") -> None:
+        """The rules between the model, the parallel layout and the engine's settings: the one copy LLM (before any
+        rank starts) and the launcher (on every rank, before any collective) call. ValueError, one line, naming the
+        setting as the caller spells it (LLM: pipeline_parallel_size, context_parallel_size)."""
+        from layers.models.families import FAMILIES, family, of
+        from layers.models.pipeline import check_pipeline
+
+        self.engine.check_pipeline(self.pp)
+        self.engine.check_context_parallel(self.cp, self.pp, cp_name)
+        if self.cp > 1 and not of(self.model).context_parallel:
+            built = ", ".join(family(f).title for f in FAMILIES if family(f).context_parallel)
+            raise ValueError(f"{cp_name}={self.cp}: {self.model.family} models are not built for context parallelism "
+                             f"({built} are)")
+        try:
+            check_pipeline(self.model, world_size // self.cp, self.pp, self.variant, self.vocab_parallel)
+        except ValueError as exc:
+            named = pp_name != "pp" and str(exc).startswith("pp=")
+            raise ValueError(f"{pp_name}={self.pp}: {exc}" if named else str(exc)) from None
+
 
 def _watch_parent(parent: int, directory: str, rank: int) -> None:
     """Exit the moment the driver is gone (its pid is no longer our parent); rank 0 removes the driver's directory,
