@@ -259,8 +259,7 @@ def script_main(run, config_name: str) -> None:
     def main(cfg: DictConfig) -> None:
         sys.exit(run(cfg))
 
-    conf = str(Path(__file__).resolve().parent.parent / "conf")
-    hydra.main(version_base=None, config_path=conf, config_name=config_name)(main)()
+    hydra.main(version_base=None, config_path=str(CONF), config_name=config_name)(main)()
 
 
 def refuse_bad_arguments(argv: list[str], rank: int, config_name: str) -> None:
