@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from launch.shards import linears
+from launch.check import linears
 from layers.models import families
 
 DESCRIPTION = {
