@@ -68,7 +68,21 @@ def run_check(cfg: ModelConfig | LlamaConfig, *, lengths: list[int], dtype: torc
         results[v]["activation_memory"] = activation_memory(stack, x, cfg, v, ctx)
         if profile_dir is not None:
             results[v]["profile"] = profile_variant(stack, x, cu_seqlens, v, ctx, profile_dir)
+        results[v]["totals"] = {  # inside the blocks; v2sp's output gather: "outside_blocks"
+            "collectives": kind_counts(c for layer in layers for c in layer["collectives"]),
+            **{key: sum(layer[key] for layer in layers) for key in ("logical_bytes", "bytes_per_rank", "time_s")}}
+        # Two independent counters: the ledger's records and CommDebugMode's.
+        results[v]["counts_agree"] = all(layer["collective_counts"] == kind_counts(layer["collectives"])
+                                         for layer in layers)
     return results
+
+
+def kind_counts(collectives) -> dict[str, int]:
+    """Collectives per kind, from rows of call sites (each with its kind and count)."""
+    counts: Counter = Counter()
+    for c in collectives:
+        counts[c["kind"]] += c["count"]
+    return dict(counts)
 
 
 def dense_and_input(cfg, n_tokens: int, dtype: torch.dtype, seed: int, ctx: TPContext,
