@@ -74,8 +74,8 @@ def run_pp_check(cfg, *, lengths: list[int], dtype: torch.dtype, seed: int, vari
             messages += [replace(msg, request=m) for msg in t]
         mine = {"rank": rank, "stage": stage.index, "layers": list(stage.layers),
                 "errors": {i: (a, a / s if s else a) for i, (a, s) in errs.items()},
-                "collectives": dict(Counter(r.kind for r in ledger.records)), "tp_bytes_per_rank": sum(r.bytes_per_rank
-                                                                                for r in ledger.records),
+                "collectives": dict(Counter(r.kind for r in ledger.records)),
+                "tp_bytes_per_rank": sum(r.bytes_per_rank for r in ledger.records),
                 "sent": sum(t.bytes for t in ledger.transfers if t.kind == "send"),
                 "received": sum(t.bytes for t in ledger.transfers if t.kind == "recv"),
                 "ledger_matches_model": [r.traffic() for r in ledger.records] == collectives

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fractions import Fraction
+from itertools import accumulate
 
 from launch.check import kind_counts, linears
 from layers.models import families
@@ -139,9 +140,7 @@ def render_tp(report: dict) -> str:
     if len(lengths) == 1:
         out.append(f"input: one sequence of n_tokens={lengths[0]}")
     else:
-        cu = [0]
-        for n in lengths:
-            cu.append(cu[-1] + n)
+        cu = list(accumulate(lengths, initial=0))
         shown = (lambda xs: str(xs) if len(xs) <= 12 else f"[{', '.join(map(str, xs[:10]))}, ...] ({len(xs)})")
         w = report["attention_work"]
         out.append(f"input: {len(lengths)} requests {shown(lengths)} flattened to [{cu[-1]} x {m['d_model']}], "
