@@ -87,11 +87,8 @@ def run_moe_check(cfg, *, lengths: list[int], dtype: torch.dtype, seed: int, pla
 
 def _by_rank(held: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each rank's rows of the ranks' routings concatenated in rank order."""
-    out, at = [], 0
-    for h in held:
-        out.append(torch.arange(at, at + len(h), device=h.device))
-        at += len(h)
-    return out
+    sizes = [len(h) for h in held]
+    return list(torch.arange(sum(sizes), device=held[0].device).split(sizes))
 
 
 def expert_load(cfg, placement: str, ids: list[torch.Tensor], p: int) -> list[dict]:
