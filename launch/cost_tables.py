@@ -84,7 +84,8 @@ def main() -> int:
     for phase, n in (("prefill", B * S), ("decode", B)):
         for name, doc, elems in ((f"TP={TP} {phase}", 1.75, tp_allreduce_elems_per_gpu(n, d, TP)),
                                  (f"TP+SP={TP} {phase}", 1.75, tp_sp_elems_per_gpu(n, d, TP)),
-                                 (f"EP={EP} {phase}", 4 / EP * (EP - 1) / EP * k, ep_alltoall_elems_per_gpu(n, d, k, EP)),
+                                 (f"EP={EP} {phase}", 4 / EP * (EP - 1) / EP * k,
+                                  ep_alltoall_elems_per_gpu(n, d, k, EP)),
                                  (f"PP {phase}", 1.0, pp_send_elems(n, d)),
                                  (f"PP/TP={TP} {phase}", "-", pp_send_elems(n, d) / TP)):
             rows.append((name, doc, elems / (n * d), f"{elems * 2 / 2**20:,.2f}"))
@@ -93,7 +94,8 @@ def main() -> int:
                 ["strategy", "doc formula", "model code", "MiB/GPU/layer bf16"], rows))
     print(f"  N = B·S = {B * S:,} tokens in prefill, B = {B} in decode: every volume shrinks S-fold in decode\n"
           f"  TP+SP (not in the doc): its reduce-scatter + all-gather move exactly the all-reduce's volume\n"
-          f"  PP: once per stage boundary, not per layer; PP/TP: each of a stage's TP ranks sends its 1/TP of the rows\n"
+          f"  PP: once per stage boundary, not per layer; PP/TP: each of a stage's TP ranks sends its 1/TP of "
+          f"the rows\n"
           f"  and the next stage all-gathers them (layers/models/pipeline.py's scatter boundary, vLLM's way)\n")
 
     rows = []
@@ -130,10 +132,10 @@ def main() -> int:
                 f"{v3['d_latent_kv']} + {rope} on every rank (tp/partition.mla_kv_bytes_per_token)",
                 ["TP", "MLA per rank", "MLA all ranks", "GQA 8x128/rank", "MHA 128 heads/rk", "MHA/MLA per rk"],
                 rows))
-    print(f"  MLA: {mla:,} B per token per rank at every TP (the seed's ~70 KB); the TP group holds TP copies. MHA of\n"
-          f"  V3's 128 heads (K {nope + rope} + V {v} each) would hold {L * h * (nope + rope + v) * e / 1e6:.1f} MB per "
-          f"token whole, {L * h * (nope + rope + v) * e // mla}x the latent; split over 8 ranks still "
-          f"{L * h * (nope + rope + v) * e // 8 // mla}x per rank")
+    whole = L * h * (nope + rope + v) * e  # V3's own heads decompressed, all of them
+    print(f"  MLA: {mla:,} B per token per rank at every TP (the seed's ~70 KB); the TP group holds TP copies. "
+          f"MHA of\n  V3's 128 heads (K {nope + rope} + V {v} each) would hold {whole / 1e6:.1f} MB per token whole, "
+          f"{whole // mla}x the latent; split over 8 ranks still {whole // 8 // mla}x per rank")
     rows = []
     a, link = LLAMA3_405B_ATTN, FABRICS["InfiniBand HDR"]
     tp = 8  # each cp rank a TP group of 8 GPUs (one node); heads split 8 ways
@@ -144,8 +146,9 @@ def main() -> int:
             step_flops = causal_attention_flops(seq, a["n_heads"] // tp, a["d_head"]) / cp / cp  # one block pair, avg
             rows.append((f"{seq // KI}k", cp, sent / 2 ** 20, step_bytes / link * 1e3, step_flops / hw.flops * 1e3,
                          step_flops / hw.flops / (step_bytes / link)))
-    print(table("\nContext parallelism, Llama-3-405B prefill (tp 8 per cp rank, fp16): pass-KV per GPU per layer, one "
-                "ring step's transfer on InfiniBand HDR (50 GB/s) against its block's attention on an H100 (500 TFLOP/s)",
+    print(table("\nContext parallelism, Llama-3-405B prefill (tp 8 per cp rank, fp16): pass-KV per GPU per layer, "
+                "one ring step's transfer on InfiniBand HDR (50 GB/s) against its block's attention on an H100 "
+                "(500 TFLOP/s)",
                 ["prompt", "cp", "sent MiB/layer", "step xfer ms", "step attn ms", "attn/xfer"], rows))
     print("  each ring step moves the rank's S/cp rows of K,V (h_kv = 8: a 16x smaller message than MHA would send)\n"
           "  while attending one S/cp x S/cp block: compute grows with S^2/cp^2 and the transfer with S/cp, so the\n"

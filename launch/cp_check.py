@@ -13,12 +13,13 @@ slot hold the same heads (the same weights) and different positions.
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import torch
 import torch.distributed as dist
 
 from launch.check import dense_and_input
-from launch.report import _counts, format_table, kib
+from launch.report import counts_text, format_table, kib
 from layers.attention.context_parallel import (RingPrefill, SplitKVDecode, causal_pairs, contiguous_positions,
                                                new_cp_groups, zigzag_positions)
 from layers.models.tp_block import tp_stack
@@ -70,7 +71,8 @@ def run_cp_check(cfg, *, n: int, new_tokens: int, dtype: torch.dtype, seed: int,
     mine_report = {
         "rank": ctx.rank, "cp_rank": c, "tp_rank": t, "rows": len(mine), "cached_positions": kept,
         "errors": [(a, a / s if s else a) for a, s in errs],
-        "collectives": _kinds(ledger.records), "collective_bytes": sum(r.bytes_per_rank for r in ledger.records),
+        "collectives": dict(Counter(r.kind for r in ledger.records)),
+        "collective_bytes": sum(r.bytes_per_rank for r in ledger.records),
         "sent": sum(m.bytes for m in ledger.transfers if m.kind == "send"),
         "ledger_matches_model": [r.traffic() for r in ledger.records] == collectives
         and [m.transfer() for m in ledger.transfers] == messages,
@@ -89,13 +91,6 @@ def run_cp_check(cfg, *, n: int, new_tokens: int, dtype: torch.dtype, seed: int,
             "ledger_matches_model": all(r["ledger_matches_model"] for r in everyone)}
 
 
-def _kinds(records) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for r in records:
-        out[r.kind] = out.get(r.kind, 0) + 1
-    return out
-
-
 def render_cp(report: dict) -> str:
     c, m, res = report["config"], report["config"]["model"], report["cp_check"]
     cp, tp, n, L = res["cp"], res["tp"], res["n_tokens"], m["n_layers"]
@@ -109,7 +104,7 @@ def render_cp(report: dict) -> str:
         if r["tp_rank"] != 0:
             continue
         rows.append([r["cp_rank"], r["rows"], r["cached_positions"], r["pairs_zigzag"], r["pairs_contiguous"],
-                     _counts(r["collectives"]), kib(r["sent"] / L), f"{r['prefill_s'] * 1e3:.1f}",
+                     counts_text(r["collectives"]), kib(r["sent"] / L), f"{r['prefill_s'] * 1e3:.1f}",
                      "yes" if r["ledger_matches_model"] else "NO"])
     out.append(format_table(["cp rank", "prompt rows", "cached at end", "causal pairs (zigzag)", "(contiguous)",
                              "collectives", "pass-KV sent/layer KiB", "prefill ms", "ledger = model"], rows))

@@ -5,8 +5,8 @@
 Every `.venv/bin/torchrun ... launch/*.py ...` and `.venv/bin/python -m serve ...` command of the pages
 (tests/test_docs.py finds them and checks their settings and flags without running them) runs here as written, in a
 scratch run directory, unless it names a placeholder (DIR, /path/to/..., P, D) or runs past --timeout seconds. Its
-verdict is its last PASS/FAIL line (the pages' text model, /tmp/toy, is written first with python -m serve.toy_model when
-it is not there), or its one-line error; "on page" says whether the page shows that same line
+verdict is its last PASS/FAIL line (the pages' text model, /tmp/toy, is written first with python -m
+serve.toy_model when it is not there), or its one-line error; "on page" says whether the page shows that same line
 (numbers that vary from run to run, such as times, are not compared: only the line's words up to its first digit).
 Exit 1 if a command fails and its page does not show that failure. Slow (every command starts its ranks): run it
 before a change to the docs lands, not in CI.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from launch.gpu_check import bounded  # noqa: E402
 from tests.test_docs import documented_commands  # noqa: E402
 
 TOY = "/tmp/toy"  # the pages' text model: python -m serve.toy_model /tmp/toy
@@ -34,29 +34,15 @@ PLACEHOLDER = re.compile(r"DIR|/path/to|=P\b|=D\b|\.\.\.|<|>")
 RUNNABLE = ("launch/run_block.py", "launch/serve.py", "serve/__main__.py")
 
 
-def run(argv: list[str], timeout: float) -> subprocess.CompletedProcess | None:
-    """The command in a session of its own, so that past the timeout every process it started (torchrun's ranks)
-    is killed with it; None then."""
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return None
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
-
-
-def verdict(proc: subprocess.CompletedProcess) -> str:
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
+def verdict(rc: int, stdout: str, stderr: str) -> str:
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
     if lines:
         return lines[-1]
-    errors = [ln for ln in proc.stderr.splitlines() if "error: " in ln]
+    errors = [ln for ln in stderr.splitlines() if "error: " in ln]
     if errors:
         return errors[0][errors[0].index("error: "):]
-    tail = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
-    return f"exit {proc.returncode}: {tail[:100]}"  # python -m serve prints the completion and exits 0
+    tail = (stdout.strip().splitlines() or ["(no output)"])[-1]
+    return f"exit {rc}: {tail[:100]}"  # python -m serve prints the completion and exits 0
 
 
 def shown(line: str, page: str) -> bool:
@@ -90,17 +76,17 @@ def main() -> int:
                 if "--standalone" not in torchrun:
                     argv.insert(1, "--standalone")
             start = time.monotonic()
-            proc = run(argv, args.timeout)
-            if proc is None:
+            rc, out, err = bounded(argv, args.timeout, stderr=subprocess.PIPE)
+            if rc is None:
                 rows.append((where, f"skipped (over {args.timeout:g} s)", ""))
                 print(f"{where}: {rows[-1][1]}", flush=True)
                 continue
-        line = verdict(proc)
+        line = verdict(rc, out, err)
         on_page = shown(line, page)
-        if proc.returncode != 0 and not on_page:
+        if rc != 0 and not on_page:
             failed += 1
         rows.append((where, f"{line}  [{time.monotonic() - start:.0f} s]", "on page" if on_page else
-                     ("NOT ON PAGE" if proc.returncode else "")))
+                     ("NOT ON PAGE" if rc else "")))
         print(f"{rows[-1][0]}: {rows[-1][1]} {rows[-1][2]}", flush=True)
     print(f"\n{len(rows)} documented commands; {sum('skipped' in r[1] for r in rows)} skipped; {failed} failed")
     return 1 if failed else 0

@@ -1,29 +1,11 @@
 """One prepared check for a GPU node: `make gpu-check` (or python launch/gpu_check.py).
 
-It adapts to the GPUs it finds and writes one summary, outputs/gpu_check/summary.md:
-
-    every valid p <= GPUs    run_block on NCCL, float32 and bfloat16, profiler traces on (CUDA activity), every
-                             default variant: v1, v2, intra_head and v2sp (NCCL's reduce-scatter and row gathers)
-    one GPU only             p = 2, 4, 8 ranks sharing it over gloo with CUDA tensors (device=cuda), bfloat16:
-                             device placement, CUDA sync in the ledger, CUDA traces, bf16 kernels
-    the largest p            serve on NCCL (v2, float32, checked against the dense oracle)
-    Llama (llama_tiny)       run_block (v2, v2sp) and serve on NCCL at the largest p; one GPU: 4 ranks sharing it (gloo+cuda);
-                             serve in bfloat16 on NCCL (tokens against the dense oracle, near-ties allowed)
-    MoE (mixtral_tiny)       run_block with tp, ep and ep_a2a (NCCL's all_to_all_single with split sizes) and serve
-                             with moe_parallel=ep, on NCCL at the largest p
-    MLA (deepseek_tiny)      serve with ep in bfloat16: the latent pool, absorbed decode, decompressed prefill on CUDA
-    a sharded checkpoint     a bfloat16 Llama saved by save_pretrained(max_shard_size=...), served on NCCL at the
-                             largest p with each rank reading only its slices straight onto its GPU
-    P/D (at least 2 GPUs)    serve with prefill and decode groups of half the GPUs each, on NCCL (pair
-                             communicators warmed up, K,V streamed layer by layer); skipped with the reason on one
-    host waits               launch/sync_check.py at the largest p: GPT-2, Llama, Mixtral (tp, ep) serving steps
-                             under CUDA's sync debugger after a warm-up: one wait per step, plus one per MoE layer
-    tests marked nccl        pytest -m nccl with the rank pools on NCCL (TPREF_TEST_BACKEND=nccl)
-    bench_tp                 v2 vs DTensor at the valid p, 40 and 1024 tokens, 3 repeats
-
-Without a GPU it says so, writes the summary as skipped, and exits 0. Each step has a time limit;
-a failing step is recorded with the end of its output and the others still run. Exit code 1
-when any step failed.
+It adapts to the GPUs it finds (steps(); docs/gpus.md says what each shows): run_block and serve on NCCL at every
+valid p (GPT-2, Llama in float32 and bfloat16, Mixtral, DeepSeek-V3, a sharded checkpoint, P/D with 2 GPUs or more),
+ranks sharing one GPU over gloo with CUDA tensors, the serving steps' host waits (launch/sync_check.py), the tests
+marked nccl, and bench_tp. Each step has a time limit; a failing step is recorded with the end of its output and the
+others still run. One summary: outputs/gpu_check/summary.md. Without a GPU it says so, writes the summary as
+skipped, and exits 0. Exit code 1 when any step failed.
 """
 
 from __future__ import annotations
@@ -49,71 +31,62 @@ def gpu_count() -> int:
 def steps(n_gpus: int) -> list[tuple[str, list[str], dict, float]]:
     """(name, argv, extra environment, time limit in seconds)."""
     py = sys.executable
-    torchrun = [py, "-m", "torch.distributed.run", "--standalone"]
     valid = [p for p in (1, 2, 4, 8) if p <= n_gpus]
-    out = []
-    for p in valid:
-        for dtype in ("float32", "bfloat16"):
-            out.append((f"run_block nccl p={p} {dtype}",
-                        torchrun + [f"--nproc_per_node={p}", "launch/run_block.py", "backend=nccl", f"dtype={dtype}",
-                                    "profile=true", "repeats=3", f"hydra.run.dir={OUT}/run_block_nccl_p{p}_{dtype}"],
-                        {}, 300))
-    if n_gpus == 1:
-        for p in (2, 4, 8):
-            out.append((f"run_block gloo+cuda p={p} bfloat16 (ranks share one GPU)",
-                        torchrun + [f"--nproc_per_node={p}", "launch/run_block.py", "backend=gloo", "device=cuda",
-                                    "dtype=bfloat16", "profile=true", "repeats=3",
-                                    f"hydra.run.dir={OUT}/run_block_gloo_cuda_p{p}"], {}, 300))
-    out.append((f"serve nccl p={valid[-1]}",
-                torchrun + [f"--nproc_per_node={valid[-1]}", "launch/serve.py", "backend=nccl",
-                            f"hydra.run.dir={OUT}/serve_nccl_p{valid[-1]}"], {}, 300))
-    if n_gpus == 1:  # Llama blocks (GQA, RoPE) on CUDA tensors: 4 ranks sharing the GPU, K,V heads replicated
-        out.append(("run_block llama_tiny p=4 bfloat16, ranks sharing one GPU (gloo, CUDA tensors)",
-                    torchrun + ["--nproc_per_node=4", "launch/run_block.py", "model=llama_tiny", "backend=gloo",
-                                "device=cuda", "dtype=bfloat16", "repeats=3", f"hydra.run.dir={OUT}/llama_gloo_cuda"],
-                    {}, 300))
-    out.append((f"run_block llama_tiny nccl p={valid[-1]}",
-                torchrun + [f"--nproc_per_node={valid[-1]}", "launch/run_block.py", "model=llama_tiny", "backend=nccl",
-                            "repeats=3", f"hydra.run.dir={OUT}/llama_nccl_p{valid[-1]}"], {}, 300))
-    out.append((f"serve llama_tiny nccl p={valid[-1]}",
-                torchrun + [f"--nproc_per_node={valid[-1]}", "launch/serve.py", "model=llama_tiny", "backend=nccl",
-                            f"hydra.run.dir={OUT}/serve_llama_nccl_p{valid[-1]}"], {}, 300))
-    out.append((f"serve llama_tiny nccl p={valid[-1]} bfloat16",
-                torchrun + [f"--nproc_per_node={valid[-1]}", "launch/serve.py", "model=llama_tiny", "backend=nccl",
-                            "dtype=bfloat16", f"hydra.run.dir={OUT}/serve_llama_nccl_bf16_p{valid[-1]}"], {}, 300))
     p = valid[-1]
-    out.append((f"run_block mixtral_tiny nccl p={p}",
-                torchrun + [f"--nproc_per_node={p}", "launch/run_block.py", "model=mixtral_tiny", "backend=nccl",
-                            "repeats=3", f"hydra.run.dir={OUT}/moe_nccl_p{p}"], {}, 300))
-    out.append((f"serve mixtral_tiny nccl p={p} moe_parallel=ep",
-                torchrun + [f"--nproc_per_node={p}", "launch/serve.py", "model=mixtral_tiny", "moe_parallel=ep",
-                            "backend=nccl", f"hydra.run.dir={OUT}/serve_moe_nccl_p{p}"], {}, 300))
     q = max(k for k in (1, 2, 4) if k <= p)  # deepseek_tiny has 4 query heads
-    out.append((f"serve deepseek_tiny nccl p={q} moe_parallel=ep bfloat16",
-                torchrun + [f"--nproc_per_node={q}", "launch/serve.py", "model=deepseek_tiny", "moe_parallel=ep",
-                            "backend=nccl", "dtype=bfloat16", f"hydra.run.dir={OUT}/serve_deepseek_nccl_p{q}"], {}, 300))
     ckpt = OUT / "llama_sharded_bf16"
-    out.append(("save a sharded bfloat16 Llama checkpoint",
-                [py, "-c", "import sys, torch, transformers; torch.manual_seed(0); transformers.LlamaForCausalLM("
-                 "transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_attention_heads=8, "
-                 "num_key_value_heads=2, num_hidden_layers=4, vocab_size=32000)).to(torch.bfloat16)"
-                 ".save_pretrained(sys.argv[1], max_shard_size='4MB')", str(ckpt)], {}, 300))
-    out.append((f"serve hf_checkpoint (sharded, per-rank slices) nccl p={p} bfloat16",
-                torchrun + [f"--nproc_per_node={p}", "launch/serve.py", f"hf_checkpoint={ckpt}", "backend=nccl",
-                            "dtype=bfloat16", f"hydra.run.dir={OUT}/serve_ckpt_nccl_p{p}"], {}, 300))
+
+    def launcher(name: str, ranks: int, script: str, *settings: str, run_dir: str | None = None) -> tuple:
+        """launch/<script> under torchrun on `ranks` ranks, its Hydra run directory under OUT."""
+        argv = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", f"launch/{script}",
+                *settings] + ([f"hydra.run.dir={OUT}/{run_dir}"] if run_dir else [])
+        return name, argv, {}, 300
+
+    out = [launcher(f"run_block nccl p={k} {dtype}", k, "run_block.py", "backend=nccl", f"dtype={dtype}",
+                    "profile=true", "repeats=3", run_dir=f"run_block_nccl_p{k}_{dtype}")
+           for k in valid for dtype in ("float32", "bfloat16")]
+    if n_gpus == 1:
+        out += [launcher(f"run_block gloo+cuda p={k} bfloat16 (ranks share one GPU)", k, "run_block.py",
+                         "backend=gloo", "device=cuda", "dtype=bfloat16", "profile=true", "repeats=3",
+                         run_dir=f"run_block_gloo_cuda_p{k}") for k in (2, 4, 8)]
+    out.append(launcher(f"serve nccl p={p}", p, "serve.py", "backend=nccl", run_dir=f"serve_nccl_p{p}"))
+    if n_gpus == 1:  # Llama blocks (GQA, RoPE) on CUDA tensors: 4 ranks sharing the GPU, K,V heads replicated
+        out.append(launcher("run_block llama_tiny p=4 bfloat16, ranks sharing one GPU (gloo, CUDA tensors)", 4,
+                            "run_block.py", "model=llama_tiny", "backend=gloo", "device=cuda", "dtype=bfloat16",
+                            "repeats=3", run_dir="llama_gloo_cuda"))
+    out += [
+        launcher(f"run_block llama_tiny nccl p={p}", p, "run_block.py", "model=llama_tiny", "backend=nccl",
+                 "repeats=3", run_dir=f"llama_nccl_p{p}"),
+        launcher(f"serve llama_tiny nccl p={p}", p, "serve.py", "model=llama_tiny", "backend=nccl",
+                 run_dir=f"serve_llama_nccl_p{p}"),
+        launcher(f"serve llama_tiny nccl p={p} bfloat16", p, "serve.py", "model=llama_tiny", "backend=nccl",
+                 "dtype=bfloat16", run_dir=f"serve_llama_nccl_bf16_p{p}"),
+        launcher(f"run_block mixtral_tiny nccl p={p}", p, "run_block.py", "model=mixtral_tiny", "backend=nccl",
+                 "repeats=3", run_dir=f"moe_nccl_p{p}"),
+        launcher(f"serve mixtral_tiny nccl p={p} moe_parallel=ep", p, "serve.py", "model=mixtral_tiny",
+                 "moe_parallel=ep", "backend=nccl", run_dir=f"serve_moe_nccl_p{p}"),
+        launcher(f"serve deepseek_tiny nccl p={q} moe_parallel=ep bfloat16", q, "serve.py", "model=deepseek_tiny",
+                 "moe_parallel=ep", "backend=nccl", "dtype=bfloat16", run_dir=f"serve_deepseek_nccl_p{q}"),
+        ("save a sharded bfloat16 Llama checkpoint",
+         [py, "-c", "import sys, torch, transformers; torch.manual_seed(0); transformers.LlamaForCausalLM("
+          "transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_attention_heads=8, "
+          "num_key_value_heads=2, num_hidden_layers=4, vocab_size=32000)).to(torch.bfloat16)"
+          ".save_pretrained(sys.argv[1], max_shard_size='4MB')", str(ckpt)], {}, 300),
+        launcher(f"serve hf_checkpoint (sharded, per-rank slices) nccl p={p} bfloat16", p, "serve.py",
+                 f"hf_checkpoint={ckpt}", "backend=nccl", "dtype=bfloat16", run_dir=f"serve_ckpt_nccl_p{p}"),
+    ]
     if n_gpus >= 2:  # prefill/decode disaggregation: two NCCL groups, point-to-point K,V between them
         half = min(n_gpus, 8) // 2
-        out.append((f"serve pd nccl {half}+{half}",
-                    torchrun + [f"--nproc_per_node={2 * half}", "launch/serve.py", "backend=nccl",
-                                f"pd.prefill_ranks={half}", f"pd.decode_ranks={half}",
-                                f"hydra.run.dir={OUT}/serve_pd_nccl_{half}x2"], {}, 300))
-    out.append((f"sync_check nccl p={p}: each serving step's waits under torch.cuda.set_sync_debug_mode",
-                torchrun + [f"--nproc_per_node={p}", "launch/sync_check.py"], {}, 300))
-    out.append(("pytest -m nccl", [py, "-m", "pytest", "-q", "-m", "nccl", "-p", "no:cacheprovider"],
-                {"TPREF_TEST_BACKEND": "nccl"}, 600))
-    out.append(("bench_tp", [py, "benchmarks/bench_tp.py", "--p", *map(str, valid), "--repeats", "3",
-                             "--out", str(OUT / "bench_tp.json")], {}, 600))
-    return out
+        out.append(launcher(f"serve pd nccl {half}+{half}", 2 * half, "serve.py", "backend=nccl",
+                            f"pd.prefill_ranks={half}", f"pd.decode_ranks={half}", run_dir=f"serve_pd_nccl_{half}x2"))
+    return out + [
+        launcher(f"sync_check nccl p={p}: each serving step's waits under torch.cuda.set_sync_debug_mode", p,
+                 "sync_check.py"),
+        ("pytest -m nccl", [py, "-m", "pytest", "-q", "-m", "nccl", "-p", "no:cacheprovider"],
+         {"TPREF_TEST_BACKEND": "nccl"}, 600),
+        ("bench_tp", [py, "benchmarks/bench_tp.py", "--p", *map(str, valid), "--repeats", "3",
+                      "--out", str(OUT / "bench_tp.json")], {}, 600),
+    ]
 
 
 def skipped(n_gpus: int) -> list[tuple[str, str]]:
@@ -123,28 +96,33 @@ def skipped(n_gpus: int) -> list[tuple[str, str]]:
     return []
 
 
-def run_step(name: str, argv: list[str], env: dict, limit: float) -> dict:
-    start = time.monotonic()
-    # A session of its own, so that a step past its limit is stopped with every rank it started
-    # (torchrun tears its workers down on SIGTERM; whatever is left gets SIGKILL).
-    proc = subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ, **env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def bounded(argv: list[str], limit: float, env: dict | None = None,
+            stderr=subprocess.STDOUT) -> tuple[int | None, str, str]:
+    """argv from the repository root in a session of its own, so that past `limit` seconds it is stopped with every
+    process it started (torchrun tears its workers down on SIGTERM; whatever is left gets SIGKILL). Returns the exit
+    code (None past the limit), stdout and stderr ("" when merged into stdout)."""
+    proc = subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ, **(env or {})), stdout=subprocess.PIPE,
+                            stderr=stderr, text=True, start_new_session=True)
     try:
-        output, _ = proc.communicate(timeout=limit)
-        rc = proc.returncode
+        out, err = proc.communicate(timeout=limit)
+        return proc.returncode, out, err or ""
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            output, _ = proc.communicate(timeout=30)
+            out, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-        rc = "timeout"
-    output = output or ""
+            out, err = proc.communicate()
+        return None, out or "", err or ""
+
+
+def run_step(name: str, argv: list[str], env: dict, limit: float) -> dict:
+    start = time.monotonic()
+    rc, output, _ = bounded(argv, limit, env)
     keep = [line for line in output.splitlines()
             if line.startswith(("PASS", "FAIL", "all ", "check", "traffic", "v2/v1", "generated", "[rank"))
             or " passed" in line or " failed" in line or "Error" in line]
-    return {"name": name, "ok": rc == 0, "rc": rc, "seconds": time.monotonic() - start,
+    return {"name": name, "ok": rc == 0, "rc": "timeout" if rc is None else rc, "seconds": time.monotonic() - start,
             "lines": keep[-12:] if rc == 0 else output.splitlines()[-25:]}
 
 
@@ -173,7 +151,8 @@ def main() -> int:
         import torch
 
         print(f"gpu-check: this machine has an NVIDIA driver but torch {torch.__version__} sees no CUDA device "
-              f"(a CPU build?); install a CUDA build of torch (make clean && make setup) and run again", file=sys.stderr)
+              f"(a CPU build?); install a CUDA build of torch (make clean && make setup) and run again",
+              file=sys.stderr)
         return 1
     results = []
     if n == 0:

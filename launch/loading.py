@@ -27,26 +27,6 @@ def _status_kib(field: str) -> int | None:
     return None
 
 
-def rss_bytes() -> int | None:
-    """This process's resident memory now."""
-    kib = _status_kib("VmRSS")
-    return None if kib is None else kib * 1024
-
-
-def reset_peak() -> bool:
-    """Start a new high-water mark at the current resident memory; False where the kernel does not allow it."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes() -> int:
-    kib = _status_kib("VmHWM")
-    return kib * 1024 if kib is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 class LoadMeter:
     """`with meter:` around a rank's loading (entered more than once: the peak is the highest, the time the sum).
     `report(ctx, module)` gathers every rank's figures into report.json's `load` section."""
@@ -57,15 +37,21 @@ class LoadMeter:
         self.time_s, self.lifetime_peak, self.read_from = 0.0, False, checkpoint.bytes_read if checkpoint else 0
 
     def __enter__(self) -> "LoadMeter":
-        rss = rss_bytes()
-        self.base = rss if self.base is None else self.base
-        self.lifetime_peak |= not reset_peak()
+        rss = _status_kib("VmRSS")  # resident memory now
+        if self.base is None and rss is not None:
+            self.base = rss * 1024
+        try:  # a new high-water mark from here; where the kernel refuses, the peak is the lifetime one
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            self.lifetime_peak = True
         self._start = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
         self.time_s += time.perf_counter() - self._start
-        self.peak = max(self.peak or 0, peak_rss_bytes())
+        hwm = _status_kib("VmHWM")
+        peak = hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        self.peak = max(self.peak or 0, peak * 1024)
 
     def mine(self, module) -> dict:
         weights = sum(p.numel() * p.element_size() for p in module.parameters())

@@ -1,9 +1,5 @@
-"""run_block for MoE models (model=mixtral_tiny): each placement of the routed FFN against the dense MoE stack.
-
-    tp      every expert split over the ranks, TP attention: 2 all-reduces [T, d] per layer
-    ep      whole experts per rank, TP attention: 2 all-reduces [T, d] per layer (the same bytes; other work)
-    ep_a2a  data-parallel attention (rank r holds requests r, r + p, ...), whole experts per rank: per layer an
-            all-to-all of the [p, E/p] counts, ★ dispatch of the (token, expert) rows, their expert ids, ★ combine
+"""run_block for MoE models (model=mixtral_tiny): each placement of the routed FFN (moe_parallel=tp, ep or ep_a2a,
+docs/moe.md) against the dense MoE stack.
 
 For each: every layer's output against the dense stack's (on the rows each rank holds), the traffic ledger against
 tp/traffic_model.predict_moe_layer computed from the dense stack's routing (every rank), the expert load per layer
@@ -19,15 +15,15 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from launch.check import dense_and_input
 from launch.report import format_table, kib
 from launch.timing import sample, slowest
 from layers.attention.varlen import Requests
-from layers.models.dense import DenseStack, Stack, init_weights, weights_checksum
-from layers.models.hf import load_stack
+from layers.models.dense import Stack
 from layers.models.moe import dense_routing, moe_block
 from layers.parallel.shard import DenseSource, load_plan
 from tp.cost_model import ep_alltoall_elems_per_gpu
-from tp.dist import TPContext, same_on_every_rank
+from tp.dist import TPContext
 from tp.ledger import TrafficLedger
 from tp.traffic_model import predict_moe_layer
 
@@ -43,14 +39,7 @@ def run_moe_check(cfg, *, lengths: list[int], dtype: torch.dtype, seed: int, pla
                   repeats: int, ctx: TPContext, weights=None) -> dict:
     p, rank = ctx.world_size, ctx.rank
     requests = Requests.from_lengths(lengths)
-    dense = init_weights(DenseStack(cfg, dtype, ctx.device), seed)
-    if weights is not None:  # a Mixtral checkpoint (layers/models/hf_mixtral.py), one whole tensor at a time
-        load_stack(dense, weights)
-    gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(sum(lengths), cfg.d_model, generator=gen, dtype=torch.float64).to(ctx.device, dtype)
-    if not same_on_every_rank(torch.cat([weights_checksum(dense), x.to("cpu", torch.float64).sum()[None]])
-                              .to(ctx.device), ctx.group):
-        raise RuntimeError("ranks hold different dense weights or inputs: every rank must build the same model")
+    dense, x = dense_and_input(cfg, sum(lengths), dtype, seed, ctx, weights)  # weights: a Mixtral checkpoint's
     with torch.no_grad():
         want = dense(x, requests.cu_seqlens)
     ids, gap = dense_routing(dense, x, requests)
@@ -98,11 +87,8 @@ def run_moe_check(cfg, *, lengths: list[int], dtype: torch.dtype, seed: int, pla
 
 def _by_rank(held: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each rank's rows of the ranks' routings concatenated in rank order."""
-    out, at = [], 0
-    for h in held:
-        out.append(torch.arange(at, at + len(h), device=h.device))
-        at += len(h)
-    return out
+    sizes = [len(h) for h in held]
+    return list(torch.arange(sum(sizes), device=held[0].device).split(sizes))
 
 
 def expert_load(cfg, placement: str, ids: list[torch.Tensor], p: int) -> list[dict]:
@@ -181,8 +167,8 @@ def render_moe(r: dict) -> str:
         measured = a2a["a2a_sent_plus_received_per_rank_per_layer"]
         lines += ["", f"ep_a2a all-to-all rows (dispatch + combine, sent + received) per rank per layer: measured "
                       f"{', '.join(kib(b) for b in measured)} KiB (mean {kib(statistics.mean(measured))}); the seed's "
-                      f"uniform-routing estimate 4·N·k·d/EP·(EP−1)/EP·e = {kib(a2a['seed_estimate_per_rank_per_layer'])}"
-                      f" KiB",
+                      f"uniform-routing estimate 4·N·k·d/EP·(EP−1)/EP·e = "
+                      f"{kib(a2a['seed_estimate_per_rank_per_layer'])} KiB",
                   "pairs per rank, per layer: " + "; ".join(
                       f"layer {i}: {layer['pairs_per_rank']} (max/mean {layer['max_over_mean']:.2f})"
                       for i, layer in enumerate(a2a["load"])),
@@ -193,17 +179,3 @@ def render_moe(r: dict) -> str:
     lines += ["", ("PASS" if verdict else "FAIL") + f": moe_parallel {', '.join(r['placements'])} at "
               f"tp={r['world_size']} match the dense MoE block and the traffic model"]
     return "\n".join(lines)
-
-
-def build_moe_report(s, ctx, results: dict) -> dict:
-    placements = results["placements"]
-    return {"world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device),
-            "config": {"model_name": s.model_name, "family": s.model.family, "model": s.model.asdict(),
-                       "requests": s.lengths, "dtype": str(s.dtype).removeprefix("torch."),
-                       "dtype_from": s.dtype_from, "seed": s.seed,
-                       "moe_parallel": list(placements), "tolerance": s.tolerance, "repeats": s.repeats},
-            "notes": list(getattr(s, "notes", ())), "min_top_k_gap": results["min_top_k_gap"],
-            "placements": placements,
-            "equivalent": all(v["equivalent"] for v in placements.values()),
-            "traffic_ok": all(v["ledger_matches_model"] for v in placements.values())}
-

@@ -11,13 +11,14 @@ is one micro-batch (its requests flattened, each attending within itself).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from launch.check import dense_and_input
-from launch.report import _counts, format_table, kib
+from launch.report import counts_text, format_table, kib
 from layers.attention.varlen import Requests
 from layers.models.pipeline import PPLayout, new_pp_groups, shard_stage
 from tp.dist import TPContext
@@ -73,8 +74,8 @@ def run_pp_check(cfg, *, lengths: list[int], dtype: torch.dtype, seed: int, vari
             messages += [replace(msg, request=m) for msg in t]
         mine = {"rank": rank, "stage": stage.index, "layers": list(stage.layers),
                 "errors": {i: (a, a / s if s else a) for i, (a, s) in errs.items()},
-                "collectives": _kinds(ledger.records), "tp_bytes_per_rank": sum(r.bytes_per_rank
-                                                                                for r in ledger.records),
+                "collectives": dict(Counter(r.kind for r in ledger.records)),
+                "tp_bytes_per_rank": sum(r.bytes_per_rank for r in ledger.records),
                 "sent": sum(t.bytes for t in ledger.transfers if t.kind == "send"),
                 "received": sum(t.bytes for t in ledger.transfers if t.kind == "recv"),
                 "ledger_matches_model": [r.traffic() for r in ledger.records] == collectives
@@ -85,13 +86,6 @@ def run_pp_check(cfg, *, lengths: list[int], dtype: torch.dtype, seed: int, vari
         results[v] = summarize(everyone, layout, tolerance)
     return {"pp": pp, "tp": layout.tp, "microbatches": microbatches, "microbatch_requests": groups,
             "boundary": boundary, "variants": results}
-
-
-def _kinds(records) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for r in records:
-        out[r.kind] = out.get(r.kind, 0) + 1
-    return out
 
 
 def summarize(ranks: list[dict], layout: PPLayout, tolerance: float) -> dict:
@@ -136,14 +130,14 @@ def render_pp(report: dict) -> str:
             worst = max(layer["max_rel_err"] for layer in st["layers"])
             ok = all(layer["equivalent"] for layer in st["layers"])
             rows.append([st["stage"], f"{st['ranks'][0]}-{st['ranks'][-1]}",
-                         f"{st['layers'][0]['layer']}-{st['layers'][-1]['layer']}", _counts(st["collectives"]),
+                         f"{st['layers'][0]['layer']}-{st['layers'][-1]['layer']}", counts_text(st["collectives"]),
                          kib(st["tp_bytes_per_rank"]), kib(st["sent_per_rank"]), kib(st["received_per_rank"]),
                          f"{st['bubble']:.3f}", f"{worst:.3e}", "PASS" if ok else "FAIL"])
         out.append(format_table(["stage", "ranks", "layers", "collectives (TP group)", "sent/rank KiB",
                                  "boundary sent/rank KiB", "received KiB", "bubble", "max_rel_err", "check"], rows))
     mb = report["microbatches"]
-    out.append(f"GPipe forward bubble (pp - 1)/(m + pp - 1) = {(pp - 1) / (mb + pp - 1):.3f} at m = {mb} (equal stages, "
-               "free messages; ranks sharing CPU cores run slower when stages overlap)")
+    out.append(f"GPipe forward bubble (pp - 1)/(m + pp - 1) = {(pp - 1) / (mb + pp - 1):.3f} at m = {mb} (equal "
+               "stages, free messages; ranks sharing CPU cores run slower when stages overlap)")
     ok = report["equivalent"] and report["traffic_ok"]
     names = ", ".join(report["variants"])
     out.append(f"{'PASS' if ok else 'FAIL'}: {names} at pp={pp} x tp={report['tp']} "

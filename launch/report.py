@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from fractions import Fraction
+from itertools import accumulate
 
-from launch.shards import linears
+from launch.check import kind_counts, linears
 from layers.models import families
 
 DESCRIPTION = {
@@ -36,7 +37,7 @@ def _heads(row: dict) -> str:
     return _span(*row["heads"])
 
 
-def _counts(collectives: dict) -> str:
+def counts_text(collectives: dict) -> str:
     return ", ".join(f"{n} {k}" for k, n in sorted(collectives.items())) or "none"
 
 
@@ -72,15 +73,13 @@ def render_variant(v: str, res: dict, tolerance: float, family: str = "gpt2") ->
                f"error vs single-device block, tolerance {tolerance:g} on max|tp-dense|/max|dense|")
     rows = []
     for layer in res["layers"]:
-        kinds = {}
-        for c in layer["collectives"]:
-            kinds[c["kind"]] = kinds.get(c["kind"], 0) + c["count"]
+        kinds = kind_counts(layer["collectives"])
         bw = layer["bytes_per_rank"] / layer["time_s"] / 1e6 if layer["time_s"] else 0.0
-        rows.append([layer["layer"], _counts(kinds), kib(layer["logical_bytes"]), kib(layer["bytes_per_rank"]),
+        rows.append([layer["layer"], counts_text(kinds), kib(layer["logical_bytes"]), kib(layer["bytes_per_rank"]),
                      f"{layer['time_s'] * 1e3:.3f}", f"{bw:.1f}", f"{layer['max_abs_err']:.3e}",
                      f"{layer['max_rel_err']:.3e}", "PASS" if layer["equivalent"] else "FAIL"])
     t = res["totals"]
-    rows.append(["all", _counts(t["collectives"]), kib(t["logical_bytes"]), kib(t["bytes_per_rank"]),
+    rows.append(["all", counts_text(t["collectives"]), kib(t["logical_bytes"]), kib(t["bytes_per_rank"]),
                  f"{t['time_s'] * 1e3:.3f}", f"{t['bytes_per_rank'] / t['time_s'] / 1e6 if t['time_s'] else 0:.1f}",
                  f"{res['max_abs_err']:.3e}", f"{res['max_rel_err']:.3e}", "PASS" if res["equivalent"] else "FAIL"])
     out.append(format_table(["layer", "collectives", "logical KiB", "sent/rank KiB", "time ms", "MB/s",
@@ -112,16 +111,17 @@ def render_variant(v: str, res: dict, tolerance: float, family: str = "gpt2") ->
                    + ", ".join(f"{c['sublayer']}/{c['site']} {c['kind']} {'x'.join(map(str, c['shape']))} "
                                f"{kib(c['bytes_per_rank'])} KiB sent/rank" for c in outside))
     b = res["backward"]
-    out.append(f"backward: {_counts(b['collectives'])}, {kib(b['bytes_per_rank'])} KiB sent/rank; "
+    out.append(f"backward: {counts_text(b['collectives'])}, {kib(b['bytes_per_rank'])} KiB sent/rank; "
                f"ledger matches model (forward and backward): {'true' if res['ledger_matches_model'] else 'FALSE'}")
     if "profile" in res:
         pr = res["profile"]
-        out.append(f"profiler trace: {pr['trace']} (one per rank); {pr['collectives_in_trace']} collectives "
-                   f"parsed back, per layer in order, kind and size equal to the ledger: {'yes' if pr['trace_matches_ledger'] else 'NO'}")
+        out.append(f"profiler trace: {pr['trace']} (one per rank); {pr['collectives_in_trace']} collectives parsed "
+                   f"back, per layer in order, kind and size equal to the ledger: "
+                   f"{'yes' if pr['trace_matches_ledger'] else 'NO'}")
     return out
 
 
-def render(report: dict) -> str:
+def render_tp(report: dict) -> str:
     c, m = report["config"], report["config"]["model"]
     p = report["world_size"]
     family = c.get("family", "gpt2")
@@ -140,9 +140,7 @@ def render(report: dict) -> str:
     if len(lengths) == 1:
         out.append(f"input: one sequence of n_tokens={lengths[0]}")
     else:
-        cu = [0]
-        for n in lengths:
-            cu.append(cu[-1] + n)
+        cu = list(accumulate(lengths, initial=0))
         shown = (lambda xs: str(xs) if len(xs) <= 12 else f"[{', '.join(map(str, xs[:10]))}, ...] ({len(xs)})")
         w = report["attention_work"]
         out.append(f"input: {len(lengths)} requests {shown(lengths)} flattened to [{cu[-1]} x {m['d_model']}], "
@@ -171,14 +169,13 @@ def render(report: dict) -> str:
                    f"{_ratio(sum(a['collectives'].values()), sum(b['collectives'].values()))}, bytes sent/rank "
                    f"{_ratio(a['bytes_per_rank'], b['bytes_per_rank'])} (n padded to a multiple of p: 1 when p | n), "
                    f"forward time {_ratio(variants['v2sp']['forward_time_s'], variants['v2']['forward_time_s'])}")
-    if "v2sp" in variants and "v2" in variants:
-        a, b = (max(max(r) for r in variants[v]["activation_memory"]["bytes_per_layer_by_rank"]) for v in ("v2sp", "v2"))
+        a, b = (max(map(max, variants[v]["activation_memory"]["bytes_per_layer_by_rank"])) for v in ("v2sp", "v2"))
         out.append(f"v2sp/v2 activation memory per layer and rank: {_ratio(a, b)}")
     if "intra_head" in variants and "v2" in variants:
         a, b = variants["intra_head"]["totals"], variants["v2"]["totals"]
         out.append(f"intra_head/v2 per forward: bytes sent/rank {_ratio(a['bytes_per_rank'], b['bytes_per_rank'])} "
                    f"(its scores all-reduce [h, sum L^2] grows with the square of request length)")
-    per_layer = "; ".join(f"{v}: {_counts(res['layers'][0]['collective_counts'])} per layer"
+    per_layer = "; ".join(f"{v}: {counts_text(res['layers'][0]['collective_counts'])} per layer"
                           for v, res in variants.items())
     failed = [v for v, res in variants.items() if not res["equivalent"]]
     out.append(("PASS" if report["equivalent"] else "FAIL") + f": {', '.join(variants)} at tp={p} "

@@ -32,9 +32,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from launch.check import run_check
 from launch.cp_check import render_cp, run_cp_check
-from launch.moe_check import build_moe_report, render_moe, run_moe_check
+from launch.moe_check import render_moe, run_moe_check
 from launch.pp_check import render_pp, run_pp_check
-from launch.report import render
+from launch.report import render_tp
 from launch.settings import (LaunchSettings, boolean, common_settings, fitted_lengths, integer, launch, overridden,
                              positive_float, publish, refuse_bad_arguments)
 from layers.attention.varlen import score_entries
@@ -239,89 +239,61 @@ def run(cfg: DictConfig) -> int:
     return launch(cfg, parse_settings, check_and_report)
 
 
-def check_and_report(settings: Settings, out_dir: Path, ctx) -> int:
-    if settings.cp > 1:
-        s = settings
+def check_and_report(s: Settings, out_dir: Path, ctx) -> int:
+    """The check the settings ask for (cp > 1, pp > 1, MoE placements, or the TP variants); rank 0 prints it and
+    writes report.json. Exit code 1 when any check fails."""
+    if s.cp > 1:
         res = run_cp_check(s.model, n=s.lengths[0], new_tokens=s.cp_decode, dtype=s.dtype, seed=s.seed,
                            tolerance=s.tolerance, cp=s.cp, ctx=ctx, weights=s.weights)
-        report = {"world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device), "cp_check": res,
-                  "config": {"model_name": s.model_name, "family": s.model.family, "model": s.model.asdict(),
-                             "n_tokens": s.lengths[0], "hf_checkpoint": s.hf_checkpoint,
-                             "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed, "tolerance": s.tolerance,
-                             "cp": s.cp, "cp_decode": s.cp_decode},
-                  "equivalent": res["equivalent"], "traffic_ok": res["ledger_matches_model"]}
-        publish(report, render_cp, out_dir / s.report, ctx)
-        return 0 if report["equivalent"] and report["traffic_ok"] else 1
-    if settings.pp > 1:
-        s = settings
+        report = block_report(s, ctx, {"n_tokens": s.lengths[0], "cp": s.cp, "cp_decode": s.cp_decode},
+                              {"cp_check": res}, [res["equivalent"]], [res["ledger_matches_model"]])
+        render_report = render_cp
+    elif s.pp > 1:
         res = run_pp_check(s.model, lengths=s.lengths, dtype=s.dtype, seed=s.seed, variants=s.variants,
                            tolerance=s.tolerance, pp=s.pp, microbatches=s.microbatches, boundary=s.pp_boundary,
                            ctx=ctx, weights=s.weights)
-        report = build_pp_report(s, ctx, res)
-        publish(report, render_pp, out_dir / s.report, ctx)
-        return 0 if report["equivalent"] and report["traffic_ok"] else 1
-    if settings.moe_parallel:
-        results = run_moe_check(settings.model, lengths=settings.lengths, dtype=settings.dtype, seed=settings.seed,
-                                placements=list(settings.moe_parallel), tolerance=settings.tolerance,
-                                repeats=settings.repeats, ctx=ctx, weights=settings.weights)
-        report = build_moe_report(settings, ctx, results)
-        publish(report, render_moe, out_dir / settings.report, ctx)
-        return 0 if report["equivalent"] and report["traffic_ok"] else 1
-    variants = run_check(settings.model, lengths=settings.lengths, dtype=settings.dtype, seed=settings.seed,
-                         variants=settings.variants, tolerance=settings.tolerance, repeats=settings.repeats,
-                         weights=settings.weights,
-                         profile_dir=out_dir / "traces" if settings.profile else None, ctx=ctx)
-    report = build_report(settings, ctx, variants)
-    publish(report, render, out_dir / settings.report, ctx)
+        checked = res["variants"].values()
+        report = block_report(s, ctx, {"requests": s.lengths, "variants": s.variants, "pp": s.pp,
+                                       "microbatches": s.microbatches, "pp_boundary": s.pp_boundary}, res,
+                              [v["equivalent"] for v in checked], [v["ledger_matches_model"] for v in checked])
+        render_report = render_pp
+    elif s.moe_parallel:
+        res = run_moe_check(s.model, lengths=s.lengths, dtype=s.dtype, seed=s.seed, placements=list(s.moe_parallel),
+                            tolerance=s.tolerance, repeats=s.repeats, ctx=ctx, weights=s.weights)
+        checked = res["placements"].values()
+        report = block_report(s, ctx, {"requests": s.lengths, "moe_parallel": list(s.moe_parallel),
+                                       "repeats": s.repeats}, res,
+                              [v["equivalent"] for v in checked], [v["ledger_matches_model"] for v in checked])
+        render_report = render_moe
+    else:
+        variants = run_check(s.model, lengths=s.lengths, dtype=s.dtype, seed=s.seed, variants=s.variants,
+                             tolerance=s.tolerance, repeats=s.repeats, weights=s.weights,
+                             profile_dir=out_dir / "traces" if s.profile else None, ctx=ctx)
+        checked = variants.values()
+        report = block_report(s, ctx, {"n_tokens": sum(s.lengths), "requests": s.lengths, "variants": s.variants,
+                                       "repeats": s.repeats, "profile": s.profile},
+                              {"attention_work": {layout: score_entries(s.lengths, layout)
+                                                  for layout in ("varlen", "flat_masked", "padded")},
+                               "variants": variants},
+                              [v["equivalent"] and all(r["equivalent"] for r in v["requests"]) for v in checked],
+                              [v["ledger_matches_model"] and v["counts_agree"]
+                               and v.get("profile", {}).get("trace_matches_ledger", True)
+                               and v["activation_memory"].get("matches_formula", True) for v in checked])
+        render_report = render_tp
+    publish(report, render_report, out_dir / s.report, ctx)
     return 0 if report["equivalent"] and report["traffic_ok"] else 1
 
 
-def build_report(s: Settings, ctx, variants: dict) -> dict:
-    for res in variants.values():
-        layers = res["layers"]
-        kinds: dict[str, int] = {}
-        for layer in layers:
-            for c in layer["collectives"]:
-                kinds[c["kind"]] = kinds.get(c["kind"], 0) + c["count"]
-        res["totals"] = {"collectives": kinds,  # inside the blocks; v2sp's output gather: res["outside_blocks"]
-                         "logical_bytes": sum(layer["logical_bytes"] for layer in layers),
-                         "bytes_per_rank": sum(layer["bytes_per_rank"] for layer in layers),
-                         "time_s": sum(layer["time_s"] for layer in layers)}
-        # Two independent counters: the ledger's records and CommDebugMode's.
-        res["counts_agree"] = all(
-            layer["collective_counts"] == {k: sum(c["count"] for c in layer["collectives"] if c["kind"] == k)
-                                           for k in {c["kind"] for c in layer["collectives"]}}
-            for layer in layers)
-    traffic_ok = all(res["ledger_matches_model"] and res["counts_agree"]
-                     and res.get("profile", {}).get("trace_matches_ledger", True)
-                     and res["activation_memory"].get("matches_formula", True) for res in variants.values())
-    return {
-        "world_size": ctx.world_size,
-        "backend": ctx.backend,
-        "device": str(ctx.device),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "config": {"model_name": s.model_name, "family": s.model.family, "model": s.model.asdict(),
-                   "n_tokens": sum(s.lengths),
-                   "requests": s.lengths, "hf_checkpoint": s.hf_checkpoint,
-                   "dtype": str(s.dtype).removeprefix("torch."), "dtype_from": s.dtype_from, "seed": s.seed,
-                   "variants": s.variants,
-                   "tolerance": s.tolerance, "repeats": s.repeats, "profile": s.profile},
-        "attention_work": {layout: score_entries(s.lengths, layout) for layout in ("varlen", "flat_masked", "padded")},
-        "variants": variants,
-        "equivalent": all(v["equivalent"] and all(r["equivalent"] for r in v["requests"]) for v in variants.values()),
-        "traffic_ok": traffic_ok,
-    }
-
-
-def build_pp_report(s: Settings, ctx, res: dict) -> dict:
-    return {"world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device), **res,
+def block_report(s: Settings, ctx, config: dict, results: dict, equivalent: list[bool],
+                 traffic_ok: list[bool]) -> dict:
+    """report.json: the group, the settings (every check's and this check's own), the results and the two
+    verdicts: every part equivalent to the single-device block, every traffic check agreeing."""
+    return {"world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
             "config": {"model_name": s.model_name, "family": s.model.family, "model": s.model.asdict(),
-                       "requests": s.lengths, "hf_checkpoint": s.hf_checkpoint,
-                       "dtype": str(s.dtype).removeprefix("torch."), "seed": s.seed, "variants": s.variants,
-                       "tolerance": s.tolerance, "pp": s.pp, "microbatches": s.microbatches,
-                       "pp_boundary": s.pp_boundary},
-            "equivalent": all(v["equivalent"] for v in res["variants"].values()),
-            "traffic_ok": all(v["ledger_matches_model"] for v in res["variants"].values())}
+                       "hf_checkpoint": s.hf_checkpoint, "dtype": str(s.dtype).removeprefix("torch."),
+                       "dtype_from": s.dtype_from, "seed": s.seed, "tolerance": s.tolerance, **config},
+            "notes": list(s.notes), **results, "equivalent": all(equivalent), "traffic_ok": all(traffic_ok)}
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from launch.loading import render_load
-from launch.report import format_table, kib
+from launch.report import counts_text, format_table, kib
 from layers.attention.backends import choose
 from layers.models.families import of
 from layers.models.pipeline import stage_layers
@@ -50,6 +50,12 @@ def _moe(c: dict) -> str:
         return f"; moe_parallel={c['moe_parallel']}"
     return (f"; {m['n_experts']} experts of ffn={m['d_ffn']}, top_k={m['top_k']}, moe_parallel={c['moe_parallel']}"
             if "n_experts" in m else "")
+
+
+def _budget(c: dict) -> str:
+    """The requests and the batch's token budget."""
+    return (f"{c['requests']} requests; long_prefill_token_threshold={c['chunk_size']} "
+            f"max_num_batched_tokens={c['max_batched_tokens']}")
 
 
 def _sampling(sp: dict | None) -> str:
@@ -100,6 +106,14 @@ def render_stages(pp: dict) -> list[str]:
             f"{pp['stages'][0]['steps']} steps had stage 0 busy)" if pp["bubble"] is not None else "bubble: no steps"]
 
 
+def render_check(chk: dict, how: str = "") -> str:
+    """The line of the check against the dense oracle: off, or how many tokens matched."""
+    if chk["ok"] is None:
+        return "check: off (check=true to compare with the dense oracle)"
+    v = chk["verdicts"]
+    return f"check vs dense oracle{how}: {v['match']} match, {v['near-tie']} near-tie, {v['MISMATCH']} mismatch"
+
+
 def render(r: dict) -> str:
     c, m, t, kv = r["config"], r["config"]["model"], r["totals"], r["kv_cache"]
     lines = [
@@ -113,8 +127,7 @@ def render(r: dict) -> str:
         f"L={m['n_layers']} vocab={m['vocab_size']}; variant {c['variant']}, "
         f"{'vocab-parallel' if c['vocab_parallel'] else 'replicated'} embedding and LM head; dtype={c['dtype']}"
         + _from(c) + _moe(c) + _eos(c),
-        f"{c['requests']} requests; long_prefill_token_threshold={c['chunk_size']} max_num_batched_tokens={c['max_batched_tokens']} "
-        f"max_num_seqs={c['max_running'] if c['max_running'] is not None else c['max_batched_tokens']}; "
+        f"{_budget(c)} max_num_seqs={c['max_running'] if c['max_running'] is not None else c['max_batched_tokens']}; "
         f"KV pool of {kv['blocks']} blocks of block_size={kv['block_size']} per rank, enable_prefix_caching="
         f"{str(c['prefix_cache']).lower()}, attention={c['attention']}"
         + (f" ({c['attention_setting']})" if c.get("attention_setting", c["attention"]) != c["attention"] else "")
@@ -131,15 +144,15 @@ def render(r: dict) -> str:
     for it in r["iterations"]:
         rows.append([it["iteration"], it["rows"], it["prefill_chunks"], it["decodes"], _ids(it["finished"]),
                      _ids(it["admitted"]), _ids(it["preempted"]), it["blocks_used"], it["prefix_hit_tokens"],
-                     ", ".join(f"{n} {k}" for k, n in sorted(it["collectives"].items())) or "none",
+                     counts_text(it["collectives"]),
                      kib(it["bytes_per_rank"]), _ms(it["time_s"]), "yes" if it["ledger_matches_model"] else "NO"])
     if len(rows) > SHOW_FIRST + SHOW_LAST:
         rows = rows[:SHOW_FIRST] + [["..."] + [""] * 12] + rows[-SHOW_LAST:]
     lines.append(format_table(["iter", "rows", "prefill chunks", "decodes", "finished", "admitted", "preempted",
                                "blocks used", "prefix hits", "collectives",
                                "sent/rank KiB", "time ms", "model"], rows))
-    lines += ["", "per request (times from arrival; match: tokens vs the dense oracle; every generated id: report.json's "
-                  "requests[i].output_ids):"]
+    lines += ["", "per request (times from arrival; match: tokens vs the dense oracle; every generated id: "
+                  "report.json's requests[i].output_ids):"]
     rows = [[q["request"], q["arrival"], q["prompt_length"], q.get("prefix_hit_tokens", 0), q["generated"],
              first_ids(q["output_ids"]), q.get("preemptions", 0), _ms(q["ttft_s"]), _ms(q["mean_tbt_s"]),
              q.get("match", "not checked")] for q in r["requests"]]
@@ -149,15 +162,18 @@ def render(r: dict) -> str:
     lines += [
         "",
         f"generated {t['generated_tokens']} tokens in {t['iterations']} "
-        + (f"micro-batches ({r['pp']['stages'][0]['steps']} steps)" if r.get("pp") else "iterations") + f", {t['time_s']:.2f} s "
+        + (f"micro-batches ({r['pp']['stages'][0]['steps']} steps)" if r.get("pp") else "iterations")
+        + f", {t['time_s']:.2f} s "
         f"({t['tokens_per_s']:.1f} tokens/s); {t['mixed_iterations']} iterations mixed prompt chunks and decodes",
-        f"paged KV: {kv['blocks']} blocks x {kv['block_size']} positions per rank ({kib(kv['pool_bytes_per_rank'])} KiB "
-        f"reserved), at most {kv['peak_blocks_used']} in use; {kv['prefix_hit_tokens']} prompt tokens from the prefix "
-        f"cache; {t['rows_computed']} rows computed; {t['preemptions']} preemptions",
+        f"paged KV: {kv['blocks']} blocks x {kv['block_size']} positions per rank "
+        f"({kib(kv['pool_bytes_per_rank'])} KiB reserved), at most {kv['peak_blocks_used']} in use; "
+        f"{kv['prefix_hit_tokens']} prompt tokens from the prefix cache; {t['rows_computed']} rows computed; "
+        f"{t['preemptions']} preemptions",
         f"KV cache per rank ({'the model dtype' if kv.get('cache_dtype', 'auto') == 'auto' else kv['cache_dtype']}): "
         f"{kv['bytes_per_token_per_rank']} bytes per token (unsharded {kv['bytes_per_token_dense']}, "
         f"ratio {kv['ratio_to_dense']:.4f} = 1/{round(1 / kv['ratio_to_dense'])}"
-        + (f"; formula {kv.get('formula', '2·L·max(h_kv/p, 1)·d_head·e')} = {kv['formula_bytes_per_token_per_rank']}"
+        + (f"; formula {kv.get('formula', '2·L·max(h_kv/p, 1)·d_head·e')} = "
+           f"{kv['formula_bytes_per_token_per_rank']}"
            + (" with L the stage's layers" if r.get("pp") else "")
            if "formula_bytes_per_token_per_rank" in kv else "")
         + (f"; each K,V head on {r.get('tp', r['world_size']) * kv['kv_heads_per_rank'] // kv['n_kv_heads']} ranks"
@@ -173,16 +189,10 @@ def render(r: dict) -> str:
     if r.get("pp"):
         lines += render_stages(r["pp"])
     chk = r["check"]
-    if chk["ok"] is None:
-        lines.append("check: off (check=true to compare with the dense oracle)")
-    else:
-        v = chk["verdicts"]
-        quantized = kv.get("cache_dtype", "auto") != "auto"
-        lines.append(f"check vs dense oracle (whole-prefix recompute, no cache"
-                     + (f"; K,V round-tripped through {kv['cache_dtype']} with the engine's scales" if quantized else "")
-                     + f"): {v['match']} match, "
-                     f"{v['near-tie']} near-tie, {v['MISMATCH']} mismatch; max logit rel err "
-                     f"{chk['max_logit_rel_err']:.2e}")
+    quantized = kv.get("cache_dtype", "auto") != "auto"
+    round_trip = f"; K,V round-tripped through {kv['cache_dtype']} with the engine's scales" if quantized else ""
+    line = render_check(chk, f" (whole-prefix recompute, no cache{round_trip})")
+    lines.append(line if chk["ok"] is None else f"{line}; max logit rel err {chk['max_logit_rel_err']:.2e}")
     kv_ok = kv.get("matches_formula", True)
     ok = r["ledger_matches_model"] and kv_ok and chk["ok"] in (True, None)
     lines.append(f"{'PASS' if ok else 'FAIL'}: served {c['requests']} requests at tp={r.get('tp', r['world_size'])}"
@@ -205,7 +215,7 @@ def render_pd(r: dict) -> str:
         f"model {c['model_name']}: d={m['d_model']} h={m['n_heads']} {_kv(m)}d_head={m['d_head']} L={m['n_layers']} "
         f"vocab={m['vocab_size']}; variant {c['variant']}; dtype={c['dtype']}{_from(c)}; K,V "
         f"{'streamed layer by layer' if pd['streaming'] else 'sent after prefill'}",
-        f"{c['requests']} requests; long_prefill_token_threshold={c['chunk_size']} max_num_batched_tokens={c['max_batched_tokens']}; "
+        f"{_budget(c)}; "
         f"{r['prefill_iterations']} prefill iterations, {r['decode_iterations']} decode iterations",
         *([render_load(r["load"])] if r.get("load") else []),
         "",
@@ -229,23 +239,19 @@ def render_pd(r: dict) -> str:
     lines.append(format_table(["prefill rank", "decode rank", "K,V heads" if "n_kv_heads" in r["config"]["model"]
                                else "heads", "messages", "KiB"], rows))
     per_decode = ", ".join(f"rank {k}: {kib(v)} KiB" for k, v in t["received_per_decode_rank"].items())
-    m, pd = r["config"]["model"], r["pd"]
-    h_kv = m.get("n_kv_heads", m["n_heads"])
     stages = pd.get("prefill_pp", 1)
-    replicated = max(pd["prefill_ranks"] // stages, pd["decode_ranks"]) > h_kv
+    replicated = max(pd["prefill_ranks"] // stages, pd["decode_ranks"]) > m.get("n_kv_heads", m["n_heads"])
     per_rank = t.get("kv_bytes_per_token_per_decode_rank", t["kv_bytes_per_token"] // pd["decode_ranks"])
+    pairs = ("(a + b - gcd(a, b)) * p_D / b, a = min(p_P, h_kv), b = min(p_D, h_kv)" if replicated
+             else "p_P + p_D - gcd(p_P, p_D)")
+    per_stage = f" (p_P = {pd['prefill_ranks'] // stages} ranks per stage)" if stages > 1 else ""
+    pairs = (f"{stages} stages x ({pairs})" if stages > 1 else pairs) + f" = {t['pair_count_formula']}{per_stage}"
+    total = (f"L_p * p_D * 2*L*max(h_kv/p_D, 1)*d_head*e = {t['handed_over_tokens']} tokens x {pd['decode_ranks']} x "
+             f"{per_rank} B" if replicated else f"L_p * K_tok = {t['handed_over_tokens']} tokens x "
+             f"{t['kv_bytes_per_token']} B")
     lines += [
-        (f"pairs: {t['pair_count']} = " + (f"{stages} stages x " if stages > 1 else "")
-         + ("(a + b - gcd(a, b)) * p_D / b, a = min(p_P, h_kv), b = min(p_D, h_kv) = " if replicated and stages == 1
-            else "((a + b - gcd(a, b)) * p_D / b, a = min(p_P, h_kv), b = min(p_D, h_kv)) = " if replicated
-            else "(p_P + p_D - gcd(p_P, p_D)) = " if stages > 1 else "p_P + p_D - gcd(p_P, p_D) = ")
-         + (f"{t['pair_count_formula']}" + (f" (p_P = {pd['prefill_ranks'] // stages} ranks per stage)"
-                                            if stages > 1 else "") + "; "))
-        + (f"total {kib(t['total_bytes'])} KiB = L_p * p_D * 2*L*max(h_kv/p_D, 1)*d_head*e = {t['handed_over_tokens']} "
-           f"tokens x {pd['decode_ranks']} x {per_rank} B " if replicated else
-           f"total {kib(t['total_bytes'])} KiB = L_p * K_tok = {t['handed_over_tokens']} tokens x "
-           f"{t['kv_bytes_per_token']} B ")
-        + f"= {kib(t['total_formula'])} KiB ({'equal' if t['total_bytes'] == t['total_formula'] else 'DIFFERENT'}); "
+        f"pairs: {t['pair_count']} = {pairs}; total {kib(t['total_bytes'])} KiB = {total} = "
+        f"{kib(t['total_formula'])} KiB ({'equal' if t['total_bytes'] == t['total_formula'] else 'DIFFERENT'}); "
         f"received per decode rank: {per_decode}",
         f"the decode group agreed on which requests to take in at {t['agreements']} iteration boundaries: as many "
         f"all-reduces of one int64 count, {t['agreement_bytes_per_rank']:.0f} bytes per decode rank in all",
@@ -255,11 +261,7 @@ def render_pd(r: dict) -> str:
                   f"{ll['prompt_tokens']}-token prompt = {ll['bytes'] / 1e9:.2f} GB; at the seeds' bandwidths: "
               + ", ".join(f"{name} {ms:.1f} ms" for name, ms in ll["ms"].items())]
     chk = r["check"]
-    if chk["ok"] is None:
-        lines.append("check: off (check=true to compare with the dense oracle)")
-    else:
-        v = chk["verdicts"]
-        lines.append(f"check vs dense oracle: {v['match']} match, {v['near-tie']} near-tie, {v['MISMATCH']} mismatch")
+    lines.append(render_check(chk))
     ok = r["ledger_matches_model"] and r["same_as_colocated"] and chk["ok"] in (True, None)
     lines.append(f"{'PASS' if ok else 'FAIL'}: P/D served {c['requests']} requests"
                  + (", tokens equal to the colocated engine" if r["same_as_colocated"]
@@ -277,9 +279,6 @@ def build_pd_report(s, ctx, result, colocated: list[list[int]], checks: list[dic
     requests = result.requests
     for req, ids in zip(requests, colocated):
         req["same_as_colocated"] = req["output_ids"] == ids
-    if checks is not None:
-        for req, chk in zip(requests, checks):
-            req["match"] = chk["verdict"]
     sends = [t for t in result.transfers if t["kind"] == "send" and t["site"] == "pd/kv"]
     recvs = [t for t in result.transfers if t["kind"] == "recv" and t["site"] == "pd/kv"]
     pairs: dict[tuple[int, int], dict] = {}
@@ -296,16 +295,11 @@ def build_pd_report(s, ctx, result, colocated: list[list[int]], checks: list[dic
         "world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device),
         "pd": {"prefill_ranks": layout.prefill_ranks, "decode_ranks": layout.decode_ranks,
                "prefill_pp": layout.prefill_pp, "streaming": s.streaming},
-        "config": {"model_name": s.model_name, "model": m.asdict(), "requests": len(s.requests),
-                   "chunk_size": s.engine.long_prefill_token_threshold, "max_batched_tokens": s.engine.max_num_batched_tokens, "variant": s.variant,
-                   "vocab_parallel": s.vocab_parallel, "dtype": str(s.dtype).removeprefix("torch."),
-                   "dtype_from": s.dtype_from, "seed": s.seed,
-                   "block_size": s.engine.block_size, "prefix_cache": s.engine.enable_prefix_caching,
-                   "attention": choose(s.engine.attention, ctx.device), "attention_setting": s.engine.attention,
-                   "shared_prefix": s.shared_prefix},
+        "config": serve_config(s, ctx),
         "notes": list(s.notes),
         "kv_cache": {"block_size": s.engine.block_size, "decode_block_size": s.decode_block_size or s.engine.block_size,
-                     "kv_blocks": s.engine.num_gpu_blocks_override,  # each side's pool; null: enough for its workload at its largest
+                     # each side's pool; null: enough for its workload at its largest
+                     "kv_blocks": s.engine.num_gpu_blocks_override,
                      "prefix_hit_tokens": sum(it["prefix_hit_tokens"] for it in result.prefill_iterations),
                      "peak_blocks_used": {side: max((it["blocks_used"] for it in its), default=0) for side, its in
                                           (("prefill", result.prefill_iterations),
@@ -330,10 +324,29 @@ def build_pd_report(s, ctx, result, colocated: list[list[int]], checks: list[dic
         "time_s": result.time_s,
         "ledger_matches_model": result.ledger_matches_model,
         "same_as_colocated": all(r["same_as_colocated"] for r in requests),
-        "check": {"ok": None if checks is None else all(c["ok"] for c in checks),
-                  "verdicts": None if checks is None else {v: sum(c["verdict"] == v for c in checks)
-                                                           for v in ("match", "near-tie", "MISMATCH")}},
+        "check": oracle_summary(requests, checks),
     }
+
+
+def serve_config(s, ctx) -> dict:
+    """The settings both reports record (P/D's whole config; the colocated one adds its own)."""
+    return {"model_name": s.model_name, "model": s.model.asdict(), "requests": len(s.requests),
+            "chunk_size": s.engine.long_prefill_token_threshold, "max_batched_tokens": s.engine.max_num_batched_tokens,
+            "variant": s.variant, "vocab_parallel": s.vocab_parallel, "dtype": str(s.dtype).removeprefix("torch."),
+            "dtype_from": s.dtype_from, "seed": s.seed, "block_size": s.engine.block_size,
+            "prefix_cache": s.engine.enable_prefix_caching, "attention": choose(s.engine.attention, ctx.device),
+            "attention_setting": s.engine.attention, "shared_prefix": s.shared_prefix}
+
+
+def oracle_summary(requests: list[dict], checks: list[dict] | None) -> dict:
+    """report.json's check: each request's verdict against the dense oracle (requests[i].match) and their counts;
+    None without check."""
+    if checks is None:
+        return {"ok": None, "verdicts": None}
+    for req, chk in zip(requests, checks):
+        req["match"] = chk["verdict"]
+    return {"ok": all(c["ok"] for c in checks),
+            "verdicts": {v: sum(c["verdict"] == v for c in checks) for v in ("match", "near-tie", "MISMATCH")}}
 
 
 def llama_table(prompt_tokens: int = 4096) -> dict:
@@ -380,27 +393,17 @@ def build_report(s, ctx, result, checks: list[dict] | None) -> dict:
     kv = kv_formula(m, n_layers, p, s.dtype, s.engine.kv_cache_dtype)
     dense_per_token = kv["dense"]
     requests = result.requests
-    if checks is not None:
-        for req, chk in zip(requests, checks):
-            req["match"] = chk["verdict"]
-            req["check"] = chk
+    for req, chk in zip(requests, checks or []):
+        req["check"] = chk
     generated = sum(r["generated"] for r in requests)
     its = result.iterations
     return {
         "world_size": ctx.world_size, "tp": p, "backend": ctx.backend, "device": str(ctx.device),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "config": {"model_name": s.model_name, "model": m.asdict(), "hf_checkpoint": s.hf_checkpoint,
-                   "requests": len(s.requests), "chunk_size": s.engine.long_prefill_token_threshold,
-                   "max_batched_tokens": s.engine.max_num_batched_tokens, "max_running": s.engine.max_num_seqs,
-                   "eos_id": s.eos_id, "eos_from": s.eos_from,
-                   "variant": s.variant, "vocab_parallel": s.vocab_parallel,
-                   "dtype": str(s.dtype).removeprefix("torch."), "dtype_from": s.dtype_from, "seed": s.seed,
-                   "check": s.check,
-                   "block_size": s.engine.block_size, "kv_blocks": s.engine.num_gpu_blocks_override, "prefix_cache": s.engine.enable_prefix_caching,
-                   "attention": choose(s.engine.attention, ctx.device), "attention_setting": s.engine.attention,
-                   "shared_prefix": s.shared_prefix, "comm_timing": s.engine.comm_timing, "pp": s.pp,
-                   "cp": s.cp,
-                   "pp_boundary": s.pp_boundary, "chunk_pipelining": s.engine.chunk_pipelining,
+        "config": {**serve_config(s, ctx), "hf_checkpoint": s.hf_checkpoint, "max_running": s.engine.max_num_seqs,
+                   "eos_id": s.eos_id, "eos_from": s.eos_from, "check": s.check,
+                   "kv_blocks": s.engine.num_gpu_blocks_override, "comm_timing": s.engine.comm_timing, "pp": s.pp,
+                   "cp": s.cp, "pp_boundary": s.pp_boundary, "chunk_pipelining": s.engine.chunk_pipelining,
                    "moe_parallel": s.moe_parallel if of(m).moe else None, "sampling": s.sampling},
         "notes": list(s.notes),
         "iterations": its,
@@ -426,8 +429,6 @@ def build_report(s, ctx, result, checks: list[dict] | None) -> dict:
                      # context parallelism: a pool slot holds one position, and each cp rank 1/cp of every request's
                      "bytes_per_request_token_per_rank": result.kv_bytes_per_token_per_rank / s.cp},
         "ledger_matches_model": result.ledger_matches_model,
-        "check": {"ok": None if checks is None else all(c["ok"] for c in checks),
-                  "verdicts": None if checks is None else {v: sum(c["verdict"] == v for c in checks)
-                                                           for v in ("match", "near-tie", "MISMATCH")},
+        "check": {**oracle_summary(requests, checks),
                   "max_logit_rel_err": None if checks is None else max(c["max_logit_rel_err"] for c in checks)},
     }

@@ -1,13 +1,11 @@
-"""The serving iterations on CUDA, every synchronizing call caught by CUDA's own sync debugger (a step of make gpu-check).
+"""The serving iterations on CUDA, every synchronizing call caught by CUDA's sync debugger (make gpu-check runs it).
 
     torchrun --nproc_per_node=P launch/sync_check.py      (P ranks on NCCL, one GPU each; P = 1 works too)
 
-tests/test_device_path.py counts the host's waits for the device at the dispatcher, on the CPU. Here the same
-iterations (decodes, prompt chunks, prefix hits, preemption; GPT-2, Llama, Mixtral with tp and ep) run on GPUs
-under torch.cuda.set_sync_debug_mode after a warm-up run, so a wait that the CPU count misses cannot hide. The
-engine is meant to wait, once per step for the sampled tokens and once per MoE layer for the experts' group
-sizes, so the mode is "warn" and each step's warnings are counted against that number ("error" would stop at
-the first of the intended waits). Exit 1 if any step differs; without CUDA it says so and exits 0.
+The iterations whose host waits tests/test_device_path.py counts on the CPU (decodes, prompt chunks, prefix hits,
+preemption; GPT-2, Llama, Mixtral with tp and ep) run on GPUs under torch.cuda.set_sync_debug_mode("warn") after a
+warm-up, each step's warnings counted against the waits the engine means: one per step, plus one per MoE layer
+(docs/gpus.md). Exit 1 if any step differs; without CUDA it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -79,8 +77,9 @@ def run(ctx, name: str, record: bool) -> list[tuple[str, int]]:
     dense = init_weights(dense_lm(cfg, torch.float32), seed=0)
     lm = shard_lm(dense.to(ctx.device), "v2", ctx.group, moe_parallel=placement)
     hook = Syncs([])
-    engine = LLMEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=8, max_num_batched_tokens=16, max_num_seqs=4, block_size=4,
-                                             num_gpu_blocks_override=12, check_ledger=False), hooks=[hook])
+    engine = LLMEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=8, max_num_batched_tokens=16, max_num_seqs=4,
+                                             block_size=4, num_gpu_blocks_override=12, check_ledger=False),
+                       hooks=[hook])
     gen = torch.Generator().manual_seed(1)
     shared = torch.randint(0, V, (12,), generator=gen).tolist()
     prompts = [shared + torch.randint(0, V, (3 + 2 * n,), generator=gen).tolist() for n in range(5)]

@@ -1,4 +1,5 @@
-"""Timing shared by the benchmarks and run_block: every forward behind a barrier, ABBA order, medians of the slowest rank."""
+"""Timing shared by the benchmarks and run_block: every forward behind a barrier, ABBA order, medians of the slowest
+rank."""
 
 from __future__ import annotations
 

@@ -98,7 +98,8 @@ def main(argv=None) -> int:
     by = {(r["p"], r["n"], r["variant"]): r for r in rows}
     for r in rows:
         v1 = by.get((r["p"], r["n"], "v1"))
-        ratio = f"{r['measured_bytes_per_rank'] / v1['measured_bytes_per_rank']:.3f}" if r["variant"] == "v2" and v1 else ""
+        ratio = (f"{r['measured_bytes_per_rank'] / v1['measured_bytes_per_rank']:.3f}"
+                 if r["variant"] == "v2" and v1 else "")
         print(f"{r['p']:>2} {r['n']:>5} {r['variant']:>10} {r['collectives']:>4} "
               f"{r['measured_bytes_per_rank'] / 1024:>13.1f} {r['model_bytes_per_rank'] / 1024:>11.1f} "
               f"{'yes' if r['measured_bytes_per_rank'] == r['model_bytes_per_rank'] else 'NO':>5} "
