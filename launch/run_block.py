@@ -26,7 +26,6 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by torchrun: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -36,14 +35,14 @@ from launch.moe_check import render_moe, run_moe_check
 from launch.pp_check import render_pp, run_pp_check
 from launch.report import render_tp
 from launch.settings import (LaunchSettings, boolean, common_settings, fitted_lengths, integer, launch, overridden,
-                             positive_float, publish, refuse_bad_arguments)
+                             positive_float, publish, script_main)
 from layers.attention.varlen import score_entries
 from layers.models.config import DEFAULT_TOLERANCE, ModelConfig, parse_variants, validate_tokens, validate_variants
 from layers.models.families import FAMILIES, family, of
 from layers.models.llama import LlamaConfig
 from layers.models.moe import MOE_PARALLEL, validate_moe
 from layers.models.pipeline import BOUNDARIES, PP_VARIANTS, check_layout, pp_layout
-from tp.dist import ConfigError, env_world
+from tp.dist import ConfigError
 
 
 
@@ -296,14 +295,5 @@ def block_report(s: Settings, ctx, config: dict, results: dict, equivalent: list
             "notes": list(s.notes), **results, "equivalent": all(equivalent), "traffic_ok": all(traffic_ok)}
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> None:
-    sys.exit(run(cfg))
-
-
 if __name__ == "__main__":
-    refuse_bad_arguments(sys.argv, env_world()[0], "config")
-    if env_world()[0] != 0:
-        # Only rank 0 writes Hydra's .hydra/ record into the shared run directory.
-        sys.argv.append("hydra.output_subdir=null")
-    main()
+    script_main(run, "config")
