@@ -54,8 +54,9 @@ def _moe(c: dict) -> str:
 
 def _budget(c: dict) -> str:
     """The requests and the batch's token budget."""
-    return (f"{c['requests']} requests; long_prefill_token_threshold={c['chunk_size']} "
-            f"max_num_batched_tokens={c['max_batched_tokens']}")
+    e = c["engine"]
+    return (f"{c['requests']} requests; long_prefill_token_threshold={e['long_prefill_token_threshold']} "
+            f"max_num_batched_tokens={e['max_num_batched_tokens']}")
 
 
 def _sampling(sp: dict | None) -> str:
@@ -119,7 +120,7 @@ def render(r: dict) -> str:
     lines = [
         f"tpref: serving on the TP stack  (tp = {r.get('tp', r['world_size'])}"
         + (f", pp = {r['pp']['pp']} stages, boundary {r['pp']['boundary']}"
-           + (", chunk_pipelining" if r["config"].get("chunk_pipelining") else "") if r.get("pp") else "")
+           + (", chunk_pipelining" if c["engine"]["chunk_pipelining"] else "") if r.get("pp") else "")
         + (f", cp = {c['cp']}: each cp rank keeps 1/{c['cp']} of every request's K,V, one merge per layer"
            if c.get("cp", 1) > 1 else "")
         + f", backend {r['backend']}, device {r['device']})",
@@ -127,10 +128,10 @@ def render(r: dict) -> str:
         f"L={m['n_layers']} vocab={m['vocab_size']}; variant {c['variant']}, "
         f"{'vocab-parallel' if c['vocab_parallel'] else 'replicated'} embedding and LM head; dtype={c['dtype']}"
         + _from(c) + _moe(c) + _eos(c),
-        f"{_budget(c)} max_num_seqs={c['max_running'] if c['max_running'] is not None else c['max_batched_tokens']}; "
+        f"{_budget(c)} max_num_seqs={c['engine']['max_num_seqs']}; "
         f"KV pool of {kv['blocks']} blocks of block_size={kv['block_size']} per rank, enable_prefix_caching="
-        f"{str(c['prefix_cache']).lower()}, attention={c['attention']}"
-        + (f" ({c['attention_setting']})" if c.get("attention_setting", c["attention"]) != c["attention"] else "")
+        f"{str(c['engine']['enable_prefix_caching']).lower()}, attention={c['attention']}"
+        + (f" ({c['engine']['attention']})" if c["engine"]["attention"] != c["attention"] else "")
         + (f", shared_prefix={c['shared_prefix']}" if c.get("shared_prefix") else ""),
         _sampling(c.get("sampling")),
         *([render_load(r["load"])] if r.get("load") else []),
@@ -331,11 +332,9 @@ def build_pd_report(s, ctx, result, colocated: list[list[int]], checks: list[dic
 def serve_config(s, ctx) -> dict:
     """The settings both reports record (P/D's whole config; the colocated one adds its own)."""
     return {"model_name": s.model_name, "model": s.model.asdict(), "requests": len(s.requests),
-            "chunk_size": s.engine.long_prefill_token_threshold, "max_batched_tokens": s.engine.max_num_batched_tokens,
+            "engine": s.engine.record(), "attention": choose(s.engine.attention, ctx.device),
             "variant": s.variant, "vocab_parallel": s.vocab_parallel, "dtype": str(s.dtype).removeprefix("torch."),
-            "dtype_from": s.dtype_from, "seed": s.seed, "block_size": s.engine.block_size,
-            "prefix_cache": s.engine.enable_prefix_caching, "attention": choose(s.engine.attention, ctx.device),
-            "attention_setting": s.engine.attention, "shared_prefix": s.shared_prefix}
+            "dtype_from": s.dtype_from, "seed": s.seed, "shared_prefix": s.shared_prefix}
 
 
 def oracle_summary(requests: list[dict], checks: list[dict] | None) -> dict:
@@ -400,11 +399,10 @@ def build_report(s, ctx, result, checks: list[dict] | None) -> dict:
     return {
         "world_size": ctx.world_size, "tp": p, "backend": ctx.backend, "device": str(ctx.device),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "config": {**serve_config(s, ctx), "hf_checkpoint": s.hf_checkpoint, "max_running": s.engine.max_num_seqs,
-                   "eos_id": s.eos_id, "eos_from": s.eos_from, "check": s.check,
-                   "kv_blocks": s.engine.num_gpu_blocks_override, "comm_timing": s.engine.comm_timing, "pp": s.pp,
-                   "cp": s.cp, "pp_boundary": s.pp_boundary, "chunk_pipelining": s.engine.chunk_pipelining,
-                   "moe_parallel": s.moe_parallel if of(m).moe else None, "sampling": s.sampling},
+        "config": {**serve_config(s, ctx), "hf_checkpoint": s.hf_checkpoint,
+                   "eos_id": s.eos_id, "eos_from": s.eos_from, "check": s.check, "pp": s.pp, "cp": s.cp,
+                   "pp_boundary": s.pp_boundary, "moe_parallel": s.moe_parallel if of(m).moe else None,
+                   "sampling": s.sampling},
         "notes": list(s.notes),
         "iterations": its,
         "requests": requests,

@@ -124,6 +124,11 @@ class EngineConfig:
             raise ValueError(f"unknown engine setting {unknown[0]!r}; known: {', '.join(sorted(known))}")
         return cls(**kwargs)
 
+    def record(self) -> dict:
+        """Every field by its own name, as JSON holds it (a report's record of what ran)."""
+        return {f.name: dataclasses.asdict(v) if dataclasses.is_dataclass(v := getattr(self, f.name)) else v
+                for f in dataclasses.fields(self)}
+
     def check_pipeline(self, pp: int) -> None:
         """The rule between these settings and the pipeline's size."""
         if pp == 1 and self.chunk_pipelining:

@@ -32,7 +32,7 @@ def test_serve_end_to_end(tmp_path):
         assert " ".join(map(str, req["output_ids"][:4])) + " …" in out
     assert "; dtype=float64\n" in out  # given (no "auto: ..." beside it: tests/test_checkpoint.py checks auto)
     # attention: auto, resolved for the device (gloo on a CPU: the cpu backend), in the header and the report
-    assert (report["config"]["attention"], report["config"]["attention_setting"]) == ("cpu", "auto")
+    assert (report["config"]["attention"], report["config"]["engine"]["attention"]) == ("cpu", "auto")
     assert "attention=cpu (auto)" in out
     for it in report["iterations"]:
         assert it["rows"] == sum(qe - qs for _, qs, qe, _ in it["triples"]) <= 12
