@@ -59,15 +59,21 @@ class _Where:
                                    shape=tuple(shape), dtype=dtype, p=dist.get_world_size(group), **extra)
 
 
-# ---- raw (non-autograd) operations -------------------------------------------------
+# ---- raw (non-autograd) operations: each takes (x, group, where, phase); the splits send nothing ----------------
+
+
+def _identity(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: str) -> torch.Tensor:
+    return x
 
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: str) -> torch.Tensor:
-    """Sum `x` over the group, in place (x must be a fresh tensor the caller owns)."""
+    """Sum `x` over the group, into a copy: the same tensor may feed another branch (e.g. a residual add), so it is
+    never reduced in place."""
     if dist.get_world_size(group) == 1:
         return x
-    x = x.contiguous()
-    where.run(lambda: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group), "all_reduce", phase, x.shape, x.dtype, group)
+    x = x.clone().contiguous()
+    where.run(lambda: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group), "all_reduce", phase, x.shape, x.dtype,
+              group)
     return x
 
 
@@ -83,8 +89,8 @@ def _all_gather_last(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, p
     return rearrange(out, "(p n) ... c -> n ... (p c)", p=p)
 
 
-def _split_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """[..., p*c] -> this rank's [..., c]. No communication."""
+def _split_last(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: str) -> torch.Tensor:
+    """[..., p*c] -> this rank's [..., c]."""
     p = dist.get_world_size(group)
     if p == 1:
         return x
@@ -118,8 +124,8 @@ def _reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup, where: _Wher
     return out
 
 
-def _split_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """[p*n, ...] -> this rank's [n, ...], a copy (not a view that keeps all p·n rows alive). No communication."""
+def _split_rows(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: str) -> torch.Tensor:
+    """[p*n, ...] -> this rank's [n, ...], a copy (not a view that keeps all p·n rows alive)."""
     p = dist.get_world_size(group)
     if p == 1:
         return x
@@ -128,112 +134,33 @@ def _split_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x.chunk(p, dim=0)[dist.get_rank(group)].clone()
 
 
-# ---- autograd functions --------------------------------------------------------------
+# ---- autograd functions: a collective in the forward pass, its adjoint in the backward pass -----------------------
 
 
-class _CopyToRegion(torch.autograd.Function):
-    """forward: identity; backward: all-reduce."""
+def _autograd(name: str, forward_op, backward_op) -> type[torch.autograd.Function]:
+    """The autograd Function `name` (profiles show that name): forward runs forward_op on x, backward runs
+    backward_op on the gradient, both recorded at the forward's call site."""
 
-    @staticmethod
     def forward(ctx, x, group, site):
         ctx.group, ctx.where = group, _Where(site)
-        return x
+        return forward_op(x, group, ctx.where, "forward")
 
-    @staticmethod
     def backward(ctx, grad):
-        # The same grad tensor may feed another branch (e.g. a residual add): never reduce it in place.
-        return _all_reduce(grad.clone(), ctx.group, ctx.where, "backward"), None, None
+        return backward_op(grad, ctx.group, ctx.where, "backward"), None, None
+
+    methods = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+    return type(name, (torch.autograd.Function,), methods)
 
 
-class _ReduceFromRegion(torch.autograd.Function):
-    """forward: all-reduce; backward: identity."""
-
-    @staticmethod
-    def forward(ctx, x, group, site):
-        return _all_reduce(x.clone(), group, _Where(site), "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    """forward: all-gather on the last dim; backward: split on the last dim."""
-
-    @staticmethod
-    def forward(ctx, x, group, site):
-        ctx.group = group
-        return _all_gather_last(x, group, _Where(site), "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None, None
-
-
-class _ScatterToRegion(torch.autograd.Function):
-    """forward: split on the last dim; backward: all-gather on the last dim."""
-
-    @staticmethod
-    def forward(ctx, x, group, site):
-        ctx.group, ctx.where = group, _Where(site)
-        return _split_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_last(grad, ctx.group, ctx.where, "backward"), None, None
-
-
-class _ScatterRowsToRegion(torch.autograd.Function):
-    """forward: split on the first dim; backward: all-gather on the first dim."""
-
-    @staticmethod
-    def forward(ctx, x, group, site):
-        ctx.group, ctx.where = group, _Where(site)
-        return _split_rows(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_rows(grad, ctx.group, ctx.where, "backward"), None, None
-
-
-class _GatherRowsFromRegion(torch.autograd.Function):
-    """forward: all-gather on the first dim; backward: split on the first dim (every rank's gradient is whole)."""
-
-    @staticmethod
-    def forward(ctx, x, group, site):
-        ctx.group = group
-        return _all_gather_rows(x, group, _Where(site), "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_rows(grad, ctx.group), None, None
-
-
-class _GatherRowsToParallel(torch.autograd.Function):
-    """forward: all-gather on the first dim; backward: reduce-scatter on the first dim (each rank's gradient is its
-    column-parallel consumer's partial sum)."""
-
-    @staticmethod
-    def forward(ctx, x, group, site):
-        ctx.group, ctx.where = group, _Where(site)
-        return _all_gather_rows(x, group, ctx.where, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_rows(grad, ctx.group, ctx.where, "backward"), None, None
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    """forward: reduce-scatter on the first dim; backward: all-gather on the first dim."""
-
-    @staticmethod
-    def forward(ctx, x, group, site):
-        ctx.group, ctx.where = group, _Where(site)
-        return _reduce_scatter_rows(x, group, ctx.where, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_rows(grad, ctx.group, ctx.where, "backward"), None, None
+# (name, forward, backward): the module docstring's tables
+_CopyToRegion = _autograd("_CopyToRegion", _identity, _all_reduce)
+_ReduceFromRegion = _autograd("_ReduceFromRegion", _all_reduce, _identity)
+_GatherFromRegion = _autograd("_GatherFromRegion", _all_gather_last, _split_last)
+_ScatterToRegion = _autograd("_ScatterToRegion", _split_last, _all_gather_last)
+_ScatterRowsToRegion = _autograd("_ScatterRowsToRegion", _split_rows, _all_gather_rows)
+_GatherRowsFromRegion = _autograd("_GatherRowsFromRegion", _all_gather_rows, _split_rows)  # a replicated consumer
+_GatherRowsToParallel = _autograd("_GatherRowsToParallel", _all_gather_rows, _reduce_scatter_rows)  # column-parallel
+_ReduceScatterRows = _autograd("_ReduceScatterRows", _reduce_scatter_rows, _all_gather_rows)
 
 
 def scatter_rows_to_region(x: torch.Tensor, group: dist.ProcessGroup, site: str | None = None) -> torch.Tensor:
@@ -270,7 +197,7 @@ def reduce_from_region(x: torch.Tensor, group: dist.ProcessGroup, site: str | No
     if dist.get_world_size(group) == 1:  # the identity, both ways
         return x
     if not torch.is_grad_enabled():  # inference: the raw all-reduce, no autograd node
-        return _all_reduce(x.clone(), group, _Where(site), "forward")
+        return _all_reduce(x, group, _Where(site), "forward")
     return _ReduceFromRegion.apply(x, group, site)
 
 
