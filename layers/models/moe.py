@@ -253,18 +253,6 @@ HF_LAYER_KEYS = {"attn_norm.weight": "input_layernorm.weight", "q.weight": "self
 
 
 @torch.no_grad()
-def load_hf_layer(block: DenseMoEBlock, state: dict[str, torch.Tensor], prefix: str) -> DenseMoEBlock:
-    """One MixtralDecoderLayer's weights (transformers 5.x names, keys under `prefix`) into a DenseMoEBlock."""
-    for ours, theirs in HF_LAYER_KEYS.items():
-        target = block.get_parameter(ours)
-        value = state[prefix + theirs]
-        if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(f"{prefix + theirs}: shape {tuple(value.shape)} does not fit {ours} {tuple(target.shape)}")
-        target.copy_(value)
-    return block
-
-
-@torch.no_grad()
 def dense_routing(stack, x: torch.Tensor, requests: Requests | None) -> tuple[list[torch.Tensor], float]:
     """Every layer's expert ids [T, k] in a dense MoE stack, and the smallest gap between a token's k-th and (k+1)-th
     router probability over all layers: a routing that a rounding could flip (a near-tie) makes it tiny."""
@@ -278,17 +266,6 @@ def dense_routing(stack, x: torch.Tensor, requests: Requests | None) -> tuple[li
             gaps.append(float((top[:, block.cfg.top_k - 1] - top[:, block.cfg.top_k]).min()) if len(top) else 1.0)
         x = block(x, requests)
     return ids, min(gaps, default=1.0)
-
-
-def hf_lm_names(cfg: MoEConfig) -> dict[str, tuple[tuple[str, ...], bool]]:
-    """Our DenseLlamaLM (MoE blocks) parameter -> (transformers 5.x MixtralForCausalLM key, transposed?), for
-    layers/models/hf_gpt2.load_named: the stacked experts keep transformers' own layout."""
-    out = {f"stack.blocks.{i}.{ours}": ((f"model.layers.{i}.{theirs}",), False)
-           for i in range(cfg.n_layers) for ours, theirs in HF_LAYER_KEYS.items()}
-    out.update({"embed.weight": (("model.embed_tokens.weight",), False), "norm.weight": (("model.norm.weight",), False)})
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (("lm_head.weight",), False)
-    return out
 
 
 def moe_block(cfg: MoEConfig, placement: str, group: dist.ProcessGroup, dtype=torch.float32, device=None):
