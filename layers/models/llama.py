@@ -23,7 +23,7 @@ layers/models/hf_llama.py.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from einops import rearrange
 
 from layers.attention.attention import PagedLayer, attention, positions_of
 from layers.attention.varlen import Requests
+from layers.models.config import FamilyConfig
 from layers.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from layers.parallel.shard import Part, cols, even, heads_range, rows, whole
 from tp.comm import copy_to_region, gather_rows_to_parallel, reduce_scatter_rows
@@ -41,7 +42,7 @@ from tp.partition import kv_head_range
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(FamilyConfig):
     d_model: int = 256
     n_heads: int = 8
     n_kv_heads: int = 2
@@ -58,15 +59,8 @@ class LlamaConfig:
     llama_block = True  # the analytic models (tp/) count its blocks as Llama's: RMSNorm, GQA, SwiGLU, no biases
 
     @property
-    def k(self) -> int:
-        return self.n_heads * self.d_head
-
-    @property
     def k_kv(self) -> int:
         return self.n_kv_heads * self.d_head
-
-    def asdict(self) -> dict:
-        return asdict(self)
 
 
 LLAMA_TINY = LlamaConfig()  # runs in seconds on a laptop
@@ -81,9 +75,8 @@ def valid_llama_tp_sizes(cfg: LlamaConfig, up_to: int = 64) -> list[int]:
 
 def validate_llama(cfg: LlamaConfig, p: int) -> None:
     """ConfigError naming the numbers to change, with the valid p. Pure: every rank reaches the same verdict."""
-    for name in ("d_model", "n_heads", "n_kv_heads", "d_head", "d_ffn", "n_layers", "max_seq_len", "vocab_size"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"model.{name}={getattr(cfg, name)} must be a positive integer")
+    cfg.check_positive(("d_model", "n_heads", "n_kv_heads", "d_head", "d_ffn", "n_layers", "max_seq_len",
+                        "vocab_size"))
     if not (cfg.norm_eps > 0 and cfg.rope_theta > 0):
         raise ConfigError(f"model.norm_eps={cfg.norm_eps} and model.rope_theta={cfg.rope_theta} must be positive")
     if cfg.n_heads % cfg.n_kv_heads:

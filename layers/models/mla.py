@@ -37,7 +37,7 @@ Checkpoints: layers/models/hf_deepseek.py.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ from einops import rearrange
 from layers.attention.attention import PagedLayer, positions_of
 from layers.attention.kv_quant import QuantizedLayer, reference_round_trip
 from layers.attention.varlen import Requests
+from layers.models.config import FamilyConfig
 from layers.models.llama import RMSNorm, rope
 from layers.models.moe import moe_local, swiglu
 from layers.parallel.linear import ColumnParallelLinear, RowParallelLinear
@@ -63,7 +64,7 @@ PREFILL = "decompressed"
 
 
 @dataclass(frozen=True)
-class DeepseekConfig:
+class DeepseekConfig(FamilyConfig):
     d_model: int = 64
     n_heads: int = 4
     q_lora_rank: int = 0  # 0: the queries through one q [d -> H·(n+r)] (V2-Lite); V3: 1536
@@ -130,9 +131,6 @@ class DeepseekConfig:
     def moe_layer(self, i: int) -> bool:
         return i >= self.first_k_dense_replace
 
-    def asdict(self) -> dict:
-        return asdict(self)
-
 
 DEEPSEEK_TINY = DeepseekConfig(q_lora_rank=32)  # = conf/model/deepseek_tiny.yaml
 # DeepSeek-V3's shape (config.json of deepseek-ai/DeepSeek-V3): the cost tables' numbers, never built here
@@ -143,36 +141,26 @@ DEEPSEEK_V3_SHAPE = DeepseekConfig(d_model=7168, n_heads=128, q_lora_rank=1536, 
 
 
 def valid_deepseek_tp_sizes(cfg: DeepseekConfig, placement: str = "tp", up_to: int = 64) -> list[int]:
-    out = []
-    for p in range(1, up_to + 1):
-        try:
-            _split_check(cfg, p, placement)
-        except ConfigError:
-            continue
-        out.append(p)
-    return out
+    return [p for p in range(1, up_to + 1) if not _unsplittable(cfg, p, placement)]
 
 
-def _split_check(cfg: DeepseekConfig, p: int, placement: str) -> None:
+def _unsplittable(cfg: DeepseekConfig, p: int, placement: str) -> list[str]:
+    """The sizes ("name=value") that p ranks would split and that p does not divide."""
     need = [("n_heads", cfg.n_heads), ("n_shared_experts*moe_d_ffn", cfg.n_shared_experts * cfg.moe_d_ffn)]
     if cfg.first_k_dense_replace > 0:
         need.append(("d_ffn", cfg.d_ffn))
     if cfg.n_layers > cfg.first_k_dense_replace:
         need.append(("moe_d_ffn", cfg.moe_d_ffn) if placement == "tp" else ("n_routed_experts", cfg.n_routed_experts))
-    bad = [f"{name}={value}" for name, value in need if value % p]
-    if bad:
-        raise ConfigError(f"{', '.join(bad)} cannot be split over p={p} ranks (moe_parallel={placement})")
+    return [f"{name}={value}" for name, value in need if value % p]
 
 
 def validate_deepseek(cfg: DeepseekConfig, p: int, placement: str = "tp") -> None:
     """ConfigError naming the setting to change; pure, so every rank reaches the same verdict before any collective."""
     if placement not in DEEPSEEK_PARALLEL:
         raise ConfigError(f"moe_parallel={placement!r} is not built for DeepSeek models: choose tp or ep")
-    for name in ("d_model", "n_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "d_ffn",
-                 "moe_d_ffn", "n_routed_experts", "top_k", "n_group", "topk_group", "n_layers", "max_seq_len",
-                 "vocab_size"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"model.{name}={getattr(cfg, name)} must be a positive integer")
+    cfg.check_positive(("d_model", "n_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                        "d_ffn", "moe_d_ffn", "n_routed_experts", "top_k", "n_group", "topk_group", "n_layers",
+                        "max_seq_len", "vocab_size"))
     if cfg.q_lora_rank < 0 or cfg.n_shared_experts < 0 or cfg.first_k_dense_replace < 0:
         raise ConfigError("model.q_lora_rank, n_shared_experts and first_k_dense_replace must be 0 or more")
     if cfg.qk_rope_head_dim % 2:
@@ -190,11 +178,10 @@ def validate_deepseek(cfg: DeepseekConfig, p: int, placement: str = "tp") -> Non
     if cfg.top_k > cfg.topk_group * (cfg.n_routed_experts // cfg.n_group):
         raise ConfigError(f"top_k={cfg.top_k} exceeds the experts in topk_group={cfg.topk_group} groups of "
                           f"{cfg.n_routed_experts // cfg.n_group}")
-    try:
-        _split_check(cfg, p, placement)
-    except ConfigError as exc:
-        valid = valid_deepseek_tp_sizes(cfg, placement)
-        raise ConfigError(f"{exc}; valid tensor-parallel sizes: {', '.join(map(str, valid))}") from None
+    bad = _unsplittable(cfg, p, placement)
+    if bad:
+        raise ConfigError(f"{', '.join(bad)} cannot be split over p={p} ranks (moe_parallel={placement}); valid "
+                          f"tensor-parallel sizes: {', '.join(map(str, valid_deepseek_tp_sizes(cfg, placement)))}")
 
 
 # ---- the attention ----------------------------------------------------------------------------------------------
