@@ -185,10 +185,10 @@ class RingPrefill:
         block, outs, lses = kv.contiguous(), [[], []], [[], []]
         for step in range(cp):
             owner = (rank - step) % cp  # whose rows `block` holds
-            pending = None
+            arrived = None
             if step < cp - 1:  # ★ pass-KV: this block on to the next rank while it is attended here
                 incoming = kv.new_empty(2, kv.shape[1], len(self.positions[(owner - 1) % cp]), kv.shape[3])
-                pending = self._exchange(block, incoming, nxt, prev, step)
+                arrived = self._exchange(block, incoming, nxt, prev)
             if zigzag:  # by chunk pairs: a later chunk is skipped, the same chunk causal, an earlier one whole
                 for qi, (qc, q_rows) in enumerate(self._chunks(rank, bounds)):
                     for kc, k_rows in self._chunks(owner, bounds):
@@ -203,8 +203,8 @@ class RingPrefill:
                 o, lse = partial_attention(q, block[0], block[1], q_pos, k_pos, self.scale)
                 outs[0].append(o)
                 lses[0].append(lse)
-            if pending is not None:
-                block = self._finish(pending)
+            if arrived is not None:
+                block = arrived()
         parts = [merge(o, lse)[0] for o, lse in zip(outs, lses) if o]
         o = torch.cat(parts, dim=1) if zigzag else parts[0]
         return o.transpose(0, 1).reshape(q.shape[1], -1)
@@ -216,24 +216,24 @@ class RingPrefill:
         a = bounds[first][1] - bounds[first][0]
         return [(first, slice(0, a)), (second, slice(a, a + bounds[second][1] - bounds[second][0]))]
 
-    def _exchange(self, block, incoming, nxt, prev, step):
+    @staticmethod
+    def _exchange(block: torch.Tensor, incoming: torch.Tensor, nxt: int, prev: int):
+        """Post the send of `block` to global rank nxt and the receive of `incoming` from prev; the function returned
+        waits for both, ledgers them and returns `incoming`."""
         ledger, start = active(), time.perf_counter()
         works = [dist.isend(block, nxt, group=None), dist.irecv(incoming, prev, group=None)]
-        return works, incoming, block, nxt, prev, ledger, start
 
-    def _finish(self, pending) -> torch.Tensor:
-        works, incoming, block, nxt, prev, ledger, start = pending
-        for w in works:
-            w.wait()
-        if ledger is not None:
-            took = time.perf_counter() - start
-            me = dist.get_rank()
-            dtype = str(block.dtype).removeprefix("torch.")
-            layer = ledger.layer
-            for kind, peer, t in (("send", nxt, block), ("recv", prev, incoming)):
-                ledger.transfer(TransferRecord(kind, "cp/pass-kv", 0, layer, me, peer, (0, 0), tuple(t.shape), dtype,
-                                               t.numel() * t.element_size(), took))
-        return incoming
+        def arrived() -> torch.Tensor:
+            for w in works:
+                w.wait()
+            if ledger is not None:
+                took, dtype = time.perf_counter() - start, str(block.dtype).removeprefix("torch.")
+                for kind, peer, t in (("send", nxt, block), ("recv", prev, incoming)):
+                    ledger.transfer(TransferRecord(kind, "cp/pass-kv", 0, ledger.layer, dist.get_rank(), peer, (0, 0),
+                                                   tuple(t.shape), dtype, t.numel() * t.element_size(), took))
+            return incoming
+
+        return arrived
 
 
 # ---- decode over a split cache ---------------------------------------------------------------------------------

@@ -203,18 +203,17 @@ class TPLlamaBlock(RotaryBlock):
         self.cfg, self.group = cfg, group
         self.q_heads = cfg.n_heads // p
         self.kv_heads = len(kv_heads_of_rank(cfg, 0, p))
-        local_qkv = (self.q_heads + 2 * self.kv_heads) * cfg.d_head
+        self.qkv_split = [self.q_heads * cfg.d_head, self.kv_heads * cfg.d_head, self.kv_heads * cfg.d_head]  # q, k, v
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, device)
         # out_features counts every rank's slice, replicated K,V heads once per rank: p * the local width
-        self.qkv = ColumnParallelLinear(cfg.d_model, p * local_qkv, group, site="attn/qkv dx", **kw)
+        self.qkv = ColumnParallelLinear(cfg.d_model, p * sum(self.qkv_split), group, site="attn/qkv dx", **kw)
         self.o = RowParallelLinear(cfg.k, cfg.d_model, group, site="attn/all-reduce #1", **kw)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, device)
         self.gate_up = ColumnParallelLinear(cfg.d_model, 2 * cfg.d_ffn, group, site="mlp/gate_up dx", **kw)
         self.down = RowParallelLinear(cfg.d_ffn, cfg.d_model, group, site="mlp/all-reduce #2", **kw)
 
     def forward(self, x: torch.Tensor, requests: Requests | PagedLayer | None = None) -> torch.Tensor:
-        q, k, v = self.qkv(self.attn_norm(x)).split(  # this rank's query heads, then its K,V heads
-            [self.q_heads * self.cfg.d_head, self.kv_heads * self.cfg.d_head, self.kv_heads * self.cfg.d_head], dim=-1)
+        q, k, v = self.qkv(self.attn_norm(x)).split(self.qkv_split, dim=-1)  # this rank's query heads, its K,V heads
         x = x + self.o(self.attention(q, k, v, requests))  # ★ all-reduce #1: partial [n, d] summed
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)  # this rank's f/p columns of each
         return x + self.down(F.silu(gate) * up)  # ★ all-reduce #2: partial [n, d] summed over ranks
@@ -245,12 +244,12 @@ class TPLlamaBlockSP(TPLlamaBlock):
     def forward(self, x: torch.Tensor, requests: Requests | None = None, n: int | None = None) -> torch.Tensor:
         if isinstance(requests, PagedLayer):
             raise ValueError("v2sp cuts one forward (training-style); serving runs v2")
-        g, dh, eps = self.group, self.cfg.d_head, self.cfg.norm_eps
+        g, eps = self.group, self.cfg.norm_eps
         n = x.shape[0] * dist.get_world_size(g) if n is None else n  # real rows T; the rest is padding
         w = copy_to_region(self.attn_norm.weight, g, "attn/norm dw")  # backward: all-reduce the partial gradient
         h = gather_rows_to_parallel(rms_norm(x, w, eps), g, "attn/all-gather #1")  # ★ all-gather: [T', d]
-        q, k, v = F.linear(h[:n], self.qkv.weight).split(  # no copy_to_region: the gather's backward sums dX
-            [self.q_heads * dh, self.kv_heads * dh, self.kv_heads * dh], dim=-1)
+        # no copy_to_region before the column-parallel matmul: the gather's backward sums dX
+        q, k, v = F.linear(h[:n], self.qkv.weight).split(self.qkv_split, dim=-1)
         partial = F.linear(self.attention(q, k, v, requests), self.o.weight)  # [T, d] partial sums
         x = x + reduce_scatter_rows(pad_rows(partial, h.shape[0]), g, "attn/reduce-scatter #1")  # ★ [T'/p, d]
         w = copy_to_region(self.mlp_norm.weight, g, "mlp/norm dw")

@@ -177,8 +177,7 @@ class TPMoEBlock(TPLlamaBlock, _MoEFFN):
         self.first = 0 if placement == "tp" else dist.get_rank(group) * experts  # the first expert held here
 
     def forward(self, x: torch.Tensor, requests: Requests | PagedLayer | None = None) -> torch.Tensor:
-        q, k, v = self.qkv(self.attn_norm(x)).split(
-            [self.q_heads * self.cfg.d_head, self.kv_heads * self.cfg.d_head, self.kv_heads * self.cfg.d_head], dim=-1)
+        q, k, v = self.qkv(self.attn_norm(x)).split(self.qkv_split, dim=-1)  # this rank's query heads, its K,V heads
         x = x + self.o(rotary_attention(q, k, v, self.cfg, requests))  # ★ all-reduce #1: partial [T, d] summed
         h = self.mlp_norm(x)
         weights, ids = route(h, self.router, self.cfg.top_k)  # replicated router, replicated h: the same routing
