@@ -141,16 +141,15 @@ def predict_iteration(cfg: ModelShape, p: int, rows: int, sampled: int, dtype: t
     if p == 1 and cp == 1:
         return []
     if cp > 1:
-        merge = [Traffic.of(layer=i, sublayer="attn", site="cp merge", phase="forward", kind="all_gather",
-                            shape=(cp * rows, cfg.n_heads // p, cfg.d_head + 1),
-                            dtype=torch.promote_types(dtype, torch.float32), p=cp) for i in range(cfg.n_layers)]
         check = (1, plan_check * p * cp)
         out = [_outside("engine", "plan check", "all_gather", check, torch.float64, p * cp)] if plan_check else []
         inner = predict_iteration(cfg, p, rows, sampled, dtype, variant, vocab_parallel, 0, sampler)
-        layered = {i: [t for t in inner if t.layer == i] for i in range(cfg.n_layers)}
         out += [t for t in inner if t.layer is None and t.sublayer == "embed"]
-        for i in range(cfg.n_layers):
-            out += [merge[i]] + layered[i]
+        for i in range(cfg.n_layers):  # each layer merges its attention over the cp group first
+            out.append(Traffic.of(layer=i, sublayer="attn", site="cp merge", phase="forward", kind="all_gather",
+                                  shape=(cp * rows, cfg.n_heads // p, cfg.d_head + 1),
+                                  dtype=torch.promote_types(dtype, torch.float32), p=cp))
+            out += [t for t in inner if t.layer == i]
         return out + [t for t in inner if t.layer is None and t.sublayer != "embed"]
 
     out = [_outside("engine", "plan check", "all_gather", (1, plan_check * p), torch.float64, p)] if plan_check else []

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from layers.attention.backends import load, store
+from tp.comm import gather_rows_from_region
 from tp.ledger import TransferRecord, active
 
 def new_cp_groups(world: int, cp: int) -> tuple[list[dist.ProcessGroup], list[dist.ProcessGroup]]:
@@ -254,8 +255,6 @@ class SplitKVDecode:
     scale: float | None = None
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        from tp.comm import gather_rows_from_region
-
         cp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         device = q.device
         mine = [i for i, p in enumerate(self.new_positions) if p % cp == rank]
@@ -340,8 +339,6 @@ class SplitCacheBackend:
     def forward(self, q, kv, pool, batch, *, scale=None, v_dim=None, skip_fresh=False):
         """q [h, T, d], kv [2, h_kv, T, d] (every row's, computed alike on the cp ranks); pool [2, slots, h_kv, d], this
         rank's. Returns [T, h·d]."""
-        from tp.comm import gather_rows_from_region
-
         meta: SplitMeta = batch.meta
         store(pool, meta.owned_slots, kv.index_select(2, meta.owned_rows).transpose(1, 2))  # its own rows
         outs, lses = [], []

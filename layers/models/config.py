@@ -75,19 +75,12 @@ def validate_model(cfg: ModelConfig, p: int) -> None:
         )
     valid = ", ".join(map(str, valid_tp_sizes(cfg)))
     if cfg.n_heads % p:
-        raise ConfigError(
-            f"n_heads={cfg.n_heads} heads cannot be split over p={p} ranks (head-aligned split "
-            f"needs n_heads % p == 0); valid tensor-parallel sizes: {valid}"
-        )
-    if cfg.d_ffn % p:
-        raise ConfigError(
-            f"d_ffn={cfg.d_ffn} is not divisible by p={p} ranks; valid tensor-parallel sizes: {valid}"
-        )
-    if cfg.d_model % p:
-        # v1 column-splits the output projection and FFN-down over d_model.
-        raise ConfigError(
-            f"d_model={cfg.d_model} is not divisible by p={p} ranks; valid tensor-parallel sizes: {valid}"
-        )
+        raise ConfigError(f"n_heads={cfg.n_heads} heads cannot be split over p={p} ranks (head-aligned split needs "
+                          f"n_heads % p == 0); valid tensor-parallel sizes: {valid}")
+    for name in ("d_ffn", "d_model"):  # d_model: v1 column-splits the output projection and FFN-down over it
+        if getattr(cfg, name) % p:
+            raise ConfigError(f"{name}={getattr(cfg, name)} is not divisible by p={p} ranks; valid tensor-parallel "
+                              f"sizes: {valid}")
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from layers.models.checkpoint import Checkpoint
-from layers.models.config import ModelConfig
+from layers.models.config import DTYPES, ModelConfig, parse_dtype
 from layers.models.families import FAMILIES, family, of
 from layers.models.llama import LlamaConfig
 from layers.parallel.shard import Cut
@@ -69,8 +69,6 @@ def resolve_dtype(dtype, checkpoint: str | Path | None) -> tuple[torch.dtype, st
     ("bfloat16") or a torch.dtype as given; "auto": the checkpoint's torch_dtype (float32 where it names none),
     float32 for presets and random weights. Returns (dtype, where it came from: None when given); ConfigError for an
     unknown name."""
-    from layers.models.config import parse_dtype
-
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
     if str(dtype) != "auto":
@@ -84,8 +82,6 @@ def resolve_dtype(dtype, checkpoint: str | Path | None) -> tuple[torch.dtype, st
 def checkpoint_dtype(path: str | Path) -> str | None:
     """The dtype config.json says the weights were saved in (`torch_dtype`, or `dtype` in newer transformers), when it
     is one of ours (layers/models/config.DTYPES); None if it names none."""
-    from layers.models.config import DTYPES
-
     f = Path(path) / "config.json"
     hf = json.loads(f.read_text()) if f.is_file() else {}
     name = hf.get("torch_dtype") or hf.get("dtype")

@@ -25,7 +25,7 @@ import re
 from layers.models import hf_llama
 from layers.models.families import Family
 from layers.models.hf import check_positive, load_lm  # noqa: F401  (the dense DeepSeek LM, as for every family)
-from layers.models.mla import DeepseekConfig, dense_blocks, tp_blocks, validate_deepseek
+from layers.models.mla import DeepseekConfig, DenseDeepseekBlock, TPDeepseekBlock, validate_deepseek
 from tp.dist import ConfigError
 
 _ATTENTION = {"attn_norm.weight": "input_layernorm.weight", "kv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
@@ -139,9 +139,9 @@ FAMILY = Family(
     names=lambda cfg, state, n_layers, lm: hf_llama.layout_names(cfg, state, n_layers, lm, layer_keys),
     expected_shapes=lambda cfg, state, lm: hf_llama.layout_shapes(cfg, state, lm, layer_keys, "DeepseekV3"),
     validate=validate_deepseek,
-    dense_blocks=dense_blocks,
+    dense_blocks=lambda cfg, dtype, device: [DenseDeepseekBlock(cfg, i, dtype, device) for i in range(cfg.n_layers)],
     tp_blocks=lambda cfg, variant, group, dtype, device, moe_parallel="tp", n_layers=None:
-        tp_blocks(cfg, moe_parallel, group, dtype, device),
+        [TPDeepseekBlock(cfg, i, group, moe_parallel, dtype, device) for i in range(cfg.n_layers)],
     variants=("v2",), moe=True, pipeline=False, experts_of=experts_of, toy=toy_config, block_check=False,
     cache_layout=lambda cfg, p: (1, 1, cfg.latent_dim),  # MLA: one latent of c + r per token, whole on every rank
 )

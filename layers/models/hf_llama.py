@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from layers.models.families import Family, same_blocks
+from layers.models.families import Family, of, same_blocks
 from layers.models.hf import check_positive, load_lm, load_stack  # noqa: F401  (the dense stack or LM, from Llama's)
 from layers.models.llama import DenseLlamaBlock, LlamaConfig, TPLlamaBlock, TPLlamaBlockSP, validate_llama
 from tp.dist import ConfigError
@@ -108,8 +108,6 @@ def layout_shapes(cfg, state, lm: bool, keys=layer_keys, model: str = "Llama") -
     Where several keys fill one parameter they split its rows evenly: gate_up's gate_proj and up_proj, or the
     experts of an [E, rows, cols] stack saved one expert per key (their rows of the [E·rows, cols] view). model:
     transformers' name of the family's classes, for the message about a base model without a head."""
-    from layers.models.families import of
-
     try:
         prefix = block_prefix(state)
     except KeyError as exc:

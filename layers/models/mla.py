@@ -471,15 +471,6 @@ class TPDeepseekBlock(_DeepseekParts):
         return out
 
 
-def dense_blocks(cfg: DeepseekConfig, dtype=torch.float32, device=None) -> list[DenseDeepseekBlock]:
-    return [DenseDeepseekBlock(cfg, i, dtype, device) for i in range(cfg.n_layers)]
-
-
-def tp_blocks(cfg: DeepseekConfig, placement: str, group: dist.ProcessGroup, dtype=torch.float32,
-              device=None) -> list[TPDeepseekBlock]:
-    return [TPDeepseekBlock(cfg, i, group, placement, dtype, device) for i in range(cfg.n_layers)]
-
-
 @torch.no_grad()
 def routing_margin(blocks, x: torch.Tensor, requests: Requests | None) -> float:
     """The smallest gap, over every MoE layer and token, between the last group kept and the first dropped (by group

@@ -186,16 +186,11 @@ class TPStack(Stack):
         return 0, n
 
 
-def sp_rows(n: int, p: int) -> int:
-    """Rows each rank holds under sequence parallelism: n padded up to n' = p·⌈n/p⌉ with zero rows at the end
-    (which no real row attends to: they come last, and attention is causal), n'/p each."""
-    return ceil_div(n, p)
-
-
 class SPStack(TPStack):
     """L v2sp blocks. forward takes the replicated [n, d] (n ≥ p), pads it to n' = p·⌈n/p⌉ rows and keeps this
     rank's n'/p (scatter_rows_to_region: no communication; backward all-gathers dx, "stack/scatter input");
-    it returns every layer's output as this rank's rows [n'/p, d] (rows `rows_held(n)` of the n real ones).
+    it returns every layer's output as this rank's rows [n'/p, d] (rows `rows_held(n)` of the n real ones). The
+    padding rows come last, so no real row attends to them (attention is causal).
     `gather(out, n)` all-gathers one back to the replicated [n, d] ("stack/gather output", outside any block)."""
 
     def forward(self, x: torch.Tensor, cu_seqlens=None, padded: bool = False) -> tuple[torch.Tensor, ...]:
@@ -213,7 +208,7 @@ class SPStack(TPStack):
         """[n, d] replicated -> this rank's n'/p rows of the padded [n', d] (no communication; backward all-gathers)."""
         g, n = self.blocks[0].group, x.shape[0]
         p = dist.get_world_size(g)
-        return scatter_rows_to_region(pad_rows(x, p * sp_rows(n, p)), g, "stack/scatter input")
+        return scatter_rows_to_region(pad_rows(x, p * ceil_div(n, p)), g, "stack/scatter input")
 
     def gather(self, rows: torch.Tensor, n: int) -> torch.Tensor:
         """This rank's [n'/p, d] -> the replicated [n, d]: ★ one all-gather (backward: split)."""
@@ -225,7 +220,7 @@ class SPStack(TPStack):
     def rows_held(self, n: int) -> tuple[int, int]:
         """[lo, hi): the real rows this rank holds (hi - lo < n'/p on the last ranks when n % p != 0)."""
         g = self.blocks[0].group
-        per = sp_rows(n, dist.get_world_size(g))
+        per = ceil_div(n, dist.get_world_size(g))  # n'/p
         lo = dist.get_rank(g) * per
         return min(lo, n), min(lo + per, n)
 

@@ -70,7 +70,6 @@ class VocabParallelEmbedding(nn.Module):
         return logits
 
 
-
 class ReplicatedEmbedding(nn.Module):
     """Every rank holds the whole [V, d] embedding: lookup and LM head without communication."""
 
