@@ -280,26 +280,23 @@ def predict_transfers(cfg: ModelShape, p_prefill: int, p_decode: int, handovers:
     pairs = pd_pairs(cfg.n_kv_heads, cfg.n_layers, p_prefill, p_decode, prefill_pp)
     first = token_sources(pairs, cfg.n_layers)
     out = []
-    for r, s, *_ in pairs:  # set-up: one warm-up message per pair (serve/pd/handover.warm_up_pairs)
+
+    def message(r: int, s: int, site: str, request: int, layer, heads, shape: tuple, dtype_name: str, size: int):
+        """The message of the pair (prefill rank r, decode rank index s), if this rank is one of its ends."""
         if rank in (r, p_prefill + s):
             side, peer = ("send", p_prefill + s) if rank == r else ("recv", r)
-            out.append(Transfer(side, "pd/warm-up", -1, None, rank, peer, (0, 0), (1,), "int64", 8))
+            out.append(Transfer(side, site, request, layer, rank, peer, heads, shape, dtype_name, size))
+
+    for r, s, *_ in pairs:  # set-up: one warm-up message per pair (serve/pd/handover.warm_up_pairs)
+        message(r, s, "pd/warm-up", -1, None, (0, 0), (1,), "int64", 8)
     for rid, n in handovers:
         for r, s, lo, hi, layers in pairs:
-            side = "send" if rank == r else "recv" if rank == p_prefill + s else None
-            if side is None:
-                continue
-            peer = p_prefill + s if side == "send" else r
             shapes = ([(layer, (2, hi - lo, n, dh)) for layer in layers] if streaming
                       else [(None, (len(layers), 2, hi - lo, n, dh))])
             for layer, shape in shapes:
-                out.append(Transfer(side, "pd/kv", rid, layer, rank, peer, (lo, hi), shape, name,
-                                    math.prod(shape) * e))
+                message(r, s, "pd/kv", rid, layer, (lo, hi), shape, name, math.prod(shape) * e)
         for s, r in sorted(first.items()):
-            if rank in (r, p_prefill + s):
-                side = "send" if rank == r else "recv"
-                peer = p_prefill + s if side == "send" else r
-                out.append(Transfer(side, "pd/first token", rid, None, rank, peer, (0, 0), (1,), "int64", 8))
+            message(r, s, "pd/first token", rid, None, (0, 0), (1,), "int64", 8)
     return out
 
 

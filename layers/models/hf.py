@@ -153,34 +153,30 @@ def load_named(module: torch.nn.Module, state, named: dict[str, tuple[tuple[str,
     dtype. Several keys are stacked along rows (of our [E·rows, cols] view for stacked experts), each copied
     straight into its rows: no concatenated copy. KeyError naming a missing key, ValueError a shape that differs."""
     try:
-        return _load_named(module, state, named, what)
+        for ours, (keys, transpose) in named.items():
+            for key in keys:
+                if key not in state:
+                    raise KeyError(f"{what} state dict has no {key!r}")
+            target = module.get_parameter(ours)
+            shape = state.shapes[keys[0]] if hasattr(state, "shapes") else state[keys[0]].shape  # no read for a shape
+            if len(keys) == 1 and not (target.dim() == 3 and len(shape) == 2):
+                value = state[keys[0]]
+                copy_checked(target, value.t() if transpose else value, keys[0], ours)
+                continue
+            rows = target.view(-1, target.shape[-1]) if target.dim() == 3 else target
+            at = 0
+            for key in keys:
+                value = state[key]
+                n = value.shape[0]
+                if at + n > rows.shape[0]:
+                    raise ValueError(f"{key}: rows {at}..{at + n} do not fit {ours} {tuple(target.shape)}")
+                copy_checked(rows.narrow(0, at, n), value, key, ours)
+                at += n
+            if at != rows.shape[0]:
+                raise ValueError(f"{keys[0]} .. {keys[-1]}: {at} rows do not fill {ours} {tuple(target.shape)}")
+        return module
     finally:
         getattr(state, "close", lambda: None)()  # a lazily read checkpoint: release a mapped .bin file
-
-
-def _load_named(module, state, named, what):
-    for ours, (keys, transpose) in named.items():
-        for key in keys:
-            if key not in state:
-                raise KeyError(f"{what} state dict has no {key!r}")
-        target = module.get_parameter(ours)
-        shape = state.shapes[keys[0]] if hasattr(state, "shapes") else state[keys[0]].shape  # no read for a shape
-        if len(keys) == 1 and not (target.dim() == 3 and len(shape) == 2):
-            value = state[keys[0]]
-            copy_checked(target, value.t() if transpose else value, keys[0], ours)
-            continue
-        rows = target.view(-1, target.shape[-1]) if target.dim() == 3 else target
-        at = 0
-        for key in keys:
-            value = state[key]
-            n = value.shape[0]
-            if at + n > rows.shape[0]:
-                raise ValueError(f"{key}: rows {at}..{at + n} do not fit {ours} {tuple(target.shape)}")
-            copy_checked(rows.narrow(0, at, n), value, key, ours)
-            at += n
-        if at != rows.shape[0]:
-            raise ValueError(f"{keys[0]} .. {keys[-1]}: {at} rows do not fill {ours} {tuple(target.shape)}")
-    return module
 
 
 def load_stack(stack, state):

@@ -83,15 +83,11 @@ def dense_lm(cfg: ModelConfig | LlamaConfig, dtype: torch.dtype = torch.float32,
 
 
 @torch.no_grad()
-def _stops(eos_id) -> set[int]:
-    return set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
-
-
-@torch.no_grad()
 def _generate(lm: DenseLM | DenseLlamaLM, prompt: list[int], steps: int, eos_id, pick) -> Greedy:
     """With no cache at all: every step runs the whole sequence so far through the model and appends what
     pick(the last row's logits [1, V], its position among the outputs) returns: (token, its logit, its margin)."""
-    stops, device = _stops(eos_id), next(lm.parameters()).device
+    stops = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
+    device = next(lm.parameters()).device
     tokens, out = list(prompt), Greedy([], [], [])
     for position in range(steps):
         token, logit, margin = pick(lm.logits(torch.tensor(tokens, device=device))[-1:], position)

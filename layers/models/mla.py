@@ -140,10 +140,6 @@ DEEPSEEK_V3_SHAPE = DeepseekConfig(d_model=7168, n_heads=128, q_lora_rank=1536, 
                                    first_k_dense_replace=3, n_layers=61, max_seq_len=163840, vocab_size=129280)
 
 
-def valid_deepseek_tp_sizes(cfg: DeepseekConfig, placement: str = "tp", up_to: int = 64) -> list[int]:
-    return [p for p in range(1, up_to + 1) if not _unsplittable(cfg, p, placement)]
-
-
 def _unsplittable(cfg: DeepseekConfig, p: int, placement: str) -> list[str]:
     """The sizes ("name=value") that p ranks would split and that p does not divide."""
     need = [("n_heads", cfg.n_heads), ("n_shared_experts*moe_d_ffn", cfg.n_shared_experts * cfg.moe_d_ffn)]
@@ -180,8 +176,9 @@ def validate_deepseek(cfg: DeepseekConfig, p: int, placement: str = "tp") -> Non
                           f"{cfg.n_routed_experts // cfg.n_group}")
     bad = _unsplittable(cfg, p, placement)
     if bad:
+        valid = [q for q in range(1, 65) if not _unsplittable(cfg, q, placement)]
         raise ConfigError(f"{', '.join(bad)} cannot be split over p={p} ranks (moe_parallel={placement}); valid "
-                          f"tensor-parallel sizes: {', '.join(map(str, valid_deepseek_tp_sizes(cfg, placement)))}")
+                          f"tensor-parallel sizes: {', '.join(map(str, valid))}")
 
 
 # ---- the attention ----------------------------------------------------------------------------------------------
@@ -446,13 +443,11 @@ class TPDeepseekBlock(_DeepseekParts):
         """This rank's slices of DenseDeepseekBlock's parameters (the rules: layers/parallel/shard.py)."""
         c, rank, p = self.cfg, dist.get_rank(self.group), dist.get_world_size(self.group)
         mine = range(rank * self.heads, (rank + 1) * self.heads)
+        q = "q_b.weight" if c.q_lora_rank else "q.weight"  # the heads' queries: from the query LoRA's q_b, or q
         out = whole("attn_norm.weight", "kv_a.weight", "kv_norm.weight", "mlp_norm.weight")
-        if c.q_lora_rank:
-            out += whole("q_a.weight", "q_norm.weight") + [Part("q_b.weight", "q_b.weight",
-                                                                rows(heads_range(mine, c.qk_head_dim)))]
-        else:
-            out.append(Part("q.weight", "q.weight", rows(heads_range(mine, c.qk_head_dim))))
-        out += [Part("kv_b.weight", "kv_b.weight", rows(heads_range(mine, c.qk_nope_head_dim + c.v_head_dim))),
+        out += whole("q_a.weight", "q_norm.weight") if c.q_lora_rank else []
+        out += [Part(q, q, rows(heads_range(mine, c.qk_head_dim))),
+                Part("kv_b.weight", "kv_b.weight", rows(heads_range(mine, c.qk_nope_head_dim + c.v_head_dim))),
                 Part("o.weight", "o.weight", cols(heads_range(mine, c.v_head_dim)))]
         if not self.moe:
             (a, b), f = even(c.d_ffn, rank, p, "d_ffn"), c.d_ffn

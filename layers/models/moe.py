@@ -65,10 +65,7 @@ def validate_moe(cfg: MoEConfig, p: int, placement: str) -> None:
     if placement in ("ep", "ep_a2a") and cfg.n_experts % p:
         raise ConfigError(f"moe_parallel={placement}: model.n_experts={cfg.n_experts} is not divisible by p={p} "
                           f"(each rank holds n_experts/p whole experts)")
-    if placement == "ep_a2a":  # attention is replicated: only its shape must be valid
-        validate_llama(cfg, 1)
-    else:
-        validate_llama(cfg, p)
+    validate_llama(cfg, 1 if placement == "ep_a2a" else p)  # ep_a2a's attention is replicated: its shape alone
 
 
 # ---- routing and the experts --------------------------------------------------------------------------------------

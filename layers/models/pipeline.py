@@ -381,18 +381,6 @@ def renumbered(part: Part, first: int) -> Part:
 ENDS = ("embed", "wpe", "ln_f", "norm", "head")  # an LM's modules outside its blocks (TPLM's, TPLlamaLM's)
 
 
-def stage_input(cfg) -> set[str]:
-    """What the first stage holds besides its blocks: the token embedding (and GPT-2's learned positions)."""
-    return {"embed"} if of(cfg).llama_lm else {"embed", "wpe"}
-
-
-def stage_output(cfg) -> set[str]:
-    """What the last stage holds besides its blocks: the final norm and the head (the embedding itself when tied)."""
-    if not of(cfg).llama_lm:
-        return {"embed", "ln_f"}  # GPT-2's head is its token embedding
-    return {"head", "norm"} | ({"embed"} if cfg.tie_word_embeddings else set())
-
-
 def shard_pp_lm(weights, variant: str, layout: PPLayout, rank: int, group: dist.ProcessGroup,
                 boundary: str = "whole", world: dist.ProcessGroup | None = None) -> PPLM:
     """This rank's PPLM, its stage's blocks (and the embedding on the first stage, the final norm and head on the
@@ -403,17 +391,17 @@ def shard_pp_lm(weights, variant: str, layout: PPLayout, rank: int, group: dist.
     stage = layout.stage_of(rank)
     layers = stage_layers(cfg.n_layers, layout.pp)[stage]
     lm = tp_lm(replace(cfg, n_layers=len(layers)), variant, group, True, source.dtype, source.device)
-    keep = {"stack"} | (stage_input(cfg) if stage == 0 else set()) | (stage_output(cfg) if stage == layout.pp - 1
-                                                                       else set())
+    llama, keep = of(cfg).llama_lm, {"stack"}
+    if stage == 0:  # the token embedding (and GPT-2's learned positions)
+        keep |= {"embed"} if llama else {"embed", "wpe"}
+    if stage == layout.pp - 1:  # the final norm and the head (GPT-2's head is its token embedding, as a tied one is)
+        keep |= ({"norm", "head"} | ({"embed"} if cfg.tie_word_embeddings else set())) if llama else {"ln_f", "embed"}
     full = lm.plan()
     for name in ENDS:  # the ends this stage does not hold: never loaded, their memory given back
         if name not in keep and getattr(lm, name, None) is not None:
             setattr(lm, name, None)
-    plan = []
-    for part in full:
-        if part.param.split(".", 1)[0] not in keep:
-            continue
-        plan.append(renumbered(part, layers.start) if part.param.startswith("stack.blocks.") else part)
+    plan = [renumbered(part, layers.start) if part.param.startswith("stack.blocks.") else part
+            for part in full if part.param.split(".", 1)[0] in keep]
     try:
         return PPLM(load_plan(lm, plan, source), layout, rank, layers, boundary, cfg, world)
     finally:
