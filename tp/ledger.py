@@ -36,22 +36,16 @@ _profiling = torch._C._autograd._profiler_enabled
 _ACTIVE: contextvars.ContextVar["TrafficLedger | None"] = contextvars.ContextVar("tp_traffic_ledger", default=None)
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+_SPELLINGS = {"all_reduce": ("allreduce", "all_reduce"), "all_gather": ("allgather", "all_gather"),  # in this order
+              "reduce_scatter": ("reduce_scatter",), "all_to_all": ("alltoall", "all_to_all"),
+              "broadcast": ("broadcast",)}
 
 
 def collective_kind(op) -> str:
     """Our name for a collective operator as PyTorch reports it (CommDebugMode's c10d ops): all_reduce, all_gather."""
     name = str(op)
-    if "allreduce" in name or "all_reduce" in name:
-        return "all_reduce"
-    if "allgather" in name or "all_gather" in name:
-        return "all_gather"
-    if "reduce_scatter" in name:
-        return "reduce_scatter"
-    if "alltoall" in name or "all_to_all" in name:
-        return "all_to_all"
-    if "broadcast" in name:
-        return "broadcast"
-    return name.rsplit(".", 1)[-1].strip("_")
+    kinds = [kind for kind, spellings in _SPELLINGS.items() if any(s in name for s in spellings)]
+    return kinds[0] if kinds else name.rsplit(".", 1)[-1].strip("_")
 
 
 def ring_bytes_per_rank(kind: str, elements: int, p: int, elem_bytes: int) -> float:

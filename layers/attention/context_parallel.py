@@ -122,14 +122,10 @@ def materialized_attention(q, k, v, visible: torch.Tensor, scale: float | None =
 
 def chunk_bounds(n: int, cp: int) -> list[tuple[int, int]]:
     """The 2·cp chunks of a sequence of n positions: sizes differ by at most one, the longer ones first."""
-    parts = 2 * cp
-    base, extra = divmod(n, parts)
-    out, at = [], 0
-    for c in range(parts):
-        size = base + (1 if c < extra else 0)
-        out.append((at, at + size))
-        at += size
-    return out
+    base, extra = divmod(n, 2 * cp)
+    sizes = [base + (1 if c < extra else 0) for c in range(2 * cp)]
+    starts = [sum(sizes[:c]) for c in range(2 * cp)]
+    return [(a, a + size) for a, size in zip(starts, sizes)]
 
 
 def zigzag_positions(n: int, cp: int, rank: int) -> list[int]:
@@ -183,7 +179,7 @@ class RingPrefill:
         zigzag = q.device.type == "cpu" and self.positions == [zigzag_positions(n, cp, r) for r in range(cp)]
         bounds = chunk_bounds(n, cp)
         q_pos = self.local_positions
-        block, outs, lses = kv.contiguous(), [[], []], [[], []]
+        block, parts = kv.contiguous(), [[], []]  # per query chunk: its (o, lse) over every key block it sees
         for step in range(cp):
             owner = (rank - step) % cp  # whose rows `block` holds
             arrived = None
@@ -195,19 +191,15 @@ class RingPrefill:
                     for kc, k_rows in self._chunks(owner, bounds):
                         if kc > qc:
                             continue
-                        o, lse = attend_part(q[:, q_rows], block[0][:, k_rows], block[1][:, k_rows],
-                                             "causal" if kc == qc else None, self.scale)
-                        outs[qi].append(o)
-                        lses[qi].append(lse)
+                        parts[qi].append(attend_part(q[:, q_rows], block[0][:, k_rows], block[1][:, k_rows],
+                                                     "causal" if kc == qc else None, self.scale))
             else:
                 k_pos = torch.tensor(self.positions[owner], device=self.device)
-                o, lse = partial_attention(q, block[0], block[1], q_pos, k_pos, self.scale)
-                outs[0].append(o)
-                lses[0].append(lse)
+                parts[0].append(partial_attention(q, block[0], block[1], q_pos, k_pos, self.scale))
             if arrived is not None:
                 block = arrived()
-        parts = [merge(o, lse)[0] for o, lse in zip(outs, lses) if o]
-        o = torch.cat(parts, dim=1) if zigzag else parts[0]
+        merged = [merge([o for o, _ in pairs], [lse for _, lse in pairs])[0] for pairs in parts if pairs]
+        o = torch.cat(merged, dim=1) if zigzag else merged[0]
         return o.transpose(0, 1).reshape(q.shape[1], -1)
 
     @staticmethod
@@ -341,14 +333,12 @@ class SplitCacheBackend:
         rank's. Returns [T, h·d]."""
         meta: SplitMeta = batch.meta
         store(pool, meta.owned_slots, kv.index_select(2, meta.owned_rows).transpose(1, 2))  # its own rows
-        outs, lses = [], []
+        parts = []
         for seq in meta.seqs:
             keys, values = load(pool, seq.key_slots).transpose(1, 2)  # [h_kv, held, d]
-            o, lse = partial_attention(q[:, seq.start:seq.end], keys, values, batch.positions[seq.start:seq.end],
-                                       seq.key_positions, scale)
-            outs.append(o)
-            lses.append(lse)
-        o, lse = torch.cat(outs, dim=1), torch.cat(lses, dim=1)  # [h, T, d], [h, T]
+            parts.append(partial_attention(q[:, seq.start:seq.end], keys, values, batch.positions[seq.start:seq.end],
+                                           seq.key_positions, scale))
+        o, lse = (torch.cat(side, dim=1) for side in zip(*parts))  # [h, T, d], [h, T]
         packed = torch.cat([o.to(lse.dtype), lse[..., None]], dim=-1).transpose(0, 1).contiguous()  # [T, h, d + 1]
         every = gather_rows_from_region(packed, self.group, "attn/cp merge").view(self.cp, *packed.shape)  # ★
         merged, _ = merge([part[..., :-1] for part in every], [part[..., -1] for part in every])

@@ -140,13 +140,11 @@ def rotary_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Lla
                      requests: Requests | PagedLayer | None) -> torch.Tensor:
     """q [T, h·dh], k, v [T, h_kv·dh] (this rank's heads): RoPE on q and k at each row's position, then causal
     grouped-query attention (layers/attention/attention.py, which also keeps the cache). Returns [T, h·dh]."""
+    tables = requests.batch.tables if isinstance(requests, PagedLayer) else {}  # serving: once an iteration
     key = ("rope", cfg.d_head, cfg.rope_theta, q.dtype)
-    if isinstance(requests, PagedLayer) and key in requests.batch.tables:  # serving: once per iteration, not per layer
-        cos, sin = requests.batch.tables[key]
-    else:
-        cos, sin = rope_tables(positions_of(requests, q.shape[0], q.device), cfg.d_head, cfg.rope_theta, q.dtype)
-        if isinstance(requests, PagedLayer):
-            requests.batch.tables[key] = (cos, sin)
+    if key not in tables:
+        tables[key] = rope_tables(positions_of(requests, q.shape[0], q.device), cfg.d_head, cfg.rope_theta, q.dtype)
+    cos, sin = tables[key]
     q, k, v = (rearrange(t, "n (h d) -> h n d", d=cfg.d_head) for t in (q, k, v))
     kv = torch.stack([rope(k, cos, sin), v])  # [2, h_kv, T, dh]
     return attention(rope(q, cos, sin), kv, requests)

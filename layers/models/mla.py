@@ -234,13 +234,11 @@ def latent_and_queries(q: torch.Tensor, kv: torch.Tensor, cfg: DeepseekConfig, r
     """q [T, H·(n+r)] (this rank's heads), kv [T, c + r] (kv_a's output) -> q_nope [H, T, n], q_rope [H, T, r] (rotated),
     latent [T, c + r]: the normed c_KV, then the rotated k_R (what the cache holds)."""
     c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    tables = requests.batch.tables if isinstance(requests, PagedLayer) else {}  # serving: once an iteration
     key = ("mla rope", cfg, q.dtype)
-    if isinstance(requests, PagedLayer) and key in requests.batch.tables:  # serving: once per iteration
-        cos, sin = requests.batch.tables[key]
-    else:
-        cos, sin = rope_cos_sin(positions_of(requests, q.shape[0], q.device), cfg, q.dtype)
-        if isinstance(requests, PagedLayer):
-            requests.batch.tables[key] = (cos, sin)
+    if key not in tables:
+        tables[key] = rope_cos_sin(positions_of(requests, q.shape[0], q.device), cfg, q.dtype)
+    cos, sin = tables[key]
     q = rearrange(q, "t (h d) -> h t d", d=cfg.qk_head_dim)
     q_nope, q_rope = q.split([cfg.qk_nope_head_dim, r], dim=-1)
     latent = torch.cat([norm(kv[:, :c]), rotary(kv[:, c:], cos, sin, cfg.rope_interleave)], dim=-1)
