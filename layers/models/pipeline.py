@@ -18,8 +18,8 @@ collective ("pp/all-gather"). With tp = 1 both ways are the same message.
 
     PPStage   the block check's stage: its layers' TP blocks; run() drives a forward-only GPipe schedule
     PPLM      a language model's stage for serving: a micro-batch's part on this stage (forward_stage, sample,
-              share), driven by serve/pipeline.py's PipelineEngine with up to pp micro-batches in flight; step() is
-              one iteration alone, with TPLM.step's signature and result on every rank
+              broadcast_tokens), driven by serve/pipeline.py's PipelineEngine with up to pp micro-batches in flight;
+              step() is one iteration alone, with TPLM.step's signature and result on every rank
 """
 
 from __future__ import annotations
@@ -298,11 +298,10 @@ class PPLM(StagePosition, nn.Module):
                                                              the result to the next stage (flush() waits for it)
         sample(x, sample_rows, sampling)                     the last stage: the head's pick, as a table [S, w] float64
                                                              (id, logit[, logprob, top ids, top logprobs])
-        share(table, rows, width)                            ★ broadcast from the last stage's TP rank 0 to every rank
+        broadcast_tokens(table, rows, width, device)         ★ broadcast from the last stage's TP rank 0 to every rank
                                                              ("pp/tokens"): a SampleResult on every rank
 
-    The serving engine (serve/pipeline.py's PipelineEngine) calls them for up to pp micro-batches in flight at once;
-    step() is the three of them for one iteration alone, with TPLM.step's signature and result."""
+    (the serving engine's up to pp micro-batches in flight, or step(): the module docstring)."""
 
     def __init__(self, lm, layout: PPLayout, rank: int, layers: range, boundary: str = "whole", model_cfg=None,
                  world: dist.ProcessGroup | None = None):
