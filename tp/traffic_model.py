@@ -379,12 +379,8 @@ def predict_cp(cfg: ModelShape, cp: int, tp: int, rank: int, rows: list[int], ne
     name = str(dtype).removeprefix("torch.")
     stats = torch.promote_types(dtype, torch.float32)
     collectives, messages = [], []
-
-    def tp_collectives(layer: int, n: int) -> list[Traffic]:
-        return _blocks(cfg, [layer], n, "v2", "forward", dtype, tp) if tp > 1 else []
-
     for i in range(cfg.n_layers):
-        collectives += tp_collectives(i, rows[c])
+        collectives += _blocks(cfg, [i], rows[c], "v2", "forward", dtype, tp) if tp > 1 else []
         for s in range(cp - 1):
             for kind, peer, owner in (("send", nxt, (c - s) % cp), ("recv", prev, (c - s - 1) % cp)):
                 shape = (2, h_kv, rows[owner], dh)
@@ -395,7 +391,7 @@ def predict_cp(cfg: ModelShape, cp: int, tp: int, rank: int, rows: list[int], ne
             if cp > 1:
                 collectives.append(Traffic.of(layer=i, sublayer="attn", site="cp merge", phase="forward",
                                               kind="all_gather", shape=(cp, h, dh + 1), dtype=stats, p=cp))
-            collectives += tp_collectives(i, 1)
+            collectives += _blocks(cfg, [i], 1, "v2", "forward", dtype, tp) if tp > 1 else []
     return collectives, messages
 
 

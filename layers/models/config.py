@@ -68,11 +68,9 @@ def validate_model(cfg: ModelConfig, p: int) -> None:
     """Raise ConfigError naming the numbers to change. Pure: every rank reaches the same verdict."""
     cfg.check_positive(("d_model", "n_heads", "d_head", "d_ffn", "n_layers", "max_seq_len", "vocab_size"))
     if cfg.d_model != cfg.k:
-        raise ConfigError(
-            f"d_model={cfg.d_model} must equal n_heads*d_head={cfg.n_heads}*{cfg.d_head}={cfg.k} "
-            f"(the GPT-2 block adds the attention output back onto the residual stream); "
-            f"set model.d_head={cfg.d_model // cfg.n_heads if cfg.d_model % cfg.n_heads == 0 else '?'}"
-        )
+        raise ConfigError(f"d_model={cfg.d_model} must equal n_heads*d_head={cfg.n_heads}*{cfg.d_head}={cfg.k} "
+                          f"(the GPT-2 block adds the attention output back onto the residual stream); "
+                          f"set model.d_head={cfg.d_model // cfg.n_heads if cfg.d_model % cfg.n_heads == 0 else '?'}")
     valid = ", ".join(map(str, valid_tp_sizes(cfg)))
     if cfg.n_heads % p:
         raise ConfigError(f"n_heads={cfg.n_heads} heads cannot be split over p={p} ranks (head-aligned split needs "
@@ -102,10 +100,9 @@ def parse_variants(names) -> list[str]:
 def validate_variants(cfg: ModelConfig, p: int, variants: list[str]) -> None:
     if "intra_head" in variants and cfg.d_head % p:
         valid = ", ".join(str(q) for q in valid_tp_sizes(cfg) if cfg.d_head % q == 0)
-        raise ConfigError(
-            f"variant intra_head splits every head's d_head={cfg.d_head} over p={p} ranks, which needs "
-            f"d_head % p == 0; valid tensor-parallel sizes for it: {valid} (or drop intra_head from variants)"
-        )
+        raise ConfigError(f"variant intra_head splits every head's d_head={cfg.d_head} over p={p} ranks, which needs "
+                          f"d_head % p == 0; valid tensor-parallel sizes for it: {valid} (or drop intra_head from "
+                          f"variants)")
 
 
 def validate_tokens(cfg: ModelConfig, n_tokens: int, what: str = "n_tokens") -> None:

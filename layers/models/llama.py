@@ -233,11 +233,9 @@ class TPLlamaBlock(RotaryBlock):
 
 
 class TPLlamaBlockSP(TPLlamaBlock):
-    """v2sp: TPLlamaBlock with sequence parallelism. Between sub-layers each rank holds its T'/p rows
-    (T' = T padded up to a multiple of p); RMSNorm and the residual adds run on those rows. Before each
-    column-parallel matmul an all-gather rebuilds the T rows; after each row-parallel one a reduce-scatter leaves
-    each rank its rows of the sum. The norm weights' gradients are partial over each rank's rows: one all-reduce
-    per sub-layer in backward (copy_to_region, at the line that uses them)."""
+    """v2sp: TPLlamaBlock with sequence parallelism, cut as GPT-2's TPBlockV2SP (layers/models/tp_block.py): between
+    sub-layers each rank holds its T'/p rows (T' = T padded up to a multiple of p), where RMSNorm and the residual
+    adds run; the norm weights' gradients, partial over those rows, are all-reduced in backward (copy_to_region)."""
 
     def forward(self, x: torch.Tensor, requests: Requests | None = None, n: int | None = None) -> torch.Tensor:
         if isinstance(requests, PagedLayer):

@@ -50,9 +50,9 @@ from layers.attention.kv_quant import QuantizedLayer, reference_round_trip
 from layers.attention.varlen import Requests
 from layers.models.config import FamilyConfig
 from layers.models.llama import RMSNorm, rope
-from layers.models.moe import moe_local, swiglu
+from layers.models.moe import expert_parts, moe_local, swiglu
 from layers.parallel.linear import ColumnParallelLinear, RowParallelLinear
-from layers.parallel.shard import Cut, Part, cols, even, heads_range, rows, whole
+from layers.parallel.shard import Part, cols, even, heads_range, rows, whole
 from tp.comm import reduce_from_region
 from tp.dist import ConfigError
 
@@ -450,13 +450,8 @@ class TPDeepseekBlock(_DeepseekParts):
         if not self.moe:
             (a, b), f = even(c.d_ffn, rank, p, "d_ffn"), c.d_ffn
             return out + [Part("gate_up", "gate_up", rows((a, b), (f + a, f + b))), Part("down", "down", cols((a, b)))]
-        out += whole("router", "router_bias")
-        if self.placement == "tp":
-            (a, b), f = even(c.moe_d_ffn, rank, p, "moe_d_ffn"), c.moe_d_ffn
-            out += [Part("gate_up", "gate_up", Cut(1, ((a, b), (f + a, f + b)))), Part("down", "down", Cut(2, ((a, b),)))]
-        else:
-            mine_experts = Cut(0, (even(c.n_routed_experts, rank, p, "n_routed_experts"),))
-            out += [Part("gate_up", "gate_up", mine_experts), Part("down", "down", mine_experts)]
+        out += whole("router", "router_bias") + expert_parts(self.placement, c.moe_d_ffn, c.n_routed_experts, rank, p,
+                                                               ("moe_d_ffn", "n_routed_experts"))
         if c.n_shared_experts:
             (a, b), f = even(c.n_shared_experts * c.moe_d_ffn, rank, p, "shared ffn"), c.n_shared_experts * c.moe_d_ffn
             out += [Part("shared_gate_up", "shared_gate_up", rows((a, b), (f + a, f + b))),

@@ -121,6 +121,16 @@ def moe_local(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up
     return torch.zeros_like(h).index_add_(0, pairs // k, y)
 
 
+def expert_parts(placement: str, ffn: int, experts: int, rank: int, p: int, names: tuple[str, str]) -> list[Part]:
+    """This rank's slices of the stacked experts gate_up [E, 2f, d] and down [E, d, f]: tp, every expert's f/p (its
+    rows of gate and of up, its columns of down); ep, E/p whole experts. names: f's and E's, for the messages."""
+    if placement == "tp":
+        (a, b), f = even(ffn, rank, p, names[0]), ffn
+        return [Part("gate_up", "gate_up", Cut(1, ((a, b), (f + a, f + b)))), Part("down", "down", Cut(2, ((a, b),)))]
+    mine = Cut(0, (even(experts, rank, p, names[1]),))
+    return [Part("gate_up", "gate_up", mine), Part("down", "down", mine)]
+
+
 # ---- blocks ---------------------------------------------------------------------------------------------------
 
 
@@ -184,14 +194,8 @@ class TPMoEBlock(TPLlamaBlock, _MoEFFN):
     def plan(self) -> list[Part]:
         c, rank, p = self.cfg, dist.get_rank(self.group), dist.get_world_size(self.group)
         attention = [part for part in super().plan() if part.param.split(".")[0] in ("attn_norm", "qkv", "o")]
-        if self.placement == "tp":
-            (a, b), f = even(c.d_ffn, rank, p, "d_ffn"), c.d_ffn
-            experts = [Part("gate_up", "gate_up", Cut(1, ((a, b), (f + a, f + b)))),
-                       Part("down", "down", Cut(2, ((a, b),)))]
-        else:
-            mine = Cut(0, (even(c.n_experts, rank, p, "n_experts"),))
-            experts = [Part("gate_up", "gate_up", mine), Part("down", "down", mine)]
-        return attention + whole("mlp_norm.weight", "router") + experts
+        return (attention + whole("mlp_norm.weight", "router")
+                + expert_parts(self.placement, c.d_ffn, c.n_experts, rank, p, ("d_ffn", "n_experts")))
 
 
 class EPAllToAllBlock(DenseMoEBlock):
@@ -234,9 +238,8 @@ class EPAllToAllBlock(DenseMoEBlock):
 
     def plan(self) -> list[Part]:
         rank, p = dist.get_rank(self.group), dist.get_world_size(self.group)
-        mine = Cut(0, (even(self.cfg.n_experts, rank, p, "n_experts"),))
         return (whole("attn_norm.weight", "q.weight", "k.weight", "v.weight", "o.weight", "mlp_norm.weight", "router")
-                + [Part("gate_up", "gate_up", mine), Part("down", "down", mine)])
+                + expert_parts("ep", self.cfg.d_ffn, self.cfg.n_experts, rank, p, ("d_ffn", "n_experts")))
 
 
 # ---- building and loading -------------------------------------------------------------------------------------

@@ -14,12 +14,8 @@ Between stage s and s+1 the hidden states [T, d] move one way, point to point, i
 
 Every message goes into the traffic ledger as a Transfer (site "pp/boundary", `request` = the micro-batch), and
 tp/traffic_model.predict_pp_stage predicts each rank's messages and collectives; the scatter mode's all-gather is an ordinary
-collective ("pp/all-gather"). With tp = 1 both ways are the same message.
-
-    PPStage   the block check's stage: its layers' TP blocks; run() drives a forward-only GPipe schedule
-    PPLM      a language model's stage for serving: a micro-batch's part on this stage (forward_stage, sample,
-              broadcast_tokens), driven by serve/pipeline.py's PipelineEngine with up to pp micro-batches in flight;
-              step() is one iteration alone, with TPLM.step's signature and result on every rank
+collective ("pp/all-gather"). With tp = 1 both ways are the same message. A stage is a PPStage (the block check's,
+run() drives a forward-only GPipe schedule) or, for serving, a PPLM.
 """
 
 from __future__ import annotations
@@ -301,7 +297,8 @@ class PPLM(StagePosition, nn.Module):
         broadcast_tokens(table, rows, width, device)         ★ broadcast from the last stage's TP rank 0 to every rank
                                                              ("pp/tokens"): a SampleResult on every rank
 
-    (the serving engine's up to pp micro-batches in flight, or step(): the module docstring)."""
+    serve/pipeline.py's PipelineEngine calls them for up to pp micro-batches in flight at once; step() is the three
+    of them for one iteration alone, with TPLM.step's signature and result on every rank."""
 
     def __init__(self, lm, layout: PPLayout, rank: int, layers: range, boundary: str = "whole", model_cfg=None,
                  world: dist.ProcessGroup | None = None):
