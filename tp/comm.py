@@ -59,7 +59,7 @@ class _Where:
                                    shape=tuple(shape), dtype=dtype, p=dist.get_world_size(group), **extra)
 
 
-# ---- raw (non-autograd) operations: each takes (x, group, where, phase); the splits send nothing ----------------
+# ---- raw (non-autograd) operations on p > 1 ranks, each taking (x, group, where, phase); the splits send nothing ----
 
 
 def _identity(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: str) -> torch.Tensor:
@@ -69,8 +69,6 @@ def _identity(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: s
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: str) -> torch.Tensor:
     """Sum `x` over the group, into a copy: the same tensor may feed another branch (e.g. a residual add), so it is
     never reduced in place."""
-    if dist.get_world_size(group) == 1:
-        return x
     x = x.clone().contiguous()
     where.run(lambda: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group), "all_reduce", phase, x.shape, x.dtype,
               group)
@@ -80,8 +78,6 @@ def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase:
 def _all_gather_last(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: str) -> torch.Tensor:
     """[..., c] on each rank -> [..., p*c], rank r's block at columns [r*c, (r+1)*c)."""
     p = dist.get_world_size(group)
-    if p == 1:
-        return x
     x = x.contiguous()
     out = x.new_empty((p * x.shape[0], *x.shape[1:]))  # ranks stacked on the first dim
     logical = (*x.shape[:-1], p * x.shape[-1])
@@ -92,8 +88,6 @@ def _all_gather_last(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, p
 def _split_last(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: str) -> torch.Tensor:
     """[..., p*c] -> this rank's [..., c]."""
     p = dist.get_world_size(group)
-    if p == 1:
-        return x
     if x.shape[-1] % p:
         raise ValueError(f"last dim {x.shape[-1]} is not divisible by {p} ranks")
     return x.chunk(p, dim=-1)[dist.get_rank(group)].contiguous()
@@ -102,8 +96,6 @@ def _split_last(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase:
 def _all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: str) -> torch.Tensor:
     """[n, ...] on each rank -> [p*n, ...], rank r's rows at [r*n, (r+1)*n)."""
     p = dist.get_world_size(group)
-    if p == 1:
-        return x
     x = x.contiguous()
     out = x.new_empty((p * x.shape[0], *x.shape[1:]))
     where.run(lambda: _all_gather_single(out, x, group=group), "all_gather", phase, out.shape, x.dtype, group)
@@ -113,8 +105,6 @@ def _all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, p
 def _reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: str) -> torch.Tensor:
     """[p*n, ...] partial sums on each rank -> this rank's rows [r*n, (r+1)*n) of the sum: [n, ...]."""
     p = dist.get_world_size(group)
-    if p == 1:
-        return x
     if x.shape[0] % p:
         raise ValueError(f"first dim {x.shape[0]} is not divisible by {p} ranks")
     x = x.contiguous()
@@ -127,8 +117,6 @@ def _reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup, where: _Wher
 def _split_rows(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: str) -> torch.Tensor:
     """[p*n, ...] -> this rank's [n, ...], a copy (not a view that keeps all p·n rows alive)."""
     p = dist.get_world_size(group)
-    if p == 1:
-        return x
     if x.shape[0] % p:
         raise ValueError(f"first dim {x.shape[0]} is not divisible by {p} ranks")
     return x.chunk(p, dim=0)[dist.get_rank(group)].clone()
@@ -139,14 +127,14 @@ def _split_rows(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase:
 
 def _autograd(name: str, forward_op, backward_op) -> type[torch.autograd.Function]:
     """The autograd Function `name` (profiles show that name): forward runs forward_op on x, backward runs
-    backward_op on the gradient, both recorded at the forward's call site."""
+    backward_op on the gradient, both recorded at the forward's call site; on one rank both are the identity."""
 
     def forward(ctx, x, group, site):
-        ctx.group, ctx.where = group, _Where(site)
-        return forward_op(x, group, ctx.where, "forward")
+        ctx.group, ctx.where, ctx.one = group, _Where(site), dist.get_world_size(group) == 1
+        return x if ctx.one else forward_op(x, group, ctx.where, "forward")
 
     def backward(ctx, grad):
-        return backward_op(grad, ctx.group, ctx.where, "backward"), None, None
+        return (grad if ctx.one else backward_op(grad, ctx.group, ctx.where, "backward")), None, None
 
     methods = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
     return type(name, (torch.autograd.Function,), methods)

@@ -211,8 +211,7 @@ class RingPrefill:
 
     @staticmethod
     def _exchange(block: torch.Tensor, incoming: torch.Tensor, nxt: int, prev: int):
-        """Post the send of `block` to global rank nxt and the receive of `incoming` from prev; the function returned
-        waits for both, ledgers them and returns `incoming`."""
+        """Post `block`'s send to rank nxt and `incoming`'s receive from prev; the returned function finishes both."""
         ledger, start = active(), time.perf_counter()
         works = [dist.isend(block, nxt, group=None), dist.irecv(incoming, prev, group=None)]
 

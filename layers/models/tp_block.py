@@ -38,7 +38,7 @@ from layers.models.llama import pad_rows
 from layers.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from layers.parallel.shard import (DenseSource, Part, cols, even, head_aligned_cut, intra_head_cut, load_plan, prefixed,
                                    rows, whole)
-from tp.partition import ceil_div
+from tp.partition import ceil_div, padded
 from tp.comm import (copy_to_region, gather_from_region, gather_rows_from_region, gather_rows_to_parallel,
                      reduce_from_region, reduce_scatter_rows, scatter_rows_to_region)
 
@@ -206,9 +206,8 @@ class SPStack(TPStack):
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """[n, d] replicated -> this rank's n'/p rows of the padded [n', d] (no communication; backward all-gathers)."""
-        g, n = self.blocks[0].group, x.shape[0]
-        p = dist.get_world_size(g)
-        return scatter_rows_to_region(pad_rows(x, p * ceil_div(n, p)), g, "stack/scatter input")
+        g = self.blocks[0].group
+        return scatter_rows_to_region(pad_rows(x, padded(x.shape[0], dist.get_world_size(g))), g, "stack/scatter input")
 
     def gather(self, rows: torch.Tensor, n: int) -> torch.Tensor:
         """This rank's [n'/p, d] -> the replicated [n, d]: ★ one all-gather (backward: split)."""
