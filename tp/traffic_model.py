@@ -113,13 +113,11 @@ def predict_sp_stack(cfg: ModelShape, p: int, n: int, dtype: torch.dtype, phase:
     """v2sp's collectives outside any block (layers/models/tp_block.SPStack): forward, the output's all-gather [n', d]
     (if the caller gathers it); backward, the input's all-gather of dx [n', d] (if the input needs a gradient).
     The input's scatter and the output gather's backward split rows: no communication."""
-    if p == 1:
+    if p == 1 or not {"forward": gathered, "backward": input_grad}[phase]:
         return []
-    rows = padded(n, p)
-    wanted = {"forward": gathered, "backward": input_grad}[phase]
     site = "gather output" if phase == "forward" else "scatter input"
-    return [Traffic.of(layer=None, sublayer="stack", site=site, phase=phase, kind="all_gather", shape=(rows, cfg.d_model),
-                       dtype=dtype, p=p)] if wanted else []
+    return [Traffic.of(layer=None, sublayer="stack", site=site, phase=phase, kind="all_gather",
+                       shape=(padded(n, p), cfg.d_model), dtype=dtype, p=p)]
 
 
 def bytes_per_rank_per_layer(cfg: ModelShape, p: int, n: int, dtype: torch.dtype, variant: str,

@@ -90,10 +90,6 @@ def config_from_hf(hf: dict) -> DeepseekConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), **yarn)
 
 
-def _legacy(state, prefix: str, i: int) -> bool:
-    return f"{prefix}{i}.mlp.experts.0.gate_proj.weight" in state
-
-
 def layer_keys(cfg: DeepseekConfig, state, prefix: str, i: int) -> dict[str, tuple[str, ...]]:
     at = f"{prefix}{i}."
     keys = {ours: (at + theirs,) for ours, theirs in {**_ATTENTION, **(_Q_LORA if cfg.q_lora_rank else _Q)}.items()}
@@ -102,12 +98,12 @@ def layer_keys(cfg: DeepseekConfig, state, prefix: str, i: int) -> dict[str, tup
         keys["down"] = (at + "mlp.down_proj.weight",)
         return keys
     keys["router"], keys["router_bias"] = (at + "mlp.gate.weight",), (at + "mlp.gate.e_score_correction_bias",)
-    if _legacy(state, prefix, i):
-        e = at + "mlp.experts."
+    e = at + "mlp.experts."
+    if f"{e}0.gate_proj.weight" in state:  # the files' layout (save_pretrained): one key per expert
         keys["gate_up"] = tuple(f"{e}{j}.{w}_proj.weight" for j in range(cfg.n_routed_experts) for w in ("gate", "up"))
         keys["down"] = tuple(f"{e}{j}.down_proj.weight" for j in range(cfg.n_routed_experts))
     else:
-        keys["gate_up"], keys["down"] = (at + "mlp.experts.gate_up_proj",), (at + "mlp.experts.down_proj",)
+        keys["gate_up"], keys["down"] = (e + "gate_up_proj",), (e + "down_proj",)
     if cfg.n_shared_experts:
         s = at + "mlp.shared_experts."
         keys["shared_gate_up"] = (s + "gate_proj.weight", s + "up_proj.weight")

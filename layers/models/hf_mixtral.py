@@ -37,14 +37,10 @@ def config_from_hf(hf: dict) -> MoEConfig:
     return MoEConfig(**dataclasses.asdict(llama), n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"])
 
 
-def _legacy(state, prefix: str) -> bool:
-    return f"{prefix}0.block_sparse_moe.gate.weight" in state
-
-
 def layer_keys(cfg: MoEConfig, state, prefix: str, i: int) -> dict[str, tuple[str, ...]]:
     """Layer i's parameters (ours) -> their checkpoint keys, in either layout."""
     keys = {ours: (f"{prefix}{i}.{theirs}",) for ours, theirs in HF_LAYER_KEYS.items()}
-    if _legacy(state, prefix):
+    if f"{prefix}0.block_sparse_moe.gate.weight" in state:  # the files' layout (save_pretrained)
         moe = f"{prefix}{i}.block_sparse_moe."
         keys["router"] = (moe + "gate.weight",)
         keys["gate_up"] = tuple(f"{moe}experts.{j}.{w}.weight" for j in range(cfg.n_experts) for w in ("w1", "w3"))

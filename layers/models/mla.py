@@ -345,14 +345,11 @@ class _DeepseekParts(nn.Module):
             self.shared_gate_up = nn.Parameter(torch.empty(2 * shared_ffn, cfg.d_model, **kw))
             self.shared_down = nn.Parameter(torch.empty(cfg.d_model, shared_ffn, **kw))
 
-    def routing(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route_grouped(h, self.router, self.router_bias, self.cfg)
-
     def ffn_partial(self, h: torch.Tensor, first: int) -> torch.Tensor:
         """This rank's share of the FFN output [T, d] (the whole of it on one device)."""
         if not self.moe:
             return swiglu(h, self.gate_up, self.down)
-        weights, ids = self.routing(h)
+        weights, ids = route_grouped(h, self.router, self.router_bias, self.cfg)
         out = moe_local(h, weights, ids, self.gate_up, self.down, first)
         return out + swiglu(h, self.shared_gate_up, self.shared_down) if self.cfg.n_shared_experts else out
 
