@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from layers.attention.varlen import Requests
-from layers.models.dense import Stack
-from layers.models.moe import MoEConfig, DenseMoEBlock, dense_routing as routing, load_hf_layer, moe_block, route
+from layers.models.dense import DenseStack, Stack
+from layers.models.hf import load_stack
+from layers.models.moe import MoEConfig, dense_routing as routing, moe_block, route
 from layers.parallel.shard import DenseSource, load_plan
 from tests.common import exact_rms_forward, patch_forwards
 from tests.harness import run_ranks
@@ -53,9 +54,8 @@ def hf_mixtral(cfg: MoEConfig):
                                   mm.MixtralTopKRouter: router_forward})
 
 
-def dense_stack(cfg: MoEConfig, state: dict) -> Stack:
-    return Stack(cfg, [load_hf_layer(DenseMoEBlock(cfg, torch.float64), state, f"layers.{i}.")
-                       for i in range(cfg.n_layers)])
+def dense_stack(cfg: MoEConfig, state: dict) -> DenseStack:
+    return load_stack(DenseStack(cfg, torch.float64), state)
 
 
 def test_dense_moe_block_equals_transformers_mixtral_per_layer():
@@ -251,14 +251,13 @@ def mixtral_lm():
 
 
 def _serve_mixtral(ctx, state, prompts, placement):
-    from layers.models.hf_gpt2 import load_named
+    from layers.models.hf import load_lm
     from layers.models.lm import dense_lm, shard_lm
-    from layers.models.moe import hf_lm_names
     from serve.offline import OfflineEngine
     from serve.config import EngineConfig
     from serve.request import Request
 
-    dense = load_named(dense_lm(CFG, torch.float64), state, hf_lm_names(CFG), "Mixtral")
+    dense = load_lm(dense_lm(CFG, torch.float64), state)
     lm = shard_lm(dense, "v2", ctx.group, moe_parallel=placement)
     reqs = [Request(i, p, new, i) for i, (p, (_, new)) in enumerate(zip(prompts, SERVE_WORKLOAD))]
     res = OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=4, max_num_batched_tokens=12, max_num_seqs=12)).run(reqs)

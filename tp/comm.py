@@ -59,23 +59,25 @@ class _Where:
                                    shape=tuple(shape), dtype=dtype, p=dist.get_world_size(group), **extra)
 
 
-# ---- raw (non-autograd) operations -------------------------------------------------
+# ---- raw (non-autograd) operations on p > 1 ranks, each taking (x, group, where, phase); the splits send nothing ----
+
+
+def _identity(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: str) -> torch.Tensor:
+    return x
 
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: str) -> torch.Tensor:
-    """Sum `x` over the group, in place (x must be a fresh tensor the caller owns)."""
-    if dist.get_world_size(group) == 1:
-        return x
-    x = x.contiguous()
-    where.run(lambda: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group), "all_reduce", phase, x.shape, x.dtype, group)
+    """Sum `x` over the group, into a copy: the same tensor may feed another branch (e.g. a residual add), so it is
+    never reduced in place."""
+    x = x.clone().contiguous()
+    where.run(lambda: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group), "all_reduce", phase, x.shape, x.dtype,
+              group)
     return x
 
 
 def _all_gather_last(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: str) -> torch.Tensor:
     """[..., c] on each rank -> [..., p*c], rank r's block at columns [r*c, (r+1)*c)."""
     p = dist.get_world_size(group)
-    if p == 1:
-        return x
     x = x.contiguous()
     out = x.new_empty((p * x.shape[0], *x.shape[1:]))  # ranks stacked on the first dim
     logical = (*x.shape[:-1], p * x.shape[-1])
@@ -83,11 +85,9 @@ def _all_gather_last(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, p
     return rearrange(out, "(p n) ... c -> n ... (p c)", p=p)
 
 
-def _split_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """[..., p*c] -> this rank's [..., c]. No communication."""
+def _split_last(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: str) -> torch.Tensor:
+    """[..., p*c] -> this rank's [..., c]."""
     p = dist.get_world_size(group)
-    if p == 1:
-        return x
     if x.shape[-1] % p:
         raise ValueError(f"last dim {x.shape[-1]} is not divisible by {p} ranks")
     return x.chunk(p, dim=-1)[dist.get_rank(group)].contiguous()
@@ -96,8 +96,6 @@ def _split_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 def _all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: str) -> torch.Tensor:
     """[n, ...] on each rank -> [p*n, ...], rank r's rows at [r*n, (r+1)*n)."""
     p = dist.get_world_size(group)
-    if p == 1:
-        return x
     x = x.contiguous()
     out = x.new_empty((p * x.shape[0], *x.shape[1:]))
     where.run(lambda: _all_gather_single(out, x, group=group), "all_gather", phase, out.shape, x.dtype, group)
@@ -107,8 +105,6 @@ def _all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, p
 def _reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: str) -> torch.Tensor:
     """[p*n, ...] partial sums on each rank -> this rank's rows [r*n, (r+1)*n) of the sum: [n, ...]."""
     p = dist.get_world_size(group)
-    if p == 1:
-        return x
     if x.shape[0] % p:
         raise ValueError(f"first dim {x.shape[0]} is not divisible by {p} ranks")
     x = x.contiguous()
@@ -118,122 +114,41 @@ def _reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup, where: _Wher
     return out
 
 
-def _split_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """[p*n, ...] -> this rank's [n, ...], a copy (not a view that keeps all p·n rows alive). No communication."""
+def _split_rows(x: torch.Tensor, group: dist.ProcessGroup, where: _Where, phase: str) -> torch.Tensor:
+    """[p*n, ...] -> this rank's [n, ...], a copy (not a view that keeps all p·n rows alive)."""
     p = dist.get_world_size(group)
-    if p == 1:
-        return x
     if x.shape[0] % p:
         raise ValueError(f"first dim {x.shape[0]} is not divisible by {p} ranks")
     return x.chunk(p, dim=0)[dist.get_rank(group)].clone()
 
 
-# ---- autograd functions --------------------------------------------------------------
+# ---- autograd functions: a collective in the forward pass, its adjoint in the backward pass -----------------------
 
 
-class _CopyToRegion(torch.autograd.Function):
-    """forward: identity; backward: all-reduce."""
+def _autograd(name: str, forward_op, backward_op) -> type[torch.autograd.Function]:
+    """The autograd Function `name` (profiles show that name): forward runs forward_op on x, backward runs
+    backward_op on the gradient, both recorded at the forward's call site; on one rank both are the identity."""
 
-    @staticmethod
     def forward(ctx, x, group, site):
-        ctx.group, ctx.where = group, _Where(site)
-        return x
+        ctx.group, ctx.where, ctx.one = group, _Where(site), dist.get_world_size(group) == 1
+        return x if ctx.one else forward_op(x, group, ctx.where, "forward")
 
-    @staticmethod
     def backward(ctx, grad):
-        # The same grad tensor may feed another branch (e.g. a residual add): never reduce it in place.
-        return _all_reduce(grad.clone(), ctx.group, ctx.where, "backward"), None, None
+        return (grad if ctx.one else backward_op(grad, ctx.group, ctx.where, "backward")), None, None
+
+    methods = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+    return type(name, (torch.autograd.Function,), methods)
 
 
-class _ReduceFromRegion(torch.autograd.Function):
-    """forward: all-reduce; backward: identity."""
-
-    @staticmethod
-    def forward(ctx, x, group, site):
-        return _all_reduce(x.clone(), group, _Where(site), "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    """forward: all-gather on the last dim; backward: split on the last dim."""
-
-    @staticmethod
-    def forward(ctx, x, group, site):
-        ctx.group = group
-        return _all_gather_last(x, group, _Where(site), "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None, None
-
-
-class _ScatterToRegion(torch.autograd.Function):
-    """forward: split on the last dim; backward: all-gather on the last dim."""
-
-    @staticmethod
-    def forward(ctx, x, group, site):
-        ctx.group, ctx.where = group, _Where(site)
-        return _split_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_last(grad, ctx.group, ctx.where, "backward"), None, None
-
-
-class _ScatterRowsToRegion(torch.autograd.Function):
-    """forward: split on the first dim; backward: all-gather on the first dim."""
-
-    @staticmethod
-    def forward(ctx, x, group, site):
-        ctx.group, ctx.where = group, _Where(site)
-        return _split_rows(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_rows(grad, ctx.group, ctx.where, "backward"), None, None
-
-
-class _GatherRowsFromRegion(torch.autograd.Function):
-    """forward: all-gather on the first dim; backward: split on the first dim (every rank's gradient is whole)."""
-
-    @staticmethod
-    def forward(ctx, x, group, site):
-        ctx.group = group
-        return _all_gather_rows(x, group, _Where(site), "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_rows(grad, ctx.group), None, None
-
-
-class _GatherRowsToParallel(torch.autograd.Function):
-    """forward: all-gather on the first dim; backward: reduce-scatter on the first dim (each rank's gradient is its
-    column-parallel consumer's partial sum)."""
-
-    @staticmethod
-    def forward(ctx, x, group, site):
-        ctx.group, ctx.where = group, _Where(site)
-        return _all_gather_rows(x, group, ctx.where, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_rows(grad, ctx.group, ctx.where, "backward"), None, None
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    """forward: reduce-scatter on the first dim; backward: all-gather on the first dim."""
-
-    @staticmethod
-    def forward(ctx, x, group, site):
-        ctx.group, ctx.where = group, _Where(site)
-        return _reduce_scatter_rows(x, group, ctx.where, "forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_rows(grad, ctx.group, ctx.where, "backward"), None, None
+# (name, forward, backward): the module docstring's tables
+_CopyToRegion = _autograd("_CopyToRegion", _identity, _all_reduce)
+_ReduceFromRegion = _autograd("_ReduceFromRegion", _all_reduce, _identity)
+_GatherFromRegion = _autograd("_GatherFromRegion", _all_gather_last, _split_last)
+_ScatterToRegion = _autograd("_ScatterToRegion", _split_last, _all_gather_last)
+_ScatterRowsToRegion = _autograd("_ScatterRowsToRegion", _split_rows, _all_gather_rows)
+_GatherRowsFromRegion = _autograd("_GatherRowsFromRegion", _all_gather_rows, _split_rows)  # a replicated consumer
+_GatherRowsToParallel = _autograd("_GatherRowsToParallel", _all_gather_rows, _reduce_scatter_rows)  # column-parallel
+_ReduceScatterRows = _autograd("_ReduceScatterRows", _reduce_scatter_rows, _all_gather_rows)
 
 
 def scatter_rows_to_region(x: torch.Tensor, group: dist.ProcessGroup, site: str | None = None) -> torch.Tensor:
@@ -270,7 +185,7 @@ def reduce_from_region(x: torch.Tensor, group: dist.ProcessGroup, site: str | No
     if dist.get_world_size(group) == 1:  # the identity, both ways
         return x
     if not torch.is_grad_enabled():  # inference: the raw all-reduce, no autograd node
-        return _all_reduce(x.clone(), group, _Where(site), "forward")
+        return _all_reduce(x, group, _Where(site), "forward")
     return _ReduceFromRegion.apply(x, group, site)
 
 

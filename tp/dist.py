@@ -61,10 +61,8 @@ def resolve_backend(backend: str, local_world_size: int) -> str:
     if backend == "auto":
         return "nccl" if n_gpus >= local_world_size else "gloo"
     if backend == "nccl" and n_gpus < local_world_size:
-        raise ConfigError(
-            f"backend=nccl needs one GPU per rank: {local_world_size} local ranks but "
-            f"{n_gpus} CUDA device(s) visible; use backend=gloo (CPU) or fewer ranks"
-        )
+        raise ConfigError(f"backend=nccl needs one GPU per rank: {local_world_size} local ranks but {n_gpus} CUDA "
+                          f"device(s) visible; use backend=gloo (CPU) or fewer ranks")
     return backend
 
 
@@ -174,25 +172,15 @@ def init_from_env(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, i
         os.environ.setdefault("MASTER_PORT", "29500")
     # Under NCCL every group also gets a gloo backend for CPU tensors (the engine's per-iteration plan agreement,
     # object exchanges): control messages go host to host and never wait for a GPU stream.
-    dist.init_process_group(
-        backend="cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=device if backend == "nccl" else None,
-    )
+    dist.init_process_group(backend="cpu:gloo,cuda:nccl" if backend == "nccl" else backend, init_method=init_method,
+                            rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if backend == "nccl" else None)
     return context(dist.group.WORLD, backend=backend, device=device)
 
 
 def context(group: dist.ProcessGroup, backend: str, device: torch.device) -> TPContext:
-    return TPContext(
-        group=group,
-        rank=dist.get_rank(group),
-        world_size=dist.get_world_size(group),
-        backend=backend,
-        device=device,
-    )
+    return TPContext(group=group, rank=dist.get_rank(group), world_size=dist.get_world_size(group), backend=backend,
+                     device=device)
 
 
 def same_on_every_rank(values: torch.Tensor, group: dist.ProcessGroup) -> bool:

@@ -36,35 +36,27 @@ _profiling = torch._C._autograd._profiler_enabled
 _ACTIVE: contextvars.ContextVar["TrafficLedger | None"] = contextvars.ContextVar("tp_traffic_ledger", default=None)
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+_SPELLINGS = {"all_reduce": ("allreduce", "all_reduce"), "all_gather": ("allgather", "all_gather"),  # in this order
+              "reduce_scatter": ("reduce_scatter",), "all_to_all": ("alltoall", "all_to_all"),
+              "broadcast": ("broadcast",)}
 
 
 def collective_kind(op) -> str:
     """Our name for a collective operator as PyTorch reports it (CommDebugMode's c10d ops): all_reduce, all_gather."""
     name = str(op)
-    if "allreduce" in name or "all_reduce" in name:
-        return "all_reduce"
-    if "allgather" in name or "all_gather" in name:
-        return "all_gather"
-    if "reduce_scatter" in name:
-        return "reduce_scatter"
-    if "alltoall" in name or "all_to_all" in name:
-        return "all_to_all"
-    if "broadcast" in name:
-        return "broadcast"
-    return name.rsplit(".", 1)[-1].strip("_")
+    kinds = [kind for kind, spellings in _SPELLINGS.items() if any(s in name for s in spellings)]
+    return kinds[0] if kinds else name.rsplit(".", 1)[-1].strip("_")
 
 
 def ring_bytes_per_rank(kind: str, elements: int, p: int, elem_bytes: int) -> float:
     """Bytes one rank sends in a ring collective. `elements`: the reduced tensor (all-reduce, reduce-scatter: the
     full input each rank holds), the gathered output (all-gather), or the message (broadcast: p-1 copies of it are
-sent in all, counted here as an average over the p ranks). A reduce-scatter is the all-reduce's first
+    sent in all, counted here as an average over the p ranks). A reduce-scatter is the all-reduce's first
     half: (p-1)/p·M·e, like the all-gather that is its second half. An all-to-all's bytes follow its split sizes,
     not its shape: they are given to the ledger and the model (sent_bytes)."""
     if kind == "all_reduce":
         return 2 * (p - 1) * elements * elem_bytes / p
-    if kind in ("all_gather", "reduce_scatter"):
-        return (p - 1) * elements * elem_bytes / p
-    if kind == "broadcast":  # p - 1 copies of M leave some rank (a chain or a tree), spread over p ranks
+    if kind in ("all_gather", "reduce_scatter", "broadcast"):  # broadcast: p - 1 copies of M, spread over p ranks
         return (p - 1) * elements * elem_bytes / p
     raise ValueError(f"unknown collective kind {kind!r}")
 
@@ -215,12 +207,9 @@ class TrafficLedger:
                 wait_for_stream(self.device)
                 elapsed = time.perf_counter() - start
         sublayer, label = split_site(site)
-        elements = math.prod(shape)
-        self.records.append(CommRecord(
-            layer, sublayer, label, phase, kind, shape, str(dtype).removeprefix("torch."),
-            elements * dtype.itemsize,
-            ring_bytes_per_rank(kind, elements, p or self.world_size, dtype.itemsize) if sent_bytes is None else sent_bytes,
-            elapsed))
+        traffic = Traffic.of(layer=layer, sublayer=sublayer, site=label, phase=phase, kind=kind, shape=shape,
+                             dtype=dtype, p=p or self.world_size, sent_bytes=sent_bytes)
+        self.records.append(CommRecord(*(getattr(traffic, f.name) for f in fields(Traffic)), elapsed))
         return out
 
 

@@ -31,10 +31,9 @@ fused CPU attention its output and log-sum-exp); CUDA's kernels keep others, so 
 
 from __future__ import annotations
 
-
 import torch
-from tp.partition import ModelShape, llama_block, padded
 
+from tp.partition import ModelShape, llama_block, padded
 
 
 def activation_bytes_per_layer(cfg: ModelShape, p: int, n: int, dtype: torch.dtype, variant: str) -> int:

@@ -89,16 +89,23 @@ def block_collectives(cfg: ModelShape, n: int, variant: str, phase: str,
     return table[(variant, phase)]
 
 
+def _blocks(cfg: ModelShape, layers, n: int, variant: str, phase: str, dtype: torch.dtype, p: int,
+            lengths: list[int] | None = None) -> list[Traffic]:
+    """block_collectives of every one of `layers`, layer by layer, on p ranks."""
+    return [Traffic.of(layer=i, sublayer=sub, site=site, phase=phase, kind=kind, shape=shape, dtype=dtype, p=p)
+            for i in layers for sub, site, kind, shape in block_collectives(cfg, n, variant, phase, lengths, p)]
+
+
+def _outside(sublayer: str, site: str, kind: str, shape: tuple, dtype: torch.dtype, p: int) -> Traffic:
+    """A forward collective outside any block."""
+    return Traffic.of(layer=None, sublayer=sublayer, site=site, phase="forward", kind=kind, shape=shape, dtype=dtype,
+                      p=p)
+
+
 def predict(cfg: ModelShape, p: int, n: int, dtype: torch.dtype, variant: str, phase: str = "forward",
             lengths: list[int] | None = None) -> list[Traffic]:
     """Every collective of one pass through the whole L-layer stack, layer by layer."""
-    if p == 1:
-        return []
-    return [
-        Traffic.of(layer=i, sublayer=sub, site=site, phase=phase, kind=kind, shape=shape, dtype=dtype, p=p)
-        for i in range(cfg.n_layers)
-        for sub, site, kind, shape in block_collectives(cfg, n, variant, phase, lengths, p)
-    ]
+    return [] if p == 1 else _blocks(cfg, range(cfg.n_layers), n, variant, phase, dtype, p, lengths)
 
 
 def predict_sp_stack(cfg: ModelShape, p: int, n: int, dtype: torch.dtype, phase: str = "forward",
@@ -106,22 +113,17 @@ def predict_sp_stack(cfg: ModelShape, p: int, n: int, dtype: torch.dtype, phase:
     """v2sp's collectives outside any block (layers/models/tp_block.SPStack): forward, the output's all-gather [n', d]
     (if the caller gathers it); backward, the input's all-gather of dx [n', d] (if the input needs a gradient).
     The input's scatter and the output gather's backward split rows: no communication."""
-    if p == 1:
+    if p == 1 or not {"forward": gathered, "backward": input_grad}[phase]:
         return []
-    rows = padded(n, p)
-    wanted = {"forward": gathered, "backward": input_grad}[phase]
     site = "gather output" if phase == "forward" else "scatter input"
-    return [Traffic.of(layer=None, sublayer="stack", site=site, phase=phase, kind="all_gather", shape=(rows, cfg.d_model),
-                       dtype=dtype, p=p)] if wanted else []
+    return [Traffic.of(layer=None, sublayer="stack", site=site, phase=phase, kind="all_gather",
+                       shape=(padded(n, p), cfg.d_model), dtype=dtype, p=p)]
 
 
 def bytes_per_rank_per_layer(cfg: ModelShape, p: int, n: int, dtype: torch.dtype, variant: str,
                              phase: str = "forward", lengths: list[int] | None = None) -> float:
     """Closed form, for sweeps and plots."""
-    if p == 1:
-        return 0.0
-    return sum(Traffic.of(layer=0, sublayer=s, site=t, phase=phase, kind=k, shape=sh, dtype=dtype, p=p).bytes_per_rank
-               for s, t, k, sh in block_collectives(cfg, n, variant, phase, lengths, p))
+    return sum(t.bytes_per_rank for t in _blocks(cfg, [0], n, variant, phase, dtype, p, lengths)) if p > 1 else 0.0
 
 
 def predict_iteration(cfg: ModelShape, p: int, rows: int, sampled: int, dtype: torch.dtype, variant: str,
@@ -137,25 +139,20 @@ def predict_iteration(cfg: ModelShape, p: int, rows: int, sampled: int, dtype: t
     if p == 1 and cp == 1:
         return []
     if cp > 1:
-        merge = [Traffic.of(layer=i, sublayer="attn", site="cp merge", phase="forward", kind="all_gather",
-                            shape=(cp * rows, cfg.n_heads // p, cfg.d_head + 1),
-                            dtype=torch.promote_types(dtype, torch.float32), p=cp) for i in range(cfg.n_layers)]
-        out = [Traffic.of(layer=None, sublayer="engine", site="plan check", phase="forward", kind="all_gather",
-                          shape=(1, plan_check * p * cp), dtype=torch.float64, p=p * cp)] if plan_check else []
+        check = (1, plan_check * p * cp)
+        out = [_outside("engine", "plan check", "all_gather", check, torch.float64, p * cp)] if plan_check else []
         inner = predict_iteration(cfg, p, rows, sampled, dtype, variant, vocab_parallel, 0, sampler)
-        layered = {i: [t for t in inner if t.layer == i] for i in range(cfg.n_layers)}
         out += [t for t in inner if t.layer is None and t.sublayer == "embed"]
-        for i in range(cfg.n_layers):
-            out += [merge[i]] + layered[i]
+        for i in range(cfg.n_layers):  # each layer merges its attention over the cp group first
+            out.append(Traffic.of(layer=i, sublayer="attn", site="cp merge", phase="forward", kind="all_gather",
+                                  shape=(cp * rows, cfg.n_heads // p, cfg.d_head + 1),
+                                  dtype=torch.promote_types(dtype, torch.float32), p=cp))
+            out += [t for t in inner if t.layer == i]
         return out + [t for t in inner if t.layer is None and t.sublayer != "embed"]
 
-    def extra(sublayer, site, kind, shape, dt):
-        return Traffic.of(layer=None, sublayer=sublayer, site=site, phase="forward", kind=kind, shape=shape,
-                          dtype=dt, p=p)
-
-    out = [extra("engine", "plan check", "all_gather", (1, plan_check * p), torch.float64)] if plan_check else []
+    out = [_outside("engine", "plan check", "all_gather", (1, plan_check * p), torch.float64, p)] if plan_check else []
     if vocab_parallel:
-        out.append(extra("embed", "all-reduce", "all_reduce", (rows, cfg.d_model), dtype))
+        out.append(_outside("embed", "all-reduce", "all_reduce", (rows, cfg.d_model), dtype, p))
     out += predict(cfg, p, rows, dtype, variant, "forward")
     if vocab_parallel and sampled:
         out += predict_sampler(p, sampled, sampler, cfg.vocab_size, dtype)
@@ -169,8 +166,7 @@ def predict_sampler(p: int, sampled: int, sampler: tuple[tuple[int, ...], bool, 
     normalisers' all-reduce [S, 2] when top-p or logprobs need them; a round of 0: the logits themselves, [S, V'] in
     the model's dtype), then, when some row races over the slices, the race's all-gather [S, 3p]."""
     def gather(site, width, dt=torch.float64):
-        return Traffic.of(layer=None, sublayer="head", site=site, phase="forward", kind="all_gather",
-                          shape=(sampled, width), dtype=dt, p=p)
+        return _outside("head", site, "all_gather", (sampled, width), dt, p)
 
     if sampler is None:
         return [gather("argmax all-gather", 2 * p)]
@@ -180,8 +176,7 @@ def predict_sampler(p: int, sampled: int, sampler: tuple[tuple[int, ...], bool, 
         out.append(gather("candidates all-gather", 2 * c * p) if c else
                    gather("logits all-gather", padded(vocab_size, p), dtype))  # V': V padded to a multiple of p
         if i == 0 and normalisers:
-            out.append(Traffic.of(layer=None, sublayer="head", site="normaliser all-reduce", phase="forward",
-                                  kind="all_reduce", shape=(sampled, 2), dtype=torch.float64, p=p))
+            out.append(_outside("head", "normaliser all-reduce", "all_reduce", (sampled, 2), torch.float64, p))
     return out + ([gather("sample all-gather", 3 * p)] if race else [])
 
 
@@ -196,8 +191,7 @@ def predict_verify(p: int, rows: int, rounds: tuple[int, ...], normalisers: bool
     for site, kind, shape in (("kept normaliser all-reduce", "all_reduce", (rows,)),
                               ("accept all-reduce", "all_reduce", (rows, 3)),
                               ("residual all-gather", "all_gather", (rows, 3 * p))):
-        out.append(Traffic.of(layer=None, sublayer="head", site=site, phase="forward", kind=kind, shape=shape,
-                              dtype=torch.float64, p=p))
+        out.append(_outside("head", site, kind, shape, torch.float64, p))
     return out
 
 
@@ -208,11 +202,9 @@ def predict_control(p: int, payload: int, header: int) -> list[Traffic]:
     and prompt; the aborted ids)."""
     if p == 1:
         return []
-    msg = [Traffic.of(layer=None, sublayer="engine", site="control header", phase="forward", kind="broadcast",
-                      shape=(header,), dtype=torch.float64, p=p)]
+    msg = [_outside("engine", "control header", "broadcast", (header,), torch.float64, p)]
     if payload:
-        msg.append(Traffic.of(layer=None, sublayer="engine", site="control payload", phase="forward",
-                              kind="broadcast", shape=(payload,), dtype=torch.float64, p=p))
+        msg.append(_outside("engine", "control payload", "broadcast", (payload,), torch.float64, p))
     return msg
 
 
@@ -286,26 +278,23 @@ def predict_transfers(cfg: ModelShape, p_prefill: int, p_decode: int, handovers:
     pairs = pd_pairs(cfg.n_kv_heads, cfg.n_layers, p_prefill, p_decode, prefill_pp)
     first = token_sources(pairs, cfg.n_layers)
     out = []
-    for r, s, *_ in pairs:  # set-up: one warm-up message per pair (serve/pd/handover.warm_up_pairs)
+
+    def message(r: int, s: int, site: str, request: int, layer, heads, shape: tuple, dtype_name: str, size: int):
+        """The message of the pair (prefill rank r, decode rank index s), if this rank is one of its ends."""
         if rank in (r, p_prefill + s):
             side, peer = ("send", p_prefill + s) if rank == r else ("recv", r)
-            out.append(Transfer(side, "pd/warm-up", -1, None, rank, peer, (0, 0), (1,), "int64", 8))
+            out.append(Transfer(side, site, request, layer, rank, peer, heads, shape, dtype_name, size))
+
+    for r, s, *_ in pairs:  # set-up: one warm-up message per pair (serve/pd/handover.warm_up_pairs)
+        message(r, s, "pd/warm-up", -1, None, (0, 0), (1,), "int64", 8)
     for rid, n in handovers:
         for r, s, lo, hi, layers in pairs:
-            side = "send" if rank == r else "recv" if rank == p_prefill + s else None
-            if side is None:
-                continue
-            peer = p_prefill + s if side == "send" else r
             shapes = ([(layer, (2, hi - lo, n, dh)) for layer in layers] if streaming
                       else [(None, (len(layers), 2, hi - lo, n, dh))])
             for layer, shape in shapes:
-                out.append(Transfer(side, "pd/kv", rid, layer, rank, peer, (lo, hi), shape, name,
-                                    math.prod(shape) * e))
+                message(r, s, "pd/kv", rid, layer, (lo, hi), shape, name, math.prod(shape) * e)
         for s, r in sorted(first.items()):
-            if rank in (r, p_prefill + s):
-                side = "send" if rank == r else "recv"
-                peer = p_prefill + s if side == "send" else r
-                out.append(Transfer(side, "pd/first token", rid, None, rank, peer, (0, 0), (1,), "int64", 8))
+            message(r, s, "pd/first token", rid, None, (0, 0), (1,), "int64", 8)
     return out
 
 
@@ -360,12 +349,9 @@ def predict_pp_stage(cfg: ModelShape, pp: int, tp: int, rank: int, n: int, dtype
     name, size = str(dtype).removeprefix("torch."), math.prod(shape) * dtype.itemsize
     collectives, messages = [], []
     if piece and stage > 0:
-        collectives.append(Traffic.of(layer=None, sublayer="pp", site="all-gather", phase="forward", kind="all_gather",
-                                      shape=(tp * ceil_div(n, tp), cfg.d_model), dtype=dtype, p=tp))
+        collectives.append(_outside("pp", "all-gather", "all_gather", (tp * ceil_div(n, tp), cfg.d_model), dtype, tp))
     if tp > 1:
-        collectives += [Traffic.of(layer=i, sublayer=sub, site=site, phase="forward", kind=kind, shape=s, dtype=dtype,
-                                   p=tp)
-                        for i in layers for sub, site, kind, s in block_collectives(cfg, n, variant, "forward")]
+        collectives += _blocks(cfg, layers, n, variant, "forward", dtype, tp)
     if stage > 0:
         messages.append(Transfer("recv", "pp/boundary", 0, None, rank, (stage - 1) * tp + r, (0, 0), shape, name, size))
     if stage < pp - 1:
@@ -391,13 +377,8 @@ def predict_cp(cfg: ModelShape, cp: int, tp: int, rank: int, rows: list[int], ne
     name = str(dtype).removeprefix("torch.")
     stats = torch.promote_types(dtype, torch.float32)
     collectives, messages = [], []
-
-    def tp_collectives(layer: int, n: int) -> list[Traffic]:
-        return [Traffic.of(layer=layer, sublayer=sub, site=site, phase="forward", kind=kind, shape=s, dtype=dtype, p=tp)
-                for sub, site, kind, s in block_collectives(cfg, n, "v2", "forward")] if tp > 1 else []
-
     for i in range(cfg.n_layers):
-        collectives += tp_collectives(i, rows[c])
+        collectives += _blocks(cfg, [i], rows[c], "v2", "forward", dtype, tp) if tp > 1 else []
         for s in range(cp - 1):
             for kind, peer, owner in (("send", nxt, (c - s) % cp), ("recv", prev, (c - s - 1) % cp)):
                 shape = (2, h_kv, rows[owner], dh)
@@ -408,7 +389,7 @@ def predict_cp(cfg: ModelShape, cp: int, tp: int, rank: int, rows: list[int], ne
             if cp > 1:
                 collectives.append(Traffic.of(layer=i, sublayer="attn", site="cp merge", phase="forward",
                                               kind="all_gather", shape=(cp, h, dh + 1), dtype=stats, p=cp))
-            collectives += tp_collectives(i, 1)
+            collectives += _blocks(cfg, [i], 1, "v2", "forward", dtype, tp) if tp > 1 else []
     return collectives, messages
 
 

@@ -307,16 +307,15 @@ class BatchedBackend(AttentionBackend):
             groups = []
             for B, max_q, max_kv, causal in shapes:
                 rows, slots, q_start, kv_length, src, dst = (next(parts) for _ in range(6))
-                if causal:
-                    groups.append(AttentionGroup(rows.view(B, max_q), slots.view(B, max_kv), None, src, dst))
-                    continue
-                device = rows.device
-                keys = torch.arange(max_kv, device=device)
-                query_pos = q_start[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, max_q]
-                # key j visible to query i iff j <= q_start + i (causal) and j < kv_length (the request's own keys;
-                # this also keeps a padding query's row from being all masked)
-                mask = (keys[None, None, :] <= query_pos[:, :, None]) & (keys[None, None, :] < kv_length[:, None, None])
-                groups.append(AttentionGroup(rows.view(B, max_q), slots.view(B, max_kv), mask[:, None], src, dst))
+                mask = None  # causal: SDPA's is_causal
+                if not causal:
+                    keys = torch.arange(max_kv, device=rows.device)
+                    query_pos = q_start[:, None] + torch.arange(max_q, device=rows.device)[None, :]  # [B, max_q]
+                    # key j visible to query i iff j <= q_start + i (causal) and j < kv_length (the request's own
+                    # keys; this also keeps a padding query's row from being all masked)
+                    mask = ((keys[None, None, :] <= query_pos[:, :, None])
+                            & (keys[None, None, :] < kv_length[:, None, None]))[:, None]
+                groups.append(AttentionGroup(rows.view(B, max_q), slots.view(B, max_kv), mask, src, dst))
             return BatchedMeta(decode_group, tuple(groups))
 
         return finish

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from layers.attention.backends import load, store
+from tp.comm import gather_rows_from_region
 from tp.ledger import TransferRecord, active
 
 def new_cp_groups(world: int, cp: int) -> tuple[list[dist.ProcessGroup], list[dist.ProcessGroup]]:
@@ -121,14 +122,10 @@ def materialized_attention(q, k, v, visible: torch.Tensor, scale: float | None =
 
 def chunk_bounds(n: int, cp: int) -> list[tuple[int, int]]:
     """The 2·cp chunks of a sequence of n positions: sizes differ by at most one, the longer ones first."""
-    parts = 2 * cp
-    base, extra = divmod(n, parts)
-    out, at = [], 0
-    for c in range(parts):
-        size = base + (1 if c < extra else 0)
-        out.append((at, at + size))
-        at += size
-    return out
+    base, extra = divmod(n, 2 * cp)
+    sizes = [base + (1 if c < extra else 0) for c in range(2 * cp)]
+    starts = [sum(sizes[:c]) for c in range(2 * cp)]
+    return [(a, a + size) for a, size in zip(starts, sizes)]
 
 
 def zigzag_positions(n: int, cp: int, rank: int) -> list[int]:
@@ -182,31 +179,27 @@ class RingPrefill:
         zigzag = q.device.type == "cpu" and self.positions == [zigzag_positions(n, cp, r) for r in range(cp)]
         bounds = chunk_bounds(n, cp)
         q_pos = self.local_positions
-        block, outs, lses = kv.contiguous(), [[], []], [[], []]
+        block, parts = kv.contiguous(), [[], []]  # per query chunk: its (o, lse) over every key block it sees
         for step in range(cp):
             owner = (rank - step) % cp  # whose rows `block` holds
-            pending = None
+            arrived = None
             if step < cp - 1:  # ★ pass-KV: this block on to the next rank while it is attended here
                 incoming = kv.new_empty(2, kv.shape[1], len(self.positions[(owner - 1) % cp]), kv.shape[3])
-                pending = self._exchange(block, incoming, nxt, prev, step)
+                arrived = self._exchange(block, incoming, nxt, prev)
             if zigzag:  # by chunk pairs: a later chunk is skipped, the same chunk causal, an earlier one whole
                 for qi, (qc, q_rows) in enumerate(self._chunks(rank, bounds)):
                     for kc, k_rows in self._chunks(owner, bounds):
                         if kc > qc:
                             continue
-                        o, lse = attend_part(q[:, q_rows], block[0][:, k_rows], block[1][:, k_rows],
-                                             "causal" if kc == qc else None, self.scale)
-                        outs[qi].append(o)
-                        lses[qi].append(lse)
+                        parts[qi].append(attend_part(q[:, q_rows], block[0][:, k_rows], block[1][:, k_rows],
+                                                     "causal" if kc == qc else None, self.scale))
             else:
                 k_pos = torch.tensor(self.positions[owner], device=self.device)
-                o, lse = partial_attention(q, block[0], block[1], q_pos, k_pos, self.scale)
-                outs[0].append(o)
-                lses[0].append(lse)
-            if pending is not None:
-                block = self._finish(pending)
-        parts = [merge(o, lse)[0] for o, lse in zip(outs, lses) if o]
-        o = torch.cat(parts, dim=1) if zigzag else parts[0]
+                parts[0].append(partial_attention(q, block[0], block[1], q_pos, k_pos, self.scale))
+            if arrived is not None:
+                block = arrived()
+        merged = [merge([o for o, _ in pairs], [lse for _, lse in pairs])[0] for pairs in parts if pairs]
+        o = torch.cat(merged, dim=1) if zigzag else merged[0]
         return o.transpose(0, 1).reshape(q.shape[1], -1)
 
     @staticmethod
@@ -216,24 +209,23 @@ class RingPrefill:
         a = bounds[first][1] - bounds[first][0]
         return [(first, slice(0, a)), (second, slice(a, a + bounds[second][1] - bounds[second][0]))]
 
-    def _exchange(self, block, incoming, nxt, prev, step):
+    @staticmethod
+    def _exchange(block: torch.Tensor, incoming: torch.Tensor, nxt: int, prev: int):
+        """Post `block`'s send to rank nxt and `incoming`'s receive from prev; the returned function finishes both."""
         ledger, start = active(), time.perf_counter()
         works = [dist.isend(block, nxt, group=None), dist.irecv(incoming, prev, group=None)]
-        return works, incoming, block, nxt, prev, ledger, start
 
-    def _finish(self, pending) -> torch.Tensor:
-        works, incoming, block, nxt, prev, ledger, start = pending
-        for w in works:
-            w.wait()
-        if ledger is not None:
-            took = time.perf_counter() - start
-            me = dist.get_rank()
-            dtype = str(block.dtype).removeprefix("torch.")
-            layer = ledger.layer
-            for kind, peer, t in (("send", nxt, block), ("recv", prev, incoming)):
-                ledger.transfer(TransferRecord(kind, "cp/pass-kv", 0, layer, me, peer, (0, 0), tuple(t.shape), dtype,
-                                               t.numel() * t.element_size(), took))
-        return incoming
+        def arrived() -> torch.Tensor:
+            for w in works:
+                w.wait()
+            if ledger is not None:
+                took, dtype = time.perf_counter() - start, str(block.dtype).removeprefix("torch.")
+                for kind, peer, t in (("send", nxt, block), ("recv", prev, incoming)):
+                    ledger.transfer(TransferRecord(kind, "cp/pass-kv", 0, ledger.layer, dist.get_rank(), peer, (0, 0),
+                                                   tuple(t.shape), dtype, t.numel() * t.element_size(), took))
+            return incoming
+
+        return arrived
 
 
 # ---- decode over a split cache ---------------------------------------------------------------------------------
@@ -254,8 +246,6 @@ class SplitKVDecode:
     scale: float | None = None
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        from tp.comm import gather_rows_from_region
-
         cp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         device = q.device
         mine = [i for i, p in enumerate(self.new_positions) if p % cp == rank]
@@ -340,18 +330,14 @@ class SplitCacheBackend:
     def forward(self, q, kv, pool, batch, *, scale=None, v_dim=None, skip_fresh=False):
         """q [h, T, d], kv [2, h_kv, T, d] (every row's, computed alike on the cp ranks); pool [2, slots, h_kv, d], this
         rank's. Returns [T, h·d]."""
-        from tp.comm import gather_rows_from_region
-
         meta: SplitMeta = batch.meta
         store(pool, meta.owned_slots, kv.index_select(2, meta.owned_rows).transpose(1, 2))  # its own rows
-        outs, lses = [], []
+        parts = []
         for seq in meta.seqs:
             keys, values = load(pool, seq.key_slots).transpose(1, 2)  # [h_kv, held, d]
-            o, lse = partial_attention(q[:, seq.start:seq.end], keys, values, batch.positions[seq.start:seq.end],
-                                       seq.key_positions, scale)
-            outs.append(o)
-            lses.append(lse)
-        o, lse = torch.cat(outs, dim=1), torch.cat(lses, dim=1)  # [h, T, d], [h, T]
+            parts.append(partial_attention(q[:, seq.start:seq.end], keys, values, batch.positions[seq.start:seq.end],
+                                           seq.key_positions, scale))
+        o, lse = (torch.cat(side, dim=1) for side in zip(*parts))  # [h, T, d], [h, T]
         packed = torch.cat([o.to(lse.dtype), lse[..., None]], dim=-1).transpose(0, 1).contiguous()  # [T, h, d + 1]
         every = gather_rows_from_region(packed, self.group, "attn/cp merge").view(self.cp, *packed.shape)  # ★
         merged, _ = merge([part[..., :-1] for part in every], [part[..., -1] for part in every])

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 CODES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
 LARGEST = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}
@@ -163,8 +164,6 @@ def gather_scales(scales: torch.Tensor, layers: range, heads: range, n_layers: i
     """Every rank's scales [len(layers), planes, len(heads)] (its pipeline stage's layers, its K,V heads) put
     together, on every rank of group: [n_layers, planes, n_heads], for pseudo_quantized (one gather of Python
     objects, after serving: not an iteration's collective)."""
-    import torch.distributed as dist
-
     parts = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, (layers, heads, scales.cpu()), group=group)
     full = torch.full((n_layers, scales.shape[1], n_heads), float("nan"))

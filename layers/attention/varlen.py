@@ -8,6 +8,7 @@ Only attention uses the boundaries: each request attends causally within itself.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -40,10 +41,7 @@ class Requests:
 
     @classmethod
     def from_lengths(cls, lengths, padded: bool = False) -> "Requests":
-        cu = [0]
-        for n in lengths:
-            cu.append(cu[-1] + int(n))
-        return cls(tuple(cu), padded)
+        return cls(tuple(itertools.accumulate((int(n) for n in lengths), initial=0)), padded)
 
 
 def check_cu_seqlens(cu_seqlens, n_tokens: int, max_seq_len: int) -> tuple[int, ...]:

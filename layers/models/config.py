@@ -19,8 +19,25 @@ ALL_VARIANTS = VARIANTS + SP_VARIANTS  # what run_block runs
 SERVING_VARIANTS = ("v1", "v2")  # intra_head is a counterfactual of one forward, not served
 
 
+class FamilyConfig:
+    """What every family's config dataclass has (ModelConfig; layers/models/llama.LlamaConfig, mla.DeepseekConfig)."""
+
+    @property
+    def k(self) -> int:  # the attention width, n_heads·d_head
+        return self.n_heads * self.d_head
+
+    def asdict(self) -> dict:
+        return asdict(self)
+
+    def check_positive(self, names) -> None:
+        """ConfigError naming the first of the fields `names` that is not a positive integer."""
+        for name in names:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be a positive integer")
+
+
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(FamilyConfig):
     """A GPT-2-style pre-LN decoder stack. k = n_heads * d_head is the attention width."""
 
     d_model: int = 512
@@ -35,15 +52,8 @@ class ModelConfig:
     family = "gpt2"  # the block family (layers/models/llama.LlamaConfig is "llama"); not a dataclass field
 
     @property
-    def k(self) -> int:
-        return self.n_heads * self.d_head
-
-    @property
     def n_kv_heads(self) -> int:  # multi-head attention: every query head has its own K,V head
         return self.n_heads
-
-    def asdict(self) -> dict:
-        return asdict(self)
 
 
 # seeds/03's model, the default everywhere (conf/model/article03.yaml gives Hydra the same numbers; a test checks it).
@@ -56,30 +66,19 @@ def valid_tp_sizes(cfg: ModelConfig, up_to: int = 64) -> list[int]:
 
 def validate_model(cfg: ModelConfig, p: int) -> None:
     """Raise ConfigError naming the numbers to change. Pure: every rank reaches the same verdict."""
-    for name in ("d_model", "n_heads", "d_head", "d_ffn", "n_layers", "max_seq_len", "vocab_size"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"model.{name}={getattr(cfg, name)} must be a positive integer")
+    cfg.check_positive(("d_model", "n_heads", "d_head", "d_ffn", "n_layers", "max_seq_len", "vocab_size"))
     if cfg.d_model != cfg.k:
-        raise ConfigError(
-            f"d_model={cfg.d_model} must equal n_heads*d_head={cfg.n_heads}*{cfg.d_head}={cfg.k} "
-            f"(the GPT-2 block adds the attention output back onto the residual stream); "
-            f"set model.d_head={cfg.d_model // cfg.n_heads if cfg.d_model % cfg.n_heads == 0 else '?'}"
-        )
+        raise ConfigError(f"d_model={cfg.d_model} must equal n_heads*d_head={cfg.n_heads}*{cfg.d_head}={cfg.k} "
+                          f"(the GPT-2 block adds the attention output back onto the residual stream); "
+                          f"set model.d_head={cfg.d_model // cfg.n_heads if cfg.d_model % cfg.n_heads == 0 else '?'}")
     valid = ", ".join(map(str, valid_tp_sizes(cfg)))
     if cfg.n_heads % p:
-        raise ConfigError(
-            f"n_heads={cfg.n_heads} heads cannot be split over p={p} ranks (head-aligned split "
-            f"needs n_heads % p == 0); valid tensor-parallel sizes: {valid}"
-        )
-    if cfg.d_ffn % p:
-        raise ConfigError(
-            f"d_ffn={cfg.d_ffn} is not divisible by p={p} ranks; valid tensor-parallel sizes: {valid}"
-        )
-    if cfg.d_model % p:
-        # v1 column-splits the output projection and FFN-down over d_model.
-        raise ConfigError(
-            f"d_model={cfg.d_model} is not divisible by p={p} ranks; valid tensor-parallel sizes: {valid}"
-        )
+        raise ConfigError(f"n_heads={cfg.n_heads} heads cannot be split over p={p} ranks (head-aligned split needs "
+                          f"n_heads % p == 0); valid tensor-parallel sizes: {valid}")
+    for name in ("d_ffn", "d_model"):  # d_model: v1 column-splits the output projection and FFN-down over it
+        if getattr(cfg, name) % p:
+            raise ConfigError(f"{name}={getattr(cfg, name)} is not divisible by p={p} ranks; valid tensor-parallel "
+                              f"sizes: {valid}")
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -101,10 +100,9 @@ def parse_variants(names) -> list[str]:
 def validate_variants(cfg: ModelConfig, p: int, variants: list[str]) -> None:
     if "intra_head" in variants and cfg.d_head % p:
         valid = ", ".join(str(q) for q in valid_tp_sizes(cfg) if cfg.d_head % q == 0)
-        raise ConfigError(
-            f"variant intra_head splits every head's d_head={cfg.d_head} over p={p} ranks, which needs "
-            f"d_head % p == 0; valid tensor-parallel sizes for it: {valid} (or drop intra_head from variants)"
-        )
+        raise ConfigError(f"variant intra_head splits every head's d_head={cfg.d_head} over p={p} ranks, which needs "
+                          f"d_head % p == 0; valid tensor-parallel sizes for it: {valid} (or drop intra_head from "
+                          f"variants)")
 
 
 def validate_tokens(cfg: ModelConfig, n_tokens: int, what: str = "n_tokens") -> None:

@@ -41,7 +41,8 @@ class Stack(nn.Module):
     """L blocks in sequence. `forward` returns every layer's output; the last one is the stack's output.
 
     x is [T, d]: one sequence, or many requests flattened, with `cu_seqlens` (e.g. [0, 10, 40])
-    marking where each starts; `padded=True` runs the padded-attention baseline instead of varlen.
+    marking where each starts; `padded=True` runs the padded-attention baseline instead of varlen. A
+    tensor-parallel stack changes what its blocks take through `enter` and `layer` (layers/models/tp_block.SPStack).
     """
 
     def __init__(self, cfg: ModelConfig, blocks: list[nn.Module]):
@@ -50,15 +51,22 @@ class Stack(nn.Module):
         self.blocks = nn.ModuleList(blocks)
 
     def forward(self, x: torch.Tensor, cu_seqlens=None, padded: bool = False) -> tuple[torch.Tensor, ...]:
-        requests = None
-        if cu_seqlens is not None:
-            requests = Requests(check_cu_seqlens(cu_seqlens, x.shape[0], self.cfg.max_seq_len), padded)
+        requests = None if cu_seqlens is None else \
+            Requests(check_cu_seqlens(cu_seqlens, x.shape[0], self.cfg.max_seq_len), padded)
+        n, x = x.shape[0], self.enter(x)
         outs = []
         for block in self.blocks:
-            x = block(x, requests)
+            x = self.layer(block, x, requests, n)
             outs.append(x)
         return tuple(outs)
 
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """What the first block takes from the stack's input [n, d]: all of it (SPStack: this rank's rows)."""
+        return x
+
+    def layer(self, block: nn.Module, x: torch.Tensor, requests, n: int) -> torch.Tensor:
+        """One block on what the previous one returned (n: the stack input's rows; SPStack's blocks need it)."""
+        return block(x, requests)
 
 
 class DenseStack(Stack):

@@ -20,6 +20,8 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tp.partition import kv_heads_per_rank  # plain Python: this registry imports no torch
+
 MODULES = {  # the registry: family name -> the module that declares FAMILY
     "gpt2": "layers.models.hf_gpt2",
     "llama": "layers.models.hf_llama",
@@ -33,8 +35,6 @@ FAMILIES = tuple(MODULES)
 def kv_heads_layout(cfg, p: int) -> tuple[int, int, int]:
     """(planes, heads, width) of a TP rank's cache: K and V of max(h_kv/p, 1) heads of d_head (multi-head attention:
     h_kv = h)."""
-    from tp.partition import kv_heads_per_rank
-
     return 2, kv_heads_per_rank(cfg.n_kv_heads, p), cfg.d_head
 
 

@@ -21,9 +21,8 @@ from pathlib import Path
 import torch
 
 from layers.models.checkpoint import Checkpoint
-from layers.models.config import ModelConfig
+from layers.models.config import DTYPES, ModelConfig, parse_dtype
 from layers.models.families import FAMILIES, family, of
-from layers.models.hf_gpt2 import load_named
 from layers.models.llama import LlamaConfig
 from layers.parallel.shard import Cut
 from tp.dist import ConfigError
@@ -39,6 +38,15 @@ def config_from_hf(hf: dict) -> ModelConfig | LlamaConfig:
         raise ConfigError(f"model_type={kind!r} is not supported: {', '.join(titles[:-1])} and {titles[-1]} "
                           f"checkpoints are")
     return family(kind).config_from_hf(hf)
+
+
+def check_positive(hf: dict, keys, required: bool = False) -> None:
+    """ConfigError naming the first of config.json's `keys` that is not a positive integer (one that is absent passes,
+    unless required)."""
+    for key in keys:
+        value = hf.get(key)
+        if (required or value is not None) and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{key}={value!r} in config.json must be a positive integer")
 
 
 def read_config(path: str | Path) -> ModelConfig | LlamaConfig:
@@ -61,8 +69,6 @@ def resolve_dtype(dtype, checkpoint: str | Path | None) -> tuple[torch.dtype, st
     ("bfloat16") or a torch.dtype as given; "auto": the checkpoint's torch_dtype (float32 where it names none),
     float32 for presets and random weights. Returns (dtype, where it came from: None when given); ConfigError for an
     unknown name."""
-    from layers.models.config import parse_dtype
-
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
     if str(dtype) != "auto":
@@ -76,8 +82,6 @@ def resolve_dtype(dtype, checkpoint: str | Path | None) -> tuple[torch.dtype, st
 def checkpoint_dtype(path: str | Path) -> str | None:
     """The dtype config.json says the weights were saved in (`torch_dtype`, or `dtype` in newer transformers), when it
     is one of ours (layers/models/config.DTYPES); None if it names none."""
-    from layers.models.config import DTYPES
-
     f = Path(path) / "config.json"
     hf = json.loads(f.read_text()) if f.is_file() else {}
     name = hf.get("torch_dtype") or hf.get("dtype")
@@ -134,6 +138,45 @@ def check_state(cfg: ModelConfig | LlamaConfig, state, lm: bool = False) -> None
         of(cfg).check_lm(state)
     if isinstance(state, Checkpoint):
         state.close()  # a .bin file mapped for the comparison
+
+
+@torch.no_grad()
+def copy_checked(target: torch.Tensor, value: torch.Tensor, key: str, ours: str) -> None:
+    """target <- value (a checkpoint's tensor for `key`, already in our layout), or ValueError naming both shapes."""
+    if tuple(value.shape) != tuple(target.shape):
+        raise ValueError(f"{key}: shape {tuple(value.shape)} does not fit {ours} {tuple(target.shape)}")
+    target.copy_(value.to(target.dtype))
+
+
+def load_named(module: torch.nn.Module, state, named: dict[str, tuple[tuple[str, ...], bool]], what: str):
+    """Copy each of our parameters from its checkpoint key(s), transposed where marked, converting to the parameter's
+    dtype. Several keys are stacked along rows (of our [E·rows, cols] view for stacked experts), each copied
+    straight into its rows: no concatenated copy. KeyError naming a missing key, ValueError a shape that differs."""
+    try:
+        for ours, (keys, transpose) in named.items():
+            for key in keys:
+                if key not in state:
+                    raise KeyError(f"{what} state dict has no {key!r}")
+            target = module.get_parameter(ours)
+            shape = state.shapes[keys[0]] if hasattr(state, "shapes") else state[keys[0]].shape  # no read for a shape
+            if len(keys) == 1 and not (target.dim() == 3 and len(shape) == 2):
+                value = state[keys[0]]
+                copy_checked(target, value.t() if transpose else value, keys[0], ours)
+                continue
+            rows = target.view(-1, target.shape[-1]) if target.dim() == 3 else target
+            at = 0
+            for key in keys:
+                value = state[key]
+                n = value.shape[0]
+                if at + n > rows.shape[0]:
+                    raise ValueError(f"{key}: rows {at}..{at + n} do not fit {ours} {tuple(target.shape)}")
+                copy_checked(rows.narrow(0, at, n), value, key, ours)
+                at += n
+            if at != rows.shape[0]:
+                raise ValueError(f"{keys[0]} .. {keys[-1]}: {at} rows do not fill {ours} {tuple(target.shape)}")
+        return module
+    finally:
+        getattr(state, "close", lambda: None)()  # a lazily read checkpoint: release a mapped .bin file
 
 
 def load_stack(stack, state):

@@ -24,8 +24,8 @@ import re
 
 from layers.models import hf_llama
 from layers.models.families import Family
-from layers.models.hf import load_lm  # noqa: F401  (the dense DeepSeek LM from a state dict, as for every family)
-from layers.models.mla import DeepseekConfig, dense_blocks, tp_blocks, validate_deepseek
+from layers.models.hf import check_positive, load_lm  # noqa: F401  (the dense DeepSeek LM, as for every family)
+from layers.models.mla import DeepseekConfig, DenseDeepseekBlock, TPDeepseekBlock, validate_deepseek
 from tp.dist import ConfigError
 
 _ATTENTION = {"attn_norm.weight": "input_layernorm.weight", "kv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
@@ -43,11 +43,8 @@ def config_from_hf(hf: dict) -> DeepseekConfig:
     missing = [k for k in need if k not in hf]
     if missing:
         raise ConfigError(f"not a DeepSeek-V3 config (no {', '.join(missing)})")
-    for key in need + ("intermediate_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
-                       "n_group", "topk_group", "max_position_embeddings", "vocab_size", "q_lora_rank"):
-        value = hf.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{key}={value!r} in config.json must be a positive integer")
+    check_positive(hf, need + ("intermediate_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
+                               "n_group", "topk_group", "max_position_embeddings", "vocab_size", "q_lora_rank"))
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ConfigError(f"hidden_act={hf.get('hidden_act')!r} is not supported: the FFNs are SwiGLU (silu)")
     if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
@@ -93,10 +90,6 @@ def config_from_hf(hf: dict) -> DeepseekConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), **yarn)
 
 
-def _legacy(state, prefix: str, i: int) -> bool:
-    return f"{prefix}{i}.mlp.experts.0.gate_proj.weight" in state
-
-
 def layer_keys(cfg: DeepseekConfig, state, prefix: str, i: int) -> dict[str, tuple[str, ...]]:
     at = f"{prefix}{i}."
     keys = {ours: (at + theirs,) for ours, theirs in {**_ATTENTION, **(_Q_LORA if cfg.q_lora_rank else _Q)}.items()}
@@ -105,12 +98,12 @@ def layer_keys(cfg: DeepseekConfig, state, prefix: str, i: int) -> dict[str, tup
         keys["down"] = (at + "mlp.down_proj.weight",)
         return keys
     keys["router"], keys["router_bias"] = (at + "mlp.gate.weight",), (at + "mlp.gate.e_score_correction_bias",)
-    if _legacy(state, prefix, i):
-        e = at + "mlp.experts."
+    e = at + "mlp.experts."
+    if f"{e}0.gate_proj.weight" in state:  # the files' layout (save_pretrained): one key per expert
         keys["gate_up"] = tuple(f"{e}{j}.{w}_proj.weight" for j in range(cfg.n_routed_experts) for w in ("gate", "up"))
         keys["down"] = tuple(f"{e}{j}.down_proj.weight" for j in range(cfg.n_routed_experts))
     else:
-        keys["gate_up"], keys["down"] = (at + "mlp.experts.gate_up_proj",), (at + "mlp.experts.down_proj",)
+        keys["gate_up"], keys["down"] = (e + "gate_up_proj",), (e + "down_proj",)
     if cfg.n_shared_experts:
         s = at + "mlp.shared_experts."
         keys["shared_gate_up"] = (s + "gate_proj.weight", s + "up_proj.weight")
@@ -118,21 +111,10 @@ def layer_keys(cfg: DeepseekConfig, state, prefix: str, i: int) -> dict[str, tup
     return keys
 
 
-def names(cfg: DeepseekConfig, state, n_layers: int, lm: bool) -> dict[str, tuple[tuple[str, ...], bool]]:
-    """Our dense parameter (of a DenseLlamaLM of DeepSeek blocks when lm, else of a DenseStack) -> (checkpoint keys,
-    False); several keys are stacked along rows."""
-    return hf_llama.layout_names(cfg, state, n_layers, lm, layer_keys)
-
-
 def experts_of(name: str, cfg: DeepseekConfig) -> int | None:
     """E for our stacked routed-expert parameters (blocks.<i>.gate_up / down of an MoE layer), None for the rest."""
     m = re.search(r"blocks\.(\d+)\.(gate_up|down)$", name)
     return cfg.n_routed_experts if m and cfg.moe_layer(int(m.group(1))) else None
-
-
-def expected_shapes(cfg: DeepseekConfig, state, lm: bool) -> dict[str, tuple]:
-    """Every checkpoint key the config needs, with its shape (from meta-device blocks: no memory)."""
-    return hf_llama.layout_shapes(cfg, state, lm, layer_keys, "DeepseekV3")
 
 
 def toy_config(s: dict, ids: dict):
@@ -149,10 +131,13 @@ def toy_config(s: dict, ids: dict):
 
 
 FAMILY = Family(
-    "deepseek_v3", "DeepSeek-V3", DeepseekConfig, config_from_hf, names, expected_shapes, validate=validate_deepseek,
-    dense_blocks=dense_blocks,
+    "deepseek_v3", "DeepSeek-V3", DeepseekConfig, config_from_hf,
+    names=lambda cfg, state, n_layers, lm: hf_llama.layout_names(cfg, state, n_layers, lm, layer_keys),
+    expected_shapes=lambda cfg, state, lm: hf_llama.layout_shapes(cfg, state, lm, layer_keys, "DeepseekV3"),
+    validate=validate_deepseek,
+    dense_blocks=lambda cfg, dtype, device: [DenseDeepseekBlock(cfg, i, dtype, device) for i in range(cfg.n_layers)],
     tp_blocks=lambda cfg, variant, group, dtype, device, moe_parallel="tp", n_layers=None:
-        tp_blocks(cfg, moe_parallel, group, dtype, device),
+        [TPDeepseekBlock(cfg, i, group, moe_parallel, dtype, device) for i in range(cfg.n_layers)],
     variants=("v2",), moe=True, pipeline=False, experts_of=experts_of, toy=toy_config, block_check=False,
     cache_layout=lambda cfg, p: (1, 1, cfg.latent_dim),  # MLA: one latent of c + r per token, whole on every rank
 )

@@ -19,8 +19,9 @@ import re
 import torch
 
 from layers.models.config import ModelConfig, validate_model
-from layers.models.dense import DenseBlock, DenseStack
+from layers.models.dense import DenseBlock
 from layers.models.families import Family, same_blocks
+from layers.models.hf import check_positive, load_lm, load_named, load_stack  # noqa: F401  (as for every family)
 from layers.models.lm import DenseLM
 from layers.models.tp_block import TPBlockIntraHead, TPBlockV1, TPBlockV2, TPBlockV2SP
 from tp.dist import ConfigError
@@ -45,10 +46,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if kind != "gpt2" or missing:
         raise ConfigError(f"not a GPT-2 config (model_type={kind!r}"
                           + (f", no {', '.join(missing)}" if missing else "") + "): only GPT-2 checkpoints are supported")
-    for key in ("n_embd", "n_head", "n_layer", "n_positions", "vocab_size", "n_inner"):
-        value = hf.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{key}={value!r} in config.json must be a positive integer")
+    check_positive(hf, ("n_embd", "n_head", "n_layer", "n_positions", "vocab_size", "n_inner"))
     act = hf.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ConfigError(f"GPT-2 activation {act!r} is not supported: the block uses the tanh GeLU (gelu_new)")
@@ -58,64 +56,6 @@ def config_from_hf(hf: dict) -> ModelConfig:
     return ModelConfig(d_model=d, n_heads=h, d_head=d // h, d_ffn=hf.get("n_inner") or 4 * d,
                        n_layers=hf["n_layer"], max_seq_len=hf.get("n_positions", 1024),
                        ln_eps=hf.get("layer_norm_epsilon", 1e-5), vocab_size=hf.get("vocab_size", 50257))
-
-
-@torch.no_grad()
-def copy_checked(target: torch.Tensor, value: torch.Tensor, key: str, ours: str) -> None:
-    """target <- value (a checkpoint's tensor for `key`, already in our layout), or ValueError naming both shapes."""
-    if tuple(value.shape) != tuple(target.shape):
-        raise ValueError(f"{key}: shape {tuple(value.shape)} does not fit {ours} {tuple(target.shape)}")
-    target.copy_(value.to(target.dtype))
-
-
-def load_named(module: torch.nn.Module, state, named: dict[str, tuple[tuple[str, ...], bool]], what: str):
-    """Copy each of our parameters from its checkpoint key(s), transposed where marked, converting to the parameter's
-    dtype. Several keys are stacked along rows (of our [E·rows, cols] view for stacked experts), each copied
-    straight into its rows: no concatenated copy. KeyError naming a missing key, ValueError a shape that differs."""
-    try:
-        return _load_named(module, state, named, what)
-    finally:
-        getattr(state, "close", lambda: None)()  # a lazily read checkpoint: release a mapped .bin file
-
-
-def _load_named(module, state, named, what):
-    for ours, (keys, transpose) in named.items():
-        for key in keys:
-            if key not in state:
-                raise KeyError(f"{what} state dict has no {key!r}")
-        target = module.get_parameter(ours)
-        shape = state.shapes[keys[0]] if hasattr(state, "shapes") else state[keys[0]].shape  # no read for a shape
-        if len(keys) == 1 and not (target.dim() == 3 and len(shape) == 2):
-            value = state[keys[0]]
-            copy_checked(target, value.t() if transpose else value, keys[0], ours)
-            continue
-        rows = target.view(-1, target.shape[-1]) if target.dim() == 3 else target
-        at = 0
-        for key in keys:
-            value = state[key]
-            n = value.shape[0]
-            if at + n > rows.shape[0]:
-                raise ValueError(f"{key}: rows {at}..{at + n} do not fit {ours} {tuple(target.shape)}")
-            copy_checked(rows.narrow(0, at, n), value, key, ours)
-            at += n
-        if at != rows.shape[0]:
-            raise ValueError(f"{keys[0]} .. {keys[-1]}: {at} rows do not fill {ours} {tuple(target.shape)}")
-    return module
-
-
-def load_stack(stack: DenseStack, state) -> DenseStack:
-    """Copy a GPT2Model / GPT2LMHeadModel state dict's blocks into a DenseStack of the same shape."""
-    return load_named(stack, state, names(stack.cfg, state, len(stack.blocks), lm=False), "GPT-2")
-
-
-def load_lm(lm: DenseLM, state) -> DenseLM:
-    """Copy a GPT2LMHeadModel (or GPT2Model) state dict into a DenseLM: blocks, embeddings, final LayerNorm."""
-    load_named(lm, state, names(lm.cfg, state, len(lm.stack.blocks), lm=True), "GPT-2")
-    try:
-        check_tied(state)
-    except ConfigError as exc:
-        raise ValueError(str(exc)) from None
-    return lm
 
 
 def _block_prefix(state) -> str:

@@ -17,8 +17,8 @@ import re
 
 import torch
 
-from layers.models.families import Family, same_blocks
-from layers.models.hf import load_lm, load_stack  # noqa: F401  (Llama weights into the dense stack or LM)
+from layers.models.families import Family, of, same_blocks
+from layers.models.hf import check_positive, load_lm, load_stack  # noqa: F401  (the dense stack or LM, from Llama's)
 from layers.models.llama import DenseLlamaBlock, LlamaConfig, TPLlamaBlock, TPLlamaBlockSP, validate_llama
 from tp.dist import ConfigError
 
@@ -38,11 +38,8 @@ def config_from_hf(hf: dict) -> LlamaConfig:
                if k not in hf]
     if missing:
         raise ConfigError(f"not a Llama config (no {', '.join(missing)})")
-    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "intermediate_size",
-                "max_position_embeddings", "vocab_size", "head_dim"):
-        value = hf.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{key}={value!r} in config.json must be a positive integer")
+    check_positive(hf, ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+                        "intermediate_size", "max_position_embeddings", "vocab_size", "head_dim"))
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):  # transformers' names for the same function
         raise ConfigError(f"hidden_act={act!r} is not supported: the Llama block's gated MLP uses silu (SwiGLU)")
@@ -111,8 +108,6 @@ def layout_shapes(cfg, state, lm: bool, keys=layer_keys, model: str = "Llama") -
     Where several keys fill one parameter they split its rows evenly: gate_up's gate_proj and up_proj, or the
     experts of an [E, rows, cols] stack saved one expert per key (their rows of the [E·rows, cols] view). model:
     transformers' name of the family's classes, for the message about a base model without a head."""
-    from layers.models.families import of
-
     try:
         prefix = block_prefix(state)
     except KeyError as exc:
@@ -136,16 +131,6 @@ def layout_shapes(cfg, state, lm: bool, keys=layer_keys, model: str = "Llama") -
     return out
 
 
-def names(cfg: LlamaConfig, state, n_layers: int, lm: bool) -> dict[str, tuple[tuple[str, ...], bool]]:
-    """Our dense parameter -> (its checkpoint keys, False): layout_names of Llama's layers."""
-    return layout_names(cfg, state, n_layers, lm)
-
-
-def expected_shapes(cfg: LlamaConfig, state, lm: bool) -> dict[str, tuple]:
-    """Every checkpoint key the config needs, with its shape."""
-    return layout_shapes(cfg, state, lm)
-
-
 def toy_shape(s: dict, ids: dict) -> dict:
     """transformers' config fields of a Llama-layout toy model (serve/toy_model.py) of sizes s, token ids ids."""
     return dict(hidden_size=s["hidden"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
@@ -160,7 +145,7 @@ def toy_config(s: dict, ids: dict):
 
 
 FAMILY = Family(
-    "llama", "Llama", LlamaConfig, config_from_hf, names, expected_shapes,
+    "llama", "Llama", LlamaConfig, config_from_hf, layout_names, layout_shapes,  # the layout's own: Llama's keys
     validate=lambda cfg, p, moe_parallel="tp": validate_llama(cfg, p),
     **same_blocks(DenseLlamaBlock, {"v2": TPLlamaBlock, "v2sp": TPLlamaBlockSP}),  # v2: the Megatron pattern
     context_parallel=True,

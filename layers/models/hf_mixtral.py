@@ -18,6 +18,7 @@ import dataclasses
 
 from layers.models import hf_llama
 from layers.models.families import Family
+from layers.models.hf import check_positive
 from layers.models.moe import HF_LAYER_KEYS, DenseMoEBlock, MoEConfig, moe_block, validate_moe
 from tp.dist import ConfigError
 
@@ -26,10 +27,7 @@ STACKED = ("gate_up", "down")  # our [E, rows, cols] parameters
 
 def config_from_hf(hf: dict) -> MoEConfig:
     """MoEConfig from a Mixtral config.json: Llama's fields (and refusals), num_local_experts, num_experts_per_tok."""
-    for key in ("num_local_experts", "num_experts_per_tok"):
-        value = hf.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{key}={value!r} in config.json must be a positive integer")
+    check_positive(hf, ("num_local_experts", "num_experts_per_tok"), required=True)
     window, positions = hf.get("sliding_window"), hf.get("max_position_embeddings", 4096)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ConfigError(f"sliding_window={window!r} in config.json must be a positive integer or null")
@@ -39,14 +37,10 @@ def config_from_hf(hf: dict) -> MoEConfig:
     return MoEConfig(**dataclasses.asdict(llama), n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"])
 
 
-def _legacy(state, prefix: str) -> bool:
-    return f"{prefix}0.block_sparse_moe.gate.weight" in state
-
-
 def layer_keys(cfg: MoEConfig, state, prefix: str, i: int) -> dict[str, tuple[str, ...]]:
     """Layer i's parameters (ours) -> their checkpoint keys, in either layout."""
     keys = {ours: (f"{prefix}{i}.{theirs}",) for ours, theirs in HF_LAYER_KEYS.items()}
-    if _legacy(state, prefix):
+    if f"{prefix}0.block_sparse_moe.gate.weight" in state:  # the files' layout (save_pretrained)
         moe = f"{prefix}{i}.block_sparse_moe."
         keys["router"] = (moe + "gate.weight",)
         keys["gate_up"] = tuple(f"{moe}experts.{j}.{w}.weight" for j in range(cfg.n_experts) for w in ("w1", "w3"))
@@ -54,20 +48,9 @@ def layer_keys(cfg: MoEConfig, state, prefix: str, i: int) -> dict[str, tuple[st
     return keys
 
 
-def names(cfg: MoEConfig, state, n_layers: int, lm: bool) -> dict[str, tuple[tuple[str, ...], bool]]:
-    """Our dense parameter (of a DenseLlamaLM of MoE blocks when lm, else of a DenseStack) -> (checkpoint keys,
-    False): several keys are stacked along rows (the experts of the files' layout)."""
-    return hf_llama.layout_names(cfg, state, n_layers, lm, layer_keys)
-
-
 def experts_of(name: str, cfg: MoEConfig) -> int | None:
     """E for our stacked expert parameters (gate_up, down), None for the rest."""
     return cfg.n_experts if name.rsplit(".", 1)[-1] in STACKED else None
-
-
-def expected_shapes(cfg: MoEConfig, state, lm: bool) -> dict[str, tuple]:
-    """Every checkpoint key the config needs, with its shape (from meta-device blocks: no memory)."""
-    return hf_llama.layout_shapes(cfg, state, lm, layer_keys, "Mixtral")
 
 
 def tp_blocks(cfg: MoEConfig, variant: str, group, dtype, device, moe_parallel: str = "tp", n_layers=None) -> list:
@@ -86,7 +69,9 @@ def toy_config(s: dict, ids: dict):
 
 
 FAMILY = Family(
-    "mixtral", "Mixtral", MoEConfig, config_from_hf, names, expected_shapes,
+    "mixtral", "Mixtral", MoEConfig, config_from_hf,
+    names=lambda cfg, state, n_layers, lm: hf_llama.layout_names(cfg, state, n_layers, lm, layer_keys),
+    expected_shapes=lambda cfg, state, lm: hf_llama.layout_shapes(cfg, state, lm, layer_keys, "Mixtral"),
     validate=lambda cfg, p, moe_parallel="tp": validate_moe(cfg, p, moe_parallel),
     dense_blocks=lambda cfg, dtype, device: [DenseMoEBlock(cfg, dtype, device) for _ in range(cfg.n_layers)],
     tp_blocks=tp_blocks, variants=("v2",), moe=True, pipeline=False, experts_of=experts_of, toy=toy_config,

@@ -23,7 +23,7 @@ layers/models/hf_llama.py.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from einops import rearrange
 
 from layers.attention.attention import PagedLayer, attention, positions_of
 from layers.attention.varlen import Requests
+from layers.models.config import FamilyConfig
 from layers.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from layers.parallel.shard import Part, cols, even, heads_range, rows, whole
 from tp.comm import copy_to_region, gather_rows_to_parallel, reduce_scatter_rows
@@ -41,7 +42,7 @@ from tp.partition import kv_head_range
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(FamilyConfig):
     d_model: int = 256
     n_heads: int = 8
     n_kv_heads: int = 2
@@ -58,15 +59,8 @@ class LlamaConfig:
     llama_block = True  # the analytic models (tp/) count its blocks as Llama's: RMSNorm, GQA, SwiGLU, no biases
 
     @property
-    def k(self) -> int:
-        return self.n_heads * self.d_head
-
-    @property
     def k_kv(self) -> int:
         return self.n_kv_heads * self.d_head
-
-    def asdict(self) -> dict:
-        return asdict(self)
 
 
 LLAMA_TINY = LlamaConfig()  # runs in seconds on a laptop
@@ -81,9 +75,8 @@ def valid_llama_tp_sizes(cfg: LlamaConfig, up_to: int = 64) -> list[int]:
 
 def validate_llama(cfg: LlamaConfig, p: int) -> None:
     """ConfigError naming the numbers to change, with the valid p. Pure: every rank reaches the same verdict."""
-    for name in ("d_model", "n_heads", "n_kv_heads", "d_head", "d_ffn", "n_layers", "max_seq_len", "vocab_size"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"model.{name}={getattr(cfg, name)} must be a positive integer")
+    cfg.check_positive(("d_model", "n_heads", "n_kv_heads", "d_head", "d_ffn", "n_layers", "max_seq_len",
+                        "vocab_size"))
     if not (cfg.norm_eps > 0 and cfg.rope_theta > 0):
         raise ConfigError(f"model.norm_eps={cfg.norm_eps} and model.rope_theta={cfg.rope_theta} must be positive")
     if cfg.n_heads % cfg.n_kv_heads:
@@ -147,13 +140,11 @@ def rotary_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Lla
                      requests: Requests | PagedLayer | None) -> torch.Tensor:
     """q [T, h·dh], k, v [T, h_kv·dh] (this rank's heads): RoPE on q and k at each row's position, then causal
     grouped-query attention (layers/attention/attention.py, which also keeps the cache). Returns [T, h·dh]."""
+    tables = requests.batch.tables if isinstance(requests, PagedLayer) else {}  # serving: once an iteration
     key = ("rope", cfg.d_head, cfg.rope_theta, q.dtype)
-    if isinstance(requests, PagedLayer) and key in requests.batch.tables:  # serving: once per iteration, not per layer
-        cos, sin = requests.batch.tables[key]
-    else:
-        cos, sin = rope_tables(positions_of(requests, q.shape[0], q.device), cfg.d_head, cfg.rope_theta, q.dtype)
-        if isinstance(requests, PagedLayer):
-            requests.batch.tables[key] = (cos, sin)
+    if key not in tables:
+        tables[key] = rope_tables(positions_of(requests, q.shape[0], q.device), cfg.d_head, cfg.rope_theta, q.dtype)
+    cos, sin = tables[key]
     q, k, v = (rearrange(t, "n (h d) -> h n d", d=cfg.d_head) for t in (q, k, v))
     kv = torch.stack([rope(k, cos, sin), v])  # [2, h_kv, T, dh]
     return attention(rope(q, cos, sin), kv, requests)
@@ -210,18 +201,17 @@ class TPLlamaBlock(RotaryBlock):
         self.cfg, self.group = cfg, group
         self.q_heads = cfg.n_heads // p
         self.kv_heads = len(kv_heads_of_rank(cfg, 0, p))
-        local_qkv = (self.q_heads + 2 * self.kv_heads) * cfg.d_head
+        self.qkv_split = [self.q_heads * cfg.d_head, self.kv_heads * cfg.d_head, self.kv_heads * cfg.d_head]  # q, k, v
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, device)
         # out_features counts every rank's slice, replicated K,V heads once per rank: p * the local width
-        self.qkv = ColumnParallelLinear(cfg.d_model, p * local_qkv, group, site="attn/qkv dx", **kw)
+        self.qkv = ColumnParallelLinear(cfg.d_model, p * sum(self.qkv_split), group, site="attn/qkv dx", **kw)
         self.o = RowParallelLinear(cfg.k, cfg.d_model, group, site="attn/all-reduce #1", **kw)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, device)
         self.gate_up = ColumnParallelLinear(cfg.d_model, 2 * cfg.d_ffn, group, site="mlp/gate_up dx", **kw)
         self.down = RowParallelLinear(cfg.d_ffn, cfg.d_model, group, site="mlp/all-reduce #2", **kw)
 
     def forward(self, x: torch.Tensor, requests: Requests | PagedLayer | None = None) -> torch.Tensor:
-        q, k, v = self.qkv(self.attn_norm(x)).split(  # this rank's query heads, then its K,V heads
-            [self.q_heads * self.cfg.d_head, self.kv_heads * self.cfg.d_head, self.kv_heads * self.cfg.d_head], dim=-1)
+        q, k, v = self.qkv(self.attn_norm(x)).split(self.qkv_split, dim=-1)  # this rank's query heads, its K,V heads
         x = x + self.o(self.attention(q, k, v, requests))  # ★ all-reduce #1: partial [n, d] summed
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)  # this rank's f/p columns of each
         return x + self.down(F.silu(gate) * up)  # ★ all-reduce #2: partial [n, d] summed over ranks
@@ -243,21 +233,19 @@ class TPLlamaBlock(RotaryBlock):
 
 
 class TPLlamaBlockSP(TPLlamaBlock):
-    """v2sp: TPLlamaBlock with sequence parallelism. Between sub-layers each rank holds its T'/p rows
-    (T' = T padded up to a multiple of p); RMSNorm and the residual adds run on those rows. Before each
-    column-parallel matmul an all-gather rebuilds the T rows; after each row-parallel one a reduce-scatter leaves
-    each rank its rows of the sum. The norm weights' gradients are partial over each rank's rows: one all-reduce
-    per sub-layer in backward (copy_to_region, at the line that uses them)."""
+    """v2sp: TPLlamaBlock with sequence parallelism, cut as GPT-2's TPBlockV2SP (layers/models/tp_block.py): between
+    sub-layers each rank holds its T'/p rows (T' = T padded up to a multiple of p), where RMSNorm and the residual
+    adds run; the norm weights' gradients, partial over those rows, are all-reduced in backward (copy_to_region)."""
 
     def forward(self, x: torch.Tensor, requests: Requests | None = None, n: int | None = None) -> torch.Tensor:
         if isinstance(requests, PagedLayer):
             raise ValueError("v2sp cuts one forward (training-style); serving runs v2")
-        g, dh, eps = self.group, self.cfg.d_head, self.cfg.norm_eps
+        g, eps = self.group, self.cfg.norm_eps
         n = x.shape[0] * dist.get_world_size(g) if n is None else n  # real rows T; the rest is padding
         w = copy_to_region(self.attn_norm.weight, g, "attn/norm dw")  # backward: all-reduce the partial gradient
         h = gather_rows_to_parallel(rms_norm(x, w, eps), g, "attn/all-gather #1")  # ★ all-gather: [T', d]
-        q, k, v = F.linear(h[:n], self.qkv.weight).split(  # no copy_to_region: the gather's backward sums dX
-            [self.q_heads * dh, self.kv_heads * dh, self.kv_heads * dh], dim=-1)
+        # no copy_to_region before the column-parallel matmul: the gather's backward sums dX
+        q, k, v = F.linear(h[:n], self.qkv.weight).split(self.qkv_split, dim=-1)
         partial = F.linear(self.attention(q, k, v, requests), self.o.weight)  # [T, d] partial sums
         x = x + reduce_scatter_rows(pad_rows(partial, h.shape[0]), g, "attn/reduce-scatter #1")  # ★ [T'/p, d]
         w = copy_to_region(self.mlp_norm.weight, g, "mlp/norm dw")

@@ -83,49 +83,44 @@ def dense_lm(cfg: ModelConfig | LlamaConfig, dtype: torch.dtype = torch.float32,
 
 
 @torch.no_grad()
-def _stops(eos_id) -> set[int]:
-    return set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
+def _generate(lm: DenseLM | DenseLlamaLM, prompt: list[int], steps: int, eos_id, pick) -> Greedy:
+    """With no cache at all: every step runs the whole sequence so far through the model and appends what
+    pick(the last row's logits [1, V], its position among the outputs) returns: (token, its logit, its margin)."""
+    stops = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
+    device = next(lm.parameters()).device
+    tokens, out = list(prompt), Greedy([], [], [])
+    for position in range(steps):
+        token, logit, margin = pick(lm.logits(torch.tensor(tokens, device=device))[-1:], position)
+        out.ids.append(token)
+        out.logits.append(logit)
+        out.margins.append(margin)
+        tokens.append(token)
+        if token in stops:
+            break
+    return out
 
 
-@torch.no_grad()
 def greedy_reference(lm: DenseLM, prompt: list[int], max_new_tokens: int, eos_id=None) -> Greedy:
     """Greedy decoding with no cache at all: every step runs the whole sequence so far through the model. eos_id: an
     id, or the ids, that end it."""
-    stops = _stops(eos_id)
-    device = next(lm.parameters()).device
-    tokens, out = list(prompt), Greedy([], [], [])
-    for _ in range(max_new_tokens):
-        last = lm.logits(torch.tensor(tokens, device=device))[-1]  # [V]
-        top = last.topk(2).values
-        token = int(last.argmax())
-        out.ids.append(token)
-        out.logits.append(float(last[token]))
-        out.margins.append(float(top[0] - top[1]))
-        tokens.append(token)
-        if token in stops:
-            break
-    return out
+    def pick(z: torch.Tensor, position: int) -> tuple[int, float, float]:
+        top, token = z[0].topk(2).values, int(z[0].argmax())
+        return token, float(z[0, token]), float(top[0] - top[1])
+
+    return _generate(lm, prompt, max_new_tokens, eos_id, pick)
 
 
-@torch.no_grad()
 def sampled_reference(lm: DenseLM | DenseLlamaLM, prompt: list[int], params, seed: int, eos_id=None) -> Greedy:
     """The oracle of a sampled request: the same sampler (layers/sampling/sampler.py) on the dense logits, recomputed
     with no cache every step, with the request's noise (seed, position). margins: each step's lead in the race."""
-    device, stops = next(lm.parameters()).device, _stops(eos_id)
-    tokens, out = list(prompt), Greedy([], [], [])
-    for position in range(params.max_tokens):
-        z = lm.logits(torch.tensor(tokens, device=device))[-1:]  # [1, V]
+    def pick(z: torch.Tensor, position: int) -> tuple[int, float, float]:
         batch = SamplingBatch.build([(params.temperature, params.top_k, params.top_p, params.min_p, seed, position)],
-                                    -1, device)
+                                    -1, z.device)
         res = sample(z, 0, None, batch, lm.cfg.vocab_size)
-        token = int(res.tokens[0])
-        out.ids.append(token)
-        out.logits.append(float(res.logits[0]))
-        out.margins.append(float(res.margin[0]) if res.margin is not None else float(z.topk(2).values.diff().abs()))
-        tokens.append(token)
-        if token in stops:
-            break
-    return out
+        margin = float(res.margin[0]) if res.margin is not None else float(z.topk(2).values.diff().abs())
+        return int(res.tokens[0]), float(res.logits[0]), margin
+
+    return _generate(lm, prompt, params.max_tokens, eos_id, pick)
 
 
 # a top-1/top-2 margin this small (relative to the logit) is a near-tie: rounding may pick either
@@ -247,15 +242,10 @@ class TPLlamaLM(nn.Module):
 
     step = TPLM.step  # embed_rows, the stack over the paged cache (★ 2 all-reduces [T, d] per layer), pick
     hidden = TPLM.hidden
+    pick = TPLM.pick  # ★ greedy: an all-gather of (max, argmax) pairs [S, 2] per rank, from head_logits' slice
 
     def embed_rows(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.embed(ids)  # ★ all-reduce [T, d]; positions enter in every block (RoPE)
-
-    def pick(self, x: torch.Tensor, sample_rows: torch.Tensor, sampling: SamplingBatch | None) -> SampleResult:
-        if sample_rows.numel() == 0:
-            return nothing_sampled()
-        # ★ greedy: an all-gather of (max, argmax) pairs [S, 2] per rank (sampling: layers/sampling/sampler.py)
-        return sample(*self.head_logits(x, sample_rows), sampling, self.cfg.vocab_size)
 
     def head_logits(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, int, dist.ProcessGroup | None]:
         """As TPLM.head_logits: the final RMSNorm, then this rank's slice of the head."""

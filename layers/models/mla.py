@@ -37,7 +37,7 @@ Checkpoints: layers/models/hf_deepseek.py.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,10 +48,11 @@ from einops import rearrange
 from layers.attention.attention import PagedLayer, positions_of
 from layers.attention.kv_quant import QuantizedLayer, reference_round_trip
 from layers.attention.varlen import Requests
+from layers.models.config import FamilyConfig
 from layers.models.llama import RMSNorm, rope
-from layers.models.moe import moe_local, swiglu
+from layers.models.moe import expert_parts, moe_local, swiglu
 from layers.parallel.linear import ColumnParallelLinear, RowParallelLinear
-from layers.parallel.shard import Cut, Part, cols, even, heads_range, rows, whole
+from layers.parallel.shard import Part, cols, even, heads_range, rows, whole
 from tp.comm import reduce_from_region
 from tp.dist import ConfigError
 
@@ -63,7 +64,7 @@ PREFILL = "decompressed"
 
 
 @dataclass(frozen=True)
-class DeepseekConfig:
+class DeepseekConfig(FamilyConfig):
     d_model: int = 64
     n_heads: int = 4
     q_lora_rank: int = 0  # 0: the queries through one q [d -> H·(n+r)] (V2-Lite); V3: 1536
@@ -130,9 +131,6 @@ class DeepseekConfig:
     def moe_layer(self, i: int) -> bool:
         return i >= self.first_k_dense_replace
 
-    def asdict(self) -> dict:
-        return asdict(self)
-
 
 DEEPSEEK_TINY = DeepseekConfig(q_lora_rank=32)  # = conf/model/deepseek_tiny.yaml
 # DeepSeek-V3's shape (config.json of deepseek-ai/DeepSeek-V3): the cost tables' numbers, never built here
@@ -142,37 +140,23 @@ DEEPSEEK_V3_SHAPE = DeepseekConfig(d_model=7168, n_heads=128, q_lora_rank=1536, 
                                    first_k_dense_replace=3, n_layers=61, max_seq_len=163840, vocab_size=129280)
 
 
-def valid_deepseek_tp_sizes(cfg: DeepseekConfig, placement: str = "tp", up_to: int = 64) -> list[int]:
-    out = []
-    for p in range(1, up_to + 1):
-        try:
-            _split_check(cfg, p, placement)
-        except ConfigError:
-            continue
-        out.append(p)
-    return out
-
-
-def _split_check(cfg: DeepseekConfig, p: int, placement: str) -> None:
+def _unsplittable(cfg: DeepseekConfig, p: int, placement: str) -> list[str]:
+    """The sizes ("name=value") that p ranks would split and that p does not divide."""
     need = [("n_heads", cfg.n_heads), ("n_shared_experts*moe_d_ffn", cfg.n_shared_experts * cfg.moe_d_ffn)]
     if cfg.first_k_dense_replace > 0:
         need.append(("d_ffn", cfg.d_ffn))
     if cfg.n_layers > cfg.first_k_dense_replace:
         need.append(("moe_d_ffn", cfg.moe_d_ffn) if placement == "tp" else ("n_routed_experts", cfg.n_routed_experts))
-    bad = [f"{name}={value}" for name, value in need if value % p]
-    if bad:
-        raise ConfigError(f"{', '.join(bad)} cannot be split over p={p} ranks (moe_parallel={placement})")
+    return [f"{name}={value}" for name, value in need if value % p]
 
 
 def validate_deepseek(cfg: DeepseekConfig, p: int, placement: str = "tp") -> None:
     """ConfigError naming the setting to change; pure, so every rank reaches the same verdict before any collective."""
     if placement not in DEEPSEEK_PARALLEL:
         raise ConfigError(f"moe_parallel={placement!r} is not built for DeepSeek models: choose tp or ep")
-    for name in ("d_model", "n_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "d_ffn",
-                 "moe_d_ffn", "n_routed_experts", "top_k", "n_group", "topk_group", "n_layers", "max_seq_len",
-                 "vocab_size"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"model.{name}={getattr(cfg, name)} must be a positive integer")
+    cfg.check_positive(("d_model", "n_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                        "d_ffn", "moe_d_ffn", "n_routed_experts", "top_k", "n_group", "topk_group", "n_layers",
+                        "max_seq_len", "vocab_size"))
     if cfg.q_lora_rank < 0 or cfg.n_shared_experts < 0 or cfg.first_k_dense_replace < 0:
         raise ConfigError("model.q_lora_rank, n_shared_experts and first_k_dense_replace must be 0 or more")
     if cfg.qk_rope_head_dim % 2:
@@ -190,11 +174,11 @@ def validate_deepseek(cfg: DeepseekConfig, p: int, placement: str = "tp") -> Non
     if cfg.top_k > cfg.topk_group * (cfg.n_routed_experts // cfg.n_group):
         raise ConfigError(f"top_k={cfg.top_k} exceeds the experts in topk_group={cfg.topk_group} groups of "
                           f"{cfg.n_routed_experts // cfg.n_group}")
-    try:
-        _split_check(cfg, p, placement)
-    except ConfigError as exc:
-        valid = valid_deepseek_tp_sizes(cfg, placement)
-        raise ConfigError(f"{exc}; valid tensor-parallel sizes: {', '.join(map(str, valid))}") from None
+    bad = _unsplittable(cfg, p, placement)
+    if bad:
+        valid = [q for q in range(1, 65) if not _unsplittable(cfg, q, placement)]
+        raise ConfigError(f"{', '.join(bad)} cannot be split over p={p} ranks (moe_parallel={placement}); valid "
+                          f"tensor-parallel sizes: {', '.join(map(str, valid))}")
 
 
 # ---- the attention ----------------------------------------------------------------------------------------------
@@ -250,13 +234,11 @@ def latent_and_queries(q: torch.Tensor, kv: torch.Tensor, cfg: DeepseekConfig, r
     """q [T, H·(n+r)] (this rank's heads), kv [T, c + r] (kv_a's output) -> q_nope [H, T, n], q_rope [H, T, r] (rotated),
     latent [T, c + r]: the normed c_KV, then the rotated k_R (what the cache holds)."""
     c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    tables = requests.batch.tables if isinstance(requests, PagedLayer) else {}  # serving: once an iteration
     key = ("mla rope", cfg, q.dtype)
-    if isinstance(requests, PagedLayer) and key in requests.batch.tables:  # serving: once per iteration
-        cos, sin = requests.batch.tables[key]
-    else:
-        cos, sin = rope_cos_sin(positions_of(requests, q.shape[0], q.device), cfg, q.dtype)
-        if isinstance(requests, PagedLayer):
-            requests.batch.tables[key] = (cos, sin)
+    if key not in tables:
+        tables[key] = rope_cos_sin(positions_of(requests, q.shape[0], q.device), cfg, q.dtype)
+    cos, sin = tables[key]
     q = rearrange(q, "t (h d) -> h t d", d=cfg.qk_head_dim)
     q_nope, q_rope = q.split([cfg.qk_nope_head_dim, r], dim=-1)
     latent = torch.cat([norm(kv[:, :c]), rotary(kv[:, c:], cos, sin, cfg.rope_interleave)], dim=-1)
@@ -363,14 +345,11 @@ class _DeepseekParts(nn.Module):
             self.shared_gate_up = nn.Parameter(torch.empty(2 * shared_ffn, cfg.d_model, **kw))
             self.shared_down = nn.Parameter(torch.empty(cfg.d_model, shared_ffn, **kw))
 
-    def routing(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route_grouped(h, self.router, self.router_bias, self.cfg)
-
     def ffn_partial(self, h: torch.Tensor, first: int) -> torch.Tensor:
         """This rank's share of the FFN output [T, d] (the whole of it on one device)."""
         if not self.moe:
             return swiglu(h, self.gate_up, self.down)
-        weights, ids = self.routing(h)
+        weights, ids = route_grouped(h, self.router, self.router_bias, self.cfg)
         out = moe_local(h, weights, ids, self.gate_up, self.down, first)
         return out + swiglu(h, self.shared_gate_up, self.shared_down) if self.cfg.n_shared_experts else out
 
@@ -459,38 +438,22 @@ class TPDeepseekBlock(_DeepseekParts):
         """This rank's slices of DenseDeepseekBlock's parameters (the rules: layers/parallel/shard.py)."""
         c, rank, p = self.cfg, dist.get_rank(self.group), dist.get_world_size(self.group)
         mine = range(rank * self.heads, (rank + 1) * self.heads)
+        q = "q_b.weight" if c.q_lora_rank else "q.weight"  # the heads' queries: from the query LoRA's q_b, or q
         out = whole("attn_norm.weight", "kv_a.weight", "kv_norm.weight", "mlp_norm.weight")
-        if c.q_lora_rank:
-            out += whole("q_a.weight", "q_norm.weight") + [Part("q_b.weight", "q_b.weight",
-                                                                rows(heads_range(mine, c.qk_head_dim)))]
-        else:
-            out.append(Part("q.weight", "q.weight", rows(heads_range(mine, c.qk_head_dim))))
-        out += [Part("kv_b.weight", "kv_b.weight", rows(heads_range(mine, c.qk_nope_head_dim + c.v_head_dim))),
+        out += whole("q_a.weight", "q_norm.weight") if c.q_lora_rank else []
+        out += [Part(q, q, rows(heads_range(mine, c.qk_head_dim))),
+                Part("kv_b.weight", "kv_b.weight", rows(heads_range(mine, c.qk_nope_head_dim + c.v_head_dim))),
                 Part("o.weight", "o.weight", cols(heads_range(mine, c.v_head_dim)))]
         if not self.moe:
             (a, b), f = even(c.d_ffn, rank, p, "d_ffn"), c.d_ffn
             return out + [Part("gate_up", "gate_up", rows((a, b), (f + a, f + b))), Part("down", "down", cols((a, b)))]
-        out += whole("router", "router_bias")
-        if self.placement == "tp":
-            (a, b), f = even(c.moe_d_ffn, rank, p, "moe_d_ffn"), c.moe_d_ffn
-            out += [Part("gate_up", "gate_up", Cut(1, ((a, b), (f + a, f + b)))), Part("down", "down", Cut(2, ((a, b),)))]
-        else:
-            mine_experts = Cut(0, (even(c.n_routed_experts, rank, p, "n_routed_experts"),))
-            out += [Part("gate_up", "gate_up", mine_experts), Part("down", "down", mine_experts)]
+        out += whole("router", "router_bias") + expert_parts(self.placement, c.moe_d_ffn, c.n_routed_experts, rank, p,
+                                                               ("moe_d_ffn", "n_routed_experts"))
         if c.n_shared_experts:
             (a, b), f = even(c.n_shared_experts * c.moe_d_ffn, rank, p, "shared ffn"), c.n_shared_experts * c.moe_d_ffn
             out += [Part("shared_gate_up", "shared_gate_up", rows((a, b), (f + a, f + b))),
                     Part("shared_down", "shared_down", cols((a, b)))]
         return out
-
-
-def dense_blocks(cfg: DeepseekConfig, dtype=torch.float32, device=None) -> list[DenseDeepseekBlock]:
-    return [DenseDeepseekBlock(cfg, i, dtype, device) for i in range(cfg.n_layers)]
-
-
-def tp_blocks(cfg: DeepseekConfig, placement: str, group: dist.ProcessGroup, dtype=torch.float32,
-              device=None) -> list[TPDeepseekBlock]:
-    return [TPDeepseekBlock(cfg, i, group, placement, dtype, device) for i in range(cfg.n_layers)]
 
 
 @torch.no_grad()

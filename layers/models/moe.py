@@ -65,10 +65,7 @@ def validate_moe(cfg: MoEConfig, p: int, placement: str) -> None:
     if placement in ("ep", "ep_a2a") and cfg.n_experts % p:
         raise ConfigError(f"moe_parallel={placement}: model.n_experts={cfg.n_experts} is not divisible by p={p} "
                           f"(each rank holds n_experts/p whole experts)")
-    if placement == "ep_a2a":  # attention is replicated: only its shape must be valid
-        validate_llama(cfg, 1)
-    else:
-        validate_llama(cfg, p)
+    validate_llama(cfg, 1 if placement == "ep_a2a" else p)  # ep_a2a's attention is replicated: its shape alone
 
 
 # ---- routing and the experts --------------------------------------------------------------------------------------
@@ -124,6 +121,16 @@ def moe_local(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up
     return torch.zeros_like(h).index_add_(0, pairs // k, y)
 
 
+def expert_parts(placement: str, ffn: int, experts: int, rank: int, p: int, names: tuple[str, str]) -> list[Part]:
+    """This rank's slices of the stacked experts gate_up [E, 2f, d] and down [E, d, f]: tp, every expert's f/p (its
+    rows of gate and of up, its columns of down); ep, E/p whole experts. names: f's and E's, for the messages."""
+    if placement == "tp":
+        (a, b), f = even(ffn, rank, p, names[0]), ffn
+        return [Part("gate_up", "gate_up", Cut(1, ((a, b), (f + a, f + b)))), Part("down", "down", Cut(2, ((a, b),)))]
+    mine = Cut(0, (even(experts, rank, p, names[1]),))
+    return [Part("gate_up", "gate_up", mine), Part("down", "down", mine)]
+
+
 # ---- blocks ---------------------------------------------------------------------------------------------------
 
 
@@ -177,8 +184,7 @@ class TPMoEBlock(TPLlamaBlock, _MoEFFN):
         self.first = 0 if placement == "tp" else dist.get_rank(group) * experts  # the first expert held here
 
     def forward(self, x: torch.Tensor, requests: Requests | PagedLayer | None = None) -> torch.Tensor:
-        q, k, v = self.qkv(self.attn_norm(x)).split(
-            [self.q_heads * self.cfg.d_head, self.kv_heads * self.cfg.d_head, self.kv_heads * self.cfg.d_head], dim=-1)
+        q, k, v = self.qkv(self.attn_norm(x)).split(self.qkv_split, dim=-1)  # this rank's query heads, its K,V heads
         x = x + self.o(rotary_attention(q, k, v, self.cfg, requests))  # ★ all-reduce #1: partial [T, d] summed
         h = self.mlp_norm(x)
         weights, ids = route(h, self.router, self.cfg.top_k)  # replicated router, replicated h: the same routing
@@ -188,14 +194,8 @@ class TPMoEBlock(TPLlamaBlock, _MoEFFN):
     def plan(self) -> list[Part]:
         c, rank, p = self.cfg, dist.get_rank(self.group), dist.get_world_size(self.group)
         attention = [part for part in super().plan() if part.param.split(".")[0] in ("attn_norm", "qkv", "o")]
-        if self.placement == "tp":
-            (a, b), f = even(c.d_ffn, rank, p, "d_ffn"), c.d_ffn
-            experts = [Part("gate_up", "gate_up", Cut(1, ((a, b), (f + a, f + b)))),
-                       Part("down", "down", Cut(2, ((a, b),)))]
-        else:
-            mine = Cut(0, (even(c.n_experts, rank, p, "n_experts"),))
-            experts = [Part("gate_up", "gate_up", mine), Part("down", "down", mine)]
-        return attention + whole("mlp_norm.weight", "router") + experts
+        return (attention + whole("mlp_norm.weight", "router")
+                + expert_parts(self.placement, c.d_ffn, c.n_experts, rank, p, ("d_ffn", "n_experts")))
 
 
 class EPAllToAllBlock(DenseMoEBlock):
@@ -238,9 +238,8 @@ class EPAllToAllBlock(DenseMoEBlock):
 
     def plan(self) -> list[Part]:
         rank, p = dist.get_rank(self.group), dist.get_world_size(self.group)
-        mine = Cut(0, (even(self.cfg.n_experts, rank, p, "n_experts"),))
         return (whole("attn_norm.weight", "q.weight", "k.weight", "v.weight", "o.weight", "mlp_norm.weight", "router")
-                + [Part("gate_up", "gate_up", mine), Part("down", "down", mine)])
+                + expert_parts("ep", self.cfg.d_ffn, self.cfg.n_experts, rank, p, ("d_ffn", "n_experts")))
 
 
 # ---- building and loading -------------------------------------------------------------------------------------
@@ -250,18 +249,6 @@ HF_LAYER_KEYS = {"attn_norm.weight": "input_layernorm.weight", "q.weight": "self
                  "k.weight": "self_attn.k_proj.weight", "v.weight": "self_attn.v_proj.weight",
                  "o.weight": "self_attn.o_proj.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
                  "router": "mlp.gate.weight", "gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj"}
-
-
-@torch.no_grad()
-def load_hf_layer(block: DenseMoEBlock, state: dict[str, torch.Tensor], prefix: str) -> DenseMoEBlock:
-    """One MixtralDecoderLayer's weights (transformers 5.x names, keys under `prefix`) into a DenseMoEBlock."""
-    for ours, theirs in HF_LAYER_KEYS.items():
-        target = block.get_parameter(ours)
-        value = state[prefix + theirs]
-        if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(f"{prefix + theirs}: shape {tuple(value.shape)} does not fit {ours} {tuple(target.shape)}")
-        target.copy_(value)
-    return block
 
 
 @torch.no_grad()
@@ -278,17 +265,6 @@ def dense_routing(stack, x: torch.Tensor, requests: Requests | None) -> tuple[li
             gaps.append(float((top[:, block.cfg.top_k - 1] - top[:, block.cfg.top_k]).min()) if len(top) else 1.0)
         x = block(x, requests)
     return ids, min(gaps, default=1.0)
-
-
-def hf_lm_names(cfg: MoEConfig) -> dict[str, tuple[tuple[str, ...], bool]]:
-    """Our DenseLlamaLM (MoE blocks) parameter -> (transformers 5.x MixtralForCausalLM key, transposed?), for
-    layers/models/hf_gpt2.load_named: the stacked experts keep transformers' own layout."""
-    out = {f"stack.blocks.{i}.{ours}": ((f"model.layers.{i}.{theirs}",), False)
-           for i in range(cfg.n_layers) for ours, theirs in HF_LAYER_KEYS.items()}
-    out.update({"embed.weight": (("model.embed_tokens.weight",), False), "norm.weight": (("model.norm.weight",), False)})
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (("lm_head.weight",), False)
-    return out
 
 
 def moe_block(cfg: MoEConfig, placement: str, group: dist.ProcessGroup, dtype=torch.float32, device=None):

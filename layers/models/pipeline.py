@@ -14,26 +14,25 @@ Between stage s and s+1 the hidden states [T, d] move one way, point to point, i
 
 Every message goes into the traffic ledger as a Transfer (site "pp/boundary", `request` = the micro-batch), and
 tp/traffic_model.predict_pp_stage predicts each rank's messages and collectives; the scatter mode's all-gather is an ordinary
-collective ("pp/all-gather"). With tp = 1 both ways are the same message.
-
-    PPStage   the block check's stage: its layers' TP blocks; run() drives a forward-only GPipe schedule
-    PPLM      a language model's stage for serving: a micro-batch's part on this stage (forward_stage, sample,
-              share), driven by serve/pipeline.py's PipelineEngine with up to pp micro-batches in flight; step() is
-              one iteration alone, with TPLM.step's signature and result on every rank
+collective ("pp/all-gather"). With tp = 1 both ways are the same message. A stage is a PPStage (the block check's,
+run() drives a forward-only GPipe schedule) or, for serving, a PPLM.
 """
 
 from __future__ import annotations
 
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from layers.models.families import of
+from layers.models.llama import pad_rows
+from layers.models.lm import tp_lm
 from layers.models.tp_block import TPStack, tp_stack
-from layers.parallel.shard import Part, load_plan
+from layers.parallel.shard import DenseSource, Part, load_plan, prefixed
 from layers.sampling.sampler import SampleResult, nothing_sampled, table_width
 from tp.comm import broadcast_from, gather_rows_to_parallel
 from tp.dist import wait_for_stream
@@ -149,15 +148,9 @@ class PPStage(StagePosition, nn.Module):
         self.stack: TPStack = tp_stack(cfg, variant, group, dtype, device, len(self.layers))
         self.link = Boundary(cfg, layout, rank, group, dtype, device, boundary)
 
-
     def plan(self) -> list[Part]:
         """The stack's plan, its local block j named as the dense stack's block layers[j]."""
-        lo = self.layers.start
-        out = []
-        for part in self.stack.plan():
-            _, j, rest = part.source.split(".", 2)
-            out.append(Part("stack." + part.param, f"blocks.{lo + int(j)}.{rest}", part.cut, part.row))
-        return out
+        return prefixed([renumbered(part, self.layers.start) for part in self.stack.plan()], "stack.", "")
 
     def forward(self, x: torch.Tensor | None, rows: int, microbatch: int = 0, received: bool = False,
                 requests=None, send: bool = True) -> tuple[torch.Tensor, ...]:
@@ -165,7 +158,7 @@ class PPStage(StagePosition, nn.Module):
         requests: layers/attention/varlen.Requests, when x flattens several (each attends within itself). send: pass the
         last output on to the next stage (run() sends it itself, to time the compute alone)."""
         if not self.first and not received:
-            x = self.receive(rows, microbatch)
+            x = self.link.receive(rows, microbatch)
         ledger = active()
         layer_before = ledger.layer if ledger is not None else None
         outs = []
@@ -177,7 +170,7 @@ class PPStage(StagePosition, nn.Module):
         if ledger is not None:
             ledger.layer = layer_before
         if send and not self.last:
-            self.send(x, microbatch)
+            self.link.send(x, microbatch)
         return tuple(outs)
 
     def run(self, inputs: list[torch.Tensor] | None, rows: list[int],
@@ -192,24 +185,18 @@ class PPStage(StagePosition, nn.Module):
         start, timeline, outs = time.perf_counter(), [], []
         for m, n in enumerate(rows):
             t0 = time.perf_counter()
-            x = inputs[m] if self.first else self.receive(n, m)
+            x = inputs[m] if self.first else self.link.receive(n, m)
             wait_for_stream(self.device)  # on a GPU: the received rows are there (a no-op on a CPU)
             t1 = time.perf_counter()
             out = self.forward(x, n, m, received=True, send=False, requests=None if requests is None else requests[m])
             wait_for_stream(self.device)  # on a GPU: its compute is done, so busy is the device's time
             t2 = time.perf_counter()
             if not self.last:
-                self.send(out[-1], m)
+                self.link.send(out[-1], m)
             outs.append(out)
             timeline.append({"microbatch": m, "wait_s": t1 - t0, "begin_s": t1 - start, "end_s": t2 - start,
                              "send_s": time.perf_counter() - t2})
         return outs, {"stage": self.index, "total_s": time.perf_counter() - start, "microbatches": timeline}
-
-    def send(self, x: torch.Tensor, microbatch: int) -> None:
-        self.link.send(x, microbatch)
-
-    def receive(self, rows: int, microbatch: int) -> torch.Tensor:
-        return self.link.receive(rows, microbatch)
 
 
 class Boundary:
@@ -225,7 +212,10 @@ class Boundary:
         self.index, self.tp_rank = layout.stage_of(rank), layout.tp_rank_of(rank)
 
     def _piece(self, rows: int) -> tuple[int, int]:
-        """scatter: this TP rank's rows [lo, hi) of the padded tp·⌈T/tp⌉."""
+        """The rows [lo, hi) a message carries: all T (whole, or tp = 1), or this TP rank's of the padded tp·⌈T/tp⌉
+        (scatter)."""
+        if self.mode == "whole" or self.layout.tp == 1:
+            return 0, rows
         per = ceil_div(rows, self.layout.tp)
         return self.tp_rank * per, (self.tp_rank + 1) * per
 
@@ -234,32 +224,26 @@ class Boundary:
         caller waits on it (the serving pipeline posts a micro-batch's rows in one step, the next stage having posted
         their receive in the same step, and waits for the send in a later step)."""
         peer = self.layout.rank(self.index + 1, self.tp_rank)
-        if self.mode == "scatter" and self.layout.tp > 1:
-            lo, hi = self._piece(x.shape[0])
-            padded = torch.zeros(hi - lo, x.shape[1], dtype=x.dtype, device=x.device)
-            real = x[lo:min(hi, x.shape[0])]
-            padded[:real.shape[0]] = real
-            x = padded
-        return self._message("send", x.contiguous(), peer, microbatch, wait)
+        lo, hi = self._piece(x.shape[0])
+        x = pad_rows(x[lo:hi], hi - lo).contiguous()  # scatter: zero rows past T
+        start, work = time.perf_counter(), None
+        if wait:
+            dist.send(x, peer)  # ★ point to point, between stages
+        else:
+            work = (dist.isend(x, peer), x)  # ★ point to point, between stages (posted)
+        self._record("send", x, peer, microbatch, start)
+        return work
 
     def receive(self, rows: int, microbatch: int) -> torch.Tensor:
-        peer = self.layout.rank(self.index - 1, self.tp_rank)
-        d = self.cfg.d_model
-        if self.mode == "scatter" and self.layout.tp > 1:
-            lo, hi = self._piece(rows)
-            piece = torch.empty(hi - lo, d, dtype=self.dtype, device=self.device)
-            self._message("recv", piece, peer, microbatch)
-            return gather_rows_to_parallel(piece, self.group, "pp/all-gather")[:rows]  # ★ all-gather [T', d]
-        x = torch.empty(rows, d, dtype=self.dtype, device=self.device)
-        self._message("recv", x, peer, microbatch)
-        return x
+        """A micro-batch's rows [T, d] from the previous stage, received now."""
+        return self.take(self.post_receive(rows, microbatch))
 
     def post_receive(self, rows: int, microbatch: int) -> "PostedReceive":
         """Post the receive of a micro-batch's rows now, take them later (take): the serving pipeline posts it in
         the step the previous stage sends them, before that step's broadcast over the world, so no send is ever
         pending across a collective without its receive posted (NCCL runs a communicator's operations in order)."""
         peer = self.layout.rank(self.index - 1, self.tp_rank)
-        lo, hi = self._piece(rows) if self.mode == "scatter" and self.layout.tp > 1 else (0, rows)
+        lo, hi = self._piece(rows)
         buf = torch.empty(hi - lo, self.cfg.d_model, dtype=self.dtype, device=self.device)
         return PostedReceive(dist.irecv(buf, peer), buf, rows, microbatch, peer, time.perf_counter())
 
@@ -271,16 +255,6 @@ class Boundary:
         if self.mode == "scatter" and self.layout.tp > 1:
             return gather_rows_to_parallel(posted.buf, self.group, "pp/all-gather")[:posted.rows]  # ★ all-gather
         return posted.buf
-
-    def _message(self, kind: str, t: torch.Tensor, peer: int, microbatch: int, wait: bool = True):
-        start = time.perf_counter()
-        work = None
-        if kind == "send" and not wait:
-            work = (dist.isend(t, peer), t)  # ★ point to point, between stages (posted)
-        else:
-            (dist.send if kind == "send" else dist.recv)(t, peer)  # ★ point to point, between stages
-        self._record(kind, t, peer, microbatch, start)
-        return work
 
     def _record(self, kind: str, t: torch.Tensor, peer: int, microbatch: int, start: float) -> None:
         ledger = active()
@@ -303,8 +277,6 @@ class PostedReceive:
 def shard_stage(dense, variant: str, layout: PPLayout, rank: int, group: dist.ProcessGroup,
                 boundary: str = "whole") -> PPStage:
     """Load dense (a DenseStack), then shard: this rank's stage, holding its TP slices of its layers' weights."""
-    from layers.parallel.shard import DenseSource
-
     source = DenseSource(dense)
     stage = PPStage(dense.cfg, variant, layout, rank, group, source.dtype, source.device, boundary)
     return load_plan(stage, stage.plan(), source)
@@ -322,11 +294,11 @@ class PPLM(StagePosition, nn.Module):
                                                              the result to the next stage (flush() waits for it)
         sample(x, sample_rows, sampling)                     the last stage: the head's pick, as a table [S, w] float64
                                                              (id, logit[, logprob, top ids, top logprobs])
-        share(table, rows, width)                            ★ broadcast from the last stage's TP rank 0 to every rank
+        broadcast_tokens(table, rows, width, device)         ★ broadcast from the last stage's TP rank 0 to every rank
                                                              ("pp/tokens"): a SampleResult on every rank
 
-    The serving engine (serve/pipeline.py's PipelineEngine) calls them for up to pp micro-batches in flight at once;
-    step() is the three of them for one iteration alone, with TPLM.step's signature and result."""
+    serve/pipeline.py's PipelineEngine calls them for up to pp micro-batches in flight at once; step() is the three
+    of them for one iteration alone, with TPLM.step's signature and result on every rank."""
 
     def __init__(self, lm, layout: PPLayout, rank: int, layers: range, boundary: str = "whole", model_cfg=None,
                  world: dist.ProcessGroup | None = None):
@@ -356,7 +328,6 @@ class PPLM(StagePosition, nn.Module):
     @property
     def cache_layout(self) -> tuple[int, int, int]:
         return self.lm.cache_layout
-
 
     def forward_stage(self, ids, positions, layers, microbatch: int = 0,
                       received: PostedReceive | None = None) -> torch.Tensor:
@@ -397,19 +368,13 @@ class PPLM(StagePosition, nn.Module):
         return self.broadcast_tokens(table, sample_rows.numel(), table_width(sampling), ids.device)
 
 
+def renumbered(part: Part, first: int) -> Part:
+    """part, its source's block j (blocks.<j>.) renamed block first + j: a stage's block j is the model's first + j."""
+    source = re.sub(r"blocks\.(\d+)\.", lambda m: f"blocks.{first + int(m.group(1))}.", part.source, count=1)
+    return Part(part.param, source, part.cut, part.row)
+
+
 ENDS = ("embed", "wpe", "ln_f", "norm", "head")  # an LM's modules outside its blocks (TPLM's, TPLlamaLM's)
-
-
-def stage_input(cfg) -> set[str]:
-    """What the first stage holds besides its blocks: the token embedding (and GPT-2's learned positions)."""
-    return {"embed"} if of(cfg).llama_lm else {"embed", "wpe"}
-
-
-def stage_output(cfg) -> set[str]:
-    """What the last stage holds besides its blocks: the final norm and the head (the embedding itself when tied)."""
-    if not of(cfg).llama_lm:
-        return {"embed", "ln_f"}  # GPT-2's head is its token embedding
-    return {"head", "norm"} | ({"embed"} if cfg.tie_word_embeddings else set())
 
 
 def shard_pp_lm(weights, variant: str, layout: PPLayout, rank: int, group: dist.ProcessGroup,
@@ -417,30 +382,22 @@ def shard_pp_lm(weights, variant: str, layout: PPLayout, rank: int, group: dist.
     """This rank's PPLM, its stage's blocks (and the embedding on the first stage, the final norm and head on the
     last), each cut over the stage's TP group: from a dense LM (DenseLM or DenseLlamaLM: load, then shard) or a Source (layers/models/hf.CheckpointSource: the rank reads only
     its stage's slices of the files), as layers/models/lm.shard_lm."""
-    from dataclasses import replace as replaced
-
-    from layers.models.lm import tp_lm
-    from layers.parallel.shard import DenseSource
-
     source = weights if hasattr(weights, "fill") else DenseSource(weights)
     cfg = source.cfg
     stage = layout.stage_of(rank)
     layers = stage_layers(cfg.n_layers, layout.pp)[stage]
-    lm = tp_lm(replaced(cfg, n_layers=len(layers)), variant, group, True, source.dtype, source.device)
-    keep = {"stack"} | (stage_input(cfg) if stage == 0 else set()) | (stage_output(cfg) if stage == layout.pp - 1
-                                                                       else set())
+    lm = tp_lm(replace(cfg, n_layers=len(layers)), variant, group, True, source.dtype, source.device)
+    llama, keep = of(cfg).llama_lm, {"stack"}
+    if stage == 0:  # the token embedding (and GPT-2's learned positions)
+        keep |= {"embed"} if llama else {"embed", "wpe"}
+    if stage == layout.pp - 1:  # the final norm and the head (GPT-2's head is its token embedding, as a tied one is)
+        keep |= ({"norm", "head"} | ({"embed"} if cfg.tie_word_embeddings else set())) if llama else {"ln_f", "embed"}
     full = lm.plan()
     for name in ENDS:  # the ends this stage does not hold: never loaded, their memory given back
         if name not in keep and getattr(lm, name, None) is not None:
             setattr(lm, name, None)
-    plan = []
-    for part in full:
-        if part.param.split(".", 1)[0] not in keep:
-            continue
-        if part.param.startswith("stack.blocks."):
-            _, _, j, rest = part.source.split(".", 3)
-            part = Part(part.param, f"stack.blocks.{layers.start + int(j)}.{rest}", part.cut, part.row)
-        plan.append(part)
+    plan = [renumbered(part, layers.start) if part.param.startswith("stack.blocks.") else part
+            for part in full if part.param.split(".", 1)[0] in keep]
     try:
         return PPLM(load_plan(lm, plan, source), layout, rank, layers, boundary, cfg, world)
     finally:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from layers.attention.attention import PagedLayer, causal_attention
-from layers.attention.varlen import Requests, check_cu_seqlens
+from layers.attention.varlen import Requests
 from layers.models.config import ModelConfig
 from layers.models.dense import DenseStack, Stack
 from layers.models.families import of
@@ -38,13 +38,16 @@ from layers.models.llama import pad_rows
 from layers.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from layers.parallel.shard import (DenseSource, Part, cols, even, head_aligned_cut, intra_head_cut, load_plan, prefixed,
                                    rows, whole)
-from tp.partition import ceil_div
+from tp.partition import ceil_div, padded
 from tp.comm import (copy_to_region, gather_from_region, gather_rows_from_region, gather_rows_to_parallel,
                      reduce_from_region, reduce_scatter_rows, scatter_rows_to_region)
 
 
 class _TPBlockBase(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup, dtype, device):
+    """qkv and mlp_up column-parallel in every variant; attn_out and mlp_down of the variant's `second` kind."""
+
+    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup, dtype, device, second: type, attn_site: str,
+                 mlp_site: str):
         super().__init__()
         self.cfg = cfg
         self.group = group
@@ -54,6 +57,8 @@ class _TPBlockBase(nn.Module):
         self.qkv = ColumnParallelLinear(cfg.d_model, 3 * cfg.k, group, site="attn/qkv dx", **kw)
         self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps, **kw)
         self.mlp_up = ColumnParallelLinear(cfg.d_model, cfg.d_ffn, group, site="mlp/mlp_up dx", **kw)
+        self.attn_out = second(cfg.k, cfg.d_model, group, site=attn_site, **kw)
+        self.mlp_down = second(cfg.d_ffn, cfg.d_model, group, site=mlp_site, **kw)
 
     def plan(self) -> list[Part]:
         """Which slice of the dense block's parameters each of this rank's holds (the rules:
@@ -69,10 +74,7 @@ class TPBlockV2(_TPBlockBase):
     """Megatron pattern: QKV column -> attention (local heads) -> out-proj row; up column -> down row."""
 
     def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup, dtype=torch.float32, device=None):
-        super().__init__(cfg, group, dtype, device)
-        kw = dict(dtype=dtype, device=device)
-        self.attn_out = RowParallelLinear(cfg.k, cfg.d_model, group, site="attn/all-reduce #1", **kw)
-        self.mlp_down = RowParallelLinear(cfg.d_ffn, cfg.d_model, group, site="mlp/all-reduce #2", **kw)
+        super().__init__(cfg, group, dtype, device, RowParallelLinear, "attn/all-reduce #1", "mlp/all-reduce #2")
 
     def forward(self, x: torch.Tensor, requests: Requests | None = None) -> torch.Tensor:  # x: [n, d] on every rank
         a = causal_attention(self.qkv(self.ln_1(x)), self.cfg.d_head, requests)  # [n, k/p]: this rank's heads
@@ -90,10 +92,7 @@ class TPBlockV1(_TPBlockBase):
     """Every matmul column-parallel: a full input is needed after each one, so gather four times."""
 
     def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup, dtype=torch.float32, device=None):
-        super().__init__(cfg, group, dtype, device)
-        kw = dict(dtype=dtype, device=device)
-        self.attn_out = ColumnParallelLinear(cfg.k, cfg.d_model, group, site="attn/attn_out dx", **kw)
-        self.mlp_down = ColumnParallelLinear(cfg.d_ffn, cfg.d_model, group, site="mlp/mlp_down dx", **kw)
+        super().__init__(cfg, group, dtype, device, ColumnParallelLinear, "attn/attn_out dx", "mlp/mlp_down dx")
 
     def forward(self, x: torch.Tensor, requests: Requests | None = None) -> torch.Tensor:  # x: [n, d] on every rank
         g = self.group
@@ -178,10 +177,6 @@ class TPStack(Stack):
         """Every block's slices of the dense stack's parameters (blocks.<i>.<name> on both sides)."""
         return [part for i, block in enumerate(self.blocks) for part in prefixed(block.plan(), f"blocks.{i}.")]
 
-    def enter(self, x: torch.Tensor) -> torch.Tensor:
-        """What the first block takes from the stack's input [n, d]: all of it (SPStack: this rank's rows)."""
-        return x
-
     def output(self, outs: tuple[torch.Tensor, ...], n: int) -> torch.Tensor:
         """The stack's replicated output [n, d] from forward's per-layer outputs."""
         return outs[-1]
@@ -190,47 +185,29 @@ class TPStack(Stack):
         """[lo, hi): the rows of each layer's output this rank holds (all of them)."""
         return 0, n
 
-    def layer(self, block: nn.Module, x: torch.Tensor, requests, n: int) -> torch.Tensor:
-        """One block on what the previous one returned (n: the stack input's rows; SPStack's blocks need it)."""
-        return block(x, requests)
-
-
-def sp_rows(n: int, p: int) -> int:
-    """Rows each rank holds under sequence parallelism: n padded up to n' = p·⌈n/p⌉ with zero rows at the end
-    (which no real row attends to: they come last, and attention is causal), n'/p each."""
-    return ceil_div(n, p)
-
 
 class SPStack(TPStack):
     """L v2sp blocks. forward takes the replicated [n, d] (n ≥ p), pads it to n' = p·⌈n/p⌉ rows and keeps this
     rank's n'/p (scatter_rows_to_region: no communication; backward all-gathers dx, "stack/scatter input");
-    it returns every layer's output as this rank's rows [n'/p, d] (rows `rows_held(n)` of the n real ones).
+    it returns every layer's output as this rank's rows [n'/p, d] (rows `rows_held(n)` of the n real ones). The
+    padding rows come last, so no real row attends to them (attention is causal).
     `gather(out, n)` all-gathers one back to the replicated [n, d] ("stack/gather output", outside any block)."""
 
     def forward(self, x: torch.Tensor, cu_seqlens=None, padded: bool = False) -> tuple[torch.Tensor, ...]:
         if padded:
             raise ValueError("v2sp runs one sequence or varlen requests, not the padded baseline")
-        g, n = self.blocks[0].group, x.shape[0]
-        p = dist.get_world_size(g)
+        n, p = x.shape[0], dist.get_world_size(self.blocks[0].group)
         if n < p:
             raise ValueError(f"v2sp needs at least one row per rank: T={n} tokens over p={p} ranks")
-        requests = None if cu_seqlens is None else \
-            Requests(check_cu_seqlens(cu_seqlens, n, self.cfg.max_seq_len), padded)  # attention sees all n rows
-        x = self.enter(x)  # [n'/p, d]
-        outs = []
-        for block in self.blocks:
-            x = self.layer(block, x, requests, n)
-            outs.append(x)
-        return tuple(outs)
+        return super().forward(x, cu_seqlens)  # attention sees all n rows; each block takes this rank's n'/p
 
     def layer(self, block: nn.Module, x: torch.Tensor, requests, n: int) -> torch.Tensor:
         return block(x, requests, n)  # the real rows: the rest of the n' is padding
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """[n, d] replicated -> this rank's n'/p rows of the padded [n', d] (no communication; backward all-gathers)."""
-        g, n = self.blocks[0].group, x.shape[0]
-        p = dist.get_world_size(g)
-        return scatter_rows_to_region(pad_rows(x, p * sp_rows(n, p)), g, "stack/scatter input")
+        g = self.blocks[0].group
+        return scatter_rows_to_region(pad_rows(x, padded(x.shape[0], dist.get_world_size(g))), g, "stack/scatter input")
 
     def gather(self, rows: torch.Tensor, n: int) -> torch.Tensor:
         """This rank's [n'/p, d] -> the replicated [n, d]: ★ one all-gather (backward: split)."""
@@ -242,7 +219,7 @@ class SPStack(TPStack):
     def rows_held(self, n: int) -> tuple[int, int]:
         """[lo, hi): the real rows this rank holds (hi - lo < n'/p on the last ranks when n % p != 0)."""
         g = self.blocks[0].group
-        per = sp_rows(n, dist.get_world_size(g))
+        per = ceil_div(n, dist.get_world_size(g))  # n'/p
         lo = dist.get_rank(g) * per
         return min(lo, n), min(lo + per, n)
 

@@ -70,7 +70,6 @@ class VocabParallelEmbedding(nn.Module):
         return logits
 
 
-
 class ReplicatedEmbedding(nn.Module):
     """Every rank holds the whole [V, d] embedding: lookup and LM head without communication."""
 
@@ -82,8 +81,7 @@ class ReplicatedEmbedding(nn.Module):
     def plan(self, source: str) -> list[Part]:
         return [Part("weight", source)]
 
-    def load_dense(self, weight: torch.Tensor) -> "ReplicatedEmbedding":
-        return load_plan(self, self.plan("weight"), DenseSource({"weight": weight}))
+    load_dense = VocabParallelEmbedding.load_dense  # weight: the dense [V, d] embedding, whole here
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, d]
         return F.embedding(ids, self.weight)

@@ -268,6 +268,7 @@ def apply_filters(local: torch.Tensor, ids: torch.Tensor, group, batch: Sampling
     both call it."""
     S, n = local.shape
     dev = local.device
+    every = n if group is None else n * dist.get_world_size(group)  # the whole padded vocabulary, V'
     greedy = batch.temperature == 0
     sampled = ~greedy
     T = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)[:, None]
@@ -281,7 +282,7 @@ def apply_filters(local: torch.Tensor, ids: torch.Tensor, group, batch: Sampling
         rounds.append(c)
         m = top_z[:, :1]  # the global max of z
         kept_c = _kept_candidates(top_z, T, m, batch, greedy)  # survivors of min-p and top-k among the candidates
-        closed = sampled & ((batch.top_k > 0) | ~kept_c[:, -1] | (top_z.shape[1] >= n * _size(group)))
+        closed = sampled & ((batch.top_k > 0) | ~kept_c[:, -1] | (top_z.shape[1] >= every))
     top_p_on = sampled & (batch.top_p < 1)
     if batch.normalisers:
         # ★ all-reduce of each row's normalisers: top-p's Z_K over the survivors of min-p (on its slice; a row closed
@@ -304,7 +305,7 @@ def apply_filters(local: torch.Tensor, ids: torch.Tensor, group, batch: Sampling
         while True:
             mass = torch.where(kept_c, torch.exp(top_z / T - m / T), 0) / z_kept[:, None]
             before = mass.cumsum(-1) - mass  # the survivors' mass ranked before each candidate
-            inside = (mass.sum(-1) >= batch.top_p) | (top_z.shape[1] >= n * _size(group))
+            inside = (mass.sum(-1) >= batch.top_p) | (top_z.shape[1] >= every)
             if bool((inside | ~top_p_on).all()):
                 break
             # The cut lies past every rank's candidates (a flat distribution): more candidates where their 16-byte
@@ -390,10 +391,6 @@ def _race_slices(local, ids, start, group, batch: SamplingBatch, T, log_min_p, m
         if result.margin is None:
             result.margin = torch.zeros(S, dtype=torch.float64, device=local.device)
         result.margin[rows] = two[:, 0] - two[:, 1]
-
-
-def _size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 def _kept_candidates(top_z, T, m, batch: SamplingBatch, greedy) -> torch.Tensor:
