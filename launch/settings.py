@@ -143,24 +143,7 @@ def parse_model(cfg: DictConfig, world_size: int,
     config.json (GPT-2 or Llama). The model is a ModelConfig or a LlamaConfig, valid for every TP size asked."""
     fields = OmegaConf.to_container(cfg.model, resolve=True)
     family = fields.pop("family", "gpt2")
-    model_class = config_class(family)  # ConfigError naming the families for another
-    for key, value in fields.items():
-        if key in ("ln_eps", "norm_eps", "rope_theta", "routed_scaling_factor", "rope_factor", "rope_beta_fast",
-                   "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim", "rope_attention_factor"):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"model.{key}={value!r} must be a number")
-        elif key == "rope_type":
-            if value not in ("default", "yarn"):
-                raise ConfigError(f"model.rope_type={value!r}: choose default or yarn")
-        elif key in ("tie_word_embeddings", "rope_interleave", "norm_topk_prob", "rope_truncate"):
-            if not isinstance(value, bool):
-                raise ConfigError(f"model.{key}={value!r} must be true or false")
-        elif isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"model.{key}={value!r} must be an integer")
-    try:
-        model = model_class(**fields)
-    except TypeError as exc:
-        raise ConfigError(f"bad model settings: {exc}") from None
+    model = config_class(family).from_settings(fields)  # config_class: ConfigError naming the families
     model_name = HydraConfig.get().runtime.choices.get("model", "custom") if HydraConfig.initialized() else "custom"
     hf_checkpoint = None if cfg.hf_checkpoint is None else str(cfg.hf_checkpoint)
     if hf_checkpoint is not None:

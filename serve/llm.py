@@ -93,7 +93,7 @@ def _preset(name: str):
     from layers.models.families import config_class
 
     fields = OmegaConf.to_container(OmegaConf.load(PRESETS / f"{name}.yaml"), resolve=True)
-    return config_class(fields.pop("family", "gpt2"))(**fields)
+    return config_class(fields.pop("family", "gpt2")).from_settings(fields)
 
 
 def load_tokenizer(source: str | None):

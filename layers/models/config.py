@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
@@ -28,6 +28,24 @@ class FamilyConfig:
 
     def asdict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_settings(cls, settings: dict):
+        """The config from settings (a preset's YAML, the launchers' model.* overrides), each value checked against
+        its field's type first: ConfigError naming the setting."""
+        kinds = {f.name: getattr(f.type, "__name__", f.type) for f in fields(cls)}  # "int", "float", "bool", "str"
+        for key, value in settings.items():
+            kind, flag = kinds.get(key), isinstance(value, bool)
+            if kind == "float" and (flag or not isinstance(value, (int, float))):
+                raise ConfigError(f"model.{key}={value!r} must be a number")
+            if kind == "bool" and not flag:
+                raise ConfigError(f"model.{key}={value!r} must be true or false")
+            if kind == "int" and (flag or not isinstance(value, int)):
+                raise ConfigError(f"model.{key}={value!r} must be an integer")
+        try:
+            return cls(**settings)
+        except TypeError as exc:
+            raise ConfigError(f"bad model settings: {exc}") from None
 
     def check_positive(self, names) -> None:
         """ConfigError naming the first of the fields `names` that is not a positive integer."""
