@@ -28,7 +28,7 @@ if __package__ in (None, ""):
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import table, write_json
+from benchmarks.common import print_table, table, write_json
 from launch.spawn import spawn_ranks
 from launch.timing import medians
 from layers.models.config import ARTICLE03
@@ -162,8 +162,8 @@ def main(argv=None) -> int:
     print("\n".join(section(data)))
     sp = [[r["p"], r["n"], f"{r['sp_ours_over_dtensor']:.3f}", f"{r['sp_max_rel_diff_vs_dtensor']:.1e}",
            r["sp_collectives_ours"], r["sp_collectives_dtensor"]] for r in rows if "sp_ours_over_dtensor" in r]
-    print("\n".join(table(["p", "n_tokens", "v2sp / DTensor SP", "SP rel. diff", "SP collectives per forward, ours",
-                           "DTensor's (CommDebugMode)"], sp)))
+    print_table(["p", "n_tokens", "v2sp / DTensor SP", "SP rel. diff", "SP collectives per forward, ours",
+                 "DTensor's (CommDebugMode)"], sp)
     write_json(args.out, data)
     return 0 if all(r["max_rel_diff_vs_dtensor"] < 1e-5 and r.get("sp_max_rel_diff_vs_dtensor", 0) < 1e-5
                     for r in rows) else 1

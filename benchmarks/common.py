@@ -63,6 +63,11 @@ def table(header: list[str], rows) -> list[str]:
     return [line(header), "|" + "---|" * len(header)] + [line(cells) for cells in rows]
 
 
+def print_table(header: list[str], rows) -> None:
+    """The markdown table, and a blank line after it."""
+    print("\n".join(table(header, rows)) + "\n")
+
+
 def refuse(message: str) -> int:
     """A command line the script will not run: the reason on stderr, and the exit status 2."""
     print(f"error: {message}", file=sys.stderr)

@@ -120,12 +120,6 @@ def hf_section(runs: dict[int, dict]) -> list[str]:
         h = run["hf"]
         e, best = h["engine"], max(h["hf"], key=lambda b: b["tokens_per_s"])
         flops = matmul_flops(run["model"], h) if "model" in run else None
-
-        def cells(x: dict, batch: int | None) -> list[str]:  # rows, FLOPs and time per forward against the engine's
-            return [f"{x['forwards']}", f"{x['rows'] / h['useful_rows']:.2f}",
-                    _ratio(flops, x["rows"], batch, e["rows"]),
-                    f"{x['time_s'] / x['forwards'] / (e['time_s'] / e['forwards']):.2f}"]
-
         for x in h.get("engines", [dict(e, attention=None)]):
             name = "engine" if x["attention"] is None else (
                 f"engine, attention={x['attention']}, max_num_seqs "
@@ -133,9 +127,9 @@ def hf_section(runs: dict[int, dict]) -> list[str]:
             same = "-" if x is h.get("engines", [None])[0] or x["attention"] is None else \
                 f"{h['requests'] if x['same_ids'] else 'not all'}/{h['requests']}"
             ratio = x.get("ratio_to_best_hf", x["tokens_per_s"] / best["tokens_per_s"])
-            rows.append([p, name, f"{ratio:.2f}", *cells(x, None), same])
+            rows.append([p, name, f"{ratio:.2f}", *against_engine(x, None, h, flops), same])
         rows += [[p, f"transformers, batch {b['batch']}{' (best)' if b is best else ''}",
-                  f"{b['tokens_per_s'] / best['tokens_per_s']:.2f}", *cells(b, b["batch"]),
+                  f"{b['tokens_per_s'] / best['tokens_per_s']:.2f}", *against_engine(b, b["batch"], h, flops),
                   f"{b['same_ids']}/{h['requests']}"] for b in h["hf"]]
     lines += table(["p", "run", "tokens/s ÷ transformers' best", "forwards", "rows computed ÷ useful rows",
                     "matmul FLOPs ÷ engine's", "time per forward ÷ engine's", "same ids as the engine"], rows)
@@ -335,6 +329,13 @@ def paired(h: dict) -> float:
     best = max(h["hf"], key=lambda b: b["tokens_per_s"])
     return h["engines"][0].get("ratio_to_best_hf", h["engine"]["tokens_per_s"] / best["tokens_per_s"]) \
         if "engines" in h else h["engine"]["tokens_per_s"] / best["tokens_per_s"]
+
+
+def against_engine(x: dict, batch: int | None, h: dict, flops) -> list[str]:
+    """A run's forwards, then its rows computed, matmul FLOPs and time per forward against the engine's."""
+    e = h["engine"]
+    return [f"{x['forwards']}", f"{x['rows'] / h['useful_rows']:.2f}", _ratio(flops, x["rows"], batch, e["rows"]),
+            f"{x['time_s'] / x['forwards'] / (e['time_s'] / e['forwards']):.2f}"]
 
 
 def _ratio(flops, rows: int, batch: int | None, engine_rows: int) -> str:
