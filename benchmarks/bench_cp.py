@@ -3,26 +3,22 @@
     .venv/bin/torchrun --nproc_per_node=4 benchmarks/bench_cp.py [--prompts 4096 8192] [--context 16384]
 
 One launch of 4 ranks; for cp = 1, 2, 4 the first cp ranks form the group (tp = 1) and the others wait. A Llama stack
-of llama_tiny's attention (8 query heads, 2 K,V heads of 32, d = 256) and 2 layers, float32.
+of llama_tiny's attention (CFG: 8 query heads, 2 K,V heads of 32, d = 256) and 2 layers, float32; times on the
+group's first rank, medians of repeats.
 
-    prefill   one prompt of 4k and 8k tokens: cp = 1 is the plain block (SDPA, causal); cp > 1 ring attention over
-              zigzag chunks (layers/attention/context_parallel.RingPrefill); time on the group's first rank, median
-              of repeats; the pass-KV bytes each rank sent per layer (the ledger) beside (cp − 1)·2·(S/cp)·h_kv·d·e
-    decode    one new token against a 16k-position cache: cp = 1 attends over all of it (SDPA), cp > 1 each rank
-              over its 1/cp of it (SplitKVDecode) and one all-gather merges; time per token, median of repeats
+    prefill   one prompt of 4k and 8k tokens: cp = 1 the plain block (SDPA, causal), cp > 1 ring attention over
+              zigzag chunks (RingPrefill); the pass-KV bytes each rank sent per layer (the ledger) beside the formula
+    decode    one new token against a 16k-position cache: cp = 1 over all of it, cp > 1 each rank over its 1/cp
+              (SplitKVDecode) and one all-gather merges
 
-This machine has 2 cores: at cp = 4 four ranks share them, so the ratios bound what the split buys from below, and
-the attention here is the readable partial_attention (scores materialized per block pair), not a fused kernel. What
-a GPU would show (each rank its own device, the transfer overlapping the block's attention) is not measured here.
+At cp = 4 four ranks share this machine's 2 cores, so the ratios bound what the split buys from below, and the
+attention is the readable partial_attention, not a fused kernel (docs/cp.md, "Measured").
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -31,6 +27,7 @@ if __package__ in (None, ""):
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import median_time, parse_args, print_table, write_json
 from layers.attention.context_parallel import RingPrefill, SplitKVDecode, zigzag_positions
 from layers.models.dense import DenseStack, init_weights
 from layers.models.llama import LlamaConfig
@@ -44,35 +41,22 @@ CFG = LlamaConfig(d_model=256, n_heads=8, n_kv_heads=2, d_head=32, d_ffn=688, n_
                   vocab_size=1000)
 
 
-def median_s(fn, repeats: int, group) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--prompts", type=int, nargs="+", default=[4096, 8192])
-    ap.add_argument("--context", type=int, default=16384)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default="outputs/bench_cp.json")
-    args = ap.parse_args(argv)
+    args = parse_args(__doc__, {"--prompts": [4096, 8192], "--context": 16384, "--repeats": 3,
+                                "--out": "outputs/bench_cp.json"}, argv)
     ctx = init_from_env()
     rank, world = ctx.rank, ctx.world_size
     dense = init_weights(DenseStack(CFG, torch.float32), 0)
     sizes = [cp for cp in (1, 2, 4) if cp <= world]
     groups = {cp: dist.new_group(list(range(cp))) for cp in sizes}  # every rank, the same order
-    alone = _self_group(rank, world)  # tp = 1: each rank's TP group is itself
+    # tp = 1: each rank's TP group is itself (every rank creates every such group, in the same order)
+    alone = {r: dist.new_group([r]) for r in range(world)}[rank]
     rows = {"prefill": [], "decode": []}
     with torch.no_grad():
         for cp in sizes:
             group = groups[cp]
             inside = rank < cp
+            barrier = partial(dist.barrier, group=group)
             stack = None
             if inside:
                 stack = tp_stack(CFG, "v2", alone, torch.float32, None)
@@ -91,7 +75,7 @@ def main(argv=None) -> int:
                             h = block(h, ring)
                         return h
 
-                    t = median_s(prefill, args.repeats, group)
+                    t = median_time(prefill, args.repeats, barrier)
                     ledger = TrafficLedger(cp)
                     with ledger.attach(stack):
                         prefill()
@@ -116,7 +100,7 @@ def main(argv=None) -> int:
                     return h
 
                 rows["decode"].append({"cp": cp, "context": n, "rank": rank,
-                                       "time_s": median_s(decode, max(args.repeats, 5), group),
+                                       "time_s": median_time(decode, max(args.repeats, 5), barrier),
                                        "cached_per_rank": len(held)})
             dist.barrier()
     gathered: list = [None] * world
@@ -125,30 +109,20 @@ def main(argv=None) -> int:
         prefill = [r for g in gathered for r in g["prefill"] if r["rank"] == 0]
         decode = [r for g in gathered for r in g["decode"] if r["rank"] == 0]
         base = {r["tokens"]: r["time_s"] for r in prefill if r["cp"] == 1}
-        print(f"prefill, one prompt, {CFG.n_layers} layers of d={CFG.d_model}, h={CFG.n_heads}, h_kv={CFG.n_kv_heads}, "
-              f"float32 ({world} ranks on this machine's cores):")
-        for r in prefill:
-            print(f"  {r['tokens']:>6} tokens cp={r['cp']}: time / cp=1 {r['time_s'] / base[r['tokens']]:.2f}; "
-                  f"pass-KV sent per rank per layer {r['pass_kv_sent_per_layer'] / 1024:.0f} KiB "
-                  f"(formula {r['formula'] / 1024:.0f} KiB)")
         one = next(r["time_s"] for r in decode if r["cp"] == 1)
-        for r in decode:
-            print(f"  decode at {r['context']} positions cp={r['cp']}: {r['cached_per_rank']} cached per rank, "
-                  f"time / cp=1 {r['time_s'] / one:.2f}")
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"prefill": prefill, "decode": decode, "model": CFG.asdict()}, indent=1))
+        print(f"one prompt's prefill, then one token's decode; {CFG.n_layers} layers of d={CFG.d_model}, "
+              f"h={CFG.n_heads}, h_kv={CFG.n_kv_heads}, float32 ({world} ranks on this machine's cores)")
+        print_table(["prefill tokens", "cp", "time / cp=1", "pass-KV KiB sent per rank per layer",
+                     "formula KiB"],
+                    [[r["tokens"], r["cp"], f"{r['time_s'] / base[r['tokens']]:.2f}",
+                      f"{r['pass_kv_sent_per_layer'] / 1024:.0f}", f"{r['formula'] / 1024:.0f}"]
+                     for r in prefill])
+        print_table(["decode at positions", "cp", "cached per rank", "time / cp=1"],
+                    [[r["context"], r["cp"], r["cached_per_rank"], f"{r['time_s'] / one:.2f}"]
+                     for r in decode])
+        write_json(args.out, {"prefill": prefill, "decode": decode, "model": CFG.asdict()})
     shutdown()
     return 0
-
-
-_SELF: dict = {}
-
-
-def _self_group(rank: int, world: int):
-    """A group of this rank alone, every rank creating every one in the same order (once): tp = 1 inside a cp group."""
-    if not _SELF:
-        _SELF.update({r: dist.new_group([r]) for r in range(world)})
-    return _SELF[rank]
 
 
 if __name__ == "__main__":

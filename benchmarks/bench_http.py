@@ -1,30 +1,23 @@
 """The HTTP server under load, in the style of vLLM's benchmark_serving: Poisson arrivals at several request rates,
-streamed completions (a client as light as vLLM's benchmark_serving: raw HTTP, one json.loads per event), TTFT / TPOT
-percentiles; and the server's tokens/s
-against `LLM.generate` on the same workload.
+streamed completions, TTFT / TPOT percentiles; and the server's tokens/s against `LLM.generate` on the same workload.
 
     python benchmarks/bench_http.py [--p 1 2] [--rates 2 4 8 16 inf] [--requests 64] [--repeats 5]
 
-Model: a random GPT-2 (d 256, 8 heads, 4 layers, 512 positions) saved with the BPE tokenizer the tests train, float32.
-Workload, drawn from seed 0: prompt lengths uniform in [16, 128] tokens, of which half start with one shared
-64-token prefix (the prefix cache's case), outputs uniform in [8, 48] tokens (ignore_eos: every request makes its
-full length), greedy; prompts are sent as token ids, so lengths are exact.
+A random GPT-2 (SHAPE, float32) saved with the BPE tokenizer the tests train; the workload (workload(), seed 0) is
+sent as token ids, so lengths are exact, and every request makes its full length (ignore_eos).
 
-  overhead   the --requests requests all at once: through the server (rate inf) against LLM.generate in this
-             process, tokens / wall time each; both are up at once (the idle one sleeps), their runs alternate and
-             the ratio is taken per pair (the machine is noisy), median of --repeats pairs
-  per rate   the first 32 requests sent at Poisson arrivals (rate inf: all at once), each streamed; TTFT = send ->
-             first token's chunk, TPOT = (last token's chunk - first's) / (tokens - 1), throughput = tokens /
-             (first send -> last chunk); chunks carry their token ids (return_token_ids), so a token whose text is
-             held back (half a character, common with random weights) still counts when it comes
+  overhead   the --requests requests all at once through the server (rate inf) against LLM.generate in this
+             process: both up at once (the idle one sleeps), their runs alternating, the ratio taken per pair
+  per rate   the first 32 requests at Poisson arrivals (rate inf: all at once), each streamed by a client as light
+             as benchmark_serving's (stream_completion); chunks carry their token ids (return_token_ids), so a
+             token whose text is held back (half a character, common with random weights) still counts
 
-Writes outputs/bench_http.json and docs/http_bench.png (TTFT and TPOT p50/p99 against the rate), and prints the
-section of docs/benchmarks.md.
+Writes outputs/bench_http.json and docs/http_bench.png (TTFT and TPOT p50/p99 against the rate), and prints its
+section of docs/benchmarks.md, which says how TTFT, TPOT and throughput are taken.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
@@ -36,8 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import ROOT, parse_args, table, timed_generate, write_json
 
 SHAPE = dict(n_embd=256, n_head=8, n_layer=4, n_positions=512)
 TTFT_BOUND_S = 1.0  # the rate at which TTFT p99 first exceeds this is reported
@@ -161,10 +156,10 @@ def bench(p: int, checkpoint: Path, rates: list[float], n: int, repeats: int, vo
             llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2))  # warm
             asyncio.run(run_rate(server.url, "bench", work[:4], math.inf))  # warm
             for rep in range(repeats):
-                start = time.perf_counter()
-                outs = llm.generate([{"prompt_token_ids": pr} for pr, _ in work],
-                                    [SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True) for _, k in work])
-                direct = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+                ids, took = timed_generate(llm, [{"prompt_token_ids": pr} for pr, _ in work],
+                                           [SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True)
+                                            for _, k in work])
+                direct = sum(map(len, ids)) / took
                 http = asyncio.run(run_rate(server.url, "bench", work, math.inf))["tokens_per_s"]
                 ratios.append({"http_tokens_per_s": http, "generate_tokens_per_s": direct, "ratio": http / direct})
                 print(f"p={p} pair {rep}: server {http:.1f} tok/s, LLM.generate {direct:.1f} tok/s, "
@@ -215,49 +210,44 @@ def exceeds(rate) -> str:
     return "only with every request sent at once" if rate == math.inf else f"from {rate:g} req/s"
 
 
-def section(data: dict) -> list[str]:
+def section(data: dict | None) -> list[str]:
     """Its section of docs/benchmarks.md."""
+    if not data:
+        return []
     s = data["shape"]
     lines = ["## HTTP serving: request rate, TTFT and TPOT, the server's overhead", "",
-             f"`.venv/bin/python benchmarks/bench_http.py`: `.venv/bin/python -m serve.api` on a random GPT-2 (d {s['n_embd']}, "
+             "`.venv/bin/python benchmarks/bench_http.py`: `.venv/bin/python -m serve.api` on a random GPT-2 "
+             f"(d {s['n_embd']}, "
              f"{s['n_head']} heads, {s['n_layer']} layers, vocab {data['vocab']}, float32, engine defaults), "
              f"{data['rate_requests']} streamed completions per rate from a raw HTTP client (as light as vLLM's "
              f"benchmark_serving): prompts of 16-128 tokens (half share a 64-token prefix), 8-48 new tokens each, "
-             f"greedy, Poisson arrivals. TTFT = send to the first token's chunk; TPOT = (last token's chunk - first's) / "
+             f"greedy, Poisson arrivals. TTFT = send to the first token's chunk; "
+             "TPOT = (last token's chunk - first's) / "
              f"(tokens - 1), chunks carrying their token ids (vLLM's `return_token_ids`). "
-             f"Client, server and ranks share the machine's cores.", "",
-             "| p | rate (req/s) | tokens/s | TTFT p50 / p90 / p99 (s) | TPOT p50 / p90 / p99 (ms) |",
-             "|---|---|---|---|---|"]
-    for run in data["runs"]:
-        for r in run["rates"]:
-            lines.append(f"| {run['p']} | {r['rate']:g} | {r['tokens_per_s']:.1f} | {r['ttft_p50_s']:.3f} / "
-                         f"{r['ttft_p90_s']:.3f} / {r['ttft_p99_s']:.3f} | {r['tpot_p50_s'] * 1e3:.1f} / "
-                         f"{r['tpot_p90_s'] * 1e3:.1f} / {r['tpot_p99_s'] * 1e3:.1f} |")
+             f"Client, server and ranks share the machine's cores.", ""]
+    lines += table(["p", "rate (req/s)", "tokens/s", "TTFT p50 / p90 / p99 (s)", "TPOT p50 / p90 / p99 (ms)"],
+                   [[run["p"], f"{r['rate']:g}", f"{r['tokens_per_s']:.1f}",
+                     " / ".join(f"{r[f'ttft_p{q}_s']:.3f}" for q in (50, 90, 99)),
+                     " / ".join(f"{r[f'tpot_p{q}_s'] * 1e3:.1f}" for q in (50, 90, 99))]
+                    for run in data["runs"] for r in run["rates"]])
     lines += ["", "![TTFT and TPOT against the request rate](http_bench.png)", "",
               f"TTFT p99 above {TTFT_BOUND_S:g} s: " + "; ".join(
                   f"p={run['p']} {exceeds(run['ttft_p99_exceeds_bound_at'])}" for run in data["runs"]) + ".", "",
               f"The server's overhead: {data['requests']} requests all at once through HTTP (streamed) against "
               f"`LLM.generate` in one process, both up at once and run in turn, the ratio per pair (target ≥ 0.9×):",
-              "",
-              "| p | server tokens/s | LLM.generate tokens/s | ratio (median of repeats) |", "|---|---|---|---|"]
-    for run in data["runs"]:
-        o = run["overhead"]
-        http = " / ".join(f"{r['http_tokens_per_s']:.1f}" for r in o)
-        direct = " / ".join(f"{r['generate_tokens_per_s']:.1f}" for r in o)
-        lines.append(f"| {run['p']} | {http} | {direct} | {run['ratio_median']:.3f} |")
+              ""]
+    lines += table(["p", "server tokens/s", "LLM.generate tokens/s", "ratio (median of repeats)"],
+                   [[run["p"], " / ".join(f"{r['http_tokens_per_s']:.1f}" for r in run["overhead"]),
+                     " / ".join(f"{r['generate_tokens_per_s']:.1f}" for r in run["overhead"]),
+                     f"{run['ratio_median']:.3f}"] for run in data["runs"]])
     lines += ["", "Per pair: server tokens/s, then LLM.generate's, in the order run."]
     return lines + [""]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--p", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--rates", type=float, nargs="+", default=[2, 4, 8, 16, math.inf])
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=str(ROOT / "outputs/bench_http.json"))
-    ap.add_argument("--plot", default=str(ROOT / "docs/http_bench.png"))
-    args = ap.parse_args()
+    args = parse_args(__doc__, {"--p": [1, 2], "--rates": dict(type=float, nargs="+", default=[2, 4, 8, 16, math.inf]),
+                                "--requests": 64, "--repeats": 5, "--out": str(ROOT / "outputs/bench_http.json"),
+                                "--plot": str(ROOT / "docs/http_bench.png")})
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "gpt2"
         make_checkpoint(checkpoint)
@@ -265,8 +255,7 @@ def main() -> int:
         runs = [bench(p, checkpoint, args.rates, args.requests, args.repeats, vocab) for p in args.p]
     data = {"shape": SHAPE, "vocab": vocab, "requests": args.requests, "rate_requests": RATE_REQUESTS,
             "ttft_bound_s": TTFT_BOUND_S, "runs": runs}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(data, indent=1, default=str))
+    write_json(args.out, data)
     try:
         plot(data, Path(args.plot))
     except ImportError:

@@ -3,22 +3,17 @@
     torchrun --nproc_per_node=8 benchmarks/bench_kv.py [--out outputs/bench_kv.json]
 
 One launch of W ranks (8 by default). For every p in 1, 2, 4, 8 (up to W) the first p ranks form a TP group and
-serve the same requests, llama_tiny's shape (h = 8 query heads of d_head = 32, L = 4, float32) with h_kv = 8 (MHA),
-2 (GQA) and 1 (MQA). Each rank reports what its cache allocated: peak bytes / the token capacity held at that
-peak (serve/kv_cache.py), and the tokens it served are compared with the single-device oracle. Beside each
-measurement, the formula (tp/cost_model.kv_bytes_per_token_per_rank):
-
-    2 · L · max(h_kv / p, 1) · d_head · e          K and V, every layer, this rank's K,V heads (replicated once p > h_kv)
-
-Then the same formula at real sizes (Llama-2-7B, a Llama-3-8B-shaped GQA model, fp16) and DeepSeek-V3's MLA
-latent cache, L · (d_latent + d_rope) · e at every p. Writes the JSON; benchmarks/report.py renders the tables.
+serve the same requests on llama_tiny's shape with h_kv = 8 (MHA), 2 (GQA) and 1 (MQA); each rank reports the peak
+bytes its cache allocated per token position (serve/kv_cache.py) and its tokens are checked against the
+single-device oracle, beside 2 · L · max(h_kv / p, 1) · d_head · e (tp/cost_model.kv_bytes_per_token_per_rank).
+Then the formula at real sizes, fp16, and DeepSeek-V3's MLA latent cache. Writes the JSON and prints its section of
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -28,6 +23,7 @@ if __package__ in (None, ""):
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import table, write_json
 from layers.models.dense import init_weights
 from layers.models.llama import LLAMA_TINY, valid_llama_tp_sizes
 from layers.models.lm import DenseLlamaLM, greedy_reference, shard_lm
@@ -57,7 +53,8 @@ def measure(ctx, h_kv: int) -> dict:
     cfg = dataclasses.replace(LLAMA_TINY, n_kv_heads=h_kv)
     dense = init_weights(DenseLlamaLM(cfg, torch.float32, ctx.device), seed=0)
     lm = shard_lm(dense, "v2", ctx.group)
-    res = OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=16, max_num_batched_tokens=64, max_num_seqs=64)).run(requests(cfg.vocab_size))
+    config = EngineConfig(long_prefill_token_threshold=16, max_num_batched_tokens=64, max_num_seqs=64)
+    res = OfflineEngine(lm, ctx, config).run(requests(cfg.vocab_size))
     same = all(r["output_ids"] == greedy_reference(dense, req.prompt, req.max_new_tokens).ids
                for r, req in zip(res.requests, requests(cfg.vocab_size)))
     return {"measured": res.kv_bytes_per_token_per_rank, "peak_bytes": res.kv_peak_bytes_per_rank,
@@ -101,13 +98,52 @@ def main() -> int:
               "model": {**LLAMA_TINY.asdict(), "n_kv_heads": "varied"}, "requests": PROMPTS, "rows": rows,
               "real_sizes_fp16": real, "ok": all(r["ok"] for r in rows)}
     if world.is_main:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-        from benchmarks.report import kv_section
-        print("\n".join(kv_section(report)))
-        print(f"wrote {args.out}")
+        print("\n".join(section(report)))
+        write_json(args.out, report)
     shutdown()
     return 0 if report["ok"] else 1
+
+
+def section(kv: dict | None) -> list[str]:
+    """docs/benchmarks.md's section (benchmarks/report.py): KV cache per token per rank, measured in the engine's
+    cache beside 2·L·max(h_kv/p, 1)·d_head·e; the script prints it too."""
+    if not kv:
+        return []
+    m, sizes = kv["model"], sorted({r["p"] for r in kv["rows"]})
+    rows = []
+    for name in dict.fromkeys(r["attention"] for r in kv["rows"]):
+        by_p = {r["p"]: r for r in kv["rows"] if r["attention"] == name}
+        rows.append([name, next(iter(by_p.values()))["n_kv_heads"]] + [kv_cell(by_p.get(p)) for p in sizes])
+    ps = sorted({int(p) for r in kv["real_sizes_fp16"] for p in r["per_rank"]})
+    real = []
+    for r in kv["real_sizes_fp16"]:
+        per = {int(p): b for p, b in r["per_rank"].items()}
+        real.append([r["model"]] + [f"{per[p] / 1024:g} KiB" if p in per else "-" for p in ps])
+    return ["## KV cache per token per rank: MHA vs GQA vs p", "",
+            f"`.venv/bin/torchrun --nproc_per_node={kv['world_size']} benchmarks/bench_kv.py`: the serving engine on "
+            f"llama_tiny's shape (h = {m['n_heads']} query heads of d_head = {m['d_head']}, L = {m['n_layers']}, "
+            f"{kv['dtype']}), {len(kv['requests'])} requests, each run's tokens checked against the "
+            "single-device oracle. Measured: the bytes the rank's cache tensors held per token position at their "
+            "peak (every rank of the group agrees; attention wrote every token's K,V into those tensors and read them "
+            "back, and the tokens equal the oracle's); formula: 2·L·max(h_kv/p, 1)·d_head·e.", "",
+            *table(["attention", "h_kv"] + [f"p = {p}" for p in sizes], rows), "",
+            "Each cell: measured bytes (formula), K,V heads per rank. MHA halves with every doubling of p; "
+            "GQA stops at p = h_kv = 2 and MQA never shrinks: from there on each K,V head is replicated on "
+            "p/h_kv ranks. " + ("Every measurement equals the formula and every run's tokens equal the oracle's."
+                                if kv["ok"] else "**Some measurement or token check failed (≠ above).**"), "",
+            "The same formula at real sizes, fp16 (formula only):", "",
+            *table(["model"] + [f"p = {p}" for p in ps], real), "",
+            "MLA caches one latent vector per token that every TP rank holds whole, so its per-rank cache "
+            "does not shrink with p at all; GQA's stops shrinking at p = h_kv.", ""]
+
+
+def kv_cell(r: dict | None) -> str:
+    """Measured bytes (formula), K,V heads per rank; ≠ where the two differ or the tokens missed the oracle's."""
+    if r is None:
+        return "-"
+    heads = r["cache_heads"][0]
+    return (f"{', '.join(f'{b:,}' for b in r['measured_per_rank'])} B ({r['formula']:,})"
+            f"{'' if r['ok'] else ' **≠**'}, {heads} head" + ("s" if heads > 1 else ""))
 
 
 if __name__ == "__main__":

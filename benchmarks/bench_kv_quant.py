@@ -2,32 +2,29 @@
 
     python benchmarks/bench_kv_quant.py [--p 2] [--repeats 3]
 
-Part 1, capacity and throughput. `LLM("llama_tiny", tensor_parallel_size=P, dtype="bfloat16",
-kv_cache_memory_bytes=M, kv_cache_dtype=X)` for X in auto (bfloat16), fp8_e4m3, fp8_e5m2, int8, with M the bytes
-of 8 requests at their largest in bfloat16: the pool's blocks (rank 0's), the requests of the workload that fit at
-once, and tokens/s on 48 requests of 64-token prompts and 32 new tokens given at once (greedy, max_num_seqs 48),
-with the preemptions it took. Each repeat runs every dtype once, in turn; the ratio to auto is taken within a
-repeat (the machine is noisy) and its median reported.
+Part 1, capacity and throughput: llama_tiny in bfloat16 through LLM with kv_cache_dtype auto, fp8_e4m3, fp8_e5m2 and
+int8, and kv_cache_memory_bytes the bytes of 8 requests at their largest in bfloat16: the pool's blocks (rank 0's),
+the requests that fit at once, and tokens/s on 48 requests of 64-token prompts and 32 new tokens given at once, with
+the preemptions it took. Each repeat runs every dtype once, in turn; the ratio to auto is taken within a repeat (the
+machine is noisy) and its median reported.
 
-Part 2, error, in float32 (so that the cache is the only difference): the same model and 16 prompts of 8 to 40
-tokens, 24 greedy tokens each, every dtype against auto: how many requests give the very same tokens, the share of
-tokens before a request's first difference, and the largest |logprob difference| of the chosen tokens before it
-(both runs at the same tokens there).
+Part 2, error, in float32 (so that the cache is the only difference): 16 prompts of 8 to 40 tokens, 24 greedy tokens
+each, every dtype against auto: the requests giving the very same tokens, the share of tokens before a request's
+first difference, and the largest |logprob difference| of the chosen tokens up to it.
 
-Writes outputs/bench_kv_quant.json.
+Writes outputs/bench_kv_quant.json (docs/kv_quant.md, "Measured").
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import ROOT, parse_args, print_table, timed_generate, write_json
 
 DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")
 MODEL, BLOCK = "llama_tiny", 16
@@ -51,14 +48,11 @@ def capacity(p: int, name: str, memory: int, prompts: list[list[int]]) -> dict:
              block_size=BLOCK, max_num_seqs=COUNT, max_num_batched_tokens=2048,
              long_prefill_token_threshold=512) as llm:
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=1))  # warm-up
-        start = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
-        took = time.perf_counter() - start
+        ids, took = timed_generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
         stats = llm.stats()
     per_request = -(-(PROMPT + NEW - 1) // BLOCK)  # blocks of one request at its largest
     return {"blocks": llm.num_blocks, "requests_held": llm.num_blocks // per_request,
-            "tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / took,
-            "preemptions": stats["preemptions"]}
+            "tokens_per_s": sum(map(len, ids)) / took, "preemptions": stats["preemptions"]}
 
 
 def generate(p: int, name: str, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
@@ -84,10 +78,7 @@ def compare(base, got) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--p", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    args = parse_args(__doc__, {"--p": 2, "--repeats": 3})
     from layers.models.llama import LlamaConfig  # noqa: F401  (the preset's family)
     from serve.llm import resolve_model
     from tp.partition import kv_bytes_per_token, kv_heads_per_rank
@@ -112,19 +103,17 @@ def main() -> int:
     part2 = {name: compare(base, generate(args.p, name, short)) for name in DTYPES[1:]}
     out = {"model": MODEL, "p": args.p, "pool_bytes_per_rank": memory, "bytes_per_token_bfloat16": per_token,
            "workload": {"requests": COUNT, "prompt": PROMPT, "new": NEW}, "capacity": part1, "error": part2}
-    Path(ROOT / "outputs").mkdir(exist_ok=True)
-    (ROOT / "outputs" / "bench_kv_quant.json").write_text(json.dumps(out, indent=1))
     print(f"{MODEL} at p = {args.p}, bfloat16 model, a pool of {memory // 1024} KiB per rank "
           f"({per_token} B per token in bfloat16):")
-    print(f"{'kv_cache_dtype':<16}{'blocks':>8}{'requests held':>15}{'preemptions':>13}{'tokens/s vs auto':>18}")
-    for name, r in part1.items():
-        print(f"{name:<16}{r['blocks']:>8}{r['requests_held']:>15}{r['preemptions']:>13}"
-              f"{r['tokens_per_s_ratio_to_auto']:>18.2f}")
-    print("\nerror against the unquantized cache (float32 model, 16 requests x 24 greedy tokens):")
-    print(f"{'kv_cache_dtype':<16}{'same tokens':>13}{'tokens before a difference':>28}{'max |logprob err|':>20}")
-    for name, e in part2.items():
-        print(f"{name:<16}{e['same_requests']:>7} of {e['requests']:<3}{e['tokens_before_first_difference']:>28.3f}"
-              f"{e['max_abs_logprob_error']:>20.2e}")
+    print_table(["kv_cache_dtype", "blocks", "requests held", "preemptions", "tokens/s vs auto"],
+                [[name, r["blocks"], r["requests_held"], r["preemptions"],
+                  f"{r['tokens_per_s_ratio_to_auto']:.2f}"] for name, r in part1.items()])
+    print("error against the unquantized cache (float32 model, 16 requests x 24 greedy tokens):")
+    print_table(["kv_cache_dtype", "same tokens", "tokens before a difference", "max abs logprob error"],
+                [[name, f"{e['same_requests']} of {e['requests']}",
+                  f"{e['tokens_before_first_difference']:.3f}", f"{e['max_abs_logprob_error']:.2e}"]
+                 for name, e in part2.items()])
+    write_json(ROOT / "outputs" / "bench_kv_quant.json", out)
     return 0
 
 

@@ -9,8 +9,6 @@ Writes outputs/bench_ledger.json on rank 0.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -20,6 +18,7 @@ if __package__ in (None, ""):
 
 import torch
 
+from benchmarks.common import parse_args, print_table, write_json
 from launch.timing import sample, slowest
 from layers.models.config import ARTICLE03
 from layers.models.dense import DenseStack, init_weights
@@ -29,20 +28,15 @@ from tp.ledger import TrafficLedger
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[40, 512], help="n_tokens values")
-    ap.add_argument("--repeats", type=int, default=40)
-    ap.add_argument("--variants", nargs="+", default=["v1", "v2"])
-    ap.add_argument("--out", default="outputs/bench_ledger.json")
-    args = ap.parse_args()
+    args = parse_args(__doc__, {"--tokens": dict(type=int, nargs="+", default=[40, 512], help="n_tokens values"),
+                                "--repeats": 40, "--variants": ["v1", "v2"], "--out": "outputs/bench_ledger.json"})
     ctx = init_from_env("auto")
-    cfg = ARTICLE03
-    dense = init_weights(DenseStack(cfg, torch.float32, ctx.device), seed=0)
+    dense = init_weights(DenseStack(ARTICLE03, torch.float32, ctx.device), seed=0)
     rows = []
     for variant in args.variants:
         stack = shard_stack(dense, variant, ctx.group)
         for n in args.tokens:
-            x = torch.randn(n, cfg.d_model, generator=torch.Generator().manual_seed(0)).to(ctx.device)
+            x = torch.randn(n, ARTICLE03.d_model, generator=torch.Generator().manual_seed(0)).to(ctx.device)
             ledger = TrafficLedger(ctx.world_size, ctx.device, timing=True)
 
             def on():
@@ -60,13 +54,10 @@ def main() -> int:
     if ctx.is_main:
         print(f"traffic ledger overhead, article03, p={ctx.world_size}, {ctx.backend}, "
               f"{args.repeats} alternating repeats; on/off = median of pair ratios (slowest rank)")
-        print(f"{'variant':>8} {'n':>6} {'off ms':>9} {'on ms':>9} {'on/off':>7}")
-        for r in rows:
-            print(f"{r['variant']:>8} {r['n']:>6} {r['off_s'] * 1e3:>9.2f} {r['on_s'] * 1e3:>9.2f} {r['ratio']:>7.3f}")
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"world_size": ctx.world_size, "backend": ctx.backend, "rows": rows},
-                                             indent=2) + "\n")
-        print(f"data: {args.out}")
+        print_table(["variant", "n", "off ms", "on ms", "on/off"],
+                    [[r["variant"], r["n"], f"{r['off_s'] * 1e3:.2f}", f"{r['on_s'] * 1e3:.2f}",
+                      f"{r['ratio']:.3f}"] for r in rows])
+        write_json(args.out, {"world_size": ctx.world_size, "backend": ctx.backend, "rows": rows})
     return 0
 
 

@@ -2,23 +2,20 @@
 
     python benchmarks/bench_llm.py [--p 1 2] [--repeats 2]
 
-Workload: the article03 GPT-2 LM (random weights from seed 0, float32, greedy), 32 prompts with lognormal lengths
-(mean 32, drawn by launch/serve.py's own rule from seed 0) and 16 new tokens each, all arriving at once; engine
-settings long_prefill_token_threshold 256, max_num_batched_tokens 512, max_num_seqs 16 (LLM's defaults), block_size 16.
+The article03 GPT-2 LM (random weights, float32, greedy), 32 prompts with lognormal lengths (drawn by launch/serve.py's
+own rule) and 16 new tokens each, all at once, engine SETTINGS (LLM's defaults, block_size 16):
 
   torchrun   `torchrun --nproc_per_node=P launch/serve.py prompts=[[...]] ... check=false`: its report.json's
              tokens/s (the serving loop's time) and output ids; start-up = the command's wall time less the loop's
-  LLM        `LLM("article03", tensor_parallel_size=P, ...)`: start-up = LLM(...) until the first token of a one-token
-             warm-up request; tokens/s = generated tokens / generate()'s wall time (token ids, no text), for the
-             first generate() (cold, as the torchrun run is) and the median of the next two (warm)
+  LLM        start-up = LLM(...) until the first token of a one-token warm-up request; tokens/s of the first
+             generate() (cold, as the torchrun run is) and the median of the next two (warm)
 
 Each repeat runs both, one after the other; the ratio is taken within a repeat (the machine is noisy), and the
-median over repeats reported. Writes outputs/bench_llm.json.
+median over repeats reported. Writes outputs/bench_llm.json (docs/library.md).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -27,8 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import ROOT, parse_args, timed_generate, write_json
 
 SETTINGS = dict(long_prefill_token_threshold=256, max_num_batched_tokens=512, max_num_seqs=16, block_size=16)
 COUNT, MEAN, NEW = 32, 32, 16
@@ -57,7 +56,8 @@ def torchrun(p: int, ids: list[list[int]]) -> dict:
         report = json.loads((Path(out) / "report.json").read_text())
     t = report["totals"]
     return {"tokens_per_s": t["tokens_per_s"], "startup_s": wall - t["time_s"],
-            "ids": [r["output_ids"] for r in report["requests"]], "ledger_matches_model": report["ledger_matches_model"]}
+            "ids": [r["output_ids"] for r in report["requests"]],
+            "ledger_matches_model": report["ledger_matches_model"]}
 
 
 def library(p: int, ids: list[list[int]]) -> dict:
@@ -69,21 +69,15 @@ def library(p: int, ids: list[list[int]]) -> dict:
         startup = time.perf_counter() - start
         rates = []
         for _ in range(3):  # the first run is cold (as the torchrun run is), the next two warm
-            t0 = time.perf_counter()
-            outs = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=NEW))
-            got = [o.outputs[0].token_ids for o in outs]
-            rates.append(sum(map(len, got)) / (time.perf_counter() - t0))
+            got, took = timed_generate(llm, ids, SamplingParams(temperature=0.0, max_tokens=NEW))
+            rates.append(sum(map(len, got)) / took)
         ledger = llm.stats()["last_iteration"]["ledger_matches_model"]
     return {"tokens_per_s": rates[0], "warm_tokens_per_s": statistics.median(rates[1:]), "startup_s": startup,
             "ids": got, "ledger_matches_model": ledger}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--p", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "outputs/bench_llm.json"))
-    args = ap.parse_args()
+    args = parse_args(__doc__, {"--p": [1, 2], "--repeats": 2, "--out": str(ROOT / "outputs/bench_llm.json")})
     ids = prompts()
     rows = []
     for p in args.p:
@@ -105,9 +99,8 @@ def main() -> None:
               f"({row['tokens_per_s']['llm']:.0f} vs {row['tokens_per_s']['torchrun']:.0f}), warm LLM/torchrun "
               f"{row['warm_ratio_llm_over_torchrun']:.3f}, start-up "
               f"{row['startup_s']['llm']:.1f} s (LLM) vs {row['startup_s']['torchrun']:.1f} s (torchrun)", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"workload": {"model": "article03", "prompts": COUNT, "prompt_mean": MEAN,
-                                                       "max_new_tokens": NEW, **SETTINGS}, "rows": rows}, indent=2))
+    write_json(args.out, {"workload": {"model": "article03", "prompts": COUNT, "prompt_mean": MEAN,
+                                       "max_new_tokens": NEW, **SETTINGS}, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -1,23 +1,17 @@
 """Loading a sharded bfloat16 Llama-shaped checkpoint on p = 1, 2, 4 ranks: each rank's peak resident memory and
-load time, per-rank slices against load everything.
-
-    per-rank slices    launch/serve.py's path: each rank reads only its slices (layers/models/hf.CheckpointSource)
-    load everything    the path before it: every rank reads every file whole, builds the dense model, then cuts
-                       its shard (load dense, then shard)
+load time, per-rank slices (launch/serve.py's path, layers/models/hf.CheckpointSource) against load everything
+(every rank reads every file whole, builds the dense model, then cuts its shard).
 
     python benchmarks/bench_load.py                # 0.67B parameters: 1.3 GB of bfloat16 in 6 files
     python benchmarks/bench_load.py --layers 2     # small and quick
     python benchmarks/bench_load.py --docs         # also rewrite its section of docs/benchmarks.md
 
-The checkpoint is synthetic (random bfloat16 weights, seeded) and written in save_pretrained's sharded layout:
-config.json, model.safetensors.index.json and model-0000i-of-0000N.safetensors. The p ranks of one run load at the
-same time, as on one node. Peaks are the kernel's high-water mark per rank (launch/loading.py), the base is the
-rank's resident memory just before loading (Python, torch, the process group).
+The checkpoint is synthetic (random bfloat16 weights, seeded) in save_pretrained's sharded layout. The p ranks of one
+run load at the same time, as on one node; peaks are the kernel's high-water mark per rank (launch/loading.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -27,9 +21,10 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-OUT = Path("outputs")
+from benchmarks.common import OUT, parse_args, rewrite_sections, table, write_json
+
 SHAPE = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=4, head_dim=128, intermediate_size=5632,
              vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False)
 TARGET = 1.3  # peak above the base per rank <= 1.3 x (checkpoint / p); all ranks together <= 1.3 x checkpoint
@@ -149,8 +144,10 @@ def run(layers: int, shard_bytes: int, ps: list[int]) -> dict:
             "shape": SHAPE, "target": TARGET, "rows": rows}
 
 
-def section(data: dict) -> list[str]:
+def section(data: dict | None) -> list[str]:
     """Its section of docs/benchmarks.md."""
+    if not data:
+        return []
     gib, mib = 2 ** 30, 2 ** 20
     s = data["shape"]
     lines = ["## Loading a checkpoint: per-rank slices", "",
@@ -161,17 +158,17 @@ def section(data: dict) -> list[str]:
              f"their index, loaded in bfloat16 by p ranks at once. Per-rank slices: each rank reads only what it "
              f"holds (launch/serve.py's path); load everything: every rank reads every file, builds the dense "
              f"model, then cuts its shard (the path before). Memory is each rank's peak resident memory above "
-             f"its resident memory just before loading (Python, torch, the process group).", "",
-             "| p | path | peak above base, per rank (max) | / (checkpoint / p) | all ranks / checkpoint | "
-             "load time, slowest rank: load everything / per-rank slices | same parameters |",
-             "|---|---|---|---|---|---|---|"]
+             f"its resident memory just before loading (Python, torch, the process group).", ""]
+    rows = []
     for r in data["rows"]:
         for key, name in (("lazy", "per-rank slices"), ("full", "load everything")):
             m = r[key]
-            lines.append(f"| {r['p']} | {name} | {max(m['above_base_bytes']) / mib:,.0f} MiB | "
-                         f"{m['max_above_over_share']:.2f} | {m['total_above_over_checkpoint']:.2f} | "
-                         + (f"{r['time_full_over_lazy']:.2f} | {'yes' if r['same_parameters'] else 'NO'} |"
-                            if key == "lazy" else "| |"))
+            rows.append([r["p"], name, f"{max(m['above_base_bytes']) / mib:,.0f} MiB",
+                         f"{m['max_above_over_share']:.2f}", f"{m['total_above_over_checkpoint']:.2f}"]
+                        + ([f"{r['time_full_over_lazy']:.2f}", "yes" if r["same_parameters"] else "NO"]
+                           if key == "lazy" else ["", ""]))
+    lines += table(["p", "path", "peak above base, per rank (max)", "/ (checkpoint / p)", "all ranks / checkpoint",
+                    "load time, slowest rank: load everything / per-rank slices", "same parameters"], rows)
     met, last = all(r["meets_target"] for r in data["rows"]), data["rows"][-1]
     lines += ["", f"Target (peak per rank ≤ {data['target']} × checkpoint/p above the base, all ranks together ≤ "
                   f"{data['target']} × the checkpoint): {'met' if met else 'NOT met'} by per-rank slices at every p "
@@ -181,33 +178,17 @@ def section(data: dict) -> list[str]:
     return lines
 
 
-def write_docs(data: dict, docs: Path = Path("docs/benchmarks.md")) -> None:
-    """Replace (or append) this section of docs/benchmarks.md; benchmarks/report.py writes the same."""
-    text = docs.read_text().splitlines()
-    head = "## Loading a checkpoint: per-rank slices"
-    if head in text:
-        start = text.index(head)
-        end = next((i for i in range(start + 1, len(text)) if text[i].startswith("## ")), len(text))
-        text[start:end] = section(data)
-    else:
-        text += [""] + section(data)
-    docs.write_text("\n".join(text).rstrip() + "\n")
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--shard-mb", type=int, default=256, help="size of each checkpoint file (MiB)")
-    ap.add_argument("--p", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--out", default=str(OUT / "bench_load.json"))
-    ap.add_argument("--docs", action="store_true", help="rewrite this section of docs/benchmarks.md")
-    args = ap.parse_args(argv)
+    args = parse_args(__doc__, {"--layers": 12,
+                                "--shard-mb": dict(type=int, default=256, help="size of each checkpoint file (MiB)"),
+                                "--p": [1, 2, 4], "--out": str(OUT / "bench_load.json"),
+                                "--docs": dict(action="store_true", help="rewrite this section of docs/benchmarks.md")},
+                      argv)
     data = run(args.layers, args.shard_mb * 2 ** 20, args.p)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
+    write_json(args.out, data)
     print("\n".join(section(data)))
-    if args.docs:
-        write_docs(data)
+    if args.docs:  # the same section benchmarks/report.py writes
+        rewrite_sections(section(data))
     return 0 if all(r["same_parameters"] for r in data["rows"]) else 1  # the target's verdict is in the text
 
 

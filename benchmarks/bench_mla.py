@@ -2,29 +2,23 @@
 
     python benchmarks/bench_mla.py [--out outputs/bench_mla.json] [--contexts 1024 4096] [--batch 4]
 
-Part 1, pool: the bytes per token each rank's pool allocates (measured off serve/kv_cache.KVPool.for_model of the
-model built on a group of one, beside the formula tp/partition.py gives for p ranks) for deepseek_tiny's MLA (3 layers,
-c = 16, r = 16) and Llama models of the same width (d = 64, 4 query heads of d_head 32, 3 layers) with h_kv = 4, 2, 1;
-then how many requests of 512 positions a pool of 16 MiB per rank holds at p = 1, 2, 4 (blocks of 16). The latent is
-whole on every rank, so MLA's count does not grow with p while the heads' caches split.
+Part 1, pool: the bytes per token each rank's pool allocates (KVPool.for_model on a group of one, beside the formula
+for p ranks) for deepseek_tiny's MLA and Llama models of the same width with h_kv = 4, 2, 1; then how many requests
+of 512 positions a pool of 16 MiB per rank holds at p = 1, 2, 4. The latent is whole on every rank, so MLA's count
+does not grow with p while the heads' caches split.
 
-Part 2, decode time: one MLA layer of DeepSeek-V3's per-rank shape at TP = 8 (16 heads, c = 512, r = 64, nope 128,
-v 128), `batch` decodes against contexts of 1k and 4k cached latents, float32 on this machine:
-    decompressed   K, V rebuilt per head from the whole cached latent every step (kv_b over N positions), then MHA
-    absorbed       q̃ = q_nope·W_UK, MQA over the 576-wide latent, then W_UV (layers/models/mla.py's serving path)
-And one prompt of 512 and 2048 tokens from position 0 (causal), decompressed (the served prefill) against absorbed.
-Both outputs are compared (they are the same attention); the time ratio is measured in one run (median of repeats).
+Part 2, time: one MLA layer of DeepSeek-V3's per-rank shape at TP = 8, float32: `batch` decodes against 1k and 4k
+cached latents, decompressed (K, V rebuilt per head from the whole latent every step, then MHA) against absorbed
+(q̃ = q_nope·W_UK, MQA over the latent, then W_UV: layers/models/mla.py's serving path); and one prompt of 512 and
+2048 tokens from position 0, decompressed (the served prefill) against absorbed. Both outputs are compared (they are
+the same attention); each time ratio is measured in one run (median of repeats).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -34,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from benchmarks.common import median_time, parse_args, print_table, write_json
 from layers.models.llama import LlamaConfig
 from layers.models.lm import tp_lm
 from layers.models.mla import DEEPSEEK_TINY, DeepseekConfig, absorb, decompress, decompressed, unabsorb
@@ -142,40 +137,24 @@ def decode_part(contexts: list[int], batch: int, repeats: int, prompts: list[int
     return {"shape": cfg.asdict(), "rows": out, "prefill": prefill}
 
 
-def median_time(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="outputs/bench_mla.json")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--prompts", type=int, nargs="+", default=[512, 2048])
-    args = ap.parse_args(argv)
+    args = parse_args(__doc__, {"--out": "outputs/bench_mla.json", "--contexts": [1024, 4096], "--batch": 4,
+                                "--repeats": 5, "--prompts": [512, 2048]}, argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     result = {"pool": pool_part(), "decode": decode_part(args.contexts, args.batch, args.repeats, args.prompts)}
     print(f"pool of {POOL_BYTES >> 20} MiB per rank, requests of {POSITIONS} positions, blocks of {BLOCK}:")
-    for r in result["pool"]["rows"]:
-        measured = f" (measured {r['measured_at_p1']:.0f})" if r["measured_at_p1"] is not None else ""
-        print(f"  {r['model']:<20} p={r['p']}  {r['bytes_per_token_per_rank']:>5} B/token/rank{measured}  "
-              f"{r['requests_held']:>4} requests")
-    print("decode, one MLA layer of V3's per-rank shape at TP = 8, float32:")
-    for r in result["decode"]["rows"]:
-        print(f"  context {r['context']:>5} x {r['batch']}: decompressed / absorbed = "
-              f"{r['decompressed_over_absorbed']:.1f}x (max |difference| {r['max_abs_difference']:.1e})")
-    for r in result["decode"]["prefill"]:
-        print(f"  prefill of {r['prompt']:>5} tokens: absorbed / decompressed = "
-              f"{r['absorbed_over_decompressed']:.1f}x (max |difference| {r['max_abs_difference']:.1e})")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    print_table(["model", "p", "B per token per rank (measured at p = 1)", "requests held"],
+                [[r["model"], r["p"], r["bytes_per_token_per_rank"] if r["measured_at_p1"] is None else
+                  f"{r['bytes_per_token_per_rank']} ({r['measured_at_p1']:.0f})", r["requests_held"]]
+                 for r in result["pool"]["rows"]])
+    print("one MLA layer of V3's per-rank shape at TP = 8, float32:")
+    print_table(["decode: context x batch", "decompressed / absorbed", "max abs difference"],
+                [[f"{r['context']} x {r['batch']}", f"{r['decompressed_over_absorbed']:.1f}x",
+                  f"{r['max_abs_difference']:.1e}"] for r in result["decode"]["rows"]])
+    print_table(["prefill: tokens", "absorbed / decompressed", "max abs difference"],
+                [[r["prompt"], f"{r['absorbed_over_decompressed']:.1f}x", f"{r['max_abs_difference']:.1e}"]
+                 for r in result["decode"]["prefill"]])
+    write_json(args.out, result)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -4,29 +4,23 @@
 
 The article03 GPT-2 LM (d=512, h=8, L=8, vocab 50257), float32, greedy, v2, vocab-parallel, on P ranks:
 
-  prefix   32 requests share a 512-token prefix (a system prompt) followed by 8..23 tokens of their own,
-           8 new tokens each, one arriving per iteration: time to finish and mean time to first token with
-           enable_prefix_caching on against off (the same tokens: checked), rows computed, prefix hits
+  prefix   32 requests share a 512-token prefix (a system prompt), one arriving per iteration:
+           enable_prefix_caching on against off (the same tokens: checked)
   memory   one KV budget of 1024 token positions per rank (64 blocks of 16; 2 layers, the scheduler's world
-           does not depend on the model's depth): 32 requests with lognormal prompts (mean 48) and 64 new tokens,
-           paged (block_size 16, blocks as the context grows) against today's rule before paging, a full-capacity
-           reservation of prompt + max_new_tokens - 1 positions at admission (block_size 1, reserve_capacity);
-           peak KV reserved against positions holding K,V, requests running at once, preemptions, time to finish
+           does not depend on the model's depth): paged (block_size 16, blocks as the context grows) against the
+           rule before paging, a full-capacity reservation at admission (block_size 1, reserve_capacity)
   shape    aten operations (a TorchDispatchMode count) in one decode-only iteration of 1, 8, 32, 64 requests,
-           attention batched against the per-request reference; and one engine decode iteration against the
-           same rows through the bare TP forward (benchmarks/bench_serve.py's overhead measure), batched attention
-  backends per attention backend (cpu, batched, reference): one decode-only iteration against the batch size (1, 8,
-           32, 64) and the contexts (all 128, all 512, lognormal with a long tail), and the share of the iteration
-           inside attention (torch.profiler): the table behind `attention: auto`
+           batched attention against the per-request reference; and bench_serve.py's overhead measure
+  backends per attention backend (cpu, batched, reference): one decode-only iteration against the batch size and
+           the contexts, and its share inside attention (torch.profiler): the table behind `attention: auto`
 
-Against transformers (#10's workload) is bench_serve.py's `hf` part; benchmarks/report.py puts its ratio here.
-Ratios only (one run, a noisy machine). Writes outputs/bench_paged_p{P}.json.
+What each part measures is said beside its table in docs/benchmarks.md (benchmarks/report_paged.py writes the
+section, with bench_serve.py's `hf` ratio against transformers; this script prints its own run's). Ratios only
+(one run, a noisy machine). Writes outputs/bench_paged_p{P}.json.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 from dataclasses import replace
@@ -38,7 +32,9 @@ if __package__ in (None, ""):
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.bench_serve import bench_overhead, random_prompts
+from benchmarks.bench_serve import bench_overhead
+from benchmarks.common import attention_labelled, parse_args, random_prompts, refuse, write_json
+from benchmarks.report_paged import section
 from launch.settings import generate_lengths
 from launch.timing import medians
 from layers.models.config import ARTICLE03
@@ -70,10 +66,15 @@ def prefix_requests() -> list[Request]:
 
 
 def bench_prefix(lm: TPLM, ctx: TPContext, repeats: int) -> dict:
-    OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=PREFIX_CHUNK, max_num_batched_tokens=PREFIX_BUDGET, max_num_seqs=PREFIX_BUDGET)).run(prefix_requests()[:2])  # warm-up
+    def run(requests: list[Request], cache: bool = True):
+        config = EngineConfig(long_prefill_token_threshold=PREFIX_CHUNK, max_num_batched_tokens=PREFIX_BUDGET,
+                              enable_prefix_caching=cache, max_num_seqs=PREFIX_BUDGET)
+        return OfflineEngine(lm, ctx, config).run(requests)
+
+    run(prefix_requests()[:2])  # warm-up
     out = {}
     for cache in (True, False):
-        runs = [OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=PREFIX_CHUNK, max_num_batched_tokens=PREFIX_BUDGET, enable_prefix_caching=cache, max_num_seqs=PREFIX_BUDGET)).run(prefix_requests()) for _ in range(repeats)]
+        runs = [run(prefix_requests(), cache) for _ in range(repeats)]
         res = sorted(runs, key=lambda r: r.time_s)[len(runs) // 2]  # the median run
         out["on" if cache else "off"] = {
             "time_s": res.time_s, "mean_ttft_s": statistics.mean(r["ttft_s"] for r in res.requests),
@@ -96,7 +97,10 @@ def memory_requests() -> list[Request]:
 def bench_memory(lm: TPLM, ctx: TPContext) -> dict:
     out = {}
     for name, block_size, reserve in (("paged", MEMORY_BLOCK, False), ("reserved", 1, True)):
-        res = OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=256, max_num_batched_tokens=512, block_size=block_size, num_gpu_blocks_override=MEMORY_POSITIONS // block_size, enable_prefix_caching=False, reserve_capacity=reserve, max_num_seqs=512)).run(memory_requests())
+        config = EngineConfig(long_prefill_token_threshold=256, max_num_batched_tokens=512, block_size=block_size,
+                              num_gpu_blocks_override=MEMORY_POSITIONS // block_size, enable_prefix_caching=False,
+                              reserve_capacity=reserve, max_num_seqs=512)
+        res = OfflineEngine(lm, ctx, config).run(memory_requests())
         its = res.iterations
         peak = max(its, key=lambda it: it["blocks_used"])
         out[name] = {
@@ -173,17 +177,8 @@ def bench_backends(lm: TPLM, ctx: TPContext, repeats: int) -> dict:
     and the context lengths, the median of 2 + 3·repeats iterations (the backends in turn, ABBA), and the share of it
     inside attention (the layers' paged_attention calls: torch.profiler's record_function around each, over
     `repeats` iterations)."""
-    import layers.attention.attention as attention_module
-
-    inner = attention_module.paged_attention
-
-    def labelled(q, kv, layer):
-        with torch.profiler.record_function("paged_attention"):
-            return inner(q, kv, layer)
-
     rows = []
-    attention_module.paged_attention = labelled
-    try:
+    with attention_labelled():
         for kind in BACKEND_CONTEXTS:
             for batch in SHAPE_BATCHES:
                 lengths = context_lengths(kind, batch)
@@ -207,8 +202,6 @@ def bench_backends(lm: TPLM, ctx: TPContext, repeats: int) -> dict:
                                  "longest": max(lengths) + 1, "attention": name, "iteration_s": times[name],
                                  "attention_share": totals.get("paged_attention", 0.0) / totals["iteration"]})
                 del pool
-    finally:
-        attention_module.paged_attention = inner
     return {"rows": rows, "layers": lm.cfg.n_layers, "block_size": 16}
 
 
@@ -222,17 +215,12 @@ def bench_shape(lm: TPLM, ctx: TPContext, repeats: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="prefix,memory,shape,backends",
-                    help="comma-separated: prefix, memory, shape, backends")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = parse_args(__doc__, {"--parts": dict(default="prefix,memory,shape,backends",
+                                                help="comma-separated: prefix, memory, shape, backends"),
+                                "--repeats": 3, "--out": dict(default=None)})
     parts = set(args.parts.split(","))
     if not parts <= {"prefix", "memory", "shape", "backends"} or args.repeats < 1:
-        print(f"error: --parts {args.parts!r} must name prefix, memory, shape, backends; --repeats >= 1",
-              file=sys.stderr)
-        return 2
+        return refuse(f"--parts {args.parts!r} must name prefix, memory, shape, backends; --repeats >= 1")
     ctx = init_from_env()
     torch.set_num_threads(1)
     try:
@@ -249,39 +237,11 @@ def main() -> int:
         if "backends" in parts:
             out["backends"] = bench_backends(lm, ctx, args.repeats)
         if ctx.rank == 0:
-            path = Path(args.out or f"outputs/bench_paged_p{ctx.world_size}.json")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(out, indent=1))
-            summarize(out)
-            print(f"wrote {path}")
+            print("\n".join(section(out, None)))
+            write_json(args.out or f"outputs/bench_paged_p{ctx.world_size}.json", out)
     finally:
         shutdown()
     return 0
-
-
-def summarize(out: dict) -> None:
-    if "prefix" in out:
-        p = out["prefix"]
-        print(f"prefix: finish {p['finish_speedup']:.2f}x faster, mean TTFT {p['ttft_speedup']:.2f}x lower with the "
-              f"prefix cache; rows {p['on']['rows_computed']} vs {p['off']['rows_computed']}; same ids: {p['same_ids']}")
-    if "memory" in out:
-        m = out["memory"]
-        for name in ("paged", "reserved"):
-            r = m[name]
-            print(f"memory {name}: peak reserved {r['peak_reserved_positions']} positions, held "
-                  f"{r['held_positions_at_peak']}; running at most {r['max_running']} (mean {r['mean_running']:.1f}); "
-                  f"waste <= {r['max_waste_blocks_per_request']:.2f} blocks/request; {r['preemptions']} preemptions")
-        print(f"memory: {m['running_ratio']:.2f}x the requests running at once; finish {m['finish_speedup']:.2f}x")
-    if "shape" in out:
-        for r in out["shape"]["ops"]:
-            print(f"ops per decode iteration, {r['batch']:>2} requests: batched {r['batched']}, "
-                  f"reference {r['reference']}")
-        for r in out["shape"]["overhead"]:
-            print(f"engine iteration / bare forward, {r['batch']:>2} requests: {r['iteration_over_bare']:.3f}")
-    if "backends" in out:
-        for r in out["backends"]["rows"]:
-            print(f"decode iteration, context {r['context']:>9}, {r['batch']:>2} requests, {r['attention']:>9}: "
-                  f"{r['iteration_s'] * 1e3:8.2f} ms, attention {r['attention_share']:.0%}")
 
 
 if __name__ == "__main__":

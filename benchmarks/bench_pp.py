@@ -2,18 +2,15 @@
 
     torchrun --nproc_per_node=P benchmarks/bench_pp.py [--pp 2] [--rows 512] [--repeats 3]
 
-The article03 stack (d=512, L=8), float32, v2, pp stages × tp = P/pp ranks (layers/models/pipeline.py, boundary whole).
-A batch of --rows rows (one sequence of rows/m tokens per micro-batch) split into m = 1, 2, 4, 8 micro-batches runs
-through the stages; per stage, busy = the sum of its micro-batches' compute, and the bubble = 1 − busy / the
-schedule's span (the last stage's end). The formula assumes equal stages and free messages; on a CPU the ranks share
-cores (two stages computing at once each run slower), so read the measured column beside it, not as a check.
-Writes outputs/bench_pp_pp{pp}.json.
+The article03 stack, pp stages × tp = P/pp ranks (layers/models/pipeline.py); --rows rows split into m = 1, 2, 4, 8
+micro-batches. The formula assumes equal stages and free messages; on a CPU the ranks share cores (two stages
+computing at once each run slower), so read the measured column beside it, not as a check. Writes
+outputs/bench_pp_pp{pp}.json and prints its section of docs/benchmarks.md (section(), which says how the bubble is
+measured).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -24,6 +21,7 @@ if __package__ in (None, ""):
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import parse_args, refuse, table, write_json
 from layers.models.config import ARTICLE03
 from layers.models.dense import DenseStack, init_weights
 from layers.models.pipeline import check_layout, new_pp_groups, shard_stage
@@ -33,19 +31,14 @@ MICROBATCHES = (1, 2, 4, 8)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--rows", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    args = parse_args(__doc__, {"--pp": 2, "--rows": 512, "--repeats": 3})
     torch.set_num_threads(1)
     try:  # before joining the group: every rank refuses on its own
         layout = check_layout(env_world()[2], args.pp, ARTICLE03.n_layers, "v2")
         if args.rows % max(MICROBATCHES) or args.repeats < 1:
             raise ValueError(f"--rows {args.rows} must split into {max(MICROBATCHES)} micro-batches; --repeats >= 1")
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return refuse(str(exc))
     ctx = init_from_env()
     stages = new_pp_groups(layout)
     rank = dist.get_rank()
@@ -77,16 +70,8 @@ def main() -> int:
     shutdown()
     if ctx.is_main:
         out = {"pp": layout.pp, "tp": layout.tp, "rows": args.rows, "repeats": args.repeats, "results": rows_out}
-        path = Path(f"outputs/bench_pp_pp{layout.pp}.json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=1))
-        print(f"pp={layout.pp} tp={layout.tp}, {args.rows} rows, article03 (L=8), float32: bubble = 1 - busy/span, "
-              f"median of {args.repeats}")
-        print(f"{'m':>3} {'rows/mb':>8} {'measured (mean of stages)':>26} {'(pp-1)/(m+pp-1)':>16}   per stage")
-        for r in rows_out:
-            print(f"{r['microbatches']:>3} {r['rows_per_microbatch']:>8} {r['bubble']:>26.3f} {r['formula']:>16.3f}   "
-                  + " ".join(f"{b:.3f}" for b in r["bubble_per_stage"]))
-        print(f"wrote {path}")
+        print("\n".join(section([out])))
+        write_json(f"outputs/bench_pp_pp{layout.pp}.json", out)
     return 0
 
 
@@ -96,17 +81,16 @@ def section(runs: list[dict]) -> list[str]:
         return []
     first = runs[0]
     lines = ["## Pipeline stages: the GPipe bubble", "",
-             "`.venv/bin/torchrun --nproc_per_node=P benchmarks/bench_pp.py --pp P`: the article03 stack (L=8), float32, "
-             f"v2, pp stages × tp = {first['tp']}, {first['rows']} rows split into m equal micro-batches, a forward-only "
+             "`.venv/bin/torchrun --nproc_per_node=P benchmarks/bench_pp.py --pp P`: the article03 stack (L=8), "
+             f"float32, v2, pp stages × tp = {first['tp']}, {first['rows']} rows split into m equal micro-batches, "
+             "a forward-only "
              "GPipe schedule (layers/models/pipeline.py); per stage, busy = its micro-batches' compute (sends and "
              "waits are idle), bubble = 1 − busy / the schedule's span; the mean over stages, median of "
-             f"{first['repeats']} runs.", "",
-             "| pp | m | rows per micro-batch | bubble measured | (pp − 1)/(m + pp − 1) | per stage |",
-             "|---|---|---|---|---|---|"]
-    for run in runs:
-        for r in run["results"]:
-            lines.append(f"| {run['pp']} | {r['microbatches']} | {r['rows_per_microbatch']} | {r['bubble']:.3f} | "
-                         f"{r['formula']:.3f} | {' '.join(f'{b:.3f}' for b in r['bubble_per_stage'])} |")
+             f"{first['repeats']} runs.", ""]
+    lines += table(["pp", "m", "rows per micro-batch", "bubble measured", "(pp − 1)/(m + pp − 1)", "per stage"],
+                   [[run["pp"], r["microbatches"], r["rows_per_microbatch"], f"{r['bubble']:.3f}",
+                     f"{r['formula']:.3f}", " ".join(f"{b:.3f}" for b in r["bubble_per_stage"])]
+                    for run in runs for r in run["results"]])
     return lines + ["", "The formula takes messages to be free and overlapping stages to run at full speed; here each "
                         "boundary message is a gloo send between processes and the ranks share the machine's cores, "
                         "so with more, smaller micro-batches the measured bubble rises above it.", ""]

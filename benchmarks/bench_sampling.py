@@ -2,31 +2,28 @@
 
     python benchmarks/bench_sampling.py [--parts bytes,cost] [--repeats 2]
 
-  bytes  p = 2, 4, 8 ranks (started here, gloo), vocab 50257 and 128256 (GPT-2's, Llama 3's), 8 rows of float32
-         logits per rank's slice (flat: normal with std 3, the worst case for top-p; peaked: -1.5·log(rank), Zipf-like, over the
-         ids in random order, a language model's shape): each filter's sample() under the traffic ledger, the bytes each rank sent per
-         sampled row, beside tp/traffic_model.predict_sampler (they must be equal) and beside an all-gather of the
-         float32 logits (vLLM's way: every rank gets the [S, V'] logits), measured the same way
-  cost   the article03 GPT-2 LM (float32, random weights) through LLM at tensor_parallel_size 2, B requests at once
-         (B = 1, 8, 32; random 32-token prompts, 32 new tokens each, ignore_eos): generate()'s time with temperature
-         0.8 alone, with top_k 50, with top_p 0.95, against greedy, alternating A B B A within each repeat; the
-         ratio is sampled / greedy time. Random weights give nearly flat logits: top_p 0.95 then keeps most of the
-         vocabulary, its worst case (the logits gathered and sorted every step)
+  bytes  p = 2, 4, 8 ranks (started here, gloo), vocab 50257 and 128256, 8 rows of float32 logits per rank's slice
+         (flat: normal with std 3, the worst case for top-p; peaked: Zipf-like over the ids in random order, a
+         language model's shape): each filter's sample() under the traffic ledger, the bytes each rank sent per
+         sampled row, beside predict_sampler (they must be equal) and beside an all-gather of the float32 logits
+         (vLLM's way), measured the same way
+  cost   the article03 GPT-2 LM through LLM at tensor_parallel_size 2, B = 1, 8, 32 requests at once: generate()'s
+         time sampled (COST) against greedy, alternating A B B A within each repeat. Random weights give nearly flat
+         logits: top_p 0.95 then keeps most of the vocabulary, its worst case
 
-Writes outputs/bench_sampling.json and prints both tables (markdown).
+Writes outputs/bench_sampling.json and prints both tables (docs/sampling.md).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import ROOT, in_turn, parse_args, print_table, random_prompts, timed_generate, write_json
 
 VOCABS = (50257, 128256)
 SIZES = (2, 4, 8)
@@ -65,8 +62,8 @@ def measure_bytes(ctx, vocab: int) -> dict:
         with ledger.recording():
             res = sample(local, start, ctx.group, None if batch.greedy_only else batch, vocab)
         seen = [r.traffic() for r in ledger.records]
-        model = predict_sampler(p, ROWS, None if batch.greedy_only else (res.rounds, batch.normalisers, res.race), vocab,
-                                local.dtype)
+        model = predict_sampler(p, ROWS, None if batch.greedy_only else (res.rounds, batch.normalisers, res.race),
+                                vocab, local.dtype)
         out[name] = {"bytes_per_row": sum(r.bytes_per_rank for r in seen) / ROWS,
                      "model_bytes_per_row": sum(r.bytes_per_rank for r in model) / ROWS,
                      "collectives": len(seen), "ledger_matches_model": seen == model, "rounds": list(res.rounds)}
@@ -89,61 +86,48 @@ COST = {"temperature 0.8": dict(temperature=0.8), "temperature 0.8 + top_k 50": 
 
 
 def cost_table(repeats: int) -> dict:
-    import torch
-
     from serve import LLM, SamplingParams
 
     out = {}
-    with LLM("article03", tensor_parallel_size=2, max_num_seqs=32, max_num_batched_tokens=1024, long_prefill_token_threshold=1024) as llm:
+    with LLM("article03", tensor_parallel_size=2, max_num_seqs=32, max_num_batched_tokens=1024,
+             long_prefill_token_threshold=1024) as llm:
         for B in (1, 8, 32):
-            gen = torch.Generator().manual_seed(B)
-            prompts = [torch.randint(0, 50257, (32,), generator=gen).tolist() for _ in range(B)]
+            prompts = random_prompts([32] * B, seed=B)
             greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-
-            def timed(q):
-                t0 = time.perf_counter()
-                llm.generate(prompts, q)
-                return time.perf_counter() - t0
-
-            timed(greedy)  # warm-up
+            timed_generate(llm, prompts, greedy)  # warm-up
             for name, kw in COST.items():
                 sampled = SamplingParams(max_tokens=32, ignore_eos=True, **kw)
                 ratios = []
-                for _ in range(repeats):
-                    a1, b1, b2, a2 = timed(greedy), timed(sampled), timed(sampled), timed(greedy)
-                    ratios.append((b1 + b2) / (a1 + a2))
+                for _ in range(repeats):  # greedy, sampled, sampled, greedy
+                    t = in_turn({"greedy": lambda: timed_generate(llm, prompts, greedy)[1],
+                                 "sampled": lambda: timed_generate(llm, prompts, sampled)[1]}, 2)
+                    ratios.append(sum(t["sampled"]) / sum(t["greedy"]))
                 out.setdefault(name, {})[f"{B}"] = {"sampled_over_greedy_time": statistics.median(ratios),
                                                     "runs": ratios}
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="bytes,cost")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "outputs/bench_sampling.json"))
-    args = ap.parse_args()
+    args = parse_args(__doc__, {"--parts": "bytes,cost", "--repeats": 2,
+                                "--out": str(ROOT / "outputs/bench_sampling.json")})
     parts = args.parts.split(",")
     result = {}
     if "bytes" in parts:
-        result["bytes"] = b = bytes_table()
+        result["bytes"] = bytes_table()
         names = list(FILTERS) + ["all-gather logits (float32)"]
-        print("| vocab | p | " + " | ".join(names) + " |")
-        print("|---|---|" + "---|" * len(names))
-        for vocab, per_p in b.items():
-            for p, ranks in per_p.items():
-                r0 = ranks
-                cells = [f"{r0[n]['bytes_per_row']:,.0f}" + ("" if r0[n].get("ledger_matches_model", True) else " (≠ model)")
-                         for n in names]
-                print(f"| {vocab} | {p} | " + " | ".join(cells) + " |")
+        rows = []
+        for vocab, per_p in result["bytes"].items():
+            for p, r in per_p.items():
+                rows.append([vocab, p] + [f"{r[n]['bytes_per_row']:,.0f}"
+                                          + ("" if r[n].get("ledger_matches_model", True) else " (≠ model)")
+                                          for n in names])
+        print_table(["vocab", "p", *names], rows)
     if "cost" in parts:
-        result["cost"] = c = cost_table(args.repeats)
-        print("\n| sampling | B = 1 | B = 8 | B = 32 |\n|---|---|---|---|")
-        for name, per_b in c.items():
-            print(f"| {name} | " + " | ".join(f"{per_b[B]['sampled_over_greedy_time']:.2f}×" for B in ("1", "8", "32"))
-                  + " |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+        result["cost"] = cost_table(args.repeats)
+        print_table(["sampling", "B = 1", "B = 8", "B = 32"], [
+            [name] + [f"{per_b[B]['sampled_over_greedy_time']:.2f}×" for B in ("1", "8", "32")]
+            for name, per_b in result["cost"].items()])
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

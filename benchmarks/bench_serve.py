@@ -7,32 +7,26 @@ The article03 GPT-2 LM (d=512, h=8, L=8, vocab 50257, max_seq_len 1024), float32
 vocab-parallel, on P ranks:
 
   stall      8 decoders are running when one long prompt (1000 tokens) arrives; unchunked prefill
-             against chunk sizes C (budget C + 8): iteration times, the decoders' time between tokens,
-             the long prompt's time to first token, throughput, cache rows re-read against N²/(2C)
-  hf         32 requests (lognormal prompts, mixed max_new_tokens): the engine (the median of --repeats
-             runs) against transformers' GPT2LMHeadModel.generate on the same weights, one run per static
-             batch size (left padding, attention mask), on rank 0 with as many threads as all the engine's
-             ranks together; every request's ids checked against the engine's, near-ties told apart by the oracle
-  overhead   decode batches of 1, 8, 32 requests: one engine iteration (scheduling, plan check, cache
-             writes, attention over the context, bookkeeping) against the same rows through the bare TP
-             forward (embedding, blocks with varlen attention, no cache, greedy head)
-  cost model always: this CPU calibrated at the start and the end, averaged (a 1024³ matmul for FLOP/s,
-             a 128 MiB copy for bytes/s), the fixed per-iteration cost = a 1-row decode iteration's time
-             less its roofline time; then every measured engine iteration of stall and hf predicted by tp/cost_model.py
-             (serving_iteration: the iteration's FLOPs and bytes on one rank, roofline time) + the fixed cost
+             against chunk sizes C (budget C + 8)
+  hf         32 requests (lognormal prompts, mixed max_new_tokens): the engine per attention backend against
+             transformers' GPT2LMHeadModel.generate on the same weights, one run per static batch size
+  overhead   decode batches of 1, 8, 32 requests: one engine iteration against the same rows through the bare
+             TP forward (embedding, blocks with varlen attention, no cache, greedy head)
+  cost model always: this CPU calibrated at the start and the end; every measured engine iteration of stall
+             and hf predicted by tp/cost_model.serving_iteration + a fixed per-iteration cost
 
-Times are rank 0's clock (the engine's collectives keep ranks within one collective of each other);
-iteration times are the engine's own (plan, forward, greedy tokens). Ratios only: this machine is
-noisy. Writes outputs/bench_serve_p{P}.json; benchmarks/report.py renders it into docs/benchmarks.md.
+What each part measures and how is said beside its table in docs/benchmarks.md (benchmarks/report_serve.py
+writes the section; this script prints its own run's). Times are rank 0's clock (the engine's collectives keep
+ranks within one collective of each other). Ratios only: this machine is noisy. Writes
+outputs/bench_serve_p{P}.json.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -41,6 +35,8 @@ if __package__ in (None, ""):
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import in_turn, median_each, parse_args, random_prompts, refuse, write_json
+from benchmarks.report_serve import tables
 from launch.settings import generate_lengths
 from launch.timing import medians
 from layers.models.config import ARTICLE03
@@ -74,13 +70,9 @@ def serve(lm: TPLM, ctx: TPContext, requests: list[Request], chunk: int, budget:
     """running: max_num_seqs (None: every request may run at once, as many as the budget's rows)."""
     # comm_timing: the cost model's table shows each iteration's collective time (comm_time_s); on a CPU the waits
     # for the stream it adds cost nothing
-    return OfflineEngine(lm, ctx, EngineConfig(long_prefill_token_threshold=chunk, max_num_batched_tokens=budget, comm_timing=True, attention=backend,
-                                               max_num_seqs=running or budget)).run(requests)
-
-
-def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, ARTICLE03.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    config = EngineConfig(long_prefill_token_threshold=chunk, max_num_batched_tokens=budget, comm_timing=True,
+                          attention=backend, max_num_seqs=running or budget)
+    return OfflineEngine(lm, ctx, config).run(requests)
 
 
 # ---- calibration ------------------------------------------------------------------------------------
@@ -133,21 +125,18 @@ def stall_stats(res: ServeResult, chunk: int) -> dict:
 def bench_stall(lm: TPLM, ctx: TPContext, repeats: int) -> tuple[dict, list[dict]]:
     configs = [("unchunked", 1024)] + [(f"C={c}", c) for c in CHUNKS]
     serve(lm, ctx, stall_requests(), 64, 64 + STALL_DECODERS)  # warm-up
-    runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
     timeline: dict[str, list[float]] = {}
     records = []
-    for rep in range(repeats):
-        for name, chunk in (configs if rep % 2 == 0 else configs[::-1]):
-            res = serve(lm, ctx, stall_requests(), chunk, chunk + STALL_DECODERS)
-            runs[name].append(stall_stats(res, chunk))
-            timeline[name] = [it["time_s"] for it in res.iterations]
-            records += [dict(it, run=f"stall {name}") for it in res.iterations]
-    rows = []
-    for name, chunk in configs:
-        row = {"config": name, "chunk_size": chunk, "max_batched_tokens": chunk + STALL_DECODERS}
-        for key in runs[name][0]:
-            row[key] = statistics.median(r[key] for r in runs[name])
-        rows.append(row)
+
+    def run(name: str, chunk: int) -> dict:
+        res = serve(lm, ctx, stall_requests(), chunk, chunk + STALL_DECODERS)
+        timeline[name] = [it["time_s"] for it in res.iterations]
+        records.extend(dict(it, run=f"stall {name}") for it in res.iterations)
+        return stall_stats(res, chunk)
+
+    runs = in_turn({name: partial(run, name, chunk) for name, chunk in configs}, repeats)
+    rows = [{"config": name, "chunk_size": chunk, "max_batched_tokens": chunk + STALL_DECODERS,
+             **median_each(runs[name])} for name, chunk in configs]
     return {"rows": rows, "timeline": timeline, "repeats": repeats}, records
 
 
@@ -216,7 +205,8 @@ def bench_hf(dense: DenseLM, lm: TPLM, ctx: TPContext, model, repeats: int) -> t
             if round_ == 0:
                 hf_generate(model, prompts[:2], [2, 2], 2)  # warm-up
             # every batch size in the first round; after it, the HF_CONTENDERS fastest of that round
-            batches = HF_BATCHES if round_ == 0 else sorted(HF_BATCHES, key=lambda b: hf[b][0][1]["time_s"])[:HF_CONTENDERS]
+            batches = HF_BATCHES if round_ == 0 else \
+                sorted(HF_BATCHES, key=lambda b: hf[b][0][1]["time_s"])[:HF_CONTENDERS]
             for batch in batches:
                 hf[batch].append(hf_generate(model, prompts, new, batch))
             best_per_round.append(max(useful / hf[b][-1][1]["time_s"] for b in batches))
@@ -318,17 +308,13 @@ def predict(lm: TPLM, ctx: TPContext, calibration: dict, one_row: list[dict], re
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="stall,hf,overhead", help="comma-separated: stall, hf, overhead")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (transformers gets P times this)")
-    ap.add_argument("--out", default=None, help="default outputs/bench_serve_p{P}.json")
-    args = ap.parse_args()
+    parts = dict(default="stall,hf,overhead", help="comma-separated: stall, hf, overhead")
+    threads = dict(type=int, default=1, help="torch threads per rank (transformers gets P times this)")
+    args = parse_args(__doc__, {"--parts": parts, "--repeats": 3, "--threads": threads,
+                                "--out": dict(default=None, help="default outputs/bench_serve_p{P}.json")})
     parts = set(args.parts.split(","))
     if not parts <= {"stall", "hf", "overhead"} or args.repeats < 1 or args.threads < 1:
-        print(f"error: --parts {args.parts!r} must name stall, hf, overhead; --repeats and --threads >= 1",
-              file=sys.stderr)
-        return 2
+        return refuse(f"--parts {args.parts!r} must name stall, hf, overhead; --repeats and --threads >= 1")
     torch.set_num_threads(args.threads)  # torchrun sets OMP_NUM_THREADS=1 only for P > 1: the same at every P
     ctx = init_from_env("auto", timeout_s=1800.0)  # rank 0 runs transformers alone while the others wait
     cfg = ARTICLE03
@@ -357,46 +343,9 @@ def main() -> int:
     out["cost_model"] = predict(lm, ctx, out["calibration"], one_row, records)
     shutdown()
     if ctx.is_main:
-        path = Path(args.out or f"outputs/bench_serve_p{ctx.world_size}.json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=1) + "\n")
-        summarize(out)
-        print(f"data: {path}")
+        print("\n".join(tables({ctx.world_size: out})))
+        write_json(args.out or f"outputs/bench_serve_p{ctx.world_size}.json", out)
     return 0
-
-
-def summarize(out: dict) -> None:
-    p = out["world_size"]
-    cal = out["calibration"]
-    print(f"serving benchmarks, article03 LM, float32, v2, p={p}: matmul {cal['matmul_flops_per_s_first'] / 1e9:.1f} -> "
-          f"{cal['matmul_flops_per_s_last'] / 1e9:.1f} GFLOP/s, copy {cal['copy_bytes_per_s_first'] / 1e9:.1f} -> "
-          f"{cal['copy_bytes_per_s_last'] / 1e9:.1f} GB/s, fixed {out['cost_model']['fixed_s'] * 1e3:.1f} ms/iteration")
-    if "stall" in out:
-        print(f"{'config':<10} {'iters':>5} {'max/med':>8} {'worst TBT':>9} {'p99 TBT':>8} {'long TTFT':>9} "
-              f"{'tok/s':>7} {'re-read':>8} {'N²/2C':>8}")
-        for r in out["stall"]["rows"]:
-            print(f"{r['config']:<10} {r['iterations']:>5.0f} {r['max_over_median']:>8.1f} {r['decoder_worst_tbt_s']:>9.3f} "
-                  f"{r['decoder_p99_tbt_s']:>8.3f} {r['long_ttft_s']:>9.3f} {r['tokens_per_s']:>7.1f} "
-                  f"{r['cache_rows_reread']:>8.0f} {r['reread_formula']:>8.0f}")
-    if "hf" in out:
-        e = out["hf"]["engine"]
-        print(f"engine: {e['tokens_per_s']:.1f} tok/s, {e['forwards']} forwards, {e['rows']} rows")
-        for b in out["hf"]["hf"]:
-            print(f"  hf batch {b['batch']:>2}: {b['tokens_per_s']:.1f} tok/s, engine/hf {e['tokens_per_s'] / b['tokens_per_s']:.2f}, "
-                  f"{b['forwards']} forwards, {b['rows']} rows, same ids {b['same_ids']}/{out['hf']['requests']}")
-        for x in out["hf"]["engines"]:
-            print(f"  engine attention={x['attention']:<9} max_num_seqs {x['max_running']:<7}: "
-                  f"{x['tokens_per_s']:.1f} tok/s, {x['ratio_to_best_hf']:.2f}x transformers' best (paired by round), "
-                  f"same ids: {x['same_ids']}")
-    for r in out.get("overhead", []):
-        print(f"overhead batch {r['batch']:>2}: loop/bare {r['loop_over_bare']:.2f}, iteration/bare {r['iteration_over_bare']:.2f}")
-    its = out["cost_model"]["iterations"]
-    for k in ("decode-only", "mixed", "prefill-only", ">=256 rows"):
-        sel = [i for i in its if (i["rows"] >= 256 if k == ">=256 rows" else i["kind"] == k)]
-        if sel:
-            r = [i["predicted_s"] / i["measured_s"] for i in sel]
-            print(f"cost model {k:<12} n={len(sel):>4} predicted/measured median {statistics.median(r):.2f} "
-                  f"[{min(r):.2f}, {max(r):.2f}], within ±25%: {sum(0.75 <= x <= 1.25 for x in r)}/{len(r)}")
 
 
 if __name__ == "__main__":

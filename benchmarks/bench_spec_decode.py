@@ -2,34 +2,32 @@
 
     python benchmarks/bench_spec_decode.py [--repeats 2] [--max-tokens 96] [--tp 1]
 
-  speed  the article03 GPT-2 LM (float32, random weights) through LLM at tensor_parallel_size --tp, B requests at
-         once (B = 1, 4, 16), greedy, --max-tokens new tokens each (ignore_eos), K = 4 proposals: n-gram
-         (prompt_lookup_max 3), and a self-draft (the draft model is article03 itself: every proposal accepted,
-         the upper bound of any draft, at the cost of a draft as large as the target): generate()'s time with
-         speculation against without, alternating A B B A within each repeat (--repeats 2: 4 runs of each, the
-         median taken); tokens are checked equal (greedy). The workload: random 16-token prompts whose continuations, under
-         random weights, fall into runs of repeated tokens and phrases after a few steps (what prompt lookup finds:
-         the copying case). Acceptance: vLLM's rate (accepted / proposed) and mean acceptance length
-         (1 + accepted / drafts).
-  bytes  per verified row per rank (tp/traffic_model.predict_sampler, which the ledger equals in the tests): the
-         greedy race's all-gather of (value, id) against all-gathering the float32 logits, vocab 50257 and 128256,
-         p = 2, 4, 8. A verified chunk of K + 1 rows moves K + 1 times a row's bytes, nothing more.
+  speed  the article03 GPT-2 LM through LLM at tensor_parallel_size --tp, B = 1, 4, 16 requests at once, greedy,
+         K = 4 proposals: n-gram (NGRAM), and a self-draft (article03 as its own draft: every proposal accepted, the
+         upper bound of any draft, at the cost of a draft as large as the target): generate()'s time with
+         speculation against without, alternating A B B A within each repeat, medians; tokens checked equal. Random
+         16-token prompts whose continuations, under random weights, fall into runs of repeated tokens and phrases
+         (what prompt lookup finds). Acceptance: vLLM's rate and mean acceptance length (1 + accepted / drafts).
+  bytes  per verified row per rank (predict_sampler, which the ledger equals in the tests): the greedy race's
+         all-gather of (value, id) against all-gathering the float32 logits. A verified chunk of K + 1 rows moves
+         K + 1 times a row's bytes, nothing more.
 
-Prints a line per measurement as it goes (to stderr) and its run time at the end; writes
-outputs/bench_spec_decode.json and prints both tables (markdown).
+Prints a line per measurement as it goes and its run time (stderr); writes outputs/bench_spec_decode.json and prints
+both tables (docs/spec_decode.md).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import ROOT, in_turn, parse_args, print_table, random_prompts, timed_generate, write_json
 
 BATCHES = (1, 4, 16)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -37,12 +35,9 @@ SELF_DRAFT = {"method": "draft_model", "model": "article03", "num_speculative_to
 
 
 def speed(tp: int, repeats: int, max_tokens: int) -> list[dict]:
-    import torch
-
     from serve import LLM, SamplingParams
 
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 50257, (16,), generator=g).tolist() for _ in range(max(BATCHES))]
+    prompts = random_prompts([16] * max(BATCHES), seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     engines = {"plain": LLM("article03", tensor_parallel_size=tp),
                "ngram": LLM("article03", tensor_parallel_size=tp, speculative_config=NGRAM),
@@ -53,14 +48,14 @@ def speed(tp: int, repeats: int, max_tokens: int) -> list[dict]:
             llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))
         for b in BATCHES:
             for method in ("ngram", "self-draft"):
-                times = {name: [] for name in ("plain", method)}
                 tokens, before = {}, engines[method].stats()
-                for _ in range(repeats):
-                    for name in ("plain", method, method, "plain"):
-                        start = time.perf_counter()
-                        outs = engines[name].generate(prompts[:b], params)
-                        times[name].append(time.perf_counter() - start)
-                        tokens[name] = [o.outputs[0].token_ids for o in outs]
+
+                def run(name: str) -> float:
+                    tokens[name], took = timed_generate(engines[name], prompts[:b], params)
+                    return took
+
+                # plain, speculative, speculative, plain in each repeat
+                times = in_turn({name: partial(run, name) for name in ("plain", method)}, 2 * repeats)
                 print(f"B={b} {method}: median {statistics.median(times['plain']):.2f} s plain, "
                       f"{statistics.median(times[method]):.2f} s speculative ({time.perf_counter() - began:.0f} s so "
                       f"far)", file=sys.stderr, flush=True)
@@ -93,27 +88,21 @@ def row_bytes() -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--tp", type=int, default=1)
-    args = ap.parse_args()
+    args = parse_args(__doc__, {"--repeats": 2, "--max-tokens": 96, "--tp": 1})
     began = time.perf_counter()
     result = {"bytes": row_bytes(), "speed": speed(args.tp, args.repeats, args.max_tokens)}
     print(f"ran {time.perf_counter() - began:.0f} s", file=sys.stderr)
-    out = ROOT / "outputs" / "bench_spec_decode.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print("| vocab | p | race bytes per row per rank | logits all-gather | ratio |\n|---|---|---|---|---|")
-    for r in result["bytes"]:
-        print(f"| {r['vocab']} | {r['p']} | {r['race_bytes']:.0f} | {r['logits_bytes']:.0f} | {r['ratio']:.0f}x |")
-    print("\n| method | B | tp | tokens/s plain | tokens/s speculative | speed-up | acceptance rate "
-          "| mean acceptance length | same tokens |\n|---|---|---|---|---|---|---|---|---|")
-    for r in result["speed"]:
-        rate = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
-        length = "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
-        print(f"| {r['method']} | {r['B']} | {r['tp']} | {r['plain_tokens_per_s']:.0f} | {r['spec_tokens_per_s']:.0f} | "
-              f"{r['speedup']:.2f}x | {rate} | {length} | {r['same_tokens']} |")
+    write_json(ROOT / "outputs" / "bench_spec_decode.json", result)
+    print_table(["vocab", "p", "race bytes per row per rank", "logits all-gather", "ratio"],
+                [[r["vocab"], r["p"], f"{r['race_bytes']:.0f}", f"{r['logits_bytes']:.0f}",
+                  f"{r['ratio']:.0f}x"] for r in result["bytes"]])
+    print_table(["method", "B", "tp", "tokens/s plain", "tokens/s speculative", "speed-up",
+                 "acceptance rate", "mean acceptance length", "same tokens"],
+                [[r["method"], r["B"], r["tp"], f"{r['plain_tokens_per_s']:.0f}",
+                  f"{r['spec_tokens_per_s']:.0f}", f"{r['speedup']:.2f}x",
+                  "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}",
+                  "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}",
+                  r["same_tokens"]] for r in result["speed"]])
 
 
 if __name__ == "__main__":

@@ -2,29 +2,29 @@
 
     python benchmarks/bench_threads.py [--repeats 2] [--prompts 16] [--max-tokens 16]
 
-Each measurement is a fresh process: `LLM("article03", tensor_parallel_size=tp)` (GPT-2 sizes, float32, random
-weights), a warm-up, then generate() of --prompts prompts x --max-tokens new tokens (greedy, ignore_eos), timed;
-tokens/s = tokens / generate()'s wall time. Settings: the default (tp/dist.py threads_per_rank: the cores this
-process may use, one left to the driver, shared among the ranks), and OMP_NUM_THREADS=1 and =2 set in the
-environment (what a user can set; 2 was the default at tp = 1 before). "One core busy": another process spinning
-on the CPU for the whole measurement (a Python busy loop), as when a second job shares the laptop.
-The runs of one (load, tp) alternate between the settings, repeated --repeats times; the median per setting is
-reported, and each setting's ratio to the best one of its row (1.00: the best). Prints a line per run as it goes.
-Writes outputs/bench_threads.json and prints the table (markdown).
+Each measurement is a fresh process (RUN): `LLM("article03", tensor_parallel_size=tp)`, a warm-up, then generate()
+timed; tokens/s = tokens / its wall time. Settings: the default (tp/dist.py threads_per_rank), and OMP_NUM_THREADS=1
+and =2 set in the environment (what a user can set; 2 was the default at tp = 1 before). "One core busy": a Python
+busy loop in another process for the whole measurement, as when a second job shares the laptop. The runs of one
+(load, tp) alternate between the settings; each setting's median and its ratio to the best of its row are reported.
+Prints a line per run as it goes; writes outputs/bench_threads.json and prints its section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import ROOT, in_turn, parse_args, table, write_json
 
 RUN = r"""
 import json, sys, time
@@ -52,20 +52,21 @@ def measure(tp: int, setting: str, count: int, new: int) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def section(rows: list[dict]) -> list[str]:
+def section(rows: list[dict] | None) -> list[str]:
     """Its section of docs/benchmarks.md."""
+    if not rows:
+        return []
     lines = ["## Threads per rank", "",
              "`.venv/bin/python benchmarks/bench_threads.py`: `LLM(\"article03\")` (GPT-2 sizes, float32, random "
              "weights), 16 prompts x 16 new tokens, greedy, each run a fresh process; the default (tp/dist.py "
              "`threads_per_rank`: the cores this process may use, one left to the driver, shared among the ranks) "
              "against `OMP_NUM_THREADS=1` and `=2` (2: the old default at tp = 1), on the idle machine and with one "
              "core kept busy by another process. Medians of 2 runs per setting, alternated; x: behind the best of "
-             "the row.", "",
-             "| load | tp | default: threads per rank | default tokens/s | OMP_NUM_THREADS=1 | OMP_NUM_THREADS=2 |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['load']} | {r['tp']} | {r['default_threads']} | " + " | ".join(
-            f"{r[f'{n} tokens_per_s']:.0f} ({r[f'{n} behind_best']:.2f}x)" for n in SETTINGS) + " |")
+             "the row.", ""]
+    lines += table(["load", "tp", "default: threads per rank", "default tokens/s", "OMP_NUM_THREADS=1",
+                    "OMP_NUM_THREADS=2"],
+                   [[r["load"], r["tp"], r["default_threads"]]
+                    + [f"{r[f'{n} tokens_per_s']:.0f} ({r[f'{n} behind_best']:.2f}x)" for n in SETTINGS] for r in rows])
     worst = max(r["default behind_best"] for r in rows if r["load"] != "idle")
     idle = max(r["default behind_best"] for r in rows if r["load"] == "idle")
     cliff = max(r["OMP_NUM_THREADS=2 behind_best"] for r in rows if r["load"] != "idle")
@@ -79,24 +80,20 @@ def section(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    args = ap.parse_args()
+    args = parse_args(__doc__, {"--repeats": 2, "--prompts": 16, "--max-tokens": 16})
     rows, began = [], time.perf_counter()
+
+    def run(load: str, tp: int, name: str) -> dict:
+        got = measure(tp, name, args.prompts, args.max_tokens)
+        print(f"{load}, tp={tp}, {name}: {got['tokens_per_s']:.0f} tokens/s ({got['threads']} threads per rank: "
+              f"{got['why']}; {time.perf_counter() - began:.0f} s so far)", file=sys.stderr, flush=True)
+        return got
+
     for load in ("idle", "one core busy"):
         busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if load != "idle" else None
         try:
             for tp in (1, 2):
-                runs = {name: [] for name in SETTINGS}
-                for i in range(args.repeats):
-                    for name in (list(SETTINGS) if i % 2 == 0 else list(SETTINGS)[::-1]):
-                        got = measure(tp, name, args.prompts, args.max_tokens)
-                        runs[name].append(got)
-                        print(f"{load}, tp={tp}, {name}: {got['tokens_per_s']:.0f} tokens/s ({got['threads']} "
-                              f"threads per rank: {got['why']}; {time.perf_counter() - began:.0f} s so far)",
-                              file=sys.stderr, flush=True)
+                runs = in_turn({name: partial(run, load, tp, name) for name in SETTINGS}, args.repeats)
                 medians = {name: statistics.median(r["tokens_per_s"] for r in rs) for name, rs in runs.items()}
                 best = max(medians.values())
                 rows.append({"load": load, "tp": tp, "default_threads": runs["default"][0]["threads"],
@@ -107,9 +104,7 @@ def main() -> None:
             if busy is not None:
                 busy.kill()
     print(f"ran {time.perf_counter() - began:.0f} s", file=sys.stderr)
-    out = ROOT / "outputs" / "bench_threads.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
+    write_json(ROOT / "outputs" / "bench_threads.json", rows)
     print("\n".join(section(rows)))
 
 

@@ -3,26 +3,22 @@
     python benchmarks/bench_tp.py                      # p = 2, 4, 8; n_tokens = 40, 1024; writes outputs/bench_tp.json
     python benchmarks/bench_tp.py --p 2 --tokens 40 --repeats 5
 
-For each (p, n), on p fresh ranks (gloo on CPU, NCCL with one GPU per rank when there are enough):
-  * DTensor: the same dense article03 stack, parallelized with parallelize_module and
-    ColwiseParallel (qkv, mlp_up) / RowwiseParallel (attn_out, mlp_down). DTensor cuts a fused
-    weight contiguously, so the fused QKV rows are first reordered rank-major ([Q_r|K_r|V_r] per
-    rank): the same head-aligned split as ours. Both outputs are compared (max rel. error).
-  * ours: TPBlockV2 stack from the same weights (and v1, for the v1/v2 ratio).
-  * sequence parallelism: PyTorch's own SP plan on the same weights, as torchtitan writes it
-    (SequenceParallel on the LayerNorms, ColwiseParallel(input_layouts=Shard(0)) gathering the rows,
-    RowwiseParallel(output_layouts=Shard(0)) reduce-scattering them) against our v2sp: each rank feeds
-    its own rows, both outputs' rows compared, CommDebugMode's counts per forward side by side.
-  * the limit: our v2 forward with every collective skipped (local compute only) plus the same
-    collectives, same shapes, issued back to back alone; distance = v2 time / (compute + comm).
-Forwards alternate in ABBA order after a warm-up; medians; the slowest rank's median counts.
-Ratios only: this machine is noisy and 8 ranks share 2 cores.
+For each (p, n), on p fresh ranks (gloo on CPU, NCCL with one GPU per rank when there are enough), all from the same
+dense article03 weights:
+  * DTensor: parallelize_module with ColwiseParallel (qkv, mlp_up) / RowwiseParallel (attn_out, mlp_down), the fused
+    QKV rows reordered rank-major first (rank_major_copy); against ours, v2 (and v1, for the v1/v2 ratio).
+  * sequence parallelism: PyTorch's SP plan as torchtitan writes it (dtensor_stack) against our v2sp, each rank
+    feeding its own rows; CommDebugMode's collective counts per forward side by side.
+  * the limit: our v2 forward with every collective skipped plus the same collectives issued back to back alone;
+    distance = v2 time / (compute + comm).
+Outputs are compared (max rel. difference). Forwards alternate in ABBA order after a warm-up; medians, the slowest
+rank's. Ratios only: this machine is noisy and 8 ranks share 2 cores. Prints its section of docs/benchmarks.md and
+the sequence-parallel figures.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -32,8 +28,9 @@ if __package__ in (None, ""):
 import torch
 import torch.distributed as dist
 
-from launch.timing import medians
+from benchmarks.common import print_table, table, write_json
 from launch.spawn import spawn_ranks
+from launch.timing import medians
 from layers.models.config import ARTICLE03
 from layers.models.dense import DenseStack, init_weights
 from layers.models.tp_block import shard_stack
@@ -104,7 +101,8 @@ def comm_counts(fn) -> dict[str, int]:
 def measure(ctx: TPContext, tokens: list[int], repeats: int) -> list[dict]:
     torch.manual_seed(0)
     dense = init_weights(DenseStack(CFG, torch.float32, ctx.device), seed=0)
-    ours, v1, theirs = shard_stack(dense, "v2", ctx.group), shard_stack(dense, "v1", ctx.group), dtensor_stack(dense, ctx)
+    ours, v1 = shard_stack(dense, "v2", ctx.group), shard_stack(dense, "v1", ctx.group)
+    theirs = dtensor_stack(dense, ctx)
     ours_sp, theirs_sp = shard_stack(dense, "v2sp", ctx.group), dtensor_stack(dense, ctx, sequence_parallel=True)
     rows = []
     for n in tokens:
@@ -160,24 +158,31 @@ def main(argv=None) -> int:
     rows = []
     for p in args.p:
         rows += spawn_ranks(p, measure, args.tokens, args.repeats, backend=args.backend)
-    print(f"article03 (d=512, h=8, ffn=2048, L=8), float32, forward only; medians of {args.repeats} "
-          f"alternating repeats, slowest rank")
-    print(f"{'p':>2} {'n':>5} {'ours/DTensor':>12} {'v1/v2':>6} {'distance':>8} {'rel diff':>9} "
-          f"{'v2sp/DTensor SP':>15} {'SP rel diff':>11}   (distance = v2 / (compute alone + its collectives alone))")
-    for r in rows:
-        sp = (f"{r['sp_ours_over_dtensor']:>15.3f} {r['sp_max_rel_diff_vs_dtensor']:>11.1e}"
-              if "sp_ours_over_dtensor" in r else f"{'-':>15} {'-':>11}")
-        print(f"{r['p']:>2} {r['n']:>5} {r['ours_over_dtensor']:>12.3f} {r['v1_over_v2']:>6.3f} "
-              f"{r['distance_to_limit']:>8.3f} {r['max_rel_diff_vs_dtensor']:>9.1e} {sp}")
-    for r in rows:
-        if "sp_collectives_ours" in r:
-            print(f"p={r['p']} n={r['n']} SP collectives per forward (CommDebugMode): ours {r['sp_collectives_ours']}, "
-                  f"DTensor {r['sp_collectives_dtensor']}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"config": CFG.asdict(), "rows": rows}, indent=2) + "\n")
-    print(f"data: {args.out}")
+    data = {"config": CFG.asdict(), "rows": rows}
+    print("\n".join(section(data)))
+    sp = [[r["p"], r["n"], f"{r['sp_ours_over_dtensor']:.3f}", f"{r['sp_max_rel_diff_vs_dtensor']:.1e}",
+           r["sp_collectives_ours"], r["sp_collectives_dtensor"]] for r in rows if "sp_ours_over_dtensor" in r]
+    print_table(["p", "n_tokens", "v2sp / DTensor SP", "SP rel. diff", "SP collectives per forward, ours",
+                 "DTensor's (CommDebugMode)"], sp)
+    write_json(args.out, data)
     return 0 if all(r["max_rel_diff_vs_dtensor"] < 1e-5 and r.get("sp_max_rel_diff_vs_dtensor", 0) < 1e-5
                     for r in rows) else 1
+
+
+def section(data: dict | None) -> list[str]:
+    """docs/benchmarks.md's section (benchmarks/report.py); the script prints it too."""
+    if not data:
+        return []
+    rows = [[r["backend"], r["p"], r["n"], f"{r['ours_over_dtensor']:.3f}", f"{r['v1_over_v2']:.3f}",
+             f"{r['distance_to_limit']:.3f}", f"{r['max_rel_diff_vs_dtensor']:.1e}"] for r in data["rows"]]
+    return ["## v2 against DTensor, and the distance to the limit", "",
+            "`.venv/bin/python benchmarks/bench_tp.py`: article03 stack (d=512, h=8, ffn=2048, L=8), float32, forward.",
+            "DTensor = `parallelize_module` with `ColwiseParallel`/`RowwiseParallel` on the same weights",
+            "(fused QKV rows reordered rank-major so DTensor's contiguous cut is head-aligned); both outputs",
+            "agree to the listed relative difference. Distance = our v2 forward / (the same forward with",
+            "every collective skipped + the same all-reduces issued alone).", "",
+            *table(["backend", "p", "n_tokens", "ours / DTensor", "v1 / v2", "distance to limit",
+                    "rel. diff vs DTensor"], rows), ""]
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ linears and the all-reduces on R·max rows instead of T (column "padded rows").
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,12 +20,12 @@ if __package__ in (None, ""):
 
 import torch
 
-from launch.timing import medians
-from layers.models.config import ModelConfig
-from layers.models.dense import DenseStack, init_weights
+from benchmarks.common import parse_args, print_table, write_json
 from launch.settings import generate_lengths
+from launch.timing import medians
 from layers.attention.varlen import Requests, score_entries
-from layers.models.config import SERVING_VARIANTS
+from layers.models.config import SERVING_VARIANTS, ModelConfig
+from layers.models.dense import DenseStack, init_weights
 from layers.models.tp_block import shard_stack
 from tp.dist import init_from_env, shutdown
 
@@ -44,12 +42,10 @@ def mixes() -> dict[str, list[int]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variant", default="v2", choices=SERVING_VARIANTS)  # the ones with a padded baseline
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--layers", type=int, default=2, help="blocks in the stack (article03 shapes otherwise)")
-    ap.add_argument("--out", default="outputs/bench_varlen.json")
-    args = ap.parse_args()
+    layers = dict(type=int, default=2, help="blocks in the stack (article03 shapes otherwise)")
+    # the serving variants: the ones with a padded baseline
+    args = parse_args(__doc__, {"--variant": dict(default="v2", choices=SERVING_VARIANTS), "--repeats": 10,
+                                "--layers": layers, "--out": "outputs/bench_varlen.json"})
     ctx = init_from_env("auto")
     cfg = ModelConfig(n_layers=args.layers)
     stack = shard_stack(init_weights(DenseStack(cfg, torch.float32, ctx.device), seed=0), args.variant, ctx.group)
@@ -66,16 +62,15 @@ def main() -> int:
     if ctx.is_main:
         print(f"varlen vs padded, {args.variant}, article03 shapes, L={args.layers}, p={ctx.world_size}, "
               f"{ctx.backend}; medians of {args.repeats} alternating repeats (slowest rank)")
-        print(f"{'mix':<24} {'R':>3} {'T':>5} {'padded rows':>11} {'varlen entries':>15} {'padded entries':>15} "
-              f"{'work v/p':>8} {'time v/p':>8}")
+        cells = []
         for r in rows:
             w = r["score_entries"]
-            print(f"{r['mix']:<24} {r['requests']:>3} {r['tokens']:>5} {r['padded_tokens']:>11} {w['varlen']:>15,} "
-                  f"{w['padded']:>15,} {w['varlen'] / w['padded']:>8.3f} {r['time_varlen_s'] / r['time_padded_s']:>8.3f}")
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"world_size": ctx.world_size, "variant": args.variant,
-                                              "rows": rows}, indent=2) + "\n")
-        print(f"data: {args.out}")
+            cells.append([r["mix"], r["requests"], r["tokens"], r["padded_tokens"], f"{w['varlen']:,}",
+                          f"{w['padded']:,}", f"{w['varlen'] / w['padded']:.3f}",
+                          f"{r['time_varlen_s'] / r['time_padded_s']:.3f}"])
+        print_table(["mix", "R", "T", "padded rows", "varlen entries", "padded entries", "work v/p",
+                     "time v/p"], cells)
+        write_json(args.out, {"world_size": ctx.world_size, "variant": args.variant, "rows": rows})
     return 0
 
 

@@ -8,7 +8,6 @@ times) and writes outputs/profile_forward.txt for docs/benchmarks.md.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ if __package__ in (None, ""):
 
 import torch
 
+from benchmarks.common import parse_args
 from layers.models.config import ARTICLE03
 from layers.models.dense import DenseStack, init_weights
 from layers.models.tp_block import shard_stack
@@ -24,15 +24,10 @@ from tp.dist import init_from_env, shutdown
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--variant", default="v2")
-    ap.add_argument("--out", default="outputs/profile_forward.txt")
-    args = ap.parse_args()
+    args = parse_args(__doc__, {"--tokens": 1024, "--variant": "v2", "--out": "outputs/profile_forward.txt"})
     ctx = init_from_env("auto")
-    cfg = ARTICLE03
-    stack = shard_stack(init_weights(DenseStack(cfg, torch.float32, ctx.device), 0), args.variant, ctx.group)
-    x = torch.randn(args.tokens, cfg.d_model, generator=torch.Generator().manual_seed(0)).to(ctx.device)
+    stack = shard_stack(init_weights(DenseStack(ARTICLE03, torch.float32, ctx.device), 0), args.variant, ctx.group)
+    x = torch.randn(args.tokens, ARTICLE03.d_model, generator=torch.Generator().manual_seed(0)).to(ctx.device)
     with torch.no_grad():
         stack(x)  # warm-up
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -40,17 +35,15 @@ def main() -> int:
                 stack(x)
     shutdown()
     if ctx.is_main:
-        events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+        events = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0),
+                        key=lambda e: -e.self_cpu_time_total)
         total = sum(e.self_cpu_time_total for e in events)
-        events.sort(key=lambda e: -e.self_cpu_time_total)
         lines = [f"{args.variant}, article03, n_tokens={args.tokens}, p={ctx.world_size}, {ctx.backend}: "
                  f"self CPU time by operator, rank 0, 3 forwards", f"{'operator':<40} {'share':>7} {'calls':>6}"]
-        for e in events[:12]:
-            lines.append(f"{e.key[:40]:<40} {e.self_cpu_time_total / total:>7.1%} {e.count:>6}")
-        text = "\n".join(lines)
-        print(text)
+        lines += [f"{e.key[:40]:<40} {e.self_cpu_time_total / total:>7.1%} {e.count:>6}" for e in events[:12]]
+        print("\n".join(lines))
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+        Path(args.out).write_text("\n".join(lines) + "\n")
     return 0
 
 

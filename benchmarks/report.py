@@ -8,7 +8,6 @@ every section with data is rewritten from it.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -19,20 +18,16 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_http import section as http_section  # noqa: E402
+from benchmarks.bench_kv import section as kv_section  # noqa: E402
 from benchmarks.bench_load import section as load_section  # noqa: E402
 from benchmarks.bench_pp import section as pp_section  # noqa: E402
 from benchmarks.bench_pp_serve import plot as pp_serve_plot, section as pp_serve_section  # noqa: E402
 from benchmarks.bench_threads import section as threads_section  # noqa: E402
+from benchmarks.bench_tp import section as tp_section  # noqa: E402
+from benchmarks.common import OUT, load_json, merge, table  # noqa: E402
 from benchmarks.report_paged import section as paged_section  # noqa: E402
 from benchmarks.report_serve import pd_section, plot_timeline, section as serving_section  # noqa: E402
 from layers.models.config import VARIANTS  # noqa: E402
-
-OUT = Path("outputs")
-
-
-def _load(name: str):
-    path = OUT / name
-    return json.loads(path.read_text()) if path.exists() else None
 
 
 def machine() -> str:
@@ -50,159 +45,91 @@ def machine() -> str:
 
 
 def main() -> int:
-    lines = ["# Benchmarks", "",
+    head = ["# Benchmarks", "",
              "Reproduce everything on this page with `make bench` (about 25 minutes on 2 cores); it runs the",
              "scripts below and rewrites this file from their JSON output. Every figure is a ratio of two",
              "timings taken in the same run (medians, slowest rank), never a lone absolute time.", "",
              f"Machine: {machine()}.", ""]
-    tp = _load("bench_tp.json")
-    if tp:
-        lines += ["## v2 against DTensor, and the distance to the limit", "",
-                  "`.venv/bin/python benchmarks/bench_tp.py`: article03 stack (d=512, h=8, ffn=2048, L=8), float32, forward.",
-                  "DTensor = `parallelize_module` with `ColwiseParallel`/`RowwiseParallel` on the same weights",
-                  "(fused QKV rows reordered rank-major so DTensor's contiguous cut is head-aligned); both outputs",
-                  "agree to the listed relative difference. Distance = our v2 forward / (the same forward with",
-                  "every collective skipped + the same all-reduces issued alone).", "",
-                  "| backend | p | n_tokens | ours / DTensor | v1 / v2 | distance to limit | rel. diff vs DTensor |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in tp["rows"]:
-            lines.append(f"| {r['backend']} | {r['p']} | {r['n']} | {r['ours_over_dtensor']:.3f} | "
-                         f"{r['v1_over_v2']:.3f} | {r['distance_to_limit']:.3f} | {r['max_rel_diff_vs_dtensor']:.1e} |")
-        lines.append("")
-    prof = OUT / "profile_forward.txt"
-    if prof.exists():
-        lines += ["## Where a forward spends its time", "",
-                  "`.venv/bin/torchrun --nproc_per_node=2 benchmarks/profile_forward.py` (torch.profiler's operator table;",
-                  "attention's share fell when SDPA got 4-D inputs, which keep PyTorch on its fused CPU kernel):", "",
-                  "```", prof.read_text().rstrip(), "```", ""]
-    ledger = [(p, _load(f"bench_ledger_p{p}.json")) for p in (2, 8)]
-    if any(d for _, d in ledger):
-        lines += ["## Traffic ledger overhead", "",
-                  "`.venv/bin/torchrun --nproc_per_node=P benchmarks/bench_ledger.py`: forward with the ledger on / off.", "",
-                  "| p | variant | n_tokens | on / off |", "|---|---|---|---|"]
-        for p, d in ledger:
-            for r in (d or {}).get("rows", []):
-                lines.append(f"| {p} | {r['variant']} | {r['n']} | {r['ratio']:.3f} |")
-        lines.append("")
-    varlen = _load("bench_varlen.json")
-    if varlen:
-        lines += ["## Varlen against padded attention", "",
-                  f"`.venv/bin/torchrun --nproc_per_node={varlen['world_size']} benchmarks/bench_varlen.py`: "
-                  f"{varlen['variant']}, article03 shapes, 2 layers.", "",
-                  "| mix | requests | tokens | varlen entries | padded entries | work varlen/padded | time varlen/padded |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in varlen["rows"]:
-            w = r["score_entries"]
-            lines.append(f"| {r['mix']} | {r['requests']} | {r['tokens']} | {w['varlen']:,} | {w['padded']:,} | "
-                         f"{w['varlen'] / w['padded']:.3f} | {r['time_varlen_s'] / r['time_padded_s']:.3f} |")
-        lines.append("")
-    sweep = _load("traffic_sweep/sweep.json")
-    if sweep:
-        lines += ["## Scaling: bytes and time per layer vs n_tokens and p", "",
-                  "`python launch/traffic_sweep.py`: bytes each rank sends per layer (ledger, equal to the model)",
-                  "and the layer's collective time relative to n = 16 at the same p.", "",
-                  "| p | variant | " + " | ".join(f"n={n}" for n in sorted({r['n'] for r in sweep['measured']})) + " |",
-                  "|---|---|" + "---|" * len({r['n'] for r in sweep["measured"]})]
-        ns = sorted({r["n"] for r in sweep["measured"]})
-        for p in sorted({r["p"] for r in sweep["measured"]}):
-            for v in VARIANTS:
-                by = {r["n"]: r for r in sweep["measured"] if r["p"] == p and r["variant"] == v}
-                base = by.get(ns[0])
-                cells = [f"{by[n]['measured_bytes_per_rank'] / 1024:,.0f} KiB, t×{by[n]['time_s'] / base['time_s']:.1f}"
-                         if n in by and base and base["time_s"] else "-" for n in ns]
-                lines.append(f"| {p} | {v} | " + " | ".join(cells) + " |")
-        lines += ["", "Bytes grow linearly in n for v1 and v2 (v2 = 4/7 of v1 at every point) and as n² for",
-                  "intra_head's scores all-reduce. Times on this machine grow far slower than bytes at small n:",
-                  "a collective among processes sharing 2 cores costs milliseconds of scheduling before it moves",
-                  "a byte.", ""]
     Path("docs").mkdir(exist_ok=True)
-    print(plot_timeline(OUT))
-    lines += serving_section(OUT) + paged_section(_load("bench_paged_p1.json"), _load("bench_serve_p1.json"))
-    lines += pd_section(OUT)
-    lines += pp_section([run for run in (_load(f"bench_pp_pp{pp}.json") for pp in (2, 4)) if run])
-    pp_serve = _load("bench_pp_serve.json")
+    print(plot_timeline(OUT))  # first: the serving section shows the figure where there is one
+    pp_serve = load_json("bench_pp_serve.json")
     if pp_serve:
         print(pp_serve_plot(pp_serve))
-    lines += pp_serve_section(pp_serve)
-    for name, render in (("bench_kv.json", kv_section), ("bench_http.json", http_section),
-                         ("bench_load.json", load_section), ("bench_threads.json", threads_section)):
-        data = _load(name)
-        if data:
-            lines += render(data)
+    lines = tp_section(load_json("bench_tp.json")) + profile_section(OUT / "profile_forward.txt")
+    lines += ledger_section({p: load_json(f"bench_ledger_p{p}.json") for p in (2, 8)})
+    lines += varlen_section(load_json("bench_varlen.json")) + sweep_section(load_json("traffic_sweep/sweep.json"))
+    lines += serving_section(OUT) + paged_section(load_json("bench_paged_p1.json"), load_json("bench_serve_p1.json"))
+    lines += pd_section(load_json("bench_pd.json"))
+    lines += pp_section([run for run in (load_json(f"bench_pp_pp{pp}.json") for pp in (2, 4)) if run])
+    lines += pp_serve_section(pp_serve) + kv_section(load_json("bench_kv.json"))
+    lines += http_section(load_json("bench_http.json")) + load_section(load_json("bench_load.json"))
+    lines += threads_section(load_json("bench_threads.json"))
     page = Path("docs/benchmarks.md")
-    text, kept = merge("\n".join(lines) + "\n", page.read_text() if page.exists() else "")
+    if not lines and page.exists():  # the machine line belongs to the figures on the page: nothing to rewrite
+        print("no data in outputs/: docs/benchmarks.md left as it stands")
+        return 0
+    text, kept = merge("\n".join(head + lines) + "\n", page.read_text() if page.exists() else "")
     page.write_text(text)
-    print("wrote docs/benchmarks.md" + (f"; kept as they stand (no data in outputs/): {', '.join(kept)}" if kept else ""))
+    print("wrote docs/benchmarks.md"
+          + (f"; kept as they stand (no data in outputs/): {', '.join(kept)}" if kept else ""))
     return 0
 
 
-def sections(text: str) -> tuple[str, dict[str, str]]:
-    """The page's preamble, and each "## " section (its heading line -> its whole text), in order."""
-    parts = text.split("\n## ")
-    return parts[0], {("## " + p).split("\n", 1)[0]: "## " + p for p in parts[1:]}
+def profile_section(path: Path) -> list[str]:
+    if not path.exists():
+        return []
+    return ["## Where a forward spends its time", "",
+            "`.venv/bin/torchrun --nproc_per_node=2 benchmarks/profile_forward.py` (torch.profiler's operator table;",
+            "attention's share fell when SDPA got 4-D inputs, which keep PyTorch on its fused CPU kernel):", "",
+            "```", path.read_text().rstrip(), "```", ""]
 
 
-def merge(new: str, old: str) -> tuple[str, list[str]]:
-    """The sections rendered now replace theirs on the page; a section the page has and this run has no data for
-    (its benchmark not run here) stays as it stands, in its place; a section new to the page goes after the one
-    rendered before it. Returns the page and the headings kept (a renamed heading's old section is kept too: delete
-    it by hand)."""
-    head, fresh = sections(new)
-    _, before = sections(old)
-    order = list(before)
-    previous = None
-    for h in fresh:
-        if h not in order:
-            order.insert(order.index(previous) + 1 if previous in order else len(order), h)
-        previous = h
-    kept = [h for h in before if h not in fresh]
-    body = [fresh.get(h) or before[h] for h in order]
-    return "\n".join([head.rstrip("\n") + "\n"] + [b.rstrip("\n") + "\n" for b in body]), [h[3:] for h in kept]
+def ledger_section(runs: dict[int, dict | None]) -> list[str]:
+    if not any(runs.values()):
+        return []
+    rows = [[p, r["variant"], r["n"], f"{r['ratio']:.3f}"] for p, d in runs.items() for r in (d or {}).get("rows", [])]
+    return ["## Traffic ledger overhead", "",
+            "`.venv/bin/torchrun --nproc_per_node=P benchmarks/bench_ledger.py`: forward with the ledger on / off.", "",
+            *table(["p", "variant", "n_tokens", "on / off"], rows), ""]
 
 
-def _kib(b: float) -> str:
-    return f"{b / 1024:g} KiB"
+def varlen_section(varlen: dict | None) -> list[str]:
+    if not varlen:
+        return []
+    rows = []
+    for r in varlen["rows"]:
+        w = r["score_entries"]
+        rows.append([r["mix"], r["requests"], r["tokens"], f"{w['varlen']:,}", f"{w['padded']:,}",
+                     f"{w['varlen'] / w['padded']:.3f}", f"{r['time_varlen_s'] / r['time_padded_s']:.3f}"])
+    return ["## Varlen against padded attention", "",
+            f"`.venv/bin/torchrun --nproc_per_node={varlen['world_size']} benchmarks/bench_varlen.py`: "
+            f"{varlen['variant']}, article03 shapes, 2 layers.", "",
+            *table(["mix", "requests", "tokens", "varlen entries", "padded entries", "work varlen/padded",
+                    "time varlen/padded"], rows), ""]
 
 
-def kv_section(kv: dict) -> list[str]:
-    """KV cache per token per rank: measured in the engine's cache beside 2·L·max(h_kv/p, 1)·d_head·e."""
-    m, sizes = kv["model"], sorted({r["p"] for r in kv["rows"]})
-    lines = ["## KV cache per token per rank: MHA vs GQA vs p", "",
-             f"`.venv/bin/torchrun --nproc_per_node={kv['world_size']} benchmarks/bench_kv.py`: the serving engine on "
-             f"llama_tiny's shape (h = {m['n_heads']} query heads of d_head = {m['d_head']}, L = {m['n_layers']}, "
-             f"{kv['dtype']}), {len(kv['requests'])} requests, each run's tokens checked against the "
-             "single-device oracle. Measured: the bytes the rank's cache tensors held per token position at their "
-             "peak (every rank of the group agrees; attention wrote every token's K,V into those tensors and read them "
-             "back, and the tokens equal the oracle's); formula: 2·L·max(h_kv/p, 1)·d_head·e.", "",
-             "| attention | h_kv | " + " | ".join(f"p = {p}" for p in sizes) + " |",
-             "|---|---|" + "---|" * len(sizes)]
-    for name in dict.fromkeys(r["attention"] for r in kv["rows"]):
-        rows = {r["p"]: r for r in kv["rows"] if r["attention"] == name}
-        h_kv = next(iter(rows.values()))["n_kv_heads"]
-        cells = []
-        for p in sizes:
-            r = rows.get(p)
-            if r is None:
-                cells.append("-")
-                continue
-            got = ", ".join(f"{b:,}" for b in r["measured_per_rank"])
-            mark = "" if r["ok"] else " **≠**"
-            cells.append(f"{got} B ({r['formula']:,}){mark}, {r['cache_heads'][0]} head"
-                         + ("s" if r["cache_heads"][0] > 1 else ""))
-        lines.append(f"| {name} | {h_kv} | " + " | ".join(cells) + " |")
-    lines += ["", "Each cell: measured bytes (formula), K,V heads per rank. MHA halves with every doubling of p; "
-              "GQA stops at p = h_kv = 2 and MQA never shrinks: from there on each K,V head is replicated on "
-              "p/h_kv ranks. " + ("Every measurement equals the formula and every run's tokens equal the oracle's."
-                                  if kv["ok"] else "**Some measurement or token check failed (≠ above).**"), ""]
-    ps = sorted({int(p) for r in kv["real_sizes_fp16"] for p in r["per_rank"]})
-    lines += ["The same formula at real sizes, fp16 (formula only):", "",
-              "| model | " + " | ".join(f"p = {p}" for p in ps) + " |", "|---|" + "---|" * len(ps)]
-    for r in kv["real_sizes_fp16"]:
-        per = {int(p): b for p, b in r["per_rank"].items()}
-        lines.append(f"| {r['model']} | " + " | ".join(_kib(per[p]) if p in per else "-" for p in ps) + " |")
-    lines += ["", "MLA caches one latent vector per token that every TP rank holds whole, so its per-rank cache "
-              "does not shrink with p at all; GQA's stops shrinking at p = h_kv.", ""]
-    return lines
+def sweep_section(sweep: dict | None) -> list[str]:
+    """Bytes per rank per layer and the collective time relative to the smallest n, from launch/traffic_sweep.py."""
+    if not sweep:
+        return []
+    measured = sweep["measured"]
+    ns = sorted({r["n"] for r in measured})
+    rows = []
+    for p in sorted({r["p"] for r in measured}):
+        for v in VARIANTS:
+            by = {r["n"]: r for r in measured if r["p"] == p and r["variant"] == v}
+            base = by.get(ns[0])
+            rows.append([p, v] + [f"{by[n]['measured_bytes_per_rank'] / 1024:,.0f} KiB, "
+                                  f"t×{by[n]['time_s'] / base['time_s']:.1f}" if n in by and base and base["time_s"]
+                                  else "-" for n in ns])
+    return ["## Scaling: bytes and time per layer vs n_tokens and p", "",
+            "`python launch/traffic_sweep.py`: bytes each rank sends per layer (ledger, equal to the model)",
+            "and the layer's collective time relative to n = 16 at the same p.", "",
+            *table(["p", "variant"] + [f"n={n}" for n in ns], rows), "",
+            "Bytes grow linearly in n for v1 and v2 (v2 = 4/7 of v1 at every point) and as n² for",
+            "intra_head's scores all-reduce. Times on this machine grow far slower than bytes at small n:",
+            "a collective among processes sharing 2 cores costs milliseconds of scheduling before it moves",
+            "a byte.", ""]
 
 
 if __name__ == "__main__":

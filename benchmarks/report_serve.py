@@ -6,21 +6,17 @@ The timeline PNG (iteration time against iteration index, one line per chunk siz
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
+
+from benchmarks.common import load_json, table
 
 TIMELINE = Path("docs/serve_timeline.png")
 WITHIN = (0.75, 1.25)  # the cost model's target band, predicted/measured
 
 
 def load(out: Path) -> dict[int, dict]:
-    runs = {}
-    for p in (1, 2):
-        path = out / f"bench_serve_p{p}.json"
-        if path.exists():
-            runs[p] = json.loads(path.read_text())
-    return runs
+    return {p: run for p in (1, 2) if (run := load_json(f"bench_serve_p{p}.json", out))}
 
 
 def met(ok: bool) -> str:
@@ -53,9 +49,12 @@ def section(out: Path) -> list[str]:
              "`.venv/bin/torchrun --nproc_per_node=P benchmarks/bench_serve.py` (P = 1 and 2): the article03 GPT-2 LM",
              "(d=512, h=8, L=8, vocab 50257), float32, greedy, v2 with the vocab-parallel head. Times are rank 0's;",
              "iteration times are the engine's own (plan, forward, tokens); medians over the repeats.", ""]
-    lines += stall_section(runs) + hf_section(runs) + cost_section(runs) + overhead_section(runs)
-    lines += targets(runs)
-    return lines
+    return lines + tables(runs)
+
+
+def tables(runs: dict[int, dict]) -> list[str]:
+    """The section's tables and targets for these runs (bench_serve.py prints its own run's)."""
+    return stall_section(runs) + hf_section(runs) + cost_section(runs) + overhead_section(runs) + targets(runs)
 
 
 def stall_section(runs: dict[int, dict]) -> list[str]:
@@ -67,21 +66,21 @@ def stall_section(runs: dict[int, dict]) -> list[str]:
              "iteration 8; unchunked (one 1000-row prefill) against chunk sizes C with a budget of C + 8 rows.",
              "Time between tokens (TBT) is over all 8 decoders; the long prompt's TTFT counts from its arrival.",
              "Cache rows re-read: the long prompt's chunks re-reading its own cached prefix, Σ q_start, against",
-             f"N²/(2C) with N = 1000. {any_run['stall']['repeats']} repeats per configuration, alternating.", "",
-             "| p | config | iterations | max / median iteration | decoders' worst TBT ÷ unchunked | p99 TBT ÷ unchunked | "
-             "long TTFT ÷ unchunked | tokens/s ÷ unchunked | cache rows re-read | N²/(2C) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"N²/(2C) with N = 1000. {any_run['stall']['repeats']} repeats per configuration, alternating.", ""]
+    rows = []
     for p, run in runs.items():
         if "stall" not in run:
             continue
         base = run["stall"]["rows"][0]
-        for r in run["stall"]["rows"]:
-            lines.append(f"| {p} | {r['config']} | {r['iterations']:.0f} | {r['max_over_median']:.1f} | "
-                         f"{r['decoder_worst_tbt_s'] / base['decoder_worst_tbt_s']:.3f} | "
-                         f"{r['decoder_p99_tbt_s'] / base['decoder_p99_tbt_s']:.3f} | "
-                         f"{r['long_ttft_s'] / base['long_ttft_s']:.2f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f} | "
-                         f"{r['cache_rows_reread']:,.0f} | "
-                         f"{'-' if r['config'] == 'unchunked' else format(r['reread_formula'], ',.0f')} |")
+        rows += [[p, r["config"], f"{r['iterations']:.0f}", f"{r['max_over_median']:.1f}",
+                  f"{r['decoder_worst_tbt_s'] / base['decoder_worst_tbt_s']:.3f}",
+                  f"{r['decoder_p99_tbt_s'] / base['decoder_p99_tbt_s']:.3f}",
+                  f"{r['long_ttft_s'] / base['long_ttft_s']:.2f}", f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}",
+                  f"{r['cache_rows_reread']:,.0f}",
+                  "-" if r["config"] == "unchunked" else f"{r['reread_formula']:,.0f}"] for r in run["stall"]["rows"]]
+    lines += table(["p", "config", "iterations", "max / median iteration", "decoders' worst TBT ÷ unchunked",
+                    "p99 TBT ÷ unchunked", "long TTFT ÷ unchunked", "tokens/s ÷ unchunked", "cache rows re-read",
+                    "N²/(2C)"], rows)
     lines += ["", "The p99 equals the worst: the 8 decoders stall in the same iterations, so the top 1% of their",
               "gaps are the same stall seen 8 times. Chunking trades the stall for the long prompt's TTFT",
               "(more iterations, each re-reading its prefix); throughput barely moves.", ""]
@@ -97,7 +96,8 @@ def hf_section(runs: dict[int, dict]) -> list[str]:
     lines = ["### Against transformers' `generate`", "",
              f"{any_run['requests']} requests, lognormal prompt lengths (mean 64, {min(any_run['prompt_lengths'])} to "
              f"{max(any_run['prompt_lengths'])} tokens), max_new_tokens uniform in "
-             f"[{min(any_run['max_new_tokens'])}, {max(any_run['max_new_tokens'])}], all arriving at once; the same random",
+             f"[{min(any_run['max_new_tokens'])}, {max(any_run['max_new_tokens'])}], all arriving at once; "
+             "the same random",
              "GPT-2 weights in both. Ours: the engine, long_prefill_token_threshold "
              f"{any_run['chunk_size']}, max_num_batched_tokens {any_run['max_batched_tokens']}"
              + (f", max_num_seqs {any_run['max_running']} (EngineConfig's default) or all {any_run['requests']} at "
@@ -112,15 +112,13 @@ def hf_section(runs: dict[int, dict]) -> list[str]:
              "pushes through the blocks, padding and finished requests included.", "",
              "The matmul FLOPs count the linears over every row computed and the head over every row it scores (the "
              "engine: each sampled row; transformers: each request of the batch in every forward, prompt and finished "
-             "requests alike), attention left out: at equal FLOP/s their ratio is the most the engine can gain.", "",
-             "| p | run | tokens/s ÷ transformers' best | forwards | rows computed ÷ useful rows | matmul FLOPs ÷ "
-             "engine's | time per forward ÷ engine's | same ids as the engine |", "|---|---|---|---|---|---|---|---|"]
+             "requests alike), attention left out: at equal FLOP/s their ratio is the most the engine can gain.", ""]
+    rows = []
     for p, run in runs.items():
         if "hf" not in run:
             continue
         h = run["hf"]
         e, best = h["engine"], max(h["hf"], key=lambda b: b["tokens_per_s"])
-        per_forward = e["time_s"] / e["forwards"]
         flops = matmul_flops(run["model"], h) if "model" in run else None
         for x in h.get("engines", [dict(e, attention=None)]):
             name = "engine" if x["attention"] is None else (
@@ -128,18 +126,15 @@ def hf_section(runs: dict[int, dict]) -> list[str]:
                 f"{h['max_running'] if x['max_running'] == 'default' else h['requests']}")
             same = "-" if x is h.get("engines", [None])[0] or x["attention"] is None else \
                 f"{h['requests'] if x['same_ids'] else 'not all'}/{h['requests']}"
-            lines.append(f"| {p} | {name} | {x.get('ratio_to_best_hf', x['tokens_per_s'] / best['tokens_per_s']):.2f} | "
-                         f"{x['forwards']} | "
-                         f"{x['rows'] / h['useful_rows']:.2f} | {_ratio(flops, x['rows'], None, e['rows'])} | "
-                         f"{x['time_s'] / x['forwards'] / per_forward:.2f} | "
-                         f"{same} |")
-        for b in h["hf"]:
-            lines.append(f"| {p} | transformers, batch {b['batch']}{' (best)' if b is best else ''} | "
-                         f"{b['tokens_per_s'] / best['tokens_per_s']:.2f} | {b['forwards']} | "
-                         f"{b['rows'] / h['useful_rows']:.2f} | {_ratio(flops, b['rows'], b['batch'], e['rows'])} | "
-                         f"{b['time_s'] / b['forwards'] / per_forward:.2f} | "
-                         f"{b['same_ids']}/{h['requests']} |")
-    diffs = [(p, b["batch"], d) for p, run in runs.items() if "hf" in run for b in run["hf"]["hf"] for d in b["differences"]]
+            ratio = x.get("ratio_to_best_hf", x["tokens_per_s"] / best["tokens_per_s"])
+            rows.append([p, name, f"{ratio:.2f}", *against_engine(x, None, h, flops), same])
+        rows += [[p, f"transformers, batch {b['batch']}{' (best)' if b is best else ''}",
+                  f"{b['tokens_per_s'] / best['tokens_per_s']:.2f}", *against_engine(b, b["batch"], h, flops),
+                  f"{b['same_ids']}/{h['requests']}"] for b in h["hf"]]
+    lines += table(["p", "run", "tokens/s ÷ transformers' best", "forwards", "rows computed ÷ useful rows",
+                    "matmul FLOPs ÷ engine's", "time per forward ÷ engine's", "same ids as the engine"], rows)
+    diffs = [(p, b["batch"], d) for p, run in runs.items() if "hf" in run
+             for b in run["hf"]["hf"] for d in b["differences"]]
     if diffs:
         lines += ["", "Where the ids differ (first differing step, the oracle's top-1 − top-2 margin there):"]
         lines += [f"- p={p}, batch {bs}, request {d['request']}: step {d['at']}, margin {d['margin']:.2e}"
@@ -158,26 +153,31 @@ def cost_section(runs: dict[int, dict]) -> list[str]:
              "the median 1-row decode iteration less its roofline time. Each iteration of the spread/stall and",
              "transformers workloads is then predicted as fixed + max(FLOPs / FLOP/s, bytes / bytes/s) from its",
              "triples (`tp/cost_model.serving_iteration`: one rank's linear, head and attention FLOPs, weights",
-             "and K,V bytes).", "",
-             "| p | matmul GFLOP/s (start → end) | copy GB/s (start → end) | fixed ms per iteration |", "|---|---|---|---|"]
+             "and K,V bytes).", ""]
+    calibrations = []
     for p, run in runs.items():
         c = run["calibration"]
-        lines.append(f"| {p} | {c['matmul_flops_per_s_first'] / 1e9:.0f} → {c['matmul_flops_per_s_last'] / 1e9:.0f} | "
-                     f"{c['copy_bytes_per_s_first'] / 1e9:.1f} → {c['copy_bytes_per_s_last'] / 1e9:.1f} | "
-                     f"{run['cost_model']['fixed_s'] * 1e3:.1f} |")
-    lines += ["", "| p | iterations | n | predicted / measured, median | range | within ±25% | in collectives, median |",
-              "|---|---|---|---|---|---|---|"]
+        flops = f"{c['matmul_flops_per_s_first'] / 1e9:.0f} → {c['matmul_flops_per_s_last'] / 1e9:.0f}"
+        calibrations.append([p, flops,
+                             f"{c['copy_bytes_per_s_first'] / 1e9:.1f} → {c['copy_bytes_per_s_last'] / 1e9:.1f}",
+                             f"{run['cost_model']['fixed_s'] * 1e3:.1f}"])
+    lines += table(["p", "matmul GFLOP/s (start → end)", "copy GB/s (start → end)", "fixed ms per iteration"],
+                   calibrations)
+    rows = []
     for p, run in runs.items():
         for name, its in cost_groups(run["cost_model"]["iterations"]):
             if its:
                 rs = ratios(its)
                 comm = statistics.median(i["collectives_s"] / i["measured_s"] for i in its)
-                lines.append(f"| {p} | {name} | {len(its)} | {statistics.median(rs):.2f} | {min(rs):.2f} – {max(rs):.2f} | "
-                             f"{within(rs)}/{len(its)} | {comm:.0%} |")
+                rows.append([p, name, len(its), f"{statistics.median(rs):.2f}", f"{min(rs):.2f} – {max(rs):.2f}",
+                             f"{within(rs)}/{len(its)}", f"{comm:.0%}"])
+    lines += ["", *table(["p", "iterations", "n", "predicted / measured, median", "range", "within ±25%",
+                          "in collectives, median"], rows)]
     lines += ["", "Where it fails. Decode-only iterations (8 to 32 rows) run slower than the roofline says: a GEMM of",
               "8 rows reaches well under the big-GEMM rate the calibration measured and is not yet bandwidth-bound,",
               "and each request's attention is its own small SDPA call in every layer (the cpu backend), a cost per",
-              "request that a fixed per-iteration constant cannot carry. At p = 2 the large iterations spend a share of their",
+              "request that a fixed per-iteration constant cannot carry. At p = 2 the large iterations spend "
+              "a share of their",
               "time inside collectives (last column: the ledger's time in all-reduces and all-gathers) that grows",
               "with the rows, two processes on two cores waiting for each other; the model has no term for it.", ""]
     return lines
@@ -190,34 +190,35 @@ def overhead_section(runs: dict[int, dict]) -> list[str]:
              "B requests with 16-token prompts decode 15 tokens each; the engine's decode iterations (the whole",
              "loop: scheduling, plan check, cache writes, attention over the cached context, bookkeeping, the",
              "ledger's comparison with the model) against the same B rows through the bare TP forward (embedding,",
-             "blocks with each row its own request and no cache, greedy head), medians.", "",
-             "| p | decode batch | engine loop ÷ bare forward | engine forward path ÷ bare forward |", "|---|---|---|---|"]
-    for p, run in runs.items():
-        for r in run.get("overhead", []):
-            lines.append(f"| {p} | {r['batch']} | {r['loop_over_bare']:.2f} | {r['iteration_over_bare']:.2f} |")
-    return lines + ["", "The bare forward is timed call by call behind a barrier (launch/timing.py), the engine's iterations",
-                    "back to back; at p = 2, two processes on two cores, the ratios scatter by ±0.1 from run to run.", ""]
+             "blocks with each row its own request and no cache, greedy head), medians.", ""]
+    lines += table(["p", "decode batch", "engine loop ÷ bare forward", "engine forward path ÷ bare forward"],
+                   [[p, r["batch"], f"{r['loop_over_bare']:.2f}", f"{r['iteration_over_bare']:.2f}"]
+                    for p, run in runs.items() for r in run.get("overhead", [])])
+    return lines + ["", "The bare forward is timed call by call behind a barrier (launch/timing.py), "
+                        "the engine's iterations",
+                    "back to back; at p = 2, two processes on two cores, the ratios scatter by ±0.1 from run to run.",
+                    ""]
 
 
-def pd_section(out: Path) -> list[str]:
-    path = out / "bench_pd.json"
-    if not path.exists():
+def pd_section(d: dict | None) -> list[str]:
+    """docs/benchmarks.md's P/D section, from benchmarks/bench_pd.py's JSON; the script prints it too."""
+    if not d:
         return []
-    d = json.loads(path.read_text())
     p_p, p_d = d["layout"]
     lines = ["## Prefill/decode disaggregation: the time to token 2 in parts", "",
-             f"`.venv/bin/torchrun --nproc_per_node={p_p + p_d} benchmarks/bench_pd.py`: article03 (L=8), float32, v2; prefill on "
-             f"{p_p} ranks, decode on {p_d}; {d['requests']} prompts of {d['prompt_length']} tokens (whole-prompt prefill), "
+             f"`.venv/bin/torchrun --nproc_per_node={p_p + p_d} benchmarks/bench_pd.py`: article03 (L=8), float32, v2; "
+             f"prefill on {p_p} ranks, decode on {p_d}; {d['requests']} prompts of {d['prompt_length']} tokens "
+             "(whole-prompt prefill), "
              f"{d['max_new_tokens']} new tokens each, {d['kv_bytes_per_request'] / 2**20:.0f} MiB of K,V per request.",
              "The prefill group emits token 1; token 2 needs the hand-over and one decode iteration. Transfer counts",
              "from the prefill's end to the K,V and token 1 placed on the decode ranks, including any wait for the",
              "decode group's next iteration. Medians over requests and "
-             f"{d['repeats']} alternating runs per mode; as shares of the send-after-prefill time to token 2:", "",
-             "| K,V | prefill (= TTFT) | transfer | first decode | time to token 2 |", "|---|---|---|---|---|"]
+             f"{d['repeats']} alternating runs per mode; as shares of the send-after-prefill time to token 2:", ""]
     base = d["modes"]["after prefill"]["to_token2_s"]
-    for mode, m in d["modes"].items():
-        lines.append(f"| {mode} | {m['prefill_s'] / base:.3f} | {m['transfer_s'] / base:.3f} | "
-                     f"{m['first_decode_s'] / base:.3f} | {m['to_token2_s'] / base:.3f} |")
+    lines += table(["K,V", "prefill (= TTFT)", "transfer", "first decode", "time to token 2"],
+                   [[mode] + [f"{m[k] / base:.3f}" for k in ("prefill_s", "transfer_s", "first_decode_s",
+                                                              "to_token2_s")]
+                    for mode, m in d["modes"].items()])
     s_, a = d["modes"]["streaming"], d["modes"]["after prefill"]
     lines += ["", f"Streaming / send-after-prefill, time to token 2: {s_['to_token2_s'] / a['to_token2_s']:.2f} "
                   f"(transfer part {s_['transfer_s'] / a['transfer_s']:.2f}); the same tokens in both modes: "
@@ -233,7 +234,8 @@ def targets(runs: dict[int, dict]) -> list[str]:
         base, best = run["stall"]["rows"][0], best_chunk(run["stall"])
         stall_gain = base["decoder_worst_tbt_s"] / best["decoder_worst_tbt_s"]
         lines.append(f"- Spread, p={p}: chunked at the best C ({best['config']}) the longest iteration is "
-                     f"{best['max_over_median']:.1f}× the median (target ≤ 3×: {met(best['max_over_median'] <= 3)}); "
+                     f"{best['max_over_median']:.1f}× the median "
+                     f"(target ≤ 3×: {met(best['max_over_median'] <= 3)}); "
                      f"unchunked it is {base['max_over_median']:.1f}× (expected ≥ 10×: "
                      f"{'as expected' if base['max_over_median'] >= 10 else 'below it'}).")
         lines.append(f"- Stall, p={p}: the decoders' worst time between tokens is {stall_gain:.1f}× lower at "
@@ -253,7 +255,8 @@ def targets(runs: dict[int, dict]) -> list[str]:
     big = [i for i in run["cost_model"]["iterations"] if i["rows"] >= 256]
     if big:
         rs = ratios(big)
-        text = (f"- Cost model, p={p}: {within(rs)} of {len(big)} iterations of ≥ 256 rows are predicted within ±25% "
+        text = (f"- Cost model, p={p}: {within(rs)} of {len(big)} iterations of ≥ 256 rows are predicted "
+                "within ±25% "
                 f"(median predicted/measured {statistics.median(rs):.2f}) (target: {met(within(rs) == len(big))}")
         text += ")" if within(rs) == len(big) else f", for {len(big) - within(rs)} of them)"
         two = [i for i in runs.get(2, {}).get("cost_model", {}).get("iterations", []) if i["rows"] >= 256]
@@ -326,6 +329,13 @@ def paired(h: dict) -> float:
     best = max(h["hf"], key=lambda b: b["tokens_per_s"])
     return h["engines"][0].get("ratio_to_best_hf", h["engine"]["tokens_per_s"] / best["tokens_per_s"]) \
         if "engines" in h else h["engine"]["tokens_per_s"] / best["tokens_per_s"]
+
+
+def against_engine(x: dict, batch: int | None, h: dict, flops) -> list[str]:
+    """A run's forwards, then its rows computed, matmul FLOPs and time per forward against the engine's."""
+    e = h["engine"]
+    return [f"{x['forwards']}", f"{x['rows'] / h['useful_rows']:.2f}", _ratio(flops, x["rows"], batch, e["rows"]),
+            f"{x['time_s'] / x['forwards'] / (e['time_s'] / e['forwards']):.2f}"]
 
 
 def _ratio(flops, rows: int, batch: int | None, engine_rows: int) -> str:
