@@ -31,7 +31,7 @@ import torch
 from layers.sampling.rejection_sampler import DRAFT_STREAM, filtered_logprobs, verify
 from layers.sampling.sampler import SamplingBatch, sample
 from serve.kv_cache import KVPool
-from serve.model_runner import prepare_step
+from serve.model_runner import prepare_step, sampling_rows
 from serve.plan import ScheduledRequest, SchedulerOutput
 from serve.request import Request
 from serve.spec_decode import Proposer, SpeculativeConfig
@@ -116,7 +116,7 @@ class DraftRunner(Proposer):
         if not sampling:
             return
         logits = lm.head_logits(x, step.sample_rows)[0]  # [S, V]: the whole vocabulary (a group of one)
-        batch = _batch([requests[c.request] for c in sampling], j, self.device)
+        batch = SamplingBatch.build(sampling_rows(sampling, requests, ahead=j)[0], -1, self.device)
         picked = sample(logits, 0, None, dataclasses.replace(batch, seed=batch.seed ^ DRAFT_STREAM),
                         lm.cfg.vocab_size).tokens.tolist()
         logq = filtered_logprobs(logits, 0, None, batch)[0]
@@ -134,14 +134,3 @@ def lm_vocab_slice(lm) -> tuple[int, int]:
     head = getattr(lm, "head", lm.embed)
     return getattr(head, "start", 0), getattr(head, "per_rank", lm.cfg.vocab_size)
 
-
-def _batch(rows: list[Request], j: int, device) -> SamplingBatch:
-    """The proposing requests' filters, at the output position proposal j + 1 would take."""
-    out = []
-    for r in rows:
-        q = r.params
-        if q is None:
-            out.append((0.0, 0, 1.0, 0.0, 0, len(r.output) + j))
-        else:
-            out.append((q.temperature, q.top_k, q.top_p, q.min_p, r.sampling_seed or 0, len(r.output) + j))
-    return SamplingBatch.build(out, -1, device)

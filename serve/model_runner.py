@@ -72,12 +72,12 @@ class ModelRunner:
         return config.pool_blocks(lm.cfg.max_seq_len, None, KVPool.block_bytes(
             lm, slots, next(lm.parameters()).dtype, config.kv_cache_dtype))
 
-    def prepare(self, plan: SchedulerOutput, requests: dict[int, Request]) -> Prepared:
-        """The iteration's tensors (one host-to-device copy) and its sampling batch. requests: id -> Request (its
-        tokens so far, its sampling parameters)."""
+    def prepare(self, plan: SchedulerOutput, requests: dict[int, Request], sampled: bool = True) -> Prepared:
+        """The iteration's tensors (one host-to-device copy) and, unless not `sampled`, its sampling batch.
+        requests: id -> Request (its tokens so far, its sampling parameters)."""
         step = prepare_step(plan, {c.request: requests[c.request].tokens + list(c.spec) for c in plan.scheduled},
                             self.block_size, self.ctx.device, self.backend, self.cache)
-        return Prepared(step, sampling_batch(plan.scheduled, requests, self.ctx.device))
+        return Prepared(step, sampling_batch(plan.scheduled, requests, self.ctx.device) if sampled else None)
 
     @torch.no_grad()
     def run(self, plan: SchedulerOutput, requests: dict[int, Request]) -> tuple[SampleResult, SamplingBatch | None]:
@@ -95,8 +95,7 @@ class ModelRunner:
         draft's distribution on this rank's ids. One SampleResult for every sampled row in plan order (tokens, logits,
         and `accepted`: the row's proposal taken), the plain rows' sampling batch, and what the verifier moved
         (rows, rounds, normalisers: tp/traffic_model.predict_verify)."""
-        step = prepare_step(plan, {c.request: requests[c.request].tokens + list(c.spec) for c in plan.scheduled},
-                            self.block_size, self.ctx.device, self.backend, self.cache)
+        step = self.prepare(plan, requests, sampled=False).step
         lm, dev = self.lm, self.ctx.device
         x = lm.hidden(step.ids, step.positions, step.layers)
         verified = [bool(c.spec) for c in plan.scheduled if c.sample for _ in range(len(c.spec) + 1)]
@@ -105,7 +104,7 @@ class ModelRunner:
         sampling = sampling_batch(plain_chunks, requests, dev)
         plain = lm.pick(x, step.sample_rows[~where], sampling)
         local, start, group = lm.head_logits(x, step.sample_rows[where])
-        batch = SamplingBatch.build(_rows([c for c in plan.scheduled if c.spec], requests)[0], -1, dev)
+        batch = SamplingBatch.build(sampling_rows([c for c in plan.scheduled if c.spec], requests)[0], -1, dev)
         p_logp, rounds, normalisers = filtered_logprobs(local, start, group, batch)
         accepted, token, logit = rejection_sample(p_logp, q, proposal, local, start, group, batch)
         S = len(verified)
@@ -128,15 +127,16 @@ class Prepared(NamedTuple):
     sampling: SamplingBatch | None
 
 
-def _rows(chunks, requests: dict[int, Request]) -> tuple[list[tuple], int]:
+def sampling_rows(chunks, requests: dict[int, Request], ahead: int = 0) -> tuple[list[tuple], int]:
     """The sampled rows' parameters (temperature, top_k, top_p, min_p, seed, output position) and the most logprobs
-    asked: a chunk's last row, or each row of a verified chunk (row j gives output position len(output) + j)."""
+    asked: a chunk's last row, or each row of a verified chunk (row j gives output position len(output) + j; a
+    draft's proposal `ahead` tokens past the output, len(output) + ahead)."""
     rows, logprobs = [], -1
     for c in chunks:
         if c.sample:
             r = requests[c.request]
             q = r.params
-            for j in range(len(c.spec) + 1):
+            for j in range(ahead, ahead + len(c.spec) + 1):
                 if q is None:  # a request of the launcher's greedy runs
                     rows.append((0.0, 0, 1.0, 0.0, 0, len(r.output) + j))
                     continue
@@ -149,7 +149,7 @@ def _rows(chunks, requests: dict[int, Request]) -> tuple[list[tuple], int]:
 def sampling_batch(chunks, requests: dict[int, Request], device) -> SamplingBatch | None:
     """The sampled rows' parameters as tensors, built once per step; None when every row is greedy (the head's own
     greedy path, bit for bit)."""
-    rows, logprobs = _rows(chunks, requests)
+    rows, logprobs = sampling_rows(chunks, requests)
     if all(row[0] == 0 for row in rows) and logprobs < 0:
         return None
     return SamplingBatch.build(rows, logprobs, device)
