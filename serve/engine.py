@@ -249,8 +249,9 @@ class LLMEngine:
 
     @contextmanager
     def _attached(self):
-        """The ledger, cleared and recording the step's collectives."""
+        """The ledger, cleared (its collectives, and a pipeline's boundary messages) and recording the step's."""
         self.ledger.clear()
+        self.ledger.transfers.clear()
         with self.ledger.recording():
             yield
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -78,14 +77,6 @@ class PipelineEngine(LLMEngine):
     @property
     def first_layer(self) -> int:
         return self.lm.layers.start  # the ledger labels this stage's blocks with the model's layer numbers
-
-    @contextmanager
-    def _attached(self):
-        """The ledger, its collectives and its boundary messages cleared, recording this stage's layers."""
-        self.ledger.clear()
-        self.ledger.transfers.clear()
-        with self.ledger.recording():
-            yield
 
     def _flush(self) -> None:
         self.lm.flush()  # the stage's last sends: received by now, waited for
