@@ -108,9 +108,8 @@ def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, max_pos
         if name != model_name:
             raise APIError(400, f"the model `{name}` does not exist; this server serves `{model_name}`", "model",
                            "model_not_found")
-        if not engine.accepting:
-            raise APIError(503, "the server is shutting down" if engine.failed is None else
-                           f"the engine has failed: {engine.failed}", code="unavailable")
+        if (refused := engine.refusal()) is not None:
+            raise refused
 
     def encode(text: str, special: bool = True) -> list[int]:
         return tokenizer(text, add_special_tokens=special)["input_ids"]
@@ -130,13 +129,8 @@ def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, max_pos
 
     @app.get("/health")
     async def health():
-        if engine.failed is not None:
-            return error(APIError(503, f"the engine has failed: {engine.failed}", code="engine_failed"))
-        if not engine.accepting:  # (draining: its ranks are being stopped, not failing)
-            return error(APIError(503, "the server is shutting down", code="shutting_down"))
-        if (gone := engine.exited_rank()) is not None:  # seen here at once, before the engine thread's next look
-            return error(APIError(503, f"the engine has failed: {gone}", code="engine_failed"))
-        return {"status": "ok"}
+        refused = engine.refusal(look_at_ranks=True)  # a rank that died is seen here at once
+        return {"status": "ok"} if refused is None else error(refused)
 
     @app.get("/v1/models")
     async def models():
@@ -174,37 +168,29 @@ def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, max_pos
         sub = Submission(engine, new_id("cmpl" if kind == "completion" else "chatcmpl"), prompts, params, req.priority)
         shape = Shape(kind, sub.ids[0].rsplit("-", 1)[0], model_name, tokenizer, top, params[0].stop,
                       req.return_token_ids)
+        prompt_tokens = [len(ids) for _, ids in prompts]
+        events: list = []  # until every prompt has ended (a whole answer) or has its first token (a stream)
+        waiting = set(range(len(prompts)))
         try:
-            if not req.stream:
-                finals: dict[int, object] = {}
-                while len(finals) < len(prompts):
-                    event = await sub.next(request)
-                    if event is None:
-                        sub.abort_open()
-                        return Response(status_code=499)  # the client is gone; nobody reads this
-                    i, (what, value) = event
-                    if what == "error":
-                        raise as_asked(value, req)
-                    if what == "abort" or value.finished:
-                        finals[i] = value
-                return shape.full([finals[i] for i in range(len(prompts))], [len(ids) for _, ids in prompts])
-            started: list = []  # each prompt's events until it has its first token (or has ended)
-            waiting = set(range(len(prompts)))
             while waiting:
                 event = await sub.next(request)
                 if event is None:
                     sub.abort_open()
-                    return Response(status_code=499)
+                    return Response(status_code=499)  # the client is gone; nobody reads this
                 i, (what, value) = event
                 if what == "error":
                     raise as_asked(value, req)
-                started.append(event)
-                waiting.discard(i)
+                events.append(event)
+                if req.stream or what == "abort" or value.finished:
+                    waiting.discard(i)
         except BaseException:
             sub.abort_open()
             raise
+        if not req.stream:
+            finals = {i: value for i, (_, value) in events}  # each prompt's last event: its end
+            return shape.full([finals[i] for i in range(len(prompts))], prompt_tokens)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return StreamingResponse(stream(sub, shape, started, [len(ids) for _, ids in prompts], include_usage),
+        return StreamingResponse(stream(sub, shape, events, prompt_tokens, include_usage),
                                  media_type="text/event-stream")
 
     async def stream(sub: Submission, shape: "Shape", started: list, prompt_tokens: list[int], include_usage: bool):
@@ -220,7 +206,7 @@ def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, max_pos
                     return
                 i, (what, value) = event
                 if what == "error":
-                    yield f"data: {json.dumps(value.body())}\n\n"
+                    yield shape.sse(value.body())
                     return
                 piece = shape.piece(i, value, sent[i])
                 if piece is not None:

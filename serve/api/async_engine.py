@@ -77,11 +77,9 @@ class AsyncEngine:
     def submit(self, request_id: str, prompt_ids: list[int], text: str | None, params, sink: Callable,
                priority: int = 0) -> None:
         """Queue a request; its events go to sink (run on the server's loop through `deliver`, or on the engine thread
-        without one). APIError(503) at once when the server is failing or shutting down."""
-        if self.failed is not None:
-            raise APIError(503, f"the engine has failed: {self.failed}", code="engine_failed")
-        if not self._accepting:
-            raise APIError(503, "the server is shutting down", code="shutting_down")
+        without one). APIError(503) at once when the server is failing or shutting down (`refusal`)."""
+        if (refused := self.refusal()) is not None:
+            raise refused
         self._ops.put(("add", (request_id, prompt_ids, text, params, sink, time.monotonic(), priority)))
         if self.done.is_set():  # the thread ended between the check above and the put: answer it here
             self._refuse_queued()
@@ -102,9 +100,13 @@ class AsyncEngine:
         exited = self.llm.executor.exited() if not self.done.is_set() else []
         return f"rank {exited[0][0]} exited (code {exited[0][1]})" if exited else None
 
-    @property
-    def accepting(self) -> bool:
-        return self._accepting and self.failed is None
+    def refusal(self, look_at_ranks: bool = False) -> APIError | None:
+        """Why a new request is answered 503 now: the engine failed, or the server is shutting down; None while it
+        accepts. look_at_ranks: a rank that has exited counts as failed at once (before the engine thread's look)."""
+        failed = self.failed or (self.exited_rank() if look_at_ranks and self._accepting else None)
+        if failed is not None:
+            return APIError(503, f"the engine has failed: {failed}", code="engine_failed")
+        return None if self._accepting else APIError(503, "the server is shutting down", code="shutting_down")
 
     @property
     def live(self) -> int:
@@ -135,9 +137,8 @@ class AsyncEngine:
             self.detail = str(exc) or type(exc).__name__  # with the ranks' tracebacks: the server's log prints it
             self.failed = self.detail.splitlines()[0]
             self._accepting = False
-            error = APIError(503, f"the engine failed: {self.failed}", code="engine_failed")
             for live in self._live.values():
-                self._emit(live.sink, ("error", error))
+                self._emit(live.sink, ("error", self.refusal()))
             self._live.clear()
             self._flush()
             if self.on_failure is not None:
@@ -154,8 +155,7 @@ class AsyncEngine:
 
     def _refuse_queued(self) -> None:
         """The thread is ending: requests still in the queue are answered 503 (none is left waiting)."""
-        why = (APIError(503, f"the engine failed: {self.failed}", code="engine_failed") if self.failed is not None
-               else APIError(503, "the server is shutting down", code="shutting_down"))
+        why = self.refusal()
         while True:
             try:
                 kind, arg = self._ops.get_nowait()
@@ -186,8 +186,8 @@ class AsyncEngine:
                 return
 
     def _add(self, request_id, prompt_ids, text, params, sink, arrival, priority) -> None:
-        if not self._accepting:
-            self._emit(sink, ("error", APIError(503, "the server is shutting down", code="shutting_down")))
+        if (refused := self.refusal()) is not None:
+            self._emit(sink, ("error", refused))
             return
         try:
             self.llm.add_request(request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params, wait=False,
