@@ -29,13 +29,10 @@ from tp.partition import kv_head_range
 from tp.traffic_model import pd_pairs, token_sources
 
 
-def _tag(request: int, layer: int | None, n_layers: int) -> int:
-    """gloo matches messages by (peer, tag): one tag per request and message (NCCL keeps them in order)."""
-    return request * (n_layers + 2) + (n_layers if layer is None else layer)
-
-
-def _token_tag(request: int, n_layers: int) -> int:
-    return request * (n_layers + 2) + n_layers + 1
+def _tag(request: int, layer: int | None, n_layers: int, token: bool = False) -> int:
+    """gloo matches messages by (peer, tag): one tag per request and message (a layer's K,V, every layer's, its first
+    token; NCCL keeps them in order)."""
+    return request * (n_layers + 2) + (n_layers + 1 if token else n_layers if layer is None else layer)
 
 
 class HandoverTimeout(RuntimeError):
@@ -169,12 +166,10 @@ class PrefillSide(StepHook):
         running = getattr(self.engine, "stage_plan", None)
         finishing = self.finishing if running is None else self.by_plan.get(running.index, {})
         for rid, slots in finishing.items():
-            for peer, lo, hi in self.peers:
-                heads = slice(lo - self.first_head, hi - self.first_head)
-                self._send(self.cache.read(slots, heads, layer), peer, rid, self.layers[layer], (lo, hi), "pd/kv")
+            self._send_kv(rid, slots, layer)
 
     def after_step(self, engine, step) -> None:
-        plan, sched, cache = step.plan, engine.scheduler, engine.runner.cache
+        plan, sched, cache = step.plan, engine.scheduler, self.cache
         if plan is None:
             return
         now = time.perf_counter()
@@ -183,17 +178,23 @@ class PrefillSide(StepHook):
         self.finishing = self.by_plan.pop(plan.index, {})
         for rid, slots in self.finishing.items():
             if not self.streaming:
-                for peer, lo, hi in self.peers:
-                    heads = slice(lo - self.first_head, hi - self.first_head)
-                    self._send(cache.read(slots, heads), peer, rid, None, (lo, hi), "pd/kv")
+                self._send_kv(rid, slots, None)
             token = torch.tensor([sched.by_id[rid].output[0]], dtype=torch.int64, device=cache.device)
             for peer in self.token_peers:
                 self._send(token, peer, rid, None, (0, 0), "pd/first token")
         self.finishing = {}
 
+    def _send_kv(self, rid: int, slots: torch.Tensor, layer: int | None) -> None:
+        """Each overlapping decode rank its heads' share of the prompt's K,V: of this rank's block `layer`, or of
+        every layer it holds (None)."""
+        for peer, lo, hi in self.peers:
+            heads = slice(lo - self.first_head, hi - self.first_head)
+            self._send(self.cache.read(slots, heads, layer), peer, rid, None if layer is None else self.layers[layer],
+                       (lo, hi), "pd/kv")
+
     def _send(self, tensor: torch.Tensor, peer: int, rid: int, layer: int | None, heads, site: str) -> None:
         buf = tensor.contiguous()  # the message's own memory (a view when already contiguous): held until it is sent
-        tag = _token_tag(rid, self.cfg.n_layers) if site == "pd/first token" else _tag(rid, layer, self.cfg.n_layers)
+        tag = _tag(rid, layer, self.cfg.n_layers, token=site == "pd/first token")
         fields = ("send", site, rid, layer, self.rank, peer, heads)
         posted = time.perf_counter()
         work = dist.isend(buf, dst=peer, tag=tag)
@@ -318,8 +319,7 @@ class DecodeSide(StepHook):
                 posts.append((dist.irecv(buf, src=src, tag=tag), buf, fields, time.perf_counter()))
 
             layers = range(L) if self.streaming else [None]
-            order = [(layer, r) for layer in layers for r in requests] if self.streaming else [(None, r) for r in requests]
-            for layer, r in order:
+            for layer, r in [(layer, r) for layer in layers for r in requests]:
                 n = len(r.prompt)
                 for src, lo, hi, held in self.peers:
                     if layer is not None and layer not in held:  # streamed: this layer comes from its stage's ranks
@@ -379,7 +379,7 @@ class DecodeSide(StepHook):
 
     def _post_token(self, r: Request, post, device) -> None:
         buf = torch.empty(1, dtype=torch.int64, device=device)
-        post(buf, self.token_peer, _token_tag(r.id, self.cfg.n_layers),
+        post(buf, self.token_peer, _tag(r.id, None, self.cfg.n_layers, token=True),
              ("recv", "pd/first token", r.id, None, self.rank, self.token_peer, (0, 0)))
 
 

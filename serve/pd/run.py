@@ -133,6 +133,7 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
 
 def _combine(every: list[dict], layout: Layout, requests: list[Request]) -> PDResult:
     pre, dec = every[0], every[layout.prefill_ranks]
+    # times across the groups compare time.perf_counter() of processes on one host (CLOCK_MONOTONIC).
     # when a prompt was done: on the rank that sends its first token (a pipelined prefill side's last stage streams
     # its K,V before the first stage's clock sees the micro-batch come back)
     sender = every[layout.prefill_ranks - layout.prefill_ranks // layout.prefill_pp]
