@@ -1,12 +1,6 @@
-"""The draft model of speculative decoding: a smaller LM with the target's vocabulary, replicated on every rank.
-
-Where it runs: whole on every rank of the target's group (tensor-parallel size 1 over a group of one rank), with its
-own paged KV pool of the target's blocks, read through the target's block tables. Its forwards issue no collective
-(a group of one), so a draft costs each rank its own compute and nothing on the wire, and every rank draws the same
-proposals from the same inputs (the ranks then agree on them with the plan's fingerprint, before the target runs).
-Its head gives the whole vocabulary on each rank; each rank keeps q on its own ids of the target's split
-(`local_q`) for the rejection sampler. The other choice, the draft split over the target's group, would divide its
-compute by p but add its own all-reduces per layer to every proposal step (K small forwards, each latency-bound).
+"""The draft model of speculative decoding (docs/spec_decode.md, "A draft model"): a smaller LM with the target's
+vocabulary, whole on every rank (tensor-parallel size 1 over a group of one: its forwards issue no collective), with
+its own paged KV pool of the target's blocks, read through the target's block tables.
 
 Per step, for the scheduled requests (serve/spec_decode.py has the step's order):
 
@@ -15,11 +9,10 @@ Per step, for the scheduled requests (serve/spec_decode.py has the step's order)
                 token); a request verifying k >= 1 proposals samples x_1 from the draft's last row
     forward j   (j = 2..K) one row per request still proposing: x_{j-1} at its position; samples x_j
 
-Each proposal is sampled with the request's filters and its own noise stream (the seed ^ DRAFT_STREAM, the output
-position the token would take); q_j, the filtered distribution it was drawn from, goes to the verifier. The rows the
-draft computes are K,V at the same slots the target uses: the scheduler allocated them for the k + 1 verified rows.
+Each proposal is sampled with the request's filters and its own noise stream (the seed ^ DRAFT_STREAM); q_j, the
+filtered distribution it was drawn from, goes to the verifier on this rank's ids of the target's split.
 `Request.draft_computed` counts the positions whose K,V the draft holds; blocks are named for the prefix cache only
-up to it (a block another request hits must hold the draft's K,V too).
+up to it.
 """
 
 from __future__ import annotations
