@@ -94,11 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     grace = args.shutdown_timeout
 
     class Server(uvicorn.Server):
-        """The first SIGTERM / SIGINT drains: the server keeps listening and answers 503 to new requests while
-        in-flight ones get the grace period (then they are aborted), and closes once the ranks are stopped. A second
-        one stops now: what runs is aborted at the engine's next step (streams end with "abort" and [DONE]), the
-        server stops listening, closes each connection as its answer ends, and exits once the ranks are stopped (a
-        connection still open then is cut). A third SIGINT: uvicorn's own exit (connections cut at once)."""
+        """The first SIGTERM / SIGINT drains (503 to new requests, the grace period for those in flight), a second
+        stops now (what runs is aborted at the engine's next step), a third is uvicorn's own exit (docs/server.md)."""
 
         first: float | None = None  # when the first signal came
         last: tuple[str, float] | None = None  # the last signal handled here, and when

@@ -1,26 +1,16 @@
-"""The engine behind the HTTP server: one thread owns the `LLM` (its pipe to rank 0); the server's handlers, on the
-asyncio loop, only put operations in its queue and read their requests' events.
+"""The engine behind the HTTP server (docs/server.md, "How it runs"): one thread owns the `LLM` (its pipe to rank 0);
+the server's handlers, on the asyncio loop, only put operations in its queue and read their requests' events.
 
     handlers (asyncio)  --ops queue-->  engine thread  --add/abort, no wait-->  rank 0: steps on its own while it
                         <--events---                   <--each step's outputs--  has work (LLM.serve) --★--> ranks
 
-Rank 0 does not wait for this thread between steps: the thread's work (text, events, metrics, the log) is off the
-step's path. Continuous batching: a request added while others run is in the control message of the step after the
-one running, so it joins the running batch there (the scheduler admits it when the budget allows), not after the
-batch drains. With no request live the thread blocks on its queue (no spin; rank 0 keeps the other ranks alive
-meanwhile, serve/worker.py) and checks every half second that no rank has died.
-
-Events a request's sink receives: all of one turn's go to the loop at once through `deliver` (one wake-up of the
-loop per step, however many streams), or, without one, are called on the engine thread:
+Rank 0 does not wait for this thread between steps (text, events, metrics and the log are off the step's path), and
+a request added while others run joins the running batch at the step after the one running. Events a request's sink
+receives, all of one turn's handed to the loop at once through `deliver` (or, without one, called on this thread):
 
     ("output", RequestOutput)   the request moved (cumulative tokens and text; finished=True at the end)
     ("error", APIError)         refused (400), timed out in the queue (503), or the engine failed (503)
     ("abort", None)             ended by the server's shutdown: after the grace period, or at once (drain(0))
-
-A client that goes away is aborted at the next step (its blocks go back to the pool there); nothing more is sent to
-it. A request that has not produced its first token queue_timeout_s after it arrived is aborted and answered 503.
-When a rank fails, every live request gets an error, `failed` says why, and on_failure() is called (the server
-exits non-zero); the ranks are stopped either way when the thread ends.
 """
 
 from __future__ import annotations
