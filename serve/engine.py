@@ -1,28 +1,19 @@
-"""The online engine on the TP stack: nano-vllm's spine with vLLM's names.
+"""The online engine on the TP stack: nano-vllm's spine with vLLM's names (docs/library.md, "How the ranks run").
 
     LLMEngine.step  ->  Scheduler.schedule  ->  KVCacheManager  ->  ModelRunner  ->  the TP model  ->  Sampler
                     ->  Scheduler.update_from_output
 
-Rank 0 adds and aborts requests between any two steps and every rank of the group runs the same steps (SPMD).
-Memory is paged (docs/background.md, paged KV cache): the scheduler's KVCacheManager decides every request's block
-table on the host, identically on every rank, and each rank's KVPool (one tensor, allocated once) stores K,V of the
-rank's own heads at the slots those tables name. serve/model_runner.py's prepare_step turns each plan into the
-iteration's tensors, once.
-
-Every rank's scheduler makes the same plan because every rank sees the same requests at the same step (rank 0's
-control message, serve/control.py); before each forward the ranks agree on the plan (one all-gather of its
-fingerprint, in the iteration's ledger), so a difference raises PlanMismatch on every rank before a forward could
-issue collectives of different sizes. The traffic ledger records every collective of every step, and each step is
-compared with the analytic model (tp/traffic_model.py: predict_control + predict_iteration) by a hook
-(serve/hooks.py: LedgerCheck).
-
-Over pipeline stages the same step runs as serve/pipeline.py's PipelineEngine (its `_run`: one tick of the pipeline,
-and its traffic model); serve/build.py's new_engine picks the class. serve/offline.py's drive is the step loop.
+Every rank of the group runs the same steps (SPMD): rank 0 adds and aborts requests between any two steps and sends
+them in its control message (serve/control.py), so every rank's scheduler plans the same block tables over its own
+paged KV pool (docs/background.md, paged KV cache: each rank's pool holds its own heads), and the ranks agree on the
+plan (one all-gather of its fingerprint) before a forward could issue collectives of different sizes (PlanMismatch).
+Every collective of a step goes into the traffic ledger, which a hook compares with the analytic model
+(serve/hooks.py LedgerCheck; tp/traffic_model.py). Over pipeline stages the same step runs as serve/pipeline.py's
+PipelineEngine (serve/build.py's new_engine picks the class); serve/offline.py's drive is the step loop.
 
 What the host waits for, per step: one read of the sampled tokens and their logits (one device-to-host copy; it also
-ends the iteration's clock, so timing costs no extra wait). The inputs go over in one host-to-device copy
-(serve/model_runner.py's prepare_step), the ledger counts without waiting, and per-collective times (comm_timing=True)
-add two waits for the compute stream per collective.
+ends the iteration's clock). The inputs go over in one host-to-device copy (serve/model_runner.py's prepare_step),
+the ledger counts without waiting, and per-collective times (comm_timing=True) add two waits per collective.
 """
 
 from __future__ import annotations
