@@ -7,8 +7,8 @@ Between two iterations, and identically on every rank:
              returns it and gives its blocks back
     carry    every running request with one token left to compute contributes exactly one decode row;
              they are scheduled first
-    chunk    running requests with more left get their next chunk: at most long_prefill_token_threshold rows, and never more
-             than the budget max_num_batched_tokens has left this iteration
+    chunk    running requests with more left get their next chunk: at most long_prefill_token_threshold rows,
+             and never more than the budget max_num_batched_tokens has left this iteration
     admit    waiting requests (arrived, not running) in the policy's order (below), while budget, the running
              limit (max_num_seqs, at most max_num_batched_tokens) and free blocks allow; each brings its
              first chunk in the same iteration, starting after the longest run of cached full blocks its prompt
@@ -21,14 +21,8 @@ Between two iterations, and identically on every rank:
              greedy tokens come out the same). So only running requests ever hold blocks for long, and a pool
              that holds each request alone always makes progress
 
-The policy (EngineConfig.scheduling_policy, vLLM's setting; POLICIES below) makes the two choices of order:
-
-    fcfs      first come, first served: arrivals queue at the back, preempted requests rejoin at the front once
-              the iteration's admission is done; the victim is the most recently admitted running request
-    priority  by Request.priority, lower first, ties by arrival: the queue in (priority, arrival, id) order, a
-              preempted request rejoins at its place at once, so nothing behind it is admitted in the iteration
-              that preempted it; the victim is the running request last in that order. As in vLLM v1, a waiting
-              request never preempts a running one to be admitted: it waits for blocks at the head of the queue
+The order of admission and the victim of a preemption are the policy's (EngineConfig.scheduling_policy: FCFSPolicy,
+PriorityPolicy below). As in vLLM v1, a waiting request never preempts a running one to be admitted.
 
 Memory: a KVCacheManager (serve/block_manager.py) holds every request's block table; a plan's chunks carry the
 tables, so the engine turns a plan into slot mappings without asking anything else. A request's state is
