@@ -19,7 +19,6 @@ the ledger counts without waiting, and per-collective times (comm_timing=True) a
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -90,10 +89,10 @@ class LLMEngine:
         self.cp = 1 if cp_group is None else cp_group.size()  # context parallelism: ctx is cp × tp ranks
         c.check_context_parallel(self.cp)
         self.runner = ModelRunner(lm, ctx, self.num_blocks, c, cp_group)
-        drafting = c.speculative_config is not None and c.speculative_config.method == "draft_model"
-        if drafting != (draft_lm is not None):
+        spec = c.speculative_config
+        if (spec is not None and spec.method == "draft_model") != (draft_lm is not None):
             raise ValueError("speculative_config method='draft_model' and draft_lm go together: give both or neither")
-        spec = c.speculative_config  # speculative decoding's proposer (serve/spec_decode.py Proposer), or None
+        # speculative decoding's proposer (serve/spec_decode.py Proposer), or None
         self.proposer = None if spec is None else NgramProposer(spec) if draft_lm is None else DraftRunner(
             spec, draft_lm, self.num_blocks, c.block_size, self.runner.attention, ctx.device, lm_vocab_slice(lm))
         self.draft = self.proposer if draft_lm is not None else None
@@ -110,7 +109,6 @@ class LLMEngine:
         self.prefix_hit_tokens = 0  # prompt tokens whose K,V the prefix cache gave, at every admission
         self.prefix_queried_tokens = 0  # prompt tokens of every admission (the hit rate's denominator)
         self.collective_bytes_per_rank = 0.0  # sent by each rank in the steps' collectives (the ledger's count)
-        spec = c.speculative_config
         self.spec_stats = SpecDecodeStats(0 if spec is None else spec.num_speculative_tokens)
         # rank 0 only: what arrived since the last step, and the request ids users gave
         self._new: list[Request] = []
@@ -200,7 +198,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration on every rank; rank 0 returns the outputs of the requests it moved (the others: [])."""
         start = time.perf_counter()
-        with self._attached():
+        self.ledger.clear()
+        self.ledger.transfers.clear()  # a pipeline's boundary messages
+        with self.ledger.recording():
             flag, new, aborts, payload = self._control(RUN)  # ★ broadcast: what arrived, what was aborted
             if flag != RUN:
                 self.stopped = flag == STOP
@@ -237,14 +237,6 @@ class LLMEngine:
     # -- what a pipeline overrides (serve/pipeline.py) ---------------------------------------------------------------
 
     first_layer = 0  # the model's number of this rank's first block (a pipeline stage's is later)
-
-    @contextmanager
-    def _attached(self):
-        """The ledger, cleared (its collectives, and a pipeline's boundary messages) and recording the step's."""
-        self.ledger.clear()
-        self.ledger.transfers.clear()
-        with self.ledger.recording():
-            yield
 
     def _run(self, plan: SchedulerOutput | None) -> Ran:
         """The plan through this rank's model: its tokens are ready at once (one group, no pipeline)."""
