@@ -78,22 +78,21 @@ def encode(new: list[Request], aborts: list[int]) -> list[float]:
 
 def decode(payload: list[float], n_new: int, n_abort: int) -> tuple[list[Request], list[int]]:
     """encode's inverse: the new requests and the aborted ids."""
-    new, at = [], 0
+    values = iter(payload)
+
+    def ints(n: float) -> list[int]:  # the next n numbers, as integers
+        return [int(next(values)) for _ in range(int(n))]
+
+    new = []
     for _ in range(n_new):
         (rid, arrival, max_tokens, n_prompt, n_stop, n_output, computed, has_params, temp, top_k, top_p, min_p,
-         has_seed, seed, logprobs, priority) = payload[at:at + REQUEST_FIELDS]
-        at += REQUEST_FIELDS
-        stop = frozenset(int(t) for t in payload[at:at + int(n_stop)])
-        at += int(n_stop)
-        prompt = [int(t) for t in payload[at:at + int(n_prompt)]]
-        at += int(n_prompt)
-        output = [int(t) for t in payload[at:at + int(n_output)]]
-        at += int(n_output)
+         has_seed, seed, logprobs, priority) = (next(values) for _ in range(REQUEST_FIELDS))
+        stop, prompt, output = frozenset(ints(n_stop)), ints(n_prompt), ints(n_output)
         params = SamplingParams(int(max_tokens), temp, int(top_k), top_p, min_p, int(seed) if has_seed else None,
                                 logprobs=None if logprobs < 0 else int(logprobs)) if has_params else None
         new.append(Request(int(rid), prompt, int(max_tokens), int(arrival), output, int(computed), stop_ids=stop,
                            params=params, sampling_seed=None if params is None else int(seed), priority=int(priority)))
-    return new, [int(t) for t in payload[at:at + n_abort]]
+    return new, ints(n_abort)
 
 
 def agree(ctx: TPContext, fingerprint, what: str, error: type[Exception] = PlanMismatch) -> None:

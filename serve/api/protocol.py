@@ -119,18 +119,7 @@ class CompletionRequest(_Common):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: StrictStr | list[dict] | None = None
-
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"message content part of type {part.get('type')!r}: only text parts are "
-                                    f"supported", "messages")
-            parts.append(part["text"])
-        return "".join(parts)
+    content: StrictStr | list[dict] | None = None  # a list holds text parts ({"type": "text", "text": ...})
 
 
 class ChatCompletionRequest(_Common):
@@ -167,10 +156,13 @@ def parse(model: type[BaseModel], data) -> BaseModel:
 
 def render_chat(tokenizer, messages: list[ChatMessage]) -> str:
     """The prompt text of a conversation (serve/detokenizer.render_chat: the tokenizer's chat template, or the plain
-    one: "role: content" lines, then "assistant:")."""
+    one: "role: content" lines, then "assistant:"); APIError(400) naming `messages` for content other than text."""
     from serve.detokenizer import render_chat as render
 
-    return render(tokenizer, [{"role": m.role, "content": m.text()} for m in messages])
+    try:
+        return render(tokenizer, [{"role": m.role, "content": m.content} for m in messages])
+    except ValueError as exc:  # its one-line refusal of a part that is not text
+        raise APIError(400, str(exc), "messages") from None
 
 
 # ---- answers --------------------------------------------------------------------------------------------------
