@@ -264,13 +264,14 @@ class Shape:
         return (self.logprobs.completion(ids, steps, offset) if self.kind == "completion" else
                 self.logprobs.chat(ids, steps))
 
+    def choice(self, i: int, text: str, reason, logprobs, chat: dict) -> dict:
+        """One choice: a completion's text, or a chat's `chat` (a chunk's delta, a whole answer's message)."""
+        return {"index": i, **({"text": text} if self.kind == "completion" else chat), "logprobs": logprobs,
+                "finish_reason": reason}
+
     def chunk(self, i: int, c, *, role: bool = False, text: str = "", reason=None, logprobs=None) -> dict:
-        if self.kind == "completion":
-            choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
-        else:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        return dict(self.head(), choices=[choice])
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        return dict(self.head(), choices=[self.choice(i, text, reason, logprobs, {"delta": delta})])
 
     def piece(self, i: int, value, sent: Sent) -> dict | None:
         """The chunk for what is new in a choice since the last one sent (None: nothing new to say)."""
@@ -294,12 +295,8 @@ class Shape:
             c = None if value is None else value.outputs[0]
             text, reason = ("", "abort") if c is None else (c.text, c.finish_reason)
             done += 0 if c is None else len(c.token_ids)
-            logprobs = self._logprobs(c, 0, 0)
-            if self.kind == "completion":
-                choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
-            else:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                                "finish_reason": reason})
+            choices.append(self.choice(i, text, reason, self._logprobs(c, 0, 0),
+                                       {"message": {"role": "assistant", "content": text}}))
             if self.token_ids:
                 choices[-1]["token_ids"] = [] if c is None else list(c.token_ids)
         return dict(self.head(chunk=False), choices=choices, usage=usage(sum(prompt_tokens), done))

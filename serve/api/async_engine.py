@@ -165,9 +165,8 @@ class AsyncEngine:
             kind, arg = op
             if kind == "add":
                 self._add(*arg)
-            elif kind == "abort":
-                if (live := self._live.pop(arg, None)) is not None:
-                    self._send_abort(arg, live)
+            elif kind == "abort" and arg in self._live:
+                self._abort(arg)
             elif kind == "drain":
                 self._deadline = arg if self._deadline is None else min(self._deadline, arg)
             try:
@@ -200,28 +199,30 @@ class AsyncEngine:
             for sink, event in batch:
                 sink(event)
 
-    def _send_abort(self, request_id: str, live: Live) -> None:
-        """Abort it in the engine (client gone, queue timeout, shutdown): counted as ended with "abort"."""
+    def _abort(self, request_id: str, event: tuple | None = None) -> None:
+        """Abort a live request in the engine (client gone, queue timeout, shutdown): counted as ended with "abort";
+        its sink hears `event` (None: nothing, its client is gone)."""
+        live = self._live.pop(request_id)
         self.llm.abort_request(request_id, wait=False)
         self._expect_until = time.monotonic() + EXPECT_S
         if self.metrics is not None:
             self.metrics.finished("abort", live.prompt_tokens, live.tokens, None)
+        if event is not None:
+            self._emit(live.sink, event)
 
     def _expire(self) -> None:
+        """Requests without a first token after queue_timeout_s are answered 503; past the drain's deadline, every
+        live request is aborted."""
         now = time.monotonic()
         for rid, live in list(self._live.items()):
             if live.first is None and now - live.arrival > self.queue_timeout_s:
-                del self._live[rid]
-                self._send_abort(rid, live)
-                self._emit(live.sink, ("error", APIError(503, f"no token after {now - live.arrival:.1f} s in the queue (the "
-                                                  f"server's queue timeout is {self.queue_timeout_s:g} s); try "
-                                                  f"again later", code="queue_timeout")))
+                self._abort(rid, ("error", APIError(503, f"no token after {now - live.arrival:.1f} s in the queue "
+                                                         f"(the server's queue timeout is {self.queue_timeout_s:g} s); "
+                                                         f"try again later", code="queue_timeout")))
         if self._deadline is not None and now >= self._deadline:
-            for rid, live in list(self._live.items()):
-                del self._live[rid]
-                self._send_abort(rid, live)
-                self._emit(live.sink, ("abort", None))
-                self.cut += 1
+            self.cut += len(self._live)
+            for rid in list(self._live):
+                self._abort(rid, ("abort", None))
 
     def _hand_out(self, outputs: list, stats: dict) -> None:
         outputs = self.llm.detokenize(outputs)
