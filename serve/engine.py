@@ -3,13 +3,9 @@
     LLMEngine.step  ->  Scheduler.schedule  ->  KVCacheManager  ->  ModelRunner  ->  the TP model  ->  Sampler
                     ->  Scheduler.update_from_output
 
-Every rank of the group runs the same steps (SPMD): rank 0 adds and aborts requests between any two steps and sends
-them in its control message (serve/control.py), so every rank's scheduler plans the same block tables over its own
-paged KV pool (docs/background.md, paged KV cache: each rank's pool holds its own heads), and the ranks agree on the
-plan (one all-gather of its fingerprint) before a forward could issue collectives of different sizes (PlanMismatch).
-Every collective of a step goes into the traffic ledger, which a hook compares with the analytic model
-(serve/hooks.py LedgerCheck; tp/traffic_model.py). Over pipeline stages the same step runs as serve/pipeline.py's
-PipelineEngine (serve/build.py's new_engine picks the class); serve/offline.py's drive is the step loop.
+Every rank of the group runs the same steps (SPMD; LLMEngine lists the step's parts), each over its own paged KV pool
+(docs/background.md, paged KV cache). Over pipeline stages the same step runs as serve/pipeline.py's PipelineEngine
+(serve/build.py's new_engine picks the class); serve/offline.py's drive is the step loop.
 
 What the host waits for, per step: one read of the sampled tokens and their logits (one device-to-host copy; it also
 ends the iteration's clock). The inputs go over in one host-to-device copy (serve/model_runner.py's prepare_step),
@@ -67,8 +63,9 @@ class LLMEngine:
 
     and rank 0 returns a RequestOutput for each request that produced a token or finished. The ranks other than 0
     call `step` in a loop until the control message says STOP (`shutdown`); while rank 0 has nothing to do it
-    sends IDLE messages (`keep_alive`), so their wait in the broadcast never reaches the group's timeout.
-    Every collective of a step goes into the ledger and is compared with the model (check_ledger).
+    sends IDLE messages (`keep_alive`), so their wait in the broadcast never reaches the group's timeout. Every
+    collective of a step goes into the traffic ledger, which a hook compares with the model (serve/hooks.py
+    LedgerCheck; tp/traffic_model.py).
     """
 
     def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, config: EngineConfig | None = None,

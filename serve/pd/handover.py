@@ -235,12 +235,11 @@ class DecodeSide(StepHook):
     """Takes each handed-over request in at an iteration boundary: blocks filled with its K,V, and token 1.
 
     Receives are posted ahead (the next `window` groups of requests, a group being those whose prompts complete in
-    one prefill iteration), so K,V land while the decode group computes; a receiver thread waits for them in order.
-    K,V land in receive buffers; a request gets its blocks when it is taken in, and one write per message puts the
-    K,V at their slots (the receive buffers of the groups ahead are outside the pool).
-    At every iteration boundary each decode rank counts the groups whose messages have all landed here; ★ one all-reduce (min) of that count over the
-    decode group makes every decode rank take in the same groups. With nothing to decode, the ranks first wait
-    for the next group. Nothing depends on timing but *when* a request joins, and all decode ranks agree on that."""
+    one prefill iteration), into receive buffers outside the pool; a receiver thread waits for them in order. At
+    every iteration boundary each decode rank counts the groups whose messages have all landed here, and ★ one
+    all-reduce (min) of that count over the decode group makes every decode rank take in the same groups (with
+    nothing to decode, they first wait for the next). A request gets its blocks when it is taken in (docs/pd.md,
+    "Bounded pools"), and one write per message puts its K,V at their slots."""
 
     def __init__(self, cfg, layout: Layout, rank: int, streaming: bool, ledger: TrafficLedger, group,
                  groups: list[list[int]], requests: dict[int, Request], eos: frozenset[int], keep_kv: bool = False,
@@ -274,11 +273,8 @@ class DecodeSide(StepHook):
             self._post_ahead(cache)
             if self.posted:
                 idle = not sched.has_work() and not self.ready
-                landed = 0
-                for group in self.posted:
-                    if not group.landed.is_set():
-                        break
-                    landed += 1
+                # the groups that have landed here, in order
+                landed = next((i for i, g in enumerate(self.posted) if not g.landed.is_set()), len(self.posted))
                 if landed == 0 and idle:  # nothing to decode: wait for the next group
                     self._wait_landed(self.posted[0])
                     landed = 1
