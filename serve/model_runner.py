@@ -1,13 +1,11 @@
 """Turns one iteration's plan into tensors and runs it through this rank's TP model: nano-vllm's ModelRunner.
 
-    runner = ModelRunner(lm, ctx, num_blocks, config)   # this rank's KV pool, once; attention
-                                                                        # backend: auto resolved by device
-    tokens, logits = runner.run(plan, tokens_of)                        # [S] ids and their logits, every rank
+    runner = ModelRunner(lm, ctx, num_blocks, config)   # this rank's KV pool, once; the attention backend
+    result, sampling = runner.run(plan, requests)       # the sampled rows' ids and logits, on every rank
 
-It owns the rank's KV pool (serve/kv_cache.py: K,V of the rank's own heads, one tensor), builds the step's
-inputs once per iteration (prepare_step, below) and calls the model's `step` (layers/models/lm.py: embedding, the stack
-over the paged cache, the vocab-parallel head's pick). The results stay on the device: reading them is the engine's
-one wait per step.
+It owns the rank's KV pool (serve/kv_cache.py), builds the step's inputs once per iteration (prepare_step, below) and
+calls the model's `step` (layers/models/lm.py: embedding, the stack over the paged cache, the vocab-parallel head's
+pick). The results stay on the device: reading them is the engine's one wait per step.
 
 One iteration's plan -> the tensors the model reads, built once per iteration (not per layer), in one place:
 
@@ -17,9 +15,8 @@ One iteration's plan -> the tensors the model reads, built once per iteration (n
     sample_rows [S]    the rows whose logits give a token
     batch              what the attention backend reads (layers/attention/backends.py): block tables, groups, masks
 
-Everything integer is laid out on the host in one list and moved with one host-to-device copy (pinned and
-non-blocking on a GPU); masks are then built on the device. The attention backend adds its own lists to the same copy
-(its build), and turns its part of the copy into its metadata (its finish).
+Everything integer, the attention backend's lists included (its build; its finish reads them back), goes over in one
+host-to-device copy (pinned and non-blocking on a GPU); masks are then built on the device.
 """
 
 from __future__ import annotations

@@ -154,11 +154,8 @@ class Scheduler:
                                     key=lambda r: (r.arrival, r.id)))
         self.waiting: deque[Request] = deque()
         self.by_id = {r.id: r for r in requests}
-        # Pipeline parallelism (serve/pipeline.py's PipelineEngine): requests in micro-batches that have not come
-        # back from the last stage, and in how many. They get no rows and are never preempted until they have (vLLM
-        # V1's batch queue); with chunk_pipelining, a prompt whose chunk is in flight may still get its next chunk
-        # (its `num_computed_tokens` counts the rows dispatched). Each micro-batch takes at most microbatch_cap() of
-        # the requests, so that pp micro-batches can be in flight.
+        # pipeline parallelism (dispatch): requests in micro-batches that have not come back from the last stage, and
+        # in how many; they get no rows (but a prompt's next chunk, with chunk_pipelining) and are never preempted
         self.in_flight: Counter[int] = Counter()
         self.stages = 1  # the PipelineEngine sets its pp
 
