@@ -426,22 +426,11 @@ def next_plan(sched: Scheduler, index: int, before_schedule=None) -> tuple[Sched
         index = upcoming
 
 
-def schedule_loop(sched: Scheduler, before_schedule=None):
-    """Every plan of a workload held from the start, in order; the caller applies each plan's tokens (sched.update_from_output)
-    before asking for the next."""
-    index = 0
-    while sched.has_work():
-        plan, index = next_plan(sched, index, before_schedule)
-        if plan is None:
-            return
-        yield plan
-        index += 1
-
-
-def pipeline_schedule(sched: Scheduler, pp: int, before_schedule=None):
-    """The micro-batches of a workload held from the start, in the order they come back from the last of pp stages:
-    PipelineEngine.step's ticks without the model (P/D's decode side knows from it what a pipelined prefill side will
-    hand over, and in which order). The caller applies each one's tokens (sched.update_from_output) before asking for the next."""
+def pipeline_schedule(sched: Scheduler, pp: int = 1, before_schedule=None):
+    """The plans of a workload held from the start, in the order their tokens come back: PipelineEngine.step's ticks
+    without the model over pp stages, LLMEngine's steps with pp = 1 (P/D's decode side knows from it what the
+    prefill side will hand over, and in which order). The caller applies each plan's tokens
+    (sched.update_from_output) before asking for the next."""
     sched.stages = pp
     queue, index = deque(), 0
     while sched.has_work() or queue:
