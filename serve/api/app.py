@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serve.api.async_engine import run_sinks
 from serve.api.metrics import CONTENT_TYPE
 from serve.request import context_error
 from serve.api.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Logprobs, created, new_id, parse,
@@ -33,17 +34,12 @@ def lifespan(engine):
 
         def deliver(batch) -> None:  # on the engine thread
             try:
-                loop.call_soon_threadsafe(_run_sinks, batch)
+                loop.call_soon_threadsafe(run_sinks, batch)
             except RuntimeError:  # the loop has closed (the server is stopping): nobody is listening
                 pass
         engine.deliver = deliver
         yield
     return run
-
-
-def _run_sinks(batch) -> None:
-    for sink, event in batch:
-        sink(event)
 
 
 class Submission:

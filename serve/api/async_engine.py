@@ -37,11 +37,17 @@ class Live:
     tokens: int = 0
 
 
+def run_sinks(batch: list) -> None:
+    """Each (sink, event) of a turn: the sink called with its event (on the server's loop, or on the engine thread)."""
+    for sink, event in batch:
+        sink(event)
+
+
 class AsyncEngine:
     def __init__(self, llm, *, queue_timeout_s: float = 300.0, iteration_log: str | None = None, metrics=None,
                  on_failure: Callable[[], None] | None = None):
         self.llm, self.queue_timeout_s, self.metrics = llm, queue_timeout_s, metrics
-        self.deliver: Callable[[list], None] | None = None  # takes [(sink, event), ...]: the server's loop runs them
+        self.deliver: Callable[[list], None] = run_sinks  # takes [(sink, event), ...]: the server's loop runs them
         self._out: list = []  # this turn's (sink, event) pairs
         self.on_failure = on_failure
         self.failed: str | None = None  # why the engine failed (one line)
@@ -190,14 +196,9 @@ class AsyncEngine:
         self._out.append((sink, event))
 
     def _flush(self) -> None:
-        if not self._out:
-            return
-        batch, self._out = self._out, []
-        if self.deliver is not None:
+        if self._out:
+            batch, self._out = self._out, []
             self.deliver(batch)
-        else:
-            for sink, event in batch:
-                sink(event)
 
     def _abort(self, request_id: str, event: tuple | None = None) -> None:
         """Abort a live request in the engine (client gone, queue timeout, shutdown): counted as ended with "abort";
