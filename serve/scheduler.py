@@ -1,25 +1,19 @@
 """ORCA iteration-level scheduling with chunked prefill over a paged KV cache, on host data only (no torch, no
 collectives).
 
-Between two iterations, and identically on every rank:
+Between two iterations, and identically on every rank (docs/serving.md, "The scheduler" and "Admission by memory"):
 
-    finish   a request leaves the moment it finishes (max_new_tokens reached, or eos_id sampled); `update`
-             returns it and gives its blocks back
-    carry    every running request with one token left to compute contributes exactly one decode row;
-             they are scheduled first
+    finish   a request leaves the moment it finishes (max_new_tokens, or a stop id): `update` gives its blocks back
+    carry    every running request with one token left to compute gets one decode row, first
     chunk    running requests with more left get their next chunk: at most long_prefill_token_threshold rows,
              and never more than the budget max_num_batched_tokens has left this iteration
-    admit    waiting requests (arrived, not running) in the policy's order (below), while budget, the running
-             limit (max_num_seqs, at most max_num_batched_tokens) and free blocks allow; each brings its
-             first chunk in the same iteration, starting after the longest run of cached full blocks its prompt
-             shares with earlier requests (prefix caching), or its first decode row if it arrives with its
-             prompt already in the cache (a decode side taking over prefilled requests, serve/pd/)
+    admit    waiting requests in the policy's order, while budget, max_num_seqs and free blocks allow; each brings
+             its first chunk, after the longest run of cached full blocks its prompt starts with (prefix caching),
+             or its first decode row if it arrives with its prompt already cached (serve/pd/'s decode side)
     preempt  a running request that needs a block when none is free takes one from a waiting request that holds
-             blocks (a decode side's handed-over request not yet admitted), else from the running request the
-             policy picks (itself, if it is that one): the victim gives every block back and waits again,
-             to recompute its prompt and the tokens it generated so far (vLLM's preemption by recompute;
-             greedy tokens come out the same). So only running requests ever hold blocks for long, and a pool
-             that holds each request alone always makes progress
+             blocks, else from the running request the policy picks (itself, if it is that one): the victim gives
+             every block back and recomputes later (vLLM's preemption by recompute), so a pool that holds each
+             request alone always makes progress
 
 The order of admission and the victim of a preemption are the policy's (EngineConfig.scheduling_policy: FCFSPolicy,
 PriorityPolicy below). As in vLLM v1, a waiting request never preempts a running one to be admitted.
