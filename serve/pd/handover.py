@@ -97,11 +97,9 @@ def _label(fields: tuple) -> str:
 
 def warm_up_pairs(cfg, layout: Layout, rank: int, ledger: TrafficLedger, device: torch.device,
                   timeout_s: float) -> None:
-    """One message per (prefill rank, decode rank) pair of the hand-over, before anything is served: NCCL creates a
-    pair's communicator at its first point-to-point message, which would otherwise block the first streamed layer
-    inside a forward hook. Pairs go in one global order ((prefill rank, decode rank) ascending), each waited for
-    before the next, so the smallest pending pair always has both ends at it: no deadlock. Ledgered as
-    "pd/warm-up" (request -1): 8 bytes each way per pair, in tp/traffic_model.predict_transfers too."""
+    """One message per (prefill rank, decode rank) pair before anything is served, so NCCL's pair communicators exist
+    before the first streamed layer's send (docs/pd.md, "Safe on NCCL"). Pairs go in one global order, each waited for
+    before the next, so the smallest pending pair always has both ends at it: no deadlock. Ledgered as "pd/warm-up"."""
     token = torch.zeros(1, dtype=torch.int64, device=device)
     for r, s, *_ in pd_pairs(cfg.n_kv_heads, cfg.n_layers, layout.prefill_ranks, layout.decode_ranks,
                              layout.prefill_pp):
