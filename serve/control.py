@@ -42,24 +42,18 @@ def broadcast_control(ctx: TPContext, flag: int, new: list[Request], aborts: lis
     if ctx.world_size == 1:
         return flag, new, aborts, 0
     device = control_device(ctx.group)
+    payload = encode(new, aborts)  # rank 0's; the others' is empty, and they receive rank 0's length first
     with host_control():  # CPU tensors over the group's gloo backend: no wait for the GPU
-        if ctx.is_main:
-            payload = encode(new, aborts)
-            header = torch.tensor([len(new), len(aborts), len(payload), flag], dtype=torch.float64, device=device)
-            broadcast_from_main(header, ctx.group, "engine/control header")
-            if payload:
-                broadcast_from_main(torch.tensor(payload, dtype=torch.float64, device=device), ctx.group,
-                                    "engine/control payload")
-            return flag, new, aborts, len(payload)
-        header = broadcast_from_main(torch.zeros(CONTROL_HEADER, dtype=torch.float64, device=device), ctx.group,
-                                     "engine/control header")
-        n_new, n_abort, length, flag = (int(v) for v in header.tolist())
-        if not length:
-            return flag, [], [], 0
-        payload = broadcast_from_main(torch.zeros(length, dtype=torch.float64, device=device), ctx.group,
-                                      "engine/control payload").tolist()
-        new, aborts = decode(payload, n_new, n_abort)
+        header = torch.tensor([len(new), len(aborts), len(payload), flag], dtype=torch.float64, device=device)
+        n_new, n_abort, length, flag = (int(v) for v in
+                                        broadcast_from_main(header, ctx.group, "engine/control header").tolist())
+        if length:
+            body = broadcast_from_main(torch.tensor(payload or [0.0] * length, dtype=torch.float64, device=device),
+                                       ctx.group, "engine/control payload")
+    if ctx.is_main or not length:
         return flag, new, aborts, length
+    new, aborts = decode(body.tolist(), n_new, n_abort)
+    return flag, new, aborts, length
 
 
 def encode(new: list[Request], aborts: list[int]) -> list[float]:

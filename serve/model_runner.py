@@ -37,6 +37,7 @@ from serve.block_manager import slot_mapping
 from serve.kv_cache import KVPool
 from serve.plan import SchedulerOutput
 from serve.request import Request
+from serve.sampling_params import SamplingParams
 from tp.dist import TPContext
 
 
@@ -124,6 +125,9 @@ class Prepared(NamedTuple):
     sampling: SamplingBatch | None
 
 
+GREEDY = SamplingParams(temperature=0.0)  # how a request without sampling parameters is decoded
+
+
 def sampling_rows(chunks, requests: dict[int, Request], ahead: int = 0) -> tuple[list[tuple], int]:
     """The sampled rows' parameters (temperature, top_k, top_p, min_p, seed, output position) and the most logprobs
     asked: a chunk's last row, or each row of a verified chunk (row j gives output position len(output) + j; a
@@ -132,14 +136,10 @@ def sampling_rows(chunks, requests: dict[int, Request], ahead: int = 0) -> tuple
     for c in chunks:
         if c.sample:
             r = requests[c.request]
-            q = r.params
+            q = r.params or GREEDY  # no params: a request of the launcher's greedy runs
             for j in range(ahead, ahead + len(c.spec) + 1):
-                if q is None:  # a request of the launcher's greedy runs
-                    rows.append((0.0, 0, 1.0, 0.0, 0, len(r.output) + j))
-                    continue
                 rows.append((q.temperature, q.top_k, q.top_p, q.min_p, r.sampling_seed or 0, len(r.output) + j))
-            if q is not None:
-                logprobs = max(logprobs, -1 if q.logprobs is None else q.logprobs)
+            logprobs = max(logprobs, -1 if q.logprobs is None else q.logprobs)
     return rows, logprobs
 
 
