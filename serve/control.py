@@ -22,7 +22,7 @@ from serve.config import EngineConfig
 
 from serve.plan import FINGERPRINT_SIZE
 from serve.request import Request
-from serve.sampling_params import SamplingParams
+from serve.sampling_params import GREEDY, SamplingParams
 from tp.comm import broadcast_from_main, gather_from_region
 from tp.dist import TPContext, control_device, host_control
 
@@ -62,7 +62,7 @@ def encode(new: list[Request], aborts: list[int]) -> list[float]:
     below 2**53 exactly (SamplingParams refuses larger seeds, request_seed draws below 2**53)."""
     out: list[float] = []
     for r in new:
-        q = r.params or SamplingParams(temperature=0.0, max_tokens=r.max_new_tokens)
+        q = r.params or GREEDY
         out += [r.id, r.arrival, r.max_new_tokens, len(r.prompt), len(r.stop_ids), len(r.output),
                 r.num_computed_tokens, r.params is not None, q.temperature, q.top_k, q.top_p, q.min_p,
                 q.seed is not None, r.sampling_seed or 0, -1 if q.logprobs is None else q.logprobs, r.priority]

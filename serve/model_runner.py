@@ -37,7 +37,7 @@ from serve.block_manager import slot_mapping
 from serve.kv_cache import KVPool
 from serve.plan import SchedulerOutput
 from serve.request import Request
-from serve.sampling_params import SamplingParams
+from serve.sampling_params import GREEDY
 from tp.dist import TPContext
 
 
@@ -123,9 +123,6 @@ class ModelRunner:
 class Prepared(NamedTuple):
     step: StepInputs
     sampling: SamplingBatch | None
-
-
-GREEDY = SamplingParams(temperature=0.0)  # how a request without sampling parameters is decoded
 
 
 def sampling_rows(chunks, requests: dict[int, Request], ahead: int = 0) -> tuple[list[tuple], int]:

@@ -123,3 +123,4 @@ def _refusing_init(init):
 
 
 SamplingParams.__init__ = _refusing_init(SamplingParams.__init__)
+GREEDY = SamplingParams(temperature=0.0)  # how a request without sampling parameters (a launcher's) is decoded
