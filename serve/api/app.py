@@ -60,22 +60,15 @@ class Submission:
         """The next event, or None when the client has gone away (asked at least every POLL_S, also while events
         keep coming). request None: no polling (a streaming response notices a disconnect itself, and cancels the
         task that waits here)."""
-        if request is not None and time.monotonic() - self.asked >= POLL_S:
-            self.asked = time.monotonic()
-            if await request.is_disconnected():
-                return None
-        if not self.queue.empty() or request is None:
-            i, event = await self.queue.get()
-        else:
-            get = asyncio.ensure_future(self.queue.get())
-            while True:
-                done, _ = await asyncio.wait({get}, timeout=POLL_S)
-                if done:
-                    i, event = get.result()
-                    break
+        get = asyncio.ensure_future(self.queue.get())
+        while request is not None and not get.done():
+            if time.monotonic() - self.asked >= POLL_S:
+                self.asked = time.monotonic()
                 if await request.is_disconnected():
                     get.cancel()
                     return None
+            await asyncio.wait({get}, timeout=POLL_S)
+        i, event = await get
         if event[0] != "output" or event[1].finished:
             self.open.discard(i)
         return i, event
