@@ -6,7 +6,7 @@ the server's handlers, on the asyncio loop, only put operations in its queue and
 
 Rank 0 does not wait for this thread between steps (text, events, metrics and the log are off the step's path), and
 a request added while others run joins the running batch at the step after the one running. Events a request's sink
-receives, all of one turn's handed to the loop at once through `deliver` (or, without one, called on this thread):
+receives, all of one turn's handed to the loop at once through `deliver` (without a loop: run on this thread):
 
     ("output", RequestOutput)   the request moved (cumulative tokens and text; finished=True at the end)
     ("error", APIError)         refused (400), timed out in the queue (503), or the engine failed (503)
