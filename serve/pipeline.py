@@ -57,9 +57,6 @@ class PipelineEngine(LLMEngine):
         self._incoming = None  # the receive posted for the next step's input (a stage after the first)
         self._ticked = False  # this step appended to the timeline
 
-    def has_unfinished_requests(self) -> bool:
-        return super().has_unfinished_requests() or bool(self.queue)
-
     @property
     def first_layer(self) -> int:
         return self.lm.layers.start  # the ledger labels this stage's blocks with the model's layer numbers
