@@ -152,33 +152,30 @@ class AsyncEngine:
     def _refuse_queued(self) -> None:
         """The thread is ending: requests still in the queue are answered 503 (none is left waiting)."""
         why = self.refusal()
-        while True:
-            try:
-                kind, arg = self._ops.get_nowait()
-            except queue.Empty:
-                break
+        for kind, arg in self._queued():
             if kind == "add":
                 self._emit(arg[4], ("error", why))
         self._flush()
 
     def _take(self, block: bool) -> None:
         """Apply every queued operation; with block, wait up to IDLE_CHECK_S for the first."""
-        try:
-            op = self._ops.get(timeout=IDLE_CHECK_S) if block else self._ops.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            kind, arg = op
+        for kind, arg in self._queued(block):
             if kind == "add":
                 self._add(*arg)
             elif kind == "abort" and arg in self._live:
                 self._abort(arg)
             elif kind == "drain":
                 self._deadline = arg if self._deadline is None else min(self._deadline, arg)
-            try:
-                op = self._ops.get_nowait()
-            except queue.Empty:
-                return
+
+    def _queued(self, block: bool = False):
+        """The queued operations (kind, arg), in order, until the queue is empty; with block, the first is waited for
+        up to IDLE_CHECK_S."""
+        try:
+            yield self._ops.get(timeout=IDLE_CHECK_S) if block else self._ops.get_nowait()
+            while True:
+                yield self._ops.get_nowait()
+        except queue.Empty:
+            return
 
     def _add(self, request_id, prompt_ids, text, params, sink, arrival, priority) -> None:
         if (refused := self.refusal()) is not None:
