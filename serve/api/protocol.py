@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from itertools import accumulate
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
@@ -193,10 +194,7 @@ class Logprobs:
 
     def completion(self, ids: list[int], steps: list[dict[int, float]], offset: int) -> dict:
         tokens = [self._token(t) for t in ids]
-        offsets, at = [], offset
-        for s in tokens:
-            offsets.append(at)
-            at += len(s)
+        offsets = list(accumulate((len(s) for s in tokens), initial=offset))[:-1]  # where each token's text starts
         return {"tokens": tokens, "token_logprobs": [step[t] for t, step in zip(ids, steps)],
                 "top_logprobs": [{self._token(a): lp for a, lp in self._top(step)} for t, step in zip(ids, steps)],
                 "text_offset": offsets}
