@@ -227,8 +227,7 @@ class AsyncEngine:
         self.stats = stats
         self.steps += 1
         now = time.monotonic()
-        new_tokens, first, finished = {}, [], {}
-        aborted = []
+        new_tokens, first, finished, aborted = {}, [], {}, []
         for o in outputs:
             live = self._live.get(o.request_id)
             if live is None:  # aborted here already (its client is gone): this step applied the abort
