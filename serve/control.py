@@ -42,17 +42,19 @@ def broadcast_control(ctx: TPContext, flag: int, new: list[Request], aborts: lis
     if ctx.world_size == 1:
         return flag, new, aborts, 0
     device = control_device(ctx.group)
-    payload = encode(new, aborts)  # rank 0's; the others' is empty, and they receive rank 0's length first
+    payload = encode(new, aborts)  # rank 0's (the others' is empty: rank 0's header tells them its length)
+    length = len(payload)
     with host_control():  # CPU tensors over the group's gloo backend: no wait for the GPU
-        header = torch.tensor([len(new), len(aborts), len(payload), flag], dtype=torch.float64, device=device)
-        n_new, n_abort, length, flag = (int(v) for v in
-                                        broadcast_from_main(header, ctx.group, "engine/control header").tolist())
+        header = broadcast_from_main(torch.tensor([len(new), len(aborts), length, flag], dtype=torch.float64,
+                                                  device=device), ctx.group, "engine/control header")
+        if not ctx.is_main:
+            n_new, n_abort, length, flag = (int(v) for v in header.tolist())
         if length:
-            body = broadcast_from_main(torch.tensor(payload or [0.0] * length, dtype=torch.float64, device=device),
-                                       ctx.group, "engine/control payload")
-    if ctx.is_main or not length:
-        return flag, new, aborts, length
-    new, aborts = decode(body.tolist(), n_new, n_abort)
+            body = torch.tensor(payload, dtype=torch.float64, device=device) if ctx.is_main else \
+                torch.zeros(length, dtype=torch.float64, device=device)
+            body = broadcast_from_main(body, ctx.group, "engine/control payload")
+            if not ctx.is_main:
+                new, aborts = decode(body.tolist(), n_new, n_abort)
     return flag, new, aborts, length
 
 
