@@ -7,13 +7,10 @@
 Every rank makes the same decisions (the scheduler calls this with the same requests in the same order), so
 every rank's tables are the same; each rank's pool tensor (serve/kv_cache.py) holds only its own K,V heads.
 
-Prefix caching: once a block is full of computed tokens it is named by a chained hash,
-hash((previous block's hash, its token ids)), and entered in `cached`. A new request whose prompt starts
-with the same full blocks shares them (reference counts) instead of recomputing them. A block whose count
-drops to 0 goes to the back of the free queue keeping its hash: a later request can still revive it until it
-is taken for new tokens, least recently freed first. Two requests that computed the same prefix side by side
-hold two blocks with one name; `cached` keeps both, so the prefix stays findable until the last copy is
-taken. No torch here, and no collectives.
+Prefix caching (docs/serving.md, "Paged KV cache"): a block full of computed tokens is named by a chained hash,
+hash((previous block's hash, its token ids)), entered in `cached`, and shared (reference counts) by a new request
+whose prompt starts with the same full blocks. A freed block keeps its name until it is taken for new tokens.
+No torch here, and no collectives.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from serve.config import EngineConfig
 
 from serve.plan import FINGERPRINT_SIZE
 from serve.request import Request
-from serve.sampling_params import SamplingParams
+from serve.sampling_params import GREEDY, SamplingParams
 from tp.comm import broadcast_from_main, gather_from_region
 from tp.dist import TPContext, control_device, host_control
 
@@ -42,24 +42,20 @@ def broadcast_control(ctx: TPContext, flag: int, new: list[Request], aborts: lis
     if ctx.world_size == 1:
         return flag, new, aborts, 0
     device = control_device(ctx.group)
+    payload = encode(new, aborts)  # rank 0's (the others' is empty: rank 0's header tells them its length)
+    length = len(payload)
     with host_control():  # CPU tensors over the group's gloo backend: no wait for the GPU
-        if ctx.is_main:
-            payload = encode(new, aborts)
-            header = torch.tensor([len(new), len(aborts), len(payload), flag], dtype=torch.float64, device=device)
-            broadcast_from_main(header, ctx.group, "engine/control header")
-            if payload:
-                broadcast_from_main(torch.tensor(payload, dtype=torch.float64, device=device), ctx.group,
-                                    "engine/control payload")
-            return flag, new, aborts, len(payload)
-        header = broadcast_from_main(torch.zeros(CONTROL_HEADER, dtype=torch.float64, device=device), ctx.group,
-                                     "engine/control header")
-        n_new, n_abort, length, flag = (int(v) for v in header.tolist())
-        if not length:
-            return flag, [], [], 0
-        payload = broadcast_from_main(torch.zeros(length, dtype=torch.float64, device=device), ctx.group,
-                                      "engine/control payload").tolist()
-        new, aborts = decode(payload, n_new, n_abort)
-        return flag, new, aborts, length
+        header = broadcast_from_main(torch.tensor([len(new), len(aborts), length, flag], dtype=torch.float64,
+                                                  device=device), ctx.group, "engine/control header")
+        if not ctx.is_main:
+            n_new, n_abort, length, flag = (int(v) for v in header.tolist())
+        if length:
+            body = torch.tensor(payload, dtype=torch.float64, device=device) if ctx.is_main else \
+                torch.zeros(length, dtype=torch.float64, device=device)
+            body = broadcast_from_main(body, ctx.group, "engine/control payload")
+            if not ctx.is_main:
+                new, aborts = decode(body.tolist(), n_new, n_abort)
+    return flag, new, aborts, length
 
 
 def encode(new: list[Request], aborts: list[int]) -> list[float]:
@@ -68,7 +64,7 @@ def encode(new: list[Request], aborts: list[int]) -> list[float]:
     below 2**53 exactly (SamplingParams refuses larger seeds, request_seed draws below 2**53)."""
     out: list[float] = []
     for r in new:
-        q = r.params or SamplingParams(temperature=0.0, max_tokens=r.max_new_tokens)
+        q = r.params or GREEDY
         out += [r.id, r.arrival, r.max_new_tokens, len(r.prompt), len(r.stop_ids), len(r.output),
                 r.num_computed_tokens, r.params is not None, q.temperature, q.top_k, q.top_p, q.min_p,
                 q.seed is not None, r.sampling_seed or 0, -1 if q.logprobs is None else q.logprobs, r.priority]
@@ -78,22 +74,21 @@ def encode(new: list[Request], aborts: list[int]) -> list[float]:
 
 def decode(payload: list[float], n_new: int, n_abort: int) -> tuple[list[Request], list[int]]:
     """encode's inverse: the new requests and the aborted ids."""
-    new, at = [], 0
+    values = iter(payload)
+
+    def ints(n: float) -> list[int]:  # the next n numbers, as integers
+        return [int(next(values)) for _ in range(int(n))]
+
+    new = []
     for _ in range(n_new):
         (rid, arrival, max_tokens, n_prompt, n_stop, n_output, computed, has_params, temp, top_k, top_p, min_p,
-         has_seed, seed, logprobs, priority) = payload[at:at + REQUEST_FIELDS]
-        at += REQUEST_FIELDS
-        stop = frozenset(int(t) for t in payload[at:at + int(n_stop)])
-        at += int(n_stop)
-        prompt = [int(t) for t in payload[at:at + int(n_prompt)]]
-        at += int(n_prompt)
-        output = [int(t) for t in payload[at:at + int(n_output)]]
-        at += int(n_output)
+         has_seed, seed, logprobs, priority) = (next(values) for _ in range(REQUEST_FIELDS))
+        stop, prompt, output = frozenset(ints(n_stop)), ints(n_prompt), ints(n_output)
         params = SamplingParams(int(max_tokens), temp, int(top_k), top_p, min_p, int(seed) if has_seed else None,
                                 logprobs=None if logprobs < 0 else int(logprobs)) if has_params else None
         new.append(Request(int(rid), prompt, int(max_tokens), int(arrival), output, int(computed), stop_ids=stop,
                            params=params, sampling_seed=None if params is None else int(seed), priority=int(priority)))
-    return new, [int(t) for t in payload[at:at + n_abort]]
+    return new, ints(n_abort)
 
 
 def agree(ctx: TPContext, fingerprint, what: str, error: type[Exception] = PlanMismatch) -> None:

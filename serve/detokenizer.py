@@ -30,14 +30,18 @@ class IncrementalDetokenizer:
         before = len(self.text)
         for t in new_ids:
             self.ids.append(t)
-            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-            window = self._decode(self.ids[self.prefix_offset:])
-            if len(window) > len(prefix) and not window.endswith("\ufffd"):
-                self.text += window[len(prefix):]
-                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self._advance()
             if self.stop and self._cut(before):
                 break
         return self.text[before:]
+
+    def _advance(self, flush: bool = False) -> None:
+        """The window's new text joins the text unless it ends in half a character (flush: the request has ended)."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        window = self._decode(self.ids[self.prefix_offset:])
+        if flush or (len(window) > len(prefix) and not window.endswith("\ufffd")):
+            self.text += window[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
 
     def _cut(self, before: int) -> bool:
         """Cut the text before the first stop string that now appears in it (it may span tokens)."""
@@ -54,9 +58,7 @@ class IncrementalDetokenizer:
         """The request ended: text still held back (a trailing partial character) is flushed as decoded."""
         if self.stopped_by is None and self.read_offset < len(self.ids):
             before = len(self.text)
-            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-            self.text += self._decode(self.ids[self.prefix_offset:])[len(prefix):]
-            self.read_offset = len(self.ids)
+            self._advance(flush=True)
             if self.stop:
                 self._cut(before)
 

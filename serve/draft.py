@@ -1,12 +1,6 @@
-"""The draft model of speculative decoding: a smaller LM with the target's vocabulary, replicated on every rank.
-
-Where it runs: whole on every rank of the target's group (tensor-parallel size 1 over a group of one rank), with its
-own paged KV pool of the target's blocks, read through the target's block tables. Its forwards issue no collective
-(a group of one), so a draft costs each rank its own compute and nothing on the wire, and every rank draws the same
-proposals from the same inputs (the ranks then agree on them with the plan's fingerprint, before the target runs).
-Its head gives the whole vocabulary on each rank; each rank keeps q on its own ids of the target's split
-(`local_q`) for the rejection sampler. The other choice, the draft split over the target's group, would divide its
-compute by p but add its own all-reduces per layer to every proposal step (K small forwards, each latency-bound).
+"""The draft model of speculative decoding (docs/spec_decode.md, "A draft model"): a smaller LM with the target's
+vocabulary, whole on every rank (tensor-parallel size 1 over a group of one: its forwards issue no collective), with
+its own paged KV pool of the target's blocks, read through the target's block tables.
 
 Per step, for the scheduled requests (serve/spec_decode.py has the step's order):
 
@@ -15,11 +9,10 @@ Per step, for the scheduled requests (serve/spec_decode.py has the step's order)
                 token); a request verifying k >= 1 proposals samples x_1 from the draft's last row
     forward j   (j = 2..K) one row per request still proposing: x_{j-1} at its position; samples x_j
 
-Each proposal is sampled with the request's filters and its own noise stream (the seed ^ DRAFT_STREAM, the output
-position the token would take); q_j, the filtered distribution it was drawn from, goes to the verifier. The rows the
-draft computes are K,V at the same slots the target uses: the scheduler allocated them for the k + 1 verified rows.
+Each proposal is sampled with the request's filters and its own noise stream (the seed ^ DRAFT_STREAM); q_j, the
+filtered distribution it was drawn from, goes to the verifier on this rank's ids of the target's split.
 `Request.draft_computed` counts the positions whose K,V the draft holds; blocks are named for the prefix cache only
-up to it (a block another request hits must hold the draft's K,V too).
+up to it.
 """
 
 from __future__ import annotations
@@ -31,7 +24,7 @@ import torch
 from layers.sampling.rejection_sampler import DRAFT_STREAM, filtered_logprobs, verify
 from layers.sampling.sampler import SamplingBatch, sample
 from serve.kv_cache import KVPool
-from serve.model_runner import prepare_step
+from serve.model_runner import prepare_step, sampling_rows
 from serve.plan import ScheduledRequest, SchedulerOutput
 from serve.request import Request
 from serve.spec_decode import Proposer, SpeculativeConfig
@@ -116,7 +109,7 @@ class DraftRunner(Proposer):
         if not sampling:
             return
         logits = lm.head_logits(x, step.sample_rows)[0]  # [S, V]: the whole vocabulary (a group of one)
-        batch = _batch([requests[c.request] for c in sampling], j, self.device)
+        batch = SamplingBatch.build(sampling_rows(sampling, requests, ahead=j)[0], -1, self.device)
         picked = sample(logits, 0, None, dataclasses.replace(batch, seed=batch.seed ^ DRAFT_STREAM),
                         lm.cfg.vocab_size).tokens.tolist()
         logq = filtered_logprobs(logits, 0, None, batch)[0]
@@ -134,14 +127,3 @@ def lm_vocab_slice(lm) -> tuple[int, int]:
     head = getattr(lm, "head", lm.embed)
     return getattr(head, "start", 0), getattr(head, "per_rank", lm.cfg.vocab_size)
 
-
-def _batch(rows: list[Request], j: int, device) -> SamplingBatch:
-    """The proposing requests' filters, at the output position proposal j + 1 would take."""
-    out = []
-    for r in rows:
-        q = r.params
-        if q is None:
-            out.append((0.0, 0, 1.0, 0.0, 0, len(r.output) + j))
-        else:
-            out.append((q.temperature, q.top_k, q.top_p, q.min_p, r.sampling_seed or 0, len(r.output) + j))
-    return SamplingBatch.build(out, -1, device)

@@ -1,34 +1,20 @@
-"""The online engine on the TP stack: nano-vllm's spine with vLLM's names.
+"""The online engine on the TP stack: nano-vllm's spine with vLLM's names (docs/library.md, "How the ranks run").
 
     LLMEngine.step  ->  Scheduler.schedule  ->  KVCacheManager  ->  ModelRunner  ->  the TP model  ->  Sampler
                     ->  Scheduler.update_from_output
 
-Rank 0 adds and aborts requests between any two steps and every rank of the group runs the same steps (SPMD).
-Memory is paged (docs/background.md, paged KV cache): the scheduler's KVCacheManager decides every request's block
-table on the host, identically on every rank, and each rank's KVPool (one tensor, allocated once) stores K,V of the
-rank's own heads at the slots those tables name. serve/model_runner.py's prepare_step turns each plan into the
-iteration's tensors, once.
-
-Every rank's scheduler makes the same plan because every rank sees the same requests at the same step (rank 0's
-control message, serve/control.py); before each forward the ranks agree on the plan (one all-gather of its
-fingerprint, in the iteration's ledger), so a difference raises PlanMismatch on every rank before a forward could
-issue collectives of different sizes. The traffic ledger records every collective of every step, and each step is
-compared with the analytic model (tp/traffic_model.py: predict_control + predict_iteration) by a hook
-(serve/hooks.py: LedgerCheck).
-
-Over pipeline stages the same step runs as serve/pipeline.py's PipelineEngine (its `_run`: one tick of the pipeline,
-and its traffic model); serve/build.py's new_engine picks the class. serve/offline.py's drive is the step loop.
+Every rank of the group runs the same steps (SPMD; LLMEngine lists the step's parts), each over its own paged KV pool
+(docs/background.md, paged KV cache). Over pipeline stages the same step runs as serve/pipeline.py's PipelineEngine
+(serve/build.py's new_engine picks the class); serve/offline.py's drive is the step loop.
 
 What the host waits for, per step: one read of the sampled tokens and their logits (one device-to-host copy; it also
-ends the iteration's clock, so timing costs no extra wait). The inputs go over in one host-to-device copy
-(serve/model_runner.py's prepare_step), the ledger counts without waiting, and per-collective times (comm_timing=True)
-add two waits for the compute stream per collective.
+ends the iteration's clock). The inputs go over in one host-to-device copy (serve/model_runner.py's prepare_step),
+the ledger counts without waiting, and per-collective times (comm_timing=True) add two waits per collective.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -77,8 +63,9 @@ class LLMEngine:
 
     and rank 0 returns a RequestOutput for each request that produced a token or finished. The ranks other than 0
     call `step` in a loop until the control message says STOP (`shutdown`); while rank 0 has nothing to do it
-    sends IDLE messages (`keep_alive`), so their wait in the broadcast never reaches the group's timeout.
-    Every collective of a step goes into the ledger and is compared with the model (check_ledger).
+    sends IDLE messages (`keep_alive`), so their wait in the broadcast never reaches the group's timeout. Every
+    collective of a step goes into the traffic ledger, which a hook compares with the model (serve/hooks.py
+    LedgerCheck; tp/traffic_model.py).
     """
 
     def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, config: EngineConfig | None = None,
@@ -99,10 +86,10 @@ class LLMEngine:
         self.cp = 1 if cp_group is None else cp_group.size()  # context parallelism: ctx is cp × tp ranks
         c.check_context_parallel(self.cp)
         self.runner = ModelRunner(lm, ctx, self.num_blocks, c, cp_group)
-        drafting = c.speculative_config is not None and c.speculative_config.method == "draft_model"
-        if drafting != (draft_lm is not None):
+        spec = c.speculative_config
+        if (spec is not None and spec.method == "draft_model") != (draft_lm is not None):
             raise ValueError("speculative_config method='draft_model' and draft_lm go together: give both or neither")
-        spec = c.speculative_config  # speculative decoding's proposer (serve/spec_decode.py Proposer), or None
+        # speculative decoding's proposer (serve/spec_decode.py Proposer), or None
         self.proposer = None if spec is None else NgramProposer(spec) if draft_lm is None else DraftRunner(
             spec, draft_lm, self.num_blocks, c.block_size, self.runner.attention, ctx.device, lm_vocab_slice(lm))
         self.draft = self.proposer if draft_lm is not None else None
@@ -119,7 +106,6 @@ class LLMEngine:
         self.prefix_hit_tokens = 0  # prompt tokens whose K,V the prefix cache gave, at every admission
         self.prefix_queried_tokens = 0  # prompt tokens of every admission (the hit rate's denominator)
         self.collective_bytes_per_rank = 0.0  # sent by each rank in the steps' collectives (the ledger's count)
-        spec = c.speculative_config
         self.spec_stats = SpecDecodeStats(0 if spec is None else spec.num_speculative_tokens)
         # rank 0 only: what arrived since the last step, and the request ids users gave
         self._new: list[Request] = []
@@ -209,7 +195,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration on every rank; rank 0 returns the outputs of the requests it moved (the others: [])."""
         start = time.perf_counter()
-        with self._attached():
+        self.ledger.clear()
+        self.ledger.transfers.clear()  # a pipeline's boundary messages
+        with self.ledger.recording():
             flag, new, aborts, payload = self._control(RUN)  # ★ broadcast: what arrived, what was aborted
             if flag != RUN:
                 self.stopped = flag == STOP
@@ -246,13 +234,6 @@ class LLMEngine:
     # -- what a pipeline overrides (serve/pipeline.py) ---------------------------------------------------------------
 
     first_layer = 0  # the model's number of this rank's first block (a pipeline stage's is later)
-
-    @contextmanager
-    def _attached(self):
-        """The ledger, cleared and recording the step's collectives."""
-        self.ledger.clear()
-        with self.ledger.recording():
-            yield
 
     def _run(self, plan: SchedulerOutput | None) -> Ran:
         """The plan through this rank's model: its tokens are ready at once (one group, no pipeline)."""

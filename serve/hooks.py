@@ -4,8 +4,6 @@ loop (StepHook), so that LLMEngine.step stays a few lines and every check still 
     LedgerCheck   every step's collectives against the model (on by default: EngineConfig.check_ledger)
     OracleCheck   rank 0: each finished request against the dense model recomputed with no cache (LLM(check=True))
     Recorder      every iteration as a record, each request's token times and logits (serve/offline.py's ServeResult)
-
-serve/pd/'s prefill and decode sides are hooks too: they hand requests and their K,V from one group to another.
 """
 
 from __future__ import annotations
@@ -96,9 +94,8 @@ class LedgerCheck(StepHook):
 
 
 class OracleCheck(StepHook):
-    """Rank 0: each request that finishes (aborted ones aside) against the dense model recomputed with no cache at
-    every step (greedy_reference, or sampled_reference with the request's noise), until the same stop ids; the
-    verdict ("match", "near-tie", "MISMATCH") goes into its RequestOutput.oracle."""
+    """Rank 0: each request that finishes (aborted ones aside) against the oracle (check_request); the verdict
+    ("match", "near-tie", "MISMATCH") goes into its RequestOutput.oracle."""
 
     def __init__(self, dense, near_tie: float):
         self.dense, self.near_tie = dense, near_tie

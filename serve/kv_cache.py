@@ -4,16 +4,12 @@
                      heads = h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention)
                      MLA (layers/models/mla.py): [L, 1, slots, 1, c + r], one latent plane, whole on every rank
 
-A slot is one token position of one block: block b's positions are slots [b·block_size, (b+1)·block_size).
-Which blocks a request holds is decided on the host, identically on every rank (serve/block_manager.py); the
-pool only stores. Attention writes each new row's K,V at its slot and reads a request's context through its
-block table (layers/attention/attention.py). Per layer per token a rank holds 2·heads·d_head·e bytes: exactly 1/p of the
-dense cache, because head-aligned TP gives each rank h/p whole heads.
+A slot is one token position of one block: block b's positions are slots [b·block_size, (b+1)·block_size). Which
+blocks a request holds is decided on the host (serve/block_manager.py; docs/serving.md, "Paged KV cache"); the pool
+only stores, exactly 1/p of the dense cache, because head-aligned TP gives each rank h/p whole heads.
 
-kv_cache_dtype fp8_e4m3 / fp8_e5m2 / int8 (layers/attention/kv_quant.py): the same layout holding one-byte codes, and
-beside it float32 scales [L, planes, heads], one per layer, K|V and head; a token's bytes are then
-planes·heads·width per layer whatever the model's dtype (half of bfloat16's, a quarter of float32's), and the
-scales a fixed L·planes·heads·4 bytes on top.
+kv_cache_dtype fp8_e4m3 / fp8_e5m2 / int8 (docs/kv_quant.md): the same layout holding one-byte codes, and beside it
+float32 scales [L, planes, heads] (layers/attention/kv_quant.py).
 
 The pool starts zeroed, not empty: batched attention gathers padding keys from slot 0 and masks them, and a
 masked score is still computed first (NaN from uninitialized memory would survive the mask).

@@ -1,13 +1,11 @@
 """Turns one iteration's plan into tensors and runs it through this rank's TP model: nano-vllm's ModelRunner.
 
-    runner = ModelRunner(lm, ctx, num_blocks, config)   # this rank's KV pool, once; attention
-                                                                        # backend: auto resolved by device
-    tokens, logits = runner.run(plan, tokens_of)                        # [S] ids and their logits, every rank
+    runner = ModelRunner(lm, ctx, num_blocks, config)   # this rank's KV pool, once; the attention backend
+    result, sampling = runner.run(plan, requests)       # the sampled rows' ids and logits, on every rank
 
-It owns the rank's KV pool (serve/kv_cache.py: K,V of the rank's own heads, one tensor), builds the step's
-inputs once per iteration (prepare_step, below) and calls the model's `step` (layers/models/lm.py: embedding, the stack
-over the paged cache, the vocab-parallel head's pick). The results stay on the device: reading them is the engine's
-one wait per step.
+It owns the rank's KV pool (serve/kv_cache.py), builds the step's inputs once per iteration (prepare_step, below) and
+calls the model's `step` (layers/models/lm.py: embedding, the stack over the paged cache, the vocab-parallel head's
+pick). The results stay on the device: reading them is the engine's one wait per step.
 
 One iteration's plan -> the tensors the model reads, built once per iteration (not per layer), in one place:
 
@@ -17,9 +15,8 @@ One iteration's plan -> the tensors the model reads, built once per iteration (n
     sample_rows [S]    the rows whose logits give a token
     batch              what the attention backend reads (layers/attention/backends.py): block tables, groups, masks
 
-Everything integer is laid out on the host in one list and moved with one host-to-device copy (pinned and
-non-blocking on a GPU); masks are then built on the device. The attention backend adds its own lists to the same copy
-(its build), and turns its part of the copy into its metadata (its finish).
+Everything integer, the attention backend's lists included (its build; its finish reads them back), goes over in one
+host-to-device copy (pinned and non-blocking on a GPU); masks are then built on the device.
 """
 
 from __future__ import annotations
@@ -40,6 +37,7 @@ from serve.block_manager import slot_mapping
 from serve.kv_cache import KVPool
 from serve.plan import SchedulerOutput
 from serve.request import Request
+from serve.sampling_params import GREEDY
 from tp.dist import TPContext
 
 
@@ -72,12 +70,12 @@ class ModelRunner:
         return config.pool_blocks(lm.cfg.max_seq_len, None, KVPool.block_bytes(
             lm, slots, next(lm.parameters()).dtype, config.kv_cache_dtype))
 
-    def prepare(self, plan: SchedulerOutput, requests: dict[int, Request]) -> Prepared:
-        """The iteration's tensors (one host-to-device copy) and its sampling batch. requests: id -> Request (its
-        tokens so far, its sampling parameters)."""
+    def prepare(self, plan: SchedulerOutput, requests: dict[int, Request], sampled: bool = True) -> Prepared:
+        """The iteration's tensors (one host-to-device copy) and, unless not `sampled`, its sampling batch.
+        requests: id -> Request (its tokens so far, its sampling parameters)."""
         step = prepare_step(plan, {c.request: requests[c.request].tokens + list(c.spec) for c in plan.scheduled},
                             self.block_size, self.ctx.device, self.backend, self.cache)
-        return Prepared(step, sampling_batch(plan.scheduled, requests, self.ctx.device))
+        return Prepared(step, sampling_batch(plan.scheduled, requests, self.ctx.device) if sampled else None)
 
     @torch.no_grad()
     def run(self, plan: SchedulerOutput, requests: dict[int, Request]) -> tuple[SampleResult, SamplingBatch | None]:
@@ -95,8 +93,7 @@ class ModelRunner:
         draft's distribution on this rank's ids. One SampleResult for every sampled row in plan order (tokens, logits,
         and `accepted`: the row's proposal taken), the plain rows' sampling batch, and what the verifier moved
         (rows, rounds, normalisers: tp/traffic_model.predict_verify)."""
-        step = prepare_step(plan, {c.request: requests[c.request].tokens + list(c.spec) for c in plan.scheduled},
-                            self.block_size, self.ctx.device, self.backend, self.cache)
+        step = self.prepare(plan, requests, sampled=False).step
         lm, dev = self.lm, self.ctx.device
         x = lm.hidden(step.ids, step.positions, step.layers)
         verified = [bool(c.spec) for c in plan.scheduled if c.sample for _ in range(len(c.spec) + 1)]
@@ -105,7 +102,7 @@ class ModelRunner:
         sampling = sampling_batch(plain_chunks, requests, dev)
         plain = lm.pick(x, step.sample_rows[~where], sampling)
         local, start, group = lm.head_logits(x, step.sample_rows[where])
-        batch = SamplingBatch.build(_rows([c for c in plan.scheduled if c.spec], requests)[0], -1, dev)
+        batch = SamplingBatch.build(sampling_rows([c for c in plan.scheduled if c.spec], requests)[0], -1, dev)
         p_logp, rounds, normalisers = filtered_logprobs(local, start, group, batch)
         accepted, token, logit = rejection_sample(p_logp, q, proposal, local, start, group, batch)
         S = len(verified)
@@ -128,28 +125,25 @@ class Prepared(NamedTuple):
     sampling: SamplingBatch | None
 
 
-def _rows(chunks, requests: dict[int, Request]) -> tuple[list[tuple], int]:
+def sampling_rows(chunks, requests: dict[int, Request], ahead: int = 0) -> tuple[list[tuple], int]:
     """The sampled rows' parameters (temperature, top_k, top_p, min_p, seed, output position) and the most logprobs
-    asked: a chunk's last row, or each row of a verified chunk (row j gives output position len(output) + j)."""
+    asked: a chunk's last row, or each row of a verified chunk (row j gives output position len(output) + j; a
+    draft's proposal `ahead` tokens past the output, len(output) + ahead)."""
     rows, logprobs = [], -1
     for c in chunks:
         if c.sample:
             r = requests[c.request]
-            q = r.params
-            for j in range(len(c.spec) + 1):
-                if q is None:  # a request of the launcher's greedy runs
-                    rows.append((0.0, 0, 1.0, 0.0, 0, len(r.output) + j))
-                    continue
+            q = r.params or GREEDY  # no params: a request of the launcher's greedy runs
+            for j in range(ahead, ahead + len(c.spec) + 1):
                 rows.append((q.temperature, q.top_k, q.top_p, q.min_p, r.sampling_seed or 0, len(r.output) + j))
-            if q is not None:
-                logprobs = max(logprobs, -1 if q.logprobs is None else q.logprobs)
+            logprobs = max(logprobs, -1 if q.logprobs is None else q.logprobs)
     return rows, logprobs
 
 
 def sampling_batch(chunks, requests: dict[int, Request], device) -> SamplingBatch | None:
     """The sampled rows' parameters as tensors, built once per step; None when every row is greedy (the head's own
     greedy path, bit for bit)."""
-    rows, logprobs = _rows(chunks, requests)
+    rows, logprobs = sampling_rows(chunks, requests)
     if all(row[0] == 0 for row in rows) and logprobs < 0:
         return None
     return SamplingBatch.build(rows, logprobs, device)

@@ -1,14 +1,9 @@
-"""A workload known up front, served by an LLMEngine on every rank, every iteration recorded: what launch/serve.py,
-the benchmarks and the oracle tests run. `drive` is the one step loop every driver shares (this run, the rank
-processes behind LLM and a server in serve/worker.py, launch/sync_check.py): a feed and a sink make the difference.
+"""A workload known up front, served by an LLMEngine on every rank, every iteration recorded (OfflineEngine: what
+launch/serve.py, the benchmarks and the oracle tests run), and `drive`, the one step loop every driver shares
+(docs/library.md, "One loop for every path").
 
     result = OfflineEngine(lm, ctx, EngineConfig(...), eos_token_ids=(50256,)).run(requests)   # every rank
     result.iterations, result.requests, result.ledger_matches_model, ...
-
-Rank 0 adds each request before the step its `arrival` names (when nothing runs, the next arrivals at once: the
-engine skips the idle stretch without a forward) and steps until every request has finished; the other ranks step
-until rank 0 stops them. The Recorder (serve/hooks.py) keeps every iteration and each request's token times and
-logits, returned in a ServeResult.
 """
 
 from __future__ import annotations
@@ -56,12 +51,10 @@ class ServeResult:
 
 def drive(engine: LLMEngine, feed: Callable[[LLMEngine], bool] | None = None,
           sink: Callable[[list], None] | None = None) -> None:
-    """The one step loop, on every rank of every entry point: LLM's ranks and a server's (serve/worker.py, rank 0
-    fed by the driver's calls), OfflineEngine.run (launch/serve.py, the benchmarks, P/D, pipeline stages) and
-    launch/sync_check.py. What differs between them is the feed and the sink. Rank 0: feed(engine) adds what has
-    arrived (and may wait for it) and says whether a step is due; False ends the loop and stops the other ranks.
-    Each step's outputs go to sink. The other ranks step until rank 0 stops them (their requests come in each
-    step's control message)."""
+    """The one step loop, on every rank of every entry point (LLM's and a server's ranks, serve/worker.py;
+    OfflineEngine.run; launch/sync_check.py): what differs between them is the feed and the sink. Rank 0:
+    feed(engine) adds what has arrived (and may wait for it) and says whether a step is due; False ends the loop and
+    stops the other ranks. Each step's outputs go to sink. The other ranks step until rank 0 stops them."""
     if not engine.ctx.is_main:
         while not engine.stopped:
             engine.step()

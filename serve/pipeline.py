@@ -1,35 +1,20 @@
 """The online engine over pp pipeline stages × tp ranks (layers/models/pipeline.py's PPLM): up to pp micro-batches in
-flight.
+flight (docs/serving.md, "Serving through pipeline stages").
 
-Every rank of the world runs the same steps (SPMD, as LLMEngine). A step is one tick of the pipeline:
-
-    control   ★ rank 0's control message to the whole world (what arrived, what was aborted)
-    schedule  the scheduler forms a new micro-batch from the requests that are not in flight (vLLM V1's batch queue:
-              a request is scheduled again only once its last micro-batch has come back from the last stage), at
-              most 1/pp of the requests that could run (Scheduler.microbatch_cap), so that pp micro-batches can be in flight
-    agree     ★ all-gather of its fingerprint over the world (when one was formed)
-    run       stage s runs the micro-batch that entered s ticks ago: the first embeds it, a later one receives its
-              hidden states from the stage before (the boundary); its blocks over its own KV pool (its stage's layers
-              only); all but the last post the result to the next stage; the last picks the tokens
-    return    ★ the micro-batch that entered pp − 1 ticks ago leaves the last stage: its tokens are broadcast from the
-              last stage to every rank ("pp/tokens") and every rank's scheduler applies them
-
-So stage s works on micro-batch k while stage s + 1 works on k − 1, and every step ends with the token broadcast
-(the step's one wait). A micro-batch takes pp steps from schedule to tokens: with one request alone, pp − 1 of every
-pp stage-steps are idle (the bubble); with pp micro-batches of equal size in flight, none are (bench_pp's serve part).
-
-Every rank's collectives and boundary messages of every step are compared with the model (tp/traffic_model.py:
-predict_control, the plan check, predict_pp_stage for this rank's stage and micro-batch, the head's pick on the last
-stage, the token broadcast), as LLMEngine's are. Each rank keeps its timeline: per step, which micro-batch its stage
-ran and for how long (host time: on a GPU, without a wait for the stream, a stage's busy time is the time to
-launch its work, not the device's, and the bubble read from it means nothing there).
+Every rank of the world runs the same steps (SPMD, as LLMEngine), and a step is one tick of the pipeline: rank 0's
+control message to the world; a new micro-batch from the requests not in flight (Scheduler.microbatch_cap: 1/pp of
+those that could run) and ★ its plan check; stage s runs the micro-batch that entered s ticks ago (received from the
+stage before, its blocks over its own pool, posted to the next); and ★ the micro-batch that entered pp − 1 ticks ago
+leaves the last stage, its tokens broadcast to every rank ("pp/tokens", the step's one wait), where every scheduler
+applies them. Every rank's collectives and boundary messages of every step are compared with the model, as
+LLMEngine's are. Each rank keeps its timeline: per step, which micro-batch its stage ran and for how long (host time:
+on a GPU, without a wait for the stream, a stage's busy time is the time to launch its work, not the device's).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -72,20 +57,9 @@ class PipelineEngine(LLMEngine):
         self._incoming = None  # the receive posted for the next step's input (a stage after the first)
         self._ticked = False  # this step appended to the timeline
 
-    def has_unfinished_requests(self) -> bool:
-        return super().has_unfinished_requests() or bool(self.queue)
-
     @property
     def first_layer(self) -> int:
         return self.lm.layers.start  # the ledger labels this stage's blocks with the model's layer numbers
-
-    @contextmanager
-    def _attached(self):
-        """The ledger, its collectives and its boundary messages cleared, recording this stage's layers."""
-        self.ledger.clear()
-        self.ledger.transfers.clear()
-        with self.ledger.recording():
-            yield
 
     def _flush(self) -> None:
         self.lm.flush()  # the stage's last sends: received by now, waited for

@@ -1,4 +1,5 @@
-"""How one request is decoded: vLLM's `SamplingParams`, with vLLM's names and meanings.
+"""How one request is decoded: vLLM's `SamplingParams`, with vLLM's names, defaults and meanings (docs/library.md;
+the sampler: docs/sampling.md).
 
     SamplingParams(max_tokens=16)                      # sampled at temperature 1 (vLLM's default), 16 tokens at most
     SamplingParams(temperature=0.0, max_tokens=16)     # greedy
@@ -7,15 +8,8 @@
 
     SamplingParams(temperature=0.8, top_p=0.95, seed=1)  # sampled; the same tokens at any TP size, in any batch
 
-Every value is checked when the object is made (a one-line ValueError). The sampler (layers/sampling/sampler.py) applies
-temperature, then min_p, top_k and top_p (vLLM's order), then draws with noise that depends only on (seed, output
-position, token id). seed None: one drawn from the engine's seed and the request's id (a run is reproducible).
-logprobs=N: each step's chosen token and the top N, log softmax of the raw logits, as {token id: logprob} (plain
-floats: `step[t]` where vLLM's Logprob objects have `step[t].logprob`).
-
-vLLM's settings that are not built here are refused by name when they would change the output (n=2,
-presence_penalty=0.5, logit_bias={...}: a one-line ValueError); given at their defaults they are accepted and
-ignored, so code written for vLLM runs unchanged where it asks for nothing more. A name neither has: ValueError too.
+Every value is checked when the object is made (a one-line ValueError); vLLM's settings that are not built here are
+refused by name when they would change the output, and accepted at their defaults (NOT_BUILT_BY_REASON).
 """
 
 from __future__ import annotations
@@ -129,3 +123,4 @@ def _refusing_init(init):
 
 
 SamplingParams.__init__ = _refusing_init(SamplingParams.__init__)
+GREEDY = SamplingParams(temperature=0.0)  # how a request without sampling parameters (a launcher's) is decoded

@@ -1,34 +1,22 @@
 """ORCA iteration-level scheduling with chunked prefill over a paged KV cache, on host data only (no torch, no
 collectives).
 
-Between two iterations, and identically on every rank:
+Between two iterations, and identically on every rank (docs/serving.md, "The scheduler" and "Admission by memory"):
 
-    finish   a request leaves the moment it finishes (max_new_tokens reached, or eos_id sampled); `update`
-             returns it and gives its blocks back
-    carry    every running request with one token left to compute contributes exactly one decode row;
-             they are scheduled first
-    chunk    running requests with more left get their next chunk: at most long_prefill_token_threshold rows, and never more
-             than the budget max_num_batched_tokens has left this iteration
-    admit    waiting requests (arrived, not running) in the policy's order (below), while budget, the running
-             limit (max_num_seqs, at most max_num_batched_tokens) and free blocks allow; each brings its
-             first chunk in the same iteration, starting after the longest run of cached full blocks its prompt
-             shares with earlier requests (prefix caching), or its first decode row if it arrives with its
-             prompt already in the cache (a decode side taking over prefilled requests, serve/pd/)
+    finish   a request leaves the moment it finishes (max_new_tokens, or a stop id): `update` gives its blocks back
+    carry    every running request with one token left to compute gets one decode row, first
+    chunk    running requests with more left get their next chunk: at most long_prefill_token_threshold rows,
+             and never more than the budget max_num_batched_tokens has left this iteration
+    admit    waiting requests in the policy's order, while budget, max_num_seqs and free blocks allow; each brings
+             its first chunk, after the longest run of cached full blocks its prompt starts with (prefix caching),
+             or its first decode row if it arrives with its prompt already cached (serve/pd/'s decode side)
     preempt  a running request that needs a block when none is free takes one from a waiting request that holds
-             blocks (a decode side's handed-over request not yet admitted), else from the running request the
-             policy picks (itself, if it is that one): the victim gives every block back and waits again,
-             to recompute its prompt and the tokens it generated so far (vLLM's preemption by recompute;
-             greedy tokens come out the same). So only running requests ever hold blocks for long, and a pool
-             that holds each request alone always makes progress
+             blocks, else from the running request the policy picks (itself, if it is that one): the victim gives
+             every block back and recomputes later (vLLM's preemption by recompute), so a pool that holds each
+             request alone always makes progress
 
-The policy (EngineConfig.scheduling_policy, vLLM's setting; POLICIES below) makes the two choices of order:
-
-    fcfs      first come, first served: arrivals queue at the back, preempted requests rejoin at the front once
-              the iteration's admission is done; the victim is the most recently admitted running request
-    priority  by Request.priority, lower first, ties by arrival: the queue in (priority, arrival, id) order, a
-              preempted request rejoins at its place at once, so nothing behind it is admitted in the iteration
-              that preempted it; the victim is the running request last in that order. As in vLLM v1, a waiting
-              request never preempts a running one to be admitted: it waits for blocks at the head of the queue
+The order of admission and the victim of a preemption are the policy's (EngineConfig.scheduling_policy: FCFSPolicy,
+PriorityPolicy below). As in vLLM v1, a waiting request never preempts a running one to be admitted.
 
 Memory: a KVCacheManager (serve/block_manager.py) holds every request's block table; a plan's chunks carry the
 tables, so the engine turns a plan into slot mappings without asking anything else. A request's state is
@@ -160,11 +148,8 @@ class Scheduler:
                                     key=lambda r: (r.arrival, r.id)))
         self.waiting: deque[Request] = deque()
         self.by_id = {r.id: r for r in requests}
-        # Pipeline parallelism (serve/pipeline.py's PipelineEngine): requests in micro-batches that have not come
-        # back from the last stage, and in how many. They get no rows and are never preempted until they have (vLLM
-        # V1's batch queue); with chunk_pipelining, a prompt whose chunk is in flight may still get its next chunk
-        # (its `num_computed_tokens` counts the rows dispatched). Each micro-batch takes at most microbatch_cap() of
-        # the requests, so that pp micro-batches can be in flight.
+        # pipeline parallelism (dispatch): requests in micro-batches that have not come back from the last stage, and
+        # in how many; they get no rows (but a prompt's next chunk, with chunk_pipelining) and are never preempted
         self.in_flight: Counter[int] = Counter()
         self.stages = 1  # the PipelineEngine sets its pp
 
@@ -435,22 +420,11 @@ def next_plan(sched: Scheduler, index: int, before_schedule=None) -> tuple[Sched
         index = upcoming
 
 
-def schedule_loop(sched: Scheduler, before_schedule=None):
-    """Every plan of a workload held from the start, in order; the caller applies each plan's tokens (sched.update_from_output)
-    before asking for the next."""
-    index = 0
-    while sched.has_work():
-        plan, index = next_plan(sched, index, before_schedule)
-        if plan is None:
-            return
-        yield plan
-        index += 1
-
-
-def pipeline_schedule(sched: Scheduler, pp: int, before_schedule=None):
-    """The micro-batches of a workload held from the start, in the order they come back from the last of pp stages:
-    PipelineEngine.step's ticks without the model (P/D's decode side knows from it what a pipelined prefill side will
-    hand over, and in which order). The caller applies each one's tokens (sched.update_from_output) before asking for the next."""
+def pipeline_schedule(sched: Scheduler, pp: int = 1, before_schedule=None):
+    """The plans of a workload held from the start, in the order their tokens come back: PipelineEngine.step's ticks
+    without the model over pp stages, LLMEngine's steps with pp = 1 (P/D's decode side knows from it what the
+    prefill side will hand over, and in which order). The caller applies each plan's tokens
+    (sched.update_from_output) before asking for the next."""
     sched.stages = pp
     queue, index = deque(), 0
     while sched.has_work() or queue:

@@ -1,33 +1,15 @@
-"""Speculative decoding: a proposer offers K tokens, the target verifies them in one chunk of K + 1 rows.
+"""Speculative decoding (docs/spec_decode.md): a proposer offers K tokens, the target verifies them in one chunk of
+K + 1 rows.
 
     LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4})
 
-Per decoding request and step (host only, identically on every rank, before the scheduler plans):
-
-    propose   n-gram prompt lookup: the longest suffix of the request's tokens (prompt_lookup_max down to
-              prompt_lookup_min tokens) that occurred earlier in them; the K tokens that followed its latest earlier
-              occurrence with K tokens after it (else its earliest, which has the most) are the proposals x_1..x_K
-              (fewer at the end of the tokens or of max_tokens; none without a match: a plain decode).
-              Request.spec_token_ids holds them.
-    verify    the scheduler gives the request rows [t, t + 1 + k) for its last token and its k proposals (fewer when
-              the step's budget or the pool is short: proposals are dropped, never a request's decode row); every
-              row is sampled, row j with the noise of output position len(output) + j
-    accept    host, after the step's one read: t_0..t_k are the rows' tokens; x_j is accepted while t_{j-1} = x_j;
-              the request gets t_0..t_n (n accepted proposals and one token of the target's own), its cache keeps
-              the K,V of the n + 1 rows whose tokens it now holds, and blocks that held only rejected rows go back
-
-Exactness (docs/background.md, speculative decoding; Leviathan et al. 2023). For a point-mass proposal q = δ_x the
-rejection step accepts x with probability min(1, p(x)/q(x)) = p(x) and on rejection draws from normalize(max(0, p - q))
-= p without x. The sampler's exponential race over the shards does exactly that: its winner is x with probability
-p(x), and given that it is not x it is distributed as p restricted to the other ids. So the n-gram verifier is the
-sampler itself, with its filters (temperature, min-p, top-k, top-p) applied to p as always, nothing gathered, and no
-collective beyond a plain step's over k + 1 rows: the tokens are the very tokens decoding without speculation gives
-(the same noise keys), greedy or sampled, at every TP size. Greedy is the special case "accept while the argmax
-equals the proposal".
-
-vLLM's metrics: a draft is a verified request with k >= 1 proposals; acceptance rate = accepted / draft tokens;
-mean acceptance length = 1 + accepted / drafts; accepted per position j.
+Per decoding request and step, host only and identically on every rank: the proposer's `prepare` gives it proposals
+x_1..x_k (Request.spec_token_ids; n-gram prompt lookup over its own tokens), the scheduler gives it rows
+[t, t + 1 + k) for its last token and its proposals, every row sampled (row j with the noise of output position
+len(output) + j), and after the step's one read `accept` keeps x_j while t_{j-1} = x_j, then the target's own token.
+For a point-mass proposal the sampler's exponential race is itself the rejection step, so the tokens are those of
+decoding without speculation (docs/spec_decode.md, "Why the tokens do not change"). Counters: vLLM's spec_decode_*.
 """
 
 from __future__ import annotations

@@ -7,14 +7,10 @@ here on a bundled text (serve/toy_corpus.txt), saved as transformers saves a tok
 
 The weights are random (drawn from --seed), so the text is gibberish; everything else is a real checkpoint: LLM,
 python -m serve, the server and transformers read it as they read a downloaded one. Any byte string encodes (the
-BPE's alphabet is the 256 bytes), and the tokenizer's <|endoftext|> is the model's EOS.
-
-    size   hidden  heads (K,V)  layers  context  vocab   tensor_parallel_size
-    tiny   128     8 (4)        2       512      1024    1, 2, 4
-    small  512     8 (4)        4       1024     1024    1, 2, 4
-
-Each family's module says how its toy is shaped at a size (layers/models/families.py, its `toy`): DeepSeek-V3's has MLA
-and one dense layer before DeepSeekMoE, Qwen3's a head_dim of 32.
+BPE's alphabet is the 256 bytes), and the tokenizer's <|endoftext|> is the model's EOS. The sizes are SIZES below
+(8 heads over 4 K,V heads: tensor_parallel_size 1, 2 or 4). Each family's module says how its toy is shaped at a
+size (layers/models/families.py, its `toy`): DeepSeek-V3's has MLA and one dense layer before DeepSeekMoE, Qwen3's a
+head_dim of 32.
 """
 
 from __future__ import annotations

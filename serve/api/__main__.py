@@ -44,16 +44,14 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    sock = None
     try:
         config = engine_from_flags(args)
         for name in ("queue_timeout", "shutdown_timeout"):
             if not getattr(args, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be a positive number of seconds")
         sock = bind(args.host, args.port)  # before the ranks start: a port in use fails fast
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
+        from layers.models.hf import resolve_dtype
         from serve.llm import has_tokenizer
 
         if args.tokenizer is None and not os.path.isdir(args.model):
@@ -62,29 +60,19 @@ def main(argv: list[str] | None = None) -> int:
         if not has_tokenizer(args.model, args.tokenizer):
             raise ValueError(f"{args.tokenizer or args.model} has no tokenizer files; the server takes and returns "
                              f"text: pass --tokenizer DIR")
-        from layers.models.hf import resolve_dtype
-        from tp.dist import ConfigError
+        dtype = str(resolve_dtype(args.dtype, args.model)[0]).removeprefix("torch.")  # a ConfigError is a ValueError
+        import uvicorn
 
-        try:
-            dtype = str(resolve_dtype(args.dtype, args.model)[0]).removeprefix("torch.")
-        except ConfigError as exc:
-            raise ValueError(str(exc)) from None
-    except ValueError as exc:
-        sock.close()
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    import uvicorn
+        from serve import LLM
+        from serve.api.app import build_app
+        from serve.api.async_engine import AsyncEngine
+        from serve.api.metrics import ServerMetrics
 
-    from serve import LLM
-    from serve.api.app import build_app
-    from serve.api.async_engine import AsyncEngine
-    from serve.api.metrics import ServerMetrics
-
-    start = time.perf_counter()
-    try:
+        start = time.perf_counter()
         llm = LLM(args.model, seed=args.seed, **(llm_settings(args, config) | {"dtype": dtype}))
     except ValueError as exc:
-        sock.close()
+        if sock is not None:
+            sock.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
     ranks_ready = time.perf_counter()
@@ -106,11 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     grace = args.shutdown_timeout
 
     class Server(uvicorn.Server):
-        """The first SIGTERM / SIGINT drains: the server keeps listening and answers 503 to new requests while
-        in-flight ones get the grace period (then they are aborted), and closes once the ranks are stopped. A second
-        one stops now: what runs is aborted at the engine's next step (streams end with "abort" and [DONE]), the
-        server stops listening, closes each connection as its answer ends, and exits once the ranks are stopped (a
-        connection still open then is cut). A third SIGINT: uvicorn's own exit (connections cut at once)."""
+        """The first SIGTERM / SIGINT drains (503 to new requests, the grace period for those in flight), a second
+        stops now (what runs is aborted at the engine's next step), a third is uvicorn's own exit (docs/server.md)."""
 
         first: float | None = None  # when the first signal came
         last: tuple[str, float] | None = None  # the last signal handled here, and when

@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serve.api.async_engine import run_sinks
 from serve.api.metrics import CONTENT_TYPE
 from serve.request import context_error
 from serve.api.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Logprobs, created, new_id, parse,
@@ -33,17 +34,12 @@ def lifespan(engine):
 
         def deliver(batch) -> None:  # on the engine thread
             try:
-                loop.call_soon_threadsafe(_run_sinks, batch)
+                loop.call_soon_threadsafe(run_sinks, batch)
             except RuntimeError:  # the loop has closed (the server is stopping): nobody is listening
                 pass
         engine.deliver = deliver
         yield
     return run
-
-
-def _run_sinks(batch) -> None:
-    for sink, event in batch:
-        sink(event)
 
 
 class Submission:
@@ -64,22 +60,15 @@ class Submission:
         """The next event, or None when the client has gone away (asked at least every POLL_S, also while events
         keep coming). request None: no polling (a streaming response notices a disconnect itself, and cancels the
         task that waits here)."""
-        if request is not None and time.monotonic() - self.asked >= POLL_S:
-            self.asked = time.monotonic()
-            if await request.is_disconnected():
-                return None
-        if not self.queue.empty() or request is None:
-            i, event = await self.queue.get()
-        else:
-            get = asyncio.ensure_future(self.queue.get())
-            while True:
-                done, _ = await asyncio.wait({get}, timeout=POLL_S)
-                if done:
-                    i, event = get.result()
-                    break
+        get = asyncio.ensure_future(self.queue.get())
+        while request is not None and not get.done():
+            if time.monotonic() - self.asked >= POLL_S:
+                self.asked = time.monotonic()
                 if await request.is_disconnected():
                     get.cancel()
                     return None
+            await asyncio.wait({get}, timeout=POLL_S)
+        i, event = await get
         if event[0] != "output" or event[1].finished:
             self.open.discard(i)
         return i, event
@@ -108,9 +97,8 @@ def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, max_pos
         if name != model_name:
             raise APIError(400, f"the model `{name}` does not exist; this server serves `{model_name}`", "model",
                            "model_not_found")
-        if not engine.accepting:
-            raise APIError(503, "the server is shutting down" if engine.failed is None else
-                           f"the engine has failed: {engine.failed}", code="unavailable")
+        if (refused := engine.refusal()) is not None:
+            raise refused
 
     def encode(text: str, special: bool = True) -> list[int]:
         return tokenizer(text, add_special_tokens=special)["input_ids"]
@@ -130,13 +118,8 @@ def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, max_pos
 
     @app.get("/health")
     async def health():
-        if engine.failed is not None:
-            return error(APIError(503, f"the engine has failed: {engine.failed}", code="engine_failed"))
-        if not engine.accepting:  # (draining: its ranks are being stopped, not failing)
-            return error(APIError(503, "the server is shutting down", code="shutting_down"))
-        if (gone := engine.exited_rank()) is not None:  # seen here at once, before the engine thread's next look
-            return error(APIError(503, f"the engine has failed: {gone}", code="engine_failed"))
-        return {"status": "ok"}
+        refused = engine.refusal(look_at_ranks=True)  # a rank that died is seen here at once
+        return {"status": "ok"} if refused is None else error(refused)
 
     @app.get("/v1/models")
     async def models():
@@ -174,37 +157,29 @@ def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, max_pos
         sub = Submission(engine, new_id("cmpl" if kind == "completion" else "chatcmpl"), prompts, params, req.priority)
         shape = Shape(kind, sub.ids[0].rsplit("-", 1)[0], model_name, tokenizer, top, params[0].stop,
                       req.return_token_ids)
+        prompt_tokens = [len(ids) for _, ids in prompts]
+        events: list = []  # until every prompt has ended (a whole answer) or has its first token (a stream)
+        waiting = set(range(len(prompts)))
         try:
-            if not req.stream:
-                finals: dict[int, object] = {}
-                while len(finals) < len(prompts):
-                    event = await sub.next(request)
-                    if event is None:
-                        sub.abort_open()
-                        return Response(status_code=499)  # the client is gone; nobody reads this
-                    i, (what, value) = event
-                    if what == "error":
-                        raise as_asked(value, req)
-                    if what == "abort" or value.finished:
-                        finals[i] = value
-                return shape.full([finals[i] for i in range(len(prompts))], [len(ids) for _, ids in prompts])
-            started: list = []  # each prompt's events until it has its first token (or has ended)
-            waiting = set(range(len(prompts)))
             while waiting:
                 event = await sub.next(request)
                 if event is None:
                     sub.abort_open()
-                    return Response(status_code=499)
+                    return Response(status_code=499)  # the client is gone; nobody reads this
                 i, (what, value) = event
                 if what == "error":
                     raise as_asked(value, req)
-                started.append(event)
-                waiting.discard(i)
+                events.append(event)
+                if req.stream or what == "abort" or value.finished:
+                    waiting.discard(i)
         except BaseException:
             sub.abort_open()
             raise
+        if not req.stream:
+            finals = {i: value for i, (_, value) in events}  # each prompt's last event: its end
+            return shape.full([finals[i] for i in range(len(prompts))], prompt_tokens)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return StreamingResponse(stream(sub, shape, started, [len(ids) for _, ids in prompts], include_usage),
+        return StreamingResponse(stream(sub, shape, events, prompt_tokens, include_usage),
                                  media_type="text/event-stream")
 
     async def stream(sub: Submission, shape: "Shape", started: list, prompt_tokens: list[int], include_usage: bool):
@@ -220,7 +195,7 @@ def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, max_pos
                     return
                 i, (what, value) = event
                 if what == "error":
-                    yield f"data: {json.dumps(value.body())}\n\n"
+                    yield shape.sse(value.body())
                     return
                 piece = shape.piece(i, value, sent[i])
                 if piece is not None:
@@ -278,13 +253,14 @@ class Shape:
         return (self.logprobs.completion(ids, steps, offset) if self.kind == "completion" else
                 self.logprobs.chat(ids, steps))
 
+    def choice(self, i: int, text: str, reason, logprobs, chat: dict) -> dict:
+        """One choice: a completion's text, or a chat's `chat` (a chunk's delta, a whole answer's message)."""
+        return {"index": i, **({"text": text} if self.kind == "completion" else chat), "logprobs": logprobs,
+                "finish_reason": reason}
+
     def chunk(self, i: int, c, *, role: bool = False, text: str = "", reason=None, logprobs=None) -> dict:
-        if self.kind == "completion":
-            choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
-        else:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        return dict(self.head(), choices=[choice])
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        return dict(self.head(), choices=[self.choice(i, text, reason, logprobs, {"delta": delta})])
 
     def piece(self, i: int, value, sent: Sent) -> dict | None:
         """The chunk for what is new in a choice since the last one sent (None: nothing new to say)."""
@@ -308,12 +284,8 @@ class Shape:
             c = None if value is None else value.outputs[0]
             text, reason = ("", "abort") if c is None else (c.text, c.finish_reason)
             done += 0 if c is None else len(c.token_ids)
-            logprobs = self._logprobs(c, 0, 0)
-            if self.kind == "completion":
-                choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
-            else:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                                "finish_reason": reason})
+            choices.append(self.choice(i, text, reason, self._logprobs(c, 0, 0),
+                                       {"message": {"role": "assistant", "content": text}}))
             if self.token_ids:
                 choices[-1]["token_ids"] = [] if c is None else list(c.token_ids)
         return dict(self.head(chunk=False), choices=choices, usage=usage(sum(prompt_tokens), done))

@@ -1,26 +1,16 @@
-"""The engine behind the HTTP server: one thread owns the `LLM` (its pipe to rank 0); the server's handlers, on the
-asyncio loop, only put operations in its queue and read their requests' events.
+"""The engine behind the HTTP server (docs/server.md, "How it runs"): one thread owns the `LLM` (its pipe to rank 0);
+the server's handlers, on the asyncio loop, only put operations in its queue and read their requests' events.
 
     handlers (asyncio)  --ops queue-->  engine thread  --add/abort, no wait-->  rank 0: steps on its own while it
                         <--events---                   <--each step's outputs--  has work (LLM.serve) --★--> ranks
 
-Rank 0 does not wait for this thread between steps: the thread's work (text, events, metrics, the log) is off the
-step's path. Continuous batching: a request added while others run is in the control message of the step after the
-one running, so it joins the running batch there (the scheduler admits it when the budget allows), not after the
-batch drains. With no request live the thread blocks on its queue (no spin; rank 0 keeps the other ranks alive
-meanwhile, serve/worker.py) and checks every half second that no rank has died.
-
-Events a request's sink receives: all of one turn's go to the loop at once through `deliver` (one wake-up of the
-loop per step, however many streams), or, without one, are called on the engine thread:
+Rank 0 does not wait for this thread between steps (text, events, metrics and the log are off the step's path), and
+a request added while others run joins the running batch at the step after the one running. Events a request's sink
+receives, all of one turn's handed to the loop at once through `deliver` (without a loop: run on this thread):
 
     ("output", RequestOutput)   the request moved (cumulative tokens and text; finished=True at the end)
     ("error", APIError)         refused (400), timed out in the queue (503), or the engine failed (503)
     ("abort", None)             ended by the server's shutdown: after the grace period, or at once (drain(0))
-
-A client that goes away is aborted at the next step (its blocks go back to the pool there); nothing more is sent to
-it. A request that has not produced its first token queue_timeout_s after it arrived is aborted and answered 503.
-When a rank fails, every live request gets an error, `failed` says why, and on_failure() is called (the server
-exits non-zero); the ranks are stopped either way when the thread ends.
 """
 
 from __future__ import annotations
@@ -47,11 +37,17 @@ class Live:
     tokens: int = 0
 
 
+def run_sinks(batch: list) -> None:
+    """Each (sink, event) of a turn: the sink called with its event (on the server's loop, or on the engine thread)."""
+    for sink, event in batch:
+        sink(event)
+
+
 class AsyncEngine:
     def __init__(self, llm, *, queue_timeout_s: float = 300.0, iteration_log: str | None = None, metrics=None,
                  on_failure: Callable[[], None] | None = None):
         self.llm, self.queue_timeout_s, self.metrics = llm, queue_timeout_s, metrics
-        self.deliver: Callable[[list], None] | None = None  # takes [(sink, event), ...]: the server's loop runs them
+        self.deliver: Callable[[list], None] = run_sinks  # takes [(sink, event), ...]: the server's loop runs them
         self._out: list = []  # this turn's (sink, event) pairs
         self.on_failure = on_failure
         self.failed: str | None = None  # why the engine failed (one line)
@@ -77,11 +73,9 @@ class AsyncEngine:
     def submit(self, request_id: str, prompt_ids: list[int], text: str | None, params, sink: Callable,
                priority: int = 0) -> None:
         """Queue a request; its events go to sink (run on the server's loop through `deliver`, or on the engine thread
-        without one). APIError(503) at once when the server is failing or shutting down."""
-        if self.failed is not None:
-            raise APIError(503, f"the engine has failed: {self.failed}", code="engine_failed")
-        if not self._accepting:
-            raise APIError(503, "the server is shutting down", code="shutting_down")
+        without one). APIError(503) at once when the server is failing or shutting down (`refusal`)."""
+        if (refused := self.refusal()) is not None:
+            raise refused
         self._ops.put(("add", (request_id, prompt_ids, text, params, sink, time.monotonic(), priority)))
         if self.done.is_set():  # the thread ended between the check above and the put: answer it here
             self._refuse_queued()
@@ -102,9 +96,13 @@ class AsyncEngine:
         exited = self.llm.executor.exited() if not self.done.is_set() else []
         return f"rank {exited[0][0]} exited (code {exited[0][1]})" if exited else None
 
-    @property
-    def accepting(self) -> bool:
-        return self._accepting and self.failed is None
+    def refusal(self, look_at_ranks: bool = False) -> APIError | None:
+        """Why a new request is answered 503 now: the engine failed, or the server is shutting down; None while it
+        accepts. look_at_ranks: a rank that has exited counts as failed at once (before the engine thread's look)."""
+        failed = self.failed or (self.exited_rank() if look_at_ranks and self._accepting else None)
+        if failed is not None:
+            return APIError(503, f"the engine has failed: {failed}", code="engine_failed")
+        return None if self._accepting else APIError(503, "the server is shutting down", code="shutting_down")
 
     @property
     def live(self) -> int:
@@ -135,9 +133,8 @@ class AsyncEngine:
             self.detail = str(exc) or type(exc).__name__  # with the ranks' tracebacks: the server's log prints it
             self.failed = self.detail.splitlines()[0]
             self._accepting = False
-            error = APIError(503, f"the engine failed: {self.failed}", code="engine_failed")
             for live in self._live.values():
-                self._emit(live.sink, ("error", error))
+                self._emit(live.sink, ("error", self.refusal()))
             self._live.clear()
             self._flush()
             if self.on_failure is not None:
@@ -154,40 +151,35 @@ class AsyncEngine:
 
     def _refuse_queued(self) -> None:
         """The thread is ending: requests still in the queue are answered 503 (none is left waiting)."""
-        why = (APIError(503, f"the engine failed: {self.failed}", code="engine_failed") if self.failed is not None
-               else APIError(503, "the server is shutting down", code="shutting_down"))
-        while True:
-            try:
-                kind, arg = self._ops.get_nowait()
-            except queue.Empty:
-                break
+        why = self.refusal()
+        for kind, arg in self._queued():
             if kind == "add":
                 self._emit(arg[4], ("error", why))
         self._flush()
 
     def _take(self, block: bool) -> None:
         """Apply every queued operation; with block, wait up to IDLE_CHECK_S for the first."""
-        try:
-            op = self._ops.get(timeout=IDLE_CHECK_S) if block else self._ops.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            kind, arg = op
+        for kind, arg in self._queued(block):
             if kind == "add":
                 self._add(*arg)
-            elif kind == "abort":
-                if (live := self._live.pop(arg, None)) is not None:
-                    self._send_abort(arg, live)
+            elif kind == "abort" and arg in self._live:
+                self._abort(arg)
             elif kind == "drain":
                 self._deadline = arg if self._deadline is None else min(self._deadline, arg)
-            try:
-                op = self._ops.get_nowait()
-            except queue.Empty:
-                return
+
+    def _queued(self, block: bool = False):
+        """The queued operations (kind, arg), in order, until the queue is empty; with block, the first is waited for
+        up to IDLE_CHECK_S."""
+        try:
+            yield self._ops.get(timeout=IDLE_CHECK_S) if block else self._ops.get_nowait()
+            while True:
+                yield self._ops.get_nowait()
+        except queue.Empty:
+            return
 
     def _add(self, request_id, prompt_ids, text, params, sink, arrival, priority) -> None:
-        if not self._accepting:
-            self._emit(sink, ("error", APIError(503, "the server is shutting down", code="shutting_down")))
+        if (refused := self.refusal()) is not None:
+            self._emit(sink, ("error", refused))
             return
         try:
             self.llm.add_request(request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params, wait=False,
@@ -201,45 +193,41 @@ class AsyncEngine:
         self._out.append((sink, event))
 
     def _flush(self) -> None:
-        if not self._out:
-            return
-        batch, self._out = self._out, []
-        if self.deliver is not None:
+        if self._out:
+            batch, self._out = self._out, []
             self.deliver(batch)
-        else:
-            for sink, event in batch:
-                sink(event)
 
-    def _send_abort(self, request_id: str, live: Live) -> None:
-        """Abort it in the engine (client gone, queue timeout, shutdown): counted as ended with "abort"."""
+    def _abort(self, request_id: str, event: tuple | None = None) -> None:
+        """Abort a live request in the engine (client gone, queue timeout, shutdown): counted as ended with "abort";
+        its sink hears `event` (None: nothing, its client is gone)."""
+        live = self._live.pop(request_id)
         self.llm.abort_request(request_id, wait=False)
         self._expect_until = time.monotonic() + EXPECT_S
         if self.metrics is not None:
             self.metrics.finished("abort", live.prompt_tokens, live.tokens, None)
+        if event is not None:
+            self._emit(live.sink, event)
 
     def _expire(self) -> None:
+        """Requests without a first token after queue_timeout_s are answered 503; past the drain's deadline, every
+        live request is aborted."""
         now = time.monotonic()
         for rid, live in list(self._live.items()):
             if live.first is None and now - live.arrival > self.queue_timeout_s:
-                del self._live[rid]
-                self._send_abort(rid, live)
-                self._emit(live.sink, ("error", APIError(503, f"no token after {now - live.arrival:.1f} s in the queue (the "
-                                                  f"server's queue timeout is {self.queue_timeout_s:g} s); try "
-                                                  f"again later", code="queue_timeout")))
+                self._abort(rid, ("error", APIError(503, f"no token after {now - live.arrival:.1f} s in the queue "
+                                                         f"(the server's queue timeout is {self.queue_timeout_s:g} s); "
+                                                         f"try again later", code="queue_timeout")))
         if self._deadline is not None and now >= self._deadline:
-            for rid, live in list(self._live.items()):
-                del self._live[rid]
-                self._send_abort(rid, live)
-                self._emit(live.sink, ("abort", None))
-                self.cut += 1
+            self.cut += len(self._live)
+            for rid in list(self._live):
+                self._abort(rid, ("abort", None))
 
     def _hand_out(self, outputs: list, stats: dict) -> None:
         outputs = self.llm.detokenize(outputs)
         self.stats = stats
         self.steps += 1
         now = time.monotonic()
-        new_tokens, first, finished = {}, [], {}
-        aborted = []
+        new_tokens, first, finished, aborted = {}, [], {}, []
         for o in outputs:
             live = self._live.get(o.request_id)
             if live is None:  # aborted here already (its client is gone): this step applied the abort

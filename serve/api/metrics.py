@@ -1,21 +1,6 @@
-"""GET /metrics: Prometheus text, vLLM's metric names under the `tpref:` prefix.
+"""GET /metrics: Prometheus text, vLLM's metric names under the `tpref:` prefix (the table: docs/server.md, "Metrics").
 
-    tpref:num_requests_running / _waiting        the engine's queues after the last step (gauges)
-    tpref:kv_blocks_used / tpref:kv_blocks_free  each rank's pool of KV blocks (every rank holds the same tables)
-    tpref:prefix_cache_hit_rate                  prompt tokens found in the prefix cache / prompt tokens admitted
-    tpref:prefix_cache_hits_total, tpref:prefix_cache_queries_total   the same, as counters (tokens)
-    tpref:num_preemptions_total                  requests preempted (recomputed later) so far
-    tpref:time_to_first_token_seconds            histogram: request arrived here -> its first token here
-    tpref:time_per_output_token_seconds          histogram: per request, (finished - first token) / (tokens - 1)
-    tpref:prompt_tokens_total, tpref:generation_tokens_total   tokens of finished requests' prompts; tokens made
-    tpref:generation_tokens_per_second           tokens made in the last WINDOW_S seconds / WINDOW_S
-    tpref:request_success_total{finished_reason} requests ended: stop, length, abort (the client gone, a queue
-                                                 timeout, the server's shutdown)
-    tpref:collective_bytes_per_rank_total        bytes each rank sent in the steps' collectives (the ledger's count,
-                                                 which every step checks against the analytic model)
-    tpref:engine_steps_total                     steps run
-
-The engine's numbers are rank 0's stats() after the last step (serve/async_engine.py keeps them); the times are
+The engine's numbers are rank 0's stats() after the last step (serve/api/async_engine.py keeps them); the times are
 taken in the server's process, so they include the HTTP side's queueing.
 """
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from itertools import accumulate
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
@@ -119,18 +120,7 @@ class CompletionRequest(_Common):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: StrictStr | list[dict] | None = None
-
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"message content part of type {part.get('type')!r}: only text parts are "
-                                    f"supported", "messages")
-            parts.append(part["text"])
-        return "".join(parts)
+    content: StrictStr | list[dict] | None = None  # a list holds text parts ({"type": "text", "text": ...})
 
 
 class ChatCompletionRequest(_Common):
@@ -167,10 +157,13 @@ def parse(model: type[BaseModel], data) -> BaseModel:
 
 def render_chat(tokenizer, messages: list[ChatMessage]) -> str:
     """The prompt text of a conversation (serve/detokenizer.render_chat: the tokenizer's chat template, or the plain
-    one: "role: content" lines, then "assistant:")."""
+    one: "role: content" lines, then "assistant:"); APIError(400) naming `messages` for content other than text."""
     from serve.detokenizer import render_chat as render
 
-    return render(tokenizer, [{"role": m.role, "content": m.text()} for m in messages])
+    try:
+        return render(tokenizer, [{"role": m.role, "content": m.content} for m in messages])
+    except ValueError as exc:  # its one-line refusal of a part that is not text
+        raise APIError(400, str(exc), "messages") from None
 
 
 # ---- answers --------------------------------------------------------------------------------------------------
@@ -201,10 +194,7 @@ class Logprobs:
 
     def completion(self, ids: list[int], steps: list[dict[int, float]], offset: int) -> dict:
         tokens = [self._token(t) for t in ids]
-        offsets, at = [], offset
-        for s in tokens:
-            offsets.append(at)
-            at += len(s)
+        offsets = list(accumulate((len(s) for s in tokens), initial=offset))[:-1]  # where each token's text starts
         return {"tokens": tokens, "token_logprobs": [step[t] for t, step in zip(ids, steps)],
                 "top_logprobs": [{self._token(a): lp for a, lp in self._top(step)} for t, step in zip(ids, steps)],
                 "text_offset": offsets}

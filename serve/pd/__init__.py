@@ -1,36 +1,20 @@
-"""Prefill/decode disaggregation (seeds/06): a prefill group and a decode group of TP ranks, one world.
+"""Prefill/decode disaggregation (docs/pd.md; seeds/06): a prefill group and a decode group of TP ranks in one world,
+each running serve/engine.py's engine over its own TPLM, and each request's K,V handed from one to the other.
 
     global ranks 0 .. p_P−1: the prefill group;  p_P .. p_P+p_D−1: the decode group
 
-Each group runs the TP stack sharded over itself (its own TPLM) and the engine of serve/engine.py:
+    prefill side   every request as if max_new_tokens were 1: (chunked) prefill, and the chunk that completes a
+                   prompt samples token 1 (time to first token = the prefill)
+    hand-over      positions [0, N) of every layer's K,V by point-to-point messages, each overlapping (prefill rank,
+                   decode rank) pair moving the heads it shares (re-sharded in flight when p_P ≠ p_D), and token 1;
+                   after the prefill, or streamed layer by layer while the later layers still compute
+    decode side    each handed-over request is added with its prompt computed and token 1 in its output
+                   (LLMEngine.add_computed) and joins the continuous batch as a decode row
 
-    prefill side   every request as if max_new_tokens were 1: (chunked) prefill, and the chunk that
-                   completes a prompt samples the request's first token. The prefill side emits token 1,
-                   as in seeds/06's flow (time to first token = the prefill; the hand-over and the first
-                   decode iteration come before token 2).
-    hand-over      the request's K,V for positions [0, N) of every layer go to the decode group by
-                   point-to-point messages. Prefill rank r holds heads [r·h/p_P, (r+1)·h/p_P), decode rank s
-                   needs [s·h/p_D, (s+1)·h/p_D): every overlapping (r, s) pair moves the heads they share
-                   (tp/traffic_model.head_overlaps: p_P + p_D − gcd pairs, L_p·K_tok bytes in all, 1/p_D of
-                   it to each decode rank), re-sharding heads in flight when p_P ≠ p_D. With grouped-query
-                   attention (Llama) the heads are the h_kv K,V heads; a head replicated on several prefill
-                   ranks is sent by the lowest, and each decode rank holding a replica receives it. Token 1 goes to each
-                   decode rank from the lowest prefill rank overlapping it. Either sent after the prefill (one
-                   message per pair) or streamed: layer ℓ leaves as soon as the prompt's last chunk has passed
-                   layer ℓ, while the later layers still compute.
-    decode side    each handed-over request is added to the decode group's engine with its prompt already
-                   computed and token 1 in its output (LLMEngine.add_computed: blocks for its prompt, its K,V
-                   written at their slots), and joins the continuous batch as a decode row.
-
-Each side is an LLMEngine driven by serve.engine.Engine, and PrefillSide / DecodeSide are its StepHooks.
-
-No control messages cross the groups. Which requests complete their prefill in which prefill iteration depends
-only on the requests and the scheduler settings, so every rank computes it (`prefill_schedule`): the decode ranks
-know what will come, from whom and in which order, and post their receives ahead. A request joins the decode
-batch at the first iteration boundary at which its K,V have landed on every decode rank (★ one all-reduce of a
-count over the decode group per boundary: every decode rank takes in the same requests). Every message goes
-through the traffic ledger (`TrafficLedger.transfers`) and equals tp/traffic_model.predict_transfers.
-Times across the two groups compare time.perf_counter() of processes on one host (CLOCK_MONOTONIC).
+No control messages cross the groups: every rank computes which prompts complete in which prefill iteration
+(`prefill_schedule`), so the decode ranks post their receives ahead, and ★ one all-reduce of a count per iteration
+boundary makes every decode rank take in the same landed requests. Every message goes through the traffic ledger
+and equals tp/traffic_model.predict_transfers.
 
     plan.py        the layout, the prefill schedule every rank computes, the pools' check (host only)
     handover.py    PrefillSide / DecodeSide: the hand-over's messages, hooks on each group's engine

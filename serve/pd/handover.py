@@ -29,13 +29,10 @@ from tp.partition import kv_head_range
 from tp.traffic_model import pd_pairs, token_sources
 
 
-def _tag(request: int, layer: int | None, n_layers: int) -> int:
-    """gloo matches messages by (peer, tag): one tag per request and message (NCCL keeps them in order)."""
-    return request * (n_layers + 2) + (n_layers if layer is None else layer)
-
-
-def _token_tag(request: int, n_layers: int) -> int:
-    return request * (n_layers + 2) + n_layers + 1
+def _tag(request: int, layer: int | None, n_layers: int, token: bool = False) -> int:
+    """gloo matches messages by (peer, tag): one tag per request and message (a layer's K,V, every layer's, its first
+    token; NCCL keeps them in order)."""
+    return request * (n_layers + 2) + (n_layers + 1 if token else n_layers if layer is None else layer)
 
 
 class HandoverTimeout(RuntimeError):
@@ -100,11 +97,9 @@ def _label(fields: tuple) -> str:
 
 def warm_up_pairs(cfg, layout: Layout, rank: int, ledger: TrafficLedger, device: torch.device,
                   timeout_s: float) -> None:
-    """One message per (prefill rank, decode rank) pair of the hand-over, before anything is served: NCCL creates a
-    pair's communicator at its first point-to-point message, which would otherwise block the first streamed layer
-    inside a forward hook. Pairs go in one global order ((prefill rank, decode rank) ascending), each waited for
-    before the next, so the smallest pending pair always has both ends at it: no deadlock. Ledgered as
-    "pd/warm-up" (request -1): 8 bytes each way per pair, in tp/traffic_model.predict_transfers too."""
+    """One message per (prefill rank, decode rank) pair before anything is served, so NCCL's pair communicators exist
+    before the first streamed layer's send (docs/pd.md, "Safe on NCCL"). Pairs go in one global order, each waited for
+    before the next, so the smallest pending pair always has both ends at it: no deadlock. Ledgered as "pd/warm-up"."""
     token = torch.zeros(1, dtype=torch.int64, device=device)
     for r, s, *_ in pd_pairs(cfg.n_kv_heads, cfg.n_layers, layout.prefill_ranks, layout.decode_ranks,
                              layout.prefill_pp):
@@ -169,12 +164,10 @@ class PrefillSide(StepHook):
         running = getattr(self.engine, "stage_plan", None)
         finishing = self.finishing if running is None else self.by_plan.get(running.index, {})
         for rid, slots in finishing.items():
-            for peer, lo, hi in self.peers:
-                heads = slice(lo - self.first_head, hi - self.first_head)
-                self._send(self.cache.read(slots, heads, layer), peer, rid, self.layers[layer], (lo, hi), "pd/kv")
+            self._send_kv(rid, slots, layer)
 
     def after_step(self, engine, step) -> None:
-        plan, sched, cache = step.plan, engine.scheduler, engine.runner.cache
+        plan, sched, cache = step.plan, engine.scheduler, self.cache
         if plan is None:
             return
         now = time.perf_counter()
@@ -183,17 +176,23 @@ class PrefillSide(StepHook):
         self.finishing = self.by_plan.pop(plan.index, {})
         for rid, slots in self.finishing.items():
             if not self.streaming:
-                for peer, lo, hi in self.peers:
-                    heads = slice(lo - self.first_head, hi - self.first_head)
-                    self._send(cache.read(slots, heads), peer, rid, None, (lo, hi), "pd/kv")
+                self._send_kv(rid, slots, None)
             token = torch.tensor([sched.by_id[rid].output[0]], dtype=torch.int64, device=cache.device)
             for peer in self.token_peers:
                 self._send(token, peer, rid, None, (0, 0), "pd/first token")
         self.finishing = {}
 
+    def _send_kv(self, rid: int, slots: torch.Tensor, layer: int | None) -> None:
+        """Each overlapping decode rank its heads' share of the prompt's K,V: of this rank's block `layer`, or of
+        every layer it holds (None)."""
+        for peer, lo, hi in self.peers:
+            heads = slice(lo - self.first_head, hi - self.first_head)
+            self._send(self.cache.read(slots, heads, layer), peer, rid, None if layer is None else self.layers[layer],
+                       (lo, hi), "pd/kv")
+
     def _send(self, tensor: torch.Tensor, peer: int, rid: int, layer: int | None, heads, site: str) -> None:
         buf = tensor.contiguous()  # the message's own memory (a view when already contiguous): held until it is sent
-        tag = _token_tag(rid, self.cfg.n_layers) if site == "pd/first token" else _tag(rid, layer, self.cfg.n_layers)
+        tag = _tag(rid, layer, self.cfg.n_layers, token=site == "pd/first token")
         fields = ("send", site, rid, layer, self.rank, peer, heads)
         posted = time.perf_counter()
         work = dist.isend(buf, dst=peer, tag=tag)
@@ -234,12 +233,11 @@ class DecodeSide(StepHook):
     """Takes each handed-over request in at an iteration boundary: blocks filled with its K,V, and token 1.
 
     Receives are posted ahead (the next `window` groups of requests, a group being those whose prompts complete in
-    one prefill iteration), so K,V land while the decode group computes; a receiver thread waits for them in order.
-    K,V land in receive buffers; a request gets its blocks when it is taken in, and one write per message puts the
-    K,V at their slots (the receive buffers of the groups ahead are outside the pool).
-    At every iteration boundary each decode rank counts the groups whose messages have all landed here; ★ one all-reduce (min) of that count over the
-    decode group makes every decode rank take in the same groups. With nothing to decode, the ranks first wait
-    for the next group. Nothing depends on timing but *when* a request joins, and all decode ranks agree on that."""
+    one prefill iteration), into receive buffers outside the pool; a receiver thread waits for them in order. At
+    every iteration boundary each decode rank counts the groups whose messages have all landed here, and ★ one
+    all-reduce (min) of that count over the decode group makes every decode rank take in the same groups (with
+    nothing to decode, they first wait for the next). A request gets its blocks when it is taken in (docs/pd.md,
+    "Bounded pools"), and one write per message puts its K,V at their slots."""
 
     def __init__(self, cfg, layout: Layout, rank: int, streaming: bool, ledger: TrafficLedger, group,
                  groups: list[list[int]], requests: dict[int, Request], eos: frozenset[int], keep_kv: bool = False,
@@ -273,11 +271,8 @@ class DecodeSide(StepHook):
             self._post_ahead(cache)
             if self.posted:
                 idle = not sched.has_work() and not self.ready
-                landed = 0
-                for group in self.posted:
-                    if not group.landed.is_set():
-                        break
-                    landed += 1
+                # the groups that have landed here, in order
+                landed = next((i for i, g in enumerate(self.posted) if not g.landed.is_set()), len(self.posted))
                 if landed == 0 and idle:  # nothing to decode: wait for the next group
                     self._wait_landed(self.posted[0])
                     landed = 1
@@ -318,8 +313,7 @@ class DecodeSide(StepHook):
                 posts.append((dist.irecv(buf, src=src, tag=tag), buf, fields, time.perf_counter()))
 
             layers = range(L) if self.streaming else [None]
-            order = [(layer, r) for layer in layers for r in requests] if self.streaming else [(None, r) for r in requests]
-            for layer, r in order:
+            for layer, r in [(layer, r) for layer in layers for r in requests]:
                 n = len(r.prompt)
                 for src, lo, hi, held in self.peers:
                     if layer is not None and layer not in held:  # streamed: this layer comes from its stage's ranks
@@ -379,7 +373,7 @@ class DecodeSide(StepHook):
 
     def _post_token(self, r: Request, post, device) -> None:
         buf = torch.empty(1, dtype=torch.int64, device=device)
-        post(buf, self.token_peer, _token_tag(r.id, self.cfg.n_layers),
+        post(buf, self.token_peer, _tag(r.id, None, self.cfg.n_layers, token=True),
              ("recv", "pd/first token", r.id, None, self.rank, self.token_peer, (0, 0)))
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from layers.models.families import validate
 from serve.config import EngineConfig, fits_alone
 from serve.request import Request
-from serve.scheduler import Scheduler, pipeline_schedule, schedule_loop
+from serve.scheduler import Scheduler, pipeline_schedule
 from tp.dist import ConfigError
 
 
@@ -54,7 +54,7 @@ def prefill_schedule(requests: list[Request], config: EngineConfig, pp: int = 1)
     mine = [Request(r.id, list(r.prompt), 1, r.arrival) for r in requests]
     sched = Scheduler.for_workload(mine, config)
     out = []
-    for plan in pipeline_schedule(sched, pp) if pp > 1 else schedule_loop(sched):
+    for plan in pipeline_schedule(sched, pp):
         done = [c.request for c in plan.scheduled if c.sample]
         if done:
             out.append((plan.index, done))

@@ -54,9 +54,7 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
     timeout_s bounds every wait for a hand-over message (HandoverTimeout, naming the message and the pair).
     config: both sides' engine settings; its num_gpu_blocks_override bounds each side's pool (None: enough for its
     workload at its largest); its block_size is the prefill side's blocks, decode_block_size the decode side's
-    (None: the same). With a bounded pool the prefill side preempts as any engine does, and the decode side takes a
-    landed request into its pool only when blocks are free for it (it waits in its receive buffers until then); a
-    request preempted on the decode side recomputes its prompt and tokens there."""
+    (None: the same; docs/pd.md, "Bounded pools")."""
     if config.speculative_config is not None:  # every rank, before any collective
         raise ValueError("speculative_config with P/D disaggregation is not built yet: serve without it")
     if config.kv_cache_dtype != "auto":  # the hand-over moves the model dtype's K,V, and the scales would not follow
@@ -133,6 +131,7 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
 
 def _combine(every: list[dict], layout: Layout, requests: list[Request]) -> PDResult:
     pre, dec = every[0], every[layout.prefill_ranks]
+    # times across the groups compare time.perf_counter() of processes on one host (CLOCK_MONOTONIC).
     # when a prompt was done: on the rank that sends its first token (a pipelined prefill side's last stage streams
     # its K,V before the first stage's clock sees the micro-batch come back)
     sender = every[layout.prefill_ranks - layout.prefill_ranks // layout.prefill_pp]
