@@ -205,6 +205,19 @@ def scatter_to_region(x: torch.Tensor, group: dist.ProcessGroup, site: str | Non
     return _ScatterToRegion.apply(x, group, site)
 
 
+def all_reduce_values(x: torch.Tensor, group: dist.ProcessGroup, op: str = "sum", site: str | None = None
+                      ) -> torch.Tensor:
+    """★ all-reduce (op "sum" or "max") into a copy, outside autograd: per-row statistics whose backward is written
+    by hand (train/loss.py's cross-entropy). The ledger records it as any all-reduce (a max moves the same bytes)."""
+    if dist.get_world_size(group) == 1:
+        return x
+    x = x.detach().clone().contiguous()
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    _Where(site).run(lambda: dist.all_reduce(x, op=reduce_op, group=group), "all_reduce", "forward", x.shape,
+                     x.dtype, group)
+    return x
+
+
 def broadcast_from_main(x: torch.Tensor, group: dist.ProcessGroup, site: str | None = None) -> torch.Tensor:
     """★ broadcast from the group's first rank: every rank returns rank 0's x (the others pass a tensor of the same
     shape and dtype to receive into). Control traffic, not autograd: the serving engine's per-step message."""
