@@ -1,0 +1,80 @@
+"""train/step.py: the TP train step equals one device training the dense model, step for step (float64): the loss of
+every step, the gradient norm, and every weight after the last step (the dense model's trained weights, sharded by
+the same plan, against each rank's). Accumulation over 2 micro-batches, clipping and warm-up active."""
+
+import pytest
+import torch
+
+from layers.models.config import ModelConfig
+from tests.harness import run_ranks
+
+CFG = ModelConfig(d_model=32, n_heads=4, d_head=8, d_ffn=64, n_layers=2, max_seq_len=32, vocab_size=97)  # padded at p=2, 4
+B, T, STEPS = 2, 12, 5
+
+
+def batches():
+    """STEPS steps of 2 micro-batches [B, T + 1] of random ids, the same on every rank."""
+    g = torch.Generator().manual_seed(7)
+    return [[torch.randint(0, CFG.vocab_size, (B, T + 1), generator=g) for _ in range(2)] for _ in range(STEPS)]
+
+
+def dense_oracle(dense, c) -> list[dict]:
+    """The same training on one device, written here from the definitions (not train/step.py's code): torch's
+    AdamW with decay on the matrices but wpe, the warm-up then cosine schedule, each micro-batch's mean loss over its
+    count, torch's clip_grad_norm_."""
+    import math
+
+    import torch.nn.functional as F
+
+    named = list(dense.named_parameters())
+    decay = [q for n, q in named if q.ndim >= 2 and n != "wpe.weight"]
+    rest = [q for n, q in named if not (q.ndim >= 2 and n != "wpe.weight")]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                            lr=c.lr, betas=c.betas, eps=c.eps)
+    logs = []
+    for step, micro in enumerate(batches()):
+        if step < c.warmup_steps:
+            lr = c.lr * (step + 1) / c.warmup_steps
+        else:
+            done = (step - c.warmup_steps) / (c.max_steps - c.warmup_steps)
+            lr = c.min_lr + (c.lr - c.min_lr) * (1 + math.cos(math.pi * done)) / 2
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad()
+        total = 0.0
+        for ids in micro:
+            logits = torch.cat([dense.logits(row[:-1]) for row in ids])
+            loss = F.cross_entropy(logits, ids[:, 1:].reshape(-1)) / len(micro)
+            loss.backward()
+            total += loss.item()
+        norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), c.grad_clip)
+        opt.step()
+        logs.append({"loss": total, "grad_norm": norm.item(), "lr": lr})
+    return logs
+
+
+def train_both(ctx):
+    from layers.models.dense import init_weights
+    from layers.models.lm import dense_lm, shard_lm
+    from train.step import TrainConfig, Trainer
+
+    c = TrainConfig(lr=3e-2, min_lr=3e-3, warmup_steps=2, max_steps=STEPS, grad_clip=0.5, accumulation=2)
+    dense = init_weights(dense_lm(CFG, torch.float64), seed=0)
+    tp = Trainer(shard_lm(dense, "v2", ctx.group), c, ctx.group)
+    tp_logs = [tp.step(b) for b in batches()]
+    dense_logs = dense_oracle(dense, c)
+    want = shard_lm(dense, "v2", ctx.group).state_dict()  # the trained dense weights, cut as this rank's
+    worst = max(((w - tp.lm.state_dict()[k]).abs().max() / w.abs().max().clamp_min(1e-30)).item()
+                for k, w in want.items())
+    return tp_logs, dense_logs, worst
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_the_tp_train_step_equals_one_device_step_for_step(p):
+    for tp_logs, dense_logs, worst in run_ranks(p, train_both):
+        assert [r["lr"] for r in tp_logs] == pytest.approx([r["lr"] for r in dense_logs], rel=1e-12)
+        for got, want in zip(tp_logs, dense_logs):
+            assert abs(got["loss"] - want["loss"]) <= 1e-10 * abs(want["loss"]), (got, want)
+            assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-10 * want["grad_norm"], (got, want)
+        assert all(r["grad_norm"] > 0.5 for r in dense_logs)  # clipping acts on every step
+        assert worst <= 1e-10, worst

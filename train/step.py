@@ -1,0 +1,139 @@
+"""One training step on the TP stack the engine serves, and the same step on one device (the oracle).
+
+    loss  = mean over every target token of the micro-batches' cross-entropy   (each micro-batch's mean / their count)
+    step  = (forward → loss → backward) per micro-batch → clip by the global norm → AdamW → the next learning rate
+
+On tp ranks (GPT-2 family, v2 blocks, vocab-parallel embedding and tied head):
+
+    x = embed(ids) + wpe(positions)                          ★ all-reduce [B·T, d] (the vocabulary's slices)
+    x = block(x, requests)  for every block                  ★ v2: 2 all-reduces [B·T, d] forward, 2 backward
+    z = head(f(ln_f(x)))                                     f: ★ all-reduce of the head input's gradient, backward
+    loss = vocab_parallel_cross_entropy(z, targets)          ★ 3 all-reduces [B·T] (train/loss.py)
+    ‖g‖² = Σ_sharded all-reduced over tp + Σ_replicated      ★ all-reduce [1]: a replicated parameter counted once
+
+Every replicated parameter (wpe, the norms, row-parallel biases) gets the same whole gradient on every rank (the f/g
+collectives make it so), so no extra reduction is needed for it, and AdamW is elementwise: each rank's update of
+its slices is the dense update's slices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from layers.attention.varlen import Requests
+from tp.comm import all_reduce_values, copy_to_region
+from train.loss import vocab_parallel_cross_entropy
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 10
+    max_steps: int = 1000
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # the global gradient norm's bound (0: no clipping)
+    accumulation: int = 1  # micro-batches per step
+
+
+def learning_rate(step: int, c: TrainConfig) -> float:
+    """Linear warm-up to lr over warmup_steps, then cosine decay to min_lr at max_steps (nanoGPT's schedule)."""
+    if step < c.warmup_steps:
+        return c.lr * (step + 1) / c.warmup_steps
+    progress = min(1.0, (step - c.warmup_steps) / max(1, c.max_steps - c.warmup_steps))
+    return c.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (c.lr - c.min_lr)
+
+
+def no_decay(name: str, p: torch.Tensor) -> bool:
+    """Norms, biases and the position table keep their values: no weight decay (a 1-D tensor, or wpe)."""
+    return p.ndim < 2 or name.endswith("wpe.weight")
+
+
+def adamw(named_parameters, c: TrainConfig) -> torch.optim.AdamW:
+    """torch's AdamW (decoupled weight decay), decay on the matrices only."""
+    named = list(named_parameters)
+    groups = [{"params": [p for n, p in named if not no_decay(n, p)], "weight_decay": c.weight_decay},
+              {"params": [p for n, p in named if no_decay(n, p)], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps)
+
+
+def replicated_names(lm) -> set[str]:
+    """The parameters every rank holds whole (its plan takes the whole dense tensor): counted once in the norm."""
+    cut: dict[str, bool] = {}
+    for part in lm.plan():
+        cut[part.param] = cut.get(part.param, False) or part.cut.ranges is not None or part.source is None
+    return {name for name, is_cut in cut.items() if not is_cut}
+
+
+def tp_loss(lm, ids: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy of a micro-batch ids [B, T + 1] (inputs ids[:, :-1], targets ids[:, 1:]) through this
+    rank's TPLM, the logits never gathered."""
+    B, T = ids.shape[0], ids.shape[1] - 1
+    inputs, targets = ids[:, :-1].reshape(-1), ids[:, 1:].reshape(-1)
+    positions = torch.arange(T, device=ids.device).repeat(B)
+    x = lm.embed(inputs) + lm.wpe(positions)  # ★ all-reduce [B·T, d]
+    requests = Requests.from_lengths([T] * B)
+    for block in lm.stack.blocks:
+        x = block(x, requests)  # ★ v2: 2 all-reduces [B·T, d] forward, 2 backward
+    group = lm.embed.group
+    z = lm.embed.local_logits(copy_to_region(lm.ln_f(x), group, "head/f"))  # [B·T, V'/p]; ★ backward all-reduce
+    return vocab_parallel_cross_entropy(z, targets, lm.embed.start, group).mean()  # ★ 3 all-reduces [B·T]
+
+
+def dense_loss(lm, ids: torch.Tensor) -> torch.Tensor:
+    """The same mean on one device: the dense LM over each sequence, torch's cross_entropy on the whole rows."""
+    logits = torch.cat([lm.logits(row[:-1]) for row in ids])
+    return F.cross_entropy(logits, ids[:, 1:].reshape(-1))
+
+
+def clip(named_parameters, max_norm: float, group: dist.ProcessGroup | None, replicated: set[str]) -> torch.Tensor:
+    """Scale every gradient by min(1, max_norm / ‖g‖) and return ‖g‖, the norm of the whole model's gradient: the
+    sharded parameters' squares summed over the group (★ all-reduce [1]), the replicated ones' counted once."""
+    named = [(n, p) for n, p in named_parameters if p.grad is not None]
+    squares = {n: p.grad.double().pow(2).sum() for n, p in named}
+    zero = torch.zeros((), dtype=torch.float64)
+    sharded = sum((sq for n, sq in squares.items() if n not in replicated), zero)
+    whole = sum((sq for n, sq in squares.items() if n in replicated), zero)
+    if group is not None:
+        sharded = all_reduce_values(sharded.reshape(1), group, "sum", "optimizer/all-reduce norm")[0]
+    norm = (sharded + whole).sqrt()
+    if max_norm > 0:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for _, p in named:
+            p.grad.mul_(scale.to(p.grad.dtype))
+    return norm
+
+
+class Trainer:
+    """The step loop's state: the model (a TPLM on its group, or the dense LM: group None), AdamW, the schedule."""
+
+    def __init__(self, lm, c: TrainConfig, group: dist.ProcessGroup | None = None):
+        self.lm, self.c, self.group = lm, c, group
+        self.optimizer = adamw(lm.named_parameters(), c)
+        self.replicated = replicated_names(lm) if group is not None else set()
+        self.step_count = 0
+
+    def step(self, micro_batches: list[torch.Tensor]) -> dict:
+        """One optimizer step over `accumulation` micro-batches [B, T + 1]: (the step's mean loss, the gradient norm
+        before clipping, the learning rate used)."""
+        assert len(micro_batches) == self.c.accumulation
+        lr = learning_rate(self.step_count, self.c)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for ids in micro_batches:
+            loss = (tp_loss if self.group is not None else dense_loss)(self.lm, ids) / len(micro_batches)
+            loss.backward()
+            total += loss.item()
+        norm = clip(self.lm.named_parameters(), self.c.grad_clip, self.group, self.replicated)
+        self.optimizer.step()
+        self.step_count += 1
+        return {"step": self.step_count, "loss": total, "grad_norm": norm.item(), "lr": lr}
