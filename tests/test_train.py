@@ -8,7 +8,8 @@ import torch
 from layers.models.config import ModelConfig
 from tests.harness import run_ranks
 
-CFG = ModelConfig(d_model=32, n_heads=4, d_head=8, d_ffn=64, n_layers=2, max_seq_len=32, vocab_size=97)  # padded at p=2, 4
+# the vocabulary is padded at p = 2 and 4
+CFG = ModelConfig(d_model=32, n_heads=4, d_head=8, d_ffn=64, n_layers=2, max_seq_len=32, vocab_size=97)
 B, T, STEPS = 2, 12, 5
 
 
