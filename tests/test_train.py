@@ -1,6 +1,7 @@
-"""train/step.py: the TP train step equals one device training the dense model, step for step (float64): the loss of
-every step, the gradient norm, and every weight after the last step (the dense model's trained weights, sharded by
-the same plan, against each rank's). Accumulation over 2 micro-batches, clipping and warm-up active."""
+"""train/step.py: the train step at tp × dp equals one device training the dense model on the same batches, step for
+step (float64): the loss of every step, the gradient norm, and every weight after the last step (the dense model's
+trained weights, sharded by the same plan, against each rank's). Accumulation over 2 micro-batches per replica,
+clipping and warm-up active."""
 
 import pytest
 import torch
@@ -13,13 +14,13 @@ CFG = ModelConfig(d_model=32, n_heads=4, d_head=8, d_ffn=64, n_layers=2, max_seq
 B, T, STEPS = 2, 12, 5
 
 
-def batches():
-    """STEPS steps of 2 micro-batches [B, T + 1] of random ids, the same on every rank."""
+def batches(micro: int):
+    """STEPS steps of `micro` micro-batches [B, T + 1] of random ids, the same on every rank."""
     g = torch.Generator().manual_seed(7)
-    return [[torch.randint(0, CFG.vocab_size, (B, T + 1), generator=g) for _ in range(2)] for _ in range(STEPS)]
+    return [[torch.randint(0, CFG.vocab_size, (B, T + 1), generator=g) for _ in range(micro)] for _ in range(STEPS)]
 
 
-def dense_oracle(dense, c) -> list[dict]:
+def dense_oracle(dense, c, micro: int) -> list[dict]:
     """The same training on one device, written here from the definitions (not train/step.py's code): torch's
     AdamW with decay on the matrices but wpe, the warm-up then cosine schedule, each micro-batch's mean loss over its
     count, torch's clip_grad_norm_."""
@@ -33,7 +34,7 @@ def dense_oracle(dense, c) -> list[dict]:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay}, {"params": rest, "weight_decay": 0.0}],
                             lr=c.lr, betas=c.betas, eps=c.eps)
     logs = []
-    for step, micro in enumerate(batches()):
+    for step, micro in enumerate(batches(micro)):
         if step < c.warmup_steps:
             lr = c.lr * (step + 1) / c.warmup_steps
         else:
@@ -54,27 +55,34 @@ def dense_oracle(dense, c) -> list[dict]:
     return logs
 
 
-def train_both(ctx):
+def train_both(ctx, dp: int):
+    """tp = world / dp ranks per replica, dp replicas (rank d·tp + t), 2 micro-batches each; the oracle accumulates
+    all 2·dp of them."""
     from layers.models.dense import init_weights
     from layers.models.lm import dense_lm, shard_lm
+    from tp.dist import grid_groups
     from train.step import TrainConfig, Trainer
 
+    tp = ctx.world_size // dp
+    tp_groups, dp_groups = grid_groups(ctx.world_size, dp)
+    group, dp_group = tp_groups[ctx.rank // tp], dp_groups[ctx.rank % tp]
     c = TrainConfig(lr=3e-2, min_lr=3e-3, warmup_steps=2, max_steps=STEPS, grad_clip=0.5, accumulation=2)
     dense = init_weights(dense_lm(CFG, torch.float64), seed=0)
-    tp = Trainer(shard_lm(dense, "v2", ctx.group), c, ctx.group)
-    tp_logs = [tp.step(b) for b in batches()]
-    dense_logs = dense_oracle(dense, c)
-    want = shard_lm(dense, "v2", ctx.group).state_dict()  # the trained dense weights, cut as this rank's
-    worst = max(((w - tp.lm.state_dict()[k]).abs().max() / w.abs().max().clamp_min(1e-30)).item()
+    trainer = Trainer(shard_lm(dense, "v2", group), c, group, dp_group if dp > 1 else None)
+    replica = ctx.rank // tp
+    logs = [trainer.step(step[2 * replica:2 * replica + 2]) for step in batches(2 * dp)]
+    dense_logs = dense_oracle(dense, c, 2 * dp)
+    want = shard_lm(dense, "v2", group).state_dict()  # the trained dense weights, cut as this rank's
+    worst = max(((w - trainer.lm.state_dict()[k]).abs().max() / w.abs().max().clamp_min(1e-30)).item()
                 for k, w in want.items())
-    return tp_logs, dense_logs, worst
+    return logs, dense_logs, worst
 
 
-@pytest.mark.parametrize("p", [1, 2, 4])
-def test_the_tp_train_step_equals_one_device_step_for_step(p):
-    for tp_logs, dense_logs, worst in run_ranks(p, train_both):
-        assert [r["lr"] for r in tp_logs] == pytest.approx([r["lr"] for r in dense_logs], rel=1e-12)
-        for got, want in zip(tp_logs, dense_logs):
+@pytest.mark.parametrize("tp,dp", [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)])
+def test_the_tp_train_step_equals_one_device_step_for_step(tp, dp):
+    for logs, dense_logs, worst in run_ranks(tp * dp, train_both, dp):
+        assert [r["lr"] for r in logs] == pytest.approx([r["lr"] for r in dense_logs], rel=1e-12)
+        for got, want in zip(logs, dense_logs):
             assert abs(got["loss"] - want["loss"]) <= 1e-10 * abs(want["loss"]), (got, want)
             assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-10 * want["grad_norm"], (got, want)
         assert all(r["grad_norm"] > 0.5 for r in dense_logs)  # clipping acts on every step

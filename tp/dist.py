@@ -183,6 +183,16 @@ def context(group: dist.ProcessGroup, backend: str, device: torch.device) -> TPC
                      device=device)
 
 
+def grid_groups(world: int, outer: int) -> tuple[list[dist.ProcessGroup], list[dist.ProcessGroup]]:
+    """A world of outer × inner ranks, global rank o·inner + i: (the inner groups by o, each of inner consecutive
+    ranks; the outer groups by i, each of the ranks with that i). Context parallelism's cp × tp and training's dp × tp
+    grids. Every rank creates every group, in the same order (new_group requires it)."""
+    inner = world // outer
+    inner_groups = [dist.new_group(list(range(o * inner, (o + 1) * inner))) for o in range(outer)]
+    outer_groups = [dist.new_group(list(range(i, world, inner))) for i in range(inner)]
+    return inner_groups, outer_groups
+
+
 def same_on_every_rank(values: torch.Tensor, group: dist.ProcessGroup) -> bool:
     """All-gather a small vector and compare every rank's copy with rank 0's. Every rank gets the same answer."""
     values = values.to(group_device(group)).contiguous()

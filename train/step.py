@@ -14,6 +14,11 @@ On tp ranks (GPT-2 family, v2 blocks, vocab-parallel embedding and tied head):
 Every replicated parameter (wpe, the norms, row-parallel biases) gets the same whole gradient on every rank (the f/g
 collectives make it so), so no extra reduction is needed for it, and AdamW is elementwise: each rank's update of
 its slices is the dense update's slices.
+
+Data parallelism: dp replicas of the tp group (the world dp × tp, global rank d·tp + t: tp/dist.py grid_groups),
+each with its own micro-batches of the step's batch; after the backward their gradients are averaged:
+
+    g = (Σ_d g_d) / dp                                       ★ all-reduce of the flat gradient [N/tp] over dp
 """
 
 from __future__ import annotations
@@ -114,15 +119,17 @@ def clip(named_parameters, max_norm: float, group: dist.ProcessGroup | None, rep
 class Trainer:
     """The step loop's state: the model (a TPLM on its group, or the dense LM: group None), AdamW, the schedule."""
 
-    def __init__(self, lm, c: TrainConfig, group: dist.ProcessGroup | None = None):
-        self.lm, self.c, self.group = lm, c, group
+    def __init__(self, lm, c: TrainConfig, group: dist.ProcessGroup | None = None,
+                 dp_group: dist.ProcessGroup | None = None):
+        self.lm, self.c, self.group, self.dp_group = lm, c, group, dp_group
+        self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.optimizer = adamw(lm.named_parameters(), c)
         self.replicated = replicated_names(lm) if group is not None else set()
         self.step_count = 0
 
     def step(self, micro_batches: list[torch.Tensor]) -> dict:
-        """One optimizer step over `accumulation` micro-batches [B, T + 1]: (the step's mean loss, the gradient norm
-        before clipping, the learning rate used)."""
+        """One optimizer step over this replica's `accumulation` micro-batches [B, T + 1] (the step's batch is every
+        replica's): the step's mean loss over every replica, the gradient norm before clipping, the learning rate."""
         assert len(micro_batches) == self.c.accumulation
         lr = learning_rate(self.step_count, self.c)
         for g in self.optimizer.param_groups:
@@ -133,7 +140,19 @@ class Trainer:
             loss = (tp_loss if self.group is not None else dense_loss)(self.lm, ids) / len(micro_batches)
             loss.backward()
             total += loss.item()
+        if self.dp > 1:
+            total = self.average_over_dp(total)
         norm = clip(self.lm.named_parameters(), self.c.grad_clip, self.group, self.replicated)
         self.optimizer.step()
         self.step_count += 1
         return {"step": self.step_count, "loss": total, "grad_norm": norm.item(), "lr": lr}
+
+    def average_over_dp(self, loss: float) -> float:
+        """Every gradient averaged over the dp replicas, in one flat bucket (★ all-reduce [N/tp]); returns the step's
+        loss averaged over them as well (★ all-reduce [1], for the log)."""
+        grads = [p.grad for p in self.lm.parameters() if p.grad is not None]
+        flat = all_reduce_values(torch.cat([g.reshape(-1) for g in grads]), self.dp_group, "sum", "dp/all-reduce")
+        for g, part in zip(grads, torch.split(flat / self.dp, [g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+        summed = all_reduce_values(torch.tensor([loss], dtype=torch.float64), self.dp_group, "sum", "dp/loss")
+        return summed.item() / self.dp

@@ -34,15 +34,14 @@ import torch.distributed as dist
 
 from layers.attention.backends import load, store
 from tp.comm import gather_rows_from_region
+from tp.dist import grid_groups
 from tp.ledger import TransferRecord, active
+
 
 def new_cp_groups(world: int, cp: int) -> tuple[list[dist.ProcessGroup], list[dist.ProcessGroup]]:
     """(the tp groups by cp index, the cp groups by TP index) of a world of cp × tp ranks, global rank c·tp + t: each
-    TP group tp consecutive ranks. Every rank creates every group, in the same order (new_group requires it)."""
-    tp = world // cp
-    tp_groups = [dist.new_group(list(range(c * tp, (c + 1) * tp))) for c in range(cp)]
-    cp_groups = [dist.new_group(list(range(t, world, tp))) for t in range(tp)]
-    return tp_groups, cp_groups
+    TP group tp consecutive ranks (tp/dist.py grid_groups)."""
+    return grid_groups(world, cp)
 
 
 def rank_groups(world: int, cp: int, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
