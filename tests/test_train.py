@@ -55,7 +55,7 @@ def dense_oracle(dense, c, micro: int) -> list[dict]:
     return logs
 
 
-def train_both(ctx, dp: int):
+def train_both(ctx, dp: int, distributed_optimizer: bool = False):
     """tp = world / dp ranks per replica, dp replicas (rank d·tp + t), 2 micro-batches each; the oracle accumulates
     all 2·dp of them."""
     from layers.models.dense import init_weights
@@ -66,7 +66,8 @@ def train_both(ctx, dp: int):
     tp = ctx.world_size // dp
     tp_groups, dp_groups = grid_groups(ctx.world_size, dp)
     group, dp_group = tp_groups[ctx.rank // tp], dp_groups[ctx.rank % tp]
-    c = TrainConfig(lr=3e-2, min_lr=3e-3, warmup_steps=2, max_steps=STEPS, grad_clip=0.5, accumulation=2)
+    c = TrainConfig(lr=3e-2, min_lr=3e-3, warmup_steps=2, max_steps=STEPS, grad_clip=0.5, accumulation=2,
+                    distributed_optimizer=distributed_optimizer)
     dense = init_weights(dense_lm(CFG, torch.float64), seed=0)
     trainer = Trainer(shard_lm(dense, "v2", group), c, group, dp_group if dp > 1 else None)
     replica = ctx.rank // tp
@@ -78,12 +79,46 @@ def train_both(ctx, dp: int):
     return logs, dense_logs, worst
 
 
-@pytest.mark.parametrize("tp,dp", [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)])
-def test_the_tp_train_step_equals_one_device_step_for_step(tp, dp):
-    for logs, dense_logs, worst in run_ranks(tp * dp, train_both, dp):
+@pytest.mark.parametrize("tp,dp,zero", [(1, 1, False), (2, 1, False), (4, 1, False), (1, 2, False), (2, 2, False),
+                                         (1, 2, True), (2, 2, True)])
+def test_the_tp_train_step_equals_one_device_step_for_step(tp, dp, zero):
+    """zero: the distributed optimizer (AdamW's state split over dp) in place of the plain all-reduce."""
+    for logs, dense_logs, worst in run_ranks(tp * dp, train_both, dp, zero):
         assert [r["lr"] for r in logs] == pytest.approx([r["lr"] for r in dense_logs], rel=1e-12)
         for got, want in zip(logs, dense_logs):
             assert abs(got["loss"] - want["loss"]) <= 1e-10 * abs(want["loss"]), (got, want)
             assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-10 * want["grad_norm"], (got, want)
         assert all(r["grad_norm"] > 0.5 for r in dense_logs)  # clipping acts on every step
         assert worst <= 1e-10, worst
+
+
+def dp_bytes(ctx, distributed_optimizer: bool):
+    """One step at tp = 2, dp = 2 with the ledger on: the bytes each rank sends for the gradient's dp reduction and
+    the optimizer (the loss's log and the norms aside), and the number of parameter values this rank keeps state for."""
+    from layers.models.dense import init_weights
+    from layers.models.lm import dense_lm, shard_lm
+    from tp.dist import grid_groups
+    from tp.ledger import TrafficLedger
+    from train.step import TrainConfig, Trainer
+
+    tp_groups, dp_groups = grid_groups(ctx.world_size, 2)
+    group, dp_group = tp_groups[ctx.rank // 2], dp_groups[ctx.rank % 2]
+    c = TrainConfig(accumulation=2, distributed_optimizer=distributed_optimizer)
+    trainer = Trainer(shard_lm(init_weights(dense_lm(CFG, torch.float64), seed=0), "v2", group), c, group, dp_group)
+    ledger = TrafficLedger(ctx.world_size)
+    with ledger.recording():
+        trainer.step(batches(4)[0][2 * (ctx.rank // 2):2 * (ctx.rank // 2) + 2])
+    moved = sum(r.bytes_per_rank for r in ledger.records if r.site in ("all-reduce", "reduce-scatter", "all-gather")
+                and r.sublayer in ("dp", "optimizer"))
+    state = trainer.optimizer.m.numel() if distributed_optimizer else \
+        sum(s["exp_avg"].numel() for s in trainer.optimizer.state.values())
+    return moved, state, sum(p.numel() for p in trainer.lm.parameters())
+
+
+def test_the_distributed_optimizer_moves_the_same_bytes_and_keeps_half_the_state_at_dp_2():
+    """Megatron's claim: the reduce-scatter and the all-gather are the all-reduce's two halves (the same bytes, up to
+    the padding to a multiple of dp), and each rank keeps Adam's state for 1/dp of its values."""
+    plain, zero = run_ranks(4, dp_bytes, False), run_ranks(4, dp_bytes, True)
+    for (plain_bytes, plain_state, n), (zero_bytes, zero_state, _) in zip(plain, zero):
+        assert plain_bytes > 0 and abs(zero_bytes - plain_bytes) <= 2 * 8, (plain_bytes, zero_bytes)  # ≤ one pad value
+        assert plain_state == n and zero_state == -(-n // 2), (plain_state, zero_state, n)

@@ -218,6 +218,22 @@ def all_reduce_values(x: torch.Tensor, group: dist.ProcessGroup, op: str = "sum"
     return x
 
 
+def reduce_scatter_values(x: torch.Tensor, group: dist.ProcessGroup, site: str | None = None) -> torch.Tensor:
+    """★ reduce-scatter (sum) of a flat [p·n] into this rank's [n] of the sum, outside autograd (the distributed
+    optimizer's gradients: train/optimizer.py)."""
+    if dist.get_world_size(group) == 1:
+        return x.detach().clone()
+    return _reduce_scatter_rows(x.detach(), group, _Where(site), "forward")
+
+
+def all_gather_values(x: torch.Tensor, group: dist.ProcessGroup, site: str | None = None) -> torch.Tensor:
+    """★ all-gather of every rank's flat [n] into [p·n], rank r's at [r·n, (r+1)·n), outside autograd (the
+    distributed optimizer's updated parameters)."""
+    if dist.get_world_size(group) == 1:
+        return x.detach().clone()
+    return _all_gather_rows(x.detach(), group, _Where(site), "forward")
+
+
 def broadcast_from_main(x: torch.Tensor, group: dist.ProcessGroup, site: str | None = None) -> torch.Tensor:
     """★ broadcast from the group's first rank: every rank returns rank 0's x (the others pass a tensor of the same
     shape and dtype to receive into). Control traffic, not autograd: the serving engine's per-step message."""

@@ -19,6 +19,8 @@ Data parallelism: dp replicas of the tp group (the world dp × tp, global rank d
 each with its own micro-batches of the step's batch; after the backward their gradients are averaged:
 
     g = (Σ_d g_d) / dp                                       ★ all-reduce of the flat gradient [N/tp] over dp
+
+or, with distributed_optimizer, its two halves around an update of 1/dp of the values (train/optimizer.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from layers.attention.varlen import Requests
 from tp.comm import all_reduce_values, copy_to_region
 from train.loss import vocab_parallel_cross_entropy
+from train.optimizer import DistributedAdamW
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # the global gradient norm's bound (0: no clipping)
     accumulation: int = 1  # micro-batches per step
+    distributed_optimizer: bool = False  # AdamW's state split over dp (train/optimizer.py); False: on every replica
 
 
 def learning_rate(step: int, c: TrainConfig) -> float:
@@ -123,8 +127,14 @@ class Trainer:
                  dp_group: dist.ProcessGroup | None = None):
         self.lm, self.c, self.group, self.dp_group = lm, c, group, dp_group
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
-        self.optimizer = adamw(lm.named_parameters(), c)
         self.replicated = replicated_names(lm) if group is not None else set()
+        if c.distributed_optimizer:
+            if dp_group is None:
+                raise ValueError("distributed_optimizer splits AdamW's state over dp replicas: give a dp group")
+            self.optimizer = DistributedAdamW(lm.named_parameters(), c, dp_group, group, self.replicated,
+                                              lambda name, p: not no_decay(name, p))
+        else:
+            self.optimizer = adamw(lm.named_parameters(), c)
         self.step_count = 0
 
     def step(self, micro_batches: list[torch.Tensor]) -> dict:
@@ -132,27 +142,30 @@ class Trainer:
         replica's): the step's mean loss over every replica, the gradient norm before clipping, the learning rate."""
         assert len(micro_batches) == self.c.accumulation
         lr = learning_rate(self.step_count, self.c)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
+        self.lm.zero_grad(set_to_none=True)
         total = 0.0
         for ids in micro_batches:
             loss = (tp_loss if self.group is not None else dense_loss)(self.lm, ids) / len(micro_batches)
             loss.backward()
             total += loss.item()
-        if self.dp > 1:
-            total = self.average_over_dp(total)
-        norm = clip(self.lm.named_parameters(), self.c.grad_clip, self.group, self.replicated)
-        self.optimizer.step()
+        if self.dp > 1:  # the step's loss over every replica, for the log (★ all-reduce [1])
+            total = all_reduce_values(torch.tensor([total], dtype=torch.float64), self.dp_group, "sum",
+                                      "dp/loss").item() / self.dp
+        if self.c.distributed_optimizer:  # reduce-scatter, clip, AdamW on this rank's 1/dp, all-gather
+            norm = self.optimizer.step(lr)
+        else:
+            if self.dp > 1:
+                self.average_over_dp()
+            norm = clip(self.lm.named_parameters(), self.c.grad_clip, self.group, self.replicated)
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            self.optimizer.step()
         self.step_count += 1
         return {"step": self.step_count, "loss": total, "grad_norm": norm.item(), "lr": lr}
 
-    def average_over_dp(self, loss: float) -> float:
-        """Every gradient averaged over the dp replicas, in one flat bucket (★ all-reduce [N/tp]); returns the step's
-        loss averaged over them as well (★ all-reduce [1], for the log)."""
+    def average_over_dp(self) -> None:
+        """Every gradient averaged over the dp replicas, in one flat bucket (★ all-reduce [N/tp])."""
         grads = [p.grad for p in self.lm.parameters() if p.grad is not None]
         flat = all_reduce_values(torch.cat([g.reshape(-1) for g in grads]), self.dp_group, "sum", "dp/all-reduce")
         for g, part in zip(grads, torch.split(flat / self.dp, [g.numel() for g in grads])):
             g.copy_(part.view_as(g))
-        summed = all_reduce_values(torch.tensor([loss], dtype=torch.float64), self.dp_group, "sum", "dp/loss")
-        return summed.item() / self.dp
