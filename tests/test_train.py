@@ -7,10 +7,14 @@ import pytest
 import torch
 
 from layers.models.config import ModelConfig
+from layers.models.llama import LlamaConfig
 from tests.harness import run_ranks
 
 # the vocabulary is padded at p = 2 and 4
 CFG = ModelConfig(d_model=32, n_heads=4, d_head=8, d_ffn=64, n_layers=2, max_seq_len=32, vocab_size=97)
+LLAMA = LlamaConfig(d_model=32, n_heads=4, n_kv_heads=2, d_head=8, d_ffn=64, n_layers=2, max_seq_len=32,
+                    vocab_size=97)  # GQA, an untied head
+MODELS = {"gpt2": CFG, "llama": LLAMA}
 B, T, STEPS = 2, 12, 5
 
 
@@ -55,7 +59,7 @@ def dense_oracle(dense, c, micro: int) -> list[dict]:
     return logs
 
 
-def train_both(ctx, dp: int, distributed_optimizer: bool = False):
+def train_both(ctx, dp: int, distributed_optimizer: bool = False, model: str = "gpt2"):
     """tp = world / dp ranks per replica, dp replicas (rank d·tp + t), 2 micro-batches each; the oracle accumulates
     all 2·dp of them."""
     from layers.models.dense import init_weights
@@ -68,7 +72,7 @@ def train_both(ctx, dp: int, distributed_optimizer: bool = False):
     group, dp_group = tp_groups[ctx.rank // tp], dp_groups[ctx.rank % tp]
     c = TrainConfig(lr=3e-2, min_lr=3e-3, warmup_steps=2, max_steps=STEPS, grad_clip=0.5, accumulation=2,
                     distributed_optimizer=distributed_optimizer)
-    dense = init_weights(dense_lm(CFG, torch.float64), seed=0)
+    dense = init_weights(dense_lm(MODELS[model], torch.float64), seed=0)
     trainer = Trainer(shard_lm(dense, "v2", group), c, group, dp_group if dp > 1 else None)
     replica = ctx.rank // tp
     logs = [trainer.step(step[2 * replica:2 * replica + 2]) for step in batches(2 * dp)]
@@ -79,11 +83,12 @@ def train_both(ctx, dp: int, distributed_optimizer: bool = False):
     return logs, dense_logs, worst
 
 
-@pytest.mark.parametrize("tp,dp,zero", [(1, 1, False), (2, 1, False), (4, 1, False), (1, 2, False), (2, 2, False),
-                                         (1, 2, True), (2, 2, True)])
-def test_the_tp_train_step_equals_one_device_step_for_step(tp, dp, zero):
+@pytest.mark.parametrize("model,tp,dp,zero", [
+    ("gpt2", 1, 1, False), ("gpt2", 2, 1, False), ("gpt2", 4, 1, False), ("gpt2", 1, 2, False), ("gpt2", 2, 2, False),
+    ("gpt2", 1, 2, True), ("gpt2", 2, 2, True), ("llama", 2, 1, False), ("llama", 2, 2, True)])
+def test_the_tp_train_step_equals_one_device_step_for_step(model, tp, dp, zero):
     """zero: the distributed optimizer (AdamW's state split over dp) in place of the plain all-reduce."""
-    for logs, dense_logs, worst in run_ranks(tp * dp, train_both, dp, zero):
+    for logs, dense_logs, worst in run_ranks(tp * dp, train_both, dp, zero, model):
         assert [r["lr"] for r in logs] == pytest.approx([r["lr"] for r in dense_logs], rel=1e-12)
         for got, want in zip(logs, dense_logs):
             assert abs(got["loss"] - want["loss"]) <= 1e-10 * abs(want["loss"]), (got, want)
@@ -122,3 +127,23 @@ def test_the_distributed_optimizer_moves_the_same_bytes_and_keeps_half_the_state
     for (plain_bytes, plain_state, n), (zero_bytes, zero_state, _) in zip(plain, zero):
         assert plain_bytes > 0 and abs(zero_bytes - plain_bytes) <= 2 * 8, (plain_bytes, zero_bytes)  # ≤ one pad value
         assert plain_state == n and zero_state == -(-n // 2), (plain_state, zero_state, n)
+
+
+def build_replicated_kv(ctx):
+    from layers.models.dense import init_weights
+    from layers.models.lm import dense_lm, shard_lm
+    from train.step import TrainConfig, Trainer
+
+    try:
+        Trainer(shard_lm(init_weights(dense_lm(LLAMA, torch.float64), seed=0), "v2", ctx.group), TrainConfig(),
+                ctx.group)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_kv_heads_replicated_over_ranks_are_refused_for_training():
+    """At tp = 4 > n_kv_heads = 2 each K,V head lives on two ranks, each with part of its gradient: refused in one
+    line on every rank before any step."""
+    for message in run_ranks(4, build_replicated_kv):
+        assert message is not None and "tp=4 > n_kv_heads=2" in message and "train at tp <= 2" in message, message

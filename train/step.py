@@ -3,7 +3,7 @@
     loss  = mean over every target token of the micro-batches' cross-entropy   (each micro-batch's mean / their count)
     step  = (forward → loss → backward) per micro-batch → clip by the global norm → AdamW → the next learning rate
 
-On tp ranks (GPT-2 family, v2 blocks, vocab-parallel embedding and tied head):
+On tp ranks (GPT-2 and Llama families, v2 blocks, vocab-parallel embedding and head; Llama: no wpe, RMSNorm):
 
     x = embed(ids) + wpe(positions)                          ★ all-reduce [B·T, d] (the vocabulary's slices)
     x = block(x, requests)  for every block                  ★ v2: 2 all-reduces [B·T, d] forward, 2 backward
@@ -83,17 +83,17 @@ def replicated_names(lm) -> set[str]:
 
 def tp_loss(lm, ids: torch.Tensor) -> torch.Tensor:
     """The mean cross-entropy of a micro-batch ids [B, T + 1] (inputs ids[:, :-1], targets ids[:, 1:]) through this
-    rank's TPLM, the logits never gathered."""
+    rank's TPLM or TPLlamaLM, the logits never gathered."""
     B, T = ids.shape[0], ids.shape[1] - 1
     inputs, targets = ids[:, :-1].reshape(-1), ids[:, 1:].reshape(-1)
-    positions = torch.arange(T, device=ids.device).repeat(B)
-    x = lm.embed(inputs) + lm.wpe(positions)  # ★ all-reduce [B·T, d]
-    requests = Requests.from_lengths([T] * B)
+    x = lm.embed_rows(inputs, torch.arange(T, device=ids.device).repeat(B))  # ★ all-reduce [B·T, d]
+    requests = Requests.from_lengths([T] * B)  # each sequence attends to itself alone, from position 0
     for block in lm.stack.blocks:
         x = block(x, requests)  # ★ v2: 2 all-reduces [B·T, d] forward, 2 backward
-    group = lm.embed.group
-    z = lm.embed.local_logits(copy_to_region(lm.ln_f(x), group, "head/f"))  # [B·T, V'/p]; ★ backward all-reduce
-    return vocab_parallel_cross_entropy(z, targets, lm.embed.start, group).mean()  # ★ 3 all-reduces [B·T]
+    group = lm.head.group
+    # f after the final norm: the norm's weights get the whole gradient (★ all-reduce [B·T, d], backward)
+    z = lm.head.local_logits(copy_to_region(lm.final_norm(x), group, "head/f"))  # [B·T, V'/p]
+    return vocab_parallel_cross_entropy(z, targets, lm.head.start, group).mean()  # ★ 3 all-reduces [B·T]
 
 
 def dense_loss(lm, ids: torch.Tensor) -> torch.Tensor:
@@ -128,6 +128,10 @@ class Trainer:
         self.lm, self.c, self.group, self.dp_group = lm, c, group, dp_group
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.replicated = replicated_names(lm) if group is not None else set()
+        if group is not None and dist.get_world_size(group) > lm.cfg.n_kv_heads:
+            raise ValueError(f"tp={dist.get_world_size(group)} > n_kv_heads={lm.cfg.n_kv_heads}: K,V heads replicated "
+                             f"over ranks are served, not trained (their gradients would be partial on each rank); "
+                             f"train at tp <= {lm.cfg.n_kv_heads}")
         if c.distributed_optimizer:
             if dp_group is None:
                 raise ValueError("distributed_optimizer splits AdamW's state over dp replicas: give a dp group")

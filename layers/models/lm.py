@@ -206,7 +206,15 @@ class TPLM(nn.Module):
     def head_logits(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, int, dist.ProcessGroup | None]:
         """Rows `rows` of the stack's output through the final norm and this rank's slice of the head: (logits
         [S, V'/p], the slice's first id, the head's group). LayerNorm is per row, so only these rows need it."""
-        return self.embed.local_logits(self.ln_f(x[rows])), self.embed.start, self.embed.head_group
+        return self.head.local_logits(self.final_norm(x[rows])), self.head.start, self.head.head_group
+
+    @property
+    def head(self) -> nn.Module:
+        """The LM head: the token embedding, tied."""
+        return self.embed
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln_f(x)
 
 
 class TPLlamaLM(nn.Module):
@@ -247,9 +255,10 @@ class TPLlamaLM(nn.Module):
     def embed_rows(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.embed(ids)  # ★ all-reduce [T, d]; positions enter in every block (RoPE)
 
-    def head_logits(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, int, dist.ProcessGroup | None]:
-        """As TPLM.head_logits: the final RMSNorm, then this rank's slice of the head."""
-        return self.head.local_logits(self.norm(x[rows])), self.head.start, self.head.head_group
+    head_logits = TPLM.head_logits  # the final RMSNorm, then this rank's slice of the head
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
 
 
 def shard_lm(weights: DenseLM | DenseLlamaLM | Source, variant: str, group: dist.ProcessGroup,
