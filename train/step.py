@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from layers.attention.varlen import Requests
+from layers.models.families import of
 from tp.comm import all_reduce_values, copy_to_region
 from train.loss import vocab_parallel_cross_entropy
 from train.optimizer import DistributedAdamW
@@ -128,6 +129,8 @@ class Trainer:
         self.lm, self.c, self.group, self.dp_group = lm, c, group, dp_group
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.replicated = replicated_names(lm) if group is not None else set()
+        if of(lm.cfg).moe:
+            raise ValueError(f"{lm.cfg.family} models are served, not trained yet: train a GPT-2 or Llama model")
         if group is not None and dist.get_world_size(group) > lm.cfg.n_kv_heads:
             raise ValueError(f"tp={dist.get_world_size(group)} > n_kv_heads={lm.cfg.n_kv_heads}: K,V heads replicated "
                              f"over ranks are served, not trained (their gradients would be partial on each rank); "
