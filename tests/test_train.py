@@ -147,3 +147,38 @@ def test_kv_heads_replicated_over_ranks_are_refused_for_training():
     line on every rank before any step."""
     for message in run_ranks(4, build_replicated_kv):
         assert message is not None and "tp=4 > n_kv_heads=2" in message and "train at tp <= 2" in message, message
+
+
+def step_ledger(ctx, dp: int, distributed_optimizer: bool):
+    """One step's collectives on this rank, as the ledger recorded them (labelled with their blocks), and as
+    tp/traffic_model.predict_train_step predicts them from the shapes alone."""
+    from dataclasses import fields
+
+    from layers.models.dense import init_weights
+    from layers.models.lm import dense_lm, shard_lm
+    from tp.dist import grid_groups
+    from tp.ledger import Traffic, TrafficLedger
+    from tp.traffic_model import predict_train_step
+    from train.step import TrainConfig, Trainer
+
+    tp = ctx.world_size // dp
+    tp_groups, dp_groups = grid_groups(ctx.world_size, dp)
+    group, dp_group = tp_groups[ctx.rank // tp], dp_groups[ctx.rank % tp]
+    c = TrainConfig(accumulation=2, distributed_optimizer=distributed_optimizer)
+    trainer = Trainer(shard_lm(init_weights(dense_lm(CFG, torch.float64), seed=0), "v2", group), c, group,
+                      dp_group if dp > 1 else None)
+    replica = ctx.rank // tp
+    ledger = TrafficLedger(ctx.world_size)
+    with ledger.attach(trainer.lm.stack):
+        trainer.step(batches(2 * dp)[0][2 * replica:2 * replica + 2])
+    got = [Traffic(*(getattr(r, f.name) for f in fields(Traffic))) for r in ledger.records]
+    flat = sum(p.numel() for p in trainer.lm.parameters())
+    return got, predict_train_step(CFG, tp, dp, [B * T] * 2, flat, torch.float64, distributed_optimizer)
+
+
+@pytest.mark.parametrize("tp,dp,zero", [(4, 1, False), (2, 2, False), (2, 2, True), (1, 2, True)])
+def test_every_collective_of_a_train_step_is_the_traffic_models(tp, dp, zero):
+    """The ledger of one step (two micro-batches) equals the model record for record: site, layer, phase, kind,
+    shape, dtype and bytes per rank, in issue order."""
+    for got, want in run_ranks(tp * dp, step_ledger, dp, zero):
+        assert got == want, [(g, w) for g, w in zip(got, want) if g != w][:3] or (len(got), len(want))

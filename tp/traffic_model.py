@@ -397,3 +397,40 @@ def pass_kv_bytes_per_rank_per_layer(cfg: ModelShape, cp: int, tp: int, n: int, 
     """The closed form (cp − 1)·2·(S/cp)·h_kv·d·e a rank sends per layer in ring attention's pass-KV (S/cp rows per
     rank on average: exact when 2·cp divides S)."""
     return (cp - 1) * 2 * (n / cp) * kv_heads_per_rank(cfg.n_kv_heads, tp) * cfg.d_head * elem_bytes
+
+
+def predict_train_step(cfg: ModelShape, tp: int, dp: int, micro_rows: list[int], flat: int, dtype: torch.dtype,
+                       distributed_optimizer: bool = False) -> list[Traffic]:
+    """Every collective of one training step (train/step.py) on a rank of a dp × tp world, in issue order: per
+    micro-batch of micro_rows[i] = B·T rows, the embedding's all-reduce, the blocks forward, the loss's three
+    all-reduces [rows], the head's f (backward) and the blocks backward from the last layer; then the step's loss
+    over dp (for the log), and the gradient's dp reduction with the norm: a plain all-reduce of the rank's flat
+    gradient [flat] and the norm over tp, or the distributed optimizer's reduce-scatter [dp·⌈flat/dp⌉], the norm's
+    squares over dp and tp, and the all-gather of the updated values."""
+    out: list[Traffic] = []
+    f64 = torch.float64
+
+    def outside(sublayer, site, kind, shape, dt, p, phase="forward"):
+        if p > 1:
+            out.append(Traffic.of(layer=None, sublayer=sublayer, site=site, phase=phase, kind=kind, shape=shape,
+                                  dtype=dt, p=p))
+
+    for n in micro_rows:
+        outside("embed", "all-reduce", "all_reduce", (n, cfg.d_model), dtype, tp)
+        out += predict(cfg, tp, n, dtype, "v2", "forward")
+        for site in ("all-reduce max", "all-reduce sum", "all-reduce target"):
+            outside("loss", site, "all_reduce", (n,), dtype, tp)
+        outside("head", "f", "all_reduce", (n, cfg.d_model), dtype, tp, "backward")
+        if tp > 1:
+            out += _blocks(cfg, reversed(range(cfg.n_layers)), n, "v2", "backward", dtype, tp)
+    outside("dp", "loss", "all_reduce", (1,), f64, dp)
+    if not distributed_optimizer:
+        outside("dp", "all-reduce", "all_reduce", (flat,), dtype, dp)
+        outside("optimizer", "all-reduce norm", "all_reduce", (1,), f64, tp)
+        return out
+    padded_flat = padded(flat, dp)
+    outside("optimizer", "reduce-scatter", "reduce_scatter", (padded_flat,), dtype, dp)
+    outside("optimizer", "all-reduce norm dp", "all_reduce", (2,), f64, dp)
+    outside("optimizer", "all-reduce norm", "all_reduce", (1,), f64, tp)
+    outside("optimizer", "all-gather", "all_gather", (padded_flat,), dtype, dp)
+    return out
