@@ -182,3 +182,51 @@ def test_every_collective_of_a_train_step_is_the_traffic_models(tp, dp, zero):
     shape, dtype and bytes per rank, in issue order."""
     for got, want in run_ranks(tp * dp, step_ledger, dp, zero):
         assert got == want, [(g, w) for g, w in zip(got, want) if g != w][:3] or (len(got), len(want))
+
+
+def stop_and_resume(ctx, dp: int, distributed_optimizer: bool, directory: str):
+    """STEPS steps straight, against 2 steps, a save, a fresh trainer that loads, and the other steps: the losses
+    and the final weights, both ways; and a resume at another layout refused."""
+    from layers.models.dense import init_weights
+    from layers.models.lm import dense_lm, shard_lm
+    from tp.dist import grid_groups
+    from train.step import TrainConfig, Trainer
+
+    tp = ctx.world_size // dp
+    tp_groups, dp_groups = grid_groups(ctx.world_size, dp)
+    group, dp_group = tp_groups[ctx.rank // tp], dp_groups[ctx.rank % tp]
+    c = TrainConfig(lr=3e-2, min_lr=3e-3, warmup_steps=2, max_steps=STEPS, grad_clip=0.5, accumulation=2,
+                    distributed_optimizer=distributed_optimizer)
+    replica = ctx.rank // tp
+    mine = [step[2 * replica:2 * replica + 2] for step in batches(2 * dp)]
+
+    def fresh():
+        return Trainer(shard_lm(init_weights(dense_lm(CFG, torch.float64), seed=0), "v2", group), c, group,
+                       dp_group if dp > 1 else None)
+
+    straight = fresh()
+    losses = [straight.step(b)["loss"] for b in mine]
+    first = fresh()
+    resumed = [first.step(b)["loss"] for b in mine[:2]]
+    first.save(directory)
+    second = fresh()
+    second.load(directory)
+    resumed += [second.step(b)["loss"] for b in mine[2:]]
+    same_weights = all(torch.equal(a, b) for a, b in zip(straight.lm.state_dict().values(),
+                                                         second.lm.state_dict().values()))
+    other = Trainer(shard_lm(init_weights(dense_lm(CFG, torch.float64), seed=0), "v2", group),
+                    TrainConfig(lr=1e-3, accumulation=2, distributed_optimizer=distributed_optimizer), group,
+                    dp_group if dp > 1 else None)
+    try:
+        other.load(directory)
+        refusal = None
+    except ValueError as exc:
+        refusal = str(exc)
+    return losses, resumed, same_weights, refusal
+
+
+@pytest.mark.parametrize("zero", [False, True])
+def test_a_run_stopped_and_resumed_gives_the_uninterrupted_losses(tmp_path, zero):
+    for losses, resumed, same_weights, refusal in run_ranks(4, stop_and_resume, 2, zero, str(tmp_path)):
+        assert resumed == losses and same_weights  # bit for bit: the same arithmetic in the same order
+        assert refusal is not None and "was saved with another train" in refusal, refusal

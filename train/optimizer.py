@@ -49,6 +49,14 @@ class DistributedAdamW:
         self.m, self.v = torch.zeros_like(self.master), torch.zeros_like(self.master)
         self.steps = 0
 
+    def state_dict(self) -> dict:
+        return {"master": self.master, "m": self.m, "v": self.v, "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in ("master", "m", "v"):
+            getattr(self, name).copy_(state[name])
+        self.steps = state["steps"]
+
     def _flat(self, tensors) -> torch.Tensor:
         flat = torch.cat([t.reshape(-1) for t in tensors])
         return torch.nn.functional.pad(flat, (0, self.per_rank * self.dp - flat.numel()))

@@ -26,7 +26,8 @@ or, with distributed_optimizer, its two halves around an update of 1/dp of the v
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -169,6 +170,39 @@ class Trainer:
             self.optimizer.step()
         self.step_count += 1
         return {"step": self.step_count, "loss": total, "grad_norm": norm.item(), "lr": lr}
+
+    def layout(self) -> dict:
+        """What a checkpoint must match to be resumed here: the model, the training settings, tp, dp, the rank."""
+        return {"model": self.lm.cfg.asdict(), "family": self.lm.cfg.family, "train": asdict(self.c),
+                "tp": 1 if self.group is None else dist.get_world_size(self.group), "dp": self.dp,
+                "rank": dist.get_rank() if dist.is_initialized() else 0}
+
+    def save(self, directory: str | Path) -> Path:
+        """This rank's slices of the weights and its optimizer state (its 1/dp with distributed_optimizer), the step
+        and the layout, in directory/rank<r>.pt (every rank writes its own file)."""
+        layout = self.layout()
+        path = Path(directory) / f"rank{layout['rank']}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"layout": layout, "step": self.step_count, "model": self.lm.state_dict(),
+                    "optimizer": self.optimizer.state_dict()}, path)
+        return path
+
+    def load(self, directory: str | Path) -> None:
+        """Resume from save()'s file of this rank: ValueError naming what differs when it was written by another
+        model, settings or layout (checked on every rank before any collective of the next step)."""
+        layout = self.layout()
+        path = Path(directory) / f"rank{layout['rank']}.pt"
+        if not path.is_file():
+            raise ValueError(f"{path}: no checkpoint of rank {layout['rank']} (was it saved at tp={layout['tp']}, "
+                             f"dp={layout['dp']}?)")
+        saved = torch.load(path, weights_only=False)
+        differ = [k for k in layout if saved["layout"].get(k) != layout[k]]
+        if differ:
+            raise ValueError(f"{path} was saved with another " + ", ".join(
+                f"{k} ({saved['layout'].get(k)!r}, here {layout[k]!r})" for k in differ) + ": resume with the same")
+        self.lm.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.step_count = saved["step"]
 
     def average_over_dp(self) -> None:
         """Every gradient averaged over the dp replicas, in one flat bucket (★ all-reduce [N/tp])."""
