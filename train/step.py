@@ -92,10 +92,10 @@ def tp_loss(lm, ids: torch.Tensor) -> torch.Tensor:
     requests = Requests.from_lengths([T] * B)  # each sequence attends to itself alone, from position 0
     for block in lm.stack.blocks:
         x = block(x, requests)  # ★ v2: 2 all-reduces [B·T, d] forward, 2 backward
-    group = lm.head.group
+    head = lm.output_embedding
     # f after the final norm: the norm's weights get the whole gradient (★ all-reduce [B·T, d], backward)
-    z = lm.head.local_logits(copy_to_region(lm.final_norm(x), group, "head/f"))  # [B·T, V'/p]
-    return vocab_parallel_cross_entropy(z, targets, lm.head.start, group).mean()  # ★ 3 all-reduces [B·T]
+    z = head.local_logits(copy_to_region(lm.final_norm(x), head.group, "head/f"))  # [B·T, V'/p]
+    return vocab_parallel_cross_entropy(z, targets, head.start, head.group).mean()  # ★ 3 all-reduces [B·T]
 
 
 def dense_loss(lm, ids: torch.Tensor) -> torch.Tensor:

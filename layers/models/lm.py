@@ -206,10 +206,11 @@ class TPLM(nn.Module):
     def head_logits(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, int, dist.ProcessGroup | None]:
         """Rows `rows` of the stack's output through the final norm and this rank's slice of the head: (logits
         [S, V'/p], the slice's first id, the head's group). LayerNorm is per row, so only these rows need it."""
-        return self.head.local_logits(self.final_norm(x[rows])), self.head.start, self.head.head_group
+        head = self.output_embedding
+        return head.local_logits(self.final_norm(x[rows])), head.start, head.head_group
 
     @property
-    def head(self) -> nn.Module:
+    def output_embedding(self) -> nn.Module:
         """The LM head: the token embedding, tied."""
         return self.embed
 
@@ -256,6 +257,11 @@ class TPLlamaLM(nn.Module):
         return self.embed(ids)  # ★ all-reduce [T, d]; positions enter in every block (RoPE)
 
     head_logits = TPLM.head_logits  # the final RMSNorm, then this rank's slice of the head
+
+    @property
+    def output_embedding(self) -> nn.Module:
+        """The LM head: its own, or the token embedding when tied."""
+        return self.head
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x)

@@ -91,10 +91,11 @@ class AsyncEngine:
         self._ops.put(("drain", time.monotonic() + grace_s))
 
     def exited_rank(self) -> str | None:
-        """"rank R exited (code C)" for the first rank process that has exited, None while all run (a look at the
-        processes only: nothing is sent to them)."""
+        """"rank R exited (code C)" for every rank process that has exited, a rank killed by a signal (the cause; the
+        others fail after it) first; None while all run (a look at the processes only: nothing is sent to them)."""
         exited = self.llm.executor.exited() if not self.done.is_set() else []
-        return f"rank {exited[0][0]} exited (code {exited[0][1]})" if exited else None
+        exited.sort(key=lambda rank_code: (rank_code[1] is None or rank_code[1] >= 0, rank_code[0]))
+        return "; ".join(f"rank {r} exited (code {code})" for r, code in exited) or None
 
     def refusal(self, look_at_ranks: bool = False) -> APIError | None:
         """Why a new request is answered 503 now: the engine failed, or the server is shutting down; None while it
