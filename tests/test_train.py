@@ -230,3 +230,43 @@ def test_a_run_stopped_and_resumed_gives_the_uninterrupted_losses(tmp_path, zero
     for losses, resumed, same_weights, refusal in run_ranks(4, stop_and_resume, 2, zero, str(tmp_path)):
         assert resumed == losses and same_weights  # bit for bit: the same arithmetic in the same order
         assert refusal is not None and "was saved with another train" in refusal, refusal
+
+
+def train_gather_export(ctx, directory: str):
+    """One step at tp = 2, the slices gathered into the dense model, written in transformers' layout by rank 0; the
+    gathered weights against the dense model trained on one device."""
+    from layers.models.dense import init_weights
+    from layers.models.lm import dense_lm, shard_lm
+    from train.export import gather_dense, save_pretrained
+    from train.step import TrainConfig, Trainer
+
+    c = TrainConfig(lr=3e-2, warmup_steps=1, max_steps=2, accumulation=2)
+    dense = init_weights(dense_lm(CFG, torch.float64), seed=0)
+    trainer = Trainer(shard_lm(dense, "v2", ctx.group), c, ctx.group)
+    step = batches(2)[0]
+    trainer.step(step)
+    Trainer(dense, c).step(step)  # the same step on one device
+    gathered = gather_dense(trainer.lm, ctx.group)
+    worst = max(((gathered.get_parameter(k) - w).abs().max() / w.abs().max()).item()
+                for k, w in dense.named_parameters())
+    if ctx.rank == 0:
+        save_pretrained(gathered, directory)
+    return worst
+
+
+def test_a_trained_model_is_gathered_and_read_back_by_transformers(tmp_path):
+    """The TP slices gathered equal the dense model trained on one device; transformers reads the exported directory
+    and gives the dense model's logits (float64)."""
+    transformers = pytest.importorskip("transformers")
+    from layers.models.dense import init_weights
+    from layers.models.lm import dense_lm
+    from train.step import TrainConfig, Trainer
+
+    assert all(w <= 1e-10 for w in run_ranks(2, train_gather_export, str(tmp_path)))
+    dense = init_weights(dense_lm(CFG, torch.float64), seed=0)
+    Trainer(dense, TrainConfig(lr=3e-2, warmup_steps=1, max_steps=2, accumulation=2)).step(batches(2)[0])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float64).eval()
+    ids = batches(1)[1][0][0]
+    with torch.no_grad():
+        want, got = dense.logits(ids), hf(ids[None]).logits[0]
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-10

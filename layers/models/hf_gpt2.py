@@ -129,9 +129,21 @@ def toy_config(s: dict, ids: dict):
                                    **ids)
 
 
+def hf_config(cfg: ModelConfig):
+    """transformers' GPT2Config of this model (its tanh GeLU is gelu_new; the head tied to the token embedding)."""
+    import transformers
+
+    if cfg.d_head * cfg.n_heads != cfg.d_model:
+        raise ConfigError(f"d_head={cfg.d_head} x n_heads={cfg.n_heads} != d_model={cfg.d_model}: transformers' GPT-2 "
+                          f"has d_head = d_model / n_heads")
+    return transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model,
+                                   n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.d_ffn,
+                                   layer_norm_epsilon=cfg.ln_eps, activation_function="gelu_new")
+
+
 FAMILY = Family(
     "gpt2", "GPT-2", ModelConfig, config_from_hf, names, expected_shapes,
     validate=lambda cfg, p, moe_parallel="tp": validate_model(cfg, p),
     **same_blocks(DenseBlock, {"v1": TPBlockV1, "v2": TPBlockV2, "intra_head": TPBlockIntraHead, "v2sp": TPBlockV2SP}),
-    llama_lm=False, context_parallel=True, check_lm=check_tied, toy=toy_config,
+    llama_lm=False, context_parallel=True, check_lm=check_tied, toy=toy_config, hf_config=hf_config,
 )
