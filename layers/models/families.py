@@ -54,7 +54,7 @@ class Family:
     dense_blocks: Callable  # (cfg, dtype, device) -> the single-device model's L blocks
     tp_blocks: Callable  # (cfg, variant, group, dtype, device, moe_parallel, n_layers) -> this rank's blocks
     variants: tuple[str, ...]  # the tensor-parallel cuts its blocks are built in (layers/models/config.py)
-    hf_config: Callable | None = None  # (cfg) -> transformers' config of this model (train/export.py)
+    llama_lm: bool = True  # the LM around the blocks: Llama's (token embedding, RMSNorm, own or tied head), else GPT-2's
     cache_layout: Callable = kv_heads_layout  # (cfg, p) -> (planes, heads, width) of a TP rank's cache
     moe: bool = False  # routed experts: takes moe_parallel
     pipeline: bool = True  # can be cut into pipeline stages
@@ -63,7 +63,7 @@ class Family:
     experts_of: Callable | None = None  # (our parameter, cfg) -> E where the files hold an [E, ...] stack per expert
     check_lm: Callable | None = None  # (state) -> None, or ConfigError: what a whole LM's checkpoint must also hold
     toy: Callable | None = None  # (sizes, token ids) -> transformers' config of serve/toy_model.py's model
-    hf_config: Callable | None = None  # (cfg) -> transformers' config of this model (train/export.py writes it)
+    hf_config: Callable | None = None  # (cfg) -> transformers' config of this model (train/export.py)
 
 
 def family(name: str) -> Family:
