@@ -148,7 +148,9 @@ class Trainer:
     def step(self, micro_batches: list[torch.Tensor]) -> dict:
         """One optimizer step over this replica's `accumulation` micro-batches [B, T + 1] (the step's batch is every
         replica's): the step's mean loss over every replica, the gradient norm before clipping, the learning rate."""
-        assert len(micro_batches) == self.c.accumulation
+        if len(micro_batches) != self.c.accumulation:
+            raise ValueError(f"{len(micro_batches)} micro-batches for accumulation={self.c.accumulation}: give one "
+                             f"per accumulation step")
         lr = learning_rate(self.step_count, self.c)
         self.lm.zero_grad(set_to_none=True)
         total = 0.0

@@ -206,12 +206,11 @@ class TPLM(nn.Module):
     def head_logits(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, int, dist.ProcessGroup | None]:
         """Rows `rows` of the stack's output through the final norm and this rank's slice of the head: (logits
         [S, V'/p], the slice's first id, the head's group). LayerNorm is per row, so only these rows need it."""
-        head = self.output_embedding
-        return head.local_logits(self.final_norm(x[rows])), head.start, head.head_group
+        return self.embed.local_logits(self.ln_f(x[rows])), self.embed.start, self.embed.head_group
 
     @property
     def output_embedding(self) -> nn.Module:
-        """The LM head: the token embedding, tied."""
+        """The LM head: the token embedding, tied (train/step.py's loss reads the head and final_norm)."""
         return self.embed
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -256,7 +255,9 @@ class TPLlamaLM(nn.Module):
     def embed_rows(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.embed(ids)  # ★ all-reduce [T, d]; positions enter in every block (RoPE)
 
-    head_logits = TPLM.head_logits  # the final RMSNorm, then this rank's slice of the head
+    def head_logits(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, int, dist.ProcessGroup | None]:
+        """As TPLM.head_logits: the final RMSNorm, then this rank's slice of the head."""
+        return self.head.local_logits(self.norm(x[rows])), self.head.start, self.head.head_group
 
     @property
     def output_embedding(self) -> nn.Module:
