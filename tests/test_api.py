@@ -412,7 +412,8 @@ def test_ctrl_c_drains_and_a_second_ctrl_c_stops_at_once_leaving_nothing(server)
     took = time.monotonic() - t0
     for t in threads:
         t.join(10)
-    assert took < 1.5 and max(ended.values()) - t0 < 1.0, (took, [e - t0 for e in ended.values()])
+    # at once: well inside the 20 s grace period the first Ctrl-C began (idle: 0.16 s; 3.5 s seen on a loaded machine)
+    assert took < 6.0 and max(ended.values()) - t0 < 2.0, (took, [e - t0 for e in ended.values()])
     wait_until(lambda: any(line.startswith("stopped ") for line in server.lines), 5)
     said = "".join(server.lines)
     assert "Traceback" not in said and "KeyboardInterrupt" not in said

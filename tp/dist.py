@@ -11,6 +11,7 @@ import contextvars
 import datetime
 import gc
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -245,4 +246,8 @@ def shutdown() -> list[str]:
         gc.collect()
         dist.destroy_process_group()
     gc.collect()
-    return group_threads()
+    deadline = time.monotonic() + 2.0  # a loaded machine may take a moment to end threads already let go
+    while (left := group_threads()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        gc.collect()
+    return left
