@@ -232,7 +232,7 @@ def test_a_run_stopped_and_resumed_gives_the_uninterrupted_losses(tmp_path, zero
         assert refusal is not None and "was saved with another train" in refusal, refusal
 
 
-def train_gather_export(ctx, directory: str):
+def train_gather_export(ctx, directory: str, model: str):
     """One step at tp = 2, the slices gathered into the dense model, written in transformers' layout by rank 0; the
     gathered weights against the dense model trained on one device."""
     from layers.models.dense import init_weights
@@ -241,7 +241,7 @@ def train_gather_export(ctx, directory: str):
     from train.step import TrainConfig, Trainer
 
     c = TrainConfig(lr=3e-2, warmup_steps=1, max_steps=2, accumulation=2)
-    dense = init_weights(dense_lm(CFG, torch.float64), seed=0)
+    dense = init_weights(dense_lm(MODELS[model], torch.float64), seed=0)
     trainer = Trainer(shard_lm(dense, "v2", ctx.group), c, ctx.group)
     step = batches(2)[0]
     trainer.step(step)
@@ -254,19 +254,21 @@ def train_gather_export(ctx, directory: str):
     return worst
 
 
-def test_a_trained_model_is_gathered_and_read_back_by_transformers(tmp_path):
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_a_trained_model_is_gathered_and_read_back_by_transformers(tmp_path, model):
     """The TP slices gathered equal the dense model trained on one device; transformers reads the exported directory
-    and gives the dense model's logits (float64)."""
+    and gives the dense model's logits (float64). Llama: GQA, an untied head, gate_up written as two tensors."""
     transformers = pytest.importorskip("transformers")
     from layers.models.dense import init_weights
     from layers.models.lm import dense_lm
     from train.step import TrainConfig, Trainer
 
-    assert all(w <= 1e-10 for w in run_ranks(2, train_gather_export, str(tmp_path)))
-    dense = init_weights(dense_lm(CFG, torch.float64), seed=0)
+    assert all(w <= 1e-10 for w in run_ranks(2, train_gather_export, str(tmp_path), model))
+    dense = init_weights(dense_lm(MODELS[model], torch.float64), seed=0)
     Trainer(dense, TrainConfig(lr=3e-2, warmup_steps=1, max_steps=2, accumulation=2)).step(batches(2)[0])
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float64).eval()
     ids = batches(1)[1][0][0]
     with torch.no_grad():
         want, got = dense.logits(ids), hf(ids[None]).logits[0]
-    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-10
+    # transformers' Llama computes its rotary frequencies in float32 by design (its float64 logits differ by ~1e-7)
+    assert ((got - want).abs().max() / want.abs().max()).item() < (1e-10 if model == "gpt2" else 1e-6)

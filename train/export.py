@@ -53,10 +53,9 @@ def save_pretrained(dense, directory: str | Path, tokenizer=None) -> Path:
     keys = family.names(cfg, hf.state_dict(), cfg.n_layers, True)  # our parameter -> (its keys, transposed?)
     state = {}
     for ours, (theirs, transposed) in keys.items():
-        if len(theirs) != 1:
-            raise ValueError(f"{family.title}: {ours} is stored as several tensors; not exported yet")
         t = dense.get_parameter(ours).detach()
-        state[theirs[0]] = t.t().contiguous() if transposed else t
+        t = t.t().contiguous() if transposed else t
+        state.update(zip(theirs, t.chunk(len(theirs), dim=0)))  # several keys: their rows, stacked (gate_up)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     hf.tie_weights()
     left = [k for k in missing if k != "lm_head.weight"]  # the head is tied to the token embedding
