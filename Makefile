@@ -1,6 +1,7 @@
 # make demo   -- set up (once) and run the block check on NPROC ranks (gloo on CPU unless GPUs are there)
 # make test   -- set up (once) and run the test suite
 # make serve  -- set up (once) and serve requests on SERVE_NPROC ranks, checked against the dense oracle
+# make model  -- set up (once) and train the default model and its draft on this Python's stdlib (about 9 minutes on 2 cores)
 # make bench  -- every benchmark, then docs/benchmarks.md
 # make gpu-check -- on a GPU node: NCCL runs, GPU-marked tests, bench_tp; one summary (skips without GPUs)
 # make docs-check -- every quick command of the README and docs/, run as written, its verdict beside the page's
@@ -9,10 +10,11 @@ PYTHON  ?= python3
 NPROC   ?= 8
 SERVE_NPROC ?= 4
 ARGS    ?=
+MODEL_DIR ?= models/stdlib
 TORCH_VERSION ?= 2.13.0
 PY      := $(VENV)/bin/python
 
-.PHONY: setup demo serve test bench gpu-check docs-check clean
+.PHONY: setup demo serve test model bench gpu-check docs-check clean
 
 setup: $(VENV)/.installed
 
@@ -31,7 +33,7 @@ $(VENV)/.installed: pyproject.toml
 	else \
 	  $(PY) -m pip install "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu; \
 	fi
-	$(PY) -m pip install -q -e ".[test,hf,api]"
+	$(PY) -m pip install -q -e ".[test,hf,api,train]"
 	touch $@
 
 demo: setup
@@ -44,6 +46,15 @@ serve: setup
 # processes, so two files at once keep both cores busy.
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# The model the docs and benchmarks use (train/; ignored by git): once, then `make model` finds it there.
+model: setup $(MODEL_DIR)/model.safetensors $(MODEL_DIR)-draft/model.safetensors
+
+$(MODEL_DIR)/model.safetensors:
+	$(PY) -m train --output-dir $(MODEL_DIR) $(ARGS)
+
+$(MODEL_DIR)-draft/model.safetensors: $(MODEL_DIR)/model.safetensors
+	$(PY) -m train --output-dir $(MODEL_DIR)-draft --size draft --tokenizer $(MODEL_DIR) $(ARGS)
 
 # Every benchmark (about 25 minutes on 2 cores), then docs/benchmarks.md from their JSON.
 bench: setup

@@ -64,9 +64,10 @@ def test_the_pages_show_commands():
 
 def test_every_documented_flag_exists():
     """Each --flag a page gives a script (python -m serve, python -m serve.api, benchmarks/*.py, ...) is one its
-    parser declares: a string literal of the script, or an engine flag (serve/config.py FLAGS) or one of LLM's
-    (LLM_FLAGS) where it adds them."""
+    parser declares: a string literal of the script, or an engine flag (serve/config.py FLAGS), one of LLM's
+    (LLM_FLAGS) or a TrainSettings field's (python -m train) where it adds them."""
     from serve.config import FLAGS, LLM_FLAGS
+    from train.settings import FIELDS as TRAIN_FIELDS
 
     bad = []
     for where, script, args in COMMANDS:
@@ -79,6 +80,8 @@ def test_every_documented_flag_exists():
             known |= set(FLAGS) | {"--no-enable-prefix-caching", "--num-gpu-blocks"}
         if "add_llm_flags(" in source:
             known |= {flag for flag, _, _ in LLM_FLAGS} | {"--model"}
+        if "from train.settings import" in source and "add_flags(" in source:  # python -m train: TrainSettings'
+            known |= {"--" + name.replace("_", "-") for name in TRAIN_FIELDS} | {"--no-resume"}
         bad += [f"{where}: {script} {a}" for a in args if a.startswith("--") and a.split("=")[0] not in known]
     assert not bad, "\n".join(bad)
 

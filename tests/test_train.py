@@ -59,13 +59,13 @@ def dense_oracle(dense, c, micro: int) -> list[dict]:
     return logs
 
 
-def train_both(ctx, dp: int, distributed_optimizer: bool = False, model: str = "gpt2"):
+def train_both(ctx, dp: int, distributed_optimizer: bool = False, model: str = "gpt2", sp: bool = False):
     """tp = world / dp ranks per replica, dp replicas (rank d·tp + t), 2 micro-batches each; the oracle accumulates
-    all 2·dp of them."""
+    all 2·dp of them. sp: the v2sp blocks (sequence parallelism)."""
     from layers.models.dense import init_weights
     from layers.models.lm import dense_lm, shard_lm
     from tp.dist import grid_groups
-    from train.step import TrainConfig, Trainer
+    from train.step import TrainConfig, Trainer, train_lm
 
     tp = ctx.world_size // dp
     tp_groups, dp_groups = grid_groups(ctx.world_size, dp)
@@ -73,7 +73,7 @@ def train_both(ctx, dp: int, distributed_optimizer: bool = False, model: str = "
     c = TrainConfig(lr=3e-2, min_lr=3e-3, warmup_steps=2, max_steps=STEPS, grad_clip=0.5, accumulation=2,
                     distributed_optimizer=distributed_optimizer)
     dense = init_weights(dense_lm(MODELS[model], torch.float64), seed=0)
-    trainer = Trainer(shard_lm(dense, "v2", group), c, group, dp_group if dp > 1 else None)
+    trainer = Trainer(train_lm(dense, group, sp), c, group, dp_group if dp > 1 else None)
     replica = ctx.rank // tp
     logs = [trainer.step(step[2 * replica:2 * replica + 2]) for step in batches(2 * dp)]
     dense_logs = dense_oracle(dense, c, 2 * dp)
@@ -83,12 +83,15 @@ def train_both(ctx, dp: int, distributed_optimizer: bool = False, model: str = "
     return logs, dense_logs, worst
 
 
-@pytest.mark.parametrize("model,tp,dp,zero", [
-    ("gpt2", 1, 1, False), ("gpt2", 2, 1, False), ("gpt2", 4, 1, False), ("gpt2", 1, 2, False), ("gpt2", 2, 2, False),
-    ("gpt2", 1, 2, True), ("gpt2", 2, 2, True), ("llama", 2, 1, False), ("llama", 2, 2, True)])
-def test_the_tp_train_step_equals_one_device_step_for_step(model, tp, dp, zero):
-    """zero: the distributed optimizer (AdamW's state split over dp) in place of the plain all-reduce."""
-    for logs, dense_logs, worst in run_ranks(tp * dp, train_both, dp, zero, model):
+@pytest.mark.parametrize("model,tp,dp,zero,sp", [
+    ("gpt2", 1, 1, False, False), ("gpt2", 2, 1, False, False), ("gpt2", 4, 1, False, False),
+    ("gpt2", 1, 2, False, False), ("gpt2", 2, 2, False, False), ("gpt2", 1, 2, True, False),
+    ("gpt2", 2, 2, True, False), ("llama", 2, 1, False, False), ("llama", 2, 2, True, False),
+    ("gpt2", 2, 2, True, True), ("llama", 2, 1, False, True)])
+def test_the_tp_train_step_equals_one_device_step_for_step(model, tp, dp, zero, sp):
+    """zero: the distributed optimizer (AdamW's state split over dp) in place of the plain all-reduce; sp: sequence
+    parallelism (the v2sp blocks)."""
+    for logs, dense_logs, worst in run_ranks(tp * dp, train_both, dp, zero, model, sp):
         assert [r["lr"] for r in logs] == pytest.approx([r["lr"] for r in dense_logs], rel=1e-12)
         for got, want in zip(logs, dense_logs):
             assert abs(got["loss"] - want["loss"]) <= 1e-10 * abs(want["loss"]), (got, want)
@@ -149,23 +152,23 @@ def test_kv_heads_replicated_over_ranks_are_refused_for_training():
         assert message is not None and "tp=4 > n_kv_heads=2" in message and "train at tp <= 2" in message, message
 
 
-def step_ledger(ctx, dp: int, distributed_optimizer: bool):
+def step_ledger(ctx, dp: int, distributed_optimizer: bool, sp: bool):
     """One step's collectives on this rank, as the ledger recorded them (labelled with their blocks), and as
     tp/traffic_model.predict_train_step predicts them from the shapes alone."""
     from dataclasses import fields
 
     from layers.models.dense import init_weights
-    from layers.models.lm import dense_lm, shard_lm
+    from layers.models.lm import dense_lm
     from tp.dist import grid_groups
     from tp.ledger import Traffic, TrafficLedger
     from tp.traffic_model import predict_train_step
-    from train.step import TrainConfig, Trainer
+    from train.step import TrainConfig, Trainer, train_lm
 
     tp = ctx.world_size // dp
     tp_groups, dp_groups = grid_groups(ctx.world_size, dp)
     group, dp_group = tp_groups[ctx.rank // tp], dp_groups[ctx.rank % tp]
     c = TrainConfig(accumulation=2, distributed_optimizer=distributed_optimizer)
-    trainer = Trainer(shard_lm(init_weights(dense_lm(CFG, torch.float64), seed=0), "v2", group), c, group,
+    trainer = Trainer(train_lm(init_weights(dense_lm(CFG, torch.float64), seed=0), group, sp), c, group,
                       dp_group if dp > 1 else None)
     replica = ctx.rank // tp
     ledger = TrafficLedger(ctx.world_size)
@@ -173,14 +176,15 @@ def step_ledger(ctx, dp: int, distributed_optimizer: bool):
         trainer.step(batches(2 * dp)[0][2 * replica:2 * replica + 2])
     got = [Traffic(*(getattr(r, f.name) for f in fields(Traffic))) for r in ledger.records]
     flat = sum(p.numel() for p in trainer.lm.parameters())
-    return got, predict_train_step(CFG, tp, dp, [B * T] * 2, flat, torch.float64, distributed_optimizer)
+    return got, predict_train_step(CFG, tp, dp, [B * T] * 2, flat, torch.float64, distributed_optimizer, sp)
 
 
-@pytest.mark.parametrize("tp,dp,zero", [(4, 1, False), (2, 2, False), (2, 2, True), (1, 2, True)])
-def test_every_collective_of_a_train_step_is_the_traffic_models(tp, dp, zero):
+@pytest.mark.parametrize("tp,dp,zero,sp", [(4, 1, False, False), (2, 2, False, False), (2, 2, True, False),
+                                           (1, 2, True, False), (2, 2, True, True)])
+def test_every_collective_of_a_train_step_is_the_traffic_models(tp, dp, zero, sp):
     """The ledger of one step (two micro-batches) equals the model record for record: site, layer, phase, kind,
-    shape, dtype and bytes per rank, in issue order."""
-    for got, want in run_ranks(tp * dp, step_ledger, dp, zero):
+    shape, dtype and bytes per rank, in issue order. sp: the v2sp blocks and the rows' gathers around them."""
+    for got, want in run_ranks(tp * dp, step_ledger, dp, zero, sp):
         assert got == want, [(g, w) for g, w in zip(got, want) if g != w][:3] or (len(got), len(want))
 
 
@@ -272,3 +276,29 @@ def test_a_trained_model_is_gathered_and_read_back_by_transformers(tmp_path, mod
         want, got = dense.logits(ids), hf(ids[None]).logits[0]
     # transformers' Llama computes its rotary frequencies in float32 by design (its float64 logits differ by ~1e-7)
     assert ((got - want).abs().max() / want.abs().max()).item() < (1e-10 if model == "gpt2" else 1e-6)
+
+
+def autocast_steps(ctx):
+    """3 steps at tp 2 in float32, and the same from the same weights under bfloat16 autocast."""
+    from layers.models.dense import init_weights
+    from layers.models.lm import dense_lm
+    from train.step import TrainConfig, Trainer, train_lm
+
+    c = TrainConfig(lr=3e-2, warmup_steps=1, max_steps=3, accumulation=2)
+    out = {}
+    for name, autocast in (("float32", None), ("bfloat16", torch.bfloat16)):
+        trainer = Trainer(train_lm(init_weights(dense_lm(CFG, torch.float32), seed=0), ctx.group), c, ctx.group,
+                          autocast=autocast)
+        out[name] = [trainer.step(step)["loss"] for step in batches(2)[:3]]
+        out[name + " dtypes"] = {p.dtype for p in trainer.lm.parameters()} | \
+            {s.dtype for st in trainer.optimizer.state.values() for s in st.values() if torch.is_tensor(s) and s.ndim}
+    return out
+
+
+def test_bfloat16_autocast_keeps_float32_master_weights_and_follows_float32():
+    """Under autocast the matmuls run in bfloat16 (the losses differ from float32's) while the weights and Adam's
+    moments stay float32; the losses follow float32's within bfloat16's rounding."""
+    for out in run_ranks(2, autocast_steps):
+        assert out["bfloat16 dtypes"] == {torch.float32}
+        assert out["bfloat16"] != out["float32"]
+        torch.testing.assert_close(out["bfloat16"], out["float32"], rtol=2e-2, atol=0)

@@ -400,14 +400,16 @@ def pass_kv_bytes_per_rank_per_layer(cfg: ModelShape, cp: int, tp: int, n: int, 
 
 
 def predict_train_step(cfg: ModelShape, tp: int, dp: int, micro_rows: list[int], flat: int, dtype: torch.dtype,
-                       distributed_optimizer: bool = False) -> list[Traffic]:
+                       distributed_optimizer: bool = False, sequence_parallel: bool = False) -> list[Traffic]:
     """Every collective of one training step (train/step.py) on a rank of a dp × tp world, in issue order: per
     micro-batch of micro_rows[i] = B·T rows, the embedding's all-reduce, the blocks forward, the loss's three
     all-reduces [rows], the head's f (backward) and the blocks backward from the last layer; then the step's loss
     over dp (for the log), and the gradient's dp reduction with the norm: a plain all-reduce of the rank's flat
     gradient [flat] and the norm over tp, or the distributed optimizer's reduce-scatter [dp·⌈flat/dp⌉], the norm's
-    squares over dp and tp, and the all-gather of the updated values."""
+    squares over dp and tp, and the all-gather of the updated values. sequence_parallel: the v2sp blocks, the rows
+    all-gathered after the last block (forward) and the embedding's gradient all-gathered after the first (backward)."""
     out: list[Traffic] = []
+    variant = "v2sp" if sequence_parallel else "v2"
     f64 = torch.float64
 
     def outside(sublayer, site, kind, shape, dt, p, phase="forward"):
@@ -417,12 +419,16 @@ def predict_train_step(cfg: ModelShape, tp: int, dp: int, micro_rows: list[int],
 
     for n in micro_rows:
         outside("embed", "all-reduce", "all_reduce", (n, cfg.d_model), dtype, tp)
-        out += predict(cfg, tp, n, dtype, "v2", "forward")
+        out += predict(cfg, tp, n, dtype, variant, "forward")
+        if sequence_parallel:
+            out += predict_sp_stack(cfg, tp, n, dtype, "forward")
         for site in ("all-reduce max", "all-reduce sum", "all-reduce target"):
             outside("loss", site, "all_reduce", (n,), dtype, tp)
         outside("head", "f", "all_reduce", (n, cfg.d_model), dtype, tp, "backward")
         if tp > 1:
-            out += _blocks(cfg, reversed(range(cfg.n_layers)), n, "v2", "backward", dtype, tp)
+            out += _blocks(cfg, reversed(range(cfg.n_layers)), n, variant, "backward", dtype, tp)
+        if sequence_parallel:
+            out += predict_sp_stack(cfg, tp, n, dtype, "backward")
     outside("dp", "loss", "all_reduce", (1,), f64, dp)
     if not distributed_optimizer:
         outside("dp", "all-reduce", "all_reduce", (flat,), dtype, dp)

@@ -49,7 +49,9 @@ def save_pretrained(dense, directory: str | Path, tokenizer=None) -> Path:
     if family.hf_config is None:
         raise ValueError(f"{family.title} models are not exported yet")
     dtype = next(dense.parameters()).dtype
-    hf = transformers.AutoModelForCausalLM.from_config(family.hf_config(cfg)).to(dtype)
+    eos = None if tokenizer is None else tokenizer.eos_token_id  # without a tokenizer: none (not GPT-2's 50256)
+    config = family.hf_config(cfg, bos_token_id=eos, eos_token_id=eos)
+    hf = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
     keys = family.names(cfg, hf.state_dict(), cfg.n_layers, True)  # our parameter -> (its keys, transposed?)
     state = {}
     for ours, (theirs, transposed) in keys.items():
@@ -62,6 +64,7 @@ def save_pretrained(dense, directory: str | Path, tokenizer=None) -> Path:
     if left or unexpected:
         raise ValueError(f"export to transformers: missing {left}, unexpected {unexpected}")
     directory = Path(directory)
+    transformers.utils.logging.disable_progress_bar()
     hf.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)

@@ -90,12 +90,31 @@ def tp_loss(lm, ids: torch.Tensor) -> torch.Tensor:
     inputs, targets = ids[:, :-1].reshape(-1), ids[:, 1:].reshape(-1)
     x = lm.embed_rows(inputs, torch.arange(T, device=ids.device).repeat(B))  # ★ all-reduce [B·T, d]
     requests = Requests.from_lengths([T] * B)  # each sequence attends to itself alone, from position 0
-    for block in lm.stack.blocks:
-        x = block(x, requests)  # ★ v2: 2 all-reduces [B·T, d] forward, 2 backward
+    n, stack = x.shape[0], lm.stack
+    x = stack.enter(x)  # v2sp: this rank's rows (backward: ★ all-gather of dx)
+    for block in stack.blocks:
+        x = stack.layer(block, x, requests, n)  # ★ v2: 2 all-reduces forward, 2 backward; v2sp: 2 all-gathers and
+    x = stack.output((x,), n)  # 2 reduce-scatters each way; v2sp: ★ all-gather of the rows
     head = lm.output_embedding
     # f after the final norm: the norm's weights get the whole gradient (★ all-reduce [B·T, d], backward)
     z = head.local_logits(copy_to_region(lm.final_norm(x), head.group, "head/f"))  # [B·T, V'/p]
+    if z.dtype in (torch.bfloat16, torch.float16):  # autocast: the softmax's statistics in float32
+        z = z.float()
     return vocab_parallel_cross_entropy(z, targets, head.start, head.group).mean()  # ★ 3 all-reduces [B·T]
+
+
+def train_lm(weights, group: dist.ProcessGroup, sequence_parallel: bool = False):
+    """This rank's TP LM to train: the v2 blocks the engine serves, or with sequence_parallel (Megatron's
+    --sequence-parallel) the v2sp blocks, which hold the same slices but keep 1/tp of the rows between blocks: the
+    norms and dropout-free residual adds run on this rank's rows, and each all-reduce becomes an all-gather before the
+    column-parallel matmul and a reduce-scatter after the row-parallel one (layers/models/tp_block.py)."""
+    from layers.models.lm import shard_lm
+    from layers.models.tp_block import shard_stack
+
+    lm = shard_lm(weights, "v2", group)
+    if sequence_parallel:
+        lm.stack = shard_stack(weights.stack, "v2sp", group)
+    return lm
 
 
 def dense_loss(lm, ids: torch.Tensor) -> torch.Tensor:
@@ -126,8 +145,10 @@ class Trainer:
     """The step loop's state: the model (a TPLM on its group, or the dense LM: group None), AdamW, the schedule."""
 
     def __init__(self, lm, c: TrainConfig, group: dist.ProcessGroup | None = None,
-                 dp_group: dist.ProcessGroup | None = None):
-        self.lm, self.c, self.group, self.dp_group = lm, c, group, dp_group
+                 dp_group: dist.ProcessGroup | None = None, autocast: torch.dtype | None = None):
+        """autocast: the forward's matmuls in this dtype (bfloat16) under torch.autocast; the weights, their
+        gradients and AdamW stay in the weights' dtype (float32 master weights), the loss's statistics float32."""
+        self.lm, self.c, self.group, self.dp_group, self.autocast = lm, c, group, dp_group, autocast
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.replicated = replicated_names(lm) if group is not None else set()
         if of(lm.cfg).moe:
@@ -155,7 +176,8 @@ class Trainer:
         self.lm.zero_grad(set_to_none=True)
         total = 0.0
         for ids in micro_batches:
-            loss = (tp_loss if self.group is not None else dense_loss)(self.lm, ids) / len(micro_batches)
+            with torch.autocast(ids.device.type, self.autocast or torch.float32, enabled=self.autocast is not None):
+                loss = (tp_loss if self.group is not None else dense_loss)(self.lm, ids) / len(micro_batches)
             loss.backward()
             total += loss.item()
         if self.dp > 1:  # the step's loss over every replica, for the log (★ all-reduce [1])
@@ -172,6 +194,15 @@ class Trainer:
             self.optimizer.step()
         self.step_count += 1
         return {"step": self.step_count, "loss": total, "grad_norm": norm.item(), "lr": lr}
+
+    @torch.no_grad()
+    def evaluate(self, rows: torch.Tensor, micro_batch_size: int) -> float:
+        """The mean loss over rows [N, T + 1] (every token weighs alike), no gradient, in micro-batches."""
+        total = 0.0
+        for ids in rows.split(micro_batch_size):
+            with torch.autocast(ids.device.type, self.autocast or torch.float32, enabled=self.autocast is not None):
+                total += (tp_loss if self.group is not None else dense_loss)(self.lm, ids).item() * len(ids)
+        return total / len(rows)
 
     def layout(self) -> dict:
         """What a checkpoint must match to be resumed here: the model, the training settings, tp, dp, the rank."""

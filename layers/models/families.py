@@ -63,7 +63,7 @@ class Family:
     experts_of: Callable | None = None  # (our parameter, cfg) -> E where the files hold an [E, ...] stack per expert
     check_lm: Callable | None = None  # (state) -> None, or ConfigError: what a whole LM's checkpoint must also hold
     toy: Callable | None = None  # (sizes, token ids) -> transformers' config of serve/toy_model.py's model
-    hf_config: Callable | None = None  # (cfg) -> transformers' config of this model (train/export.py)
+    hf_config: Callable | None = None  # (cfg, **token ids) -> transformers' config of this model (train/export.py)
 
 
 def family(name: str) -> Family:

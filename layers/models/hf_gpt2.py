@@ -129,7 +129,7 @@ def toy_config(s: dict, ids: dict):
                                    **ids)
 
 
-def hf_config(cfg: ModelConfig):
+def hf_config(cfg: ModelConfig, **ids):
     """transformers' GPT2Config of this model (its tanh GeLU is gelu_new; the head tied to the token embedding)."""
     import transformers
 
@@ -138,7 +138,7 @@ def hf_config(cfg: ModelConfig):
                           f"has d_head = d_model / n_heads")
     return transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model,
                                    n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.d_ffn,
-                                   layer_norm_epsilon=cfg.ln_eps, activation_function="gelu_new")
+                                   layer_norm_epsilon=cfg.ln_eps, activation_function="gelu_new", **ids)
 
 
 FAMILY = Family(

@@ -144,7 +144,7 @@ def toy_config(s: dict, ids: dict):
     return transformers.LlamaConfig(intermediate_size=s["hidden"] * 8 // 3 // 8 * 8, **toy_shape(s, ids))
 
 
-def hf_config(cfg: LlamaConfig):
+def hf_config(cfg: LlamaConfig, **ids):
     """transformers' LlamaConfig of this model (train/export.py)."""
     import transformers
 
@@ -152,7 +152,7 @@ def hf_config(cfg: LlamaConfig):
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ffn, num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.d_head,
         max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-        tie_word_embeddings=cfg.tie_word_embeddings)
+        tie_word_embeddings=cfg.tie_word_embeddings, **ids)
 
 
 FAMILY = Family(

@@ -1,0 +1,44 @@
+"""torchrun --nproc_per_node=P launch/train.py [tensor_parallel_size=T data_parallel_size=P/T max_steps=N ...]
+
+`python -m train` under torchrun with Hydra, as the other launchers run: the settings are TrainSettings' fields
+(train/settings.py) as Hydra keys, checked on every rank before any collective (one line, exit 2); each torchrun
+process is one rank of the tp x dp world; rank 0 prepares the corpus while the others wait. The model, its curve and
+train_log.jsonl go to output_dir (default: Hydra's run directory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script by torchrun: the repository first (not launch/train.py as `train`)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from launch.settings import print_error, run_dir, script_main
+from tp.dist import env_world
+from train.settings import TrainSettings, from_mapping
+
+ConfigStore.instance().store(name="train_defaults",
+                             node={f.name: f.default for f in dataclasses.fields(TrainSettings)})
+
+
+def run(cfg: DictConfig) -> int:
+    from train.run import rank_main
+
+    values = OmegaConf.to_container(cfg, resolve=True)
+    values["output_dir"] = values.get("output_dir") or str(run_dir())
+    try:
+        s = from_mapping(values)
+        s.validate(env_world()[2])
+    except ValueError as exc:
+        print_error(exc)
+        return 2
+    return rank_main(s, prepared=False)
+
+
+if __name__ == "__main__":
+    script_main(run, "train")
