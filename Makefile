@@ -1,7 +1,7 @@
 # make demo   -- set up (once) and run the block check on NPROC ranks (gloo on CPU unless GPUs are there)
 # make test   -- set up (once) and run the test suite
 # make serve  -- set up (once) and serve requests on SERVE_NPROC ranks, checked against the dense oracle
-# make model  -- set up (once) and train the default model and its draft on this Python's stdlib (about 9 minutes on 2 cores)
+# make model  -- set up (once) and train the default model and its draft on this Python's stdlib (11 minutes on 2 cores)
 # make bench  -- every benchmark, then docs/benchmarks.md
 # make gpu-check -- on a GPU node: NCCL runs, GPU-marked tests, bench_tp; one summary (skips without GPUs)
 # make docs-check -- every quick command of the README and docs/, run as written, its verdict beside the page's
@@ -78,6 +78,7 @@ bench: setup
 	$(PY) benchmarks/bench_spec_decode.py
 	$(PY) benchmarks/bench_threads.py
 	$(PY) benchmarks/bench_http.py
+	$(PY) benchmarks/bench_train.py
 	$(PY) benchmarks/report.py
 
 gpu-check: setup

@@ -24,6 +24,7 @@ from benchmarks.bench_pp import section as pp_section  # noqa: E402
 from benchmarks.bench_pp_serve import plot as pp_serve_plot, section as pp_serve_section  # noqa: E402
 from benchmarks.bench_threads import section as threads_section  # noqa: E402
 from benchmarks.bench_tp import section as tp_section  # noqa: E402
+from benchmarks.bench_train import section as train_section  # noqa: E402
 from benchmarks.common import OUT, load_json, merge, table  # noqa: E402
 from benchmarks.report_paged import section as paged_section  # noqa: E402
 from benchmarks.report_serve import pd_section, plot_timeline, section as serving_section  # noqa: E402
@@ -63,7 +64,7 @@ def main() -> int:
     lines += pp_section([run for run in (load_json(f"bench_pp_pp{pp}.json") for pp in (2, 4)) if run])
     lines += pp_serve_section(pp_serve) + kv_section(load_json("bench_kv.json"))
     lines += http_section(load_json("bench_http.json")) + load_section(load_json("bench_load.json"))
-    lines += threads_section(load_json("bench_threads.json"))
+    lines += threads_section(load_json("bench_threads.json")) + train_section(load_json("bench_train.json"))
     page = Path("docs/benchmarks.md")
     if not lines and page.exists():  # the machine line belongs to the figures on the page: nothing to rewrite
         print("no data in outputs/: docs/benchmarks.md left as it stands")

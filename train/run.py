@@ -85,8 +85,6 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def run_rank(s: TrainSettings, ctx) -> dict:
     """Train on this rank of the tp x dp world (global rank d·tp + t); return rank 0's summary (the last row)."""
-    from transformers import AutoTokenizer
-
     from layers.models.lm import dense_lm
     from tp.dist import grid_groups
     from train.data import step_batch
@@ -98,8 +96,7 @@ def run_rank(s: TrainSettings, ctx) -> dict:
     group, dp_group = tp_groups[ctx.rank // tp], dp_groups[ctx.rank % tp]
     replica, out = ctx.rank // tp, Path(s.output_dir)
     data = torch.load(out / "tokens.pt")
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    cfg = s.model_config(len(tokenizer))
+    cfg = s.model_config(data["vocab_size"])  # the tokenizer's (transformers is imported by rank 0 alone, to export)
     dense = train_init(dense_lm(cfg, DTYPES[s.dtype], "cpu"), s.seed, cfg.n_layers)
     lm = train_lm(dense, group, s.sequence_parallel).to(ctx.device)
     del dense
@@ -156,7 +153,9 @@ def run_rank(s: TrainSettings, ctx) -> dict:
     trainer.save(out / "checkpoint")
     gathered = gather_dense(trainer.lm, group)  # every tp group gathers its replica (they are equal)
     if main:
-        save_pretrained(gathered.float(), out, tokenizer)
+        from transformers import AutoTokenizer
+
+        save_pretrained(gathered.float(), out, AutoTokenizer.from_pretrained(out))
         (out / "train_settings.json").write_text(json.dumps(asdict(s), indent=2) + "\n")
         rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
         plot(rows, out / "loss.png", f"{cfg.family} {s.size}: {sum(p.numel() for p in gathered.parameters()):,} "

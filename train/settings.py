@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 # the model shapes --size names (d_model, n_layers, n_heads, d_ffn); both families, with the vocabulary and context
 SIZES = {
-    "small": dict(d_model=256, n_layers=4, n_heads=4, d_ffn=1024),  # the default model: ~4.3 M parameters
-    "draft": dict(d_model=128, n_layers=2, n_heads=2, d_ffn=512),  # its draft for speculative decoding: ~0.9 M
+    "small": dict(d_model=128, n_layers=4, n_heads=4, d_ffn=512),  # the default model: ~1.3 M parameters
+    "draft": dict(d_model=64, n_layers=2, n_heads=2, d_ffn=256),  # its draft for speculative decoding: ~0.4 M
+    "medium": dict(d_model=256, n_layers=4, n_heads=4, d_ffn=1024),  # ~4.3 M: on 2 cores, slower to a given loss
     "tiny": dict(d_model=32, n_layers=2, n_heads=2, d_ffn=64),  # for tests
 }
 DTYPES = ("float32", "bfloat16", "float64")
@@ -38,11 +39,11 @@ class TrainSettings:
     tensor_parallel_size: int = setting(1, "ranks per model replica (heads, FFN and vocabulary split)")
     data_parallel_size: int = setting(1, "model replicas, each with its rows of every batch (the world is tp x dp)")
     max_steps: int = setting(800, "optimizer steps")
-    batch_size: int = setting(8, "sequences per optimizer step, all replicas together")
+    batch_size: int = setting(16, "sequences per optimizer step, all replicas together")
     micro_batch_size: int | None = setting(None, "sequences per forward and backward, the rest accumulated (default: "
                                            "batch_size / data_parallel_size, no accumulation)")
-    lr: float = setting(2e-3, "the peak learning rate (after warm-up; cosine decay to min_lr)")
-    min_lr: float = setting(2e-4, "the learning rate at max_steps")
+    lr: float = setting(3e-3, "the peak learning rate (after warm-up; cosine decay to min_lr)")
+    min_lr: float = setting(3e-4, "the learning rate at max_steps")
     warmup_steps: int = setting(40, "steps of linear warm-up")
     weight_decay: float = setting(0.1, "AdamW's decoupled weight decay (matrices only)")
     grad_clip: float = setting(1.0, "the global gradient norm's bound (0: no clipping)")
