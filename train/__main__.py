@@ -61,8 +61,7 @@ def start_ranks(s: TrainSettings, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m train", description=__doc__.split("\n\n")[1],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m train", description=__doc__.split("\n\n")[1])
     add_flags(parser)
     args = parser.parse_args(argv)
     rank = os.environ.get("RANK")
