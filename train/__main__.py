@@ -41,7 +41,8 @@ def start_ranks(s: TrainSettings, argv: list[str]) -> int:
         env = dict(os.environ, TPREF_TRAIN_STORE=str(Path(tmp) / "store"), TPREF_TRAIN_PREPARED="1",
                    WORLD_SIZE=str(s.world), LOCAL_WORLD_SIZE=str(s.world), OMP_NUM_THREADS=str(threads(s)))
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [v for v in [env.get("PYTHONPATH")] if v])
-        procs = [subprocess.Popen([sys.executable, "-m", "train", *argv], cwd=ROOT,
+        # their own session: a terminal's Ctrl-C reaches the driver alone, which stops them (below)
+        procs = [subprocess.Popen([sys.executable, "-m", "train", *argv], cwd=ROOT, start_new_session=True,
                                   env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(s.world)]
         try:
             while True:
@@ -91,16 +92,23 @@ def main(argv: list[str] | None = None) -> int:
           f"{s.tensor_parallel_size} x dp {s.data_parallel_size}, {threads(s)} thread(s) per rank, {s.max_steps} steps of {s.batch_size} x "
           f"{s.max_seq_len} tokens, into {s.output_dir}", file=sys.stderr, flush=True)
     os.environ["OMP_NUM_THREADS"] = str(threads(s))
-    if s.world == 1:  # this process is the one rank
-        import torch
+    try:
+        if s.world == 1:  # this process is the one rank
+            import torch
 
-        torch.set_num_threads(threads(s))
-        with tempfile.TemporaryDirectory(prefix="tpref-train-") as tmp:
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                              TPREF_TRAIN_STORE=str(Path(tmp) / "store"))
-            code = rank_main(s, prepared=True)
-    else:
-        code = start_ranks(s, argv)
+            torch.set_num_threads(threads(s))
+            with tempfile.TemporaryDirectory(prefix="tpref-train-") as tmp:
+                os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                                  TPREF_TRAIN_STORE=str(Path(tmp) / "store"))
+                code = rank_main(s, prepared=True)
+        else:
+            code = start_ranks(s, argv)
+    except KeyboardInterrupt:  # the ranks are stopped (start_ranks' finally)
+        saved = Path(s.output_dir) / "checkpoint"
+        print(f"\ninterrupted: the ranks are stopped" + (
+            f"; {saved} holds the last checkpoint (every --save-interval steps): run the same command with --resume "
+            f"to continue from it" if saved.is_dir() else "; no checkpoint was written yet"), file=sys.stderr)
+        return 130
     if code == 0:
         took = time.perf_counter() - t0
         print(f"wrote {s.output_dir}: the model, its tokenizer, train_log.jsonl, loss.png ({took:.0f} s in all)",
