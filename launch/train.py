@@ -3,7 +3,7 @@
 `python -m train` under torchrun with Hydra, as the other launchers run: the settings are TrainSettings' fields
 (train/settings.py) as Hydra keys, checked on every rank before any collective (one line, exit 2); each torchrun
 process is one rank of the tp x dp world; rank 0 prepares the corpus while the others wait. The model, its curve and
-train_log.jsonl go to output_dir (default: Hydra's run directory).
+train_log.jsonl go to output_dir (default: Hydra's run directory, outputs/train).
 """
 
 from __future__ import annotations

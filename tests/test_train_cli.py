@@ -135,3 +135,23 @@ def test_an_empty_corpus_and_a_world_of_another_size_are_refused(tmp_path, capsy
     assert main(["--output-dir", str(tmp_path / "out"), "--tensor-parallel-size", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("[rank 1] error: ") and "the world has 4" in err, err
+
+
+def test_a_resume_with_other_settings_is_refused_naming_them(tmp_path, capsys, corpus):
+    """--resume checks the earlier run's train_settings.json on every rank before any collective."""
+    from dataclasses import asdict
+
+    from train.__main__ import main
+    from train.settings import TrainSettings
+
+    out = tmp_path / "out"
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "tokens.pt").write_bytes(b"")
+    flags = ["--output-dir", str(out), "--corpus", str(corpus), *TINY]
+    earlier = TrainSettings(output_dir=str(out), corpus=str(corpus), size="tiny", vocab_size=384, max_seq_len=32,
+                            max_steps=8, batch_size=4, micro_batch_size=2, eval_interval=4, log_interval=2,
+                            eval_rows=4, warmup_steps=2, lr=0.01, save_interval=0)
+    (out / "train_settings.json").write_text(json.dumps(asdict(earlier)))
+    assert main([*flags, "--resume", "--batch-size", "8", "--seed", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "batch_size=4 (here 8)" in err and "seed=0 (here 1)" in err, err

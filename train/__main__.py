@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def threads(s: TrainSettings) -> int:
-    """Each rank's intra-op threads: the setting, OMP_NUM_THREADS, 1 per GPU, else the cores shared among the ranks
-    (the driver only waits while they train)."""
+    """Each rank's intra-op threads: the setting, OMP_NUM_THREADS, else the cores shared among the ranks (the driver
+    only waits while they train)."""
     if s.threads_per_rank is not None:
         return s.threads_per_rank
     env = os.environ.get("OMP_NUM_THREADS", "")
@@ -42,7 +42,8 @@ def start_ranks(s: TrainSettings, argv: list[str]) -> int:
                    WORLD_SIZE=str(s.world), LOCAL_WORLD_SIZE=str(s.world), OMP_NUM_THREADS=str(threads(s)))
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [v for v in [env.get("PYTHONPATH")] if v])
         # their own session: a terminal's Ctrl-C reaches the driver alone, which stops them (below)
-        procs = [subprocess.Popen([sys.executable, "-m", "train", *argv], cwd=ROOT, start_new_session=True,
+        # in this directory, as the user's paths are (the repository is on PYTHONPATH)
+        procs = [subprocess.Popen([sys.executable, "-m", "train", *argv], start_new_session=True,
                                   env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(s.world)]
         try:
             while True:
@@ -83,14 +84,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted while reading the corpus", file=sys.stderr)
+        return 130
     if data:
         print(f"corpus: {data['files'][0]} files for training ({data['train'].numel():,} tokens), "
               f"{data['files'][1]} held out ({data['held_out'].numel():,} tokens); BPE of {len(data['tokenizer'])} "
               f"tokens ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
     cfg = s.model_config(len(data["tokenizer"]) if data else None)
     print(f"training {cfg.family} {s.size} (d_model {cfg.d_model}, {cfg.n_layers} layers) at tp "
-          f"{s.tensor_parallel_size} x dp {s.data_parallel_size}, {threads(s)} thread(s) per rank, {s.max_steps} steps of {s.batch_size} x "
-          f"{s.max_seq_len} tokens, into {s.output_dir}", file=sys.stderr, flush=True)
+          f"{s.tensor_parallel_size} x dp {s.data_parallel_size}, {threads(s)} thread(s) per rank, {s.max_steps} steps "
+          f"of {s.batch_size} x {s.max_seq_len} tokens, into {s.output_dir}", file=sys.stderr, flush=True)
     os.environ["OMP_NUM_THREADS"] = str(threads(s))
     try:
         if s.world == 1:  # this process is the one rank
@@ -104,10 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             code = start_ranks(s, argv)
     except KeyboardInterrupt:  # the ranks are stopped (start_ranks' finally)
-        saved = Path(s.output_dir) / "checkpoint"
-        print(f"\ninterrupted: the ranks are stopped" + (
-            f"; {saved} holds the last checkpoint (every --save-interval steps): run the same command with --resume "
-            f"to continue from it" if saved.is_dir() else "; no checkpoint was written yet"), file=sys.stderr)
+        step = Path(s.output_dir) / "checkpoint" / "step"  # written once every rank's file of that step is
+        print("\ninterrupted: the ranks are stopped" + (
+            f"; {step.parent} holds the checkpoint of step {step.read_text().strip()}: the same command with --resume "
+            f"continues from it" if step.is_file() else "; no checkpoint was written yet"), file=sys.stderr)
         return 130
     if code == 0:
         took = time.perf_counter() - t0

@@ -30,14 +30,14 @@ def stdlib_root() -> Path:
 
 
 def corpus_files(corpus: str) -> list[Path]:
-    """The .py files of `corpus`: "stdlib" (the interpreter's, tests left out) or a directory (every .py and .txt
-    file under it). ValueError when there are none, naming where it looked."""
+    """The .py files of `corpus`: "stdlib" (the interpreter's, tests and generated data left out) or a directory
+    (every .py and .txt file under it, __pycache__ aside). ValueError when there are none, naming where it looked."""
     root = stdlib_root() if corpus == "stdlib" else Path(corpus)
     if not root.is_dir():
         raise ValueError(f"corpus={corpus!r}: {root} is not a directory (give 'stdlib' or a directory of .py/.txt "
                          f"files)")
     patterns = ["*.py"] if corpus == "stdlib" else ["*.py", "*.txt"]
-    skip = SKIP_DIRS | (STDLIB_DATA if corpus == "stdlib" else set())
+    skip = SKIP_DIRS | STDLIB_DATA if corpus == "stdlib" else {"__pycache__"}
     files = sorted(p for pattern in patterns for p in root.rglob(pattern)
                    if p.is_file() and not skip & set(p.relative_to(root).parts[:-1]))
     if not files:

@@ -106,11 +106,15 @@ def run_rank(s: TrainSettings, ctx) -> dict:
     trainer = Trainer(lm, c, group, dp_group if dp > 1 else None,
                       autocast=torch.bfloat16 if s.dtype == "bfloat16" else None)
     if s.resume:
-        trainer.load(out / "checkpoint")
+        resume(trainer, out / "checkpoint")
     main = ctx.rank == 0
     T, per = s.max_seq_len, s.batch_size // dp
-    held = data["held_out"] if data["held_out"].numel() > T + 1 else data["train"]
-    eval_rows = step_batch(held, -1, s.seed, s.eval_rows, T + 1).to(ctx.device)  # the same rows every time
+    eval_rows = None  # the same held-out rows every time; none when too few tokens are held out for one window
+    if data["held_out"].numel() > T + 1:
+        eval_rows = step_batch(data["held_out"], -1, s.seed, s.eval_rows, T + 1).to(ctx.device)
+    elif main:
+        print(f"note: {data['held_out'].numel()} held-out tokens, too few for a window of {T + 1}: no eval_loss",
+              file=sys.stderr, flush=True)
     if main and s.resume:  # the rows logged after the checkpoint are logged again
         kept = [line for line in (out / "train_log.jsonl").read_text().splitlines()
                 if json.loads(line)["step"] <= trainer.step_count]
@@ -127,16 +131,17 @@ def run_rank(s: TrainSettings, ctx) -> dict:
             row = trainer.step(list(mine.split(s.micro)))
             tokens_since += s.batch_size * T
             done = row["step"]
-            if done % s.eval_interval == 0 or done == s.max_steps:
+            evaluated = eval_rows is not None and (done % s.eval_interval == 0 or done == s.max_steps)
+            if evaluated:
                 eval_loss = trainer.evaluate(eval_rows, s.micro)
-            if main and (done % s.log_interval == 0 or done == s.max_steps or done % s.eval_interval == 0):
+            if main and (done % s.log_interval == 0 or done == s.max_steps or evaluated):
                 now = time.perf_counter()
                 rate = tokens_since / (now - since)
                 last = {"step": done, "loss": round(row["loss"], 5), "lr": row["lr"],
                         "grad_norm": round(row["grad_norm"], 5), "tokens_per_s": round(rate, 1),
                         "tokens": done * s.batch_size * T, "elapsed_s": round(now - start, 2)}
                 log.write(json.dumps(last) + "\n")
-                if done % s.eval_interval == 0 or done == s.max_steps:
+                if evaluated:
                     log.write(json.dumps({"step": done, "eval_loss": round(eval_loss, 5),
                                           "tokens": last["tokens"]}) + "\n")
                     last["eval_loss"] = round(eval_loss, 5)
@@ -145,24 +150,49 @@ def run_rank(s: TrainSettings, ctx) -> dict:
                 progress.show(done, row["loss"], eval_loss, rate, left)
                 since, tokens_since = now, 0
             if s.save_interval and done % s.save_interval == 0 and done < s.max_steps:
-                trainer.save(out / "checkpoint")
+                save(trainer, out / "checkpoint", main)
     finally:
         if main:
             log.close()
             progress.close()
-    trainer.save(out / "checkpoint")
+    save(trainer, out / "checkpoint", main)
     gathered = gather_dense(trainer.lm, group)  # every tp group gathers its replica (they are equal)
     if main:
         from transformers import AutoTokenizer
 
         save_pretrained(gathered.float(), out, AutoTokenizer.from_pretrained(out))
-        (out / "train_settings.json").write_text(json.dumps(asdict(s), indent=2) + "\n")
         rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
         plot(rows, out / "loss.png", f"{cfg.family} {s.size}: {sum(p.numel() for p in gathered.parameters()):,} "
              f"parameters, tp {tp} x dp {dp}")
     if dist.is_initialized():
         dist.barrier()
     return last
+
+
+def save(trainer, directory: Path, main: bool) -> None:
+    """Every rank's checkpoint file, then (once all are written) rank 0 records the step in directory/step."""
+    trainer.save(directory)
+    dist.barrier()
+    if main:
+        (directory / "step").write_text(f"{trainer.step_count}\n")
+
+
+def resume(trainer, directory: Path) -> None:
+    """Every rank loads its file; a rank that cannot, or files of different steps, stop every rank with one line
+    (the ranks agree on it through one exchange before the next step's collectives)."""
+    try:
+        trainer.load(directory)
+        mine = trainer.step_count
+    except Exception as exc:  # a missing, foreign or cut-short file
+        mine = f"{directory}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    failed = [x for x in every if isinstance(x, str)]
+    if failed:
+        raise ValueError(failed[0])
+    if len(set(every)) > 1:
+        raise ValueError(f"{directory}: the ranks' checkpoints are of different steps ({sorted(set(every))}): the run "
+                         f"was stopped while saving; start it again without --resume")
 
 
 def rank_main(s: TrainSettings, prepared: bool) -> int:
@@ -173,10 +203,16 @@ def rank_main(s: TrainSettings, prepared: bool) -> int:
     store = os.environ.get("TPREF_TRAIN_STORE")
     ctx = init_from_env(s.backend, init_method=f"file://{store}" if store else None, device=s.device)
     try:
-        if not prepared:
+        if not prepared:  # rank 0 prepares; its error, if any, reaches every rank (no one waits in vain)
+            error = [None]
             if ctx.rank == 0:
-                prepare_output(s)
-            dist.barrier()
+                try:
+                    prepare_output(s)
+                except ValueError as exc:
+                    error = [str(exc)]
+            dist.broadcast_object_list(error, src=0)
+            if error[0] is not None:
+                raise ValueError(error[0])
         run_rank(s, ctx)
         return 0
     except ValueError as exc:  # a checkpoint of another layout: every rank finds it in its own file
@@ -188,14 +224,16 @@ def rank_main(s: TrainSettings, prepared: bool) -> int:
 
 
 def prepare_output(s: TrainSettings) -> dict:
-    """output_dir made, the corpus read and tokenized there (train/data.py prepare); on resume, nothing (the
-    tokenizer and tokens.pt of the first run are used)."""
+    """output_dir made, the corpus read and tokenized there (train/data.py prepare), the settings written
+    (train_settings.json); on resume, only the check that they are the earlier run's (its tokenizer and tokens.pt
+    are used)."""
     from train.data import prepare
 
     out = Path(s.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if s.resume:
-        if not (out / "tokens.pt").is_file() or not (out / "checkpoint").is_dir():
-            raise ValueError(f"resume: {out} has no checkpoint of an earlier run (tokens.pt and checkpoint/)")
+        s.check_resume()
         return {}
-    return prepare(s.corpus, s.held_out, s.vocab_size, out, s.tokenizer)
+    data = prepare(s.corpus, s.held_out, s.vocab_size, out, s.tokenizer)
+    (out / "train_settings.json").write_text(json.dumps(asdict(s), indent=2) + "\n")  # what --resume checks
+    return data

@@ -97,15 +97,29 @@ class TrainSettings:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: one of {', '.join(DTYPES)}")
         for name in ("max_seq_len", "vocab_size", "tensor_parallel_size", "data_parallel_size", "max_steps",
-                     "batch_size", "micro", "eval_interval", "eval_rows", "log_interval"):
+                     "batch_size", "eval_interval", "eval_rows", "log_interval", "micro_batch_size",
+                     "threads_per_rank"):
             value = getattr(self, name)
-            name = "micro_batch_size" if name == "micro" else name
+            if value is None and name in ("micro_batch_size", "threads_per_rank"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        if self.threads_per_rank is not None and self.threads_per_rank < 1:
-            raise ValueError(f"threads_per_rank={self.threads_per_rank} must be a positive integer")
-        if not 0 <= self.held_out < 1:
+        for name in ("warmup_steps", "save_interval", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2 ** 32:
+                raise ValueError(f"{name}={value!r} must be an integer in [0, 2**32)")
+        for name, low in (("lr", 0.0), ("min_lr", 0.0), ("weight_decay", 0.0), ("grad_clip", 0.0), ("held_out", 0.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= low or \
+                    (name == "lr" and value == 0):
+                raise ValueError(f"{name}={value!r} must be a number {'above' if name == 'lr' else 'at least'} {low}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr={self.min_lr} is above lr={self.lr}: the schedule decays from lr to min_lr")
+        if not self.held_out < 1:
             raise ValueError(f"held_out={self.held_out} must be in [0, 1)")
+        if self.backend not in ("auto", "gloo", "nccl") or self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"backend={self.backend!r}, device={self.device!r}: backend auto | gloo | nccl, device "
+                             f"auto | cpu | cuda")
         if world is not None and world != self.world:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size="
                              f"{self.data_parallel_size} = {self.world} ranks, but the world has {world}")
@@ -127,12 +141,33 @@ class TrainSettings:
                              f"served, not trained")
         if self.resume and self.tokenizer is not None:
             raise ValueError("resume uses output_dir's tokenizer: leave tokenizer unset")
-        from train.data import corpus_files
+        from train.data import corpus_files, split
 
-        corpus_files(self.corpus)  # an empty or missing corpus, said here
+        split(corpus_files(self.corpus), self.held_out)  # an empty or missing corpus, said here
+        if self.resume:
+            self.check_resume()
 
+    def check_resume(self) -> None:
+        """ValueError unless output_dir holds an earlier run of these settings (train_settings.json, tokens.pt and
+        checkpoint/): read from files on every rank, before any collective."""
+        import json
+        from pathlib import Path
+
+        out = Path(self.output_dir)
+        if not all((out / name).exists() for name in ("train_settings.json", "tokens.pt", "checkpoint")):
+            raise ValueError(f"resume: {out} has no checkpoint of an earlier run (train_settings.json, tokens.pt and "
+                             f"checkpoint/)")
+        saved = json.loads((out / "train_settings.json").read_text())
+        differ = [k for k in RESUME_SAME if saved.get(k) != getattr(self, k)]
+        if differ:
+            raise ValueError("resume: the earlier run had " + ", ".join(
+                f"{k}={saved.get(k)!r} (here {getattr(self, k)!r})" for k in differ) + ": resume with its settings")
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainSettings)}
+# what a resumed run must share with the run it continues (the rest: where and how it runs, how often it logs)
+RESUME_SAME = [name for name in FIELDS if name not in (
+    "output_dir", "resume", "tokenizer", "eval_interval", "eval_rows", "log_interval", "save_interval", "backend",
+    "device", "threads_per_rank")]
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

@@ -216,8 +216,10 @@ class Trainer:
         layout = self.layout()
         path = Path(directory) / f"rank{layout['rank']}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")  # written whole, then renamed: a stopped save leaves the last one
         torch.save({"layout": layout, "step": self.step_count, "model": self.lm.state_dict(),
-                    "optimizer": self.optimizer.state_dict()}, path)
+                    "optimizer": self.optimizer.state_dict()}, partial)
+        partial.replace(path)
         return path
 
     def load(self, directory: str | Path) -> None:
