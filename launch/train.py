@@ -18,26 +18,39 @@ if __package__ in (None, ""):  # run as a script by torchrun: the repository fir
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from launch.settings import print_error, run_dir, script_main
-from tp.dist import env_world
+from launch.settings import launch, run_dir, script_main
+from tp.dist import ConfigError
 from train.settings import TrainSettings, from_mapping
 
 ConfigStore.instance().store(name="train_defaults",
                              node={f.name: f.default for f in dataclasses.fields(TrainSettings)})
 
 
-def run(cfg: DictConfig) -> int:
-    from train.run import rank_main
-
+def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> TrainSettings:
+    """TrainSettings from Hydra's keys, checked (ConfigError, the same on every rank)."""
     values = OmegaConf.to_container(cfg, resolve=True)
     values["output_dir"] = values.get("output_dir") or str(run_dir())
     try:
         s = from_mapping(values)
-        s.validate(env_world()[2])
+        s.validate(world_size)
     except ValueError as exc:
-        print_error(exc)
-        return 2
-    return rank_main(s, prepared=False)
+        raise ConfigError(str(exc)) from None
+    return s
+
+
+def work(s: TrainSettings, directory, ctx) -> int:
+    from train.run import train_world
+
+    try:
+        train_world(s, ctx, prepared=False)
+    except ValueError as exc:  # rank 0's preparation, or a checkpoint the ranks cannot resume from
+        raise ConfigError(str(exc)) from None
+    return 0
+
+
+def run(cfg: DictConfig) -> int:
+    """launch.settings.launch: settings on every rank (exit 2), the group joined, train, the group left."""
+    return launch(cfg, parse_settings, work)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG_NAME = {"run_block.py": "config", "serve.py": "serve"}
+CONFIG_NAME = {"run_block.py": "config", "serve.py": "serve", "train.py": "train"}
 
 
 def torchrun(nproc: int, *overrides: str, run_dir: Path, timeout: float = 240, script: str = "run_block.py"):

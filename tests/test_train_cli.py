@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launching import ROOT, torchrun
+from tests.launching import ROOT, launch_on_pool
 
 TINY = ["--size", "tiny", "--vocab-size", "384", "--max-seq-len", "32", "--max-steps", "8", "--batch-size", "4",
         "--micro-batch-size", "2", "--eval-interval", "4", "--log-interval", "2", "--eval-rows", "4",
@@ -76,13 +76,13 @@ def one_device_losses(directory: Path) -> list[float]:
         s.micro)))["loss"] for step in range(s.max_steps)]
 
 
-def test_the_losses_are_one_devices_at_tp_2_and_under_torchrun_at_dp_2(trained, corpus, tmp_path):
-    """python -m train at tp 2, and launch/train.py under torchrun with Hydra's keys at tp 1 x dp 2 with the
-    distributed optimizer (each replica takes its rows of the step's batch): both log the losses of one device
-    training the dense model on the whole batches (float32: the sums' order differs)."""
+def test_the_losses_are_one_devices_at_tp_2_and_through_launch_train_at_dp_2(trained, corpus, tmp_path):
+    """python -m train at tp 2, and launch/train.py with Hydra's keys at tp 1 x dp 2 with the distributed optimizer
+    (each replica takes its rows of the step's batch; run on a pool of two ranks, as torchrun's ranks run it): both
+    log the losses of one device training the dense model on the whole batches (float32: the sums' order differs)."""
     keys = [f"{flag.removeprefix('--').replace('-', '_')}={value}" for flag, value in zip(TINY[::2], TINY[1::2])]
-    proc, _ = torchrun(2, f"output_dir={tmp_path}", f"corpus={corpus}", "data_parallel_size=2",
-                       "distributed_optimizer=true", *keys, run_dir=tmp_path / "hydra", script="train.py")
+    proc, _ = launch_on_pool(2, f"output_dir={tmp_path}", f"corpus={corpus}", "data_parallel_size=2",
+                             "distributed_optimizer=true", *keys, run_dir=tmp_path / "hydra", script="train.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = one_device_losses(trained)
     for run in (trained, tmp_path):

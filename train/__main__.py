@@ -2,8 +2,8 @@
 
 Trains a model on this Python's standard library source (train/data.py) with the TP stack and writes into DIR
 transformers' save_pretrained files, the tokenizer, train_log.jsonl and loss.png (train/run.py). It starts its
-tp x dp ranks itself, as LLM does (one rank: in this process); under torchrun each process is a rank. Every flag is
-a field of train/settings.py TrainSettings; launch/train.py takes the same settings as Hydra keys.
+tp x dp ranks itself, as LLM does (one rank: in this process); under torchrun, launch/train.py is the entry point.
+Every flag is a field of train/settings.py TrainSettings; launch/train.py takes the same settings as Hydra keys.
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ def start_ranks(s: TrainSettings, argv: list[str]) -> int:
     """Start the world's ranks as `python -m train` processes meeting in a file store; wait; the first failing
     rank's exit code (the others are stopped), else 0."""
     with tempfile.TemporaryDirectory(prefix="tpref-train-") as tmp:
-        env = dict(os.environ, TPREF_TRAIN_STORE=str(Path(tmp) / "store"), TPREF_TRAIN_PREPARED="1",
-                   WORLD_SIZE=str(s.world), LOCAL_WORLD_SIZE=str(s.world), OMP_NUM_THREADS=str(threads(s)))
+        env = dict(os.environ, TPREF_TRAIN_STORE=str(Path(tmp) / "store"), WORLD_SIZE=str(s.world), LOCAL_WORLD_SIZE=str(s.world), OMP_NUM_THREADS=str(threads(s)))
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [v for v in [env.get("PYTHONPATH")] if v])
         # their own session: a terminal's Ctrl-C reaches the driver alone, which stops them (below)
         # in this directory, as the user's paths are (the repository is on PYTHONPATH)
@@ -76,8 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from train.run import prepare_output, rank_main
 
-    if rank is not None:  # a rank: under torchrun, or started below
-        return rank_main(s, prepared=os.environ.get("TPREF_TRAIN_PREPARED") == "1")
+    if rank is not None:  # a rank started below (under torchrun, launch/train.py is the entry point)
+        if "TPREF_TRAIN_STORE" not in os.environ:
+            print(f"{who}error: under torchrun, run launch/train.py (Hydra's keys: tensor_parallel_size=2 ...)",
+                  file=sys.stderr, flush=True)
+            return 2
+        return rank_main(s)
     t0 = time.perf_counter()
     try:
         data = prepare_output(s)
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory(prefix="tpref-train-") as tmp:
                 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                                   TPREF_TRAIN_STORE=str(Path(tmp) / "store"))
-                code = rank_main(s, prepared=True)
+                code = rank_main(s)
         else:
             code = start_ranks(s, argv)
     except KeyboardInterrupt:  # the ranks are stopped (start_ranks' finally)

@@ -195,27 +195,31 @@ def resume(trainer, directory: Path) -> None:
                          f"was stopped while saving; start it again without --resume")
 
 
-def rank_main(s: TrainSettings, prepared: bool) -> int:
-    """A rank's life under torchrun or started by `python -m train`: join the world (the file store the driver
-    named, else torchrun's env://), prepare the data on rank 0 unless the driver has, train."""
+def train_world(s: TrainSettings, ctx, prepared: bool) -> None:
+    """Prepare the data on rank 0 unless the driver has (its error, if any, reaches every rank: no one waits in
+    vain), then train. ValueError: a setting only the run finds wrong, on every rank."""
+    if not prepared:
+        error = [None]
+        if ctx.rank == 0:
+            try:
+                prepare_output(s)
+            except ValueError as exc:
+                error = [str(exc)]
+        dist.broadcast_object_list(error, src=0)
+        if error[0] is not None:
+            raise ValueError(error[0])
+    run_rank(s, ctx)
+
+
+def rank_main(s: TrainSettings) -> int:
+    """A rank started by `python -m train`: join the world in the file store the driver named, train, leave."""
     from tp.dist import init_from_env, shutdown
 
-    store = os.environ.get("TPREF_TRAIN_STORE")
-    ctx = init_from_env(s.backend, init_method=f"file://{store}" if store else None, device=s.device)
+    ctx = init_from_env(s.backend, init_method=f"file://{os.environ['TPREF_TRAIN_STORE']}", device=s.device)
     try:
-        if not prepared:  # rank 0 prepares; its error, if any, reaches every rank (no one waits in vain)
-            error = [None]
-            if ctx.rank == 0:
-                try:
-                    prepare_output(s)
-                except ValueError as exc:
-                    error = [str(exc)]
-            dist.broadcast_object_list(error, src=0)
-            if error[0] is not None:
-                raise ValueError(error[0])
-        run_rank(s, ctx)
+        train_world(s, ctx, prepared=True)
         return 0
-    except ValueError as exc:  # a checkpoint of another layout: every rank finds it in its own file
+    except ValueError as exc:  # a checkpoint the ranks cannot resume from: every rank finds it
         print(f"[rank {ctx.rank}] error: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:
