@@ -29,16 +29,20 @@ SIZES = {  # hidden, heads, K,V heads, layers, context, vocab
 EOS = "<|endoftext|>"
 
 
-def train_tokenizer(path, texts: list[str] | None = None, vocab_size: int = 1024):
+def train_tokenizer(path, texts: list[str] | None = None, vocab_size: int = 1024, pieces: str | None = None):
     """A byte-level BPE trained on texts (the bundled text's lines by default), saved in path as transformers saves a
-    tokenizer; returns it (a PreTrainedTokenizerFast whose EOS and BOS are <|endoftext|>)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tokenizer; returns it (a PreTrainedTokenizerFast whose EOS and BOS are <|endoftext|>). pieces: a regular
+    expression that cuts the text before BPE merges inside each piece (default: GPT-2's, a space starting the next
+    word's piece)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     if texts is None:
         texts = CORPUS.read_text(encoding="utf-8").splitlines()
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if pieces is None else \
+        pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pieces), behavior="isolated"),
+                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))

@@ -81,13 +81,15 @@ def resolve_device(device: str, backend: str) -> str:
     return "cuda" if device == "cuda" else "cpu"
 
 
-def threads_per_rank(world_size: int, device: str, requested: int | None = None) -> tuple[int, str]:
+def threads_per_rank(world_size: int, device: str, requested: int | None = None,
+                     reserved: int = 1) -> tuple[int, str]:
     """Each rank's intra-op (OpenMP) threads, and why, for a start-up line. A given number wins, then OMP_NUM_THREADS
     from the environment. Else, on a CPU, the cores this process may use (its affinity), one of them left to the
     driver and the rest of the machine (vLLM's reserved CPU), shared among the ranks: one thread each on 2 cores.
     OpenMP's threads spin while they wait for each other, so a rank with a thread on a core something else keeps
     busy runs many times slower (measured: docs/benchmarks.md); one core to spare keeps a default off that cliff.
-    On CUDA one each, as vLLM sets for its GPU workers: the host only launches kernels."""
+    On CUDA one each, as vLLM sets for its GPU workers: the host only launches kernels. reserved: the cores left to
+    the driver (0 where it only waits for the ranks, as python -m train's does)."""
     if requested is not None:
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
             raise ConfigError(f"threads_per_rank={requested!r} must be a positive integer")
@@ -98,7 +100,8 @@ def threads_per_rank(world_size: int, device: str, requested: int | None = None)
     if device == "cuda":
         return 1, "a GPU per rank"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, (cores - 1) // world_size), f"{cores} cores, one left to the driver, {world_size} rank" + \
+    kept = {0: "none", 1: "one"}.get(reserved, str(reserved))
+    return max(1, (cores - reserved) // world_size), f"{cores} cores, {kept} left to the driver, {world_size} rank" + \
         ("s" if world_size > 1 else "")
 
 

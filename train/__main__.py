@@ -23,15 +23,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def threads(s: TrainSettings) -> int:
-    """Each rank's intra-op threads: the setting, OMP_NUM_THREADS, else the cores shared among the ranks (the driver
-    only waits while they train)."""
-    if s.threads_per_rank is not None:
-        return s.threads_per_rank
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // s.world)
+    """Each rank's intra-op threads (tp/dist.py threads_per_rank): the setting, OMP_NUM_THREADS, else the cores
+    shared among the ranks, none kept for the driver (it only waits while they train)."""
+    from tp.dist import threads_per_rank
+
+    return threads_per_rank(s.world, s.device, s.threads_per_rank, reserved=0)[0]
 
 
 def start_ranks(s: TrainSettings, argv: list[str]) -> int:

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-EOS = "<|endoftext|>"
 SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
 # the stdlib's generated files: codec tables (encodings/cp437.py ...) and pydoc's help text, data rather than code
 STDLIB_DATA = {"encodings", "pydoc_data"}
@@ -72,28 +71,9 @@ def encode(tokenizer, texts: list[str]) -> torch.Tensor:
 
 
 # identifiers, runs of other symbols, runs of whitespace: a space is a token of its own rather than the start of the
-# next word (GPT-2's rule), so a prompt ending in a space ("def ") ends as the training text does there
+# next word (GPT-2's rule), so a prompt ending in a space ("def ") ends as the training text does there; a newline
+# and the next line's indent are one piece, which BPE makes one token
 PIECES = r"[\p{L}\p{N}_]+|[^\s\p{L}\p{N}_]+|\s+"
-
-
-def train_bpe(directory: Path, texts: list[str], vocab_size: int):
-    """A byte-level BPE of vocab_size tokens trained on texts, over PIECES (a newline and the next line's indent are
-    one piece, which BPE makes one token); saved in directory as transformers saves a tokenizer and returned (a
-    PreTrainedTokenizerFast whose BOS and EOS are <|endoftext|>)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PIECES), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS)
-    fast.save_pretrained(directory)
-    return fast
 
 
 def prepare(corpus: str, held_out: float, vocab_size: int, directory: Path, tokenizer_dir: str | None = None) -> dict:
@@ -101,6 +81,8 @@ def prepare(corpus: str, held_out: float, vocab_size: int, directory: Path, toke
     target's), save the tokenizer in directory, and return {"train": ids, "held_out": ids, "files": (n train, n held
     out), "vocab_size": the tokenizer's, "tokenizer": it}; all but the tokenizer are written to directory/tokens.pt
     for the ranks to read."""
+    from serve.toy_model import train_tokenizer
+
     train_files, held_files = split(corpus_files(corpus), held_out)
     train_texts = read(train_files)
     if tokenizer_dir is not None:
@@ -109,7 +91,7 @@ def prepare(corpus: str, held_out: float, vocab_size: int, directory: Path, toke
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         tokenizer.save_pretrained(directory)
     else:
-        tokenizer = train_bpe(directory, train_texts, vocab_size)
+        tokenizer = train_tokenizer(directory, train_texts, vocab_size, PIECES)  # BPE within PIECES
     data = {"train": encode(tokenizer, train_texts), "held_out": encode(tokenizer, read(held_files)),
             "files": (len(train_files), len(held_files)), "vocab_size": len(tokenizer)}
     torch.save(data, directory / "tokens.pt")
