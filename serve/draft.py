@@ -27,7 +27,7 @@ from serve.kv_cache import KVPool
 from serve.model_runner import prepare_step, sampling_rows
 from serve.plan import ScheduledRequest, SchedulerOutput
 from serve.request import Request
-from serve.spec_decode import Proposer, SpeculativeConfig
+from serve.spec_decode import Proposer, SpeculativeConfig, accept
 
 
 class DraftRunner(Proposer):
@@ -43,6 +43,9 @@ class DraftRunner(Proposer):
         self.lm, self.block_size, self.attention, self.device = lm, block_size, attention, device
         self.start, self.n = vocab_slice
         self.cache = KVPool.for_model(lm, num_blocks, block_size, next(lm.parameters()).dtype, device)
+        # shared_noise: the draft races with the target's noise and the plain sampler verifies (no q); else the
+        # rejection sampler with q, the draft drawing from a stream of its own
+        self.shared_noise = config.draft_token_acceptance_method == "shared_noise"
 
     def proposals(self, r: Request, k: int) -> list[int]:
         return [-1] * k  # placeholders: the draft fills them once the plan is made
@@ -50,10 +53,12 @@ class DraftRunner(Proposer):
     def fill(self, plan: SchedulerOutput, requests: dict[int, Request]) -> SchedulerOutput:
         """The draft's forwards (no collective: it is whole on every rank), before the ranks agree on the plan."""
         plan, *verify = self.propose(plan, requests)
-        self.verify = verify if any(c.spec for c in plan.scheduled) else None
+        self.verify = verify if any(c.spec for c in plan.scheduled) and not self.shared_noise else None
         return plan
 
     def accept(self, rows: list[list[float]], spec: tuple[int, ...]) -> list[int]:
+        if self.shared_noise:  # the rows are plain sampling's tokens: proposals stand while they equal them
+            return accept([int(row[0]) for row in rows], spec)
         return verify([bool(row[-1]) for row in rows], [int(row[0]) for row in rows])  # the verdict: the last column
 
     @torch.no_grad()
@@ -86,6 +91,8 @@ class DraftRunner(Proposer):
             self._forward(chunks, requests, drafted, q_rows, j)
         scheduled = tuple(dataclasses.replace(c, spec=tuple(drafted[c.request])) if c.spec else c
                           for c in plan.scheduled)
+        if self.shared_noise:
+            return dataclasses.replace(plan, scheduled=scheduled), None, None
         proposal, q = [], []
         for c in verified:
             proposal += drafted[c.request] + [-1]
@@ -110,6 +117,10 @@ class DraftRunner(Proposer):
             return
         logits = lm.head_logits(x, step.sample_rows)[0]  # [S, V]: the whole vocabulary (a group of one)
         batch = SamplingBatch.build(sampling_rows(sampling, requests, ahead=j)[0], -1, self.device)
+        if self.shared_noise:  # the noise of the target's row that verifies this proposal: no q to keep
+            for c, t in zip(sampling, sample(logits, 0, None, batch, lm.cfg.vocab_size).tokens.tolist()):
+                drafted[c.request].append(int(t))
+            return
         picked = sample(logits, 0, None, dataclasses.replace(batch, seed=batch.seed ^ DRAFT_STREAM),
                         lm.cfg.vocab_size).tokens.tolist()
         logq = filtered_logprobs(logits, 0, None, batch)[0]

@@ -111,10 +111,11 @@ class OracleCheck(StepHook):
             r, logits = engine.scheduler.by_id[rid], self.logits.pop(rid, [])
             if r.status is RequestStatus.FINISHED_ABORTED:
                 continue
-            if engine.draft is not None and r.params is not None and not r.params.greedy:
-                # a draft's rejection sampler draws p's distribution by another coupling than plain sampling: its
-                # tokens are not plain sampling's (tests/test_spec_decode.py checks the distribution)
-                verdict = {"verdict": "unchecked", "ok": True, "reason": "sampled with a draft model"}
+            if engine.draft is not None and not engine.draft.shared_noise and r.params is not None \
+                    and not r.params.greedy:
+                # the rejection sampler draws p's distribution by another coupling than plain sampling: its tokens
+                # are not plain sampling's (tests/test_spec_decode.py checks the distribution)
+                verdict = {"verdict": "unchecked", "ok": True, "reason": "sampled with the rejection sampler"}
             else:
                 verdict = check_request(self.dense, r, r.output, logits, self.near_tie)
             self.verdicts[verdict["verdict"]] += 1

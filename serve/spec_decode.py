@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 from serve.sampling_params import FieldError
 
 METHODS = ("ngram", "draft_model")
+# how a draft model's proposals are verified (vLLM v0's key, draft_token_acceptance_method): the draft races with the
+# target's own noise and a proposal stands while it equals the target's token (every token is plain sampling's), or
+# Leviathan et al.'s rejection rule with the draft's q (another coupling: the tokens depend on where windows fall)
+ACCEPTANCE_METHODS = ("shared_noise", "rejection_sampler")
 NGRAM_WINDOW = 5  # vLLM's prompt_lookup_min = prompt_lookup_max when neither is given
 
 
@@ -34,6 +38,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None  # draft_model: a checkpoint with the target's vocabulary
+    draft_token_acceptance_method: str | None = None  # draft_model: ACCEPTANCE_METHODS, shared_noise by default
 
     def __post_init__(self):
         method = self.method
@@ -47,6 +52,16 @@ class SpeculativeConfig:
         if method == "draft_model" and not self.model:
             raise ValueError("speculative_config method='draft_model' needs a model: a checkpoint directory or a "
                              "preset with the target's vocabulary")
+        acceptance = self.draft_token_acceptance_method
+        if method == "draft_model":
+            acceptance = acceptance or ACCEPTANCE_METHODS[0]
+            if acceptance not in ACCEPTANCE_METHODS:
+                raise ValueError(f"speculative_config draft_token_acceptance_method={acceptance!r}: choose "
+                                 f"{' or '.join(ACCEPTANCE_METHODS)}")
+        elif acceptance is not None:
+            raise ValueError("speculative_config draft_token_acceptance_method applies to a draft model; n-gram "
+                             "proposals are verified by the sampler itself")
+        object.__setattr__(self, "draft_token_acceptance_method", acceptance)
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if method == "ngram":  # vLLM's defaults
             low, high = (NGRAM_WINDOW, NGRAM_WINDOW) if low is None and high is None else \
@@ -81,9 +96,9 @@ class SpeculativeConfig:
 
 def check_request(config: "SpeculativeConfig | None", logprobs: int | None) -> None:
     """The rule between speculation and a request (the driver checks it before sending, rank 0 again on arrival)."""
-    if config is not None and config.method == "draft_model" and logprobs is not None:
-        raise FieldError("logprobs with speculative_config method='draft_model' is not built yet: drop logprobs, or "
-                         "use method='ngram'", "logprobs")
+    if config is not None and config.draft_token_acceptance_method == "rejection_sampler" and logprobs is not None:
+        raise FieldError("logprobs with speculative_config draft_token_acceptance_method='rejection_sampler' are not "
+                         "built: drop logprobs, or use 'shared_noise' (the default)", "logprobs")
 
 
 def check_draft(draft_cfg, target_cfg, name: str) -> None:

@@ -149,7 +149,8 @@ def servers(checkpoint):
     """The module's servers, started at once: the shared one (ended by two Ctrl-C during two streams), the one whose
     rank a test kills (with a draft model, whose refusals a test checks first), and one that only starts and
     stops."""
-    draft = json.dumps({"method": "draft_model", "model": str(checkpoint), "num_speculative_tokens": 2})
+    draft = json.dumps({"method": "draft_model", "model": str(checkpoint), "num_speculative_tokens": 2,
+                        "draft_token_acceptance_method": "rejection_sampler"})
     started = {"shared": Server(checkpoint, "--shutdown-timeout", "20"),
                "doomed": Server(checkpoint, "--speculative-config", draft), "idle": Server(checkpoint, p=1)}
     yield started
@@ -462,14 +463,14 @@ def test_an_idle_server_says_its_start_up_from_process_start_and_exits_at_once(s
 
 
 def test_a_field_the_draft_model_cannot_serve_is_named_in_the_400(servers):
-    """logprobs under a draft model are not built (serve/spec_decode.check_request): the 400 names `logprobs` (the
-    field refused, not the prompt) on both endpoints, and the server goes on serving."""
+    """logprobs under a draft's rejection sampler are not built (serve/spec_decode.check_request): the 400 names
+    `logprobs` (the field refused, not the prompt) on both endpoints, and the server goes on serving."""
     s = servers["doomed"].ready()
     for path, body in (("/completions", {"model": MODEL, "prompt": "hi", "logprobs": 2}),
                        ("/chat/completions", {"model": MODEL, "messages": CHAT, "logprobs": True, "top_logprobs": 2})):
         status, answer = s.post(path, body)
         assert status == 400 and answer["error"]["param"] == "logprobs", answer
-        assert "draft_model" in answer["error"]["message"], answer
+        assert "rejection_sampler" in answer["error"]["message"], answer
     status, answer = s.post("/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3})
     assert status == 200 and answer["usage"]["completion_tokens"] >= 1, answer
 

@@ -184,23 +184,30 @@ def test_every_attention_backend_verifies_the_same_tokens(attention):
                         draft=(replace(GPT2, n_layers=1), 5))[0][0]
     for name, _, q, _ in reqs:
         assert ngram[name].token_ids == plain[name].token_ids, name
-        if q.greedy:
-            assert drafted[name].token_ids == plain[name].token_ids, name
+        assert drafted[name].token_ids == plain[name].token_ids, name
 
 
-def test_a_seeded_request_is_the_same_alone_and_in_a_batch_of_16_at_every_p():
+def test_a_seeded_request_is_the_same_alone_in_a_batch_and_preempted_at_every_p():
+    """A seeded request under n-gram and under a draft model (shared noise): plain decoding's tokens alone, in a batch
+    of 16, and in a batch whose pool preempts (proposals dropped: its verify windows fall elsewhere), at p = 1, 2, 4."""
+    from dataclasses import replace
+
     target = ([3, 4, 5, 3, 4, 5, 3, 4], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=42,
                                                           ignore_eos=True))
     others = repetitive_prompts(15, seed=2)
     batch = [("t", *target, 1)] + [(f"o{i}", pr, SamplingParams(max_tokens=8, temperature=0.9, seed=i,
                                                                  ignore_eos=True), i % 3)
                                    for i, pr in enumerate(others)]
-    config = EngineConfig(long_prefill_token_threshold=8, max_num_batched_tokens=64, max_num_seqs=16, block_size=4,
-                          speculative_config=NGRAM)
     want = run_ranks(1, serve, GPT2, [("t", *target, 0)], EngineConfig(block_size=4))[0][0]["t"].token_ids
-    for p in (1, 2, 4):
-        assert run_ranks(p, serve, GPT2, [("t", *target, 0)], config)[0][0]["t"].token_ids == want, p
-        assert run_ranks(p, serve, GPT2, batch, config)[0][0]["t"].token_ids == want, p
+    for spec, draft in ((NGRAM, None), (DRAFT, (replace(GPT2, n_layers=1), 5))):
+        roomy = EngineConfig(long_prefill_token_threshold=8, max_num_batched_tokens=64, max_num_seqs=16,
+                             block_size=4, speculative_config=spec)
+        short = replace(roomy, num_gpu_blocks_override=24)  # a pool that preempts, so proposals are dropped
+        for p in (1, 2, 4):
+            assert run_ranks(p, serve, GPT2, [("t", *target, 0)], roomy, draft=draft)[0][0]["t"].token_ids == want
+            done, _, preempted, _ = run_ranks(p, serve, GPT2, batch, roomy if p == 2 else short, draft=draft)[0]
+            assert done["t"].token_ids == want, (spec["method"], p)
+            assert preempted > 0 or p == 2
 
 
 def test_the_library_and_the_cli_speculate_against_the_oracle(capsys):
@@ -222,13 +229,16 @@ def test_the_library_and_the_cli_speculate_against_the_oracle(capsys):
     draft = {"method": "draft_model", "model": "llama_tiny", "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match="vocabulary of 50257 ids, the target 32000"):
         LLM("llama_tiny", speculative_config={**draft, "model": "article03"})
-    with pytest.raises(ValueError, match="logprobs with speculative_config method='draft_model'"):
-        check_request(SpeculativeConfig(**draft), 1)  # LLM's driver and rank 0 both apply this rule
-    with LLM("llama_tiny", check=True, speculative_config=draft) as llm:  # a self-draft, p = 1 (a draft at every p: below)
-        outs = llm.generate(prompts, params)
-        stats = llm.stats()
-    assert [o.oracle["verdict"] for o in outs] == ["match", "match", "unchecked"]
-    assert stats["spec_decode_acceptance_rate"] == 1.0
+    rejection = {**draft, "draft_token_acceptance_method": "rejection_sampler"}
+    with pytest.raises(ValueError, match="logprobs with speculative_config draft_token_acceptance_method="):
+        check_request(SpeculativeConfig(**rejection), 1)  # LLM's driver and rank 0 both apply this rule
+    check_request(SpeculativeConfig(**draft), 1)  # shared noise: a draft's tokens are plain sampling's, logprobs too
+    for config, sampled in ((draft, "match"), (rejection, "unchecked")):  # a self-draft, p = 1 (every p: below)
+        with LLM("llama_tiny", check=True, speculative_config=config) as llm:
+            outs = llm.generate(prompts, params)
+            stats = llm.stats()
+        assert [o.oracle["verdict"] for o in outs] == ["match", "match", sampled]
+        assert stats["spec_decode_acceptance_rate"] == 1.0
     capsys.readouterr()
     with pytest.raises(SystemExit):  # argparse's error for the flag's value
         main(["--model", "llama_tiny", "--prompt-ids", "1,2", "--speculative-config", "{nope"])
@@ -422,36 +432,50 @@ def test_filtered_logprobs_are_the_samplers_distribution_at_every_p():
 # ---- a draft model through the engine ---------------------------------------------------------------------------------
 
 DRAFT = {"method": "draft_model", "model": "-", "num_speculative_tokens": 3}  # the engine is given the model itself
+REJECTION = {**DRAFT, "draft_token_acceptance_method": "rejection_sampler"}
 
 
-def test_a_draft_model_gives_plain_greedy_tokens_and_the_same_sampled_tokens_at_every_p():
-    """A one-layer draft of another seed (GPT-2 shape, vocabulary 1001): greedy requests get the tokens of plain
-    decoding, sampled ones the same tokens at p = 1, 2, 4 (the draft is whole on every rank, the verifier's
-    noise keyed by seed, position and id); prefix hits, chunked prefill and preemption in the run; every step's
-    collectives equal the model on every rank (the rejection sampler's included); every block back."""
+def test_a_draft_model_gives_plain_decodings_tokens_at_every_p():
+    """A one-layer draft of another seed (GPT-2 shape, vocabulary 1001). Shared noise (the default): every request,
+    greedy or sampled with each filter, gets the tokens (and logprobs) of plain decoding at p = 1, 2, 4. The rejection
+    sampler: greedy requests get plain decoding's tokens, sampled ones the same tokens at p = 1 and 4 (the draft is
+    whole on every rank, the verifier's noise keyed by seed, position and id). Prefix hits, chunked prefill and
+    preemption in the run; every step's collectives equal the model on every rank; every block back."""
     from dataclasses import replace
 
     shared = list(range(40, 48))
     ps = repetitive_prompts(10, seed=3, shared=shared)
     params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
-              SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, seed=1),
+              SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, seed=1, logprobs=2),
               SamplingParams(max_tokens=9, ignore_eos=True, temperature=1.1, top_k=20, top_p=0.9, seed=2),
               SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.7, min_p=0.02, seed=3)]
     reqs = [(f"r{i}", pr, params[i % len(params)], i % 3) for i, pr in enumerate(ps)]
     base = dict(long_prefill_token_threshold=6, max_num_batched_tokens=24, max_num_seqs=8, block_size=4,
                 num_gpu_blocks_override=20)
     plain = run_ranks(1, serve, GPT2, reqs, EngineConfig(**base))[0][0]
-    config = EngineConfig(**base, speculative_config=DRAFT)
     draft = (replace(GPT2, n_layers=1), 5)
-    runs = {p: run_ranks(p, spec_run, GPT2, reqs, config, draft)[0] for p in (1, 2, 4)}
-    for p, ((done, _, preempted, free), stats) in runs.items():
-        assert free == 20 and stats["spec_decode_num_drafts"] > 0
+    for p in (1, 2, 4):
+        (done, _, preempted, free), stats = run_ranks(p, spec_run, GPT2, reqs, EngineConfig(**base, speculative_config=DRAFT), draft)[0]
+        assert free == 20 and 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+        assert preempted > 0 or p > 1
+        for name, _, q, _ in reqs:
+            assert done[name].token_ids == plain[name].token_ids, (name, p)
+            if q.logprobs is not None:
+                assert done[name].logprobs == plain[name].logprobs or max(
+                    abs(a[t] - b[t]) for a, b, t in zip(done[name].logprobs, plain[name].logprobs,
+                                                        done[name].token_ids)) < 1e-12, (name, p)
+    no_logprobs = [(name, pr, replace(q, logprobs=None), at) for name, pr, q, at in reqs]  # refused by this rule
+    runs = {p: run_ranks(p, serve, GPT2, no_logprobs, EngineConfig(**base, speculative_config=REJECTION), draft=draft)[0]
+            for p in (1, 4)}
+    for p, (done, _, _, free) in runs.items():
+        assert free == 20
         for name, _, q, _ in reqs:
             if q.greedy:
                 assert done[name].token_ids == plain[name].token_ids, (name, p)
-            assert done[name].token_ids == runs[1][0][0][name].token_ids, (name, p)
+            assert done[name].token_ids == runs[1][0][name].token_ids, (name, p)
             assert len(done[name].token_ids) == q.max_tokens
-    assert runs[1][0][2] > 0  # requests were preempted
+    sampled = [name for name, _, q, _ in reqs if not q.greedy]
+    assert any(runs[1][0][n].token_ids != plain[n].token_ids for n in sampled)  # another coupling: other tokens
 
 
 def test_a_self_draft_is_always_accepted():
@@ -524,6 +548,6 @@ def test_the_drafts_cache_holds_what_a_recompute_gives():
     reqs = [(f"r{i}", pr, SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=i), i % 3)
             for i, pr in enumerate(ps)]
     config = EngineConfig(long_prefill_token_threshold=5, max_num_batched_tokens=32, max_num_seqs=8, block_size=4,
-                          num_gpu_blocks_override=20, speculative_config=DRAFT)
+                          num_gpu_blocks_override=20, speculative_config=REJECTION)
     for draft in ((GPT2, 0), (replace(GPT2, n_layers=1), 5)):  # the target itself: everything accepted; another
         assert run_ranks(1, draft_distributions, reqs, config, *draft)[0] < 1e-12, draft
