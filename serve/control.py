@@ -2,8 +2,9 @@
 agreement checks.
 
     control   ★ rank 0 broadcasts what arrived and what was aborted since the last step: a header of
-              CONTROL_HEADER float64 numbers (new requests, aborts, payload length, flag), then the payload when
-              there is one. flag: RUN a step | IDLE (a keep-alive, no step) | STOP (leave the loop)
+              CONTROL_HEADER float64 numbers (new requests, aborts, payload length, flag, proposals), then the
+              payload when there is one. flag: RUN a step | IDLE (a keep-alive, no step) | STOP (leave the loop);
+              proposals: how many tokens speculative decoding proposes per request this step (rank 0's Tuner)
     agree     ★ one all-gather of FINGERPRINT_SIZE numbers (a plan's, a workload's); a rank that differs raises on
               every rank, before a forward could issue collectives of different sizes
 
@@ -26,7 +27,7 @@ from serve.sampling_params import GREEDY, SamplingParams
 from tp.comm import broadcast_from_main, gather_from_region
 from tp.dist import TPContext, control_device, host_control
 
-CONTROL_HEADER = 4  # (new requests, aborted requests, payload length, flag), float64
+CONTROL_HEADER = 5  # (new requests, aborted requests, payload length, flag, proposals), float64
 REQUEST_FIELDS = 16  # per new request, before its stop ids, prompt and output: see encode
 RUN, IDLE, STOP = 0, 1, 2  # the header's flag: run a step | rank 0 is idle (keep-alive, no step) | end the loop
 
@@ -35,27 +36,28 @@ class PlanMismatch(RuntimeError):
     """Ranks scheduled different rows: their collectives would no longer describe the same tensors."""
 
 
-def broadcast_control(ctx: TPContext, flag: int, new: list[Request], aborts: list[int]
-                      ) -> tuple[int, list[Request], list[int], int]:
+def broadcast_control(ctx: TPContext, flag: int, new: list[Request], aborts: list[int], proposals: int = 0
+                      ) -> tuple[int, list[Request], list[int], int, int]:
     """★ rank 0's control message to every rank of ctx.group: every rank returns (flag, new requests, aborted ids,
-    payload length); rank 0 passes what it has, the others empty lists. A group of one rank sends nothing."""
+    payload length, proposals); rank 0 passes what it has, the others empty lists. A group of one rank sends
+    nothing."""
     if ctx.world_size == 1:
-        return flag, new, aborts, 0
+        return flag, new, aborts, 0, proposals
     device = control_device(ctx.group)
     payload = encode(new, aborts)  # rank 0's (the others' is empty: rank 0's header tells them its length)
     length = len(payload)
     with host_control():  # CPU tensors over the group's gloo backend: no wait for the GPU
-        header = broadcast_from_main(torch.tensor([len(new), len(aborts), length, flag], dtype=torch.float64,
-                                                  device=device), ctx.group, "engine/control header")
+        header = torch.tensor([len(new), len(aborts), length, flag, proposals], dtype=torch.float64, device=device)
+        header = broadcast_from_main(header, ctx.group, "engine/control header")
         if not ctx.is_main:
-            n_new, n_abort, length, flag = (int(v) for v in header.tolist())
+            n_new, n_abort, length, flag, proposals = (int(v) for v in header.tolist())
         if length:
             body = torch.tensor(payload, dtype=torch.float64, device=device) if ctx.is_main else \
                 torch.zeros(length, dtype=torch.float64, device=device)
             body = broadcast_from_main(body, ctx.group, "engine/control payload")
             if not ctx.is_main:
                 new, aborts = decode(body.tolist(), n_new, n_abort)
-    return flag, new, aborts, length
+    return flag, new, aborts, length, proposals
 
 
 def encode(new: list[Request], aborts: list[int]) -> list[float]:

@@ -63,14 +63,14 @@ class DraftRunner(Proposer):
 
     @torch.no_grad()
     def propose(self, plan: SchedulerOutput, requests: dict[int, Request]
-                ) -> tuple[SchedulerOutput, torch.Tensor, torch.Tensor]:
+                ) -> tuple[SchedulerOutput, torch.Tensor | None, torch.Tensor | None]:
         """The plan with each verified chunk's proposals filled in (its spec held placeholders: how many rows the
-        scheduler gave), and for the verified rows in plan order: the proposal each row verifies ([R] int64, -1 on a
-        request's last row) and q on this rank's ids of the target's split ([R, V'/p] float64 log-probs)."""
+        scheduler gave), and for the rejection sampler, for the verified rows in plan order: the proposal each row
+        verifies ([R] int64, -1 on a request's last row) and q on this rank's ids of the target's split ([R, V'/p]
+        float64 log-probs); (None, None) under shared noise. Each forward's proposals feed the next on the device:
+        the host reads them once, at the end."""
         verified = [c for c in plan.scheduled if c.spec]
         k_of = {c.request: len(c.spec) for c in verified}
-        drafted: dict[int, list[int]] = {c.request: [] for c in verified}
-        q_rows: dict[int, list[torch.Tensor]] = {c.request: [] for c in verified}
         chunks = []
         for c in plan.scheduled:  # forward 1: what the draft has not computed yet
             r = requests[c.request]
@@ -79,7 +79,7 @@ class DraftRunner(Proposer):
             chunks.append(ScheduledRequest(c.request, start, end, decode=end - start == 1 and c.decode,
                                            sample=c.request in k_of, blocks=c.blocks))
             r.draft_computed = end
-        self._forward(chunks, requests, drafted, q_rows, 0)
+        forwards = [self._forward(chunks, requests, 0)]  # each: (its requests in order, proposals [S], q [S, n])
         for j in range(1, max(k_of.values(), default=0)):  # forwards 2..K: one row per request still proposing
             chunks = []
             for c in verified:
@@ -88,7 +88,17 @@ class DraftRunner(Proposer):
                     pos = len(r.tokens) + j - 1
                     chunks.append(ScheduledRequest(c.request, pos, pos + 1, decode=True, sample=True, blocks=c.blocks))
                     r.draft_computed = pos + 1
-            self._forward(chunks, requests, drafted, q_rows, j)
+            forwards.append(self._forward(chunks, requests, j, forwards[-1]))
+        drafted: dict[int, list[int]] = {c.request: [] for c in verified}
+        q_rows: dict[int, list[torch.Tensor]] = {c.request: [] for c in verified}
+        order = [rid for f in forwards for rid in f[0]]
+        if order:
+            picked = torch.cat([f[1] for f in forwards if f[0]]).tolist()  # the draft's one host wait per step
+            q_all = None if self.shared_noise else torch.cat([f[2] for f in forwards if f[0]])
+            for i, (rid, t) in enumerate(zip(order, picked)):
+                drafted[rid].append(int(t))
+                if q_all is not None:
+                    q_rows[rid].append(q_all[i])
         scheduled = tuple(dataclasses.replace(c, spec=tuple(drafted[c.request])) if c.spec else c
                           for c in plan.scheduled)
         if self.shared_noise:
@@ -101,36 +111,39 @@ class DraftRunner(Proposer):
         return (dataclasses.replace(plan, scheduled=scheduled), torch.tensor(proposal, dtype=torch.long, device=self.device),
                 torch.stack(q) if q else empty)
 
-    def _forward(self, chunks: list[ScheduledRequest], requests: dict[int, Request], drafted: dict,
-                 q_rows: dict, j: int) -> None:
-        """One draft forward over `chunks` (decodes first); each sampling chunk's proposal j + 1 and its q."""
+    def _forward(self, chunks: list[ScheduledRequest], requests: dict[int, Request], j: int,
+                 fed: tuple | None = None) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+        """One draft forward over `chunks` (decodes first): the sampling chunks' request ids in order, their proposal
+        j + 1 on the device, and (rejection sampler) its q. fed: the previous forward's (ids, proposals), the inputs
+        of this one's rows (forwards 2..K: one row each, proposal j)."""
         if not chunks:
-            return
+            return [], None, None
         chunks.sort(key=lambda c: not c.decode)
         plan = SchedulerOutput(-1, tuple(chunks))
-        tokens = {c.request: requests[c.request].tokens + drafted.get(c.request, []) for c in chunks}
+        tokens = {c.request: requests[c.request].tokens + [0] * j for c in chunks}  # 0: proposal j, fed below
         step = prepare_step(plan, tokens, self.block_size, self.device, self.attention, self.cache)
+        ids = step.ids
+        if fed is not None:
+            at = {rid: i for i, rid in enumerate(fed[0])}
+            ids = fed[1][torch.tensor([at[c.request] for c in chunks], device=self.device)]
         lm = self.lm
-        x = lm.hidden(step.ids, step.positions, step.layers)
+        x = lm.hidden(ids, step.positions, step.layers)
         sampling = [c for c in chunks if c.sample]
         if not sampling:
-            return
+            return [], None, None
         logits = lm.head_logits(x, step.sample_rows)[0]  # [S, V]: the whole vocabulary (a group of one)
         batch = SamplingBatch.build(sampling_rows(sampling, requests, ahead=j)[0], -1, self.device)
+        rids = [c.request for c in sampling]
         if self.shared_noise:  # the noise of the target's row that verifies this proposal: no q to keep
-            for c, t in zip(sampling, sample(logits, 0, None, batch, lm.cfg.vocab_size).tokens.tolist()):
-                drafted[c.request].append(int(t))
-            return
+            return rids, sample(logits, 0, None, batch, lm.cfg.vocab_size).tokens, None
         picked = sample(logits, 0, None, dataclasses.replace(batch, seed=batch.seed ^ DRAFT_STREAM),
-                        lm.cfg.vocab_size).tokens.tolist()
+                        lm.cfg.vocab_size).tokens
         logq = filtered_logprobs(logits, 0, None, batch)[0]
         width = logq.shape[1]
         local = torch.full((len(sampling), self.n), float("-inf"), dtype=torch.float64, device=self.device)
         take = max(0, min(self.n, width - self.start))  # this rank's ids of the target's split (padding: -inf)
         local[:, :take] = logq[:, self.start:self.start + take]
-        for c, t, row in zip(sampling, picked, local):
-            drafted[c.request].append(int(t))
-            q_rows[c.request].append(row)
+        return rids, picked, local
 
 
 def lm_vocab_slice(lm) -> tuple[int, int]:

@@ -32,7 +32,7 @@ from serve.request import Request, RequestStatus
 from serve.sampling_params import SamplingParams
 from serve.scheduler import Scheduler, check_request, next_plan
 from serve.draft import DraftRunner, lm_vocab_slice
-from serve.spec_decode import NgramProposer, SpecDecodeStats
+from serve.spec_decode import NgramProposer, SpecDecodeStats, Tuner
 from tp.dist import TPContext
 from tp.ledger import TrafficLedger
 from tp.traffic_model import predict_control, predict_iteration, predict_verify
@@ -107,6 +107,9 @@ class LLMEngine:
         self.prefix_queried_tokens = 0  # prompt tokens of every admission (the hit rate's denominator)
         self.collective_bytes_per_rank = 0.0  # sent by each rank in the steps' collectives (the ledger's count)
         self.spec_stats = SpecDecodeStats(0 if spec is None else spec.num_speculative_tokens)
+        # rank 0's choice of proposals per step (speculative_config adaptive), and what each request was offered
+        self.tuner = Tuner(spec.num_speculative_tokens) if spec is not None and spec.adaptive else None
+        self._offered: dict[int, int] = {}
         # rank 0 only: what arrived since the last step, and the request ids users gave
         self._new: list[Request] = []
         self._aborts: list[int] = []
@@ -187,6 +190,7 @@ class LLMEngine:
                 "collective_bytes_per_rank": self.collective_bytes_per_rank,
                 "oracle": next((dict(h.verdicts) for h in self.hooks if hasattr(h, "verdicts")), None),
                 **(self.spec_stats.as_dict() if self.config.speculative_config is not None else {}),
+                **({"spec_decode_steps_by_num_proposals": list(self.tuner.chosen)} if self.tuner else {}),
                 "last_iteration": self.last_iteration}
 
     # -- every rank: one step ----------------------------------------------------------------------------------------
@@ -198,7 +202,7 @@ class LLMEngine:
         self.ledger.clear()
         self.ledger.transfers.clear()  # a pipeline's boundary messages
         with self.ledger.recording():
-            flag, new, aborts, payload = self._control(RUN)  # ★ broadcast: what arrived, what was aborted
+            flag, new, aborts, payload, k = self._control(RUN, self._proposals())  # ★ broadcast: arrivals, aborts
             if flag != RUN:
                 self.stopped = flag == STOP
                 self._flush()
@@ -208,7 +212,7 @@ class LLMEngine:
             for rid in aborts:
                 self.scheduler.abort(rid)
             if self.proposer is not None:
-                self.proposer.prepare(self.scheduler.running)  # each decoding request's proposals, or placeholders
+                self._offered = self.proposer.prepare(self.scheduler.running, k)  # proposals, or placeholders
             plan, self.index = next_plan(self.scheduler, self.index, self._on_schedule)
             if plan is not None:
                 plan = plan if self.proposer is None else self.proposer.fill(plan, self.scheduler.by_id)
@@ -227,7 +231,7 @@ class LLMEngine:
         if ran.result.logprob is not None:
             self._logprobs(sampled, rows)
         self._after(StepRecord(plan, payload, ran.sampler, sampled, rows, aborts + finished, **ran.extra))
-        self.busy_s += time.perf_counter() - start
+        self._timed(plan, k, time.perf_counter() - start)
         self.iterations += 1
         return self._outputs_of(sampled, aborts + finished)
 
@@ -292,6 +296,8 @@ class LLMEngine:
                 tokens = self.proposer.accept(its, c.spec) if c.spec else [int(its[0][0])]
                 if c.spec:
                     self.spec_stats.observe(len(c.spec), len(tokens) - 1)
+                if self.tuner is not None and self._offered.get(c.request):
+                    self.tuner.observe(self._offered[c.request], len(tokens) - 1)
                 out[c.request] = (tokens, its)
         return out
 
@@ -315,11 +321,27 @@ class LLMEngine:
             self.stopped = True
             self._flush()
 
-    def _control(self, flag: int) -> tuple[int, list[Request], list[int], int]:
-        """★ rank 0's control message (serve/control.py); a RUN message takes what arrived and what was aborted."""
+    def _timed(self, plan: SchedulerOutput, k: int, took: float) -> None:
+        """A step that ran a forward took `took` s; a decode-only one tells the Tuner what k proposals cost."""
+        self.busy_s += took
+        if self.tuner is not None and self.ctx.is_main and all(c.decode for c in plan.scheduled):
+            self.tuner.observe_step(len(plan.scheduled), k, took)
+
+    def _proposals(self) -> int:
+        """Rank 0: speculative decoding's proposals per request for this step (the Tuner's choice, or K)."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return 0
+        if self.tuner is None or not self.ctx.is_main:
+            return spec.num_speculative_tokens
+        return self.tuner.choose(sum(r.decoding for r in self.scheduler.running))
+
+    def _control(self, flag: int, proposals: int = 0) -> tuple[int, list[Request], list[int], int, int]:
+        """★ rank 0's control message (serve/control.py); a RUN message takes what arrived and what was aborted,
+        and the step's proposals per request."""
         self.last_control = time.monotonic()
         new, aborts = (self._new, self._aborts) if flag == RUN and self.ctx.is_main else ([], [])
-        out = broadcast_control(self.ctx, flag, new, aborts)
+        out = broadcast_control(self.ctx, flag, new, aborts, proposals)
         if flag == RUN and self.ctx.is_main:
             self._new, self._aborts = [], []
         return out

@@ -39,6 +39,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     model: str | None = None  # draft_model: a checkpoint with the target's vocabulary
     draft_token_acceptance_method: str | None = None  # draft_model: ACCEPTANCE_METHODS, shared_noise by default
+    # proposals per step chosen from 0 to num_speculative_tokens by the measured acceptance and step times (Tuner);
+    # False: always num_speculative_tokens (vLLM's behaviour)
+    adaptive: bool = True
 
     def __post_init__(self):
         method = self.method
@@ -62,6 +65,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_config draft_token_acceptance_method applies to a draft model; n-gram "
                              "proposals are verified by the sampler itself")
         object.__setattr__(self, "draft_token_acceptance_method", acceptance)
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config adaptive={self.adaptive!r} must be true or false")
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if method == "ngram":  # vLLM's defaults
             low, high = (NGRAM_WINDOW, NGRAM_WINDOW) if low is None and high is None else \
@@ -139,7 +144,7 @@ def accept(sampled: list[int], proposals: tuple[int, ...]) -> list[int]:
 class Proposer:
     """Speculative decoding's seam (vLLM v1's proposers), one per engine, called by the step in this order:
 
-        prepare(running)      before planning: each decoding request's proposals (Request.spec_token_ids), at most
+        prepare(running, k)   before planning: each decoding request's proposals (Request.spec_token_ids), at most k,
                               what its max_tokens leaves after the target's own; the scheduler gives them rows and
                               carries them in its SchedulerOutput (ScheduledRequest.spec)
         fill(plan, requests)  after planning: the plan's proposals made now where they need the plan (a draft
@@ -153,11 +158,15 @@ class Proposer:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
 
-    def prepare(self, running) -> None:
+    def prepare(self, running, k: int) -> dict[int, int]:
+        """Up to k proposals for each decoding request (at most what its max_tokens leaves after the target's own);
+        returns the number offered to each (request id -> k' <= k), what the Tuner's acceptance counts."""
+        offered = {}
         for r in running:
             if r.decoding:
-                k = min(self.config.num_speculative_tokens, r.max_new_tokens - len(r.output) - 1)
-                r.spec_token_ids = self.proposals(r, max(k, 0))
+                offered[r.id] = max(min(k, r.max_new_tokens - len(r.output) - 1), 0)
+                r.spec_token_ids = self.proposals(r, offered[r.id])
+        return offered
 
     def proposals(self, r, k: int) -> list[int]:
         raise NotImplementedError
@@ -208,3 +217,95 @@ class SpecDecodeStats:
                 "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
                 "spec_decode_acceptance_rate": self.num_accepted_tokens / tokens if tokens else None,
                 "spec_decode_mean_acceptance_length": 1 + self.num_accepted_tokens / drafts if drafts else None}
+
+
+class Tuner:
+    """Rank 0's choice of how many tokens to propose in a step (SpeculativeConfig.adaptive): the k in 0..K that
+    maximises the tokens a step yields per second of step time, both measured.
+
+        tokens    E(k) = 1 + sum_{i=1..k} prod_{j<i} a_j, a_j the acceptance of proposal j + 1 given the ones before
+                  accepted (counted over every offered slot: an n-gram that finds no match fails its slot),
+                  decaying counts (DECAY per step) from a prior of 1/2
+        time      a decode-only step's wall time per decoding request, by batch-size bucket (powers of two) and k:
+                  an EMA per k; T(k) the least-squares line through the measured k
+        probes    a bucket's first decode steps run k = 0, then K; afterwards the best k, except that every
+                  `interval` steps one step runs a neighbour (best + 1, best - 1 in turn) to keep the line honest;
+                  the interval starts at PROBE and doubles (to PROBE_MAX) while the probes leave the best k as it
+                  was, so a stable workload pays for probing less and less
+
+    k = 0 turns speculation off for the step. The choice is rank 0's, broadcast in the control header, so every rank
+    schedules the same rows."""
+
+    PROBE, PROBE_MAX = 16, 256
+    DECAY = 0.98
+    EMA = 0.25
+
+    def __init__(self, k_max: int):
+        self.k_max = k_max
+        self.hits = [0.5] * k_max
+        self.trials = [1.0] * k_max
+        self.cost: dict[tuple[int, int], float] = {}  # (bucket, k) -> seconds per decoding request
+        self.chosen = [0] * (k_max + 1)  # steps run at each k
+        self.interval, self.until, self.up = self.PROBE, self.PROBE, True  # probing: every `interval` steps
+        self.best: int | None = None
+
+    @staticmethod
+    def bucket(decoding: int) -> int:
+        return max(decoding - 1, 0).bit_length()  # 1 | 2 | 3-4 | 5-8 | ...
+
+    def acceptance(self) -> list[float]:
+        return [h / t for h, t in zip(self.hits, self.trials)]
+
+    def expected_tokens(self, k: int) -> float:
+        total, reach = 1.0, 1.0
+        for a in self.acceptance()[:k]:
+            reach *= a
+            total += reach
+        return total
+
+    def step_time(self, b: int, k: int) -> float | None:
+        """T(k) for bucket b: the least-squares line through its measured k (None below two of them)."""
+        points = [(j, t) for (bb, j), t in self.cost.items() if bb == b]
+        if len(points) < 2:
+            return None
+        n, mk = len(points), sum(j for j, _ in points) / len(points)
+        mt = sum(t for _, t in points) / n
+        slope = sum((j - mk) * (t - mt) for j, t in points) / sum((j - mk) ** 2 for j, _ in points)
+        return max(mt + slope * (k - mk), 1e-12)
+
+    def choose(self, decoding: int) -> int:
+        """The proposals per request for the next step, given how many requests are decoding."""
+        if decoding == 0 or self.k_max == 0:
+            return 0
+        b = self.bucket(decoding)
+        if (b, 0) not in self.cost:
+            k = 0
+        elif self.step_time(b, 0) is None:
+            k = self.k_max
+        else:
+            best = max(range(self.k_max + 1), key=lambda j: self.expected_tokens(j) / self.step_time(b, j))
+            if best != self.best:  # the choice moved: probe often again
+                self.best, self.interval, self.until = best, self.PROBE, self.PROBE
+            k, self.until = best, self.until - 1
+            if self.until <= 0:  # a neighbour, up and down in turn (where there is one)
+                self.until, self.interval = self.interval, min(2 * self.interval, self.PROBE_MAX)
+                self.up = not self.up if 0 < best < self.k_max else best == 0
+                k = best + 1 if self.up else best - 1
+        self.chosen[k] += 1
+        return k
+
+    def observe_step(self, decoding: int, k: int, seconds: float) -> None:
+        """A decode-only step's wall time (a step with prompt rows says nothing about k)."""
+        key = (self.bucket(decoding), k)
+        per = seconds / decoding
+        old = self.cost.get(key)
+        self.cost[key] = per if old is None else old + self.EMA * (per - old)
+        self.hits = [h * self.DECAY for h in self.hits]
+        self.trials = [t * self.DECAY for t in self.trials]
+
+    def observe(self, offered: int, accepted: int) -> None:
+        """A request was offered `offered` slots and `accepted` proposals stood: slots 0..accepted were tried (all
+        before accepted), the first `accepted` of them hit."""
+        for j in range(min(offered, accepted + 1)):
+            self.trials[j] += 1
+            self.hits[j] += j < accepted

@@ -24,7 +24,9 @@ from tests.common import step_engine
 from tests.harness import run_ranks
 from tests.test_sampling import GPT2, LLAMA, chi2, expected, reference_generate, serve
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# K proposals every step (the counters are then the same at every p); the Tuner's choice: the seeded-request test
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}
 
 
 # ---- the pieces ---------------------------------------------------------------------------------------------------
@@ -199,7 +201,8 @@ def test_a_seeded_request_is_the_same_alone_in_a_batch_and_preempted_at_every_p(
                                                                  ignore_eos=True), i % 3)
                                    for i, pr in enumerate(others)]
     want = run_ranks(1, serve, GPT2, [("t", *target, 0)], EngineConfig(block_size=4))[0][0]["t"].token_ids
-    for spec, draft in ((NGRAM, None), (DRAFT, (replace(GPT2, n_layers=1), 5))):
+    for spec, draft in (({**NGRAM, "adaptive": True}, None),
+                        ({**DRAFT, "adaptive": True}, (replace(GPT2, n_layers=1), 5))):
         roomy = EngineConfig(long_prefill_token_threshold=8, max_num_batched_tokens=64, max_num_seqs=16,
                              block_size=4, speculative_config=spec)
         short = replace(roomy, num_gpu_blocks_override=24)  # a pool that preempts, so proposals are dropped
@@ -431,7 +434,8 @@ def test_filtered_logprobs_are_the_samplers_distribution_at_every_p():
 
 # ---- a draft model through the engine ---------------------------------------------------------------------------------
 
-DRAFT = {"method": "draft_model", "model": "-", "num_speculative_tokens": 3}  # the engine is given the model itself
+DRAFT = {"method": "draft_model", "model": "-", "num_speculative_tokens": 3,  # the engine is given the model itself
+         "adaptive": False}
 REJECTION = {**DRAFT, "draft_token_acceptance_method": "rejection_sampler"}
 
 
@@ -551,3 +555,63 @@ def test_the_drafts_cache_holds_what_a_recompute_gives():
                           num_gpu_blocks_override=20, speculative_config=REJECTION)
     for draft in ((GPT2, 0), (replace(GPT2, n_layers=1), 5)):  # the target itself: everything accepted; another
         assert run_ranks(1, draft_distributions, reqs, config, *draft)[0] < 1e-12, draft
+
+
+# ---- the Tuner: how many tokens to propose ----------------------------------------------------------------------------
+
+def simulate(tuner, acceptance: float, base: float, per_token: float, steps: int = 3000, batch: int = 4,
+             seed: int = 0) -> float:
+    """Tokens per second of simulated time: each step costs base + per_token * k per request, each slot is accepted
+    with probability `acceptance` while the ones before it were (k = tuner's choice, or a fixed int)."""
+    import random
+
+    rng = random.Random(seed)
+    tokens = elapsed = 0.0
+    for _ in range(steps):
+        k = tuner if isinstance(tuner, int) else tuner.choose(batch)
+        elapsed += batch * (base + per_token * k) * rng.uniform(0.9, 1.1)  # a noisy clock
+        for _ in range(batch):
+            accepted = 0
+            while accepted < k and rng.random() < acceptance:
+                accepted += 1
+            tokens += accepted + 1
+            if not isinstance(tuner, int) and k:
+                tuner.observe(k, accepted)
+        if not isinstance(tuner, int):
+            tuner.observe_step(batch, k, batch * (base + per_token * k) * rng.uniform(0.9, 1.1))
+    return tokens / elapsed
+
+
+@pytest.mark.parametrize("acceptance,per_token", [(0.8, 0.1), (0.5, 0.2), (0.3, 0.5), (0.9, 2.0), (0.0, 0.05)])
+def test_the_tuner_is_never_slower_than_no_speculation_and_keeps_the_gain(acceptance, per_token):
+    """Simulated steps (cost 1 + per_token * k per request, each proposal accepted with a fixed probability): the
+    Tuner's tokens per second are at least 95% of the better of no speculation and the best fixed k: it turns itself
+    off where speculation loses (a costly draft, nothing accepted) and keeps most of the gain where it pays. Always
+    proposing K, or never, fails some of these cases."""
+    from serve.spec_decode import Tuner
+
+    K = 4
+    fixed = {k: simulate(k, acceptance, 1.0, per_token) for k in range(K + 1)}
+    tuned = simulate(Tuner(K), acceptance, 1.0, per_token)
+    assert tuned >= 0.95 * max(fixed.values()), (tuned, fixed)
+    assert tuned >= 0.97 * fixed[0], (tuned, fixed[0])
+
+
+def test_the_tuner_counts_offered_slots_and_probes_both_ends():
+    from serve.spec_decode import Tuner
+
+    t = Tuner(3)
+    t.observe(3, 1)  # slot 0 hit, slot 1 tried and missed, slot 2 never reached
+    assert [t.trials[j] - 1.0 for j in range(3)] == [1, 1, 0] and [t.hits[j] - 0.5 for j in range(3)] == [1, 0, 0]
+    t.observe(2, 0)  # an n-gram that found nothing fails its first slot
+    assert t.trials[0] == 3.0 and t.hits[0] == 1.5
+    assert [t.choose(1), t.choose(1)] == [0, 0]  # nothing measured for one request yet: no speculation...
+    t.observe_step(1, 0, 1.0)
+    assert t.choose(1) == 3  # ... then K, and with both ends measured, the best in between
+    t.observe_step(1, 3, 1.2)
+    assert t.step_time(0, 0) == 1.0 and abs(t.step_time(0, 3) - 1.2) < 1e-12 and t.step_time(1, 0) is None
+    chosen = [t.choose(1) for _ in range(Tuner.PROBE * 7)]
+    best = max(set(chosen), key=chosen.count)
+    probes = [i for i, k in enumerate(chosen) if k != best]
+    assert {chosen[i] for i in probes} == {best - 1, best + 1} - {-1, 4}  # the neighbours, in turn
+    assert [b - a for a, b in zip(probes, probes[1:])] == [16, 32, 64][:len(probes) - 1]  # ever rarer
