@@ -1,23 +1,38 @@
-"""Speculative decoding with n-gram proposals: tokens/s with and without it, and the bytes a verified row moves.
+"""Speculative decoding on the trained model (`make model`: models/stdlib and its draft models/stdlib-draft):
+tokens/s with and without it, the peer's on the same weights, where a step's time goes, and the bytes a verified row
+moves.
 
-    python benchmarks/bench_spec_decode.py [--repeats 2] [--max-tokens 96] [--tp 1]
+    python benchmarks/bench_spec_decode.py [--model models/stdlib] [--draft models/stdlib-draft] [--repeats 3]
+                                           [--max-tokens 64] [--batches 1 4 16] [--parts speed,peer,steps,bytes]
 
-  speed  the article03 GPT-2 LM through LLM at tensor_parallel_size --tp, B = 1, 4, 16 requests at once, greedy,
-         K = 4 proposals: n-gram (NGRAM), and a self-draft (article03 as its own draft: every proposal accepted, the
-         upper bound of any draft, at the cost of a draft as large as the target): generate()'s time with
-         speculation against without, alternating A B B A within each repeat, medians; tokens checked equal. Random
-         16-token prompts whose continuations, under random weights, fall into runs of repeated tokens and phrases
-         (what prompt lookup finds). Acceptance: vLLM's rate and mean acceptance length (1 + accepted / drafts).
-  bytes  per verified row per rank (predict_sampler, which the ledger equals in the tests): the greedy race's
-         all-gather of (value, id) against all-gathering the float32 logits. A verified chunk of K + 1 rows moves
-         K + 1 times a row's bytes, nothing more.
+  workload  code editing: held-out standard-library functions (train/data.py's split: never trained on), each
+            whole in the prompt, then its `def` line again, so the model rewrites it and its continuation repeats
+            the function's names (what prompt lookup finds). Prompts of 60 to 140 tokens before the `def` line.
+  speed     B = --batches requests at once through LLM at tensor_parallel_size 1, greedy and sampled (temperature
+            0.8, a seed per request): plain decoding; n-gram (K = 4, prompt_lookup 1..3) and the trained draft
+            (K = 4), each with the Tuner choosing k per step (adaptive, the default) and with k fixed at K; the
+            draft's rejection sampler (k fixed) beside its default shared noise. generate()'s time, the runs of a
+            row interleaved (the order reversed every other round), medians of --repeats; every engine warmed on
+            the row first. Tokens checked equal to plain decoding's (every method but the rejection sampler keeps
+            plain sampling's tokens, greedy and seeded). Acceptance: vLLM's counters over the timed runs, and per
+            position (accepted at position j / drafts) for k fixed at K.
+  peer      transformers' generate on the same checkpoints and prompts at B = 1, greedy (HF assisted generation
+            takes one request at a time): plain, assistant_model=the draft, prompt_lookup_num_tokens=4; their
+            speed-up against ours, and whether their tokens equal ours.
+  steps     where a step's time goes at B = 1, greedy, in this process (one rank, the engine built as LLM's rank
+            builds it): per step, the draft's forwards (its fill), the target's forward and pick (ModelRunner.run),
+            and the rest (control, scheduling, the update, the host's input building); plain, n-gram and the draft
+            at k = 1, 2, 4 fixed.
+  bytes     per verified row per rank (predict_sampler, which the ledger equals in the tests): the greedy race's
+            all-gather of (value, id) against all-gathering the float32 logits.
 
 Prints a line per measurement as it goes and its run time (stderr); writes outputs/bench_spec_decode.json and prints
-both tables (docs/spec_decode.md).
+the tables (docs/spec_decode.md).
 """
 
 from __future__ import annotations
 
+import ast
 import statistics
 import sys
 import time
@@ -27,51 +42,235 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import ROOT, in_turn, parse_args, print_table, random_prompts, timed_generate, write_json
+from benchmarks.common import ROOT, in_turn, parse_args, print_table, refuse, write_json
 
-BATCHES = (1, 4, 16)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-SELF_DRAFT = {"method": "draft_model", "model": "article03", "num_speculative_tokens": 4}  # the upper bound
+K = 4
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+TEMPERATURE = 0.8
 
 
-def speed(tp: int, repeats: int, max_tokens: int) -> list[dict]:
-    from serve import LLM, SamplingParams
+def code_edit_prompts(model: str, n: int) -> tuple[list[list[int]], list[str]]:
+    """n prompts: a held-out function whole, a blank line, its def line again (token ids of the model's tokenizer),
+    and the functions' qualified names."""
+    from tokenizers import Tokenizer
 
-    prompts = random_prompts([16] * max(BATCHES), seed=0)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    engines = {"plain": LLM("article03", tensor_parallel_size=tp),
-               "ngram": LLM("article03", tensor_parallel_size=tp, speculative_config=NGRAM),
-               "self-draft": LLM("article03", tensor_parallel_size=tp, speculative_config=SELF_DRAFT)}
-    rows, began = [], time.perf_counter()
+    from train.data import corpus_files, read, split
+
+    tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+    _, held = split(corpus_files("stdlib"), 0.05)
+    prompts, names = [], []
+    for path, text in zip(held, read(held)):
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        lines = text.splitlines(keepends=True)
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef):
+                src = "".join(lines[node.lineno - 1:node.end_lineno])
+                if 60 <= len(tok.encode(src).ids) <= 140:
+                    prompts.append(tok.encode(src + "\n" + lines[node.lineno - 1]).ids)
+                    names.append(f"{path.stem}.{node.name}")
+                    if len(prompts) == n:
+                        return prompts, names
+    return prompts, names
+
+
+def engines(model: str, draft: str) -> dict:
+    from serve import LLM
+
+    drafted = {"method": "draft_model", "model": draft, "num_speculative_tokens": K}
+    configs = {"plain": None, "ngram": NGRAM, "ngram fixed": {**NGRAM, "adaptive": False},
+               "draft": drafted, "draft fixed": {**drafted, "adaptive": False},
+               "draft rejection": {**drafted, "adaptive": False, "draft_token_acceptance_method": "rejection_sampler"}}
+    return {name: LLM(model, speculative_config=config) for name, config in configs.items()}
+
+
+def counters(llm) -> dict:
+    s = llm.stats()
+    return {key: s.get(f"spec_decode_{key}") for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                                                         "num_accepted_tokens_per_pos", "steps_by_num_proposals")}
+
+
+def speed(model: str, draft: str, prompts: list[list[int]], batches: list[int], repeats: int, max_tokens: int,
+          began: float) -> list[dict]:
+    from benchmarks.common import timed_generate
+    from serve import SamplingParams
+
+    llms, rows = engines(model, draft), []
     try:
-        for llm in engines.values():  # warm-up
-            llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))
-        for b in BATCHES:
-            for method in ("ngram", "self-draft"):
-                tokens, before = {}, engines[method].stats()
+        for b in batches:
+            for mode in ("greedy", "sampled"):
+                params = [SamplingParams(temperature=0.0 if mode == "greedy" else TEMPERATURE, seed=i,
+                                         max_tokens=max_tokens, ignore_eos=True) for i in range(b)]
+                tokens, before = {}, {}
 
                 def run(name: str) -> float:
-                    tokens[name], took = timed_generate(engines[name], prompts[:b], params)
+                    tokens[name], took = timed_generate(llms[name], prompts[:b], params)
                     return took
 
-                # plain, speculative, speculative, plain in each repeat
-                times = in_turn({name: partial(run, name) for name in ("plain", method)}, 2 * repeats)
-                print(f"B={b} {method}: median {statistics.median(times['plain']):.2f} s plain, "
-                      f"{statistics.median(times[method]):.2f} s speculative ({time.perf_counter() - began:.0f} s so "
-                      f"far)", file=sys.stderr, flush=True)
-                after = engines[method].stats()
-                drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
-                proposed = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
-                accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
-                plain, spec = statistics.median(times["plain"]), statistics.median(times[method])
-                rows.append({"B": b, "tp": tp, "method": method, "same_tokens": tokens["plain"] == tokens[method],
-                             "plain_tokens_per_s": b * max_tokens / plain, "spec_tokens_per_s": b * max_tokens / spec,
-                             "speedup": plain / spec, "acceptance_rate": accepted / proposed if proposed else None,
-                             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-                             "drafts": drafts, "proposed": proposed, "accepted": accepted})
+                for name, llm in llms.items():  # warm: the Tuner measures this batch size first
+                    run(name)
+                    before[name] = counters(llm)
+                times = in_turn({name: partial(run, name) for name in llms}, repeats)
+                plain = statistics.median(times["plain"])
+                for name, llm in llms.items():
+                    took, after = statistics.median(times[name]), counters(llm)
+                    row = {"B": b, "mode": mode, "method": name, "tokens_per_s": b * max_tokens / took,
+                           "speedup": plain / took, "same_tokens": tokens[name] == tokens["plain"]}
+                    if name != "plain":
+                        d = {key: after[key] - before[name][key] for key in ("num_drafts", "num_draft_tokens",
+                                                                               "num_accepted_tokens")}
+                        per_pos = [a - c for a, c in zip(after["num_accepted_tokens_per_pos"],
+                                                         before[name]["num_accepted_tokens_per_pos"])]
+                        row.update(d, acceptance_rate=d["num_accepted_tokens"] / d["num_draft_tokens"]
+                                   if d["num_draft_tokens"] else None,
+                                   mean_acceptance_length=1 + d["num_accepted_tokens"] / d["num_drafts"]
+                                   if d["num_drafts"] else None,
+                                   acceptance_per_position=[a / d["num_drafts"] for a in per_pos]
+                                   if d["num_drafts"] else None)
+                        if after["steps_by_num_proposals"] is not None:
+                            row["steps_by_k"] = [a - c for a, c in zip(after["steps_by_num_proposals"],
+                                                                       before[name]["steps_by_num_proposals"])]
+                    rows.append(row)
+                print(f"B={b} {mode}: " + ", ".join(f"{r['method']} {r['speedup']:.2f}x" for r in rows[-len(llms):])
+                      + f" ({time.perf_counter() - began:.0f} s so far)", file=sys.stderr, flush=True)
     finally:
-        for llm in engines.values():
+        for llm in llms.values():
             llm.shutdown()
+    return rows
+
+
+def peer(model: str, draft: str, prompts: list[list[int]], repeats: int, max_tokens: int, began: float) -> list[dict]:
+    """transformers' generate at B = 1, greedy: plain, assisted by the draft, prompt lookup; and ours, in turn."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.common import timed_generate
+    from serve import LLM, SamplingParams
+
+    target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+    hf_ways = {"hf plain": {}, "hf assisted": {"assistant_model": assistant},
+               "hf prompt lookup": {"prompt_lookup_num_tokens": K}}
+    ours = {"plain": None, "ngram": NGRAM,
+            "draft": {"method": "draft_model", "model": draft, "num_speculative_tokens": K}}
+    llms = {name: LLM(model, speculative_config=config) for name, config in ours.items()}
+    torch.set_num_threads(llms["plain"].threads_per_rank)  # as many threads as our rank has
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    out = {name: [] for name in [*hf_ways, *llms]}
+    tokens: dict[str, dict] = {name: {} for name in out}  # each prompt's tokens (greedy: the same every run)
+
+    def hf(name: str, i: int) -> float:
+        prompt = prompts[i]
+        ids = torch.tensor([prompt])
+        start = time.perf_counter()
+        with torch.no_grad():
+            got = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
+                                  min_new_tokens=max_tokens, pad_token_id=0, **hf_ways[name])
+        took = time.perf_counter() - start
+        tokens[name][i] = got[0, len(prompt):].tolist()
+        return took
+
+    def ours_run(name: str, i: int) -> float:
+        got, took = timed_generate(llms[name], [prompts[i]], params)
+        tokens[name][i] = got[0]
+        return took
+
+    try:
+        for i in range(len(prompts)):
+            runs = {name: partial(hf if name in hf_ways else ours_run, name, i) for name in out}
+            for run in runs.values():  # warm
+                run()
+            for name, times in in_turn(runs, repeats).items():
+                out[name].append(statistics.median(times))
+        print(f"peer: {len(prompts)} prompts ({time.perf_counter() - began:.0f} s so far)", file=sys.stderr,
+              flush=True)
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    total = {name: sum(times) for name, times in out.items()}
+    rows = []
+    for name in out:
+        base = "hf plain" if name in hf_ways else "plain"
+        rows.append({"engine": "transformers" if name in hf_ways else "tpref", "method": name.removeprefix("hf "),
+                     "tokens_per_s": len(prompts) * max_tokens / total[name], "speedup": total[base] / total[name],
+                     "same_tokens_as_ours": tokens[name] == tokens["plain"],
+                     "requests_equal": sum(tokens[name][i] == tokens["plain"][i] for i in tokens["plain"])})
+    return rows
+
+
+def steps(model: str, draft: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """Per-step time at B = 1, greedy, split into the draft's forwards, the target's forward and pick, and the rest;
+    an engine built in this process as LLM's rank builds it."""
+    import os
+    import tempfile
+
+    import torch
+
+    from serve.config import EngineConfig
+    from serve.draft import DraftRunner
+    from serve.llm import resolve_model
+    from serve.model_runner import ModelRunner
+    from serve.sampling_params import SamplingParams
+    from serve.worker import RankSpec, build_engine
+    from tp.dist import init_from_env, shutdown
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK="0", WORLD_SIZE="1")
+    ctx = init_from_env("gloo", init_method=f"file://{tempfile.mkdtemp()}/store", device="cpu")
+    cfg, checkpoint = resolve_model(model, 1, "tp")
+    spent: dict[str, float] = {}
+
+    def timed(cls, name: str, part: str):
+        original = getattr(cls, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent[part] = spent.get(part, 0.0) + time.perf_counter() - start
+        setattr(cls, name, wrapper)
+        return original
+
+    kept = [(DraftRunner, "fill", timed(DraftRunner, "fill", "draft")),
+            (ModelRunner, "run", timed(ModelRunner, "run", "target"))]
+    drafted = {"method": "draft_model", "model": draft, "adaptive": False}
+    configs = {"plain": None, "ngram k=4": {**NGRAM, "adaptive": False},
+               **{f"draft k={k}": {**drafted, "num_speculative_tokens": k} for k in (1, 2, 4)}}
+    params, rows = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), []
+    try:
+        for name, config in configs.items():
+            spec = RankSpec(cfg, checkpoint, torch.float32, 0, "gloo", "cpu", EngineConfig(speculative_config=config),
+                            draft=None if config is None or config["method"] != "draft_model"
+                            else resolve_model(draft, 1, "tp"))
+            engine = build_engine(ctx, spec)
+            count = total = 0
+
+            def serve_all() -> tuple[int, float]:
+                n, start = 0, time.perf_counter()
+                for i, prompt in enumerate(prompts):
+                    engine.add_request(f"{name}-{i}-{n}", prompt, params)
+                    while engine.has_unfinished_requests():
+                        engine.step()
+                        n += 1
+                return n, time.perf_counter() - start
+
+            serve_all()  # warm
+            spent.clear()
+            count, total = serve_all()
+            tokens = len(prompts) * max_tokens
+            row = {"method": name, "steps": count, "step_ms": 1e3 * total / count,
+                   "draft_ms": 1e3 * spent.get("draft", 0.0) / count, "target_ms": 1e3 * spent["target"] / count,
+                   "tokens_per_step": tokens / count, "tokens_per_s": tokens / total}
+            row["rest_ms"] = row["step_ms"] - row["draft_ms"] - row["target_ms"]
+            rows.append(row)
+            engine.shutdown()
+    finally:
+        for cls, name, original in kept:
+            setattr(cls, name, original)
+        shutdown()
     return rows
 
 
@@ -87,23 +286,56 @@ def row_bytes() -> list[dict]:
     return out
 
 
-def main() -> None:
-    args = parse_args(__doc__, {"--repeats": 2, "--max-tokens": 96, "--tp": 1})
+def fmt(v, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def main() -> int:
+    args = parse_args(__doc__, {"--model": "models/stdlib", "--draft": "models/stdlib-draft", "--repeats": 3,
+                                "--max-tokens": 64, "--batches": [1, 4, 16], "--parts": "speed,peer,steps,bytes"})
+    parts = args.parts.split(",")
+    for path in (args.model, args.draft):
+        if not (Path(path) / "config.json").is_file():
+            return refuse(f"{path} is not a checkpoint: `make model` trains models/stdlib and its draft")
     began = time.perf_counter()
-    result = {"bytes": row_bytes(), "speed": speed(args.tp, args.repeats, args.max_tokens)}
+    prompts, names = code_edit_prompts(args.model, max(args.batches))
+    result = {"model": args.model, "draft": args.draft, "k": K, "max_tokens": args.max_tokens,
+              "temperature": TEMPERATURE, "prompts": names}
+    if "bytes" in parts:
+        result["bytes"] = row_bytes()
+    if "steps" in parts:
+        result["steps"] = steps(args.model, args.draft, prompts[:4], args.max_tokens)
+    if "speed" in parts:
+        result["speed"] = speed(args.model, args.draft, prompts, args.batches, args.repeats, args.max_tokens, began)
+    if "peer" in parts:
+        result["peer"] = peer(args.model, args.draft, prompts[:4], args.repeats, args.max_tokens, began)
     print(f"ran {time.perf_counter() - began:.0f} s", file=sys.stderr)
     write_json(ROOT / "outputs" / "bench_spec_decode.json", result)
-    print_table(["vocab", "p", "race bytes per row per rank", "logits all-gather", "ratio"],
-                [[r["vocab"], r["p"], f"{r['race_bytes']:.0f}", f"{r['logits_bytes']:.0f}",
-                  f"{r['ratio']:.0f}x"] for r in result["bytes"]])
-    print_table(["method", "B", "tp", "tokens/s plain", "tokens/s speculative", "speed-up",
-                 "acceptance rate", "mean acceptance length", "same tokens"],
-                [[r["method"], r["B"], r["tp"], f"{r['plain_tokens_per_s']:.0f}",
-                  f"{r['spec_tokens_per_s']:.0f}", f"{r['speedup']:.2f}x",
-                  "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}",
-                  "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}",
-                  r["same_tokens"]] for r in result["speed"]])
+    if "bytes" in result:
+        print_table(["vocab", "p", "race bytes per row per rank", "logits all-gather", "ratio"],
+                    [[r["vocab"], r["p"], f"{r['race_bytes']:.0f}", f"{r['logits_bytes']:.0f}",
+                      f"{r['ratio']:.0f}x"] for r in result["bytes"]])
+    if "steps" in result:
+        print_table(["method", "ms per step", "draft's forwards", "target's forward and pick", "the rest",
+                     "tokens per step", "tokens/s"],
+                    [[r["method"], f"{r['step_ms']:.2f}", f"{r['draft_ms']:.2f}", f"{r['target_ms']:.2f}",
+                      f"{r['rest_ms']:.2f}", f"{r['tokens_per_step']:.2f}", f"{r['tokens_per_s']:.0f}"]
+                     for r in result["steps"]])
+    if "speed" in result:
+        print_table(["B", "mode", "method", "tokens/s", "speed-up", "acceptance rate", "mean acceptance length",
+                     "accepted per position", "steps by k", "same tokens"],
+                    [[r["B"], r["mode"], r["method"], f"{r['tokens_per_s']:.0f}", f"{r['speedup']:.2f}x",
+                      fmt(r.get("acceptance_rate")), fmt(r.get("mean_acceptance_length")),
+                      "-" if r.get("acceptance_per_position") is None or "fixed" not in r["method"]
+                      and "rejection" not in r["method"] else " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]),
+                      " ".join(map(str, r.get("steps_by_k") or [])) or "-", r["same_tokens"]]
+                     for r in result["speed"]])
+    if "peer" in result:
+        print_table(["engine", "method", "tokens/s", "speed-up", "tokens equal ours (requests)"],
+                    [[r["engine"], r["method"], f"{r['tokens_per_s']:.0f}", f"{r['speedup']:.2f}x",
+                      f"{r['requests_equal']} of {len(prompts[:4])}"] for r in result["peer"]])
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

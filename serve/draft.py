@@ -6,7 +6,8 @@ Per step, for the scheduled requests (serve/spec_decode.py has the step's order)
 
     forward 1   every scheduled request's rows the draft has not computed: a prompt chunk's rows, and a decoding
                 request's last token (two rows after a step that accepted all K: the last proposal and the bonus
-                token); a request verifying k >= 1 proposals samples x_1 from the draft's last row
+                token; more after steps without proposals, which skip the draft); a request verifying k >= 1
+                proposals samples x_1 from the draft's last row
     forward j   (j = 2..K) one row per request still proposing: x_{j-1} at its position; samples x_j
 
 Each proposal is sampled with the request's filters and its own noise stream (the seed ^ DRAFT_STREAM); q_j, the
@@ -74,6 +75,9 @@ class DraftRunner(Proposer):
         chunks = []
         for c in plan.scheduled:  # forward 1: what the draft has not computed yet
             r = requests[c.request]
+            if c.decode and not c.spec:  # nothing to propose (k = 0 this step): it catches up when it next proposes,
+                r.draft_computed = min(r.draft_computed or 0, c.q_start)  # from what it holds of the tokens now
+                continue
             start = min(r.draft_computed or 0, r.num_computed_tokens, c.q_start)
             end = len(r.tokens) if c.decode else c.q_end
             chunks.append(ScheduledRequest(c.request, start, end, decode=end - start == 1 and c.decode,

@@ -107,7 +107,7 @@ class LLMEngine:
         self.prefix_queried_tokens = 0  # prompt tokens of every admission (the hit rate's denominator)
         self.collective_bytes_per_rank = 0.0  # sent by each rank in the steps' collectives (the ledger's count)
         self.spec_stats = SpecDecodeStats(0 if spec is None else spec.num_speculative_tokens)
-        # rank 0's choice of proposals per step (speculative_config adaptive), and what each request was offered
+        # rank 0's choice of proposals per step (speculative_config adaptive), and the slots each request was offered
         self.tuner = Tuner(spec.num_speculative_tokens) if spec is not None and spec.adaptive else None
         self._offered: dict[int, int] = {}
         # rank 0 only: what arrived since the last step, and the request ids users gave

@@ -160,7 +160,7 @@ class Proposer:
 
     def prepare(self, running, k: int) -> dict[int, int]:
         """Up to k proposals for each decoding request (at most what its max_tokens leaves after the target's own);
-        returns the number offered to each (request id -> k' <= k), what the Tuner's acceptance counts."""
+        returns how many slots each was offered (request id -> k' <= k): what the Tuner's acceptance counts."""
         offered = {}
         for r in running:
             if r.decoding:
@@ -224,29 +224,33 @@ class Tuner:
     maximises the tokens a step yields per second of step time, both measured.
 
         tokens    E(k) = 1 + sum_{i=1..k} prod_{j<i} a_j, a_j the acceptance of proposal j + 1 given the ones before
-                  accepted (counted over every offered slot: an n-gram that finds no match fails its slot),
-                  decaying counts (DECAY per step) from a prior of 1/2
+                  accepted, counted over every offered slot as the step time is measured per offered k (a slot
+                  n-gram leaves empty, or the scheduler drops, fails: it yields no token, and costs no row), decaying
+                  counts (DECAY per step), each slot's prior worth one trial: the slot before's estimate
+                  (1/2 for the first), so a slot not yet tried is expected to do as the one before it
         time      a decode-only step's wall time per decoding request, by batch-size bucket (powers of two) and k:
-                  an EMA per k; T(k) the least-squares line through the measured k
-        probes    a bucket's first decode steps run k = 0, then K; afterwards the best k, except that every
-                  `interval` steps one step runs a neighbour (best + 1, best - 1 in turn) to keep the line honest;
-                  the interval starts at PROBE and doubles (to PROBE_MAX) while the probes leave the best k as it
-                  was, so a stable workload pays for probing less and less
+                  an EMA per k; T(0) as measured, T(k >= 1) the least-squares line through the measured k >= 1
+        probes    a bucket's first decode steps run k = 0, then K, until each has a measurement past its first
+                  (a first step pays for what warms up); afterwards the best k, except that every `interval` steps
+                  one step runs another k (best + 1, best - 1, 0 in turn, where they differ from the best) to keep
+                  the measurements fresh; the interval starts at PROBE and doubles (to PROBE_MAX) while the probes
+                  leave the best k as it was, so a stable workload pays for probing less and less
 
     k = 0 turns speculation off for the step. The choice is rank 0's, broadcast in the control header, so every rank
     schedules the same rows."""
 
-    PROBE, PROBE_MAX = 16, 256
+    PROBE, PROBE_MAX = 8, 256
     DECAY = 0.98
     EMA = 0.25
 
     def __init__(self, k_max: int):
         self.k_max = k_max
-        self.hits = [0.5] * k_max
-        self.trials = [1.0] * k_max
+        self.hits = [0.0] * k_max
+        self.trials = [0.0] * k_max
         self.cost: dict[tuple[int, int], float] = {}  # (bucket, k) -> seconds per decoding request
+        self.seen: dict[tuple[int, int], int] = {}  # (bucket, k) -> steps measured (the first is not kept)
         self.chosen = [0] * (k_max + 1)  # steps run at each k
-        self.interval, self.until, self.up = self.PROBE, self.PROBE, True  # probing: every `interval` steps
+        self.interval, self.until, self.turn = self.PROBE, self.PROBE, 0  # probing: every `interval` steps
         self.best: int | None = None
 
     @staticmethod
@@ -254,7 +258,11 @@ class Tuner:
         return max(decoding - 1, 0).bit_length()  # 1 | 2 | 3-4 | 5-8 | ...
 
     def acceptance(self) -> list[float]:
-        return [h / t for h, t in zip(self.hits, self.trials)]
+        out, prior = [], 0.5
+        for h, t in zip(self.hits, self.trials):
+            prior = (h + prior) / (t + 1)
+            out.append(prior)
+        return out
 
     def expected_tokens(self, k: int) -> float:
         total, reach = 1.0, 1.0
@@ -264,14 +272,21 @@ class Tuner:
         return total
 
     def step_time(self, b: int, k: int) -> float | None:
-        """T(k) for bucket b: the least-squares line through its measured k (None below two of them)."""
-        points = [(j, t) for (bb, j), t in self.cost.items() if bb == b]
-        if len(points) < 2:
+        """T(k) for bucket b: T(0) as measured; for k >= 1 the least-squares line through the measured k >= 1 (a
+        draft's first forward is a cost k = 0 does not pay at all), or the line from T(0) to the one measured; None
+        until T(0) and some k >= 1 are measured. Never below T(0), never falling with k."""
+        base = self.cost.get((b, 0))
+        points = [(j, t) for (bb, j), t in self.cost.items() if bb == b and j > 0]
+        if base is None or not points:
             return None
-        n, mk = len(points), sum(j for j, _ in points) / len(points)
-        mt = sum(t for _, t in points) / n
-        slope = sum((j - mk) * (t - mt) for j, t in points) / sum((j - mk) ** 2 for j, _ in points)
-        return max(mt + slope * (k - mk), 1e-12)
+        if k == 0:
+            return base
+        if len(points) == 1:
+            (j, t), = points
+            return base + max(t - base, 0.0) * k / j
+        mk, mt = sum(j for j, _ in points) / len(points), sum(t for _, t in points) / len(points)
+        slope = max(sum((j - mk) * (t - mt) for j, t in points) / sum((j - mk) ** 2 for j, _ in points), 0.0)
+        return max(mt + slope * (k - mk), base)
 
     def choose(self, decoding: int) -> int:
         """The proposals per request for the next step, given how many requests are decoding."""
@@ -287,16 +302,19 @@ class Tuner:
             if best != self.best:  # the choice moved: probe often again
                 self.best, self.interval, self.until = best, self.PROBE, self.PROBE
             k, self.until = best, self.until - 1
-            if self.until <= 0:  # a neighbour, up and down in turn (where there is one)
+            if self.until <= 0:  # another k: up, down, off in turn (those that differ from the best and exist)
                 self.until, self.interval = self.interval, min(2 * self.interval, self.PROBE_MAX)
-                self.up = not self.up if 0 < best < self.k_max else best == 0
-                k = best + 1 if self.up else best - 1
+                others = list(dict.fromkeys(j for j in (best + 1, best - 1, 0) if 0 <= j <= self.k_max and j != best))
+                k, self.turn = others[self.turn % len(others)], self.turn + 1
         self.chosen[k] += 1
         return k
 
     def observe_step(self, decoding: int, k: int, seconds: float) -> None:
         """A decode-only step's wall time (a step with prompt rows says nothing about k)."""
         key = (self.bucket(decoding), k)
+        self.seen[key] = self.seen.get(key, 0) + 1
+        if self.seen[key] == 1:
+            return  # a first step at this size and k pays for what warms up
         per = seconds / decoding
         old = self.cost.get(key)
         self.cost[key] = per if old is None else old + self.EMA * (per - old)

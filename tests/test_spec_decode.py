@@ -597,21 +597,30 @@ def test_the_tuner_is_never_slower_than_no_speculation_and_keeps_the_gain(accept
     assert tuned >= 0.97 * fixed[0], (tuned, fixed[0])
 
 
-def test_the_tuner_counts_offered_slots_and_probes_both_ends():
+def test_the_tuner_counts_offered_slots_and_probes_its_neighbours():
     from serve.spec_decode import Tuner
 
     t = Tuner(3)
     t.observe(3, 1)  # slot 0 hit, slot 1 tried and missed, slot 2 never reached
-    assert [t.trials[j] - 1.0 for j in range(3)] == [1, 1, 0] and [t.hits[j] - 0.5 for j in range(3)] == [1, 0, 0]
-    t.observe(2, 0)  # an n-gram that found nothing fails its first slot
-    assert t.trials[0] == 3.0 and t.hits[0] == 1.5
+    assert t.trials == [1, 1, 0] and t.hits == [1, 0, 0]
+    assert t.acceptance() == [0.75, 0.375, 0.375]  # (hits + the slot before's estimate) / (trials + 1)
+    t.observe(2, 0)  # the first proposal rejected, or none made (n-gram found nothing): no token from the slot
+    assert t.trials[0] == 2 and t.hits[0] == 1
     assert [t.choose(1), t.choose(1)] == [0, 0]  # nothing measured for one request yet: no speculation...
+    t.observe_step(1, 0, 5.0)  # a first step warms up: not kept
+    assert t.choose(1) == 0 and (0, 0) not in t.cost
     t.observe_step(1, 0, 1.0)
-    assert t.choose(1) == 3  # ... then K, and with both ends measured, the best in between
+    assert t.choose(1) == 3  # ... then K, and with both measured, the best k
+    t.observe_step(1, 3, 9.0)
     t.observe_step(1, 3, 1.2)
     assert t.step_time(0, 0) == 1.0 and abs(t.step_time(0, 3) - 1.2) < 1e-12 and t.step_time(1, 0) is None
-    chosen = [t.choose(1) for _ in range(Tuner.PROBE * 7)]
+    t.observe_step(1, 1, 0.0)
+    t.observe_step(1, 1, 1.5)  # a fixed cost of proposing at all (a draft's first forward): k = 0 is not on the line
+    assert abs(t.step_time(0, 2) - 1.35) < 1e-9 and t.step_time(0, 0) == 1.0
+    del t.cost[(0, 1)]
+    chosen = [t.choose(1) for _ in range(Tuner.PROBE * 15)]
     best = max(set(chosen), key=chosen.count)
     probes = [i for i, k in enumerate(chosen) if k != best]
-    assert {chosen[i] for i in probes} == {best - 1, best + 1} - {-1, 4}  # the neighbours, in turn
-    assert [b - a for a, b in zip(probes, probes[1:])] == [16, 32, 64][:len(probes) - 1]  # ever rarer
+    # E(k) = 1, 1.5, 1.625, 1.66 against T(k) = 1, 1.07, 1.13, 1.2: two proposals; probes up, down and off in turn
+    assert best == 2 and [chosen[i] for i in probes] == [3, 1, 0, 3]
+    assert [b - a for a, b in zip(probes, probes[1:])] == [8, 16, 32]  # ever rarer while the best holds
