@@ -3,13 +3,15 @@ tokens/s with and without it, the peer's on the same weights, where a step's tim
 moves.
 
     python benchmarks/bench_spec_decode.py [--model models/stdlib] [--draft models/stdlib-draft] [--repeats 3]
-                                           [--max-tokens 64] [--batches 1 4 16] [--parts speed,peer,steps,bytes]
+                                           [--max-tokens 64] [--batches 1 4 16]
+                                           [--parts speed,peer,steps,coupling,bytes]
 
   workload  code editing: held-out standard-library functions (train/data.py's split: never trained on), each
             whole in the prompt, then its `def` line again, so the model rewrites it and its continuation repeats
             the function's names (what prompt lookup finds). Prompts of 60 to 140 tokens before the `def` line.
   speed     B = --batches requests at once through LLM at tensor_parallel_size 1, greedy and sampled (temperature
-            0.8, a seed per request): plain decoding; n-gram (K = 4, prompt_lookup 1..3) and the trained draft
+            0.8, a seed per request): plain decoding, twice (a second engine, "plain again": its speed-up is this
+            machine's noise); n-gram (K = 4, prompt_lookup 1..3) and the trained draft
             (K = 4), each with the Tuner choosing k per step (adaptive, the default) and with k fixed at K; the
             draft's rejection sampler (k fixed) beside its default shared noise. generate()'s time, the runs of a
             row interleaved (the order reversed every other round), medians of --repeats; every engine warmed on
@@ -23,6 +25,10 @@ moves.
             builds it): per step, the draft's forwards (its fill), the target's forward and pick (ModelRunner.run),
             and the rest (control, scheduling, the update, the host's input building); plain, n-gram and the draft
             at k = 1, 2, 4 fixed.
+  coupling  the first proposal's acceptance under each rule from the same contexts (every position of the prompts,
+            teacher forced through transformers' models): the rejection sampler's 1 - TV(p, q), the most any rule
+            can accept, against shared noise's chance that both Gumbel races pick the same id (64 noise draws per
+            position); temperature 0.8 and 1.0.
   bytes     per verified row per rank (predict_sampler, which the ledger equals in the tests): the greedy race's
             all-gather of (value, id) against all-gathering the float32 logits.
 
@@ -80,7 +86,7 @@ def engines(model: str, draft: str) -> dict:
     from serve import LLM
 
     drafted = {"method": "draft_model", "model": draft, "num_speculative_tokens": K}
-    configs = {"plain": None, "ngram": NGRAM, "ngram fixed": {**NGRAM, "adaptive": False},
+    configs = {"plain": None, "plain again": None, "ngram": NGRAM, "ngram fixed": {**NGRAM, "adaptive": False},
                "draft": drafted, "draft fixed": {**drafted, "adaptive": False},
                "draft rejection": {**drafted, "adaptive": False, "draft_token_acceptance_method": "rejection_sampler"}}
     return {name: LLM(model, speculative_config=config) for name, config in configs.items()}
@@ -118,7 +124,7 @@ def speed(model: str, draft: str, prompts: list[list[int]], batches: list[int], 
                     took, after = statistics.median(times[name]), counters(llm)
                     row = {"B": b, "mode": mode, "method": name, "tokens_per_s": b * max_tokens / took,
                            "speedup": plain / took, "same_tokens": tokens[name] == tokens["plain"]}
-                    if name != "plain":
+                    if not name.startswith("plain"):
                         d = {key: after[key] - before[name][key] for key in ("num_drafts", "num_draft_tokens",
                                                                                "num_accepted_tokens")}
                         per_pos = [a - c for a, c in zip(after["num_accepted_tokens_per_pos"],
@@ -132,6 +138,9 @@ def speed(model: str, draft: str, prompts: list[list[int]], batches: list[int], 
                         if after["steps_by_num_proposals"] is not None:
                             row["steps_by_k"] = [a - c for a, c in zip(after["steps_by_num_proposals"],
                                                                        before[name]["steps_by_num_proposals"])]
+                    if "spec_decode_acceptance_estimate" in llm.stats():
+                        row["tuner"] = {key: llm.stats()[f"spec_decode_{key}"]
+                                        for key in ("acceptance_estimate", "step_ms_per_request")}
                     rows.append(row)
                 print(f"B={b} {mode}: " + ", ".join(f"{r['method']} {r['speedup']:.2f}x" for r in rows[-len(llms):])
                       + f" ({time.perf_counter() - began:.0f} s so far)", file=sys.stderr, flush=True)
@@ -274,6 +283,33 @@ def steps(model: str, draft: str, prompts: list[list[int]], max_tokens: int) -> 
     return rows
 
 
+def coupling(model: str, draft: str, prompts: list[list[int]], draws: int = 64) -> list[dict]:
+    """The first proposal's acceptance under each rule, from the same contexts (each prompt's positions, teacher
+    forced through transformers' models): the rejection sampler accepts with probability sum_i min(p_i, q_i) =
+    1 - TV(p, q), the most any coupling can; shared noise when the draft's and the target's Gumbel races over the same
+    noise pick the same id (Monte Carlo, `draws` noise draws per position). Temperatures 0.8 and 1.0, no filter."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+    gen, rows = torch.Generator().manual_seed(0), []
+    with torch.no_grad():
+        pairs = [(target(torch.tensor([ids])).logits[0].double(), assistant(torch.tensor([ids])).logits[0].double())
+                 for ids in prompts]
+    for T in (0.8, 1.0):
+        rejection = shared = positions = 0.0
+        for zt, zd in pairs:
+            lp, lq = torch.log_softmax(zt / T, -1), torch.log_softmax(zd / T, -1)
+            rejection += torch.minimum(lp.exp(), lq.exp()).sum().item()
+            g = -torch.log(-torch.log(torch.rand(draws, *lp.shape, generator=gen, dtype=torch.float64)))
+            shared += ((lp + g).argmax(-1) == (lq + g).argmax(-1)).double().mean(0).sum().item()
+            positions += lp.shape[0]
+        rows.append({"temperature": T, "positions": int(positions), "rejection_sampler": rejection / positions,
+                     "shared_noise": shared / positions})
+    return rows
+
+
 def row_bytes() -> list[dict]:
     from tp.traffic_model import predict_sampler
 
@@ -292,7 +328,8 @@ def fmt(v, spec: str = ".2f") -> str:
 
 def main() -> int:
     args = parse_args(__doc__, {"--model": "models/stdlib", "--draft": "models/stdlib-draft", "--repeats": 3,
-                                "--max-tokens": 64, "--batches": [1, 4, 16], "--parts": "speed,peer,steps,bytes"})
+                                "--max-tokens": 64, "--batches": [1, 4, 16],
+                                "--parts": "speed,peer,steps,coupling,bytes"})
     parts = args.parts.split(",")
     for path in (args.model, args.draft):
         if not (Path(path) / "config.json").is_file():
@@ -307,6 +344,8 @@ def main() -> int:
         result["steps"] = steps(args.model, args.draft, prompts[:4], args.max_tokens)
     if "speed" in parts:
         result["speed"] = speed(args.model, args.draft, prompts, args.batches, args.repeats, args.max_tokens, began)
+    if "coupling" in parts:
+        result["coupling"] = coupling(args.model, args.draft, prompts)
     if "peer" in parts:
         result["peer"] = peer(args.model, args.draft, prompts[:4], args.repeats, args.max_tokens, began)
     print(f"ran {time.perf_counter() - began:.0f} s", file=sys.stderr)
@@ -330,6 +369,10 @@ def main() -> int:
                       and "rejection" not in r["method"] else " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]),
                       " ".join(map(str, r.get("steps_by_k") or [])) or "-", r["same_tokens"]]
                      for r in result["speed"]])
+    if "coupling" in result:
+        print_table(["temperature", "positions", "first proposal accepted: rejection sampler", "shared noise"],
+                    [[r["temperature"], r["positions"], f"{r['rejection_sampler']:.3f}", f"{r['shared_noise']:.3f}"]
+                     for r in result["coupling"]])
     if "peer" in result:
         print_table(["engine", "method", "tokens/s", "speed-up", "tokens equal ours (requests)"],
                     [[r["engine"], r["method"], f"{r['tokens_per_s']:.0f}", f"{r['speedup']:.2f}x",

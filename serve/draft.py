@@ -4,16 +4,18 @@ its own paged KV pool of the target's blocks, read through the target's block ta
 
 Per step, for the scheduled requests (serve/spec_decode.py has the step's order):
 
-    forward 1   every scheduled request's rows the draft has not computed: a prompt chunk's rows, and a decoding
-                request's last token (two rows after a step that accepted all K: the last proposal and the bonus
-                token; more after steps without proposals, which skip the draft); a request verifying k >= 1
-                proposals samples x_1 from the draft's last row
+    forward 1   for each request verifying k >= 1 proposals, its rows the draft has not computed: its last token
+                (two rows after a step that accepted all K: the last proposal and the bonus token), or all its
+                tokens since the draft last ran for it (its prompt the first time: a request's chunks without
+                proposals, prompt chunks and steps where the Tuner chose k = 0, skip the draft, so speculation
+                turned off costs nothing); samples x_1 from the draft's last row
     forward j   (j = 2..K) one row per request still proposing: x_{j-1} at its position; samples x_j
 
 Each proposal is sampled with the request's filters and its own noise stream (the seed ^ DRAFT_STREAM); q_j, the
 filtered distribution it was drawn from, goes to the verifier on this rank's ids of the target's split.
-`Request.draft_computed` counts the positions whose K,V the draft holds; blocks are named for the prefix cache only
-up to it.
+`Request.draft_computed` counts the positions whose K,V the draft holds for the request's blocks: it reads only what
+it wrote itself (from position 0 for a new request, prefix hits or not; from 0 again after a preemption, when the
+blocks may come back as another request's), so the prefix cache names blocks without waiting for it.
 """
 
 from __future__ import annotations
@@ -75,8 +77,8 @@ class DraftRunner(Proposer):
         chunks = []
         for c in plan.scheduled:  # forward 1: what the draft has not computed yet
             r = requests[c.request]
-            if c.decode and not c.spec:  # nothing to propose (k = 0 this step): it catches up when it next proposes,
-                r.draft_computed = min(r.draft_computed or 0, c.q_start)  # from what it holds of the tokens now
+            if not c.spec:  # nothing to propose (a prompt chunk, or k = 0 this step): the draft catches up when it
+                r.draft_computed = min(r.draft_computed or 0, c.q_start)  # next proposes, from what it holds now
                 continue
             start = min(r.draft_computed or 0, r.num_computed_tokens, c.q_start)
             end = len(r.tokens) if c.decode else c.q_end

@@ -190,7 +190,7 @@ class LLMEngine:
                 "collective_bytes_per_rank": self.collective_bytes_per_rank,
                 "oracle": next((dict(h.verdicts) for h in self.hooks if hasattr(h, "verdicts")), None),
                 **(self.spec_stats.as_dict() if self.config.speculative_config is not None else {}),
-                **({"spec_decode_steps_by_num_proposals": list(self.tuner.chosen)} if self.tuner else {}),
+                **(self.tuner.as_dict() if self.tuner else {}),
                 "last_iteration": self.last_iteration}
 
     # -- every rank: one step ----------------------------------------------------------------------------------------
@@ -334,7 +334,8 @@ class LLMEngine:
             return 0
         if self.tuner is None or not self.ctx.is_main:
             return spec.num_speculative_tokens
-        return self.tuner.choose(sum(r.decoding for r in self.scheduler.running))
+        decoding = [r for r in self.scheduler.running if r.decoding]
+        return self.tuner.choose(len(decoding), all(r.params is None or r.params.greedy for r in decoding))
 
     def _control(self, flag: int, proposals: int = 0) -> tuple[int, list[Request], list[int], int, int]:
         """★ rank 0's control message (serve/control.py); a RUN message takes what arrived and what was aborted,

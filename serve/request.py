@@ -54,7 +54,7 @@ class Request:
     sampling_seed: int | None = None  # the seed of its noise: params.seed, or one drawn from the engine's seed and id
     status: RequestStatus = RequestStatus.WAITING
     spec_token_ids: list[int] = field(default_factory=list)  # proposals for its next step (serve/spec_decode.py)
-    draft_computed: int | None = None  # positions whose K,V a draft model holds (serve/draft.py); None: no draft
+    draft_computed: int | None = None  # positions whose K,V a draft model holds (serve/draft.py); None: none yet
     priority: int = 0  # scheduling_policy "priority" (serve/scheduler.py): lower is admitted first, preempted last
 
     @property

@@ -351,6 +351,8 @@ class Scheduler:
             self._left += end - start
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
+        if victim.draft_computed is not None:  # a draft recomputes it whole: its blocks may come back as others'
+            victim.draft_computed = 0
         victim.status = RequestStatus.PREEMPTED
         victim.preemptions += 1
         self.preemptions += 1
@@ -383,10 +385,8 @@ class Scheduler:
                     r.num_computed_tokens = c.q_start + len(r.output) - before
                     if not r.finished:
                         self.blocks.shrink(r.id, r.num_computed_tokens)
-            held = min(c.q_end, r.num_computed_tokens)  # K,V written on every stage up to here
-            if r.draft_computed is not None:  # and by the draft model (speculative decoding), or not named yet
-                held = min(held, r.draft_computed)
-            self.blocks.commit(r.id, r.tokens, held)
+            # K,V written on every stage up to here (a draft model reads only what it wrote itself: serve/draft.py)
+            self.blocks.commit(r.id, r.tokens, min(c.q_end, r.num_computed_tokens))
         for rid in finished:
             self.blocks.release(rid)
         if finished:

@@ -15,6 +15,8 @@ decoding without speculation (docs/spec_decode.md, "Why the tokens do not change
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 from dataclasses import dataclass, field
 
 from serve.sampling_params import FieldError
@@ -219,64 +221,96 @@ class SpecDecodeStats:
                 "spec_decode_mean_acceptance_length": 1 + self.num_accepted_tokens / drafts if drafts else None}
 
 
+@dataclass
+class Regime:
+    """The Tuner's measurements for one kind of step: a batch-size bucket, all greedy or not (sampling's rows cost
+    more, and its proposals are accepted less). Acceptance is kept per kind of sampling, the times per regime."""
+    times: dict[int, list[float]] = field(default_factory=dict)  # k -> its last WINDOW step times per request
+    seen: dict[int, int] = field(default_factory=dict)  # k -> steps measured (the first is not kept)
+
+    @property
+    def cost(self) -> dict[int, float]:
+        """k -> seconds per decoding request: the median of its last measurements (one slow step moves nothing)."""
+        return {k: statistics.median(ts) for k, ts in self.times.items() if len(ts) >= Tuner.MIN_TIMES}
+    best: int | None = None
+    interval: int = 0  # probing: PROBE_RUN steps every `interval`, the next in `until` steps, `turn` picks which
+    until: int = 0
+    turn: int = 0
+    probe: tuple[int, int] | None = None  # the probe under way: (its k, steps left)
+    probe_s: float = 0.0  # what the last probe took (seconds per request), its steps and its k
+    probe_steps: int = 0
+    probe_k: int = 0
+
+
 class Tuner:
     """Rank 0's choice of how many tokens to propose in a step (SpeculativeConfig.adaptive): the k in 0..K that
-    maximises the tokens a step yields per second of step time, both measured.
+    maximises the tokens a step yields per second of step time, both measured, per regime (a batch-size bucket,
+    powers of two, and whether every decoding request is greedy).
 
         tokens    E(k) = 1 + sum_{i=1..k} prod_{j<i} a_j, a_j the acceptance of proposal j + 1 given the ones before
                   accepted, counted over every offered slot as the step time is measured per offered k (a slot
                   n-gram leaves empty, or the scheduler drops, fails: it yields no token, and costs no row), decaying
-                  counts (DECAY per step), each slot's prior worth one trial: the slot before's estimate
-                  (1/2 for the first), so a slot not yet tried is expected to do as the one before it
-        time      a decode-only step's wall time per decoding request, by batch-size bucket (powers of two) and k:
-                  an EMA per k; T(0) as measured, T(k >= 1) the least-squares line through the measured k >= 1
-        probes    a bucket's first decode steps run k = 0, then K, until each has a measurement past its first
-                  (a first step pays for what warms up); afterwards the best k, except that every `interval` steps
-                  one step runs another k (best + 1, best - 1, 0 in turn, where they differ from the best) to keep
-                  the measurements fresh; the interval starts at PROBE and doubles (to PROBE_MAX) while the probes
-                  leave the best k as it was, so a stable workload pays for probing less and less
+                  counts (DECAY per step that offered slots), each slot's prior worth one trial: the slot before's
+                  estimate (1/2 for the first), so a slot not yet tried is expected to do as the one before it
+        time      a decode-only step's wall time per decoding request and k: the median of its last WINDOW
+                  measurements (at least MIN_TIMES); T(0) as measured,
+                  T(k >= 1) the least-squares line through the measured k >= 1 (a draft's first forward is a cost
+                  of proposing at all), never below T(0) nor falling with k
+        probes    a regime's first decode steps run k = 0, then 1, until each has MIN_TIMES measurements; afterwards
+                  the best k, except that every `interval` steps PROBE_RUN steps run another k (best + 1, best - 1,
+                  0 in turn, where they differ from the best) to keep the measurements fresh; the interval starts at
+                  PROBE and doubles (to PROBE_MAX) while the probes leave the best k as it was, so a stable workload
+                  pays for probing less and less; and after each probe, the next waits until what this one cost
+                  beyond the best k (its time less the time the best k takes for the tokens it is expected to give)
+                  is at most PROBE_BUDGET of the steps between (a draft's probe after steps off first catches up on
+                  every token it skipped: at B = 16 a prefill of its own)
+        kept      a step is measured only if the step before it ran the same k and it is not the regime's first
+                  at that k: a step after a switch pays for the switch (a draft catching up on what it skipped, the
+                  caches refilled with the other model's weights), which the steady state does not
 
-    k = 0 turns speculation off for the step. The choice is rank 0's, broadcast in the control header, so every rank
+    k = 0 turns speculation off for the step, and any k >= 1 must promise MARGIN more tokens per second than off to
+    be chosen: what the steady-state times leave out (a draft catching up on a new prompt or after steps off, caches
+    refilled) falls on speculation, so a near tie goes to off. The choice is rank 0's, broadcast in the control header, so every rank
     schedules the same rows."""
 
-    PROBE, PROBE_MAX = 8, 256
+    PROBE, PROBE_MAX, PROBE_RUN, PROBE_BUDGET = 8, 256, 3, 0.02
+    MARGIN = 0.1
     DECAY = 0.98
-    EMA = 0.25
+    WINDOW, MIN_TIMES = 5, 2
 
     def __init__(self, k_max: int):
         self.k_max = k_max
-        self.hits = [0.0] * k_max
-        self.trials = [0.0] * k_max
-        self.cost: dict[tuple[int, int], float] = {}  # (bucket, k) -> seconds per decoding request
-        self.seen: dict[tuple[int, int], int] = {}  # (bucket, k) -> steps measured (the first is not kept)
+        self.hits = {True: [0.0] * k_max, False: [0.0] * k_max}  # greedy or not -> per slot
+        self.trials = {True: [0.0] * k_max, False: [0.0] * k_max}
+        self.regimes: dict[tuple[int, bool], Regime] = {}
         self.chosen = [0] * (k_max + 1)  # steps run at each k
-        self.interval, self.until, self.turn = self.PROBE, self.PROBE, 0  # probing: every `interval` steps
-        self.best: int | None = None
+        self.greedy = True  # the regime of the step being run (its acceptance goes there)
+        self.previous = self.current = -1  # the k of the step before, and of this one
+        self.probing = False  # this step is part of a probe
 
     @staticmethod
-    def bucket(decoding: int) -> int:
-        return max(decoding - 1, 0).bit_length()  # 1 | 2 | 3-4 | 5-8 | ...
+    def key(decoding: int, greedy: bool) -> tuple[int, bool]:
+        return max(decoding - 1, 0).bit_length(), greedy  # 1 | 2 | 3-4 | 5-8 | ...
 
-    def acceptance(self) -> list[float]:
+    def acceptance(self, greedy: bool = True) -> list[float]:
         out, prior = [], 0.5
-        for h, t in zip(self.hits, self.trials):
+        for h, t in zip(self.hits[greedy], self.trials[greedy]):
             prior = (h + prior) / (t + 1)
             out.append(prior)
         return out
 
-    def expected_tokens(self, k: int) -> float:
+    def expected_tokens(self, k: int, greedy: bool = True) -> float:
         total, reach = 1.0, 1.0
-        for a in self.acceptance()[:k]:
+        for a in self.acceptance(greedy)[:k]:
             reach *= a
             total += reach
         return total
 
-    def step_time(self, b: int, k: int) -> float | None:
-        """T(k) for bucket b: T(0) as measured; for k >= 1 the least-squares line through the measured k >= 1 (a
-        draft's first forward is a cost k = 0 does not pay at all), or the line from T(0) to the one measured; None
-        until T(0) and some k >= 1 are measured. Never below T(0), never falling with k."""
-        base = self.cost.get((b, 0))
-        points = [(j, t) for (bb, j), t in self.cost.items() if bb == b and j > 0]
+    def step_time(self, regime: Regime, k: int) -> float | None:
+        """T(k): T(0) as measured; for k >= 1 the least-squares line through the measured k >= 1, or the line from
+        T(0) to the one measured; None until T(0) and some k >= 1 are measured."""
+        base = regime.cost.get(0)
+        points = [(j, t) for j, t in regime.cost.items() if j > 0]
         if base is None or not points:
             return None
         if k == 0:
@@ -288,42 +322,72 @@ class Tuner:
         slope = max(sum((j - mk) * (t - mt) for j, t in points) / sum((j - mk) ** 2 for j, _ in points), 0.0)
         return max(mt + slope * (k - mk), base)
 
-    def choose(self, decoding: int) -> int:
-        """The proposals per request for the next step, given how many requests are decoding."""
+    def choose(self, decoding: int, greedy: bool = True) -> int:
+        """The proposals per request for the next step, given how many requests are decoding and whether all of
+        them are greedy."""
         if decoding == 0 or self.k_max == 0:
             return 0
-        b = self.bucket(decoding)
-        if (b, 0) not in self.cost:
+        self.greedy = greedy
+        g = self.regimes.setdefault(self.key(decoding, greedy), Regime())
+        self.probing = g.probe is not None
+        if g.probe is None and g.probe_steps and g.best is not None:  # a probe ended: what it cost sets the next
+            best_s = self.step_time(g, g.best)
+            spent = g.probe_s - g.probe_steps * best_s * self.expected_tokens(g.probe_k, greedy) / \
+                self.expected_tokens(g.best, greedy)
+            g.until = max(g.until, math.ceil(spent / (self.PROBE_BUDGET * best_s)))
+            g.probe_s, g.probe_steps = 0.0, 0
+        if 0 not in g.cost:
             k = 0
-        elif self.step_time(b, 0) is None:
-            k = self.k_max
+        elif self.step_time(g, 0) is None:
+            k = 1  # the cheapest k to learn from (a draft's first step catches up on everything): the others follow
+        elif g.probe is not None:  # a probe under way
+            k, left = g.probe
+            g.probe = (k, left - 1) if left > 1 else None
         else:
-            best = max(range(self.k_max + 1), key=lambda j: self.expected_tokens(j) / self.step_time(b, j))
-            if best != self.best:  # the choice moved: probe often again
-                self.best, self.interval, self.until = best, self.PROBE, self.PROBE
-            k, self.until = best, self.until - 1
-            if self.until <= 0:  # another k: up, down, off in turn (those that differ from the best and exist)
-                self.until, self.interval = self.interval, min(2 * self.interval, self.PROBE_MAX)
+            rate = [self.expected_tokens(j, greedy) / self.step_time(g, j) * (1 if j == 0 else 1 / (1 + self.MARGIN))
+                    for j in range(self.k_max + 1)]
+            best = max(range(self.k_max + 1), key=rate.__getitem__)
+            if best != g.best:  # the choice moved: probe often again (once the last probe's cost is paid for)
+                g.best, g.interval, g.until = best, self.PROBE, max(g.until, self.PROBE)
+            k, g.until = best, g.until - 1
+            if g.until <= 0:  # another k: up, down, off in turn (those that differ from the best and exist)
+                g.until, g.interval = g.interval, min(2 * g.interval, self.PROBE_MAX)
                 others = list(dict.fromkeys(j for j in (best + 1, best - 1, 0) if 0 <= j <= self.k_max and j != best))
-                k, self.turn = others[self.turn % len(others)], self.turn + 1
+                k, g.turn = others[g.turn % len(others)], g.turn + 1
+                g.probe, g.probe_k, self.probing = (k, self.PROBE_RUN - 1), k, True
         self.chosen[k] += 1
+        self.previous, self.current = self.current, k
         return k
 
+    def as_dict(self) -> dict:
+        """What the choice rests on (LLM.stats()): the steps run at each k, the acceptance estimate per slot (greedy
+        and sampled), and per regime ("B<=n greedy" or "sampled") the modelled step time in ms per request per k."""
+        return {"spec_decode_steps_by_num_proposals": list(self.chosen),
+                "spec_decode_acceptance_estimate": {"greedy" if g else "sampled": [round(a, 4) for a in
+                                                                                   self.acceptance(g)]
+                                                    for g in (True, False)},
+                "spec_decode_step_ms_per_request": {
+                    f"B<={2 ** b} {'greedy' if g else 'sampled'}":
+                        [None if (t := self.step_time(r, k)) is None else round(1e3 * t, 4)
+                         for k in range(self.k_max + 1)] for (b, g), r in sorted(self.regimes.items())}}
+
     def observe_step(self, decoding: int, k: int, seconds: float) -> None:
-        """A decode-only step's wall time (a step with prompt rows says nothing about k)."""
-        key = (self.bucket(decoding), k)
-        self.seen[key] = self.seen.get(key, 0) + 1
-        if self.seen[key] == 1:
-            return  # a first step at this size and k pays for what warms up
-        per = seconds / decoding
-        old = self.cost.get(key)
-        self.cost[key] = per if old is None else old + self.EMA * (per - old)
-        self.hits = [h * self.DECAY for h in self.hits]
-        self.trials = [t * self.DECAY for t in self.trials]
+        """A decode-only step's wall time (a step with prompt rows says nothing about k), in the regime chosen."""
+        g = self.regimes.setdefault(self.key(decoding, self.greedy), Regime())
+        g.seen[k] = g.seen.get(k, 0) + 1
+        if self.probing:
+            g.probe_s, g.probe_steps = g.probe_s + seconds / decoding, g.probe_steps + 1
+        if k:  # the counts forget per step that tried slots: while off, the estimate stands (the probes explore)
+            for slots in (self.hits[self.greedy], self.trials[self.greedy]):
+                slots[:] = [x * self.DECAY for x in slots]
+        if g.seen[k] == 1 or self.previous != k:
+            return  # the regime's first step at this k pays for what warms up, a step after a switch for the switch
+        g.times[k] = (g.times.get(k, []) + [seconds / decoding])[-self.WINDOW:]
 
     def observe(self, offered: int, accepted: int) -> None:
         """A request was offered `offered` slots and `accepted` proposals stood: slots 0..accepted were tried (all
         before accepted), the first `accepted` of them hit."""
+        hits, trials = self.hits[self.greedy], self.trials[self.greedy]
         for j in range(min(offered, accepted + 1)):
-            self.trials[j] += 1
-            self.hits[j] += j < accepted
+            trials[j] += 1
+            hits[j] += j < accepted

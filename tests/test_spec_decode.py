@@ -598,29 +598,42 @@ def test_the_tuner_is_never_slower_than_no_speculation_and_keeps_the_gain(accept
 
 
 def test_the_tuner_counts_offered_slots_and_probes_its_neighbours():
-    from serve.spec_decode import Tuner
+    from serve.spec_decode import Regime, Tuner
 
     t = Tuner(3)
     t.observe(3, 1)  # slot 0 hit, slot 1 tried and missed, slot 2 never reached
-    assert t.trials == [1, 1, 0] and t.hits == [1, 0, 0]
+    assert t.trials[True] == [1, 1, 0] and t.hits[True] == [1, 0, 0] and t.trials[False] == [0, 0, 0]
     assert t.acceptance() == [0.75, 0.375, 0.375]  # (hits + the slot before's estimate) / (trials + 1)
     t.observe(2, 0)  # the first proposal rejected, or none made (n-gram found nothing): no token from the slot
-    assert t.trials[0] == 2 and t.hits[0] == 1
-    assert [t.choose(1), t.choose(1)] == [0, 0]  # nothing measured for one request yet: no speculation...
-    t.observe_step(1, 0, 5.0)  # a first step warms up: not kept
-    assert t.choose(1) == 0 and (0, 0) not in t.cost
-    t.observe_step(1, 0, 1.0)
-    assert t.choose(1) == 3  # ... then K, and with both measured, the best k
-    t.observe_step(1, 3, 9.0)
-    t.observe_step(1, 3, 1.2)
-    assert t.step_time(0, 0) == 1.0 and abs(t.step_time(0, 3) - 1.2) < 1e-12 and t.step_time(1, 0) is None
-    t.observe_step(1, 1, 0.0)
-    t.observe_step(1, 1, 1.5)  # a fixed cost of proposing at all (a draft's first forward): k = 0 is not on the line
-    assert abs(t.step_time(0, 2) - 1.35) < 1e-9 and t.step_time(0, 0) == 1.0
-    del t.cost[(0, 1)]
-    chosen = [t.choose(1) for _ in range(Tuner.PROBE * 15)]
-    best = max(set(chosen), key=chosen.count)
-    probes = [i for i, k in enumerate(chosen) if k != best]
-    # E(k) = 1, 1.5, 1.625, 1.66 against T(k) = 1, 1.07, 1.13, 1.2: two proposals; probes up, down and off in turn
-    assert best == 2 and [chosen[i] for i in probes] == [3, 1, 0, 3]
-    assert [b - a for a, b in zip(probes, probes[1:])] == [8, 16, 32]  # ever rarer while the best holds
+    assert t.trials[True][0] == 2 and t.hits[True][0] == 1
+    g = Regime(times={0: [1.0, 1.0], 3: [1.2, 1.2]})
+    assert t.step_time(g, 0) == 1.0 and abs(t.step_time(g, 3) - 1.2) < 1e-12  # the line from T(0) to T(3)
+    g.times[1] = [1.5, 1.5]  # a fixed cost of proposing at all (a draft's first forward): k = 0 is not on the line
+    assert abs(t.step_time(g, 2) - 1.35) < 1e-9 and t.step_time(g, 0) == 1.0
+    g.times[1] = [1.5, 1.5, 1.5, 1.5, 60.0]  # one slow step moves nothing: the median of the last five
+    assert abs(t.step_time(g, 2) - 1.35) < 1e-9
+    cost = {0: 1.0, 1: 1.3, 2: 1.4, 3: 1.5}  # seconds per step at each k
+    for accepted, best, probe in (("none", 0, [1, 1, 1]), ("all", 3, [2, 2, 2, 0, 0, 0])):
+        t, spent = Tuner(3), []
+
+        def step() -> int:  # as the engine: choose, run, observe
+            k = t.choose(1)
+            if k:
+                t.observe(k, 0 if accepted == "none" else k)
+            t.observe_step(1, k, cost[k])
+            spent.append((cost[k], 1 + (k if accepted == "all" else 0)))
+            return k
+
+        chosen = [step() for _ in range(600)]
+        # k = 0 until two kept measurements (a regime's first step and one after a switch are not kept), then 1
+        assert chosen[:6] == [0, 0, 0, 1, 1, 1] and max(set(chosen), key=chosen.count) == best, chosen
+        # then the best, with probes of PROBE_RUN steps (up, down, off in turn where they exist), ever rarer...
+        at = [i for i, k in enumerate(chosen) if i >= 6 and k != best]
+        starts = [i for i in at if i - 1 not in at]
+        gaps = [b - a for a, b in zip(starts, starts[1:])]
+        assert [chosen[i] for i in at] == (probe * 9)[:len(at)] and len(starts) >= 4
+        assert all(gap >= 8 * 2 ** i + 2 for i, gap in enumerate(gaps)), gaps
+        # ... and within PROBE_BUDGET: tokens per second after the first six steps within 3% of the best k's
+        took, tokens = (sum(x) for x in zip(*spent[6:]))
+        assert tokens / took >= 0.97 * spent[-1][1] / cost[best] and chosen[-1] == best
+    assert t.choose(1, greedy=False) == 0 and (0, False) in t.regimes  # sampling is a regime of its own
