@@ -160,6 +160,8 @@ def peer(model: str, draft: str, prompts: list[list[int]], repeats: int, max_tok
 
     target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     assistant = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+    for m in (target, assistant):  # as ignore_eos: the end-of-text id neither stops nor is masked (min_new_tokens
+        m.generation_config.eos_token_id = None  # would mask it, and a request may pick it greedily)
     hf_ways = {"hf plain": {}, "hf assisted": {"assistant_model": assistant},
                "hf prompt lookup": {"prompt_lookup_num_tokens": K}}
     ours = {"plain": None, "ngram": NGRAM,
@@ -176,7 +178,7 @@ def peer(model: str, draft: str, prompts: list[list[int]], repeats: int, max_tok
         start = time.perf_counter()
         with torch.no_grad():
             got = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
-                                  min_new_tokens=max_tokens, pad_token_id=0, **hf_ways[name])
+                                  pad_token_id=0, **hf_ways[name])
         took = time.perf_counter() - start
         tokens[name][i] = got[0, len(prompt):].tolist()
         return took
@@ -221,6 +223,7 @@ def steps(model: str, draft: str, prompts: list[list[int]], max_tokens: int) -> 
     from serve.draft import DraftRunner
     from serve.llm import resolve_model
     from serve.model_runner import ModelRunner
+    from serve.offline import drive
     from serve.sampling_params import SamplingParams
     from serve.worker import RankSpec, build_engine
     from tp.dist import init_from_env, shutdown
@@ -255,27 +258,30 @@ def steps(model: str, draft: str, prompts: list[list[int]], max_tokens: int) -> 
                             draft=None if config is None or config["method"] != "draft_model"
                             else resolve_model(draft, 1, "tp"))
             engine = build_engine(ctx, spec)
-            count = total = 0
+            run = {"next": 0, "steps": 0, "start": 0.0, "end": 0.0}
 
-            def serve_all() -> tuple[int, float]:
-                n, start = 0, time.perf_counter()
-                for i, prompt in enumerate(prompts):
-                    engine.add_request(f"{name}-{i}-{n}", prompt, params)
-                    while engine.has_unfinished_requests():
-                        engine.step()
-                        n += 1
-                return n, time.perf_counter() - start
+            def feed(engine) -> bool:  # the prompts one at a time, twice: a warm pass, then the timed one
+                if engine.has_unfinished_requests():
+                    return True
+                i = run["next"]
+                if i == len(prompts):
+                    spent.clear()
+                    run["steps"], run["start"] = 0, time.perf_counter()
+                if i == 2 * len(prompts):
+                    run["end"] = time.perf_counter()
+                    return False
+                engine.add_request(f"{name}-{i}", prompts[i % len(prompts)], params)
+                run["next"] += 1
+                return True
 
-            serve_all()  # warm
-            spent.clear()
-            count, total = serve_all()
+            drive(engine, feed, lambda outputs: run.update(steps=run["steps"] + 1))
+            count, total = run["steps"], run["end"] - run["start"]
             tokens = len(prompts) * max_tokens
             row = {"method": name, "steps": count, "step_ms": 1e3 * total / count,
                    "draft_ms": 1e3 * spent.get("draft", 0.0) / count, "target_ms": 1e3 * spent["target"] / count,
                    "tokens_per_step": tokens / count, "tokens_per_s": tokens / total}
             row["rest_ms"] = row["step_ms"] - row["draft_ms"] - row["target_ms"]
             rows.append(row)
-            engine.shutdown()
     finally:
         for cls, name, original in kept:
             setattr(cls, name, original)
@@ -366,7 +372,8 @@ def main() -> int:
                     [[r["B"], r["mode"], r["method"], f"{r['tokens_per_s']:.0f}", f"{r['speedup']:.2f}x",
                       fmt(r.get("acceptance_rate")), fmt(r.get("mean_acceptance_length")),
                       "-" if r.get("acceptance_per_position") is None or "fixed" not in r["method"]
-                      and "rejection" not in r["method"] else " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]),
+                      and "rejection" not in r["method"]
+                      else " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]),
                       " ".join(map(str, r.get("steps_by_k") or [])) or "-", r["same_tokens"]]
                      for r in result["speed"]])
     if "coupling" in result:

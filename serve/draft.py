@@ -114,8 +114,8 @@ class DraftRunner(Proposer):
             proposal += drafted[c.request] + [-1]
             q += q_rows[c.request] + [torch.zeros(self.n, dtype=torch.float64, device=self.device)]
         empty = torch.zeros(0, self.n, dtype=torch.float64, device=self.device)
-        return (dataclasses.replace(plan, scheduled=scheduled), torch.tensor(proposal, dtype=torch.long, device=self.device),
-                torch.stack(q) if q else empty)
+        return (dataclasses.replace(plan, scheduled=scheduled),
+                torch.tensor(proposal, dtype=torch.long, device=self.device), torch.stack(q) if q else empty)
 
     def _forward(self, chunks: list[ScheduledRequest], requests: dict[int, Request], j: int,
                  fed: tuple | None = None) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:

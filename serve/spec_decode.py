@@ -270,8 +270,8 @@ class Tuner:
 
     k = 0 turns speculation off for the step, and any k >= 1 must promise MARGIN more tokens per second than off to
     be chosen: what the steady-state times leave out (a draft catching up on a new prompt or after steps off, caches
-    refilled) falls on speculation, so a near tie goes to off. The choice is rank 0's, broadcast in the control header, so every rank
-    schedules the same rows."""
+    refilled) falls on speculation, so a near tie goes to off. The choice is rank 0's, broadcast in the control
+    header, so every rank schedules the same rows."""
 
     PROBE, PROBE_MAX, PROBE_RUN, PROBE_BUDGET = 8, 256, 3, 0.02
     MARGIN = 0.1

@@ -473,6 +473,8 @@ def test_a_field_the_draft_model_cannot_serve_is_named_in_the_400(servers):
         assert "rejection_sampler" in answer["error"]["message"], answer
     status, answer = s.post("/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3})
     assert status == 200 and answer["usage"]["completion_tokens"] >= 1, answer
+    by_k = {name: v for name, v in s.metrics().items() if name.startswith("tpref:spec_decode_steps_by_num_proposals")}
+    assert len(by_k) == 3 and sum(by_k.values()) >= 1, by_k  # the Tuner's choices, k = 0..2
 
 
 def test_a_killed_rank_fails_requests_and_the_server_exits_nonzero(servers):

@@ -112,5 +112,11 @@ class _EngineCollector:
             for j, n in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
                 per_pos.add_metric([str(j)], n)
             yield per_pos
+            if "spec_decode_steps_by_num_proposals" in s:  # the Tuner's choices (speculative_config adaptive)
+                by_k = CounterMetricFamily("tpref:spec_decode_steps_by_num_proposals",
+                                           "Engine steps by proposals per request (0: speculation off)", labels=["k"])
+                for k, n in enumerate(s["spec_decode_steps_by_num_proposals"]):
+                    by_k.add_metric([str(k)], n)
+                yield by_k
         yield gauge("tpref:generation_tokens_per_second", f"Tokens generated per second over the last {WINDOW_S:g} s",
                     self.metrics.tokens_per_second())
