@@ -249,7 +249,7 @@ def shutdown() -> list[str]:
         gc.collect()
         dist.destroy_process_group()
     gc.collect()
-    deadline = time.monotonic() + 2.0  # a loaded machine may take a moment to end threads already let go
+    deadline = time.monotonic() + 5.0  # a loaded machine (2 cores, 4 busy processes) may take seconds to end them
     while (left := group_threads()) and time.monotonic() < deadline:
         time.sleep(0.05)
         gc.collect()
