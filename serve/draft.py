@@ -11,8 +11,10 @@ Per step, for the scheduled requests (serve/spec_decode.py has the step's order)
                 turned off costs nothing); samples x_1 from the draft's last row
     forward j   (j = 2..K) one row per request still proposing: x_{j-1} at its position; samples x_j
 
-Each proposal is sampled with the request's filters and its own noise stream (the seed ^ DRAFT_STREAM); q_j, the
-filtered distribution it was drawn from, goes to the verifier on this rank's ids of the target's split.
+Each proposal is sampled with the request's filters. Under shared noise (the default) it is drawn with the noise of
+the target's row that verifies it, and the plain sampler verifies (its tokens are plain sampling's); under the
+rejection sampler it is drawn from a noise stream of its own (the seed ^ DRAFT_STREAM), and q_j, the filtered
+distribution it was drawn from, goes to the verifier on this rank's ids of the target's split.
 `Request.draft_computed` counts the positions whose K,V the draft holds for the request's blocks: it reads only what
 it wrote itself (from position 0 for a new request, prefix hits or not; from 0 again after a preemption, when the
 blocks may come back as another request's), so the prefix cache names blocks without waiting for it.
