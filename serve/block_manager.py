@@ -102,10 +102,11 @@ class KVCacheManager:
             previous = h
         return out
 
-    def admit_cost(self, tokens: list[int], most_rows: int) -> tuple[list[int], int]:
-        """(cached prefix blocks, free blocks needed) for a request not yet holding blocks: its prefix hit plus its
-        next chunk of at most `most_rows` rows. Reviving a freed cached block takes it off the free queue too."""
-        hit = self.match_prefix(tokens)
+    def admit_cost(self, tokens: list[int], most_rows: int, cached: bool = True) -> tuple[list[int], int]:
+        """(cached prefix blocks, free blocks needed) for a request not yet holding blocks: its prefix hit (none when
+        not `cached`) plus its next chunk of at most `most_rows` rows. Reviving a freed cached block takes it off the
+        free queue too."""
+        hit = self.match_prefix(tokens) if cached else []
         start = len(hit) * self.block_size
         rows = min(most_rows, len(tokens) - start)
         need = self.blocks_for(start + rows) - len(hit) + sum(self.blocks[b].ref_count == 0 for b in hit)

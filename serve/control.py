@@ -28,7 +28,7 @@ from tp.comm import broadcast_from_main, gather_from_region
 from tp.dist import TPContext, control_device, host_control
 
 CONTROL_HEADER = 5  # (new requests, aborted requests, payload length, flag, proposals), float64
-REQUEST_FIELDS = 16  # per new request, before its stop ids, prompt and output: see encode
+REQUEST_FIELDS = 17  # per new request, before its stop ids, prompt and output: see encode
 RUN, IDLE, STOP = 0, 1, 2  # the header's flag: run a step | rank 0 is idle (keep-alive, no step) | end the loop
 
 
@@ -69,7 +69,8 @@ def encode(new: list[Request], aborts: list[int]) -> list[float]:
         q = r.params or GREEDY
         out += [r.id, r.arrival, r.max_new_tokens, len(r.prompt), len(r.stop_ids), len(r.output),
                 r.num_computed_tokens, r.params is not None, q.temperature, q.top_k, q.top_p, q.min_p,
-                q.seed is not None, r.sampling_seed or 0, -1 if q.logprobs is None else q.logprobs, r.priority]
+                q.seed is not None, r.sampling_seed or 0, -1 if q.logprobs is None else q.logprobs, r.priority,
+                -1 if q.prompt_logprobs is None else q.prompt_logprobs]
         out += sorted(r.stop_ids) + r.prompt + r.output
     return out + aborts
 
@@ -84,10 +85,12 @@ def decode(payload: list[float], n_new: int, n_abort: int) -> tuple[list[Request
     new = []
     for _ in range(n_new):
         (rid, arrival, max_tokens, n_prompt, n_stop, n_output, computed, has_params, temp, top_k, top_p, min_p,
-         has_seed, seed, logprobs, priority) = (next(values) for _ in range(REQUEST_FIELDS))
+         has_seed, seed, logprobs, priority, prompt_logprobs) = (next(values) for _ in range(REQUEST_FIELDS))
         stop, prompt, output = frozenset(ints(n_stop)), ints(n_prompt), ints(n_output)
         params = SamplingParams(int(max_tokens), temp, int(top_k), top_p, min_p, int(seed) if has_seed else None,
-                                logprobs=None if logprobs < 0 else int(logprobs)) if has_params else None
+                                logprobs=None if logprobs < 0 else int(logprobs),
+                                prompt_logprobs=None if prompt_logprobs < 0 else int(prompt_logprobs)) \
+            if has_params else None
         new.append(Request(int(rid), prompt, int(max_tokens), int(arrival), output, int(computed), stop_ids=stop,
                            params=params, sampling_seed=None if params is None else int(seed), priority=int(priority)))
     return new, ints(n_abort)

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from layers.models.lm import TPLM, TPLlamaLM
+from layers.sampling.prompt_logprobs import host_prompt_logprobs
 from layers.sampling.sampler import SampleResult, request_seed, row_logprobs
 from serve.block_manager import KVCacheManager
 from serve.config import EngineConfig
@@ -35,7 +36,7 @@ from serve.draft import DraftRunner, lm_vocab_slice
 from serve.spec_decode import NgramProposer, SpecDecodeStats, Tuner
 from tp.dist import TPContext
 from tp.ledger import TrafficLedger
-from tp.traffic_model import predict_control, predict_iteration, predict_verify
+from tp.traffic_model import predict_control, predict_iteration, predict_prompt_logprobs, predict_verify
 
 
 class Ran(NamedTuple):
@@ -139,6 +140,8 @@ class LLMEngine:
         self._ids[request_id] = r.id
         self._outputs[r.id] = RequestOutput(request_id, prompt, r.prompt, [CompletionOutput(0, "", r.output)], False,
                                             RequestMetrics(time.time()))
+        if params is not None and params.prompt_logprobs is not None:  # filled as the prompt's rows are computed
+            self._outputs[r.id].prompt_logprobs = [None] * len(r.prompt)
         self._new.append(r)
 
     def add(self, r: Request) -> None:
@@ -224,12 +227,12 @@ class LLMEngine:
             self._after(StepRecord(None, payload, ran.sampler, ended=aborts, **ran.extra))
             return self._outputs_of([], aborts)
         plan, sched = ran.done, self.scheduler
-        sampled, rows, finished = self._update(plan, ran.result.table().tolist())  # ★ the step's one wait (host copy)
+        table, scored = ran.result.read()  # ★ the step's one wait (host copy): sampled rows, scored prompt rows
+        sampled, rows, finished = self._update(plan, table)
         self.prefix_hit_tokens += plan.prefix_hits
         self.prefix_queried_tokens += sum(len(sched.by_id[rid].prompt) for rid in plan.admitted if rid in sched.by_id)
         self.collective_bytes_per_rank += sum(r.traffic().bytes_per_rank for r in self.ledger.records)
-        if ran.result.logprob is not None:
-            self._logprobs(sampled, rows)
+        self._logprobs(sampled, rows, ran.result, scored)
         self._after(StepRecord(plan, payload, ran.sampler, sampled, rows, aborts + finished, **ran.extra))
         self._timed(plan, k, time.perf_counter() - start)
         self.iterations += 1
@@ -247,7 +250,8 @@ class LLMEngine:
             result, sampling, verify = self.runner.run_verified(plan, self.scheduler.by_id, *self.draft.verify)
             self.draft.verify, extra = None, {"verify": verify}
         else:
-            (result, sampling), extra = self.runner.run(plan, self.scheduler.by_id), {}
+            result, sampling = self.runner.run(plan, self.scheduler.by_id)
+            extra = {} if result.prompt is None else {"prompt": (result.prompt.shape[0], result.prompt.shape[1] // 2)}
         self.index = plan.index + 1
         return Ran(plan, result, result.traffic(sampling), extra)
 
@@ -268,6 +272,8 @@ class LLMEngine:
                                            step.sampler, self.cp)
             if step.verify is not None:
                 predicted += predict_verify(p, *step.verify, self.lm.cfg.vocab_size, self.dtype)
+            if step.prompt is not None and self.lm.vocab_parallel:
+                predicted += predict_prompt_logprobs(p // self.cp, *step.prompt)
         return seen, predicted
 
     # -- the pieces --------------------------------------------------------------------------------------------------
@@ -347,8 +353,16 @@ class LLMEngine:
             self._new, self._aborts = [], []
         return out
 
-    def _logprobs(self, sampled: list[int], rows: list[list[float]]) -> None:
-        """Rank 0: each row's chosen logprob and its top-N into the request's output (SampleResult.table's rows)."""
+    def _logprobs(self, sampled: list[int], rows: list[list[float]], result: SampleResult,
+                  scored: list[list[float]]) -> None:
+        """Rank 0: each row's chosen logprob and its top-N into the request's output (SampleResult.table's rows), and
+        each scored prompt row's entry into its prompt_logprobs (a recomputed prompt row writes the same again)."""
+        for (rid, pos), row in zip(result.prompt_where or [], scored):
+            if (o := self._outputs.get(rid)) is not None:
+                r = self.scheduler.by_id[rid]
+                o.prompt_logprobs[pos] = host_prompt_logprobs(row, r.prompt[pos], r.params.prompt_logprobs)
+        if result.logprob is None:
+            return
         for rid, row in zip(sampled, rows):
             o = self._outputs.get(rid)
             if o is None or (n := self.scheduler.by_id[rid].params.logprobs) is None:

@@ -34,6 +34,7 @@ class StepRecord:
     entered: SchedulerOutput | None = None  # the micro-batch scheduled this step (it enters the first stage)
     ran: SchedulerOutput | None = None  # the micro-batch this rank's stage ran this step
     verify: tuple | None = None  # a draft's verified rows: (rows, rounds, normalisers) of the rejection sampler
+    prompt: tuple | None = None  # prompt logprobs: (rows scored, top N)
 
 
 @torch.no_grad()

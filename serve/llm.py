@@ -444,6 +444,9 @@ class LLM:
 
         if params.stop and self.tokenizer is None:
             raise FieldError(f"stop={list(params.stop)}: stop strings need a tokenizer (this model has none)", "stop")
+        if params.prompt_logprobs is not None and (self.pipeline_parallel_size > 1 or self.context_parallel_size > 1):
+            raise FieldError("prompt_logprobs with pipeline_parallel_size or context_parallel_size above 1 is not "
+                             "built: drop prompt_logprobs, or serve with tensor parallelism alone", "prompt_logprobs")
         check_request(self.config, self.model_config, self.num_blocks, self.block_bytes, ids, params, priority)
 
 

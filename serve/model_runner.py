@@ -30,6 +30,7 @@ from layers.attention.attention import PagedLayer
 from layers.attention.backends import PagedBatch, backend, choose
 from layers.attention.context_parallel import SplitCacheBackend
 from layers.models.lm import TPLM, TPLlamaLM
+from layers.sampling.prompt_logprobs import score_rows
 from layers.sampling.rejection_sampler import filtered_logprobs, rejection_sample
 from layers.sampling.sampler import SampleResult, SamplingBatch
 from serve.config import EngineConfig
@@ -82,7 +83,15 @@ class ModelRunner:
         """Returns the sampled rows' tokens and their logits (and logprobs when asked), on the device, and the sampling
         batch (None: every row greedy)."""
         step, sampling = self.prepare(plan, requests)
-        out = self.lm.step(step.ids, step.positions, step.layers, step.sample_rows, sampling)
+        scored = prompt_rows(plan, requests)
+        if scored is None:
+            return self.lm.step(step.ids, step.positions, step.layers, step.sample_rows, sampling), sampling
+        x = self.lm.hidden(step.ids, step.positions, step.layers)
+        out = self.lm.pick(x, step.sample_rows, sampling)
+        rows, targets, out.prompt_where, n = scored  # prompt logprobs: the rows' next prompt tokens, scored
+        dev = self.ctx.device
+        out.prompt = score_rows(*self.lm.head_logits(x, torch.tensor(rows, device=dev)),
+                                torch.tensor(targets, device=dev), n, self.lm.cfg.vocab_size)
         return out, sampling
 
     @torch.no_grad()
@@ -123,6 +132,24 @@ class ModelRunner:
 class Prepared(NamedTuple):
     step: StepInputs
     sampling: SamplingBatch | None
+
+
+def prompt_rows(plan: SchedulerOutput, requests: dict[int, Request]
+                ) -> tuple[list[int], list[int], list[tuple[int, int]], int] | None:
+    """The rows a step scores for prompt logprobs: each row of a prompt chunk of a request asking for them whose next
+    token is in its prompt. (rows in the step, the token each scores, (request id, that token's position), the most
+    top-N asked), or None."""
+    rows, targets, where, n, offset = [], [], [], -1, 0
+    for c in plan.scheduled:
+        r = requests[c.request]
+        if r.params is not None and r.params.prompt_logprobs is not None:
+            for pos in range(c.q_start, min(c.q_end, len(r.prompt) - 1)):
+                rows.append(offset + pos - c.q_start)
+                targets.append(r.prompt[pos + 1])
+                where.append((c.request, pos + 1))
+            n = max(n, r.params.prompt_logprobs)
+        offset += c.q_end - c.q_start
+    return (rows, targets, where, n) if rows else None
 
 
 def sampling_rows(chunks, requests: dict[int, Request], ahead: int = 0) -> tuple[list[tuple], int]:

@@ -44,3 +44,6 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     num_cached_tokens: int = 0  # prompt tokens whose K,V came from the prefix cache on its first admission
     oracle: dict | None = None  # LLM(check=True): the dense oracle's verdict ("match", "near-tie", "MISMATCH")
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then {id: logprob} for each prompt token (the
+    # token itself and the top N after the tokens before it), vLLM's layout
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -45,6 +45,8 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings: the text is cut before the first one
     ignore_eos: bool = False  # the checkpoint's EOS does not finish the request
     logprobs: int | None = None
+    # each prompt token's logprob after the tokens before it, and the top N there (RequestOutput.prompt_logprobs)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -60,8 +62,10 @@ class SamplingParams:
             raise ValueError(f"min_p={self.min_p!r} must be in [0, 1] (0: off)")
         if self.seed is not None and (not _is_int(self.seed) or not -2 ** 53 < self.seed < 2 ** 53):
             raise ValueError(f"seed={self.seed!r} must be None or an integer of magnitude below 2**53")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs={self.logprobs!r} must be None or an integer >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"{name}={value!r} must be None or an integer >= 0")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False")
         ids = self.stop_token_ids
@@ -90,7 +94,6 @@ NOT_BUILT_BY_REASON = {
     "no logit bias": {"logit_bias": None},
     "no restriction of the vocabulary": {"allowed_token_ids": None},
     "no banned words": {"bad_words": None},
-    "logprobs of generated tokens only": {"prompt_logprobs": None},
     "the text is cut before a stop string": {"include_stop_str_in_output": False},
     "no logits processors": {"logits_processors": None},
     "prompts are never truncated": {"truncate_prompt_tokens": None},

@@ -268,7 +268,9 @@ class Scheduler:
             elif r.num_computed_tokens > 0:  # arrives with cached positions: blocks for them and its first decode row, at once
                 fits = self.blocks.blocks_for(r.num_computed_tokens + 1) <= self.blocks.num_free
             else:  # fresh, or preempted: blocks for its next chunk, which starts after its cached prefix
-                hit, need = self.blocks.admit_cost(r.tokens, min(c.long_prefill_token_threshold, self._left))
+                # a request scoring its prompt computes every prompt row (vLLM's rule): no prefix hit
+                hit, need = self.blocks.admit_cost(r.tokens, min(c.long_prefill_token_threshold, self._left),
+                                                   cached=r.params is None or r.params.prompt_logprobs is None)
                 if c.reserve_capacity:
                     need = self.blocks.blocks_for(r.capacity)
                 fits = need <= self.blocks.num_free
@@ -447,6 +449,6 @@ def check_request(config, model, num_blocks: int, block_bytes: int | None, ids: 
     request's output budget (output_budget)."""
     validate_prompt(ids, params.max_tokens, model.vocab_size, model.max_seq_len, num_blocks, config.block_size,
                     config.max_model_len, block_bytes)
-    check_speculation(config.speculative_config, params.logprobs)
+    check_speculation(config.speculative_config, params.logprobs, params.prompt_logprobs)
     check_priority(priority, config.scheduling_policy)
     return output_budget(len(ids), params.max_tokens, config.max_model_len or model.max_seq_len)

@@ -101,8 +101,12 @@ class SpeculativeConfig:
         return cls(**value)
 
 
-def check_request(config: "SpeculativeConfig | None", logprobs: int | None) -> None:
+def check_request(config: "SpeculativeConfig | None", logprobs: int | None, prompt_logprobs: int | None = None
+                  ) -> None:
     """The rule between speculation and a request (the driver checks it before sending, rank 0 again on arrival)."""
+    if config is not None and config.method == "draft_model" and prompt_logprobs is not None:
+        raise FieldError("prompt_logprobs with speculative_config method='draft_model' is not built: drop "
+                         "prompt_logprobs, or use method='ngram'", "prompt_logprobs")
     if config is not None and config.draft_token_acceptance_method == "rejection_sampler" and logprobs is not None:
         raise FieldError("logprobs with speculative_config draft_token_acceptance_method='rejection_sampler' are not "
                          "built: drop logprobs, or use 'shared_noise' (the default)", "logprobs")

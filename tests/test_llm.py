@@ -176,7 +176,7 @@ def test_sampling_params_and_engine_config_refuse_bad_values():
     # vLLM's fields that are not built: refused by name, accepted at their defaults
     for name, value in (("n", 2), ("best_of", 3), ("presence_penalty", 0.5), ("frequency_penalty", -0.1),
                         ("repetition_penalty", 1.2), ("logit_bias", {1: 5.0}), ("min_tokens", 2),
-                        ("allowed_token_ids", [1, 2]), ("prompt_logprobs", 1)):
+                        ("allowed_token_ids", [1, 2]), ("truncate_prompt_tokens", 4)):
         with pytest.raises(ValueError, match=f"^{re.escape(f'{name}={value!r}')} is not built here: .*; leave it at"):
             SamplingParams(**{name: value})
     assert SamplingParams(temperature=0.0, n=1, best_of=1, presence_penalty=0.0, logit_bias=None, skip_special_tokens=True,

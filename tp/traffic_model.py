@@ -195,6 +195,15 @@ def predict_verify(p: int, rows: int, rounds: tuple[int, ...], normalisers: bool
     return out
 
 
+def predict_prompt_logprobs(p: int, rows: int, n: int) -> list[Traffic]:
+    """Prompt logprobs (layers/sampling/prompt_logprobs.py) over `rows` scored rows with the top `n`: one all-gather
+    of each rank's [rows, 3 + 2n] float64 pack (its slice's max, sum of exponentials, the scored id's logit, its top
+    n and their ids)."""
+    if p == 1 or not rows:
+        return []
+    return [_outside("head", "prompt logprobs all-gather", "all_gather", (rows, p * (3 + 2 * n)), torch.float64, p)]
+
+
 def predict_control(p: int, payload: int, header: int) -> list[Traffic]:
     """The online engine's per-step control message (serve/engine.py's LLMEngine): rank 0 broadcasts a header of
     `header` float64 numbers (how many requests arrive, how many are aborted, the payload's length), then, when

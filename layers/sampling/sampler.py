@@ -98,6 +98,10 @@ class SampleResult:
     margin: torch.Tensor | None = None  # [S]: the winner's lead over the runner-up in the race (single device only)
     race: bool = False  # whether the race over the slices ran (its all-gather): some row was greedy or open
     accepted: torch.Tensor | None = None  # [S] float64: a draft's proposal accepted at this row (speculative decoding)
+    # prompt logprobs (layers/sampling/prompt_logprobs.py): [R, 1 + 2N] float64 for the scored rows, and where each
+    # row's score goes on the host: (request id, prompt position)
+    prompt: torch.Tensor | None = None
+    prompt_where: list[tuple[int, int]] | None = None
 
     # -- the sampled-token table: the one layout in which a pick leaves the device (to the host, between stages) --
 
@@ -110,6 +114,16 @@ class SampleResult:
         if self.accepted is not None:  # a draft's verified rows: the verdict last (no logprobs then)
             read.append(self.accepted[:, None])
         return torch.cat(read, dim=1)
+
+    def read(self) -> tuple[list[list[float]], list[list[float]]]:
+        """The table's rows and the prompt logprobs' rows, in one device-to-host copy (the step's one wait)."""
+        table = self.table()
+        if self.prompt is None:
+            return table.tolist(), []
+        flat = torch.cat([table.flatten(), self.prompt.flatten()]).tolist()
+        w, split, pw = table.shape[1], table.numel(), self.prompt.shape[1]
+        return ([flat[i:i + w] for i in range(0, split, w)],
+                [flat[i:i + pw] for i in range(split, len(flat), pw)])
 
     @classmethod
     def from_table(cls, table: torch.Tensor) -> "SampleResult":
