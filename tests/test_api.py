@@ -300,6 +300,8 @@ BAD = [
     ({"model": "gpt-4o", "prompt": "hi"}, "model", "model_not_found"),
     ({"model": MODEL, "prompt": "hi", "n": 2}, "n", None),
     ({"model": MODEL, "prompt": "hi", "stop": [1]}, "stop", None),
+    ({"model": MODEL, "prompt": "hi", "echo": True, "stream": True}, "echo", None),  # vLLM's rule
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", None),  # 0 only with echo
 ]
 BAD_CHAT = [
     ({"model": MODEL, "messages": []}, "messages", None),
@@ -330,6 +332,36 @@ def test_bad_requests_get_400_with_openais_error_and_the_server_goes_on(server):
         server.client.completions.create(model="gpt-4o", prompt="hi")
     ok = server.client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0)
     assert ok.usage.completion_tokens >= 1 and ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks(server, checkpoint):
+    """lm-eval's log-likelihood request (local-completions): token ids, echo, logprobs 1, max_tokens 1 or 0. Each
+    prompt token's logprob (null for the first) and top-1 equal transformers' log_softmax on the same checkpoint
+    (float64); the text is the prompt's, then the completion's (none for max_tokens 0, finish_reason "length")."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).eval()
+    text = server.client.completions.create(model=MODEL, prompt="the cat sat", max_tokens=2, echo=True)
+    assert text.choices[0].text.startswith("the cat sat") and text.choices[0].logprobs is None  # the prompt's own text
+    prompts = [[5, 17, 9, 30, 2, 44, 8], [11, 3]]
+    for most in (1, 0):
+        status, answer = server.post("/completions", {"model": MODEL, "prompt": prompts, "max_tokens": most,
+                                                      "logprobs": 1, "echo": True, "temperature": 0})
+        assert status == 200, answer
+        assert answer["usage"]["completion_tokens"] == most * len(prompts)
+        for ids_, choice in zip(prompts, answer["choices"]):
+            lp = choice["logprobs"]
+            with torch.no_grad():
+                ref = torch.log_softmax(hf(torch.tensor([ids_])).logits[0], -1)
+            assert len(lp["tokens"]) == len(ids_) + most and lp["token_logprobs"][0] is None
+            assert lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+            for i in range(1, len(ids_)):
+                assert abs(lp["token_logprobs"][i] - ref[i - 1, ids_[i]].item()) < 1e-9, (most, i)
+                (best, value), = lp["top_logprobs"][i].items()
+                assert abs(value - ref[i - 1].max().item()) < 1e-9, (most, i)
+            assert choice["text"].startswith("".join(lp["tokens"][:len(ids_)]))
+            assert choice["finish_reason"] == "length" and (most or choice["text"] == "".join(lp["tokens"]))
 
 
 def test_metrics_count_what_was_served(server):

@@ -136,8 +136,12 @@ def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, max_pos
         req.refuse_unsupported()
         check_model(req.model)
         prompts = [(p, encode(p)) if isinstance(p, str) else (None, list(p)) for p in req.prompts()]
-        params = [req.sampling_params(req.max_tokens or 16, req.logprobs) for _ in prompts]
-        return await answer(request, "completion", req, prompts, params, req.logprobs)
+        most = 16 if req.max_tokens is None else max(req.max_tokens, 1)  # max_tokens 0 (echo): its token dropped
+        scored = req.logprobs if req.echo else None  # echo with logprobs: the prompt's tokens scored too
+        params = [req.sampling_params(most, req.logprobs, scored) for _ in prompts]
+        echo = [(text if text is not None else tokenizer.decode(ids), ids) for text, ids in prompts] \
+            if req.echo else None
+        return await answer(request, "completion", req, prompts, params, req.logprobs, echo)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -150,13 +154,13 @@ def build_app(engine, *, model_name: str, tokenizer, max_model_len: int, max_pos
         top = (req.top_logprobs or 0) if req.logprobs else None
         return await answer(request, "chat", req, [(text, ids)], [req.sampling_params(most, top)], top)
 
-    async def answer(request: Request, kind: str, req, prompts, params, top: int | None):
+    async def answer(request: Request, kind: str, req, prompts, params, top: int | None, echo=None):
         for (_, ids), q in zip(prompts, params):  # vLLM's server rule: prompt + max_tokens <= max_model_len
             if (error := context_error(len(ids), q.max_tokens, max_model_len)) is not None:
                 raise as_asked(APIError(400, str(error), error.field), req)
         sub = Submission(engine, new_id("cmpl" if kind == "completion" else "chatcmpl"), prompts, params, req.priority)
         shape = Shape(kind, sub.ids[0].rsplit("-", 1)[0], model_name, tokenizer, top, params[0].stop,
-                      req.return_token_ids)
+                      req.return_token_ids, echo, getattr(req, "max_tokens", None) == 0)
         prompt_tokens = [len(ids) for _, ids in prompts]
         events: list = []  # until every prompt has ended (a whole answer) or has its first token (a stream)
         waiting = set(range(len(prompts)))
@@ -228,8 +232,11 @@ class Shape:
     """The response objects of one endpoint (OpenAI's text_completion or chat.completion, full or as chunks)."""
 
     def __init__(self, kind: str, rid: str, model: str, tokenizer, top: int | None, stop: tuple[str, ...] = (),
-                 token_ids: bool = False):
+                 token_ids: bool = False, echo: list[tuple[str, list[int]]] | None = None, drop: bool = False):
+        """echo: each prompt's text and ids, put before its completion (a whole answer only); drop: max_tokens 0,
+        the one token the engine generated is not answered."""
         self.kind, self.rid, self.model = kind, rid, model
+        self.echo, self.drop = echo, drop
         self.logprobs = None if top is None else Logprobs(tokenizer, top)
         self.created = created()
         # a stream holds back the text's last characters that could still begin a stop string (a match cuts the
@@ -252,6 +259,15 @@ class Shape:
         ids, steps = c.token_ids[start:], c.logprobs[start:len(c.token_ids)]
         return (self.logprobs.completion(ids, steps, offset) if self.kind == "completion" else
                 self.logprobs.chat(ids, steps))
+
+    def _echoed(self, i: int, value, c) -> tuple[str, dict | None, str]:
+        """A completion with its prompt before it: (text, logprobs, finish reason); max_tokens 0 drops what the
+        engine generated (finish reason "length")."""
+        prompt_text, ids = self.echo[i]
+        gen_ids, gen_text = ([], "") if self.drop else (c.token_ids, c.text)
+        logprobs = None if self.logprobs is None else self.logprobs.echoed(
+            ids, value.prompt_logprobs, gen_ids, (c.logprobs or [])[:len(gen_ids)])
+        return prompt_text + gen_text, logprobs, "length" if self.drop else c.finish_reason
 
     def choice(self, i: int, text: str, reason, logprobs, chat: dict) -> dict:
         """One choice: a completion's text, or a chat's `chat` (a chunk's delta, a whole answer's message)."""
@@ -283,8 +299,11 @@ class Shape:
         for i, value in enumerate(finals):
             c = None if value is None else value.outputs[0]
             text, reason = ("", "abort") if c is None else (c.text, c.finish_reason)
-            done += 0 if c is None else len(c.token_ids)
-            choices.append(self.choice(i, text, reason, self._logprobs(c, 0, 0),
+            logprobs = self._logprobs(c, 0, 0)
+            if c is not None and self.echo is not None:
+                text, logprobs, reason = self._echoed(i, value, c)
+            done += 0 if c is None else 0 if self.drop else len(c.token_ids)
+            choices.append(self.choice(i, text, reason, logprobs,
                                        {"message": {"role": "assistant", "content": text}}))
             if self.token_ids:
                 choices[-1]["token_ids"] = [] if c is None else list(c.token_ids)

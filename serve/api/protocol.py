@@ -5,7 +5,7 @@ ignore_eos, stop_token_ids, priority), and the error every refusal answers with:
 
 Requests are checked strictly (an int where an int is meant, not "5"), unknown fields are ignored (clients send
 fields this server has no use for, e.g. `user`), and fields that would change the output in ways not built here
-(n > 1, echo, penalties, logit_bias, tools, ...) are refused by name rather than ignored.
+(n > 1, echo with stream, penalties, logit_bias, tools, ...) are refused by name rather than ignored.
 """
 
 from __future__ import annotations
@@ -83,12 +83,13 @@ class _Common(BaseModel):
             if refused:
                 raise APIError(400, why, field)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+                        ) -> SamplingParams:
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=float(self.temperature), top_k=self.top_k,
                                   top_p=float(self.top_p), min_p=float(self.min_p), seed=self.seed,
                                   stop_token_ids=tuple(self.stop_token_ids or ()), stop=self.stop or (),
-                                  ignore_eos=self.ignore_eos, logprobs=logprobs)
+                                  ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except ValueError as exc:  # "name=value must ...": the field it names
             message = str(exc)
             raise APIError(400, message, message.split("=", 1)[0] if "=" in message else None) from None
@@ -96,14 +97,17 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(default=None, ge=0)  # 0 with echo: the prompt scored, nothing generated
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: StrictBool = False
+    echo: StrictBool = False  # the prompt before the completion, and with logprobs its tokens' logprobs too
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
 
     def refusals(self) -> list[tuple[bool, str, str]]:
         return super().refusals() + [
-            (self.echo, "echo is not supported", "echo"),
+            (self.echo and self.stream, "echo is not supported with stream=true", "echo"),
+            (self.max_tokens == 0 and not self.echo, "max_tokens=0 needs echo=true (the prompt scored, nothing "
+             "generated); otherwise at least 1", "max_tokens"),
             (self.best_of not in (None, 1), f"best_of={self.best_of}: not supported (1 or unset)", "best_of"),
             (bool(self.suffix), "suffix is not supported", "suffix")]
 
@@ -198,6 +202,18 @@ class Logprobs:
         return {"tokens": tokens, "token_logprobs": [step[t] for t, step in zip(ids, steps)],
                 "top_logprobs": [{self._token(a): lp for a, lp in self._top(step)} for t, step in zip(ids, steps)],
                 "text_offset": offsets}
+
+    def echoed(self, prompt: list[int], scored: list[dict[int, float] | None], ids: list[int],
+               steps: list[dict[int, float]]) -> dict:
+        """A completion's logprobs with its prompt before it (echo): the prompt's tokens from the engine's
+        prompt_logprobs (the first has none: null, as OpenAI and vLLM answer), then the generated ones."""
+        head = self.completion(prompt[1:], scored[1:], len(self._token(prompt[0]))) if len(prompt) > 1 else \
+            {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        tail = self.completion(ids, steps, sum(len(self._token(t)) for t in prompt))
+        return {"tokens": [self._token(prompt[0])] + head["tokens"] + tail["tokens"],
+                "token_logprobs": [None] + head["token_logprobs"] + tail["token_logprobs"],
+                "top_logprobs": [None] + head["top_logprobs"] + tail["top_logprobs"],
+                "text_offset": [0] + head["text_offset"] + tail["text_offset"]}
 
     def chat(self, ids: list[int], steps: list[dict[int, float]]) -> dict:
         def entry(t: int, lp: float) -> dict:
