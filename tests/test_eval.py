@@ -55,3 +55,38 @@ def test_perplexity_equals_transformers_window_by_window(toy, tmp_path, capsys):
     assert f"{got.tokens} tokens in {got.windows} windows: {got.nll:.4f} nats/token" in out
     assert main(["--model", str(toy), "--file", str(tmp_path / "none.txt")]) == 2
     assert "--file" in capsys.readouterr().err
+
+
+def test_lm_eval_against_the_server_gives_what_its_hf_backend_gives(toy, tmp_path):
+    """lm-evaluation-harness (the `eval` extra; skipped where it is not installed, as in CI: .ci/run installs the
+    test extras only) on our two tasks over held-out code: its local-completions client against python -m serve.api
+    at p = 2 and its hf backend on the same checkpoint give the same accuracy and perplexities (float64)."""
+    lm_eval = pytest.importorskip("lm_eval")
+    import json
+    import subprocess
+    import sys
+
+    from lm_eval.tasks import TaskManager
+
+    from serve.eval import write_lm_eval_tasks
+
+    tasks = write_lm_eval_tasks(tmp_path / "tasks", count=8)
+    context = json.loads((toy / "config.json").read_text())["n_positions"]
+    server = subprocess.Popen([sys.executable, "-m", "serve.api", "--model", str(toy), "--tensor-parallel-size", "2",
+                               "--port", "0", "--served-model-name", "toy", "--dtype", "float64"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = next(line.split(" on ", 1)[1].split()[0] for line in server.stdout if line.startswith("serving "))
+        manager = TaskManager(include_path=str(tmp_path / "tasks"))
+        api = lm_eval.simple_evaluate(
+            model="local-completions", tasks=tasks, task_manager=manager, batch_size=1,
+            model_args=f"model=toy,base_url={url}/completions,tokenizer={toy},tokenizer_backend=huggingface,"
+                       f"max_length={context},max_retries=1")
+    finally:
+        server.terminate()
+        server.wait(30)
+    hf = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={toy},dtype=float64,max_length={context}",
+                                 tasks=tasks, task_manager=manager, batch_size=4, device="cpu")
+    for task, metric in (("tpref_stdlib_mc", "acc,none"), ("tpref_stdlib_ppl", "word_perplexity,none"),
+                         ("tpref_stdlib_ppl", "bits_per_byte,none")):
+        assert api["results"][task][metric] == pytest.approx(hf["results"][task][metric], rel=1e-9), (task, metric)
