@@ -114,6 +114,13 @@ def test_prompt_logprobs_are_refused_where_they_are_not_built():
     with pytest.raises(FieldError, match="prompt_logprobs with speculative_config method='draft_model'"):
         check_request(draft, None, 1)
     check_request(SpeculativeConfig(method="ngram", num_speculative_tokens=2), None, 1)
+    from serve.pd import Layout
+    from serve.pd.run import serve_pd
+    from serve.request import Request
+
+    scoring = Request(0, [1, 2, 3], 2, 0, params=SamplingParams(prompt_logprobs=0))
+    with pytest.raises(ValueError, match="prompt_logprobs with P/D disaggregation is not built"):  # no group needed
+        serve_pd(None, None, Layout(1, 1), [scoring], EngineConfig(), eos_token_ids=())
     with LLM("llama_tiny", tensor_parallel_size=1, pipeline_parallel_size=2) as llm:
         with pytest.raises(FieldError, match="prompt_logprobs with pipeline_parallel_size"):
             llm.generate([[1, 2, 3]], SamplingParams(prompt_logprobs=1))
