@@ -1,6 +1,8 @@
 """Prompt logprobs (SamplingParams.prompt_logprobs) under the vocab-parallel head (layers/sampling/prompt_logprobs.py)
 against log_softmax of the dense model's logits, computed here on the whole prompt (float64)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -121,6 +123,7 @@ def test_prompt_logprobs_are_refused_where_they_are_not_built():
     scoring = Request(0, [1, 2, 3], 2, 0, params=SamplingParams(prompt_logprobs=0))
     with pytest.raises(ValueError, match="prompt_logprobs with P/D disaggregation is not built"):  # no group needed
         serve_pd(None, None, Layout(1, 1), [scoring], EngineConfig(), eos_token_ids=())
-    with LLM("llama_tiny", tensor_parallel_size=1, pipeline_parallel_size=2) as llm:
-        with pytest.raises(FieldError, match="prompt_logprobs with pipeline_parallel_size"):
-            llm.generate([[1, 2, 3]], SamplingParams(prompt_logprobs=1))
+    for pp, cp in ((2, 1), (1, 2)):  # LLM's driver rule, before anything is sent (no ranks needed to see it)
+        driver = SimpleNamespace(tokenizer=None, pipeline_parallel_size=pp, context_parallel_size=cp)
+        with pytest.raises(FieldError, match="prompt_logprobs with pipeline_parallel_size or context_parallel_size"):
+            LLM._check(driver, [1, 2, 3], SamplingParams(prompt_logprobs=1))
