@@ -56,8 +56,9 @@ $(MODEL_DIR)/model.safetensors:
 $(MODEL_DIR)-draft/model.safetensors: $(MODEL_DIR)/model.safetensors
 	$(PY) -m train --output-dir $(MODEL_DIR)-draft --size draft --tokenizer $(MODEL_DIR) $(ARGS)
 
-# Every benchmark (about 25 minutes on 2 cores), then docs/benchmarks.md from their JSON.
-bench: setup
+# Every benchmark (about 25 minutes on 2 cores), then docs/benchmarks.md from their JSON. bench_spec_decode.py
+# measures on the trained model: `make model` first (about 11 minutes, once).
+bench: setup model
 	$(PY) -m pip install -q -e ".[plot]"
 	$(PY) benchmarks/bench_tp.py
 	for p in 2 8; do $(VENV)/bin/torchrun --standalone --nproc_per_node=$$p benchmarks/bench_ledger.py --out outputs/bench_ledger_p$$p.json; done

@@ -47,8 +47,9 @@ def machine() -> str:
 
 def main() -> int:
     head = ["# Benchmarks", "",
-             "Reproduce everything on this page with `make bench` (about 25 minutes on 2 cores); it runs the",
-             "scripts below and rewrites this file from their JSON output. Every figure is a ratio of two",
+             "Reproduce everything on this page with `make bench` (about 25 minutes on 2 cores, after `make model`",
+             "trains the model the speculative-decoding benchmark measures, which it runs first if need be); it runs",
+             "the scripts below and rewrites this file from their JSON output. Every figure is a ratio of two",
              "timings taken in the same run (medians, slowest rank), never a lone absolute time.", "",
              f"Machine: {machine()}.", ""]
     Path("docs").mkdir(exist_ok=True)
