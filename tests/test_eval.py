@@ -68,7 +68,7 @@ def test_lm_eval_against_the_server_gives_what_its_hf_backend_gives(toy, tmp_pat
 
     from lm_eval.tasks import TaskManager
 
-    from serve.eval import write_lm_eval_tasks
+    from train.eval_tasks import write_lm_eval_tasks
 
     tasks = write_lm_eval_tasks(tmp_path / "tasks", count=8)
     context = json.loads((toy / "config.json").read_text())["n_positions"]
