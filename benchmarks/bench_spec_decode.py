@@ -88,7 +88,7 @@ def engines(model: str, draft: str) -> dict:
     drafted = {"method": "draft_model", "model": draft, "num_speculative_tokens": K}
     configs = {"plain": None, "plain again": None, "ngram": NGRAM, "ngram fixed": {**NGRAM, "adaptive": False},
                "draft": drafted, "draft fixed": {**drafted, "adaptive": False},
-               "draft rejection": {**drafted, "adaptive": False, "draft_token_acceptance_method": "rejection_sampler"}}
+               "draft rejection": {**drafted, "adaptive": False, "draft_acceptance": "rejection_sampler"}}
     return {name: LLM(model, speculative_config=config) for name, config in configs.items()}
 
 

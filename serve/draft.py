@@ -50,7 +50,7 @@ class DraftRunner(Proposer):
         self.cache = KVPool.for_model(lm, num_blocks, block_size, next(lm.parameters()).dtype, device)
         # shared_noise: the draft races with the target's noise and the plain sampler verifies (no q); else the
         # rejection sampler with q, the draft drawing from a stream of its own
-        self.shared_noise = config.draft_token_acceptance_method == "shared_noise"
+        self.shared_noise = config.draft_acceptance == "shared_noise"
 
     def proposals(self, r: Request, k: int) -> list[int]:
         return [-1] * k  # placeholders: the draft fills them once the plan is made

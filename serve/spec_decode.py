@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from serve.sampling_params import FieldError
 
 METHODS = ("ngram", "draft_model")
-# how a draft model's proposals are verified (vLLM v0's key, draft_token_acceptance_method): the draft races with the
+# how a draft model's proposals are verified (draft_acceptance; vLLM v0's draft_token_acceptance_method defaulted to
+# the rejection sampler, so the key is ours, not its name with another default): the draft races with the
 # target's own noise and a proposal stands while it equals the target's token (every token is plain sampling's), or
 # Leviathan et al.'s rejection rule with the draft's q (another coupling: the tokens depend on where windows fall)
 ACCEPTANCE_METHODS = ("shared_noise", "rejection_sampler")
@@ -40,7 +41,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None  # draft_model: a checkpoint with the target's vocabulary
-    draft_token_acceptance_method: str | None = None  # draft_model: ACCEPTANCE_METHODS, shared_noise by default
+    draft_acceptance: str | None = None  # draft_model: ACCEPTANCE_METHODS, shared_noise by default
     # proposals per step chosen from 0 to num_speculative_tokens by the measured acceptance and step times (Tuner);
     # False: always num_speculative_tokens (vLLM's behaviour)
     adaptive: bool = True
@@ -57,16 +58,16 @@ class SpeculativeConfig:
         if method == "draft_model" and not self.model:
             raise ValueError("speculative_config method='draft_model' needs a model: a checkpoint directory or a "
                              "preset with the target's vocabulary")
-        acceptance = self.draft_token_acceptance_method
+        acceptance = self.draft_acceptance
         if method == "draft_model":
             acceptance = acceptance or ACCEPTANCE_METHODS[0]
             if acceptance not in ACCEPTANCE_METHODS:
-                raise ValueError(f"speculative_config draft_token_acceptance_method={acceptance!r}: choose "
+                raise ValueError(f"speculative_config draft_acceptance={acceptance!r}: choose "
                                  f"{' or '.join(ACCEPTANCE_METHODS)}")
         elif acceptance is not None:
-            raise ValueError("speculative_config draft_token_acceptance_method applies to a draft model; n-gram "
+            raise ValueError("speculative_config draft_acceptance applies to a draft model; n-gram "
                              "proposals are verified by the sampler itself")
-        object.__setattr__(self, "draft_token_acceptance_method", acceptance)
+        object.__setattr__(self, "draft_acceptance", acceptance)
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config adaptive={self.adaptive!r} must be true or false")
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
@@ -107,8 +108,8 @@ def check_request(config: "SpeculativeConfig | None", logprobs: int | None, prom
     if config is not None and config.method == "draft_model" and prompt_logprobs is not None:
         raise FieldError("prompt_logprobs with speculative_config method='draft_model' is not built: drop "
                          "prompt_logprobs, or use method='ngram'", "prompt_logprobs")
-    if config is not None and config.draft_token_acceptance_method == "rejection_sampler" and logprobs is not None:
-        raise FieldError("logprobs with speculative_config draft_token_acceptance_method='rejection_sampler' are not "
+    if config is not None and config.draft_acceptance == "rejection_sampler" and logprobs is not None:
+        raise FieldError("logprobs with speculative_config draft_acceptance='rejection_sampler' are not "
                          "built: drop logprobs, or use 'shared_noise' (the default)", "logprobs")
 
 

@@ -150,7 +150,7 @@ def servers(checkpoint):
     rank a test kills (with a draft model, whose refusals a test checks first), and one that only starts and
     stops."""
     draft = json.dumps({"method": "draft_model", "model": str(checkpoint), "num_speculative_tokens": 2,
-                        "draft_token_acceptance_method": "rejection_sampler"})
+                        "draft_acceptance": "rejection_sampler"})
     started = {"shared": Server(checkpoint, "--shutdown-timeout", "20"),
                "doomed": Server(checkpoint, "--speculative-config", draft), "idle": Server(checkpoint, p=1)}
     yield started

@@ -233,8 +233,8 @@ def test_the_library_and_the_cli_speculate_against_the_oracle(capsys):
     draft = {"method": "draft_model", "model": "llama_tiny", "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match="vocabulary of 50257 ids, the target 32000"):
         LLM("llama_tiny", speculative_config={**draft, "model": "article03"})
-    rejection = {**draft, "draft_token_acceptance_method": "rejection_sampler"}
-    with pytest.raises(ValueError, match="logprobs with speculative_config draft_token_acceptance_method="):
+    rejection = {**draft, "draft_acceptance": "rejection_sampler"}
+    with pytest.raises(ValueError, match="logprobs with speculative_config draft_acceptance="):
         check_request(SpeculativeConfig(**rejection), 1)  # LLM's driver and rank 0 both apply this rule
     check_request(SpeculativeConfig(**draft), 1)  # shared noise: a draft's tokens are plain sampling's, logprobs too
     # (a draft through LLM and the server: tests/test_api.py's server with a draft; at every p: below)
@@ -432,7 +432,7 @@ def test_filtered_logprobs_are_the_samplers_distribution_at_every_p():
 
 DRAFT = {"method": "draft_model", "model": "-", "num_speculative_tokens": 3,  # the engine is given the model itself
          "adaptive": False}
-REJECTION = {**DRAFT, "draft_token_acceptance_method": "rejection_sampler"}
+REJECTION = {**DRAFT, "draft_acceptance": "rejection_sampler"}
 
 
 def test_a_draft_model_gives_plain_decodings_tokens_at_every_p():
