@@ -101,6 +101,14 @@ def test_rejected_rows_give_their_blocks_back():
     plan = sched.schedule(2)
     sched.update_from_output(plan, {0: [5, 6, 8]})  # two accepted, then the target's 8: positions 4..6 hold K,V
     assert r.output == [9, 4, 5, 6, 8] and r.num_computed_tokens == 7 and blocks.num_free == 6
+    # preempted, a request's blocks may come back as another request's prefix, whose draft K,V it never wrote: a
+    # draft model recomputes it whole (the draft reads only what it wrote itself); no draft, nothing to reset
+    r.draft_computed, other = 7, Request(1, [1, 2], 4)
+    sched.add(other)
+    sched.schedule(3)
+    for victim in (r, other):
+        sched._preempt(victim, [])
+    assert (r.draft_computed, other.draft_computed) == (0, None) and r.num_computed_tokens == 0
     blocks.check()
 
 
