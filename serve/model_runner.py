@@ -89,9 +89,8 @@ class ModelRunner:
         x = self.lm.hidden(step.ids, step.positions, step.layers)
         out = self.lm.pick(x, step.sample_rows, sampling)
         rows, targets, out.prompt_where, n = scored  # prompt logprobs: the rows' next prompt tokens, scored
-        dev = self.ctx.device
-        out.prompt = score_rows(*self.lm.head_logits(x, torch.tensor(rows, device=dev)),
-                                torch.tensor(targets, device=dev), n, self.lm.cfg.vocab_size)
+        at, targets = torch.tensor([rows, targets], device=self.ctx.device)  # one host-to-device copy for both
+        out.prompt = score_rows(*self.lm.head_logits(x, at), targets, n, self.lm.cfg.vocab_size)
         return out, sampling
 
     @torch.no_grad()
