@@ -23,6 +23,7 @@ from tp.partition import ceil_div
 
 
 ROOT = 0  # the chain's start: the "previous hash" of a request's first block
+EVICTED = -1  # a block table's entry for a block given back by KV eviction (serve/eviction.py): nothing reads it
 
 
 @dataclass
@@ -61,6 +62,8 @@ class KVCacheManager:
     cached: dict[int, dict[int, None]] = field(init=False)  # hash -> the blocks carrying it, oldest name first
     tables: dict[int, list[int]] = field(init=False)  # request -> its block table
     hashed: dict[int, int] = field(init=False)  # request -> how many of its leading blocks carry a hash
+    chain: dict[int, int] = field(init=False)  # request -> the hash of its last named block (ROOT: none yet)
+    evicted: int = field(init=False, default=0)  # blocks given back by KV eviction, all requests
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -69,7 +72,7 @@ class KVCacheManager:
             raise ValueError(f"num_gpu_blocks_override={self.num_blocks} must be at least 1")
         self.blocks = [Block(i) for i in range(self.num_blocks)]
         self.free = OrderedDict((i, None) for i in range(self.num_blocks))
-        self.cached, self.tables, self.hashed = {}, {}, {}
+        self.cached, self.tables, self.hashed, self.chain = {}, {}, {}, {}
 
     # ---- what the scheduler asks -----------------------------------------------------------------------------
 
@@ -120,6 +123,7 @@ class KVCacheManager:
             self._take(b)
         self.tables[request] = list(hit)
         self.hashed[request] = len(hit)
+        self.chain[request] = self.blocks[hit[-1]].hash if hit else ROOT
 
     def rows_that_fit(self, request: int, start: int, rows: int) -> int:
         """How many of positions [start, start + rows) the request's table can hold, growing by free blocks."""
@@ -153,7 +157,30 @@ class KVCacheManager:
             if block.ref_count == 0:
                 self.free[b] = None
                 self.free.move_to_end(b, last=False)
-        self.hashed[request] = min(self.hashed[request], len(table))
+        if self.hashed[request] > len(table):
+            self.hashed[request] = len(table)
+            self.chain[request] = self.blocks[table[-1]].hash if table else ROOT
+
+    def evict(self, request: int, logical: range) -> int:
+        """KV eviction (serve/eviction.py): the request gives back its blocks at table positions `logical` that it
+        still holds; their entries become EVICTED. A block shared with other requests (a prefix) stays theirs: only
+        this request's count drops. A named block goes to the back of the free queue, as release() puts it, so the
+        prefix cache keeps it longest. Returns how many entries were given back."""
+        table, n = self.tables[request], 0
+        for i in logical:
+            b = table[i]
+            if b == EVICTED:
+                continue
+            table[i] = EVICTED
+            block = self.blocks[b]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[b] = None
+                if block.hash is None:
+                    self.free.move_to_end(b, last=False)
+            n += 1
+        self.evicted += n
+        return n
 
     def commit(self, request: int, tokens: list[int], computed: int) -> None:
         """Name every block now full of computed tokens (prefix caching), so later requests can share it."""
@@ -161,22 +188,24 @@ class KVCacheManager:
             return
         table, bs = self.tables[request], self.block_size
         i = self.hashed[request]
-        previous = self.blocks[table[i - 1]].hash if i else ROOT
-        while (i + 1) * bs <= computed:
-            block = self.blocks[table[i]]
+        previous = self.chain[request]
+        while (i + 1) * bs <= computed and table[i] != EVICTED:  # an evicted block was named before it went, or
+            block = self.blocks[table[i]]                        # never is (nor anything after it)
             if block.hash is None:  # a shared block already carries its name
                 block.token_ids, block.parent = tuple(tokens[i * bs:(i + 1) * bs]), previous
                 block.hash = block_hash(previous, block.token_ids)
                 self.cached.setdefault(block.hash, {})[block.id] = None
             previous = block.hash
             i += 1
-        self.hashed[request] = i
+        self.hashed[request], self.chain[request] = i, previous
 
     def release(self, request: int) -> None:
         """The request finished or was preempted: its blocks' counts drop and blocks at 0 join the free queue. Named
         blocks go to the back, the table's tail first (a prefix's first blocks are the likeliest to be shared
         again, so they are taken last); unnamed ones, which nobody can hit, to the front (taken first)."""
         for b in reversed(self.tables.pop(request)):
+            if b == EVICTED:
+                continue
             block = self.blocks[b]
             block.ref_count -= 1
             if block.ref_count < 0:
@@ -185,7 +214,7 @@ class KVCacheManager:
                 self.free[b] = None
                 if block.hash is None:
                     self.free.move_to_end(b, last=False)
-        del self.hashed[request]
+        del self.hashed[request], self.chain[request]
 
     def slots(self, request: int, start: int, end: int) -> list[int]:
         """The slot mapping of positions [start, end): where each position's K,V lie in the pool's flat view."""
@@ -198,7 +227,8 @@ class KVCacheManager:
         held = [0] * self.num_blocks
         for table in self.tables.values():
             for b in table:
-                held[b] += 1
+                if b != EVICTED:
+                    held[b] += 1
         for block in self.blocks:
             if block.ref_count != held[block.id] or (block.ref_count == 0) != (block.id in self.free):
                 raise AssertionError(f"block {block.id}: count {block.ref_count}, held by {held[block.id]} tables, "
@@ -216,9 +246,15 @@ class KVCacheManager:
         for request, table in self.tables.items():
             previous = ROOT
             for b in table[:self.hashed[request]]:
-                if self.blocks[b].hash is None or self.blocks[b].parent != previous:
+                if b == EVICTED:  # evicted after it was named: the chain goes on from the next block's parent
+                    previous = None
+                    continue
+                if self.blocks[b].hash is None or previous not in (None, self.blocks[b].parent):
                     raise AssertionError(f"request {request}: block {b} breaks its table's chain of names")
                 previous = self.blocks[b].hash
+            if self.hashed[request] and previous is not None and previous != self.chain[request]:
+                raise AssertionError(f"request {request}: its chain ends at {self.chain[request]}, its last named "
+                                     f"block carries {previous}")
 
     def _take(self, b: int) -> None:
         if self.blocks[b].ref_count == 0:

@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from serve.eviction import KVEvictionConfig
 from serve.spec_decode import SpeculativeConfig
 from tp.partition import ceil_div
 
@@ -78,12 +79,17 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = setting(
         None, "speculative decoding (serve/spec_decode.py), vLLM's JSON: '{\"method\": \"ngram\", "
               "\"num_speculative_tokens\": 3}' (default: off)", launcher=False)  # not in the launcher
+    kv_eviction: KVEvictionConfig | None = setting(
+        None, "KV cache eviction (serve/eviction.py): '{\"policy\": \"streaming\", \"sink_tokens\": 4, "
+              "\"window_tokens\": 256}' keeps the first sink_tokens and the last window_tokens positions for each "
+              "query and frees the blocks between (default: off)")
     scheduling_policy: str = setting("fcfs", "who is admitted first and preempted last (serve/scheduler.py): fcfs "
                                      "(first come, first served) or priority (each request's priority, lower first, "
                                      "ties by arrival; vLLM's)")
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
+        object.__setattr__(self, "kv_eviction", KVEvictionConfig.of(self.kv_eviction))
         optional = ("num_gpu_blocks_override", "max_model_len", "kv_cache_memory_bytes")
         for name in COUNTS + optional:
             v = getattr(self, name)
@@ -110,6 +116,14 @@ class EngineConfig:
             raise ValueError("num_gpu_blocks_override and kv_cache_memory_bytes both size the pool: give one")
         if self.reserve_capacity and self.enable_prefix_caching:
             raise ValueError("reserve_capacity (the pre-paging rule) shares nothing: set enable_prefix_caching=False")
+        if self.kv_eviction is not None:
+            self.kv_eviction.check(self.block_size)
+            if self.speculative_config is not None:
+                raise ValueError("kv_eviction with speculative_config is not built: a verified chunk's rejected rows "
+                                 "would move the window back; use one or the other")
+            if self.reserve_capacity:
+                raise ValueError("kv_eviction with reserve_capacity (the pre-paging rule) frees nothing the rule "
+                                 "reserved: use one or the other")
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than a full decode "
                              f"batch of max_num_seqs={self.max_num_seqs} requests (one row each per iteration); raise "
@@ -138,6 +152,8 @@ class EngineConfig:
                              "num_gpu_blocks_override")
         if pp > 1 and self.speculative_config is not None:
             raise ValueError("speculative_config with pipeline stages (pp > 1) is not built yet: use pp = 1")
+        if pp > 1 and self.kv_eviction is not None:
+            raise ValueError("kv_eviction with pipeline stages (pp > 1) is not built: use pp = 1")
 
     def check_context_parallel(self, cp: int, pp: int = 1, name: str = "context_parallel_size") -> None:
         """The rules between these settings and context parallelism's size
@@ -151,6 +167,9 @@ class EngineConfig:
         if self.speculative_config is not None:
             raise ValueError(f"{name}={cp} with speculative decoding is not built: drop speculative_config or use "
                              f"{name}=1")
+        if self.kv_eviction is not None:
+            raise ValueError(f"{name}={cp} with kv_eviction is not built (each cp rank holds part of every block): "
+                             f"drop kv_eviction or use {name}=1")
         if self.block_size % cp:
             low, high = cp * (self.block_size // cp), cp * ceil_div(self.block_size, cp)
             advice = " or ".join(f"block_size={b}" for b in (low, high) if b > 0)
@@ -242,6 +261,7 @@ def llm_settings(args, config: "EngineConfig") -> dict:
     return {name: getattr(args, name) for _, name, _ in LLM_FLAGS} | dataclasses.asdict(config)
 
 
+JSON_SETTINGS = ("speculative_config", "kv_eviction")  # flags that take a JSON object
 CHOICES = {"attention": ATTENTION_MODES, "kv_cache_dtype": KV_CACHE_DTYPES + tuple(KV_CACHE_DTYPE_ALIASES),
            "scheduling_policy": SCHEDULING_POLICIES}
 
@@ -258,7 +278,7 @@ def add_engine_flags(parser) -> None:
             f" (default: {'on' if default else 'off'})"
         kind = ({"action": argparse.BooleanOptionalAction} if isinstance(default, bool) else
                 {"choices": CHOICES[name]} if name in CHOICES else
-                {"type": _json_object, "metavar": "JSON"} if name == "speculative_config" else
+                {"type": _json_object, "metavar": "JSON"} if name in JSON_SETTINGS else
                 {"type": int, "metavar": "N"})
         aliases = ["--num-gpu-blocks"] if name == "num_gpu_blocks_override" else []
         group.add_argument(flag, *aliases, dest=name, default=default, help=f.metadata["help"] + shown, **kind)

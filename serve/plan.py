@@ -28,6 +28,9 @@ class ScheduledRequest:
     sample: bool  # this chunk's last row yields the request's next token
     blocks: tuple[int, ...] = ()  # the request's block table: position t lives in block blocks[t // block_size]
     spec: tuple[int, ...] = ()  # a decode's proposed tokens, verified in rows 1.. of the chunk (each row sampled)
+    # KV eviction (serve/eviction.py): (sink, window), the keys each query reads (layers/attention/eviction.visible);
+    # freed blocks are EVICTED (-1) in `blocks`. None: every key up to the query
+    window: tuple[int, int] | None = None
     q_rows: int = field(init=False, compare=False)  # q_end - q_start
     kv_length: int = field(init=False, compare=False)  # q_end: the positions attended to
 

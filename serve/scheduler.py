@@ -5,6 +5,8 @@ Between two iterations, and identically on every rank (docs/serving.md, "The sch
 
     finish   a request leaves the moment it finishes (max_new_tokens, or a stop id): `update` gives its blocks back
     carry    every running request with one token left to compute gets one decode row, first
+    evict    under kv_eviction (serve/eviction.py), after each iteration, a running request gives back the blocks no
+             later query of it reads
     chunk    running requests with more left get their next chunk: at most long_prefill_token_threshold rows,
              and never more than the budget max_num_batched_tokens has left this iteration
     admit    waiting requests in the policy's order, while budget, max_num_seqs and free blocks allow; each brings
@@ -306,7 +308,8 @@ class Scheduler:
                 chunks.append(ScheduledRequest(r.id, start, end, decode=r.decoding,
                                                sample=end >= len(r.tokens),
                                                blocks=tuple(self.blocks.tables[r.id]),
-                                               spec=tuple(r.spec_token_ids[:end - len(r.tokens)])))
+                                               spec=tuple(r.spec_token_ids[:end - len(r.tokens)]),
+                                               window=None if c.kv_eviction is None else c.kv_eviction.window))
         chunks.sort(key=lambda c: not c.decode)  # decodes first in the flat rows; stable: admission order inside
         if not chunks:
             return None
@@ -389,6 +392,9 @@ class Scheduler:
                         self.blocks.shrink(r.id, r.num_computed_tokens)
             # K,V written on every stage up to here (a draft model reads only what it wrote itself: serve/draft.py)
             self.blocks.commit(r.id, r.tokens, min(c.q_end, r.num_computed_tokens))
+            if self.config.kv_eviction is not None and not r.finished:  # blocks no later query reads go back
+                self.blocks.evict(r.id, self.config.kv_eviction.evictable(r.num_computed_tokens,
+                                                                          self.blocks.block_size))
         for rid in finished:
             self.blocks.release(rid)
         if finished:

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from serve.block_manager import KVCacheManager
+from serve.block_manager import EVICTED, KVCacheManager
 from serve.config import SCHEDULING_POLICIES, EngineConfig
 from serve.request import RequestStatus
 from serve.request import Request
@@ -90,6 +90,7 @@ class WatchedBlocks(KVCacheManager):
 
 class PagedMachine(RuleBasedStateMachine):
     blocks_class = WatchedBlocks
+    eviction = False  # EvictingMachine: every example serves under kv_eviction streaming (sinks, window drawn)
 
     policies_under_test: dict = {}  # a policy's name -> a SchedulingPolicy to run in its place (a broken one, below)
 
@@ -106,10 +107,16 @@ class PagedMachine(RuleBasedStateMachine):
         self.blocks.setup(self)
         self.eos = VOCAB if eos else None
         self.stops = frozenset() if self.eos is None else frozenset({self.eos})
+        self.window = None  # (sink, window): the positions a query at i reads, j < sink or j > i - window
+        if self.eviction:
+            self.window = (data.draw(st.integers(0, 2 * block_size)), data.draw(st.integers(block_size,
+                                                                                            3 * block_size)))
+        eviction = None if self.window is None else {"policy": "streaming", "sink_tokens": self.window[0],
+                                                     "window_tokens": self.window[1]}
         self.sched = Scheduler(EngineConfig(long_prefill_token_threshold=chunk, max_num_batched_tokens=max_num_seqs + more_budget,
                                             max_num_seqs=max_num_seqs, block_size=block_size,
                                             enable_prefix_caching=self.blocks.enable_prefix_caching,
-                                            scheduling_policy=policy), self.blocks)
+                                            scheduling_policy=policy, kv_eviction=eviction), self.blocks)
         self.sched.policy = self.policies_under_test.get(policy, self.sched.policy)
         self.policy = policy
         self.queue: list[int] = []  # the policy's reference model: waiting requests in admission order,
@@ -242,7 +249,7 @@ class PagedMachine(RuleBasedStateMachine):
             self.requests[rid].abort()
             return
         free_before, held = self.blocks.num_free, self.blocks.tables.get(rid, [])
-        freed = sum(self.blocks.blocks[b].ref_count == 1 for b in held)
+        freed = sum(self.blocks.blocks[b].ref_count == 1 for b in held if b != EVICTED)
         assert self.sched.abort(rid)
         self.pending.discard(rid)
         self.holders.discard(rid)
@@ -299,6 +306,13 @@ class PagedMachine(RuleBasedStateMachine):
         for rid, table in self.blocks.tables.items():
             r = self.requests[rid]
             for t in range(r.num_computed_tokens):
+                if self.window is not None and table[t // self.bs] == EVICTED:
+                    # evicted: no query from the next position on may read it (a sink or in the window), and a
+                    # whole block went, after the request's last query that read it
+                    sink, window = self.window
+                    assert not (t < sink or t > r.num_computed_tokens - window), \
+                        f"request {rid} position {t} was evicted while a later query reads it"
+                    continue
                 assert self.blocks.content[table[t // self.bs]][t % self.bs] == tuple(r.tokens[:t + 1]), \
                     f"request {rid} position {t}: its slot holds another prefix's K,V"
 
@@ -332,6 +346,37 @@ class PagedMachine(RuleBasedStateMachine):
 PagedMachine.TestCase.settings = settings(max_examples=MAX_EXAMPLES, stateful_step_count=STEPS, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 test_paged_state_machine = PagedMachine.TestCase
+
+
+class EvictingMachine(PagedMachine):
+    """The same operations under kv_eviction streaming: after every iteration a running request gives back each
+    block that no later query reads, and no other. Checked besides the invariants above (which now skip evicted
+    positions, and assert none of them is read later): the blocks a request holds are exactly those the rule keeps
+    (every block with a position a later query reads, or not yet fully out of the window)."""
+
+    eviction = True
+
+    @invariant()
+    def a_request_holds_exactly_what_its_later_queries_read(self):
+        if not hasattr(self, "blocks") or self.window is None:
+            return
+        sink, window = self.window
+        for rid, table in self.blocks.tables.items():
+            r = self.requests[rid]
+            if r.status is not RequestStatus.RUNNING:  # placed by a hand-over, not run since
+                continue
+            n = r.num_computed_tokens
+            for b, entry in enumerate(table):
+                positions = range(b * self.bs, min((b + 1) * self.bs, n))
+                read_later = (b + 1) * self.bs > n or any(t < sink or t > n - window for t in positions)
+                assert (entry != EVICTED) == read_later, (f"request {rid} block {b} (computed {n}, sink {sink}, "
+                                                          f"window {window}): held {entry != EVICTED}")
+
+
+EvictingMachine.TestCase.settings = settings(max_examples=MAX_EXAMPLES // 4, stateful_step_count=STEPS,
+                                             deadline=None, suppress_health_check=[HealthCheck.too_slow],
+                                             derandomize=True)
+test_paged_state_machine_with_eviction = EvictingMachine.TestCase
 
 
 class Loose(WatchedBlocks):

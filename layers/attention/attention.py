@@ -36,6 +36,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from layers.attention.backends import PagedBatch
 from layers.attention.context_parallel import RingPrefill, SplitKVDecode
+from layers.attention.eviction import reference_mask
 from layers.attention.kv_quant import QuantizedLayer, reference_round_trip
 from layers.attention.varlen import Requests
 
@@ -83,8 +84,9 @@ def attention(q: torch.Tensor, kv: torch.Tensor, requests: Requests | PagedLayer
     # Each [1, h, T, d_head]: a batch dim of 1, because on CPU PyTorch's SDPA takes its fused kernel
     # only for 4-D inputs (3-D ones fall back to the math path, ~4x slower here).
     q, k, v = q[None], k[None], v[None]
-    if requests is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if requests is None:  # one sequence: causal, or inside eviction.streaming_reference its window's mask
+        mask = reference_mask(q.shape[2], q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
     elif requests.padded:
         out = _padded(q[0], k[0], v[0], requests.lengths)[None]
     else:  # varlen: one request at a time, cross-request blocks never computed

@@ -54,11 +54,13 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from layers.attention.eviction import visible
 from layers.attention.kv_quant import QuantizedLayer
 
 RAGGED_BELOW = 4  # batched: decodes attend in one ragged pass when padding them to the longest would score > 4x
 PROMPT_GROUPS = 3  # batched: most SDPA calls per layer for fresh prompt chunks, and as many for chunks after a prefix
 CALL_COST = 64 * 64  # batched: a call's fixed cost, in padded score entries: no group is split off for less
+PAST = 1 << 40  # batched under KV eviction: a padding key's position, past every query's
 
 
 # ---- the pool's reads and writes: one scatter or gather per layer, quantized where the layer is (kv_quant.py)
@@ -89,6 +91,7 @@ class ChunkLike(Protocol):
     q_start: int
     decode: bool
     blocks: Sequence[int]
+    window: tuple[int, int] | None
 
     @property
     def q_rows(self) -> int: ...
@@ -122,6 +125,26 @@ def prefix_causal_mask(q_start: int, q_rows: int, kv_length: int, device=None) -
     """[q_rows, kv_length] booleans: query i (position q_start + i) sees key j iff j <= q_start + i."""
     keys = torch.arange(kv_length, device=device)
     return keys[None, :] <= (q_start + torch.arange(q_rows, device=device))[:, None]
+
+
+def keys_of(c: ChunkLike, block_size: int) -> list[int] | None:
+    """Under KV eviction (c.window: serve/eviction.py), the positions of the keys some query of chunk c reads, in
+    order: j < kv_length with j < sink or j > q_start - window (the chunk's first query's window reaches furthest
+    back), in a block still held. None without eviction: every position [0, kv_length)."""
+    if c.window is None:
+        return None
+    sink, window = c.window
+    oldest = max(min(sink, c.kv_length), c.q_start - window + 1)
+    keys = list(range(min(sink, c.kv_length))) + list(range(oldest, c.kv_length))
+    assert all(c.blocks[j // block_size] >= 0 for j in keys), "a freed block is still in a query's window"
+    return keys
+
+
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: tuple[int, int] | None) -> torch.Tensor:
+    """[..., q, k]: causal (key j <= query i), and under eviction the window's rule (eviction.visible)."""
+    if window is None:
+        return k_pos[..., None, :] <= q_pos[..., :, None]
+    return visible(q_pos, k_pos, *window)
 
 
 class AttentionBackend:
@@ -158,39 +181,62 @@ def value_dim(pool: torch.Tensor, v_dim: int | None) -> int:
 class ReferenceMeta:
     spans: tuple[tuple[int, int], ...]
     q_starts: tuple[int, ...]
-    slots: tuple[torch.Tensor, ...]  # per request: the slots of positions [0, kv_length)
+    new: tuple[torch.Tensor, ...]  # per request: the slots of its new rows [q_start, kv_length)
+    slots: tuple[torch.Tensor, ...]  # per request: the slots of the keys it reads (all of [0, kv_length), or keys_of)
+    masks: tuple[tuple[torch.Tensor | None, bool], ...]  # per request: (SDPA's mask, is_causal)
+
+
+def slots_at(c: ChunkLike, positions: list[int], block_size: int) -> list[int]:
+    """The pool slots of some positions of a chunk's request (keys_of's), through its block table."""
+    return [c.blocks[j // block_size] * block_size + j % block_size for j in positions]
 
 
 class ReferenceBackend(AttentionBackend):
     name = "reference"
 
     def build(self, chunks, spans, block_size, slots, put):
-        for c in chunks:
-            put(slots(c, 0, c.kv_length))
-        return lambda parts: ReferenceMeta(tuple(spans), tuple(c.q_start for c in chunks),
-                                           tuple(next(parts) for _ in chunks))
+        keys = [keys_of(c, block_size) for c in chunks]
+        for c, k in zip(chunks, keys):
+            put(slots(c, c.q_start, c.kv_length))
+            if k is None:
+                put(slots(c, 0, c.kv_length))
+            else:  # eviction: the keys the chunk's queries read, and their positions for the window's mask
+                put(slots_at(c, k, block_size))
+                put(k)
+
+        def finish(parts):
+            new, read, masks = [], [], []
+            for c, k in zip(chunks, keys):
+                new.append(next(parts))
+                read.append(next(parts))
+                if k is not None:
+                    queries = torch.arange(c.q_start, c.kv_length, device=read[-1].device)
+                    masks.append((window_mask(queries, next(parts), c.window), False))
+                elif c.q_rows == 1:  # decode: the one new query sees every key
+                    masks.append((None, False))
+                elif c.q_start == 0:  # a whole prompt, or its first chunk: the plain causal square
+                    masks.append((None, True))
+                else:  # a chunk after a cached prefix: full on the prefix, causal on the chunk
+                    masks.append((prefix_causal_mask(c.q_start, c.q_rows, c.kv_length, read[-1].device), False))
+            return ReferenceMeta(tuple(spans), tuple(c.q_start for c in chunks), tuple(new), tuple(read), tuple(masks))
+
+        return finish
 
     def forward(self, q, kv, pool, batch, *, scale=None, v_dim=None, skip_fresh=False):
         """Write, gather, attend, one request at a time."""
         meta: ReferenceMeta = batch.meta
         group = q.shape[0] // kv.shape[1]
         outs = []
-        for (s, e), q_start, slots in zip(meta.spans, meta.q_starts, meta.slots):
-            q_rows, kv_length = e - s, q_start + e - s
-            store(pool, slots[q_start:], kv[:, :, s:e].transpose(1, 2))  # [2, q_rows, h_kv, dh] into its new slots
+        for (s, e), q_start, new, slots, (mask, causal) in zip(meta.spans, meta.q_starts, meta.new, meta.slots,
+                                                                meta.masks):
+            store(pool, new, kv[:, :, s:e].transpose(1, 2))  # [2, q_rows, h_kv, dh] into its new slots
             if skip_fresh and q_start == 0:
                 outs.append(q.new_zeros(1, q.shape[0], e - s, value_dim(pool, v_dim)))
                 continue
-            context = load(pool, slots).transpose(1, 2)  # [2, h_kv, kv_length, dh]: its block table, read in order
+            context = load(pool, slots).transpose(1, 2)  # [2, h_kv, keys, dh]: its block table, read in order
             if group > 1:
                 context = context.repeat_interleave(group, dim=1)
-            keys, values = split_kv(context[:, None], v_dim)  # each [1, h, kv_length, d_head]
-            if q_rows == 1:  # decode: the one new query sees every key
-                mask, causal = None, False
-            elif q_start == 0:  # a whole prompt, or its first chunk: the plain causal square
-                mask, causal = None, True
-            else:  # a chunk after a cached prefix: full on the prefix, causal on the chunk
-                mask, causal = prefix_causal_mask(q_start, q_rows, kv_length, q.device), False
+            keys, values = split_kv(context[:, None], v_dim)  # each [1, h, keys, d_head]
             outs.append(F.scaled_dot_product_attention(q[None, :, s:e], keys, values, attn_mask=mask,
                                                        is_causal=causal, scale=scale))
         return rearrange(torch.cat(outs, dim=2), "1 h n d -> n (h d)")
@@ -278,7 +324,8 @@ class BatchedBackend(AttentionBackend):
         fresh = [i for i, c in enumerate(chunks) if not c.decode and c.q_start == 0]
         later = [i for i, c in enumerate(chunks) if not c.decode and c.q_start > 0]
         decodes = [i for i, c in enumerate(chunks) if c.decode]
-        ragged = ragged_decodes(chunks)
+        window = next((c.window for c in chunks if c.window is not None), None)  # KV eviction: the engine's rule
+        ragged = window is None and ragged_decodes(chunks)
         if ragged:  # padding would more than quadruple the keys: the rows, every key's slot end to end, its owner
             put([spans[i][0] for i in decodes])
             put([s for i in decodes for s in slots(chunks[i], 0, chunks[i].kv_length)])
@@ -288,19 +335,26 @@ class BatchedBackend(AttentionBackend):
             if not members:
                 continue
             chosen = [chunks[i] for i in members]
-            max_q, max_kv = max(c.q_rows for c in chosen), max(c.kv_length for c in chosen)
-            rows, keys, src, dst = [], [], [], []
-            for b, i in enumerate(members):
+            # under eviction each request reads only the keys of its window (keys_of) and every group is masked
+            read = [list(range(c.kv_length)) if window is None else keys_of(c, block_size) for c in chosen]
+            max_q, max_kv = max(c.q_rows for c in chosen), max(len(k) for k in read)
+            rows, keys, src, dst, positions = [], [], [], [], []
+            for b, (i, k) in enumerate(zip(members, read)):
                 c, (s, e) = chunks[i], spans[i]
                 rows += list(range(s, e)) + [0] * (max_q - c.q_rows)
-                keys += slots(c, 0, c.kv_length) + [0] * (max_kv - c.kv_length)
+                keys += (slots(c, 0, c.kv_length) if window is None else slots_at(c, k, block_size)) + \
+                    [0] * (max_kv - len(k))
+                positions += k + [PAST] * (max_kv - len(k))  # a padding key lies past every query
                 src += range(b * max_q, b * max_q + c.q_rows)
                 dst += range(s, e)
             for values in (rows, keys, [c.q_start for c in chosen], [c.kv_length for c in chosen], src, dst):
                 put(values)
+            if window is not None:
+                put(positions)
             # fresh prompt chunks (q_start = 0): each a causal square padded on the right, so SDPA's is_causal is
             # exact for every real query (a padding key lies past it) and no mask is built or read
-            shapes.append((len(members), max_q, max_kv, chosen[0].q_start == 0 and not chosen[0].decode))
+            shapes.append((len(members), max_q, max_kv,
+                           window is None and chosen[0].q_start == 0 and not chosen[0].decode))
 
         def finish(parts):
             decode_group = DecodeGroup(next(parts), next(parts), next(parts)) if ragged else None
@@ -308,9 +362,11 @@ class BatchedBackend(AttentionBackend):
             for B, max_q, max_kv, causal in shapes:
                 rows, slots, q_start, kv_length, src, dst = (next(parts) for _ in range(6))
                 mask = None  # causal: SDPA's is_causal
-                if not causal:
+                query_pos = q_start[:, None] + torch.arange(max_q, device=rows.device)[None, :]  # [B, max_q]
+                if window is not None:  # each key's position through keys_of; a padding key's is PAST
+                    mask = window_mask(query_pos, next(parts).view(B, max_kv), window)[:, None]
+                elif not causal:
                     keys = torch.arange(max_kv, device=rows.device)
-                    query_pos = q_start[:, None] + torch.arange(max_q, device=rows.device)[None, :]  # [B, max_q]
                     # key j visible to query i iff j <= q_start + i (causal) and j < kv_length (the request's own
                     # keys; this also keeps a padding query's row from being all masked)
                     mask = ((keys[None, None, :] <= query_pos[:, :, None])
@@ -377,14 +433,16 @@ def _ragged_decode(q: torch.Tensor, pool: torch.Tensor, g: DecodeGroup, scale: f
 @dataclass(frozen=True)
 class CPUSeq:
     """One request's attention call (cpu): its rows [start, end), its first position, and, unless it is a fresh
-    prompt chunk (which attends to its own new rows only), its block table and, for a chunk after a prefix, its
-    mask [q_rows, kv_length]."""
+    prompt chunk (which attends to its own new rows only), its block table (or, under KV eviction, the slots of the
+    keys it reads) and, for a chunk after a prefix, its mask [q_rows, keys] (a fresh chunk longer than an eviction
+    window gets its window's mask too)."""
 
     start: int
     end: int
     kv_length: int
     blocks: torch.Tensor | None
     mask: torch.Tensor | None
+    slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -398,16 +456,31 @@ class CPUBackend(AttentionBackend):
 
     def build(self, chunks, spans, block_size, slots, put):
         reads = [c.q_start > 0 for c in chunks]  # a fresh chunk (q_start = 0) reads nothing from the pool
-        for c, read in zip(chunks, reads):
-            if read:
+        keys = [keys_of(c, block_size) if read else None for c, read in zip(chunks, reads)]
+        for c, read, k in zip(chunks, reads, keys):
+            if k is not None:  # eviction: the slots of exactly the keys its queries read, and their positions
+                put(slots_at(c, k, block_size))
+                put(k)
+            elif read:
                 put(list(c.blocks[:-(-c.kv_length // block_size)]))  # the whole blocks its keys lie in
+            elif c.window is not None and c.q_rows > c.window[1]:  # a fresh chunk past its window: its positions
+                put(list(range(c.q_rows)))
 
         def finish(parts):
             seqs = []
-            for c, (s, e), read in zip(chunks, spans, reads):
+            for c, (s, e), read, k in zip(chunks, spans, reads, keys):
+                if k is not None:
+                    at, positions = next(parts), next(parts)
+                    queries = torch.arange(c.q_start, c.kv_length, device=at.device)
+                    mask = window_mask(queries, positions, c.window) if c.q_rows > 1 else None  # a decode: all
+                    seqs.append(CPUSeq(s, e, c.kv_length, None, mask, at))
+                    continue
                 blocks = next(parts) if read else None
                 mask = (prefix_causal_mask(c.q_start, c.q_rows, c.kv_length, blocks.device)
                         if read and c.q_rows > 1 else None)
+                if not read and c.window is not None and c.q_rows > c.window[1]:  # a fresh chunk past its window
+                    rows = next(parts)
+                    mask = window_mask(rows, rows, c.window)
                 seqs.append(CPUSeq(s, e, c.kv_length, blocks, mask))
             return CPUMeta(block_size, tuple(seqs))
 
@@ -421,14 +494,17 @@ class CPUBackend(AttentionBackend):
         outs = []
         for seq in meta.seqs:
             queries = q[None, :, seq.start:seq.end]  # [1, h, q_rows, dh]
-            if seq.blocks is None and skip_fresh:
+            fresh = seq.blocks is None and seq.slots is None
+            if fresh and skip_fresh:
                 o = q.new_zeros(1, q.shape[0], seq.end - seq.start, value_dim(pool, v_dim))
-            elif seq.blocks is None:  # a fresh prompt chunk: its keys are its own rows, the plain causal square
+            elif fresh:  # a fresh prompt chunk: its keys are its own rows, the plain causal square (or its window)
                 keys, values = split_kv(kv[:, None, :, seq.start:seq.end], v_dim)  # each [1, h_kv, q_rows, dh]
-                o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=gqa, scale=scale)
+                o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=seq.mask,
+                                                   is_causal=seq.mask is None, enable_gqa=gqa, scale=scale)
             else:  # a decode (sees every key) or a chunk after a prefix (its mask): keys through the block table
-                context = load_blocks(pool, meta.block_size, seq.blocks)[:, :seq.kv_length].transpose(1, 2)
-                keys, values = split_kv(context[:, None], v_dim)  # each [1, h_kv, kv_length, dh]
+                context = load(pool, seq.slots) if seq.slots is not None else \
+                    load_blocks(pool, meta.block_size, seq.blocks)[:, :seq.kv_length]
+                keys, values = split_kv(context.transpose(1, 2)[:, None], v_dim)  # each [1, h_kv, keys, dh]
                 if gqa and seq.mask is None:  # a decode: a K,V head's query heads as its query rows, one matmul each
                     o = F.scaled_dot_product_attention(queries.reshape(1, h_kv, -1, dh), keys, values,
                                                        scale=scale).reshape(1, q.shape[0], 1, -1)
