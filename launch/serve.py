@@ -34,6 +34,7 @@ from launch.loading import LoadMeter
 from launch.serve_report import add_text, build_pd_report, build_report, render, render_pd
 from launch.serve_settings import Settings, parse_settings
 from launch.settings import launch, publish, script_main
+from layers.attention.eviction import streaming_reference
 from layers.attention.kv_quant import gather_scales, pseudo_quantized
 from layers.models.dense import weights_checksum
 from layers.models.families import of
@@ -68,7 +69,9 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     result = engine.run(s.requests)
     quant = engine.cache.quant  # kv_cache_dtype fp8/int8: the oracle round-trips K,V with every rank's scales
     scales = all_scales(quant, s, ctx) if quant is not None and s.check else None
-    with nullcontext() if scales is None else pseudo_quantized(scales, quant.name):
+    eviction = s.engine.kv_eviction  # the oracle masks the keys the engine's queries no longer read
+    with nullcontext() if scales is None else pseudo_quantized(scales, quant.name), \
+            streaming_reference(None if eviction is None else eviction.window):
         checks = oracle_check(dense, s, result, ctx) if s.check else None
     report = build_report(s, ctx, result, checks)
     if s.pp > 1:

@@ -169,7 +169,8 @@ def render(r: dict) -> str:
         f"paged KV: {kv['blocks']} blocks x {kv['block_size']} positions per rank "
         f"({kib(kv['pool_bytes_per_rank'])} KiB reserved), at most {kv['peak_blocks_used']} in use; "
         f"{kv['prefix_hit_tokens']} prompt tokens from the prefix cache; {t['rows_computed']} rows computed; "
-        f"{t['preemptions']} preemptions",
+        f"{t['preemptions']} preemptions" + (f"; {kv['evicted_blocks']} blocks evicted (kv_eviction)"
+                                             if kv.get("evicted_blocks") else ""),
         f"KV cache per rank ({'the model dtype' if kv.get('cache_dtype', 'auto') == 'auto' else kv['cache_dtype']}): "
         f"{kv['bytes_per_token_per_rank']} bytes per token (unsharded {kv['bytes_per_token_dense']}, "
         f"ratio {kv['ratio_to_dense']:.4f} = 1/{round(1 / kv['ratio_to_dense'])}"
@@ -415,6 +416,7 @@ def build_report(s, ctx, result, checks: list[dict] | None) -> dict:
         "kv_cache": {"block_size": result.block_size, "blocks": result.num_blocks,
                      "cache_dtype": s.engine.kv_cache_dtype,  # auto: the model's dtype; fp8_e4m3 | fp8_e5m2 | int8
                      "prefix_hit_tokens": result.prefix_hit_tokens, "peak_blocks_used": result.peak_blocks_used,
+                     "evicted_blocks": result.evicted_blocks,  # kv_eviction: blocks no later query read, given back
                      "pool_bytes_per_rank": result.kv_pool_bytes_per_rank,
                      "bytes_per_token_per_rank": result.kv_bytes_per_token_per_rank,
                      "formula_bytes_per_token_per_rank": kv["per_rank"], "formula": kv["text"],

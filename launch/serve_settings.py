@@ -101,7 +101,11 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     try:
         if layout is not None and layout.prefill_pp > 1:
             check_pipeline(model, layout.prefill_ranks, layout.prefill_pp, variant, vocab_parallel)
-        engine = EngineConfig(**{f.name: cfg[f.name] for f in LAUNCHER_ENGINE})
+        engine = EngineConfig(**{f.name: OmegaConf.to_container(cfg[f.name]) if isinstance(cfg[f.name], DictConfig)
+                                 else cfg[f.name] for f in LAUNCHER_ENGINE})  # kv_eviction: a dict
+        if layout is not None and engine.kv_eviction is not None:
+            raise ValueError("kv_eviction with pd is not built (the hand-over moves every block of a prompt): serve "
+                             "it colocated, or drop it")
         if layout is not None and engine.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype={engine.kv_cache_dtype} with pd is not built (the decode side would "
                              f"need the prefill side's scales with the codes): serve it colocated, or drop it")

@@ -191,6 +191,7 @@ class LLMEngine:
                 "iterations": self.iterations, "busy_s": self.busy_s, "preemptions": self.scheduler.preemptions,
                 "prefix_hit_tokens": self.prefix_hit_tokens, "prefix_queried_tokens": self.prefix_queried_tokens,
                 "collective_bytes_per_rank": self.collective_bytes_per_rank,
+                **({"kv_evicted_blocks": self.scheduler.blocks.evicted} if self.config.kv_eviction else {}),
                 "oracle": next((dict(h.verdicts) for h in self.hooks if hasattr(h, "verdicts")), None),
                 **(self.spec_stats.as_dict() if self.config.speculative_config is not None else {}),
                 **(self.tuner.as_dict() if self.tuner else {}),

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from layers.attention.eviction import streaming_reference
 from layers.models.lm import greedy_reference, oracle_verdict, sampled_reference
 from serve.plan import SchedulerOutput
 from serve.request import Request, RequestStatus
@@ -118,7 +119,9 @@ class OracleCheck(StepHook):
                 # are not plain sampling's (tests/test_spec_decode.py checks the distribution)
                 verdict = {"verdict": "unchecked", "ok": True, "reason": "sampled with the rejection sampler"}
             else:
-                verdict = check_request(self.dense, r, r.output, logits, self.near_tie)
+                eviction = engine.config.kv_eviction  # the oracle masks what the engine's queries no longer read
+                with streaming_reference(None if eviction is None else eviction.window):
+                    verdict = check_request(self.dense, r, r.output, logits, self.near_tie)
             self.verdicts[verdict["verdict"]] += 1
             if rid in engine._outputs:
                 engine._outputs[rid].oracle = verdict

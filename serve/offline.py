@@ -39,6 +39,7 @@ class ServeResult:
     prefix_hit_tokens: int = 0  # prompt tokens whose K,V came from the prefix cache
     rows_computed: int = 0  # rows through the model, all iterations
     preemptions: int = 0
+    evicted_blocks: int = 0  # blocks given back by kv_eviction (serve/eviction.py), all requests
     free_blocks_at_end: int = 0  # = num_blocks when every finished request gave its blocks back
     time_s: float = 0.0
     started_at: float = 0.0  # time.perf_counter() when the loop started: start_s and token_times_s count from it
@@ -133,6 +134,7 @@ class OfflineEngine:
         result.free_blocks_at_end = sched.blocks.num_free
         result.kv_peak_bytes_per_rank = result.peak_blocks_used * self.cache.bytes_per_block
         result.preemptions = sched.preemptions
+        result.evicted_blocks = sched.blocks.evicted
         # measured, not computed: the bytes the pool tensor holds per token position
         per_token = self.cache.measured_bytes_per_token()
         result.kv_bytes_per_token_per_rank = int(per_token) if per_token == int(per_token) else per_token

@@ -60,6 +60,9 @@ class RankSpec:
 
         self.engine.check_pipeline(self.pp)
         self.engine.check_context_parallel(self.cp, self.pp, cp_name)
+        if self.engine.kv_eviction is not None and not of(self.model).kv_eviction:
+            raise ValueError(f"kv_eviction with {self.model.family} models is not built (MLA's prefill attends its "
+                             f"decompressed keys its own way); serve without it")
         if self.cp > 1 and not of(self.model).context_parallel:
             built = ", ".join(family(f).title for f in FAMILIES if family(f).context_parallel)
             raise ValueError(f"{cp_name}={self.cp}: {self.model.family} models are not built for context parallelism "

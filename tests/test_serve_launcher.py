@@ -245,12 +245,15 @@ def test_a_decode_rank_dying_ends_the_whole_job_fast(tmp_path):
 
 
 def test_serve_llama_tiny(tmp_path):
-    proc, _ = launch_on_pool(2, "model=llama_tiny", "model.n_layers=2", "prompt_count=3", "prompt_mean=8",
+    """Llama under the launcher, with kv_eviction (Hydra's dict): its oracle masks what the window leaves."""
+    proc, _ = launch_on_pool(2, "model=llama_tiny", "model.n_layers=2", "prompt_count=3", "prompt_mean=16",
                              "max_new_tokens=4", "long_prefill_token_threshold=4", "max_num_batched_tokens=12", "dtype=float64",
+                             "block_size=4", "kv_eviction={policy:streaming,sink_tokens:2,window_tokens:6}",
                              run_dir=tmp_path, script="serve.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["config"]["model"]["n_kv_heads"] == 2 and report["check"]["verdicts"]["match"] == 3
+    assert report["kv_cache"]["evicted_blocks"] > 0 and "blocks evicted (kv_eviction)" in proc.stdout
     assert report["kv_cache"]["ratio_to_dense"] == 0.5 and report["ledger_matches_model"]
     assert report["kv_cache"]["bytes_per_token_per_rank"] == 2 * 2 * 1 * 32 * 8  # 2·L·(h_kv/p)·d_head·e
     assert report["kv_cache"]["matches_formula"] is True and report["kv_cache"]["kv_heads_per_rank"] == 1
@@ -263,6 +266,9 @@ LLAMA_BAD = [
     (["model=llama_tiny", "model.family=mamba"], "model.family='mamba': choose gpt2, llama, mixtral, deepseek_v3"),
     (["model=llama_tiny", "model.norm_eps=abc"], "model.norm_eps='abc' must be a number"),
     (["model=llama_tiny", "model.tie_word_embeddings=1"], "model.tie_word_embeddings=1 must be true or false"),
+    (["kv_eviction={policy:streaming,window_tokens:8}"], "kv_eviction window_tokens=8 is smaller than a block"),
+    (["kv_eviction={policy:streaming,window_tokens:32}", "pd.prefill_ranks=1", "pd.decode_ranks=1"],
+     "kv_eviction with pd is not built"),
 ]
 
 

@@ -59,6 +59,9 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
         raise ValueError("speculative_config with P/D disaggregation is not built yet: serve without it")
     if any(r.params is not None and r.params.prompt_logprobs is not None for r in requests):
         raise ValueError("prompt_logprobs with P/D disaggregation is not built: serve the request colocated")
+    if config.kv_eviction is not None:
+        raise ValueError("kv_eviction with P/D disaggregation is not built (the hand-over moves every block of a "
+                         "prompt): serve it colocated, or drop it")
     if config.kv_cache_dtype != "auto":  # the hand-over moves the model dtype's K,V, and the scales would not follow
         raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype} with P/D disaggregation is not built (the decode side "
                          f"would need the prefill side's scales with the codes): serve it colocated, or drop it")
