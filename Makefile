@@ -76,6 +76,7 @@ bench: setup model
 	$(PY) benchmarks/bench_llm.py
 	$(PY) benchmarks/bench_sampling.py
 	$(PY) benchmarks/bench_kv_quant.py
+	$(PY) benchmarks/bench_eviction.py
 	$(PY) benchmarks/bench_spec_decode.py
 	$(PY) benchmarks/bench_threads.py
 	$(PY) benchmarks/bench_http.py
