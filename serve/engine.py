@@ -36,7 +36,8 @@ from serve.draft import DraftRunner, lm_vocab_slice
 from serve.spec_decode import NgramProposer, SpecDecodeStats, Tuner
 from tp.dist import TPContext
 from tp.ledger import TrafficLedger
-from tp.traffic_model import predict_control, predict_iteration, predict_prompt_logprobs, predict_verify
+from tp.traffic_model import (predict_control, predict_eviction_scores, predict_iteration, predict_prompt_logprobs,
+                              predict_verify)
 
 
 class Ran(NamedTuple):
@@ -228,7 +229,9 @@ class LLMEngine:
             self._after(StepRecord(None, payload, ran.sampler, ended=aborts, **ran.extra))
             return self._outputs_of([], aborts)
         plan, sched = ran.done, self.scheduler
-        table, scored = ran.result.read()  # ★ the step's one wait (host copy): sampled rows, scored prompt rows
+        table, scored, scores = ran.result.read()  # ★ the step's one wait (host copy): sampled rows, scored prompt
+        if scores is not None:  # rows, kv_eviction h2o's attention per block
+            sched.observe_scores(plan, scores)
         sampled, rows, finished = self._update(plan, table)
         self.prefix_hit_tokens += plan.prefix_hits
         self.prefix_queried_tokens += sum(len(sched.by_id[rid].prompt) for rid in plan.admitted if rid in sched.by_id)
@@ -275,6 +278,8 @@ class LLMEngine:
                 predicted += predict_verify(p, *step.verify, self.lm.cfg.vocab_size, self.dtype)
             if step.prompt is not None and self.lm.vocab_parallel:
                 predicted += predict_prompt_logprobs(p // self.cp, *step.prompt)
+            if self.config.kv_eviction is not None and self.config.kv_eviction.scored:
+                predicted += predict_eviction_scores(p, sum(len(c.blocks) for c in plan.scheduled), self.dtype)
         return seen, predicted
 
     # -- the pieces --------------------------------------------------------------------------------------------------

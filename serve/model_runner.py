@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from layers.attention.attention import PagedLayer
-from layers.attention.backends import PagedBatch, backend, choose
+from layers.attention.backends import PagedBatch, backend, choose, score_slots
 from layers.attention.context_parallel import SplitCacheBackend
 from layers.models.lm import TPLM, TPLlamaLM
 from layers.sampling.prompt_logprobs import score_rows
@@ -39,6 +39,7 @@ from serve.kv_cache import KVPool
 from serve.plan import SchedulerOutput
 from serve.request import Request
 from serve.sampling_params import GREEDY
+from tp.comm import all_reduce_values
 from tp.dist import TPContext
 
 
@@ -85,12 +86,16 @@ class ModelRunner:
         step, sampling = self.prepare(plan, requests)
         scored = prompt_rows(plan, requests)
         if scored is None:
-            return self.lm.step(step.ids, step.positions, step.layers, step.sample_rows, sampling), sampling
-        x = self.lm.hidden(step.ids, step.positions, step.layers)
-        out = self.lm.pick(x, step.sample_rows, sampling)
-        rows, targets, out.prompt_where, n = scored  # prompt logprobs: the rows' next prompt tokens, scored
-        at, targets = torch.tensor([rows, targets], device=self.ctx.device)  # one host-to-device copy for both
-        out.prompt = score_rows(*self.lm.head_logits(x, at), targets, n, self.lm.cfg.vocab_size)
+            out = self.lm.step(step.ids, step.positions, step.layers, step.sample_rows, sampling)
+        else:
+            x = self.lm.hidden(step.ids, step.positions, step.layers)
+            out = self.lm.pick(x, step.sample_rows, sampling)
+            rows, targets, out.prompt_where, n = scored  # prompt logprobs: the rows' next prompt tokens, scored
+            at, targets = torch.tensor([rows, targets], device=self.ctx.device)  # one host-to-device copy for both
+            out.prompt = score_rows(*self.lm.head_logits(x, at), targets, n, self.lm.cfg.vocab_size)
+        if step.batch.scores is not None:  # kv_eviction h2o: every rank's heads' attention per block, summed
+            out.scores = all_reduce_values(step.batch.scores[:-1], self.ctx.group, "sum",
+                                           "engine/eviction scores")  # ★ all-reduce [blocks]
         return out, sampling
 
     @torch.no_grad()
@@ -211,6 +216,9 @@ def prepare_step(plan: SchedulerOutput, tokens: dict[int, list[int]], block_size
     parts = iter(host.to(device, non_blocking=True).split(sizes))  # ★ the iteration's one host-to-device copy
     ids, positions, slots, sample_rows = (next(parts) for _ in range(4))
     fresh = tuple(span for c, span in zip(plan.scheduled, spans) if c.q_start == 0)  # prompt chunks from position 0
-    batch = PagedBatch(chosen, positions, slots, finish(parts), fresh=fresh)
+    starts = score_slots(plan.scheduled)  # kv_eviction h2o: every layer adds each block's attention here
+    scores = None if starts is None else torch.zeros(
+        starts[-1] + 1, device=device, dtype=torch.promote_types(pool.dtype if pool else torch.float32, torch.float32))
+    batch = PagedBatch(chosen, positions, slots, finish(parts), fresh=fresh, scores=scores)
     return StepInputs(ids, positions, batch, sample_rows,
                       None if pool is None else [PagedLayer(batch, layer) for layer in pool.pools])

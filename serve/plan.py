@@ -31,6 +31,7 @@ class ScheduledRequest:
     # KV eviction (serve/eviction.py): (sink, window), the keys each query reads (layers/attention/eviction.visible);
     # freed blocks are EVICTED (-1) in `blocks`. None: every key up to the query
     window: tuple[int, int] | None = None
+    scored: bool = False  # kv_eviction h2o: the step adds up each key's attention (layers/attention/backends.py)
     q_rows: int = field(init=False, compare=False)  # q_end - q_start
     kv_length: int = field(init=False, compare=False)  # q_end: the positions attended to
 

@@ -56,6 +56,11 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # proposals for its next step (serve/spec_decode.py)
     draft_computed: int | None = None  # positions whose K,V a draft model holds (serve/draft.py); None: none yet
     priority: int = 0  # scheduling_policy "priority" (serve/scheduler.py): lower is admitted first, preempted last
+    # kv_eviction h2o (serve/eviction.py): each logical block's attention so far, summed over queries, heads and layers
+    kv_scores: list[float] = field(default_factory=list)
+    # kv_eviction: per admission (a preemption leads to another), (outputs it had, the first position it computed
+    # (after a prefix hit), [(block, computed when it went)]): what a dense reference masks (tests/test_eviction.py)
+    evictions: list[tuple[int, int, list[tuple[int, int]]]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from typing import Sequence
 
-from serve.block_manager import KVCacheManager
+from serve.block_manager import EVICTED, KVCacheManager
 from serve.config import SCHEDULING_POLICIES, EngineConfig, fits_alone
 from serve.plan import ScheduledRequest, SchedulerOutput
 from serve.request import Request, RequestStatus, output_budget, validate_prompt
@@ -290,6 +290,8 @@ class Scheduler:
                 if c.reserve_capacity:
                     self.blocks.grow(r.id, r.capacity)
                 r.num_computed_tokens = len(hit) * self.blocks.block_size
+                if c.kv_eviction is not None:  # a new admission: its evictions, from the first position it computes
+                    r.evictions.append((len(r.output), r.num_computed_tokens, []))
                 hits += min(r.num_computed_tokens, len(r.prompt))
                 r.prefix_hit += min(r.num_computed_tokens, len(r.prompt))  # every admission: a resumed one may find its own
                 if r.num_cached_tokens is None:
@@ -309,7 +311,8 @@ class Scheduler:
                                                sample=end >= len(r.tokens),
                                                blocks=tuple(self.blocks.tables[r.id]),
                                                spec=tuple(r.spec_token_ids[:end - len(r.tokens)]),
-                                               window=None if c.kv_eviction is None else c.kv_eviction.window))
+                                               window=None if c.kv_eviction is None else c.kv_eviction.window,
+                                               scored=c.kv_eviction is not None and c.kv_eviction.scored))
         chunks.sort(key=lambda c: not c.decode)  # decodes first in the flat rows; stable: admission order inside
         if not chunks:
             return None
@@ -343,6 +346,34 @@ class Scheduler:
         self._left -= rows
         return True
 
+    def _evict(self, r: Request) -> None:
+        """kv_eviction (serve/eviction.py): the blocks the policy drops go back to the pool, logged in r.evictions
+        with the positions computed when they went."""
+        policy, table = self.config.kv_eviction, self.blocks.tables[r.id]
+        gone = policy.to_evict(table, r.num_computed_tokens, self.blocks.block_size, r.kv_scores, EVICTED)
+        gone = [b for b in gone if table[b] != EVICTED]
+        if not gone:
+            return
+        self.blocks.evict(r.id, gone)
+        if not r.evictions:  # placed with its K,V (not admitted through a prefix lookup)
+            r.evictions.append((len(r.output), 0, []))
+        r.evictions[-1][2].extend((b, r.num_computed_tokens) for b in gone)
+        if policy.scored:  # its later blocks hold K,V computed without what went: no prompt may hit them
+            self.blocks.unnamed.add(r.id)
+
+    def observe_scores(self, plan: SchedulerOutput, scores: list[float]) -> None:
+        """kv_eviction h2o: an iteration's attention per logical block of each scheduled request (every rank's heads
+        summed, plan order, len(c.blocks) numbers per chunk), added to the request's running totals."""
+        at = 0
+        for c in plan.scheduled:
+            n, r = len(c.blocks), self.by_id.get(c.request)
+            if r is not None and not r.finished:
+                if len(r.kv_scores) < n:
+                    r.kv_scores.extend([0.0] * (n - len(r.kv_scores)))
+                for b in range(n):
+                    r.kv_scores[b] += scores[at + b]
+            at += n
+
     def _preempt(self, victim: Request, preempted: list[Request], waiting: bool = False) -> None:
         """waiting: the victim is a request not yet running that holds blocks (its K,V placed by a decode side); it
         keeps its place in the queue and recomputes its tokens when admitted, as any preempted request does."""
@@ -356,6 +387,7 @@ class Scheduler:
             self._left += end - start
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
+        victim.kv_scores = []  # kv_eviction: it recomputes whole, its evictions start again at its next admission
         if victim.draft_computed is not None:  # a draft recomputes it whole: its blocks may come back as others'
             victim.draft_computed = 0
         victim.status = RequestStatus.PREEMPTED
@@ -392,9 +424,8 @@ class Scheduler:
                         self.blocks.shrink(r.id, r.num_computed_tokens)
             # K,V written on every stage up to here (a draft model reads only what it wrote itself: serve/draft.py)
             self.blocks.commit(r.id, r.tokens, min(c.q_end, r.num_computed_tokens))
-            if self.config.kv_eviction is not None and not r.finished:  # blocks no later query reads go back
-                self.blocks.evict(r.id, self.config.kv_eviction.evictable(r.num_computed_tokens,
-                                                                          self.blocks.block_size))
+            if self.config.kv_eviction is not None and not r.finished:
+                self._evict(r)
         for rid in finished:
             self.blocks.release(rid)
         if finished:

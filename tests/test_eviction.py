@@ -1,10 +1,16 @@
-"""KV eviction (serve/eviction.py, layers/attention/eviction.py): StreamingLLM's sinks + window in the paged engine.
+"""KV eviction (serve/eviction.py, layers/attention/eviction.py) in the paged engine: StreamingLLM's sinks + window,
+and H2O's heavy hitters at block granularity.
 
-Oracle: the dense model recomputed with no cache, its attention masked by the rule written here on its own (query i
-reads key j iff j <= i and (j < sink or i - j < window)). The engine, with blocks freed as the window slides, equals
-it to 1e-12 in float64 at p = 1 and 2, in every backend, with chunked prefill, prefix hits and preemption in the run:
-greedy tokens, their logprobs and the prompt's logprobs. A window that covers every sequence changes nothing, token
-for token and bit for bit; the masked reference does differ from plain attention (the check can fail)."""
+Oracles: the dense model recomputed with no cache, its attention masked by a rule written here on its own.
+  streaming   query i reads key j iff j <= i and (j < sink or i - j < window)
+  h2o         query i reads key j iff j <= i and j's block was not evicted at a step that had computed <= i
+              positions (the engine's log of what went when, per admission: a preemption starts again)
+The engine, with blocks freed as it goes, equals it to 1e-12 in float64 at p = 1 and 2, in every backend, with
+chunked prefill, prefix hits and preemption in the run: greedy tokens, their logprobs and the prompt's logprobs. H2O's
+choices are recomputed too: each block evicted had the least attention (every query before, every head and layer of
+the dense model, under the same masks) among the blocks it could have been. A window that covers every sequence
+changes nothing, token for token and bit for bit; the masked reference does differ from plain attention (the checks
+can fail)."""
 
 import random
 
@@ -44,12 +50,18 @@ def workload(seed: int) -> list[tuple[list[int], int, int, bool]]:
 
 def serve(ctx, cfg, reqs, config):
     """Every rank steps its LLMEngine; rank 0 adds each request at its step. Rank 0 returns (id -> (tokens, their
-    logprobs, prompt logprobs of the prompt's tokens or None), stats)."""
+    logprobs, prompt logprobs of the prompt's tokens or None), stats, id -> its eviction log (Request.evictions))."""
     dense = init_weights(dense_lm(cfg, torch.float64), seed=0, std=0.1)
     engine = LLMEngine(shard_lm(dense, "v2", ctx.group), ctx, config)
-    done = {}
+    done, logs = {}, {}
 
     def before(engine, step):
+        for name, rid in engine._ids.items():  # the log before each step (a finished request is forgotten), and
+            r = engine.scheduler.by_id.get(rid)  # h2o's totals per block with the positions they count
+            if r is not None:
+                logs[name] = [(start, first, list(gone)) for start, first, gone in r.evictions]
+                if r.kv_scores:
+                    logs[name + "/scores"] = (list(r.kv_scores), r.num_computed_tokens, len(r.evictions))
         for i, (prompt, new, at, scored) in enumerate(reqs):
             if at == step:
                 engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=new, logprobs=0,
@@ -68,7 +80,7 @@ def serve(ctx, cfg, reqs, config):
         return None
     stats = engine.stats()
     engine.shutdown()
-    return done, stats
+    return done, stats, logs
 
 
 def streaming_mask(n: int, device=None) -> torch.Tensor:
@@ -101,7 +113,8 @@ def reference(dense, prompt: list[int], n: int, masked: bool = True):
                          ids=["gpt2-p1-reference", "llama-p2-cpu", "gpt2-p2-batched"])
 def test_the_engine_equals_the_masked_dense_reference(cfg, p, attention):
     reqs = workload(seed=p)
-    done, stats = run_ranks(p, serve, cfg, reqs, EngineConfig(**SMALL, attention=attention, kv_eviction=STREAMING))[0]
+    done, stats, _ = run_ranks(p, serve, cfg, reqs, EngineConfig(**SMALL, attention=attention,
+                                                               kv_eviction=STREAMING))[0]
     dense = init_weights(dense_lm(cfg, torch.float64), seed=0, std=0.1)
     for i, (prompt, new, _, scored) in enumerate(reqs):
         ids, lps, prompt_lps = reference(dense, prompt, new)
@@ -123,14 +136,109 @@ def test_the_mask_matters_and_a_window_over_everything_changes_nothing():
     plain, masked = reference(dense, reqs[0][0], 4, masked=False), reference(dense, reqs[0][0], 4)
     assert max(abs(a - b) for a, b in zip(plain[2], masked[2])) > 1e-3
     wide = dict(STREAMING, window_tokens=96)
-    (with_done, with_stats), = [r for r in run_ranks(1, serve, GPT2, reqs, EngineConfig(**SMALL, kv_eviction=wide))]
-    without_done, _ = run_ranks(1, serve, GPT2, reqs, EngineConfig(**SMALL))[0]
+    with_done, with_stats, _ = run_ranks(1, serve, GPT2, reqs, EngineConfig(**SMALL, kv_eviction=wide))[0]
+    without_done, _, _ = run_ranks(1, serve, GPT2, reqs, EngineConfig(**SMALL))[0]
     assert with_done == without_done and with_stats["kv_evicted_blocks"] == 0
+
+
+H2O = {"policy": "h2o", "budget_tokens": 12, "recent_tokens": 4}  # 3 blocks: 1 recent, 2 heavy hitters
+
+
+def epoch_of(log: list, k: int) -> list[tuple[int, int]]:
+    """The evictions in force when output token k was computed: those of the last admission begun at or before it."""
+    return [gone for start, _, gone in log if start <= k][-1]
+
+
+def evicted_mask(gone: list[tuple[int, int]], block_size: int):
+    """The rule written out: key j is hidden from query i once j's block was evicted at a step that had computed
+    t <= i positions."""
+    def mask(n: int, device=None) -> torch.Tensor:
+        at = torch.full((n,), float("inf"), dtype=torch.float64)
+        for b, t in gone:
+            at[b * block_size:(b + 1) * block_size] = torch.minimum(at[b * block_size:(b + 1) * block_size],
+                                                                    torch.tensor(float(t), dtype=torch.float64))
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        return (j <= i) & ~(at[None, :] <= i)
+    return mask
+
+
+def masked_logprobs(dense, tokens: list[int], mask) -> torch.Tensor:
+    saved = attention_module.reference_mask
+    attention_module.reference_mask = mask
+    try:
+        with torch.no_grad():
+            return torch.log_softmax(dense.logits(torch.tensor(tokens)), dim=-1)
+    finally:
+        attention_module.reference_mask = saved
+
+
+def attention_totals(dense, tokens: list[int], mask) -> torch.Tensor:
+    """[n, n]: query i's attention probability on key j under the mask, summed over every head and layer."""
+    import layers.attention.attention as module
+
+    total, original = [], module.F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, is_causal=False, scale=None, **kw):
+        logits = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        total.append(logits.masked_fill(~attn_mask, float("-inf")).softmax(-1).sum(dim=(0, 1)))
+        return original(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+    module.F.scaled_dot_product_attention = recording
+    try:
+        masked_logprobs(dense, tokens, mask)
+    finally:
+        module.F.scaled_dot_product_attention = original
+    return sum(total)
+
+
+@pytest.mark.parametrize("cfg,p,attention", [(GPT2, 1, "reference"), (LLAMA, 2, "batched"), (LLAMA, 2, "cpu")],
+                         ids=["gpt2-p1-reference", "llama-p2-batched", "llama-p2-cpu"])
+def test_h2o_equals_the_dense_reference_and_evicts_the_least_attended_blocks(cfg, p, attention):
+    reqs = workload(seed=p + 10)
+    done, stats, logs = run_ranks(p, serve, cfg, reqs, EngineConfig(**SMALL, attention=attention, kv_eviction=H2O))[0]
+    dense = init_weights(dense_lm(cfg, torch.float64), seed=0, std=0.1)
+    bs, decisions, totals_checked = SMALL["block_size"], 0, 0
+    for i, (prompt, new, _, scored) in enumerate(reqs):
+        got_ids, got_lps, got_prompt = done[f"r{i}"]
+        log = logs.get(f"r{i}", [])
+        for k, (token, lp) in enumerate(zip(got_ids, got_lps)):  # each token under the masks of its admission
+            logp = masked_logprobs(dense, prompt + got_ids[:k], evicted_mask(epoch_of(log, k), bs))[-1]
+            assert int(logp.argmax()) == token and abs(float(logp[token]) - lp) < 1e-12, (i, k)
+        if scored:  # the prompt, scored again at its last admission
+            whole = masked_logprobs(dense, prompt, evicted_mask(log[-1][2], bs))
+            want = [float(whole[j - 1, prompt[j]]) for j in range(1, len(prompt))]
+            assert max(abs(a - b) for a, b in zip(got_prompt, want)) < 1e-12
+        if f"r{i}/scores" in logs:  # the totals rank 0 holds: every rank's heads, every layer, this admission's queries
+            kv_scores, computed, admission = logs[f"r{i}/scores"]
+            _, first, gone = log[admission - 1]
+            totals = attention_totals(dense, (prompt + got_ids)[:computed], evicted_mask(gone, bs))
+            want = [float(totals[first:computed, b * bs:(b + 1) * bs].sum()) for b in range(len(kv_scores))]
+            assert max(abs(a - b) for a, b in zip(kv_scores, want)) < 1e-9, (i, kv_scores, want)
+            totals_checked += 1
+        for start, first, gone in log:  # each eviction: the least attended of the blocks it could have taken, by
+            tokens = prompt + got_ids  # the queries this admission ran (from `first`: a prefix hit's ran elsewhere)
+            totals = attention_totals(dense, tokens, evicted_mask(gone, bs))
+            for t in sorted({t for _, t in gone}):
+                before = {b for b, u in gone if u < t}
+                held = [b for b in range(-(-t // bs)) if b not in before]
+                old = [b for b in held if (b + 1) * bs <= t - H2O["recent_tokens"]]
+                score = {b: float(totals[first:t, b * bs:(b + 1) * bs].sum()) for b in old}
+                over = len(held) - H2O["budget_tokens"] // bs
+                want = sorted(sorted(old, key=lambda b: (score[b], b))[:over])
+                assert sorted(b for b, u in gone if u == t) == want, (i, t, score)
+                decisions += 1
+    assert stats["kv_evicted_blocks"] > 0 and decisions > 0 and stats["preemptions"] > 0 and totals_checked > 0
 
 
 @pytest.mark.parametrize("settings,words", [
     (dict(kv_eviction={"policy": "streaming", "window_tokens": 8}, block_size=16), "smaller than a block"),
-    (dict(kv_eviction={"policy": "h2o", "window_tokens": 32}), "choose streaming"),
+    (dict(kv_eviction={"policy": "snapkv", "budget_tokens": 32}), "choose streaming or h2o"),
+    (dict(kv_eviction={"policy": "h2o", "window_tokens": 32}), "window_tokens is not a setting of policy='h2o'"),
+    (dict(kv_eviction={"policy": "h2o"}), "needs budget_tokens"),
+    (dict(kv_eviction={"policy": "h2o", "budget_tokens": 64, "recent_tokens": 8}, block_size=16),
+     "recent_tokens=8 is smaller than a block"),
+    (dict(kv_eviction={"policy": "h2o", "budget_tokens": 40, "recent_tokens": 32}, block_size=16),
+     "leaves no block for heavy hitters"),
     (dict(kv_eviction={"policy": "streaming"}), "needs window_tokens"),
     (dict(kv_eviction={"policy": "streaming", "window_tokens": 32, "sinks": 4}), "unknown key 'sinks'"),
     (dict(kv_eviction={"policy": "streaming", "window_tokens": 32, "sink_tokens": -1}), "sink_tokens=-1"),

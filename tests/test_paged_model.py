@@ -90,7 +90,7 @@ class WatchedBlocks(KVCacheManager):
 
 class PagedMachine(RuleBasedStateMachine):
     blocks_class = WatchedBlocks
-    eviction = False  # EvictingMachine: every example serves under kv_eviction streaming (sinks, window drawn)
+    eviction = None  # EvictingMachine, H2OMachine: every example serves under that kv_eviction policy
 
     policies_under_test: dict = {}  # a policy's name -> a SchedulingPolicy to run in its place (a broken one, below)
 
@@ -108,11 +108,16 @@ class PagedMachine(RuleBasedStateMachine):
         self.eos = VOCAB if eos else None
         self.stops = frozenset() if self.eos is None else frozenset({self.eos})
         self.window = None  # (sink, window): the positions a query at i reads, j < sink or j > i - window
-        if self.eviction:
+        self.h2o = None  # (budget, recent) positions
+        eviction = None
+        if self.eviction == "streaming":
             self.window = (data.draw(st.integers(0, 2 * block_size)), data.draw(st.integers(block_size,
                                                                                             3 * block_size)))
-        eviction = None if self.window is None else {"policy": "streaming", "sink_tokens": self.window[0],
-                                                     "window_tokens": self.window[1]}
+            eviction = {"policy": "streaming", "sink_tokens": self.window[0], "window_tokens": self.window[1]}
+        elif self.eviction == "h2o":
+            recent = data.draw(st.integers(block_size, 2 * block_size))
+            self.h2o = (data.draw(st.integers(recent + block_size, recent + 3 * block_size)), recent)
+            eviction = {"policy": "h2o", "budget_tokens": self.h2o[0], "recent_tokens": self.h2o[1]}
         self.sched = Scheduler(EngineConfig(long_prefill_token_threshold=chunk, max_num_batched_tokens=max_num_seqs + more_budget,
                                             max_num_seqs=max_num_seqs, block_size=block_size,
                                             enable_prefix_caching=self.blocks.enable_prefix_caching,
@@ -274,9 +279,14 @@ class PagedMachine(RuleBasedStateMachine):
                 for t in range(c.q_start, c.q_end):  # the iteration's forward writes these slots
                     b = c.blocks[t // self.bs]
                     assert self.blocks.blocks[b].ref_count == 1, f"block {b} is written while shared"
-                    self.blocks.content[b][t % self.bs] = tuple(r.tokens[:t + 1])
+                    # after a score-based eviction K,V depend on what went, not on the tokens alone: nobody may hit it
+                    self.blocks.content[b][t % self.bs] = tuple(r.tokens[:t + 1]) if r.id not in \
+                        self.blocks.unnamed else ("after an eviction", r.id, tuple(r.tokens[:t + 1]))
                 if c.sample:
                     sampled[r.id] = next_token(r.tokens)
+            if self.h2o is not None:  # each block's attention this step: any numbers, fixed by the example
+                self.sched.observe_scores(plan, [((self.index + 3) * 7919 + b * 104729) % 997 / 997.0
+                                                 for c in plan.scheduled for b in range(len(c.blocks))])
             victims, gave_back = self.check_choices(plan, running)
             finished = self.sched.update_from_output(plan, sampled)
             self.after_iteration(list(plan.admitted), victims, gave_back, finished, running)
@@ -313,7 +323,10 @@ class PagedMachine(RuleBasedStateMachine):
                     assert not (t < sink or t > r.num_computed_tokens - window), \
                         f"request {rid} position {t} was evicted while a later query reads it"
                     continue
-                assert self.blocks.content[table[t // self.bs]][t % self.bs] == tuple(r.tokens[:t + 1]), \
+                if table[t // self.bs] == EVICTED:  # h2o: given back, and never read again (keys_of)
+                    continue
+                assert self.blocks.content[table[t // self.bs]][t % self.bs] in (
+                    tuple(r.tokens[:t + 1]), ("after an eviction", rid, tuple(r.tokens[:t + 1]))), \
                     f"request {rid} position {t}: its slot holds another prefix's K,V"
 
     @invariant()
@@ -354,7 +367,7 @@ class EvictingMachine(PagedMachine):
     positions, and assert none of them is read later): the blocks a request holds are exactly those the rule keeps
     (every block with a position a later query reads, or not yet fully out of the window)."""
 
-    eviction = True
+    eviction = "streaming"
 
     @invariant()
     def a_request_holds_exactly_what_its_later_queries_read(self):
@@ -377,6 +390,40 @@ EvictingMachine.TestCase.settings = settings(max_examples=MAX_EXAMPLES // 4, sta
                                              deadline=None, suppress_health_check=[HealthCheck.too_slow],
                                              derandomize=True)
 test_paged_state_machine_with_eviction = EvictingMachine.TestCase
+
+
+class H2OMachine(PagedMachine):
+    """The same operations under kv_eviction h2o, each block's attention made up per step: after every iteration a
+    running request holds at most budget_tokens // block_size blocks unless every block it still holds is recent
+    (one of the last recent_tokens positions), never gave back a recent block, and among its old blocks kept none
+    has less attention than one it gave back at that iteration. Blocks written after an eviction are never hit (their
+    K,V depend on what went)."""
+
+    eviction = "h2o"
+
+    @invariant()
+    def a_request_keeps_its_budget_its_recent_blocks_and_its_heavy_hitters(self):
+        if not hasattr(self, "blocks") or self.h2o is None:
+            return
+        budget, recent = self.h2o
+        for rid, table in self.blocks.tables.items():
+            r = self.requests[rid]
+            if r.status is not RequestStatus.RUNNING:
+                continue
+            n = r.num_computed_tokens
+            held = [b for b in range(ceil_div(n, self.bs)) if table[b] != EVICTED]
+            old = [b for b in held if (b + 1) * self.bs <= n - recent]
+            assert len(held) <= budget // self.bs or not old, (rid, n, held, budget, recent)
+            gone = [b for b in range(ceil_div(n, self.bs)) if table[b] == EVICTED]
+            assert all((b + 1) * self.bs <= n - recent for b in gone), (rid, n, gone, recent)
+            last = [b for b, t in r.evictions[-1][2] if t == n] if r.evictions else []
+            scores = r.kv_scores + [0.0] * len(table)
+            assert all((scores[b], b) < (scores[k], k) for b in last for k in old), (rid, last, old, scores)
+
+
+H2OMachine.TestCase.settings = settings(max_examples=MAX_EXAMPLES // 4, stateful_step_count=STEPS, deadline=None,
+                                        suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+test_paged_state_machine_with_h2o = H2OMachine.TestCase
 
 
 class Loose(WatchedBlocks):

@@ -204,6 +204,15 @@ def predict_prompt_logprobs(p: int, rows: int, n: int) -> list[Traffic]:
     return [_outside("head", "prompt logprobs all-gather", "all_gather", (rows, p * (3 + 2 * n)), torch.float64, p)]
 
 
+def predict_eviction_scores(p: int, blocks: int, dtype: torch.dtype) -> list[Traffic]:
+    """kv_eviction h2o (serve/eviction.py): the ranks' attention per block summed, so every rank evicts the same
+    blocks: one all-reduce of the step's scheduled blocks (each chunk's block table) in float32 at least."""
+    if p == 1:
+        return []
+    return [_outside("engine", "eviction scores", "all_reduce", (blocks,), torch.promote_types(dtype, torch.float32),
+                     p)]
+
+
 def predict_control(p: int, payload: int, header: int) -> list[Traffic]:
     """The online engine's per-step control message (serve/engine.py's LLMEngine): rank 0 broadcasts a header of
     `header` float64 numbers (how many requests arrive, how many are aborted, the payload's length), then, when

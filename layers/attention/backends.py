@@ -119,6 +119,9 @@ class PagedBatch:
     meta: object = None
     tables: dict = field(default_factory=dict)  # per-iteration memo (RoPE's cos/sin), filled by the first layer
     fresh: tuple[tuple[int, int], ...] = ()  # rows [s, e) of each prompt chunk that starts at position 0
+    # kv_eviction h2o: each logical block's attention this iteration, summed over queries, heads and layers, plan
+    # order (len(c.blocks) per chunk), one last slot where padding keys add; None: not asked (score_slots)
+    scores: torch.Tensor | None = None
 
 
 def prefix_causal_mask(q_start: int, q_rows: int, kv_length: int, device=None) -> torch.Tensor:
@@ -130,14 +133,51 @@ def prefix_causal_mask(q_start: int, q_rows: int, kv_length: int, device=None) -
 def keys_of(c: ChunkLike, block_size: int) -> list[int] | None:
     """Under KV eviction (c.window: serve/eviction.py), the positions of the keys some query of chunk c reads, in
     order: j < kv_length with j < sink or j > q_start - window (the chunk's first query's window reaches furthest
-    back), in a block still held. None without eviction: every position [0, kv_length)."""
+    back), in a block still held (an evicted entry is negative). None without eviction: every position
+    [0, kv_length)."""
     if c.window is None:
         return None
     sink, window = c.window
     oldest = max(min(sink, c.kv_length), c.q_start - window + 1)
     keys = list(range(min(sink, c.kv_length))) + list(range(oldest, c.kv_length))
-    assert all(c.blocks[j // block_size] >= 0 for j in keys), "a freed block is still in a query's window"
-    return keys
+    return [j for j in keys if c.blocks[j // block_size] >= 0]
+
+
+def score_slots(chunks: Sequence[ChunkLike]) -> list[int] | None:
+    """kv_eviction h2o: where each chunk's logical blocks start in PagedBatch.scores (plan order, len(c.blocks)
+    each), the last entry the padding slot; None when no chunk is scored."""
+    if not any(getattr(c, "scored", False) for c in chunks):
+        return None
+    starts = [0]
+    for c in chunks:
+        starts.append(starts[-1] + len(c.blocks))
+    return starts
+
+
+def add_scores(scores: torch.Tensor, index: torch.Tensor, q: torch.Tensor, keys: torch.Tensor,
+               mask: torch.Tensor | None, causal: bool, scale: float | None, valid: torch.Tensor | None = None) -> None:
+    """H2O's statistic: each key's attention probability, summed over heads and queries, added into `scores` at
+    `index` (the key's logical block). q [B, h, n_q, d], keys [B, h_kv, n_k, d]; mask [B or 1, 1, n_q, n_k] or None;
+    causal: the top-left causal square (a fresh prompt chunk); valid [B, n_q]: real query rows. Softmax in float32 at
+    least, as attention computes it; index [B, n_k]."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    group = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1) if group > 1 else keys
+    logits = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if causal:
+        n_q, n_k = logits.shape[-2:]
+        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    p = logits.softmax(-1)
+    if valid is not None:
+        p = p * valid[:, None, :, None]
+    scores.index_add_(0, index.flatten(), p.sum(dim=(1, 2)).flatten().to(scores.dtype))
+
+
+def key_blocks(c: ChunkLike, positions: list[int], start: int, block_size: int) -> list[int]:
+    """Each key's slot in PagedBatch.scores: its request's start there and its logical block."""
+    return [start + j // block_size for j in positions]
 
 
 def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: tuple[int, int] | None) -> torch.Tensor:
@@ -184,6 +224,7 @@ class ReferenceMeta:
     new: tuple[torch.Tensor, ...]  # per request: the slots of its new rows [q_start, kv_length)
     slots: tuple[torch.Tensor, ...]  # per request: the slots of the keys it reads (all of [0, kv_length), or keys_of)
     masks: tuple[tuple[torch.Tensor | None, bool], ...]  # per request: (SDPA's mask, is_causal)
+    blocks: tuple[torch.Tensor, ...] | None = None  # kv_eviction h2o: each key's slot in PagedBatch.scores
 
 
 def slots_at(c: ChunkLike, positions: list[int], block_size: int) -> list[int]:
@@ -196,16 +237,19 @@ class ReferenceBackend(AttentionBackend):
 
     def build(self, chunks, spans, block_size, slots, put):
         keys = [keys_of(c, block_size) for c in chunks]
-        for c, k in zip(chunks, keys):
+        starts = score_slots(chunks)
+        for i, (c, k) in enumerate(zip(chunks, keys)):
             put(slots(c, c.q_start, c.kv_length))
             if k is None:
                 put(slots(c, 0, c.kv_length))
             else:  # eviction: the keys the chunk's queries read, and their positions for the window's mask
                 put(slots_at(c, k, block_size))
                 put(k)
+            if starts is not None:
+                put(key_blocks(c, k, starts[i], block_size))
 
         def finish(parts):
-            new, read, masks = [], [], []
+            new, read, masks, blocks = [], [], [], []
             for c, k in zip(chunks, keys):
                 new.append(next(parts))
                 read.append(next(parts))
@@ -218,7 +262,10 @@ class ReferenceBackend(AttentionBackend):
                     masks.append((None, True))
                 else:  # a chunk after a cached prefix: full on the prefix, causal on the chunk
                     masks.append((prefix_causal_mask(c.q_start, c.q_rows, c.kv_length, read[-1].device), False))
-            return ReferenceMeta(tuple(spans), tuple(c.q_start for c in chunks), tuple(new), tuple(read), tuple(masks))
+                if starts is not None:
+                    blocks.append(next(parts))
+            return ReferenceMeta(tuple(spans), tuple(c.q_start for c in chunks), tuple(new), tuple(read), tuple(masks),
+                                 tuple(blocks) if starts is not None else None)
 
         return finish
 
@@ -227,8 +274,8 @@ class ReferenceBackend(AttentionBackend):
         meta: ReferenceMeta = batch.meta
         group = q.shape[0] // kv.shape[1]
         outs = []
-        for (s, e), q_start, new, slots, (mask, causal) in zip(meta.spans, meta.q_starts, meta.new, meta.slots,
-                                                                meta.masks):
+        for i, ((s, e), q_start, new, slots, (mask, causal)) in enumerate(zip(meta.spans, meta.q_starts, meta.new,
+                                                                               meta.slots, meta.masks)):
             store(pool, new, kv[:, :, s:e].transpose(1, 2))  # [2, q_rows, h_kv, dh] into its new slots
             if skip_fresh and q_start == 0:
                 outs.append(q.new_zeros(1, q.shape[0], e - s, value_dim(pool, v_dim)))
@@ -239,6 +286,8 @@ class ReferenceBackend(AttentionBackend):
             keys, values = split_kv(context[:, None], v_dim)  # each [1, h, keys, d_head]
             outs.append(F.scaled_dot_product_attention(q[None, :, s:e], keys, values, attn_mask=mask,
                                                        is_causal=causal, scale=scale))
+            if meta.blocks is not None:  # kv_eviction h2o: what each key got, by its block
+                add_scores(batch.scores, meta.blocks[i], q[None, :, s:e], keys, mask, causal, scale)
         return rearrange(torch.cat(outs, dim=2), "1 h n d -> n (h d)")
 
 
@@ -261,6 +310,8 @@ class AttentionGroup:
     mask: torch.Tensor | None
     src: torch.Tensor
     dst: torch.Tensor
+    score_at: torch.Tensor | None = None  # kv_eviction h2o [B, max_kv]: each key's slot in PagedBatch.scores
+    valid: torch.Tensor | None = None  # with it [B, max_q]: the real query rows
 
 
 @dataclass(frozen=True)
@@ -331,6 +382,7 @@ class BatchedBackend(AttentionBackend):
             put([s for i in decodes for s in slots(chunks[i], 0, chunks[i].kv_length)])
             put([b for b, i in enumerate(decodes) for _ in range(chunks[i].kv_length)])
         shapes = []  # per group: (B, max_q, max_kv, causal)
+        starts = score_slots(chunks)
         for members in ([] if ragged else [decodes]) + split(fresh, chunks) + split(later, chunks):
             if not members:
                 continue
@@ -351,6 +403,9 @@ class BatchedBackend(AttentionBackend):
                 put(values)
             if window is not None:
                 put(positions)
+            if starts is not None:  # h2o: each key's block; a padding key adds to the last slot
+                put([x for i, k in zip(members, read) for x in key_blocks(chunks[i], k, starts[i], block_size)
+                     + [starts[-1]] * (max_kv - len(k))])
             # fresh prompt chunks (q_start = 0): each a causal square padded on the right, so SDPA's is_causal is
             # exact for every real query (a padding key lies past it) and no mask is built or read
             shapes.append((len(members), max_q, max_kv,
@@ -371,7 +426,12 @@ class BatchedBackend(AttentionBackend):
                     # keys; this also keeps a padding query's row from being all masked)
                     mask = ((keys[None, None, :] <= query_pos[:, :, None])
                             & (keys[None, None, :] < kv_length[:, None, None]))[:, None]
-                groups.append(AttentionGroup(rows.view(B, max_q), slots.view(B, max_kv), mask, src, dst))
+                score_at = valid = None
+                if starts is not None:
+                    score_at = next(parts).view(B, max_kv)
+                    valid = torch.arange(max_q, device=rows.device)[None, :] < (kv_length - q_start)[:, None]
+                groups.append(AttentionGroup(rows.view(B, max_q), slots.view(B, max_kv), mask, src, dst, score_at,
+                                             valid))
             return BatchedMeta(decode_group, tuple(groups))
 
         return finish
@@ -400,6 +460,8 @@ class BatchedBackend(AttentionBackend):
                     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
                 o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, is_causal=g.mask is None,
                                                    scale=scale)
+            if g.score_at is not None:  # kv_eviction h2o: what each key got, by its block (real queries only)
+                add_scores(batch.scores, g.score_at, queries, keys, g.mask, g.mask is None, scale, g.valid)
             out.index_copy_(0, g.dst, o.transpose(1, 2).reshape(B * max_q, h, -1).index_select(0, g.src))  # real rows
         return out.flatten(1)
 
@@ -443,6 +505,7 @@ class CPUSeq:
     blocks: torch.Tensor | None
     mask: torch.Tensor | None
     slots: torch.Tensor | None = None
+    score_at: torch.Tensor | None = None  # kv_eviction h2o: each key's slot in PagedBatch.scores
 
 
 @dataclass(frozen=True)
@@ -457,7 +520,8 @@ class CPUBackend(AttentionBackend):
     def build(self, chunks, spans, block_size, slots, put):
         reads = [c.q_start > 0 for c in chunks]  # a fresh chunk (q_start = 0) reads nothing from the pool
         keys = [keys_of(c, block_size) if read else None for c, read in zip(chunks, reads)]
-        for c, read, k in zip(chunks, reads, keys):
+        starts = score_slots(chunks)
+        for i, (c, read, k) in enumerate(zip(chunks, reads, keys)):
             if k is not None:  # eviction: the slots of exactly the keys its queries read, and their positions
                 put(slots_at(c, k, block_size))
                 put(k)
@@ -465,6 +529,8 @@ class CPUBackend(AttentionBackend):
                 put(list(c.blocks[:-(-c.kv_length // block_size)]))  # the whole blocks its keys lie in
             elif c.window is not None and c.q_rows > c.window[1]:  # a fresh chunk past its window: its positions
                 put(list(range(c.q_rows)))
+            if starts is not None:  # h2o: each key's block (a fresh chunk's keys are its own rows)
+                put(key_blocks(c, k if k is not None else list(range(c.q_rows)), starts[i], block_size))
 
         def finish(parts):
             seqs = []
@@ -473,7 +539,8 @@ class CPUBackend(AttentionBackend):
                     at, positions = next(parts), next(parts)
                     queries = torch.arange(c.q_start, c.kv_length, device=at.device)
                     mask = window_mask(queries, positions, c.window) if c.q_rows > 1 else None  # a decode: all
-                    seqs.append(CPUSeq(s, e, c.kv_length, None, mask, at))
+                    seqs.append(CPUSeq(s, e, c.kv_length, None, mask, at,
+                                       next(parts) if starts is not None else None))
                     continue
                 blocks = next(parts) if read else None
                 mask = (prefix_causal_mask(c.q_start, c.q_rows, c.kv_length, blocks.device)
@@ -481,7 +548,7 @@ class CPUBackend(AttentionBackend):
                 if not read and c.window is not None and c.q_rows > c.window[1]:  # a fresh chunk past its window
                     rows = next(parts)
                     mask = window_mask(rows, rows, c.window)
-                seqs.append(CPUSeq(s, e, c.kv_length, blocks, mask))
+                seqs.append(CPUSeq(s, e, c.kv_length, blocks, mask, None, next(parts) if starts is not None else None))
             return CPUMeta(block_size, tuple(seqs))
 
         return finish
@@ -501,6 +568,8 @@ class CPUBackend(AttentionBackend):
                 keys, values = split_kv(kv[:, None, :, seq.start:seq.end], v_dim)  # each [1, h_kv, q_rows, dh]
                 o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=seq.mask,
                                                    is_causal=seq.mask is None, enable_gqa=gqa, scale=scale)
+                if seq.score_at is not None:  # kv_eviction h2o: what each key got, by its block
+                    add_scores(batch.scores, seq.score_at, queries, keys, seq.mask, seq.mask is None, scale)
             else:  # a decode (sees every key) or a chunk after a prefix (its mask): keys through the block table
                 context = load(pool, seq.slots) if seq.slots is not None else \
                     load_blocks(pool, meta.block_size, seq.blocks)[:, :seq.kv_length]
@@ -511,6 +580,8 @@ class CPUBackend(AttentionBackend):
                 else:
                     o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=seq.mask, enable_gqa=gqa,
                                                        scale=scale)
+                if seq.score_at is not None:  # kv_eviction h2o: what each key got, by its block
+                    add_scores(batch.scores, seq.score_at, queries, keys, seq.mask, False, scale)
             outs.append(o[0])
         return rearrange(torch.cat(outs, dim=1), "h n d -> n (h d)")
 

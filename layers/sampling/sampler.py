@@ -102,6 +102,8 @@ class SampleResult:
     # row's score goes on the host: (request id, prompt position)
     prompt: torch.Tensor | None = None
     prompt_where: list[tuple[int, int]] | None = None
+    # kv_eviction h2o (serve/eviction.py): each scheduled block's attention this step, every rank's heads summed
+    scores: torch.Tensor | None = None
 
     # -- the sampled-token table: the one layout in which a pick leaves the device (to the host, between stages) --
 
@@ -115,15 +117,22 @@ class SampleResult:
             read.append(self.accepted[:, None])
         return torch.cat(read, dim=1)
 
-    def read(self) -> tuple[list[list[float]], list[list[float]]]:
-        """The table's rows and the prompt logprobs' rows, in one device-to-host copy (the step's one wait)."""
+    def read(self) -> tuple[list[list[float]], list[list[float]], list[float] | None]:
+        """The table's rows, the prompt logprobs' rows and the eviction scores (None when not asked), in one
+        device-to-host copy (the step's one wait)."""
         table = self.table()
-        if self.prompt is None:
-            return table.tolist(), []
-        flat = torch.cat([table.flatten(), self.prompt.flatten()]).tolist()
-        w, split, pw = table.shape[1], table.numel(), self.prompt.shape[1]
-        return ([flat[i:i + w] for i in range(0, split, w)],
-                [flat[i:i + pw] for i in range(split, len(flat), pw)])
+        if self.prompt is None and self.scores is None:
+            return table.tolist(), [], None
+        parts = [table.flatten()] + [t.flatten().to(table.dtype) for t in (self.prompt, self.scores) if t is not None]
+        flat = torch.cat(parts).tolist()
+        w, split = table.shape[1], table.numel()
+        rows = [flat[i:i + w] for i in range(0, split, w)]
+        prompt = []
+        if self.prompt is not None:
+            pw, end = self.prompt.shape[1], split + self.prompt.numel()
+            prompt = [flat[i:i + pw] for i in range(split, end, pw)]
+            split = end
+        return rows, prompt, flat[split:] if self.scores is not None else None
 
     @classmethod
     def from_table(cls, table: torch.Tensor) -> "SampleResult":
