@@ -5,22 +5,24 @@ and what cannot (docs/eviction.md).
                                         [--parts perplexity,sinks,pareto,memory,speed]
 
   perplexity  held-out text (train/data.py's split, never trained on) cut into --sequences sequences of the model's
-              whole context (256 tokens), scored through LLM with prompt logprobs (chunks of 64 rows: the window
-              slides inside a prompt): the mean negative log-likelihood of every token, and of the tokens at positions
-              past the budget (those the eviction touches), at KV budgets of 12.5, 25, 50 and 100 % of the sequence,
-              for sinks (4) + window, the window alone (no sinks) and one sink + window. The same figure from the
+              whole context (256 tokens), scored through LLM with prompt logprobs in chunks of 16 rows (the window
+              slides inside a prompt; h2o decides after each chunk): the mean negative log-likelihood of every
+              token, and of the tokens at positions past the budget (those eviction touches), at KV budgets of 12.5,
+              25, 50 and 100 % of the sequence, for sinks (4) + window, the window alone (no sinks), one sink +
+              window, and h2o (half the budget recent, half heavy hitters). For streaming, the same figure from the
               dense model recomputed under the same mask (layers/attention/eviction.streaming_reference) beside it.
   sinks       the attention each layer's heads give to the first 4 positions, averaged over the queries at positions
               >= 64 (the dense model's attention probabilities), against a uniform share; plotted.
-  pareto      kv_cache_dtype auto | fp8_e4m3 | int8 (calculated scales) crossed with the budgets (sinks + window):
-              KV bytes a sequence of 256 holds at its end (kept positions x bytes per token) against perplexity;
-              plotted, the Pareto front marked.
+  pareto      kv_cache_dtype auto | fp8_e4m3 | int8 (calculated scales) crossed with the policies and budgets: KV
+              bytes a sequence of 256 holds (budget x bytes per token) against perplexity; plotted, the Pareto front
+              marked.
   memory      host only (the scheduler and block manager, no model): a fixed pool of 64 blocks of 16 positions,
               32 requests of 200-token prompts generating 56 tokens, max_num_seqs 32: the most requests running at
-              once, iterations to finish, and preemptions, without eviction and with sinks + window 64.
+              once, iterations to finish, and preemptions, without eviction, with sinks + window 64 and h2o 64.
   speed       decode at long context through LLM (tp 1): 16 requests of 192-token prompts generating 64 tokens,
-              greedy, without eviction and with sinks 4 + window 32; generate()'s time interleaved, medians of
-              --repeats; ratio and whether the tokens differ (they may: eviction changes what is attended).
+              greedy, without eviction, with sinks 4 + window 32 and with h2o at 32; generate()'s time interleaved,
+              medians of --repeats; ratios and whether the tokens differ (they may: eviction changes what is
+              attended).
 
 Writes outputs/bench_eviction.json, outputs/eviction_sinks.png, outputs/eviction_pareto.png (copied to docs/) and
 prints the tables.
@@ -40,6 +42,7 @@ if __package__ in (None, ""):
 from benchmarks.common import ROOT, parse_args, print_table, refuse, write_json
 
 CONTEXT = 256
+CHUNK = 16  # prompt rows per request and step: h2o decides once a step, so its queries read at most budget + 15 keys
 FRACTIONS = (0.125, 0.25, 0.5, 1.0)
 SINKS = 4
 
@@ -50,7 +53,8 @@ def policies(budget: int) -> dict[str, dict | None]:
         return {"full cache": None}
     return {"sinks + window": {"policy": "streaming", "sink_tokens": SINKS, "window_tokens": budget - SINKS},
             "window only": {"policy": "streaming", "sink_tokens": 0, "window_tokens": budget},
-            "1 sink + window": {"policy": "streaming", "sink_tokens": 1, "window_tokens": budget - 1}}
+            "1 sink + window": {"policy": "streaming", "sink_tokens": 1, "window_tokens": budget - 1},
+            "h2o": {"policy": "h2o", "budget_tokens": budget, "recent_tokens": budget // 2}}
 
 
 def held_out_sequences(model: str, n: int):
@@ -67,8 +71,8 @@ def served_nll(model: str, seqs, eviction, budget: int, **engine) -> dict:
     from serve import LLM
     from serve.sampling_params import SamplingParams
 
-    with LLM(model, kv_eviction=eviction, long_prefill_token_threshold=64, max_num_batched_tokens=512,
-             max_num_seqs=16, **engine) as llm:
+    with LLM(model, kv_eviction=eviction, long_prefill_token_threshold=CHUNK, max_num_batched_tokens=512,
+             max_num_seqs=32, **engine) as llm:
         outs = llm.generate(seqs, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True))
         evicted = llm.stats().get("kv_evicted_blocks", 0)
     every, late = [], []
@@ -82,11 +86,14 @@ def served_nll(model: str, seqs, eviction, budget: int, **engine) -> dict:
             "evicted_blocks": evicted}
 
 
-def dense_nll(dense, seqs, eviction) -> float:
+def dense_nll(dense, seqs, eviction) -> float | None:
+    """The same under StreamingLLM's mask without a cache (None for h2o, whose mask is the engine's own log)."""
     import torch
 
     from layers.attention.eviction import streaming_reference
 
+    if eviction is not None and eviction["policy"] != "streaming":
+        return None
     window = None if eviction is None else (eviction["sink_tokens"], eviction["window_tokens"])
     total, count = 0.0, 0
     with torch.no_grad(), streaming_reference(window):
@@ -121,7 +128,7 @@ def part_perplexity(args, seqs, out):
             out["perplexity"].append(row)
             rows.append([f"{fraction:.1%} ({budget})", name, f"{math.exp(got['nll']):.3f}",
                          "-" if got["nll_past_budget"] is None else f"{math.exp(got['nll_past_budget']):.3f}",
-                         f"{math.exp(ref):.3f}", got["evicted_blocks"]])
+                         "-" if ref is None else f"{math.exp(ref):.3f}", got["evicted_blocks"]])
             print(f"perplexity {budget} {name}: {math.exp(got['nll']):.3f}", file=sys.stderr)
     print_table(["KV budget", "policy", "perplexity (served)", "past the budget", "dense, same mask",
                  "blocks evicted"], rows)
@@ -196,18 +203,23 @@ def part_pareto(args, seqs, out):
         per_token = layout_block_bytes(cfg.n_layers, cache_layout_of(cfg, 1), 1, torch.float32, dtype)
         for fraction in FRACTIONS:
             budget = int(CONTEXT * fraction)
-            eviction = policies(budget).get("sinks + window")
-            got = served_nll(args.model, seqs, eviction, budget, kv_cache_dtype=dtype,
-                             calculate_kv_scales=dtype != "auto")
-            kept = budget  # positions a sequence of CONTEXT holds at its end: sinks + window
-            row = {"cache_dtype": dtype, "budget": budget, "kv_bytes": kept * per_token, **got}
-            out["pareto"].append(row)
-            rows.append([dtype, budget, kept * per_token, f"{math.exp(got['nll']):.3f}"])
-            print(f"pareto {dtype} {budget}: {math.exp(got['nll']):.3f}", file=sys.stderr)
+            for name, eviction in policies(budget).items():
+                if name == "1 sink + window":
+                    continue
+                known = next((r for r in out["perplexity"] if dtype == "auto" and r["budget"] == budget
+                              and r["policy"] == name), None)
+                got = known or served_nll(args.model, seqs, eviction, budget, kv_cache_dtype=dtype,
+                                          calculate_kv_scales=dtype != "auto")
+                row = {"cache_dtype": dtype, "policy": name, "budget": budget, "kv_bytes": budget * per_token,
+                       "nll": got["nll"]}
+                out["pareto"].append(row)
+                rows.append([dtype, name, budget, budget * per_token, f"{math.exp(got['nll']):.3f}"])
+                print(f"pareto {dtype} {name} {budget}: {math.exp(got['nll']):.3f}", file=sys.stderr)
     front = pareto_front(out["pareto"])
     for row, r in zip(rows, out["pareto"]):
         row.append("yes" if r in front else "")
-    print_table(["kv_cache_dtype", "budget (positions)", "KV bytes held at 256", "perplexity", "on the front"], rows)
+    print_table(["kv_cache_dtype", "policy", "budget (positions)", "KV bytes held at 256", "perplexity",
+                 "on the front"], rows)
     plot_pareto(out["pareto"], front)
 
 
@@ -223,11 +235,15 @@ def plot_pareto(points, front):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    for dtype, marker in (("auto", "o"), ("fp8_e4m3", "s"), ("int8", "^")):
-        mine = [p for p in points if p["cache_dtype"] == dtype]
-        ax.plot([p["kv_bytes"] / 1024 for p in mine], [math.exp(p["nll"]) for p in mine], marker=marker,
-                label=f"{'float32' if dtype == 'auto' else dtype}, sinks + window")
+    fig, ax = plt.subplots(figsize=(7.2, 4.4))
+    for dtype, color in (("auto", "C0"), ("fp8_e4m3", "C1"), ("int8", "C2")):
+        for policy, marker in (("sinks + window", "o"), ("window only", "s"), ("h2o", "^"), ("full cache", "*")):
+            mine = sorted((p for p in points if p["cache_dtype"] == dtype and p["policy"] == policy),
+                          key=lambda p: p["kv_bytes"])
+            if mine:
+                ax.plot([p["kv_bytes"] / 1024 for p in mine], [math.exp(p["nll"]) for p in mine], marker=marker,
+                        color=color, linestyle="-" if policy != "window only" else "--",
+                        label=f"{'float32' if dtype == 'auto' else dtype}, {policy}")
     ordered = sorted(front, key=lambda p: p["kv_bytes"])
     ax.plot([p["kv_bytes"] / 1024 for p in ordered], [math.exp(p["nll"]) for p in ordered], color="black",
             linestyle=":", label="Pareto front")
@@ -235,7 +251,7 @@ def plot_pareto(points, front):
     ax.set_xlabel("KV KiB a 256-token sequence holds (budget x bytes per token)")
     ax.set_ylabel("held-out perplexity")
     ax.set_title("models/stdlib: eviction x quantization")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     for path in (ROOT / "outputs" / "eviction_pareto.png", ROOT / "docs" / "eviction_pareto.png"):
         fig.savefig(path, dpi=110)
@@ -249,7 +265,8 @@ def part_memory(args, out):
 
     rows = []
     for name, eviction in (("no eviction", None),
-                           ("sinks 4 + window 64", {"policy": "streaming", "sink_tokens": 4, "window_tokens": 64})):
+                           ("sinks 4 + window 64", {"policy": "streaming", "sink_tokens": 4, "window_tokens": 64}),
+                           ("h2o, budget 64", {"policy": "h2o", "budget_tokens": 64})):
         config = EngineConfig(max_num_seqs=32, long_prefill_token_threshold=64, max_num_batched_tokens=512,
                               block_size=16, num_gpu_blocks_override=64, kv_eviction=eviction,
                               enable_prefix_caching=False)
@@ -277,7 +294,8 @@ def part_speed(args, seqs, out):
     prompts = [ids[:192] for ids in seqs[:16]]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     settings = {"no eviction": None,
-                "sinks 4 + window 32": {"policy": "streaming", "sink_tokens": SINKS, "window_tokens": 32}}
+                "sinks 4 + window 32": {"policy": "streaming", "sink_tokens": SINKS, "window_tokens": 32},
+                "h2o, budget 32": {"policy": "h2o", "budget_tokens": 32}}
     llms = {name: LLM(args.model, kv_eviction=e, max_num_seqs=16) for name, e in settings.items()}
     times, tokens = {name: [] for name in llms}, {}
     try:
@@ -299,6 +317,7 @@ def part_speed(args, seqs, out):
         same = sum(a == b for a, b in zip(tokens[name], tokens["no eviction"]))
         out["speed"].append({"setting": name, "median_s": t, "speedup": base / t, "same_tokens": same})
         rows.append([name, f"{16 * 64 / t:.1f}", f"{base / t:.2f}x", f"{same}/16"])
+    out["speed_settings"] = {name: e for name, e in settings.items()}
     print_table(["16 requests, 192 + 64 tokens", "tokens/s", "vs no eviction", "tokens equal"], rows)
 
 

@@ -187,12 +187,11 @@ class LLMEngine:
     def stats(self) -> dict:
         """Rank 0's view, cheap enough for every step: the pool, the queues, running totals, the last iteration's
         traffic record."""
-        return {"num_blocks": self.num_blocks, "free_blocks": self.free_blocks,
-                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "iterations": self.iterations, "busy_s": self.busy_s, "preemptions": self.scheduler.preemptions,
+        return {"num_blocks": self.num_blocks, "free_blocks": self.free_blocks, "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting), "iterations": self.iterations, "busy_s": self.busy_s,
+                "preemptions": self.scheduler.preemptions, "kv_evicted_blocks": self.scheduler.blocks.evicted,
                 "prefix_hit_tokens": self.prefix_hit_tokens, "prefix_queried_tokens": self.prefix_queried_tokens,
                 "collective_bytes_per_rank": self.collective_bytes_per_rank,
-                **({"kv_evicted_blocks": self.scheduler.blocks.evicted} if self.config.kv_eviction else {}),
                 "oracle": next((dict(h.verdicts) for h in self.hooks if hasattr(h, "verdicts")), None),
                 **(self.spec_stats.as_dict() if self.config.speculative_config is not None else {}),
                 **(self.tuner.as_dict() if self.tuner else {}),
@@ -229,10 +228,8 @@ class LLMEngine:
             self._after(StepRecord(None, payload, ran.sampler, ended=aborts, **ran.extra))
             return self._outputs_of([], aborts)
         plan, sched = ran.done, self.scheduler
-        table, scored, scores = ran.result.read()  # ★ the step's one wait (host copy): sampled rows, scored prompt
-        if scores is not None:  # rows, kv_eviction h2o's attention per block
-            sched.observe_scores(plan, scores)
-        sampled, rows, finished = self._update(plan, table)
+        table, scored, scores = ran.result.read()  # ★ the step's one wait (host copy): sampled and scored rows, h2o's
+        sampled, rows, finished = self._update(plan, table, scores)
         self.prefix_hit_tokens += plan.prefix_hits
         self.prefix_queried_tokens += sum(len(sched.by_id[rid].prompt) for rid in plan.admitted if rid in sched.by_id)
         self.collective_bytes_per_rank += sum(r.traffic().bytes_per_rank for r in self.ledger.records)
@@ -278,20 +275,19 @@ class LLMEngine:
                 predicted += predict_verify(p, *step.verify, self.lm.cfg.vocab_size, self.dtype)
             if step.prompt is not None and self.lm.vocab_parallel:
                 predicted += predict_prompt_logprobs(p // self.cp, *step.prompt)
-            if self.config.kv_eviction is not None and self.config.kv_eviction.scored:
-                predicted += predict_eviction_scores(p, sum(len(c.blocks) for c in plan.scheduled), self.dtype)
+            predicted += predict_eviction_scores(p, sum(len(c.blocks) for c in plan.scheduled if c.scored), self.dtype)
         return seen, predicted
 
     # -- the pieces --------------------------------------------------------------------------------------------------
 
-    def _update(self, plan: SchedulerOutput, rows: list[list[float]]) -> tuple[list[int], list, list[int]]:
-        """The scheduler takes the step's tokens; (a request id per token a request got, that token's row of the table,
-        the requests that finished). A verified chunk gives its rows up to its last accepted one (fewer if the request
-        ended there); a token of a request aborted in flight is dropped."""
+    def _update(self, plan: SchedulerOutput, rows: list[list[float]], scores=None) -> tuple[list[int], list, list[int]]:
+        """The scheduler takes the step's tokens (and h2o's scores); (a request id per token a request got, its row of
+        the table, the requests that finished). A verified chunk gives its rows up to its last accepted one (fewer if
+        the request ended there); a token of a request aborted in flight is dropped."""
         sched = self.scheduler
         per_request = self._tokens_of(plan, rows)
         held = {rid: len(sched.by_id[rid].output) for rid in per_request if rid in sched.by_id}
-        finished = sched.update_from_output(plan, {rid: tokens for rid, (tokens, _) in per_request.items()})
+        finished = sched.update_from_output(plan, {rid: tokens for rid, (tokens, _) in per_request.items()}, scores)
         live = [(rid, row) for rid, (_, its) in per_request.items() if rid in held
                 and sched.by_id[rid].status is not RequestStatus.FINISHED_ABORTED
                 for row in its[:len(sched.by_id[rid].output) - held[rid]]]

@@ -396,11 +396,15 @@ class Scheduler:
         if not waiting:
             preempted.append(victim)
 
-    def update_from_output(self, plan: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[int]:
+    def update_from_output(self, plan: SchedulerOutput, sampled: dict[int, int | list[int]],
+                           scores: list[float] | None = None) -> list[int]:
         """Apply an iteration's results (request id -> its new token, or a verified chunk's tokens: the accepted
         proposals and the target's own); return the ids that finished now, whose blocks are given back (their
         contents stay in the pool until reused: a hook may still read them). A verified request keeps the K,V of the
-        rows whose tokens it now holds; blocks that held only rejected rows go back to the pool."""
+        rows whose tokens it now holds; blocks that held only rejected rows go back to the pool. scores: kv_eviction
+        h2o's attention per block this iteration (observe_scores), before its evictions."""
+        if scores is not None:
+            self.observe_scores(plan, scores)
         finished = []
         for c in plan.scheduled:
             if c.request in self.in_flight:  # a pipeline's micro-batch back from the last stage

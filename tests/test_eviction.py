@@ -250,3 +250,14 @@ def test_bad_settings_are_refused_in_one_line(settings, words):
     with pytest.raises(ValueError, match=words) as info:
         EngineConfig(**settings)
     assert "\n" not in str(info.value)
+
+
+def test_llm_refuses_what_is_not_built_before_any_rank_starts():
+    from serve import LLM
+
+    for kwargs, words in ((dict(pipeline_parallel_size=2), "with pipeline stages"),
+                          (dict(context_parallel_size=2), "context_parallel_size=2 with kv_eviction"),
+                          (dict(check=True, kv_eviction={"policy": "h2o", "budget_tokens": 64}), "check=True")):
+        kwargs.setdefault("kv_eviction", STREAMING | {"window_tokens": 16})
+        with pytest.raises(ValueError, match=words):
+            LLM("llama_tiny", **kwargs)

@@ -207,7 +207,7 @@ def predict_prompt_logprobs(p: int, rows: int, n: int) -> list[Traffic]:
 def predict_eviction_scores(p: int, blocks: int, dtype: torch.dtype) -> list[Traffic]:
     """kv_eviction h2o (serve/eviction.py): the ranks' attention per block summed, so every rank evicts the same
     blocks: one all-reduce of the step's scheduled blocks (each chunk's block table) in float32 at least."""
-    if p == 1:
+    if p == 1 or not blocks:
         return []
     return [_outside("engine", "eviction scores", "all_reduce", (blocks,), torch.promote_types(dtype, torch.float32),
                      p)]
