@@ -34,7 +34,6 @@ from launch.loading import LoadMeter
 from launch.serve_report import add_text, build_pd_report, build_report, render, render_pd
 from launch.serve_settings import Settings, parse_settings
 from launch.settings import launch, publish, script_main
-from layers.attention.eviction import streaming_reference
 from layers.attention.kv_quant import gather_scales, pseudo_quantized
 from layers.models.dense import weights_checksum
 from layers.models.families import of
@@ -42,7 +41,7 @@ from layers.models.lm import NEAR_TIE
 from layers.models.pipeline import stage_layers
 from serve.build import build_lm, build_rank, dense_model, rank_weights
 from serve.control import agree, digest
-from serve.hooks import check_request
+from serve.hooks import check_request, eviction_reference
 from serve.offline import OfflineEngine, ServeResult
 from serve.pd import new_groups, serve_pd
 from serve.pipeline import stage_report
@@ -69,9 +68,7 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     result = engine.run(s.requests)
     quant = engine.cache.quant  # kv_cache_dtype fp8/int8: the oracle round-trips K,V with every rank's scales
     scales = all_scales(quant, s, ctx) if quant is not None and s.check else None
-    eviction = s.engine.kv_eviction  # the oracle masks the keys the engine's queries no longer read
-    with nullcontext() if scales is None else pseudo_quantized(scales, quant.name), \
-            streaming_reference(None if eviction is None else eviction.window):
+    with nullcontext() if scales is None else pseudo_quantized(scales, quant.name):
         checks = oracle_check(dense, s, result, ctx) if s.check else None
     report = build_report(s, ctx, result, checks)
     if s.pp > 1:
@@ -155,8 +152,9 @@ def oracle_check(dense, s: Settings, result: ServeResult, ctx) -> list[dict]:
     mine = {}
     with torch.no_grad():
         for r, served in zip(s.requests, result.requests):
-            if r.id % ctx.world_size == ctx.rank:
-                verdict = check_request(dense, r, served["output_ids"], served["logits"], NEAR_TIE[s.dtype])
+            if r.id % ctx.world_size == ctx.rank:  # kv_eviction: masked as the engine read
+                with eviction_reference(s.engine.kv_eviction, r, s.engine.block_size):
+                    verdict = check_request(dense, r, served["output_ids"], served["logits"], NEAR_TIE[s.dtype])
                 mine[r.id] = {"request": served["request"], **verdict}
     gathered = [None] * ctx.world_size
     dist.all_gather_object(gathered, mine, group=ctx.group)

@@ -129,13 +129,6 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
     check = str(cfg.check).lower()
     if check not in ("auto", "true", "false"):
         raise ConfigError(f"check={cfg.check!r} must be auto, true or false")
-    if engine.kv_eviction is not None and engine.kv_eviction.scored:  # the mask follows the engine's scores
-        if check == "true":
-            raise ConfigError("check=true with kv_eviction policy=h2o is not built (the oracle's mask is fixed by "
-                              "positions; tests/test_eviction.py checks h2o against the engine's log): set check=false")
-        if check == "auto":
-            check = "false"
-            notes.append("check=auto is off: with kv_eviction policy=h2o what is masked follows the engine's scores")
     check = check_and_memory(check, common, requests, tp_sizes, world_size, local_world_size, notes)
     common["checkpoint"] = common.pop("weights")
     settings = Settings(**common, requests=requests, engine=engine, eos_token_ids=eos_token_ids, eos_from=eos_from,

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
-from layers.attention.eviction import streaming_reference
+from layers.attention.eviction import logged_reference, streaming_reference
 from layers.models.lm import greedy_reference, oracle_verdict, sampled_reference
 from serve.plan import SchedulerOutput
 from serve.request import Request, RequestStatus
@@ -46,6 +47,16 @@ def check_request(dense, r: Request, output: list[int], logits: list[float], nea
     ref = (greedy_reference(dense, r.prompt, r.max_new_tokens, r.stop_ids) if r.params is None or r.params.greedy
            else sampled_reference(dense, r.prompt, r.params, r.sampling_seed, r.stop_ids))
     return oracle_verdict(output, logits, ref, near_tie)
+
+
+def eviction_reference(eviction, r: Request, block_size: int):
+    """What the oracle masks for request r under kv_eviction (serve/eviction.py): streaming's window, or h2o's log of
+    what went when (r.evictions); nothing without eviction."""
+    if eviction is None:
+        return nullcontext()
+    if eviction.scored:
+        return logged_reference(r.evictions, len(r.prompt), block_size)
+    return streaming_reference(eviction.window)
 
 
 class StepHook:
@@ -119,8 +130,7 @@ class OracleCheck(StepHook):
                 # are not plain sampling's (tests/test_spec_decode.py checks the distribution)
                 verdict = {"verdict": "unchecked", "ok": True, "reason": "sampled with the rejection sampler"}
             else:
-                eviction = engine.config.kv_eviction  # the oracle masks what the engine's queries no longer read
-                with streaming_reference(None if eviction is None else eviction.window):
+                with eviction_reference(engine.config.kv_eviction, r, engine.config.block_size):
                     verdict = check_request(self.dense, r, r.output, logits, self.near_tie)
             self.verdicts[verdict["verdict"]] += 1
             if rid in engine._outputs:

@@ -148,10 +148,6 @@ class LLM:
             raise ValueError(f"check=True compares with the dense model's unquantized K,V: with kv_cache_dtype="
                              f"{self.config.kv_cache_dtype}, check with launch/serve.py (its oracle round-trips K,V with "
                              f"the engine's scales)")
-        if check and self.config.kv_eviction is not None and self.config.kv_eviction.scored:
-            raise ValueError("check=True recomputes under a mask fixed by positions: with kv_eviction policy='h2o' what "
-                             "is masked follows the engine's scores (tests/test_eviction.py checks it against its "
-                             "log); use check=False")
         spec_config = self.config.speculative_config
         try:
             backend = resolve_backend(backend, p * pp * cp)

@@ -142,7 +142,7 @@ class OfflineEngine:
             served = sched.by_id[r.id]
             if served is not r:  # ranks other than 0 served the copies rank 0 sent: the caller's requests get the end
                 for name in ("output", "num_computed_tokens", "prefix_hit", "num_cached_tokens", "preemptions",
-                             "status", "arrival"):
+                             "status", "arrival", "evictions"):
                     setattr(r, name, getattr(served, name))
         given = {r.id for r in requests}
         served = requests + sorted((r for r in sched.by_id.values() if r.id not in given), key=lambda r: r.id)

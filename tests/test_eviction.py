@@ -252,12 +252,19 @@ def test_bad_settings_are_refused_in_one_line(settings, words):
     assert "\n" not in str(info.value)
 
 
-def test_llm_refuses_what_is_not_built_before_any_rank_starts():
+def test_llm_checks_h2o_against_its_log_and_refuses_what_is_not_built():
+    """LLM(check=True) under h2o at p = 2: each request's oracle replays the engine's log of what went when
+    (layers/attention/eviction.logged_reference), and every token matches; unbuilt combinations are refused before any
+    rank starts."""
     from serve import LLM
 
+    prompts = [[random.Random(i).randrange(1, 1000) for _ in range(30 + 7 * i)] for i in range(3)]
+    with LLM("llama_tiny", tensor_parallel_size=2, dtype="float64", check=True, block_size=4,
+             long_prefill_token_threshold=8, kv_eviction=H2O) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        assert [o.oracle["verdict"] for o in outs] == ["match"] * 3
+        assert llm.stats()["kv_evicted_blocks"] > 0
     for kwargs, words in ((dict(pipeline_parallel_size=2), "with pipeline stages"),
-                          (dict(context_parallel_size=2), "context_parallel_size=2 with kv_eviction"),
-                          (dict(check=True, kv_eviction={"policy": "h2o", "budget_tokens": 64}), "check=True")):
-        kwargs.setdefault("kv_eviction", STREAMING | {"window_tokens": 16})
+                          (dict(context_parallel_size=2), "context_parallel_size=2 with kv_eviction")):
         with pytest.raises(ValueError, match=words):
-            LLM("llama_tiny", **kwargs)
+            LLM("llama_tiny", kv_eviction=STREAMING | {"window_tokens": 16}, **kwargs)

@@ -269,7 +269,6 @@ LLAMA_BAD = [
     (["kv_eviction={policy:streaming,window_tokens:8}"], "kv_eviction window_tokens=8 is smaller than a block"),
     (["kv_eviction={policy:streaming,window_tokens:32}", "pd.prefill_ranks=1", "pd.decode_ranks=1"],
      "kv_eviction with pd is not built"),
-    (["kv_eviction={policy:h2o,budget_tokens:64}", "check=true"], "check=true with kv_eviction policy=h2o"),
 ]
 
 
