@@ -143,6 +143,14 @@ class EngineConfig:
         return {f.name: dataclasses.asdict(v) if dataclasses.is_dataclass(v := getattr(self, f.name)) else v
                 for f in dataclasses.fields(self)}
 
+    def peak_blocks(self) -> int | None:
+        """Under kv_eviction, the most blocks one request holds at once (serve/eviction.py peak_blocks, with one
+        iteration's rows at most); None without eviction (a request holds its whole length)."""
+        if self.kv_eviction is None:
+            return None
+        return self.kv_eviction.peak_blocks(self.block_size, min(self.long_prefill_token_threshold,
+                                                                 self.max_num_batched_tokens))
+
     def check_pipeline(self, pp: int) -> None:
         """The rule between these settings and the pipeline's size."""
         if pp == 1 and self.chunk_pipelining:
@@ -203,13 +211,18 @@ class EngineConfig:
         return self.max_num_seqs * ceil_div(min(max_seq_len, self.max_model_len or max_seq_len), self.block_size)
 
 
-def fits_alone(positions: int, num_blocks: int, block_size: int, block_bytes: int | None = None) -> str | None:
+def fits_alone(positions: int, num_blocks: int, block_size: int, block_bytes: int | None = None,
+               peak: int | None = None) -> str | None:
     """The rule "a request fits the pool alone": None when `positions` cached positions fit in num_blocks blocks of
     block_size, else the one-line reason (every caller raises its own error type with it). block_bytes: a block's
-    bytes on a rank, where kv_cache_memory_bytes sized the pool (the advice is then about it)."""
-    need = ceil_div(positions, block_size)
+    bytes on a rank, where kv_cache_memory_bytes sized the pool (the advice is then about it). peak: the most blocks
+    a request holds at once under kv_eviction (EngineConfig.peak_blocks), whatever its length."""
+    need = ceil_div(positions, block_size) if peak is None else min(peak, ceil_div(positions, block_size))
     if need <= num_blocks:
         return None
+    if peak is not None and need == peak:
+        return (f"kv_eviction holds up to {peak} KV blocks of block_size={block_size} per request, more than the "
+                f"pool's {num_blocks}; raise the pool or lower the eviction's budget")
     if block_bytes is not None:
         return (f"{positions} positions need {need} KV blocks of block_size={block_size}, more than the "
                 f"{num_blocks} that kv_cache_memory_bytes holds; raise kv_cache_memory_bytes to at least "

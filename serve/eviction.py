@@ -132,6 +132,6 @@ class KVEvictionConfig:
     def peak_blocks(self, block_size: int, chunk: int) -> int:
         """The most blocks a request holds at once: streaming, its sink blocks and the blocks of one iteration's rows
         (at most `chunk`) with the window before the first of them; h2o, its budget and one iteration's rows."""
-        if self.policy == "h2o":
-            return self.budget_tokens // block_size + ceil_div(chunk, block_size) + 1
+        if self.policy == "h2o":  # its budget (or its recent blocks, one more at most), then the chunk's rows
+            return self.budget_tokens // block_size + 1 + ceil_div(chunk, block_size) + 1
         return ceil_div(self.sink_tokens, block_size) + ceil_div(self.window_tokens - 1 + chunk, block_size) + 1

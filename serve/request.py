@@ -114,11 +114,12 @@ def context_error(prompt_len: int, max_tokens: int, limit: int) -> FieldError | 
 
 
 def validate_prompt(ids: list[int], max_tokens: int, vocab_size: int, max_seq_len: int, num_blocks: int,
-                    block_size: int, max_model_len: int | None, block_bytes: int | None = None) -> None:
+                    block_size: int, max_model_len: int | None, block_bytes: int | None = None,
+                    peak: int | None = None) -> None:
     """ValueError (one line) unless the prompt can be served: token ids of the vocabulary, a prompt no longer than
     max_model_len (unset: the model's context; a longer max_tokens is cut there, output_budget, as vLLM's engine
     does), and a pool that can hold the request alone (serve/config.fits_alone; block_bytes where
-    kv_cache_memory_bytes sized it)."""
+    kv_cache_memory_bytes sized it; peak: the most blocks a request holds under kv_eviction)."""
     if not isinstance(ids, (list, tuple)) or not ids:
         raise FieldError("empty prompt: a request needs at least one token", "prompt")
     bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
@@ -130,9 +131,9 @@ def validate_prompt(ids: list[int], max_tokens: int, vocab_size: int, max_seq_le
         raise FieldError(f"the prompt of {len(ids)} tokens is longer than {what}; shorten it", "prompt")
     max_tokens = output_budget(len(ids), max_tokens, limit)
     need = len(ids) + max_tokens - 1  # cached positions: the last token is sampled, never fed back
-    reason = fits_alone(need, num_blocks, block_size, block_bytes)
+    reason = fits_alone(need, num_blocks, block_size, block_bytes, peak)
     if reason is not None:
-        alone = fits_alone(len(ids), num_blocks, block_size, block_bytes) is None  # with one new token
+        alone = fits_alone(len(ids), num_blocks, block_size, block_bytes, peak) is None  # with one new token
         raise FieldError(f"prompt of {len(ids)} tokens + max_tokens={max_tokens}: {reason}",
                          "max_tokens" if alone else "prompt")
 

@@ -45,9 +45,10 @@ class SchedulerError(ValueError):
     """A workload with which the scheduler cannot make progress."""
 
 
-def fits_or_raise(r: Request, num_blocks: int, block_size: int) -> None:
-    """SchedulerError unless the pool can hold r alone at its largest (serve/config.fits_alone, the rule)."""
-    reason = fits_alone(r.capacity, num_blocks, block_size)
+def fits_or_raise(r: Request, num_blocks: int, block_size: int, peak: int | None = None) -> None:
+    """SchedulerError unless the pool can hold r alone at its largest (serve/config.fits_alone, the rule; peak: the
+    most blocks a request holds under kv_eviction)."""
+    reason = fits_alone(r.capacity, num_blocks, block_size, peak=peak)
     if reason is not None:
         raise SchedulerError(f"request {r.id} cannot be held even alone: prompt {len(r.prompt)} + max_new_tokens "
                              f"{r.max_new_tokens} - 1 = {reason}")
@@ -164,7 +165,7 @@ class Scheduler:
         return cls(config, KVCacheManager(n, config.block_size, config.enable_prefix_caching), requests)
 
     def check_fits(self, r: Request) -> None:
-        fits_or_raise(r, self.blocks.num_blocks, self.blocks.block_size)
+        fits_or_raise(r, self.blocks.num_blocks, self.blocks.block_size, self.config.peak_blocks())
 
     def add(self, r: Request) -> None:
         """A request arriving while the engine runs (LLMEngine.add_request): it waits from iteration r.arrival on."""
@@ -273,6 +274,9 @@ class Scheduler:
                 # a request scoring its prompt computes every prompt row (vLLM's rule): no prefix hit
                 hit, need = self.blocks.admit_cost(r.tokens, min(c.long_prefill_token_threshold, self._left),
                                                    cached=r.params is None or r.params.prompt_logprobs is None)
+                if hit and c.kv_eviction is not None and need > c.peak_blocks():  # a prefix hit would take more
+                    hit, need = self.blocks.admit_cost(r.tokens, min(c.long_prefill_token_threshold, self._left),
+                                                       cached=False)  # blocks than eviction ever lets it hold
                 if c.reserve_capacity:
                     need = self.blocks.blocks_for(r.capacity)
                 fits = need <= self.blocks.num_free
@@ -489,7 +493,7 @@ def check_request(config, model, num_blocks: int, block_bytes: int | None, ids: 
     speculation, the priority under the scheduling policy. One-line ValueErrors naming the field; returns the
     request's output budget (output_budget)."""
     validate_prompt(ids, params.max_tokens, model.vocab_size, model.max_seq_len, num_blocks, config.block_size,
-                    config.max_model_len, block_bytes)
+                    config.max_model_len, block_bytes, config.peak_blocks())
     check_speculation(config.speculative_config, params.logprobs, params.prompt_logprobs)
     check_priority(priority, config.scheduling_policy)
     return output_budget(len(ids), params.max_tokens, config.max_model_len or model.max_seq_len)

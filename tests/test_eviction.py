@@ -39,12 +39,13 @@ STREAMING = {"policy": "streaming", "sink_tokens": SINK, "window_tokens": WINDOW
 
 def workload(seed: int) -> list[tuple[list[int], int, int, bool]]:
     """(prompt, max_tokens, step it arrives, prompt logprobs): prompts longer than the window; two share a prefix
-    with the first (prefix hits)."""
+    with the first (prefix hits); the last is longer than the pool holds (eviction keeps it within)."""
     rng = random.Random(seed)
     first = [rng.randrange(257) for _ in range(30)]
     reqs = [(first, 8, 0, True), (first[:24] + [7, 8, 9], 6, 3, False), (list(first), 5, 6, False)]
     for i in range(3):
         reqs.append(([rng.randrange(257) for _ in range(rng.randint(4, 34))], rng.randint(3, 9), 1 + 2 * i, i == 1))
+    reqs.append(([rng.randrange(257) for _ in range(50)], 8, 2, False))  # 57 positions: more than the pool's 48
     return reqs
 
 
@@ -131,7 +132,7 @@ def test_the_mask_matters_and_a_window_over_everything_changes_nothing():
     """The check above can fail: on these prompts the masked reference's logprobs differ from plain attention's.
     And with a window longer than every sequence the engine's tokens and logprobs are bit for bit those without
     eviction, no block evicted."""
-    reqs = workload(seed=1)
+    reqs = workload(seed=1)[:-1]  # without the request longer than the pool (held only by evicting)
     dense = init_weights(dense_lm(GPT2, torch.float64), seed=0, std=0.1)
     plain, masked = reference(dense, reqs[0][0], 4, masked=False), reference(dense, reqs[0][0], 4)
     assert max(abs(a - b) for a, b in zip(plain[2], masked[2])) > 1e-3
@@ -250,6 +251,24 @@ def test_bad_settings_are_refused_in_one_line(settings, words):
     with pytest.raises(ValueError, match=words) as info:
         EngineConfig(**settings)
     assert "\n" not in str(info.value)
+
+
+def test_a_request_longer_than_the_pool_is_refused_without_eviction():
+    """The long request of the workload is served above only because eviction keeps it within the pool: without
+    eviction it is refused when added, naming the blocks it needs."""
+    from serve.scheduler import SchedulerError, Scheduler
+    from serve.block_manager import KVCacheManager
+    from serve.request import Request
+
+    long = workload(seed=1)[-1]
+    for eviction, refused in ((None, True), (STREAMING, False), (H2O, False)):
+        config = EngineConfig(**SMALL, kv_eviction=eviction)
+        sched = Scheduler(config, KVCacheManager(SMALL["num_gpu_blocks_override"], SMALL["block_size"]))
+        if refused:
+            with pytest.raises(SchedulerError, match="15 KV blocks"):
+                sched.add(Request(0, long[0], long[1]))
+        else:
+            sched.add(Request(0, long[0], long[1]))
 
 
 def test_llm_checks_h2o_against_its_log_and_refuses_what_is_not_built():

@@ -82,6 +82,10 @@ class WatchedBlocks(KVCacheManager):
         if r.num_computed_tokens:  # a handed-over request placed with its K,V (a decode side): not a prefix lookup
             return super().admit(request, hit)
         allowed = self.machine.longest_allowed_hit(r.tokens)
+        config = self.machine.sched.config  # under eviction a hit that would take more blocks than the request may
+        chunk = ceil_div(config.long_prefill_token_threshold, self.block_size) + 1  # hold is computed again
+        if config.peak_blocks() is not None and not hit and allowed + chunk > config.peak_blocks():
+            allowed = 0
         assert len(hit) == allowed, (f"request {request} hits {len(hit)} blocks, the reference allows exactly "
                                      f"{allowed}")
         self.machine.reference_hits[request] += min(allowed * self.block_size, len(r.prompt))
@@ -101,12 +105,6 @@ class PagedMachine(RuleBasedStateMachine):
         self.bs = block_size
         self.pieces = [data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=block_size, max_size=block_size))
                        for _ in range(PIECES)]
-        longest = MAX_PIECES * block_size + block_size + 1 + MAX_NEW - 1  # the largest capacity a prompt can have
-        self.minimum = ceil_div(longest, block_size)
-        self.blocks = self.blocks_class(self.minimum + extra_blocks, block_size)
-        self.blocks.setup(self)
-        self.eos = VOCAB if eos else None
-        self.stops = frozenset() if self.eos is None else frozenset({self.eos})
         self.window = None  # (sink, window): the positions a query at i reads, j < sink or j > i - window
         self.h2o = None  # (budget, recent) positions
         eviction = None
@@ -118,10 +116,17 @@ class PagedMachine(RuleBasedStateMachine):
             recent = data.draw(st.integers(block_size, 2 * block_size))
             self.h2o = (data.draw(st.integers(recent + block_size, recent + 3 * block_size)), recent)
             eviction = {"policy": "h2o", "budget_tokens": self.h2o[0], "recent_tokens": self.h2o[1]}
-        self.sched = Scheduler(EngineConfig(long_prefill_token_threshold=chunk, max_num_batched_tokens=max_num_seqs + more_budget,
-                                            max_num_seqs=max_num_seqs, block_size=block_size,
-                                            enable_prefix_caching=self.blocks.enable_prefix_caching,
-                                            scheduling_policy=policy, kv_eviction=eviction), self.blocks)
+        config = EngineConfig(long_prefill_token_threshold=chunk, max_num_batched_tokens=max_num_seqs + more_budget,
+                              max_num_seqs=max_num_seqs, block_size=block_size, scheduling_policy=policy,
+                              enable_prefix_caching=self.blocks_class.enable_prefix_caching, kv_eviction=eviction)
+        longest = MAX_PIECES * block_size + block_size + 1 + MAX_NEW - 1  # the largest capacity a prompt can have
+        # the smallest pool that holds every request alone: its whole length, or what eviction lets it hold at most
+        self.minimum = min(ceil_div(longest, block_size), config.peak_blocks() or ceil_div(longest, block_size))
+        self.blocks = self.blocks_class(self.minimum + extra_blocks, block_size)
+        self.blocks.setup(self)
+        self.eos = VOCAB if eos else None
+        self.stops = frozenset() if self.eos is None else frozenset({self.eos})
+        self.sched = Scheduler(config, self.blocks)
         self.sched.policy = self.policies_under_test.get(policy, self.sched.policy)
         self.policy = policy
         self.queue: list[int] = []  # the policy's reference model: waiting requests in admission order,
@@ -219,6 +224,7 @@ class PagedMachine(RuleBasedStateMachine):
         prompt = which.draw(st.sampled_from(self.prompts))
         self._add(prompt[:max(1, len(prompt) - cut)], max_new, delay, priority)
 
+    @precondition(lambda self: not self.eviction)  # P/D with kv_eviction is refused: a hand-over brings every block
     @rule(pieces=st.lists(st.integers(0, PIECES - 1), max_size=MAX_PIECES), tail=st.data(),
           max_new=st.integers(2, MAX_NEW), priority=st.integers(0, 3))
     def hand_over(self, pieces, tail, max_new, priority):

@@ -98,6 +98,7 @@ class _EngineCollector:
         yield counter("tpref:prefix_cache_hits", "Prompt tokens found in the prefix cache", s["prefix_hit_tokens"])
         yield counter("tpref:prefix_cache_queries", "Prompt tokens admitted", queried)
         yield counter("tpref:num_preemptions", "Requests preempted", s["preemptions"])
+        yield counter("tpref:kv_evicted_blocks", "KV blocks given back by kv_eviction", s.get("kv_evicted_blocks", 0))
         yield counter("tpref:collective_bytes_per_rank", "Bytes each rank sent in collectives",
                       s["collective_bytes_per_rank"])
         yield counter("tpref:engine_steps", "Engine steps run", engine.steps)
