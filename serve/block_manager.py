@@ -64,9 +64,6 @@ class KVCacheManager:
     hashed: dict[int, int] = field(init=False)  # request -> how many of its leading blocks carry a hash
     chain: dict[int, int] = field(init=False)  # request -> the hash of its last named block (ROOT: none yet)
     evicted: int = field(init=False, default=0)  # blocks given back by KV eviction, all requests
-    # requests that name no more blocks: after a score-based eviction, a block's K,V depend on what its request had
-    # evicted when it was computed, not on its tokens alone, so another prompt must not hit it
-    unnamed: set = field(init=False, default_factory=set)
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -187,7 +184,7 @@ class KVCacheManager:
 
     def commit(self, request: int, tokens: list[int], computed: int) -> None:
         """Name every block now full of computed tokens (prefix caching), so later requests can share it."""
-        if not self.enable_prefix_caching or request in self.unnamed:
+        if not self.enable_prefix_caching:
             return
         table, bs = self.tables[request], self.block_size
         i = self.hashed[request]
@@ -218,7 +215,6 @@ class KVCacheManager:
                 if block.hash is None:
                     self.free.move_to_end(b, last=False)
         del self.hashed[request], self.chain[request]
-        self.unnamed.discard(request)
 
     def slots(self, request: int, start: int, end: int) -> list[int]:
         """The slot mapping of positions [start, end): where each position's K,V lie in the pool's flat view."""

@@ -358,7 +358,7 @@ class LLMEngine:
     def _logprobs(self, sampled: list[int], rows: list[list[float]], result: SampleResult,
                   scored: list[list[float]]) -> None:
         """Rank 0: each row's chosen logprob and its top-N into the request's output (SampleResult.table's rows), and
-        each scored prompt row's entry into its prompt_logprobs (a recomputed prompt row writes the same again)."""
+        each scored prompt row's entry into its prompt_logprobs (recomputed, it writes again: its last admission's)."""
         for (rid, pos), row in zip(result.prompt_where or [], scored):
             if (o := self._outputs.get(rid)) is not None:
                 r = self.scheduler.by_id[rid]

@@ -51,15 +51,15 @@ class KVEvictionConfig:
             example = "the recent positions each query reads, e.g. 256" if self.policy == "streaming" else \
                 "the positions a request keeps, e.g. 256"
             raise ValueError(f"kv_eviction policy={self.policy!r} needs {required}: {example}")
+        for name in own:
+            v = getattr(self, name)
+            low = 0 if name == "sink_tokens" else 1
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise ValueError(f"kv_eviction {name}={v!r} must be an integer of at least {low}")
         if self.policy == "streaming" and self.sink_tokens is None:
             object.__setattr__(self, "sink_tokens", 4)
         if self.policy == "h2o" and self.recent_tokens is None:
             object.__setattr__(self, "recent_tokens", self.budget_tokens // 2)
-        for name in own:
-            v = getattr(self, name)
-            low = 0 if name == "sink_tokens" else 1
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"kv_eviction {name}={v!r} must be an integer of at least {low}")
 
     @classmethod
     def of(cls, value) -> "KVEvictionConfig | None":

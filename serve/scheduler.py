@@ -271,9 +271,11 @@ class Scheduler:
             elif r.num_computed_tokens > 0:  # arrives with cached positions: blocks for them and its first decode row, at once
                 fits = self.blocks.blocks_for(r.num_computed_tokens + 1) <= self.blocks.num_free
             else:  # fresh, or preempted: blocks for its next chunk, which starts after its cached prefix
-                # a request scoring its prompt computes every prompt row (vLLM's rule): no prefix hit
+                # a request scoring its prompt computes every prompt row (vLLM's rule): no prefix hit; nor under h2o,
+                # whose evictions follow the attention of the request's own queries (a hit would skip them)
+                scoring = r.params is not None and r.params.prompt_logprobs is not None
                 hit, need = self.blocks.admit_cost(r.tokens, min(c.long_prefill_token_threshold, self._left),
-                                                   cached=r.params is None or r.params.prompt_logprobs is None)
+                                                   cached=not scoring and not (c.kv_eviction and c.kv_eviction.scored))
                 if hit and c.kv_eviction is not None and need > c.peak_blocks():  # a prefix hit would take more
                     hit, need = self.blocks.admit_cost(r.tokens, min(c.long_prefill_token_threshold, self._left),
                                                        cached=False)  # blocks than eviction ever lets it hold
@@ -362,8 +364,6 @@ class Scheduler:
         if not r.evictions:  # placed with its K,V (not admitted through a prefix lookup)
             r.evictions.append((len(r.output), 0, []))
         r.evictions[-1][2].extend((b, r.num_computed_tokens) for b in gone)
-        if policy.scored:  # its later blocks hold K,V computed without what went: no prompt may hit them
-            self.blocks.unnamed.add(r.id)
 
     def observe_scores(self, plan: SchedulerOutput, scores: list[float]) -> None:
         """kv_eviction h2o: an iteration's attention per logical block of each scheduled request (every rank's heads

@@ -4,7 +4,8 @@ and H2O's heavy hitters at block granularity.
 Oracles: the dense model recomputed with no cache, its attention masked by a rule written here on its own.
   streaming   query i reads key j iff j <= i and (j < sink or i - j < window)
   h2o         query i reads key j iff j <= i and j's block was not evicted at a step that had computed <= i
-              positions (the engine's log of what went when, per admission: a preemption starts again)
+              positions (the engine's log of what went when, per admission: a preemption starts again); an h2o
+              request takes no prefix hit, so the same prompt is decided by the same queries
 The engine, with blocks freed as it goes, equals it to 1e-12 in float64 at p = 1 and 2, in every backend, with
 chunked prefill, prefix hits and preemption in the run: greedy tokens, their logprobs and the prompt's logprobs. H2O's
 choices are recomputed too: each block evicted had the least attention (every query before, every head and layer of
@@ -229,6 +230,7 @@ def test_h2o_equals_the_dense_reference_and_evicts_the_least_attended_blocks(cfg
                 assert sorted(b for b, u in gone if u == t) == want, (i, t, score)
                 decisions += 1
     assert stats["kv_evicted_blocks"] > 0 and decisions > 0 and stats["preemptions"] > 0 and totals_checked > 0
+    assert stats["prefix_hit_tokens"] == 0  # h2o decides by a request's own queries: it takes no prefix hit
 
 
 @pytest.mark.parametrize("settings,words", [
@@ -269,6 +271,56 @@ def test_a_request_longer_than_the_pool_is_refused_without_eviction():
                 sched.add(Request(0, long[0], long[1]))
         else:
             sched.add(Request(0, long[0], long[1]))
+
+
+def drive_host_only(config: EngineConfig, num_blocks: int, reqs) -> tuple[int, list]:
+    """The scheduler and block manager without a model (token 5 every step): the most blocks any request held at an
+    iteration's end (what was left after its evictions) or during one (what it reached), and the requests."""
+    from serve.block_manager import EVICTED, KVCacheManager
+    from serve.request import Request
+    from serve.scheduler import Scheduler, next_plan
+
+    sched = Scheduler(config, KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching))
+    requests = [Request(i, prompt, new, at) for i, (prompt, new, at) in enumerate(reqs)]
+    for r in requests:
+        sched.add(r)
+    most, index = 0, 0
+    while sched.has_work():
+        plan, index = next_plan(sched, index)
+        if plan is None:
+            break
+        most = max([most] + [sum(b != EVICTED for b in c.blocks) for c in plan.scheduled])  # as the step runs
+        sched.update_from_output(plan, {c.request: 5 for c in plan.scheduled if c.sample})
+        sched.blocks.check()
+        index += 1
+    return most, requests
+
+
+def test_a_prefix_hit_larger_than_eviction_holds_is_computed_again():
+    """A request whose prompt is cached whole, in more blocks than eviction lets it hold, would wait for blocks that
+    nothing gives back: it is computed again instead, and both requests finish."""
+    config = EngineConfig(block_size=4, long_prefill_token_threshold=8, max_num_batched_tokens=16, max_num_seqs=4,
+                          kv_eviction={"policy": "streaming", "sink_tokens": 0, "window_tokens": 8})
+    prompt = list(range(1, 49))
+    _, requests = drive_host_only(config, 12, [(prompt, 1, 0), (prompt + list(range(60, 70)), 4, 20)])
+    assert all(r.finished for r in requests) and requests[1].prefix_hit == 0
+
+
+@pytest.mark.parametrize("eviction", [{"policy": "streaming", "sink_tokens": 3, "window_tokens": 9},
+                                      {"policy": "h2o", "budget_tokens": 15, "recent_tokens": 7}],
+                         ids=["streaming", "h2o"])
+def test_no_request_holds_more_than_peak_blocks_and_the_smallest_pool_finishes(eviction):
+    """peak_blocks is the bound admission relies on: over random workloads at the smallest pool it admits (a request
+    alone at its peak), no request ever holds more, and every workload finishes (nothing waits forever)."""
+    rng = random.Random(0)
+    for trial in range(40):
+        config = EngineConfig(block_size=4, long_prefill_token_threshold=rng.randint(1, 12),
+                              max_num_batched_tokens=16, max_num_seqs=rng.randint(1, 4), kv_eviction=eviction,
+                              scheduling_policy=rng.choice(["fcfs", "priority"]))
+        reqs = [([rng.randrange(1, 9) for _ in range(rng.randint(1, 60))], rng.randint(1, 12), rng.randint(0, 6))
+                for _ in range(rng.randint(1, 6))]
+        most, requests = drive_host_only(config, config.peak_blocks(), reqs)
+        assert most <= config.peak_blocks() and all(r.finished for r in requests), (trial, most)
 
 
 def test_llm_checks_h2o_against_its_log_and_refuses_what_is_not_built():

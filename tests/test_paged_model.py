@@ -81,7 +81,7 @@ class WatchedBlocks(KVCacheManager):
         r = self.machine.requests[request]
         if r.num_computed_tokens:  # a handed-over request placed with its K,V (a decode side): not a prefix lookup
             return super().admit(request, hit)
-        allowed = self.machine.longest_allowed_hit(r.tokens)
+        allowed = 0 if self.machine.eviction == "h2o" else self.machine.longest_allowed_hit(r.tokens)  # h2o: no hit
         config = self.machine.sched.config  # under eviction a hit that would take more blocks than the request may
         chunk = ceil_div(config.long_prefill_token_threshold, self.block_size) + 1  # hold is computed again
         if config.peak_blocks() is not None and not hit and allowed + chunk > config.peak_blocks():
@@ -285,9 +285,7 @@ class PagedMachine(RuleBasedStateMachine):
                 for t in range(c.q_start, c.q_end):  # the iteration's forward writes these slots
                     b = c.blocks[t // self.bs]
                     assert self.blocks.blocks[b].ref_count == 1, f"block {b} is written while shared"
-                    # after a score-based eviction K,V depend on what went, not on the tokens alone: nobody may hit it
-                    self.blocks.content[b][t % self.bs] = tuple(r.tokens[:t + 1]) if r.id not in \
-                        self.blocks.unnamed else ("after an eviction", r.id, tuple(r.tokens[:t + 1]))
+                    self.blocks.content[b][t % self.bs] = tuple(r.tokens[:t + 1])
                 if c.sample:
                     sampled[r.id] = next_token(r.tokens)
             if self.h2o is not None:  # each block's attention this step: any numbers, fixed by the example
@@ -331,8 +329,7 @@ class PagedMachine(RuleBasedStateMachine):
                     continue
                 if table[t // self.bs] == EVICTED:  # h2o: given back, and never read again (keys_of)
                     continue
-                assert self.blocks.content[table[t // self.bs]][t % self.bs] in (
-                    tuple(r.tokens[:t + 1]), ("after an eviction", rid, tuple(r.tokens[:t + 1]))), \
+                assert self.blocks.content[table[t // self.bs]][t % self.bs] == tuple(r.tokens[:t + 1]), \
                     f"request {rid} position {t}: its slot holds another prefix's K,V"
 
     @invariant()
@@ -402,8 +399,8 @@ class H2OMachine(PagedMachine):
     """The same operations under kv_eviction h2o, each block's attention made up per step: after every iteration a
     running request holds at most budget_tokens // block_size blocks unless every block it still holds is recent
     (one of the last recent_tokens positions), never gave back a recent block, and among its old blocks kept none
-    has less attention than one it gave back at that iteration. Blocks written after an eviction are never hit (their
-    K,V depend on what went)."""
+    has less attention than one it gave back at that iteration. No request is admitted with a prefix hit (its
+    evictions follow the attention of its own queries)."""
 
     eviction = "h2o"
 

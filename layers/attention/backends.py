@@ -138,9 +138,14 @@ def keys_of(c: ChunkLike, block_size: int) -> list[int] | None:
     if c.window is None:
         return None
     sink, window = c.window
-    oldest = max(min(sink, c.kv_length), c.q_start - window + 1)
-    keys = list(range(min(sink, c.kv_length))) + list(range(oldest, c.kv_length))
-    return [j for j in keys if c.blocks[j // block_size] >= 0]
+    oldest = max(sink, c.q_start - window + 1)  # positions in [sink, oldest) no query of the chunk reads
+    keys = []
+    for b in range(-(-c.kv_length // block_size)):  # block by block: a freed one is skipped whole
+        if c.blocks[b] >= 0:
+            start, end = b * block_size, min((b + 1) * block_size, c.kv_length)
+            keys += range(start, min(end, sink)) if end <= oldest else range(start, end) if start >= oldest else \
+                [j for j in range(start, end) if j < sink or j >= oldest]
+    return keys
 
 
 def score_slots(chunks: Sequence[ChunkLike]) -> list[int] | None:
