@@ -20,9 +20,9 @@ and what cannot (docs/eviction.md).
               32 requests of 200-token prompts generating 56 tokens, max_num_seqs 32: the most requests running at
               once, iterations to finish, and preemptions, without eviction, with sinks + window 64 and h2o 64.
   speed       decode at long context through LLM (tp 1): 16 requests of 192-token prompts generating 64 tokens,
-              greedy, without eviction, with sinks 4 + window 32 and with h2o at 32; generate()'s time interleaved,
-              medians of --repeats; ratios and whether the tokens differ (they may: eviction changes what is
-              attended).
+              greedy, without eviction, with sinks 4 + window 32 and with h2o at 32, no prefix cache (each repeat
+              computes its prompts again); generate()'s time interleaved, medians of --repeats; ratios and whether
+              the tokens differ (they may: eviction changes what is attended).
 
 Writes outputs/bench_eviction.json, outputs/eviction_sinks.png, outputs/eviction_pareto.png (copied to docs/) and
 prints the tables.
@@ -296,7 +296,9 @@ def part_speed(args, seqs, out):
     settings = {"no eviction": None,
                 "sinks 4 + window 32": {"policy": "streaming", "sink_tokens": SINKS, "window_tokens": 32},
                 "h2o, budget 32": {"policy": "h2o", "budget_tokens": 32}}
-    llms = {name: LLM(args.model, kv_eviction=e, max_num_seqs=16) for name, e in settings.items()}
+    # no prefix cache: each repeat computes its prompts again (h2o takes no hit, and the others must not either)
+    llms = {name: LLM(args.model, kv_eviction=e, max_num_seqs=16, enable_prefix_caching=False)
+            for name, e in settings.items()}
     times, tokens = {name: [] for name in llms}, {}
     try:
         for llm in llms.values():
