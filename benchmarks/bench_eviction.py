@@ -319,7 +319,7 @@ def part_speed(args, seqs, out):
         same = sum(a == b for a, b in zip(tokens[name], tokens["no eviction"]))
         out["speed"].append({"setting": name, "median_s": t, "speedup": base / t, "same_tokens": same})
         rows.append([name, f"{16 * 64 / t:.1f}", f"{base / t:.2f}x", f"{same}/16"])
-    out["speed_settings"] = {name: e for name, e in settings.items()}
+    out["speed_settings"] = settings
     print_table(["16 requests, 192 + 64 tokens", "tokens/s", "vs no eviction", "tokens equal"], rows)
 
 

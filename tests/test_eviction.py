@@ -14,6 +14,7 @@ changes nothing, token for token and bit for bit; the masked reference does diff
 can fail)."""
 
 import random
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -92,22 +93,17 @@ def streaming_mask(n: int, device=None) -> torch.Tensor:
 
 def reference(dense, prompt: list[int], n: int, masked: bool = True):
     """Greedy tokens, their logprobs and the prompt's, recomputed with no cache under the streaming mask."""
-    saved = attention_module.reference_mask
-    if masked:
-        attention_module.reference_mask = streaming_mask
-    try:
-        tokens, ids, lps = list(prompt), [], []
-        with torch.no_grad():
-            whole = torch.log_softmax(dense.logits(torch.tensor(prompt)), dim=-1)
-            scored = [float(whole[i - 1, prompt[i]]) for i in range(1, len(prompt))]
-            for _ in range(n):
-                logp = torch.log_softmax(dense.logits(torch.tensor(tokens))[-1], dim=-1)
-                t = int(logp.argmax())
-                ids.append(t)
-                lps.append(float(logp[t]))
-                tokens.append(t)
-    finally:
-        attention_module.reference_mask = saved
+    tokens, ids, lps = list(prompt), [], []
+    with torch.no_grad(), patch.object(attention_module, "reference_mask", streaming_mask if masked else
+                                       attention_module.reference_mask):
+        whole = torch.log_softmax(dense.logits(torch.tensor(prompt)), dim=-1)
+        scored = [float(whole[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+        for _ in range(n):
+            logp = torch.log_softmax(dense.logits(torch.tensor(tokens))[-1], dim=-1)
+            t = int(logp.argmax())
+            ids.append(t)
+            lps.append(float(logp[t]))
+            tokens.append(t)
     return ids, lps, scored
 
 
@@ -165,13 +161,8 @@ def evicted_mask(gone: list[tuple[int, int]], block_size: int):
 
 
 def masked_logprobs(dense, tokens: list[int], mask) -> torch.Tensor:
-    saved = attention_module.reference_mask
-    attention_module.reference_mask = mask
-    try:
-        with torch.no_grad():
-            return torch.log_softmax(dense.logits(torch.tensor(tokens)), dim=-1)
-    finally:
-        attention_module.reference_mask = saved
+    with torch.no_grad(), patch.object(attention_module, "reference_mask", mask):
+        return torch.log_softmax(dense.logits(torch.tensor(tokens)), dim=-1)
 
 
 def attention_totals(dense, tokens: list[int], mask) -> torch.Tensor:
@@ -185,11 +176,8 @@ def attention_totals(dense, tokens: list[int], mask) -> torch.Tensor:
         total.append(logits.masked_fill(~attn_mask, float("-inf")).softmax(-1).sum(dim=(0, 1)))
         return original(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
 
-    module.F.scaled_dot_product_attention = recording
-    try:
+    with patch.object(module.F, "scaled_dot_product_attention", recording):
         masked_logprobs(dense, tokens, mask)
-    finally:
-        module.F.scaled_dot_product_attention = original
     return sum(total)
 
 

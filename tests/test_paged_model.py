@@ -359,8 +359,12 @@ class PagedMachine(RuleBasedStateMachine):
         assert self.blocks.num_free == self.blocks.num_blocks and not self.blocks.tables
 
 
-PagedMachine.TestCase.settings = settings(max_examples=MAX_EXAMPLES, stateful_step_count=STEPS, deadline=None,
-                                          suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+def machine_settings(examples: int) -> settings:
+    return settings(max_examples=examples, stateful_step_count=STEPS, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+
+
+PagedMachine.TestCase.settings = machine_settings(MAX_EXAMPLES)
 test_paged_state_machine = PagedMachine.TestCase
 
 
@@ -389,9 +393,7 @@ class EvictingMachine(PagedMachine):
                                                           f"window {window}): held {entry != EVICTED}")
 
 
-EvictingMachine.TestCase.settings = settings(max_examples=MAX_EXAMPLES // 4, stateful_step_count=STEPS,
-                                             deadline=None, suppress_health_check=[HealthCheck.too_slow],
-                                             derandomize=True)
+EvictingMachine.TestCase.settings = machine_settings(MAX_EXAMPLES // 4)
 test_paged_state_machine_with_eviction = EvictingMachine.TestCase
 
 
@@ -424,8 +426,7 @@ class H2OMachine(PagedMachine):
             assert all((scores[b], b) < (scores[k], k) for b in last for k in old), (rid, last, old, scores)
 
 
-H2OMachine.TestCase.settings = settings(max_examples=MAX_EXAMPLES // 4, stateful_step_count=STEPS, deadline=None,
-                                        suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+H2OMachine.TestCase.settings = machine_settings(MAX_EXAMPLES // 4)
 test_paged_state_machine_with_h2o = H2OMachine.TestCase
 
 

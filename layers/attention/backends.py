@@ -180,16 +180,9 @@ def add_scores(scores: torch.Tensor, index: torch.Tensor, q: torch.Tensor, keys:
     scores.index_add_(0, index.flatten(), p.sum(dim=(1, 2)).flatten().to(scores.dtype))
 
 
-def key_blocks(c: ChunkLike, positions: list[int], start: int, block_size: int) -> list[int]:
+def key_blocks(positions: list[int], start: int, block_size: int) -> list[int]:
     """Each key's slot in PagedBatch.scores: its request's start there and its logical block."""
     return [start + j // block_size for j in positions]
-
-
-def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: tuple[int, int] | None) -> torch.Tensor:
-    """[..., q, k]: causal (key j <= query i), and under eviction the window's rule (eviction.visible)."""
-    if window is None:
-        return k_pos[..., None, :] <= q_pos[..., :, None]
-    return visible(q_pos, k_pos, *window)
 
 
 class AttentionBackend:
@@ -251,7 +244,7 @@ class ReferenceBackend(AttentionBackend):
                 put(slots_at(c, k, block_size))
                 put(k)
             if starts is not None:
-                put(key_blocks(c, k, starts[i], block_size))
+                put(key_blocks(k, starts[i], block_size))
 
         def finish(parts):
             new, read, masks, blocks = [], [], [], []
@@ -260,7 +253,7 @@ class ReferenceBackend(AttentionBackend):
                 read.append(next(parts))
                 if k is not None:
                     queries = torch.arange(c.q_start, c.kv_length, device=read[-1].device)
-                    masks.append((window_mask(queries, next(parts), c.window), False))
+                    masks.append((visible(queries, next(parts), *c.window), False))
                 elif c.q_rows == 1:  # decode: the one new query sees every key
                     masks.append((None, False))
                 elif c.q_start == 0:  # a whole prompt, or its first chunk: the plain causal square
@@ -409,7 +402,7 @@ class BatchedBackend(AttentionBackend):
             if window is not None:
                 put(positions)
             if starts is not None:  # h2o: each key's block; a padding key adds to the last slot
-                put([x for i, k in zip(members, read) for x in key_blocks(chunks[i], k, starts[i], block_size)
+                put([x for i, k in zip(members, read) for x in key_blocks(k, starts[i], block_size)
                      + [starts[-1]] * (max_kv - len(k))])
             # fresh prompt chunks (q_start = 0): each a causal square padded on the right, so SDPA's is_causal is
             # exact for every real query (a padding key lies past it) and no mask is built or read
@@ -424,7 +417,7 @@ class BatchedBackend(AttentionBackend):
                 mask = None  # causal: SDPA's is_causal
                 query_pos = q_start[:, None] + torch.arange(max_q, device=rows.device)[None, :]  # [B, max_q]
                 if window is not None:  # each key's position through keys_of; a padding key's is PAST
-                    mask = window_mask(query_pos, next(parts).view(B, max_kv), window)[:, None]
+                    mask = visible(query_pos, next(parts).view(B, max_kv), *window)[:, None]
                 elif not causal:
                     keys = torch.arange(max_kv, device=rows.device)
                     # key j visible to query i iff j <= q_start + i (causal) and j < kv_length (the request's own
@@ -535,7 +528,7 @@ class CPUBackend(AttentionBackend):
             elif c.window is not None and c.q_rows > c.window[1]:  # a fresh chunk past its window: its positions
                 put(list(range(c.q_rows)))
             if starts is not None:  # h2o: each key's block (a fresh chunk's keys are its own rows)
-                put(key_blocks(c, k if k is not None else list(range(c.q_rows)), starts[i], block_size))
+                put(key_blocks(k if k is not None else list(range(c.q_rows)), starts[i], block_size))
 
         def finish(parts):
             seqs = []
@@ -543,7 +536,7 @@ class CPUBackend(AttentionBackend):
                 if k is not None:
                     at, positions = next(parts), next(parts)
                     queries = torch.arange(c.q_start, c.kv_length, device=at.device)
-                    mask = window_mask(queries, positions, c.window) if c.q_rows > 1 else None  # a decode: all
+                    mask = visible(queries, positions, *c.window) if c.q_rows > 1 else None  # a decode: all
                     seqs.append(CPUSeq(s, e, c.kv_length, None, mask, at,
                                        next(parts) if starts is not None else None))
                     continue
@@ -552,7 +545,7 @@ class CPUBackend(AttentionBackend):
                         if read and c.q_rows > 1 else None)
                 if not read and c.window is not None and c.q_rows > c.window[1]:  # a fresh chunk past its window
                     rows = next(parts)
-                    mask = window_mask(rows, rows, c.window)
+                    mask = visible(rows, rows, *c.window)
                 seqs.append(CPUSeq(s, e, c.kv_length, blocks, mask, None, next(parts) if starts is not None else None))
             return CPUMeta(block_size, tuple(seqs))
 
