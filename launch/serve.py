@@ -39,7 +39,7 @@ from layers.models.dense import weights_checksum
 from layers.models.families import of
 from layers.models.lm import NEAR_TIE
 from layers.models.pipeline import stage_layers
-from serve.build import build_lm, build_rank, dense_model, rank_weights
+from serve.build import build_lm, build_rank, dense_model, prepare_weights, rank_weights
 from serve.control import agree, digest
 from serve.hooks import check_request, eviction_reference
 from serve.offline import OfflineEngine, ServeResult
@@ -62,7 +62,7 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
         lm, dense, cp_group = build_rank(s, ctx)  # as every rank behind LLM builds its part (serve/worker.py)
     load = meter.report(ctx, lm)
     same_weights_and_prompts(s, ctx, dense)
-    dense = oracle_model(s, ctx, dense)  # after the load: neither in its peak nor in its bytes read
+    dense = oracle_model(s, ctx, dense, lm)  # after the load: neither in its peak nor in its bytes read
     engine = OfflineEngine(lm, ctx, s.engine, eos_token_ids=s.eos_token_ids, seed=s.sampling_seed,
                            on_iteration=Progress(len(s.requests)) if ctx.is_main else None, cp_group=cp_group)
     result = engine.run(s.requests)
@@ -102,7 +102,7 @@ def serve_disaggregated(s: Settings, out_dir: Path, ctx) -> int:
     colocated = None
     if ctx.rank >= s.pd.prefill_ranks:  # the colocated engine on the decode group's p_D ranks
         dctx = context(groups[1], ctx.backend, ctx.device)
-        lm = build_lm(weights, dctx, variant=s.variant, vocab_parallel=s.vocab_parallel)
+        lm = prepare_weights(build_lm(weights, dctx, variant=s.variant, vocab_parallel=s.vocab_parallel), s.engine)
         served = OfflineEngine(lm, dctx, s.engine, eos_token_ids=s.eos_token_ids).run(requests())
         colocated = [r["output_ids"] for r in served.requests]
     every = [None] * ctx.world_size
@@ -117,13 +117,13 @@ def serve_disaggregated(s: Settings, out_dir: Path, ctx) -> int:
     return 0 if ok else 1
 
 
-def oracle_model(s: Settings, ctx, dense):
-    """With check, the dense model the oracle recomputes with (from a checkpoint: read one whole tensor at a time);
-    None without."""
+def oracle_model(s: Settings, ctx, dense, served=None):
+    """With check, the dense model the oracle recomputes with (from a checkpoint: read one whole tensor at a time;
+    int8 weights: what this rank's served model's stand for); None without."""
     if not s.check:
         return None
     try:
-        return dense_model(s.model, s.checkpoint, s.dtype, ctx.device, dense)
+        return dense_model(s.model, s.checkpoint, s.dtype, ctx.device, dense, served)
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"hf_checkpoint={s.hf_checkpoint}: {exc}") from None
 

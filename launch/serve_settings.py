@@ -106,6 +106,10 @@ def parse_settings(cfg: DictConfig, world_size: int, local_world_size: int) -> S
         if layout is not None and engine.kv_eviction is not None:
             raise ValueError("kv_eviction with pd is not built (the hand-over moves every block of a prompt): serve "
                              "it colocated, or drop it")
+        if layout is not None and engine.quantization is not None:
+            raise ValueError(f"quantization={engine.quantization} with pd is not built (a row-parallel weight's int8 "
+                             f"groups follow each side's p, so the two sides would compute with different weights): "
+                             f"serve it colocated, or drop it")
         if layout is not None and engine.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype={engine.kv_cache_dtype} with pd is not built (the decode side would "
                              f"need the prefill side's scales with the codes): serve it colocated, or drop it")

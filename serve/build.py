@@ -15,6 +15,7 @@ from layers.models.checkpoint import Checkpoint
 from layers.models.dense import init_weights
 from layers.models.hf import CheckpointSource, load_lm
 from layers.models.lm import dense_lm, shard_lm
+from layers.parallel import weight_format
 from serve.config import EngineConfig
 from serve.engine import LLMEngine
 from serve.hooks import StepHook
@@ -33,12 +34,24 @@ def rank_weights(model, checkpoint: Checkpoint | str | None, dtype: torch.dtype,
     return dense, dense
 
 
-def dense_model(model, checkpoint: Checkpoint | str | None, dtype: torch.dtype, device, dense=None):
-    """The whole dense model (the oracle's): `dense` when rank_weights made it, else the checkpoint read whole."""
-    if dense is not None:
-        return dense
-    checkpoint = Checkpoint(checkpoint) if isinstance(checkpoint, str) else checkpoint
-    return load_lm(dense_lm(model, dtype, device), checkpoint)
+def dense_model(model, checkpoint: Checkpoint | str | None, dtype: torch.dtype, device, dense=None, served=None):
+    """The whole dense model (the oracle's): `dense` when rank_weights made it, else the checkpoint read whole. served:
+    this rank's served model; where its weights are int8 the oracle's are what they stand for (a copy of `dense`,
+    dequantized as the ranks quantized theirs: weight_format.dequantized)."""
+    if dense is None:
+        checkpoint = Checkpoint(checkpoint) if isinstance(checkpoint, str) else checkpoint
+        dense = load_lm(dense_lm(model, dtype, device), checkpoint)
+    if served is not None and weight_format.quantized(served):
+        import copy
+
+        dense = weight_format.dequantized(copy.deepcopy(dense), served)
+    return dense
+
+
+def prepare_weights(lm, config: EngineConfig):
+    """lm's matmul weights stored as the settings ask (layers/parallel/weight_format.py: quantization, weight_layout;
+    enforce_eager: nothing compiled). In place; returns lm."""
+    return weight_format.prepare(lm, config.quantization, config.weight_layout, compile=not config.enforce_eager)
 
 
 @torch.no_grad()
@@ -68,7 +81,7 @@ def build_rank(spec, ctx: TPContext):
         tp_group, cp_group = rank_groups(ctx.world_size, spec.cp, ctx.rank)
     lm = build_lm(weights, ctx, pp=spec.pp, variant=spec.variant, vocab_parallel=spec.vocab_parallel,
                   moe_parallel=spec.moe_parallel, pp_boundary=spec.pp_boundary, group=tp_group)
-    return lm, dense, cp_group
+    return prepare_weights(lm, spec.engine), dense, cp_group
 
 
 def own_group(ctx: TPContext) -> dist.ProcessGroup:

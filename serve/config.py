@@ -29,9 +29,11 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")  # layers/attention/k
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name: fp8 is e4m3 (as on CUDA)
 ATTENTION_MODES = ("auto", "cpu", "batched", "reference")  # layers/attention/backends.py: auto picks by device
 SCHEDULING_POLICIES = ("fcfs", "priority")  # serve/scheduler.py POLICIES
+QUANTIZATIONS = (None, "int8")  # layers/parallel/weight_format.py: the weights as loaded, or weight-only int8
+WEIGHT_LAYOUTS = ("auto", "out_in", "in_out")  # layers/parallel/weight_format.py: auto picks by device
 COUNTS = ("long_prefill_token_threshold", "max_num_batched_tokens", "max_num_seqs", "block_size")
 SWITCHES = ("enable_prefix_caching", "comm_timing", "check_ledger", "reserve_capacity", "chunk_pipelining",
-            "calculate_kv_scales")
+            "calculate_kv_scales", "enforce_eager")
 
 
 def setting(default, help: str, flag: bool = True, launcher: bool = True):
@@ -83,6 +85,14 @@ class EngineConfig:
         None, "KV cache eviction (serve/eviction.py): '{\"policy\": \"streaming\", \"sink_tokens\": 4, "
               "\"window_tokens\": 256}' keeps the first sink_tokens and the last window_tokens positions for each "
               "query and frees the blocks between (default: off)")
+    quantization: str | None = setting(None, "vLLM's: the weights' storage (layers/parallel/weight_format.py): None (as "
+                                       "loaded) or int8 (weight-only, per output channel of each rank's shard; "
+                                       "activations, the KV cache and collectives keep the model's dtype)")
+    weight_layout: str = setting("auto", "how each rank stores its float matmul weights (layers/parallel/"
+                                 "weight_format.py): auto (in_out on a CPU, out_in elsewhere), out_in (nn.Linear's "
+                                 "row-major [out, in]) or in_out (the same [out, in] tensor stored column-major)")
+    enforce_eager: bool = setting(False, "vLLM's: never compile (off: the int8 matmul of a few rows, decode's, runs a "
+                                  "torch.compile'd kernel on a CPU)")
     scheduling_policy: str = setting("fcfs", "who is admitted first and preempted last (serve/scheduler.py): fcfs "
                                      "(first come, first served) or priority (each request's priority, lower first, "
                                      "ties by arrival; vLLM's)")
@@ -103,6 +113,11 @@ class EngineConfig:
         if self.attention not in ATTENTION_MODES:
             raise ValueError(f"attention={self.attention!r}: choose {', '.join(ATTENTION_MODES[:-1])} or "
                              f"{ATTENTION_MODES[-1]}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r}: choose None (the weights as loaded) or "
+                             f"{', '.join(repr(q) for q in QUANTIZATIONS if q)}")
+        if self.weight_layout not in WEIGHT_LAYOUTS:
+            raise ValueError(f"weight_layout={self.weight_layout!r}: choose {', '.join(WEIGHT_LAYOUTS)}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy={self.scheduling_policy!r}: choose {' or '.join(SCHEDULING_POLICIES)}")
         object.__setattr__(self, "kv_cache_dtype", KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype))
@@ -276,7 +291,8 @@ def llm_settings(args, config: "EngineConfig") -> dict:
 
 JSON_SETTINGS = ("speculative_config", "kv_eviction")  # flags that take a JSON object
 CHOICES = {"attention": ATTENTION_MODES, "kv_cache_dtype": KV_CACHE_DTYPES + tuple(KV_CACHE_DTYPE_ALIASES),
-           "scheduling_policy": SCHEDULING_POLICIES}
+           "scheduling_policy": SCHEDULING_POLICIES, "quantization": tuple(q for q in QUANTIZATIONS if q),
+           "weight_layout": WEIGHT_LAYOUTS}
 
 
 def add_engine_flags(parser) -> None:

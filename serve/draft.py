@@ -28,6 +28,7 @@ import torch
 
 from layers.sampling.rejection_sampler import DRAFT_STREAM, filtered_logprobs, verify
 from layers.sampling.sampler import SamplingBatch, sample
+from layers.parallel.weight_format import model_dtype
 from serve.kv_cache import KVPool
 from serve.model_runner import prepare_step, sampling_rows
 from serve.plan import ScheduledRequest, SchedulerOutput
@@ -47,7 +48,7 @@ class DraftRunner(Proposer):
         super().__init__(config)
         self.lm, self.block_size, self.attention, self.device = lm, block_size, attention, device
         self.start, self.n = vocab_slice
-        self.cache = KVPool.for_model(lm, num_blocks, block_size, next(lm.parameters()).dtype, device)
+        self.cache = KVPool.for_model(lm, num_blocks, block_size, model_dtype(lm), device)
         # shared_noise: the draft races with the target's noise and the plain sampler verifies (no q); else the
         # rejection sampler with q, the draft drawing from a stream of its own
         self.shared_noise = config.draft_acceptance == "shared_noise"

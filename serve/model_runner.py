@@ -30,6 +30,7 @@ from layers.attention.attention import PagedLayer
 from layers.attention.backends import PagedBatch, backend, choose, score_slots
 from layers.attention.context_parallel import SplitCacheBackend
 from layers.models.lm import TPLM, TPLlamaLM
+from layers.parallel.weight_format import model_dtype
 from layers.sampling.prompt_logprobs import score_rows
 from layers.sampling.rejection_sampler import filtered_logprobs, rejection_sample
 from layers.sampling.sampler import SampleResult, SamplingBatch
@@ -50,7 +51,7 @@ class ModelRunner:
         positions, block_size/cp slots per block."""
         self.lm, self.ctx, self.block_size = lm, ctx, config.block_size
         self.attention = choose(config.attention, ctx.device)  # the backend's name: auto resolved for this device
-        self.dtype = next(lm.parameters()).dtype
+        self.dtype = model_dtype(lm)
         self.split = None if cp_group is None else SplitCacheBackend(cp_group)
         if self.split is not None:
             self.attention = self.split.name
@@ -70,7 +71,7 @@ class ModelRunner:
         of its positions, in the cache's dtype)."""
         slots = config.block_size // (1 if cp_group is None else cp_group.size())
         return config.pool_blocks(lm.cfg.max_seq_len, None, KVPool.block_bytes(
-            lm, slots, next(lm.parameters()).dtype, config.kv_cache_dtype))
+            lm, slots, model_dtype(lm), config.kv_cache_dtype))
 
     def prepare(self, plan: SchedulerOutput, requests: dict[int, Request], sampled: bool = True) -> Prepared:
         """The iteration's tensors (one host-to-device copy) and, unless not `sampled`, its sampling batch.

@@ -60,6 +60,13 @@ class RankSpec:
 
         self.engine.check_pipeline(self.pp)
         self.engine.check_context_parallel(self.cp, self.pp, cp_name)
+        if self.engine.quantization is not None and not of(self.model).quantization:
+            raise ValueError(f"quantization={self.engine.quantization!r} with {self.model.family} models is not built "
+                             f"(their experts' or latent projections' weights are not column- and row-parallel "
+                             f"linears); serve them unquantized")
+        if self.engine.quantization is not None and self.pp > 1:
+            raise ValueError(f"quantization={self.engine.quantization!r} with pipeline stages ({pp_name}={self.pp}) is "
+                             f"not built: use {pp_name}=1")
         if self.engine.kv_eviction is not None and not of(self.model).kv_eviction:
             raise ValueError(f"kv_eviction with {self.model.family} models is not built (MLA's prefill attends its "
                              f"decompressed keys its own way); serve without it")
@@ -130,16 +137,16 @@ def build_engine(ctx, spec: RankSpec):
     lm, dense, cp_group = build_rank(spec, ctx)
     hooks = [LedgerCheck()] if spec.engine.check_ledger else []
     if spec.check and ctx.is_main:  # the dense model, on rank 0 only: random weights as made, a checkpoint read whole
-        hooks.append(OracleCheck(dense_model(spec.model, spec.checkpoint, spec.dtype, ctx.device, dense),
+        hooks.append(OracleCheck(dense_model(spec.model, spec.checkpoint, spec.dtype, ctx.device, dense, lm),
                                  NEAR_TIE[spec.dtype]))
     del dense
     draft_lm = None
     if spec.draft is not None:  # whole on every rank: sharded over a group of this rank alone
         from layers.models.lm import shard_lm
-        from serve.build import own_group
+        from serve.build import own_group, prepare_weights
 
         draft_weights, _ = rank_weights(*spec.draft, spec.dtype, ctx.device, spec.seed)
-        draft_lm = shard_lm(draft_weights, "v2", own_group(ctx))
+        draft_lm = prepare_weights(shard_lm(draft_weights, "v2", own_group(ctx)), spec.engine)
     return new_engine(lm, ctx, spec.engine, spec.eos_token_ids, spec.seed, hooks, draft_lm, cp_group)
 
 

@@ -238,6 +238,32 @@ DEEPSEEK_V3 = dict(d=7168, n_layers=61, n_heads=128, d_head=128, d_latent_kv=512
 # ---- one iteration of this project's serving engine, on one rank (benchmarks/bench_serve.py) -----
 
 
+def decode_weight_bytes(cfg, p: int, elem_bytes: int, quantization: str | None = None,
+                        vocab_parallel: bool = True) -> int:
+    """The bytes of matmul weights one decode step reads on one of p ranks: every linear of every block and the LM
+    head, each once (what bounds batch-1 decode; layers/parallel/weight_format.stored_bytes measures them on a built
+    rank). Per layer, (weights, output channels) of each matmul on a rank:
+        Llama   qkv (d·(k/p + 2·h_kv'·dh), k/p + 2·h_kv'·dh)  o (k/p·d, d)  gate|up (d·2f/p, 2f/p)  down (f/p·d, d)
+        GPT-2   qkv (d·3k/p, 3k/p)  out (k/p·d, d)  up (d·f/p, f/p)  down (f/p·d, d)
+    (h_kv' = max(h_kv/p, 1), K,V heads replicated once p > h_kv), and the head (V'/p·d, V'/p), or (V·d, V) replicated.
+    Float weights: elem_bytes each. int8 (weight-only): one byte each, plus one scale of elem_bytes per output
+    channel of the rank's shard: a row-parallel slice (o, down) has a whole vector of its own. Biases and norms are
+    not counted (they are vectors)."""
+    d, k, f, L = cfg.d_model, cfg.k, cfg.d_ffn, cfg.n_layers
+    if llama_block(cfg):
+        qkv_out = k // p + 2 * kv_heads_per_rank(cfg.n_kv_heads, p) * cfg.d_head
+        mats = [(d * qkv_out, qkv_out), (k // p * d, d), (d * 2 * f // p, 2 * f // p), (f // p * d, d)]
+    else:
+        mats = [(d * 3 * k // p, 3 * k // p), (k // p * d, d), (d * f // p, f // p), (f // p * d, d)]
+    vocab = padded(cfg.vocab_size, p) // p if vocab_parallel else cfg.vocab_size
+    mats = mats * L + [(vocab * d, vocab)]
+    if quantization is None:
+        return sum(weights for weights, _ in mats) * elem_bytes
+    if quantization != "int8":
+        raise ValueError(f"quantization={quantization!r}: None or 'int8'")
+    return sum(weights + channels * elem_bytes for weights, channels in mats)
+
+
 def serving_iteration(cfg, p: int, chunks: list[tuple[int, int]], sampled: int, elem_bytes: int,
                       vocab_parallel: bool = True) -> Iteration:
     """What one of p ranks computes and loads in one serve/engine.py iteration of the LM (GPT-2 or Llama).

@@ -60,6 +60,8 @@ class Family:
     pipeline: bool = True  # can be cut into pipeline stages
     context_parallel: bool = False  # served with context_parallel_size > 1
     kv_eviction: bool = True  # served with kv_eviction (its attention reads the paged cache through the backends)
+    quantization: bool = True  # served with quantization="int8" (every matmul weight is a column- or row-parallel
+    #                            linear, or the LM head: layers/parallel/weight_format.py)
     block_check: bool = True  # launch/run_block.py checks its blocks (MLA's are checked by serving them)
     experts_of: Callable | None = None  # (our parameter, cfg) -> E where the files hold an [E, ...] stack per expert
     check_lm: Callable | None = None  # (state) -> None, or ConfigError: what a whole LM's checkpoint must also hold

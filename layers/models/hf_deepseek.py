@@ -139,6 +139,6 @@ FAMILY = Family(
     tp_blocks=lambda cfg, variant, group, dtype, device, moe_parallel="tp", n_layers=None:
         [TPDeepseekBlock(cfg, i, group, moe_parallel, dtype, device) for i in range(cfg.n_layers)],
     variants=("v2",), moe=True, pipeline=False, experts_of=experts_of, toy=toy_config, block_check=False,
-    kv_eviction=False,
+    kv_eviction=False, quantization=False,
     cache_layout=lambda cfg, p: (1, 1, cfg.latent_dim),  # MLA: one latent of c + r per token, whole on every rank
 )

@@ -75,4 +75,5 @@ FAMILY = Family(
     validate=lambda cfg, p, moe_parallel="tp": validate_moe(cfg, p, moe_parallel),
     dense_blocks=lambda cfg, dtype, device: [DenseMoEBlock(cfg, dtype, device) for _ in range(cfg.n_layers)],
     tp_blocks=tp_blocks, variants=("v2",), moe=True, pipeline=False, experts_of=experts_of, toy=toy_config,
+    quantization=False,
 )

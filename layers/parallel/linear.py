@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from layers.parallel.shard import per_rank
+from layers.parallel.weight_format import linear
 from tp.comm import copy_to_region, reduce_from_region
 
 
@@ -38,6 +38,8 @@ class _ShardedLinear(nn.Module):
         self.site = site  # names this layer's collectives in the traffic ledger
         self.weight = nn.Parameter(torch.empty(weight_shape, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(bias_features, dtype=dtype, device=device)) if bias else None
+        # weight-only int8 (layers/parallel/weight_format.py): `weight` then holds the codes, these their scales [out']
+        self.register_buffer("scales", None)
 
 
 class ColumnParallelLinear(_ShardedLinear):
@@ -53,7 +55,7 @@ class ColumnParallelLinear(_ShardedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_region(x, self.group, self.site)
-        return F.linear(x, self.weight, self.bias)  # [n, out/p]
+        return linear(x, self.weight, self.scales, self.bias)  # [n, out/p]
 
 
 class RowParallelLinear(_ShardedLinear):
@@ -69,6 +71,6 @@ class RowParallelLinear(_ShardedLinear):
         super().__init__((out_features, local_in), out_features, group, bias, site, dtype, device)  # bias: whole
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [n, in/p]
-        partial = F.linear(x, self.weight)  # [n, out], this rank's share of the sum
+        partial = linear(x, self.weight, self.scales)  # [n, out], this rank's share of the sum (int8: its own scales)
         y = reduce_from_region(partial, self.group, self.site)  # all-reduce: [n, out], identical on every rank
         return y if self.bias is None else y + self.bias

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from layers.parallel.shard import DenseSource, Part, load_plan, rows
+from layers.parallel.weight_format import embedding, linear
 from tp.comm import reduce_from_region
 from tp.partition import padded
 
@@ -45,6 +45,8 @@ class VocabParallelEmbedding(nn.Module):
         self.start = rank * self.per_rank  # first token id this rank holds
         self.n_real = max(0, min(self.per_rank, vocab_size - self.start))  # the rest of the slice is padding
         self.weight = nn.Parameter(torch.zeros(self.per_rank, d_model, dtype=dtype, device=device))
+        self.register_buffer("scales", None)  # int8 codes' per-row scales (layers/parallel/weight_format.py)
+        self.dtype = self.weight.dtype  # the rows' dtype when `weight` holds int8 codes
 
     def plan(self, source: str) -> list[Part]:
         """Rows [start, start + n_real) of the dense [V, d] tensor `source`, then zero rows up to V'/p."""
@@ -59,13 +61,14 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [T]
         local = ids - self.start
         outside = (local < 0) | (local >= self.n_real)
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0)  # [T, d]
+        rows = embedding(local.masked_fill(outside, 0), self.weight, self.scales, self.dtype)
+        rows = rows.masked_fill(outside[:, None], 0)  # [T, d]
         return reduce_from_region(rows, self.group, "embed/all-reduce")  # ★ all-reduce: [T, d], every rank
 
     def local_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The tied LM head on this rank's slice: x [S, d] final hidden rows -> logits [S, V'/p] (padding ids -inf,
         so they never win). The full [S, V] logits never exist: layers/sampling/sampler.py picks from the slices."""
-        logits = F.linear(x, self.weight)  # [S, V'/p]
+        logits = linear(x, self.weight, self.scales)  # [S, V'/p]
         logits[:, self.n_real:] = float("-inf")
         return logits
 
@@ -77,6 +80,8 @@ class ReplicatedEmbedding(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.zeros(vocab_size, d_model, dtype=dtype, device=device))
+        self.register_buffer("scales", None)
+        self.dtype = self.weight.dtype
 
     def plan(self, source: str) -> list[Part]:
         return [Part("weight", source)]
@@ -84,11 +89,11 @@ class ReplicatedEmbedding(nn.Module):
     load_dense = VocabParallelEmbedding.load_dense  # weight: the dense [V, d] embedding, whole here
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, d]
-        return F.embedding(ids, self.weight)
+        return embedding(ids, self.weight, self.scales, self.dtype)
 
     start = 0  # the whole vocabulary is here
 
     def local_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)  # [S, V]
+        return linear(x, self.weight, self.scales)  # [S, V]
 
     head_group = None  # nothing to gather: the pick is local

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from layers.models.lm import shard_lm
 from layers.models.pipeline import check_layout, new_pp_groups, shard_pp_lm
+from serve.build import prepare_weights
 from serve.config import EngineConfig
 from serve.control import agree, digest, request_rows, settings_row
 from serve.offline import OfflineEngine
@@ -59,6 +60,9 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
         raise ValueError("speculative_config with P/D disaggregation is not built yet: serve without it")
     if any(r.params is not None and r.params.prompt_logprobs is not None for r in requests):
         raise ValueError("prompt_logprobs with P/D disaggregation is not built: serve the request colocated")
+    if config.quantization is not None:
+        raise ValueError(f"quantization={config.quantization} with P/D disaggregation is not built (a row-parallel "
+                         f"weight's int8 groups follow each side's p): serve it colocated, or drop it")
     if config.kv_eviction is not None:
         raise ValueError("kv_eviction with P/D disaggregation is not built (the hand-over moves every block of a "
                          "prompt): serve it colocated, or drop it")
@@ -86,6 +90,7 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
                              world=ctx.group)
         else:
             lm = shard_lm(weights, variant, ctx.group, vocab_parallel)
+        prepare_weights(lm, config)  # the layout its device reads fastest (quantization is refused above)
     by_id = {r.id: r for r in requests}
     schedule = prefill_schedule(requests, config, layout.prefill_pp)
     handed = [rids for rids in ([rid for rid in done if by_id[rid].max_new_tokens > 1] for _, done in schedule) if rids]

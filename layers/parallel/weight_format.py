@@ -1,0 +1,200 @@
+"""How a rank stores the weights its matmuls read: their layout, and weight-only int8. Chosen once, at load, after the
+shard is cut; every weight keeps nn.Linear's meaning, [out, in], so sharding, checkpoint reading, the ledger and the
+dense oracle do not change.
+
+Layout: `weight` is shaped [out, in] either way; only its strides differ.
+
+    out_in   row-major, nn.Linear's own: F.linear(x, W) multiplies by Wᵀ, a transposed operand
+    in_out   column-major: W.t() is a contiguous [in, out] and F.linear(x, W) is x @ A with A read as stored
+    auto     in_out on a CPU, out_in elsewhere (cuBLAS reads either operand order at full speed)
+
+On this machine's CPUs PyTorch's matmul reads an [in, out] operand faster at every row count we serve, most at one
+row (batch-1 decode): `benchmarks/bench_decode.py --parts layout` measures it per shape (docs/benchmarks.md).
+
+Weight-only int8 (vLLM's quantization="int8"; gpt-fast's int8 mode). Each rank quantizes its own shard, per output
+channel: scale[o] = max_i |W[o, i]| / 127 (in the model's dtype), code[o, i] = round(W[o, i] / scale[o]) in
+[-127, 127], and y = (x · codeᵀ) · scale. Under tensor parallelism:
+
+    column-parallel  rank r holds whole output channels, so its scales are the dense channels' (they split with them)
+    row-parallel     rank r holds an [out, in/p] slice and a whole scale vector [out] of its own, applied to its
+                     partial sum before the all-reduce: the dense weight quantized in groups of in/p along `in`
+    the LM head      per vocabulary row; a tied token embedding looks its rows up the same way (code · scale)
+
+Activations, norms, the KV cache and every collective keep the model's dtype: only the bytes the matmuls read
+shrink (tp/cost_model.decode_weight_bytes counts them). On a CPU PyTorch's own int8-weight kernel does not pay
+(its aten._weight_int8pack_mm reads at a third of float32's speed here), decode's few rows run one fused reduction
+compiled by torch.compile (the codes read once, converted in registers: 2.5x float32's matmul at one row); more rows,
+other devices and float64 (the exactness tests) convert a chunk of codes at a time in cache and multiply it, the
+dequantized reference's arithmetic. `bench_decode.py --parts int8` measures each per row count.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+QUANTIZATIONS = ("int8",)  # None: the weights as loaded
+LAYOUTS = ("auto", "out_in", "in_out")
+INT8_MAX = 127  # symmetric: -127 .. 127 (the code -128 is never used)
+
+
+def check_quantization(quantization) -> None:
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r}: choose None (the weights as loaded) or "
+                         f"{', '.join(map(repr, QUANTIZATIONS))}")
+
+
+def check_layout(layout) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"weight_layout={layout!r}: choose {', '.join(LAYOUTS)}")
+
+
+def resolve_layout(layout: str, device: torch.device | str) -> str:
+    """auto -> in_out on a CPU, out_in on any other device."""
+    check_layout(layout)
+    if layout != "auto":
+        return layout
+    return "in_out" if torch.device(device).type == "cpu" else "out_in"
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (codes int8 [out, in], scales [out] in w's dtype): symmetric, one scale per row (output channel).
+    A row of zeros gets scale 1 and zero codes."""
+    amax = w.abs().amax(dim=1)
+    scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    codes = torch.round(w / scales[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return codes.contiguous(), scales
+
+
+FUSED_ROWS = 4  # at most this many rows (decode's): the compiled fused kernel; more: dequantized in chunks
+CHUNK = 1 << 20  # weights dequantized at a time (4 MiB of float32: they stay in cache while the matmul reads them)
+_fused = {"on": False, "kernel": None}  # this process's compiled kernel (prepare's compile=True turns it on)
+
+
+def _fused_rows(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """y[n, o] = scale[o] · Σ_i x[n, i] · code[o, i] as one reduction: compiled, each code is read once, converted
+    in registers and never written back as a float."""
+    return (x[:, None, :] * codes[None].to(x.dtype)).sum(-1) * scales
+
+
+def _chunked(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The same product a chunk of output channels at a time: each chunk's codes converted (in cache), multiplied,
+    scaled. The dequantized reference's arithmetic; any device, any dtype (float64 for the exactness tests)."""
+    out, width = codes.shape
+    step = max(1, CHUNK // width)
+    if step >= out:
+        return F.linear(x, codes.to(x.dtype)) * scales
+    y = x.new_empty(*x.shape[:-1], out)
+    for a in range(0, out, step):
+        torch.mul(F.linear(x, codes[a:a + step].to(x.dtype)), scales[a:a + step], out=y[..., a:a + step])
+    return y
+
+
+def fused_kernel():
+    """The compiled fused kernel, or None (compiling is off: enforce_eager; or it failed here once, said on stderr)."""
+    if not _fused["on"]:
+        return None
+    if _fused["kernel"] is None:
+        _fused["kernel"] = torch.compile(_fused_rows, dynamic=True)
+    return _fused["kernel"]
+
+
+def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [..., in] · (codes [out, in] · scales [out, 1])ᵀ -> [..., out]: a few rows on a CPU through the fused kernel
+    (benchmarks/bench_decode.py --parts int8 measured where it stops paying: FUSED_ROWS), else in chunks."""
+    flat = x.reshape(-1, x.shape[-1])
+    kernel = fused_kernel() if flat.shape[0] <= FUSED_ROWS and x.device.type == "cpu" and \
+        x.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
+    if kernel is not None:
+        try:
+            return kernel(flat, codes, scales).reshape(*x.shape[:-1], codes.shape[0])
+        except Exception as exc:  # noqa: BLE001 - no C++ compiler, say: eager from now on, once said
+            import sys
+
+            print(f"weight_format: the fused int8 kernel did not compile ({type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0][:200]}); the eager kernel runs instead", file=sys.stderr)
+            _fused["on"] = False
+    return _chunked(x, codes, scales)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x · weightᵀ + bias, weight as stored: a float tensor in either layout, or int8 codes with their scales."""
+    if scales is None:
+        return F.linear(x, weight, bias)
+    y = int8_matmul(x, weight, scales)
+    return y if bias is None else y + bias
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The rows of a token embedding, dequantized when it holds int8 codes (a head tied to it was quantized)."""
+    rows = F.embedding(ids, weight)
+    return rows if scales is None else rows.to(dtype) * scales[ids][:, None]
+
+
+def model_dtype(lm: nn.Module) -> torch.dtype:
+    """The dtype lm computes in (its activations, its KV cache): its first float parameter's, int8 codes aside."""
+    return next(p.dtype for p in lm.parameters() if p.is_floating_point())
+
+
+def matmul_modules(lm: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module whose weight a matmul reads: the column- and row-parallel linears of the blocks
+    and the LM head (a tied embedding included). Each holds `weight` [out', in'] and a `scales` buffer."""
+    from layers.parallel.linear import _ShardedLinear
+
+    head = getattr(lm, "output_embedding", None)  # a pipeline stage's model has none (its linears are found)
+    return [(name, m) for name, m in lm.named_modules() if isinstance(m, _ShardedLinear) or m is head]
+
+
+def quantized(lm: nn.Module) -> bool:
+    return any(m.scales is not None for _, m in matmul_modules(lm))
+
+
+@torch.no_grad()
+def dequantized(dense: nn.Module, served: nn.Module) -> nn.Module:
+    """The dense model whose weights are what `served`'s int8 shards stand for (the oracle of a quantized model): each
+    dense weight that a quantized module of `served` holds a slice of is quantized and dequantized in groups of
+    that module's own input width along `in` (in/p for a row-parallel slice, the whole row otherwise), by the same
+    rule as quantize_rows. In place; returns dense."""
+    widths = {f"{name}.weight": m.weight.shape[1] for name, m in matmul_modules(served) if m.scales is not None}
+    for part in served.plan():
+        if part.param in widths and part.source is not None:
+            w = dense.get_parameter(part.source)
+            out, width = w.shape[0], widths[part.param]
+            codes, scales = quantize_rows(w.data.reshape(-1, width))
+            w.data.copy_((codes.to(w.dtype) * scales[:, None]).reshape(out, -1))
+    return dense
+
+
+@torch.no_grad()
+def prepare(lm: nn.Module, quantization: str | None = None, layout: str = "auto", compile: bool = True) -> nn.Module:
+    """Store lm's matmul weights for the device they run on: int8 codes and scales (quantization="int8"), or the
+    float weights in `layout` (resolved for lm's device). compile: the int8 kernel of a few rows may be compiled
+    (enforce_eager turns it off). In place; returns lm."""
+    check_quantization(quantization)
+    if quantization is not None:
+        _fused["on"] = compile
+    modules = matmul_modules(lm)
+    if not modules:
+        return lm
+    device = modules[0][1].weight.device
+    layout = resolve_layout(layout, device)
+    for _, module in modules:
+        w = module.weight
+        if quantization == "int8":
+            codes, scales = quantize_rows(w.data)
+            module.weight = nn.Parameter(codes, requires_grad=False)
+            module.scales = scales
+        elif layout == "in_out":
+            w.data = w.data.t().contiguous().t()  # [out, in] still; stored column-major
+        else:
+            w.data = w.data.contiguous()
+    return lm
+
+
+def stored_bytes(lm: nn.Module) -> int:
+    """Bytes of lm's matmul weights (and their scales) as stored: what one decode step reads of them."""
+    return sum(m.weight.numel() * m.weight.element_size() +
+               (0 if m.scales is None else m.scales.numel() * m.scales.element_size())
+               for _, m in matmul_modules(lm))
