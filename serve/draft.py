@@ -26,9 +26,9 @@ import dataclasses
 
 import torch
 
+from layers.parallel.weight_format import model_dtype
 from layers.sampling.rejection_sampler import DRAFT_STREAM, filtered_logprobs, verify
 from layers.sampling.sampler import SamplingBatch, sample
-from layers.parallel.weight_format import model_dtype
 from serve.kv_cache import KVPool
 from serve.model_runner import prepare_step, sampling_rows
 from serve.plan import ScheduledRequest, SchedulerOutput

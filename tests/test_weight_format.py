@@ -132,35 +132,40 @@ def test_int8_shards_equal_the_dequantized_dense_model(cfg, p):
         assert max(abs(a - float(b)) for a, b in zip(logprobs, lp[:, 0])) <= 1e-10
 
 
-def test_the_fused_kernel_equals_the_chunked_one():
-    """Decode's compiled kernel (a few rows, float32 on a CPU) against the chunked dequantized product, and the row
-    count where it hands over; a kernel that fails to compile falls back, said once."""
+@torch.no_grad()
+def test_the_fused_kernels_equal_the_eager_products():
+    """Decode's compiled kernels (a few rows, float32 on a CPU, a weight past FUSED_MIN) against float64 products, up
+    to the row count where they hand over to the eager ones; each ran (it was compiled)."""
     gen = torch.Generator().manual_seed(0)
-    codes, scales = weight_format.quantize_rows(torch.randn(300, 96, generator=gen))
-    weight_format._fused["on"] = True
+    w = torch.randn(weight_format.FUSED_MIN // 64 + 8, 64, generator=gen)
+    codes, scales = weight_format.quantize_rows(w)
+    weight_format._fused.update(on=True, float=None, int8=None)
     try:
-        for rows in (1, 3, weight_format.FUSED_ROWS, weight_format.FUSED_ROWS + 1):
-            x = torch.randn(rows, 96, generator=gen)
-            want = (x.double() @ (codes.double() * scales.double()[:, None]).T)
-            got = weight_format.int8_matmul(x, codes, scales)
-            assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), rows
-        assert weight_format._fused["kernel"] is not None  # it ran: the check covers the compiled kernel
+        for kind, rows in [(k, r) for k in ("float", "int8") for r in (1, 3, weight_format.FUSED_ROWS[k] + 1)]:
+            x = torch.randn(rows, 64, generator=gen)
+            want = x.double() @ (w.double() if kind == "float" else codes.double() * scales.double()[:, None]).T
+            got = weight_format.linear(x, w, None) if kind == "float" else weight_format.linear(x, codes, scales)
+            assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), (kind, rows)
+            assert weight_format._fused[kind] is not None  # compiled: the check covers the fused kernel
+        assert weight_format.fused_kernel("float", x[:1], w[:100]) is None  # a weight that fits in cache: eager
     finally:
-        weight_format._fused.update(on=False, kernel=None)
+        weight_format._fused.update(on=False, float=None, int8=None)
 
 
+@torch.no_grad()
 def test_a_kernel_that_does_not_compile_falls_back(capsys):
     def broken(*args):
         raise RuntimeError("no C++ compiler")
 
-    codes, scales = weight_format.quantize_rows(torch.randn(8, 16))
+    codes, scales = weight_format.quantize_rows(torch.randn(weight_format.FUSED_MIN // 16, 16))
     x = torch.randn(1, 16)
-    weight_format._fused.update(on=True, kernel=broken)
+    weight_format._fused.update(on=True, int8=broken)
     try:
         got = weight_format.int8_matmul(x, codes, scales)
+        assert not weight_format._fused["on"]  # eager from now on
     finally:
-        weight_format._fused.update(on=False, kernel=None)
-    assert torch.allclose(got, x @ (codes.float() * scales[:, None]).T, atol=1e-5)
+        weight_format._fused.update(on=False, float=None, int8=None)
+    assert torch.allclose(got, x @ (codes.float() * scales[:, None]).T, atol=1e-4)
     assert "did not compile (RuntimeError: no C++ compiler)" in capsys.readouterr().err
 
 

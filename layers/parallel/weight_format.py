@@ -50,12 +50,13 @@ def check_layout(layout) -> None:
         raise ValueError(f"weight_layout={layout!r}: choose {', '.join(LAYOUTS)}")
 
 
-def resolve_layout(layout: str, device: torch.device | str) -> str:
-    """auto -> in_out on a CPU, out_in on any other device."""
+def resolve_layout(layout: str, device: torch.device | str, fused: bool = False) -> str:
+    """auto -> out_in for a weight the fused kernel reads (it reduces along contiguous rows), in_out for any other
+    on a CPU (PyTorch's matmul reads it faster there), out_in on any other device."""
     check_layout(layout)
     if layout != "auto":
         return layout
-    return "in_out" if torch.device(device).type == "cpu" else "out_in"
+    return "in_out" if torch.device(device).type == "cpu" and not fused else "out_in"
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,20 +68,57 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.contiguous(), scales
 
 
-FUSED_ROWS = 4  # at most this many rows (decode's): the compiled fused kernel; more: dequantized in chunks
-CHUNK = 1 << 20  # weights dequantized at a time (4 MiB of float32: they stay in cache while the matmul reads them)
-_fused = {"on": False, "kernel": None}  # this process's compiled kernel (prepare's compile=True turns it on)
+FUSED_ROWS = {"float": 8, "int8": 4}  # at most this many rows (decode's, a verify's): the fused kernel
+FUSED_MIN = 1 << 18  # weights (1 MiB in float32) from which a matmul streams them from memory; smaller ones are read
+#                      from cache, where PyTorch's matmul costs less per call than a compiled kernel
+CHUNK = 1 << 20  # int8 weights dequantized at a time (4 MiB of float32: they stay in cache while the matmul reads them)
+_fused = {"on": False, "float": None, "int8": None}  # this process's compiled kernels (prepare(compile=True): on)
 
 
-def _fused_rows(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """y[n, o] = scale[o] · Σ_i x[n, i] · code[o, i] as one reduction: compiled, each code is read once, converted
-    in registers and never written back as a float."""
+def _fused_float(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y[n, o] = Σ_i x[n, i] · w[o, i] as one reduction, output channel outermost: each row of w is read from memory
+    once and again from cache for each of the n rows (PyTorch's matmul at 2-8 rows reads the weights again)."""
+    return (x[None, :, :] * w[:, None, :]).sum(-1).t()
+
+
+def _fused_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """y[n, o] = scale[o] · Σ_i x[n, i] · code[o, i] as one reduction: each code read once, converted in registers
+    and never written back as a float."""
     return (x[:, None, :] * codes[None].to(x.dtype)).sum(-1) * scales
 
 
+def fused_kernel(kind: str, x: torch.Tensor, weight: torch.Tensor):
+    """The compiled kernel of `kind` (float, int8) for this product, or None: compiling is off (enforce_eager, or it
+    failed here once), gradients are on (serving runs without), not a CPU or not float32/16, more rows than
+    FUSED_ROWS, a weight small enough for cache, or a float weight not stored row-major."""
+    rows = x.numel() // x.shape[-1]
+    if not _fused["on"] or torch.is_grad_enabled() or x.device.type != "cpu" or rows > FUSED_ROWS[kind] or weight.numel() < FUSED_MIN or \
+            x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or weight.stride(-1) != 1:
+        return None
+    if _fused[kind] is None:
+        _fused[kind] = torch.compile(_fused_float if kind == "float" else _fused_int8, dynamic=True)
+    return _fused[kind]
+
+
+def _run_fused(kernel, x: torch.Tensor, *weights) -> torch.Tensor | None:
+    """kernel over x's rows, or None where it does not compile here (no C++ compiler, say): then eager from now on,
+    said once on stderr."""
+    try:  # .data: a parameter's shape would be compiled in (dynamo keeps parameters static), one kernel per shape
+        flat = x.reshape(-1, x.shape[-1]).contiguous()  # the kernel is vectorized along contiguous rows of x
+        return kernel(flat, *(w.data for w in weights)).reshape(*x.shape[:-1], weights[0].shape[0])
+    except Exception as exc:  # noqa: BLE001 - any failure to compile falls back to the eager kernels
+        import sys
+
+        print(f"weight_format: the fused kernels did not compile ({type(exc).__name__}: "
+              f"{str(exc).splitlines()[0][:200]}); the eager kernels run instead", file=sys.stderr)
+        _fused["on"] = False
+        return None
+
+
 def _chunked(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The same product a chunk of output channels at a time: each chunk's codes converted (in cache), multiplied,
-    scaled. The dequantized reference's arithmetic; any device, any dtype (float64 for the exactness tests)."""
+    """x · (codes · scales)ᵀ a chunk of output channels at a time: each chunk's codes converted (in cache),
+    multiplied, scaled. The dequantized reference's arithmetic; any device, any dtype (float64 for the exactness
+    tests)."""
     out, width = codes.shape
     step = max(1, CHUNK // width)
     if step >= out:
@@ -91,39 +129,24 @@ def _chunked(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torc
     return y
 
 
-def fused_kernel():
-    """The compiled fused kernel, or None (compiling is off: enforce_eager; or it failed here once, said on stderr)."""
-    if not _fused["on"]:
-        return None
-    if _fused["kernel"] is None:
-        _fused["kernel"] = torch.compile(_fused_rows, dynamic=True)
-    return _fused["kernel"]
-
-
 def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [..., in] · (codes [out, in] · scales [out, 1])ᵀ -> [..., out]: a few rows on a CPU through the fused kernel
-    (benchmarks/bench_decode.py --parts int8 measured where it stops paying: FUSED_ROWS), else in chunks."""
-    flat = x.reshape(-1, x.shape[-1])
-    kernel = fused_kernel() if flat.shape[0] <= FUSED_ROWS and x.device.type == "cpu" and \
-        x.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
-    if kernel is not None:
-        try:
-            return kernel(flat, codes, scales).reshape(*x.shape[:-1], codes.shape[0])
-        except Exception as exc:  # noqa: BLE001 - no C++ compiler, say: eager from now on, once said
-            import sys
-
-            print(f"weight_format: the fused int8 kernel did not compile ({type(exc).__name__}: "
-                  f"{str(exc).splitlines()[0][:200]}); the eager kernel runs instead", file=sys.stderr)
-            _fused["on"] = False
-    return _chunked(x, codes, scales)
+    """x [..., in] · (codes [out, in] · scales [out, 1])ᵀ -> [..., out]: decode's rows through the fused kernel,
+    else in chunks (benchmarks/bench_decode.py --parts layout measures both per row count)."""
+    kernel = fused_kernel("int8", x, codes)
+    y = None if kernel is None else _run_fused(kernel, x, codes, scales)
+    return _chunked(x, codes, scales) if y is None else y
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x · weightᵀ + bias, weight as stored: a float tensor in either layout, or int8 codes with their scales."""
-    if scales is None:
-        return F.linear(x, weight, bias)
-    y = int8_matmul(x, weight, scales)
+    if scales is not None:
+        y = int8_matmul(x, weight, scales)
+    else:
+        kernel = fused_kernel("float", x, weight)
+        y = None if kernel is None else _run_fused(kernel, x, weight)
+        if y is None:
+            return F.linear(x, weight, bias)
     return y if bias is None else y + bias
 
 
@@ -170,23 +193,22 @@ def dequantized(dense: nn.Module, served: nn.Module) -> nn.Module:
 @torch.no_grad()
 def prepare(lm: nn.Module, quantization: str | None = None, layout: str = "auto", compile: bool = True) -> nn.Module:
     """Store lm's matmul weights for the device they run on: int8 codes and scales (quantization="int8"), or the
-    float weights in `layout` (resolved for lm's device). compile: the int8 kernel of a few rows may be compiled
-    (enforce_eager turns it off). In place; returns lm."""
+    float weights in `layout` (auto: resolved per weight for lm's device and whether the fused kernel reads it).
+    compile: decode's matmuls of large weights run compiled fused kernels on a CPU (enforce_eager turns it off). In
+    place; returns lm."""
     check_quantization(quantization)
-    if quantization is not None:
-        _fused["on"] = compile
     modules = matmul_modules(lm)
     if not modules:
         return lm
     device = modules[0][1].weight.device
-    layout = resolve_layout(layout, device)
+    _fused["on"] = compile and torch.device(device).type == "cpu"
     for _, module in modules:
         w = module.weight
         if quantization == "int8":
             codes, scales = quantize_rows(w.data)
             module.weight = nn.Parameter(codes, requires_grad=False)
             module.scales = scales
-        elif layout == "in_out":
+        elif resolve_layout(layout, device, _fused["on"] and w.numel() >= FUSED_MIN) == "in_out":
             w.data = w.data.t().contiguous().t()  # [out, in] still; stored column-major
         else:
             w.data = w.data.contiguous()
