@@ -81,6 +81,7 @@ bench: setup model
 	$(PY) benchmarks/bench_threads.py
 	$(PY) benchmarks/bench_http.py
 	$(PY) benchmarks/bench_train.py
+	$(PY) benchmarks/bench_decode.py
 	$(PY) benchmarks/report.py
 
 gpu-check: setup

@@ -7,15 +7,17 @@ The model: a random Llama (transformers' initialisation, seed 0), hidden 512, 8 
 SwiGLU 1536, vocab 32000, float32, written once to outputs/bench_decode/llama in save_pretrained's layout and beside
 it as GGUF, f32 and q8_0 (benchmarks/to_gguf.py). One thread everywhere: threads_per_rank=1, llama.cpp's n_threads=1.
 
-  layout      the model's 57 matmul weights, each once (what a decode step reads), at 1, 5, 16, 64 and 256 rows:
-              out_in (nn.Linear's layout), in_out (the same tensors stored column-major), int8
-              (layers/parallel/weight_format.int8_matmul: the compiled fused kernel up to FUSED_ROWS rows, chunks
-              above) and int8 eager (chunks at every row count); min of --repeats x 3 passes each, the ratio to
-              out_in, and the bytes read per second
+  layout      the model's 33 matmul weights, each once (what a decode step reads), at 1, 2, 5, 8, 16, 64 and 256
+              rows: PyTorch's matmul on out_in (nn.Linear's layout) and in_out (the same tensors stored
+              column-major); the engine's float path (layers/parallel/weight_format.linear: the compiled fused
+              kernel up to FUSED_ROWS rows, else out_in); int8 (the fused kernel up to its rows, chunks above) and
+              int8 eager (chunks at every row count); min of --repeats x 3 passes each, the ratio to out_in, and
+              the bytes read per second
   peer        greedy decode, 8 prompts of 32 random ids, 64 new tokens each: decode tokens/s one request at a time
               (the first token's step excluded) and the throughput of all 8 (LLM: at once; llama.cpp: one after
-              another, its high-level API runs one sequence), for LLM float32 (weight_layout auto = in_out here, and
-              out_in), LLM int8 (compiled, and enforce_eager) and llama.cpp f32 and q8_0 (llama-cpp-python, the
+              another, its high-level API runs one sequence), for LLM float32 and int8 (the defaults: decode's fused
+              kernels; enforce_eager: none; and enforce_eager with weight_layout out_in, the engine before this
+              benchmark) and llama.cpp f32 and q8_0 (llama-cpp-python, the
               optional extra `pip install -e .[llamacpp]`; skipped when it is not installed); the ids of LLM float32
               against llama.cpp f32. Medians of --repeats rounds, the systems alternated within each.
   steps       one in-process engine (world of 1), decode steps of 5 requests against 1 (the rows of a speculative
@@ -42,18 +44,18 @@ from benchmarks.common import OUT, parse_args, print_table, refuse, table, write
 MODEL = OUT / "bench_decode" / "llama"
 SHAPE = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=8, max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False)
-ROWS = (1, 5, 16, 64, 256)
+ROWS = (1, 2, 5, 8, 16, 64, 256)
 PROMPTS, PROMPT_LEN, NEW = 8, 32, 64
 PARTS = ("layout", "peer", "steps", "perplexity")
 SYSTEMS = {  # name -> LLM settings, or ("llama.cpp", GGUF type)
-    "LLM float32 (in_out)": dict(),
-    "LLM float32 (out_in)": dict(weight_layout="out_in"),
+    "LLM float32": dict(),
+    "LLM float32, enforce_eager": dict(enforce_eager=True),
+    "LLM float32, enforce_eager, out_in": dict(enforce_eager=True, weight_layout="out_in"),
     "LLM int8": dict(quantization="int8"),
-    "LLM int8 (enforce_eager)": dict(quantization="int8", enforce_eager=True),
+    "LLM int8, enforce_eager": dict(quantization="int8", enforce_eager=True),
     "llama.cpp f32": ("llama.cpp", "f32"),
     "llama.cpp q8_0": ("llama.cpp", "q8_0"),
 }
-
 
 def make_model() -> Path:
     """The benchmark's Llama and its GGUF files, made once."""
@@ -96,8 +98,9 @@ def part_layout(args, out) -> None:
     gen = torch.Generator().manual_seed(0)
     shapes = [(3 * d, d), (d, d), (2 * f, d), (d, f)] * L + [(v, d)]  # qkv, o, gate|up, down per layer; the head
     weights = [torch.randn(o, i, generator=gen) * 0.02 for o, i in shapes]
-    formats = {"out_in": [(w, None) for w in weights], "in_out": [(w.t().contiguous().t(), None) for w in weights],
-               "int8": [wf.quantize_rows(w) for w in weights]}
+    formats = {"out_in": [(w, None) for w in weights], "in_out": [(w.t().contiguous().t(), None) for w in weights]}
+    formats["fused"] = formats["out_in"]  # the engine's float path: the fused kernel up to its rows, else out_in
+    formats["int8"] = [wf.quantize_rows(w) for w in weights]
     formats["int8 eager"] = formats["int8"]
     nbytes = {name: sum(w.numel() * w.element_size() + (0 if s is None else s.numel() * 4) for w, s in ws)
               for name, ws in formats.items()}
@@ -106,11 +109,13 @@ def part_layout(args, out) -> None:
         xs = {width: torch.randn(rows, width, generator=gen) for width in (d, f)}
         times = {}
         for name, ws in formats.items():
-            wf._fused.update(on=name == "int8", kernel=wf._fused["kernel"])
+            wf._fused["on"] = name in ("fused", "int8")
+            engine_path = name in ("fused", "int8", "int8 eager")
 
             def one_pass():
-                for w, s in ws:
-                    wf.linear(xs[w.shape[1]], w, s) if s is not None else F.linear(xs[w.shape[1]], w)
+                with torch.no_grad():
+                    for w, s in ws:
+                        wf.linear(xs[w.shape[1]], w, s) if engine_path else F.linear(xs[w.shape[1]], w)
 
             one_pass()
             samples = []
@@ -228,9 +233,10 @@ def part_peer(args, out) -> None:
                      statistics.median(s["batch8"]), "rounds": s} for name, s in samples.items()}
     same = None
     if "llama.cpp f32" in answers:
-        ours, theirs = answers["LLM float32 (in_out)"][:PROMPTS], answers["llama.cpp f32"][:PROMPTS]
+        ours, theirs = answers["LLM float32"][:PROMPTS], answers["llama.cpp f32"][:PROMPTS]
         same = sum(a == b for a, b in zip(ours, theirs))
         result["ids equal, LLM float32 vs llama.cpp f32"] = f"{same} of {PROMPTS}"
+        result["where they differ"] = arbiter(ids, ours, theirs)
         int8, q8 = answers["LLM int8"][:PROMPTS], answers["llama.cpp q8_0"][:PROMPTS]
         result["ids equal, LLM int8 vs llama.cpp q8_0"] = f"{sum(a == b for a, b in zip(int8, q8))} of {PROMPTS}"
     out["peer"] = result
@@ -248,7 +254,60 @@ def part_peer(args, out) -> None:
         print(f"greedy ids, LLM float32 = llama.cpp f32: {same} of {PROMPTS} requests\n")
 
 
+def arbiter(ids, ours, theirs) -> list[dict]:
+    """For each request whose ids differ: the first position they part, and the float64 dense model's (recomputed
+    with no cache, from the same checkpoint) top-2 margin there, relative to the top logit: a near-tie, or not."""
+    import torch
+
+    from layers.models.hf import load_lm
+    from layers.models.lm import dense_lm
+    from serve.llm import resolve_model
+
+    parted = [(i, next(k for k, (a, b) in enumerate(zip(x, y)) if a != b)) for i, (x, y) in enumerate(zip(ours, theirs))
+              if x != y]
+    if not parted:
+        return []
+    cfg, checkpoint = resolve_model(str(MODEL), 1, "tp")
+    from layers.models.checkpoint import Checkpoint
+
+    dense = load_lm(dense_lm(cfg, torch.float64), Checkpoint(checkpoint))
+    rows = []
+    with torch.no_grad():
+        for i, k in parted:
+            z = dense.logits(torch.tensor(ids[i] + ours[i][:k]))[-1]
+            top = z.topk(2)
+            rows.append({"request": i, "position": k, "float64 picks": int(top.indices[0]), "LLM": ours[i][k],
+                         "llama.cpp": theirs[i][k], "margin / top logit": float((top.values[0] - top.values[1])
+                                                                                / top.values[0].abs())})
+    return rows
+
+
 # ---- steps: the engine's decode step at 5 rows against 1 -----------------------------------------------------------
+
+
+class matmuls_timed:
+    """While open, the wall time of every matmul of the model (weight_format.linear, as the linears and the head
+    call it) is appended to the list it yields."""
+
+    def __enter__(self) -> list:
+        import layers.parallel.linear as linear_module
+        import layers.parallel.vocab as vocab_module
+
+        self.modules, self.inner, spent = (linear_module, vocab_module), linear_module.linear, []
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            y = self.inner(*args, **kwargs)
+            spent.append(time.perf_counter() - start)
+            return y
+
+        for module in self.modules:
+            module.linear = timed
+        return spent
+
+    def __exit__(self, *exc) -> None:
+        for module in self.modules:
+            module.linear = self.inner
 
 
 def part_steps(args, out) -> None:
@@ -268,8 +327,10 @@ def part_steps(args, out) -> None:
     cfg, checkpoint = resolve_model(str(MODEL), 1, "tp")
     rows = []
     try:
-        for name, settings in {"float32 (in_out)": {}, "float32 (out_in)": {"weight_layout": "out_in"},
-                               "int8": {"quantization": "int8"}}.items():
+        for name, settings in {"float32": {}, "float32, enforce_eager": {"enforce_eager": True},
+                               "float32, enforce_eager, out_in": {"enforce_eager": True, "weight_layout": "out_in"},
+                               "int8": {"quantization": "int8"},
+                               "int8, enforce_eager": {"quantization": "int8", "enforce_eager": True}}.items():
             config = EngineConfig(check_ledger=False, **settings)
             weights, _ = rank_weights(cfg, checkpoint, torch.float32, ctx.device, 0)
             engine = LLMEngine(prepare_weights(build_lm(weights, ctx), config), ctx, config)
@@ -285,16 +346,25 @@ def part_steps(args, out) -> None:
                     engine.step()
                     samples.append(time.perf_counter() - start)
                 times.setdefault(batch, []).extend(samples[1:-1])
+            with matmuls_timed() as spent:  # once more at one row: the time inside the matmuls (and the head's)
+                engine.add_request("timed", prompts()[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+                engine.step()
+                spent.clear()
+                steps = 0
+                while engine.has_unfinished_requests():
+                    engine.step()
+                    steps += 1
             t1, t5 = statistics.median(times[1]), statistics.median(times[5])
-            rows.append({"weights": name, "1 row ms": t1 * 1e3, "5 rows ms": t5 * 1e3, "5 rows / 1": t5 / t1})
+            rows.append({"weights": name, "1 row ms": t1 * 1e3, "5 rows ms": t5 * 1e3, "5 rows / 1": t5 / t1,
+                         "1 row: matmuls ms": sum(spent) / steps * 1e3})
             engine.shutdown()
             del engine
     finally:
         shutdown()
     out["steps"] = rows
-    print_table(["weights", "decode step, 1 row (ms)", "5 rows (ms)", "5 rows / 1 row"],
-                [[r["weights"], f"{r['1 row ms']:.2f}", f"{r['5 rows ms']:.2f}", f"{r['5 rows / 1']:.2f}"]
-                 for r in rows])
+    print_table(["weights", "decode step, 1 row (ms)", "of which matmuls (ms)", "5 rows (ms)", "5 rows / 1 row"],
+                [[r["weights"], f"{r['1 row ms']:.2f}", f"{r['1 row: matmuls ms']:.2f}", f"{r['5 rows ms']:.2f}",
+                  f"{r['5 rows / 1']:.2f}"] for r in rows])
 
 
 # ---- perplexity: what int8 costs on the trained model ---------------------------------------------------------------
@@ -332,7 +402,7 @@ def section(data: dict | None) -> list[str]:
              "-e .[llamacpp]`) on the same weights written as GGUF (benchmarks/to_gguf.py). The write-up: "
              "[decode.md](decode.md).", ""]
     if "layout" in data:
-        names = ("out_in", "in_out", "int8", "int8 eager")
+        names = ("out_in", "in_out", "fused", "int8", "int8 eager")
         lines += ["The model's matmuls alone (every weight once), ms per pass (x: against out_in):", ""]
         lines += table(["rows"] + list(names), [[r["rows"]] + [f"{r[f'{n} ms']:.2f} ({r[f'{n} x']:.2f}x)"
                                                               for n in names] for r in data["layout"]["rows"]])
@@ -345,13 +415,27 @@ def section(data: dict | None) -> list[str]:
                 base = peer.get("llama.cpp q8_0" if ("int8" in name or "q8" in name) else "llama.cpp f32")
                 ratio = f"{r['batch1 tokens/s'] / base['batch1 tokens/s']:.2f}x" if base else ""
                 rows.append([name, f"{r['batch1 tokens/s']:.1f}", ratio, f"{r['8 requests tokens/s']:.1f}"])
+        lines += ["Decode tokens/s one request at a time (8 requests x 64 tokens, the first token's step excluded); "
+                  "the throughput of 8 requests (LLM: at once; llama.cpp: one after another, prefill included):", ""]
         lines += table(["system", "batch-1 decode tokens/s", "vs llama.cpp, same precision", "8 requests: tokens/s"],
                        rows)
-        lines += [""] + [f"{k}: {v}." for k, v in peer.items() if not isinstance(v, dict)] + [""]
+        lines.append("")
+        if "ids equal, LLM float32 vs llama.cpp f32" in peer:
+            text = f"Greedy ids, LLM float32 = llama.cpp f32: {peer['ids equal, LLM float32 vs llama.cpp f32']}."
+            for d in peer.get("where they differ", []):
+                text += (f" Request {d['request']} parts at token {d['position']}: LLM picks {d['LLM']}, llama.cpp "
+                         f"{d['llama.cpp']}, the float64 model {d['float64 picks']}, its top two logits "
+                         f"{d['margin / top logit']:.1e} apart (relative to the top one).")
+            lines += [text + f" LLM int8 = llama.cpp q8_0: {peer['ids equal, LLM int8 vs llama.cpp q8_0']} (two "
+                      f"quantizations: ours per output channel, weights only; q8_0 per block of 32 values, the "
+                      f"activations too).", ""]
     if "steps" in data:
-        lines += table(["weights", "decode step, 1 row (ms)", "5 rows (ms)", "5 rows / 1 row"],
-                       [[r["weights"], f"{r['1 row ms']:.2f}", f"{r['5 rows ms']:.2f}", f"{r['5 rows / 1']:.2f}"]
-                        for r in data["steps"]])
+        lines += ["One engine in-process, a decode step at 1 row and at 5 (5 requests: the rows of a speculative "
+                  "verify with k = 4), medians:", ""]
+        lines += table(["weights", "decode step, 1 row (ms)", "of which matmuls (ms)", "5 rows (ms)",
+                        "5 rows / 1 row"],
+                       [[r["weights"], f"{r['1 row ms']:.2f}", f"{r['1 row: matmuls ms']:.2f}",
+                         f"{r['5 rows ms']:.2f}", f"{r['5 rows / 1']:.2f}"] for r in data["steps"]])
         lines.append("")
     if "perplexity" in data:
         lines += ["models/stdlib's held-out perplexity (64 sequences of 256):", ""]

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from launch.loading import LoadMeter
-from launch.serve_report import add_text, build_pd_report, build_report, render, render_pd
+from launch.serve_report import add_text, build_pd_report, build_report, render, render_pd, weights_report
 from launch.serve_settings import Settings, parse_settings
 from launch.settings import launch, publish, script_main
 from layers.attention.kv_quant import gather_scales, pseudo_quantized
@@ -79,6 +79,7 @@ def serve_and_report(s: Settings, out_dir: Path, ctx) -> int:
     embed = getattr(lm, "lm", lm).embed  # a pipeline stage's LM holds it inside (or not at all: a middle stage)
     report["embedding_bytes_per_rank"] = 0 if embed is None else embed.weight.numel() * embed.weight.element_size()
     report["lm_head_tied"] = not of(s.model).llama_lm or s.model.tie_word_embeddings  # Llama: mostly a separate head
+    report["weights"] = weights_report(lm, s, ctx.world_size // s.pp // s.cp)
     publish(report, render, out_dir / s.report, ctx)
     ok = (report["ledger_matches_model"] and report["kv_cache"]["matches_formula"]
           and report["check"]["ok"] in (True, None))

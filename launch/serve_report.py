@@ -11,7 +11,8 @@ from layers.attention.backends import choose
 from layers.models.families import of
 from layers.models.pipeline import stage_layers
 from serve.kv_cache import kv_bytes_per_token
-from tp.cost_model import kv_bytes_per_token_per_rank
+from layers.parallel.weight_format import matmul_modules, stored_bytes
+from tp.cost_model import decode_weight_bytes, kv_bytes_per_token_per_rank
 from tp.ledger import ring_bytes_per_rank
 from tp.partition import kv_heads_per_rank
 from tp.traffic_model import pair_count
@@ -107,6 +108,26 @@ def render_stages(pp: dict) -> list[str]:
             f"{pp['stages'][0]['steps']} steps had stage 0 busy)" if pp["bubble"] is not None else "bubble: no steps"]
 
 
+def weights_report(lm, s, p: int) -> dict:
+    """The matmul weights this rank stores (layers/parallel/weight_format.py: quantization, layout) against the cost
+    model's bytes for one decode step (a pipeline stage's: its own, no model)."""
+    out = {"quantization": s.engine.quantization, "matmul_bytes_per_rank": stored_bytes(lm),
+           "in_out": sum(m.weight.dim() == 2 and m.weight.stride(0) == 1 and m.weight.shape[1] > 1
+                         for _, m in matmul_modules(lm))}
+    if s.pp == 1 and of(s.model).quantization:  # the model counts plain linears (no experts, no latent projections)
+        elem = torch.empty((), dtype=s.dtype).element_size()
+        out["matmul_bytes_model"] = decode_weight_bytes(s.model, p, elem, s.engine.quantization, s.vocab_parallel)
+    return out
+
+
+def render_weights(w: dict) -> str:
+    model = w.get("matmul_bytes_model")
+    return (f"matmul weights per rank: {kib(w['matmul_bytes_per_rank'])} KiB as stored "
+            f"({w['quantization'] or 'as loaded'}; {w['in_out']} stored [in, out])"
+            + ("" if model is None else f", the cost model's bytes per decode step {kib(model)} KiB: "
+               f"{str(model == w['matmul_bytes_per_rank']).lower()}"))
+
+
 def render_check(chk: dict, how: str = "") -> str:
     """The line of the check against the dense oracle: off, or how many tokens matched."""
     if chk["ok"] is None:
@@ -117,6 +138,7 @@ def render_check(chk: dict, how: str = "") -> str:
 
 def render(r: dict) -> str:
     c, m, t, kv = r["config"], r["config"]["model"], r["totals"], r["kv_cache"]
+    tied, int8 = r.get("lm_head_tied", True), bool(r.get("weights", {}).get("quantization"))
     lines = [
         f"tpref: serving on the TP stack  (tp = {r.get('tp', r['world_size'])}"
         + (f", pp = {r['pp']['pp']} stages, boundary {r['pp']['boundary']}"
@@ -181,10 +203,11 @@ def render(r: dict) -> str:
         + (f"; each K,V head on {r.get('tp', r['world_size']) * kv['kv_heads_per_rank'] // kv['n_kv_heads']} ranks"
            if kv.get("n_kv_heads") and r.get("tp", r["world_size"]) > kv["n_kv_heads"] else "") + "); "
         f"peak {kib(kv['peak_bytes_per_rank'])} KiB; token embedding "
-        f"{'= LM head' if r.get('lm_head_tied', True) else 'and the (untied) LM head'}: "
-        f"{kib(r['embedding_bytes_per_rank'])} KiB per rank{'' if r.get('lm_head_tied', True) else ' each'} "
+        f"{'= LM head' if tied else 'and the (untied) LM head' if not int8 else '(the untied LM head: with the matmul weights below)'}: "
+        f"{kib(r['embedding_bytes_per_rank'])} KiB per rank{'' if tied or int8 else ' each'} "
         + ("of the first stage (the last holds the head, a middle stage neither) " if r.get("pp") else "")
         + f"({'vocab-parallel' if c['vocab_parallel'] else 'replicated'})",
+        *([render_weights(r["weights"])] if "weights" in r else []),
         f"traffic: {t['collectives']} collectives, {kib(t['bytes_per_rank'])} KiB sent per rank; "
         f"ledger matches model in every iteration: {str(r['ledger_matches_model']).lower()}",
     ]

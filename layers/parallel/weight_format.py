@@ -6,10 +6,16 @@ Layout: `weight` is shaped [out, in] either way; only its strides differ.
 
     out_in   row-major, nn.Linear's own: F.linear(x, W) multiplies by Wᵀ, a transposed operand
     in_out   column-major: W.t() is a contiguous [in, out] and F.linear(x, W) is x @ A with A read as stored
-    auto     in_out on a CPU, out_in elsewhere (cuBLAS reads either operand order at full speed)
+    auto     per weight: out_in where decode's fused kernel reads it (below), else in_out on a CPU; out_in on any
+             other device (cuBLAS reads either operand order at full speed)
 
 On this machine's CPUs PyTorch's matmul reads an [in, out] operand faster at every row count we serve, most at one
-row (batch-1 decode): `benchmarks/bench_decode.py --parts layout` measures it per shape (docs/benchmarks.md).
+row (batch-1 decode): `benchmarks/bench_decode.py --parts layout` measures it per row count (docs/decode.md).
+
+Decode's fused kernels. At 2 to 8 rows PyTorch's matmul reads the weights again for the extra rows. On a CPU, with
+compiling on (EngineConfig.enforce_eager off) and gradients off, a matmul of at most FUSED_ROWS rows over a weight
+that streams from memory (FUSED_MIN values or more) runs as one reduction compiled by torch.compile instead: each
+weight row is read from memory once, and int8 codes are converted in registers.
 
 Weight-only int8 (vLLM's quantization="int8"; gpt-fast's int8 mode). Each rank quantizes its own shard, per output
 channel: scale[o] = max_i |W[o, i]| / 127 (in the model's dtype), code[o, i] = round(W[o, i] / scale[o]) in
@@ -21,11 +27,10 @@ channel: scale[o] = max_i |W[o, i]| / 127 (in the model's dtype), code[o, i] = r
     the LM head      per vocabulary row; a tied token embedding looks its rows up the same way (code · scale)
 
 Activations, norms, the KV cache and every collective keep the model's dtype: only the bytes the matmuls read
-shrink (tp/cost_model.decode_weight_bytes counts them). On a CPU PyTorch's own int8-weight kernel does not pay
-(its aten._weight_int8pack_mm reads at a third of float32's speed here), decode's few rows run one fused reduction
-compiled by torch.compile (the codes read once, converted in registers: 2.5x float32's matmul at one row); more rows,
-other devices and float64 (the exactness tests) convert a chunk of codes at a time in cache and multiply it, the
-dequantized reference's arithmetic. `bench_decode.py --parts int8` measures each per row count.
+shrink (tp/cost_model.decode_weight_bytes counts them). PyTorch's own int8-weight kernel does not pay on a CPU (its
+aten._weight_int8pack_mm reads at a third of float32's speed here), so decode's rows run the fused kernel; more
+rows, other devices and float64 (the exactness tests) convert a chunk of codes at a time in cache and multiply it,
+the dequantized reference's arithmetic.
 """
 
 from __future__ import annotations
