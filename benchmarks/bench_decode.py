@@ -310,6 +310,21 @@ class matmuls_timed:
             module.linear = self.inner
 
 
+def stepped(engine, spent: list | None = None) -> list:
+    """Step engine through the one step loop (serve/offline.drive) until its requests are done; the time each step
+    began and the loop ended (with `spent`: how many matmuls had been timed by then, instead)."""
+    from serve.offline import drive
+
+    marks = []
+
+    def feed(engine) -> bool:
+        marks.append(time.perf_counter() if spent is None else len(spent))
+        return engine.has_unfinished_requests()
+
+    drive(engine, feed, None)
+    return marks
+
+
 def part_steps(args, out) -> None:
     import torch
 
@@ -339,24 +354,15 @@ def part_steps(args, out) -> None:
                 for i, prompt in enumerate(prompts()[:batch]):
                     engine.add_request(f"{batch}-{i}-{len(times)}", prompt,
                                        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-                engine.step()  # the prefills
-                samples = []
-                while engine.has_unfinished_requests():
-                    start = time.perf_counter()
-                    engine.step()
-                    samples.append(time.perf_counter() - start)
-                times.setdefault(batch, []).extend(samples[1:-1])
+                marks = stepped(engine)  # the first step: the prefills
+                times.setdefault(batch, []).extend(b - a for a, b in list(zip(marks, marks[1:]))[1:-1])
             with matmuls_timed() as spent:  # once more at one row: the time inside the matmuls (and the head's)
                 engine.add_request("timed", prompts()[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-                engine.step()
-                spent.clear()
-                steps = 0
-                while engine.has_unfinished_requests():
-                    engine.step()
-                    steps += 1
+                counts = stepped(engine, spent)
+            decode_matmuls = sum(spent[counts[1]:]) / (len(counts) - 2)  # after the prefill's step
             t1, t5 = statistics.median(times[1]), statistics.median(times[5])
             rows.append({"weights": name, "1 row ms": t1 * 1e3, "5 rows ms": t5 * 1e3, "5 rows / 1": t5 / t1,
-                         "1 row: matmuls ms": sum(spent) / steps * 1e3})
+                         "1 row: matmuls ms": decode_matmuls * 1e3})
             engine.shutdown()
             del engine
     finally:

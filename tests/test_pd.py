@@ -9,6 +9,7 @@ import torch
 from layers.models.lm import greedy_reference, shard_lm
 from serve.pd import Layout, new_groups, prefill_schedule, serve_pd
 from serve.block_manager import slots_of
+from serve.build import prepare_weights
 from serve.offline import OfflineEngine
 from serve.config import EngineConfig
 from serve.control import PlanMismatch
@@ -70,7 +71,7 @@ def pd(ctx, p_prefill, p_decode, streaming, compare_kv=False):
            "transfers": res.transfers, "requests": res.requests}
     if compare_kv and ctx.rank >= p_prefill:  # colocated engines on the decode group, capturing each prompt's K,V
         dctx = context(groups[1], ctx.backend, ctx.device)
-        lm = shard_lm(dense, "v2", dctx.group)
+        lm = prepare_weights(shard_lm(dense, "v2", dctx.group), EngineConfig())  # stored as the P/D sides store theirs
         alone, mixed = Capture(), Capture()
         prefill_only = [Request(r.id, r.prompt, 1, r.arrival) for r in make_requests(WORKLOAD)]
         OfflineEngine(lm, dctx, EngineConfig(long_prefill_token_threshold=5, max_num_batched_tokens=12, max_num_seqs=12), hooks=alone).run(prefill_only)

@@ -69,7 +69,7 @@ def check_rank(ctx, cfg):
     p = ctx.world_size
     dense = init_weights(dense_lm(cfg, torch.float64), seed=0, std=0.1)
     ids = torch.tensor(PROMPTS[1])
-    int8 = weight_format.prepare(shard_lm(dense, "v2", ctx.group), "int8")
+    int8 = weight_format.prepare(shard_lm(dense, "v2", ctx.group), "int8", "auto")
     in_out = weight_format.prepare(shard_lm(dense, "v2", ctx.group), None, "in_out")
     plain = shard_lm(dense, "v2", ctx.group)
     out = {"int8": full_logits(int8, ids, ctx.group), "in_out": full_logits(in_out, ids, ctx.group),

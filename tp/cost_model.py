@@ -238,7 +238,7 @@ DEEPSEEK_V3 = dict(d=7168, n_layers=61, n_heads=128, d_head=128, d_latent_kv=512
 # ---- one iteration of this project's serving engine, on one rank (benchmarks/bench_serve.py) -----
 
 
-def decode_weight_bytes(cfg, p: int, elem_bytes: int, quantization: str | None = None,
+def decode_weight_bytes(cfg, p: int, elem_bytes: int, quantization: str | None,
                         vocab_parallel: bool = True) -> int:
     """The bytes of matmul weights one decode step reads on one of p ranks: every linear of every block and the LM
     head, each once (what bounds batch-1 decode; layers/parallel/weight_format.stored_bytes measures them on a built

@@ -168,11 +168,11 @@ def model_dtype(lm: nn.Module) -> torch.dtype:
 
 def matmul_modules(lm: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every module whose weight a matmul reads: the column- and row-parallel linears of the blocks
-    and the LM head (a tied embedding included). Each holds `weight` [out', in'] and a `scales` buffer."""
-    from layers.parallel.linear import _ShardedLinear
-
+    and the LM head (a tied embedding included), each holding `weight` [out', in'] and a `scales` buffer. A token
+    embedding that is only looked up (a Llama's own, beside its head) is not one."""
     head = getattr(lm, "output_embedding", None)  # a pipeline stage's model has none (its linears are found)
-    return [(name, m) for name, m in lm.named_modules() if isinstance(m, _ShardedLinear) or m is head]
+    return [(name, m) for name, m in lm.named_modules()
+            if "scales" in m._buffers and (not hasattr(m, "local_logits") or m is head)]
 
 
 def quantized(lm: nn.Module) -> bool:
@@ -196,7 +196,7 @@ def dequantized(dense: nn.Module, served: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def prepare(lm: nn.Module, quantization: str | None = None, layout: str = "auto", compile: bool = True) -> nn.Module:
+def prepare(lm: nn.Module, quantization: str | None, layout: str, compile: bool = True) -> nn.Module:
     """Store lm's matmul weights for the device they run on: int8 codes and scales (quantization="int8"), or the
     float weights in `layout` (auto: resolved per weight for lm's device and whether the fused kernel reads it).
     compile: decode's matmuls of large weights run compiled fused kernels on a CPU (enforce_eager turns it off). In
