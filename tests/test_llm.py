@@ -419,7 +419,8 @@ def test_a_caller_that_polls_without_stepping_keeps_the_ranks_alive():
     """Calls that are not steps (here for twice the group's timeout) still let rank 0 send its keep-alives."""
     from serve import LLM
 
-    with LLM("llama_tiny", tensor_parallel_size=2, timeout_s=1.5, threads_per_rank=1) as llm:
+    # enforce_eager: compiling decode's kernels at load (1-8 s a rank) is longer than this group's timeout allows
+    with LLM("llama_tiny", tensor_parallel_size=2, timeout_s=1.5, threads_per_rank=1, enforce_eager=True) as llm:
         # each rank runs with the threads chosen for it (tp/dist.py threads_per_rank; a given number wins)
         assert (llm.threads_per_rank, llm.threads_why, llm.executor.info["threads"]) == (1, "threads_per_rank", 1)
         end = time.monotonic() + 3.0

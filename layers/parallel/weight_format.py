@@ -217,7 +217,22 @@ def prepare(lm: nn.Module, quantization: str | None, layout: str, compile: bool 
             w.data = w.data.t().contiguous().t()  # [out, in] still; stored column-major
         else:
             w.data = w.data.contiguous()
+    warm_up([m for _, m in modules], model_dtype(lm))
     return lm
+
+
+@torch.no_grad()
+def warm_up(modules: list[nn.Module], dtype: torch.dtype) -> None:
+    """Compile the fused kernels now, at load, for the first module that will use each (one row, and more), rather
+    than inside the first decode step, where the other ranks would wait for it in a collective."""
+    done = set()
+    for m in modules:
+        kind = "float" if m.scales is None else "int8"
+        x = torch.zeros(1, m.weight.shape[1], dtype=dtype, device=m.weight.device)
+        if kind not in done and fused_kernel(kind, x, m.weight) is not None:
+            for rows in (1, 2):
+                linear(x.expand(rows, -1), m.weight, m.scales)
+            done.add(kind)
 
 
 def stored_bytes(lm: nn.Module) -> int:
