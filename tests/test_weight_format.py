@@ -152,6 +152,42 @@ def test_the_fused_kernels_equal_the_eager_products():
         weight_format._fused.update(on=False, float=None, int8=None)
 
 
+def test_the_kernels_compile_at_load_for_the_weights_that_use_them():
+    """warm_up (called by prepare) compiles each kind's kernel for the first weight past FUSED_MIN, before any step;
+    a model of small weights compiles nothing."""
+    def module(out: int, width: int, int8: bool) -> torch.nn.Module:
+        m = torch.nn.Module()
+        codes, scales = weight_format.quantize_rows(torch.randn(out, width))
+        m.weight = torch.nn.Parameter(codes if int8 else torch.randn(out, width), requires_grad=False)
+        m.register_buffer("scales", scales if int8 else None)
+        return m
+
+    weight_format._fused.update(on=True, float=None, int8=None)
+    try:
+        weight_format.warm_up([module(64, 32, False), module(64, 32, True)], torch.float32)
+        assert weight_format._fused["float"] is None and weight_format._fused["int8"] is None
+        big = weight_format.FUSED_MIN // 64
+        weight_format.warm_up([module(8, 8, False), module(big, 64, False), module(big, 64, True)], torch.float32)
+        assert weight_format._fused["float"] is not None and weight_format._fused["int8"] is not None
+    finally:
+        weight_format._fused.update(on=False, float=None, int8=None)
+
+
+def test_compiling_is_off_where_the_settings_say(monkeypatch):
+    """enforce_eager (compile=False), a device other than the CPU's and TPREF_COMPILE=0 each leave the kernels off."""
+    m = torch.nn.Module()
+    m.weight = torch.nn.Parameter(torch.randn(4, 4))
+    m.register_buffer("scales", None)
+    lm = torch.nn.Module()
+    lm.block = m
+    lm.output_embedding = None
+    for compile, env, on in ((True, "1", True), (False, "1", False), (True, "0", False)):
+        monkeypatch.setenv("TPREF_COMPILE", env)
+        weight_format.prepare(lm, None, "auto", compile=compile)
+        assert weight_format._fused["on"] is on, (compile, env)
+    weight_format._fused.update(on=False, float=None, int8=None)
+
+
 @torch.no_grad()
 def test_a_kernel_that_does_not_compile_falls_back(capsys):
     def broken(*args):

@@ -35,6 +35,8 @@ the dequantized reference's arithmetic.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -206,7 +208,7 @@ def prepare(lm: nn.Module, quantization: str | None, layout: str, compile: bool 
     if not modules:
         return lm
     device = modules[0][1].weight.device
-    _fused["on"] = compile and torch.device(device).type == "cpu"
+    _fused["on"] = compile and torch.device(device).type == "cpu" and os.environ.get("TPREF_COMPILE", "1") != "0"
     for _, module in modules:
         w = module.weight
         if quantization == "int8":
