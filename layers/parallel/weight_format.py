@@ -111,7 +111,10 @@ def _run_fused(kernel, x: torch.Tensor, *weights) -> torch.Tensor | None:
     """kernel over x's rows, or None where it does not compile here (no C++ compiler, say): then eager from now on,
     said once on stderr."""
     try:  # .data: a parameter's shape would be compiled in (dynamo keeps parameters static), one kernel per shape
-        flat = x.reshape(-1, x.shape[-1]).contiguous()  # the kernel is vectorized along contiguous rows of x
+        flat = x.reshape(-1, x.shape[-1]).clone(memory_format=torch.contiguous_format)  # rows contiguous, never a view
+        from torch._dynamo.decorators import mark_unbacked  # here: importing dynamo costs a second
+
+        mark_unbacked(flat, 0)  # any number of rows, 1 included, in one compiled kernel (else 1 gets its own)
         return kernel(flat, *(w.data for w in weights)).reshape(*x.shape[:-1], weights[0].shape[0])
     except Exception as exc:  # noqa: BLE001 - any failure to compile falls back to the eager kernels
         import sys
@@ -225,15 +228,14 @@ def prepare(lm: nn.Module, quantization: str | None, layout: str, compile: bool 
 
 @torch.no_grad()
 def warm_up(modules: list[nn.Module], dtype: torch.dtype) -> None:
-    """Compile the fused kernels now, at load, for the first module that will use each (one row, and more), rather
-    than inside the first decode step, where the other ranks would wait for it in a collective."""
+    """Compile the fused kernels now, at load, for the first module that will use each (one kernel for any number of
+    rows), rather than inside the first decode step, where the other ranks would wait for it in a collective."""
     done = set()
     for m in modules:
         kind = "float" if m.scales is None else "int8"
         x = torch.zeros(1, m.weight.shape[1], dtype=dtype, device=m.weight.device)
         if kind not in done and fused_kernel(kind, x, m.weight) is not None:
-            for rows in (1, 2):
-                linear(x.expand(rows, -1), m.weight, m.scales)
+            linear(x, m.weight, m.scales)
             done.add(kind)
 
 
