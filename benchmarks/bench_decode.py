@@ -130,10 +130,49 @@ def part_layout(args, out) -> None:
         rows_out.append(row)
         print(f"rows {rows}: " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in times.items()), file=sys.stderr)
     wf._fused.update(on=False)
-    out["layout"] = {"rows": rows_out, "bytes": nbytes}
+    out["layout"] = {"rows": rows_out, "bytes": nbytes, "pytorch kernels, 1 row": pytorch_kernels(args, weights)}
     print_table(["rows"] + [f"{n}: ms (x out_in, GB/s)" for n in formats],
                 [[r["rows"]] + [f"{r[f'{n} ms']:.2f} ({r[f'{n} x']:.2f}x, {r[f'{n} GB/s']:.1f})" for n in formats]
                  for r in rows_out])
+
+
+def pytorch_kernels(args, weights) -> dict:
+    """PyTorch's own CPU kernels for quantized weights at one row, over the same weights (ms per pass): int8 per
+    output channel (aten._weight_int8pack_mm) and int4 in groups of 32 (aten._weight_int4pack_mm_for_cpu), beside
+    float32 in_out. Why the engine does not use them."""
+    import torch
+    import torch.nn.functional as F
+
+    from layers.parallel import weight_format as wf
+
+    group = 32
+    int8 = [wf.quantize_rows(w) for w in weights]
+    int4 = []
+    for w in weights:
+        g = w.reshape(w.shape[0], -1, group)
+        low, high = g.amin(-1), g.amax(-1)
+        scale = ((high - low) / 15).clamp(min=1e-8)
+        codes = torch.round((g - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(w.shape)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        int4.append((packed, torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()))
+    in_out = [w.t().contiguous().t() for w in weights]
+    xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
+    passes = {
+        "float32 in_out": lambda: [F.linear(xs[w.shape[1]], w) for w in in_out],
+        "aten._weight_int8pack_mm": lambda: [torch.ops.aten._weight_int8pack_mm(xs[c.shape[1]], c, s) for c, s in int8],
+        "aten._weight_int4pack_mm_for_cpu": lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(
+            xs[w.shape[1]], p, group, sz) for w, (p, sz) in zip(weights, int4)]}
+    times = {}
+    for name, one_pass in passes.items():
+        one_pass()
+        samples = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            one_pass()
+            samples.append(time.perf_counter() - start)
+        times[name] = min(samples) * 1e3
+    print("PyTorch's own kernels at one row: " + ", ".join(f"{n} {t:.2f} ms" for n, t in times.items()) + "\n")
+    return times
 
 
 # ---- peer: whole decodes, LLM beside llama.cpp ---------------------------------------------------------------------
@@ -412,6 +451,10 @@ def section(data: dict | None) -> list[str]:
         lines += ["The model's matmuls alone (every weight once), ms per pass (x: against out_in):", ""]
         lines += table(["rows"] + list(names), [[r["rows"]] + [f"{r[f'{n} ms']:.2f} ({r[f'{n} x']:.2f}x)"
                                                               for n in names] for r in data["layout"]["rows"]])
+        own = data["layout"].get("pytorch kernels, 1 row")
+        if own:
+            lines += ["", "PyTorch's own CPU kernels for quantized weights at one row, ms per pass: "
+                      + ", ".join(f"{n} {t:.2f}" for n, t in own.items()) + "."]
         lines.append("")
     if "peer" in data:
         peer = data["peer"]

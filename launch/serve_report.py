@@ -139,6 +139,7 @@ def render_check(chk: dict, how: str = "") -> str:
 def render(r: dict) -> str:
     c, m, t, kv = r["config"], r["config"]["model"], r["totals"], r["kv_cache"]
     tied, int8 = r.get("lm_head_tied", True), bool(r.get("weights", {}).get("quantization"))
+    untied_int8 = "(the untied LM head: with the matmul weights below)"
     lines = [
         f"tpref: serving on the TP stack  (tp = {r.get('tp', r['world_size'])}"
         + (f", pp = {r['pp']['pp']} stages, boundary {r['pp']['boundary']}"
@@ -203,7 +204,7 @@ def render(r: dict) -> str:
         + (f"; each K,V head on {r.get('tp', r['world_size']) * kv['kv_heads_per_rank'] // kv['n_kv_heads']} ranks"
            if kv.get("n_kv_heads") and r.get("tp", r["world_size"]) > kv["n_kv_heads"] else "") + "); "
         f"peak {kib(kv['peak_bytes_per_rank'])} KiB; token embedding "
-        f"{'= LM head' if tied else 'and the (untied) LM head' if not int8 else '(the untied LM head: with the matmul weights below)'}: "
+        f"{'= LM head' if tied else 'and the (untied) LM head' if not int8 else untied_int8}: "
         f"{kib(r['embedding_bytes_per_rank'])} KiB per rank{'' if tied or int8 else ' each'} "
         + ("of the first stage (the last holds the head, a middle stage neither) " if r.get("pp") else "")
         + f"({'vocab-parallel' if c['vocab_parallel'] else 'replicated'})",

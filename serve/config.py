@@ -85,9 +85,9 @@ class EngineConfig:
         None, "KV cache eviction (serve/eviction.py): '{\"policy\": \"streaming\", \"sink_tokens\": 4, "
               "\"window_tokens\": 256}' keeps the first sink_tokens and the last window_tokens positions for each "
               "query and frees the blocks between (default: off)")
-    quantization: str | None = setting(None, "vLLM's: the weights' storage (layers/parallel/weight_format.py): None (as "
-                                       "loaded) or int8 (weight-only, per output channel of each rank's shard; "
-                                       "activations, the KV cache and collectives keep the model's dtype)")
+    quantization: str | None = setting(None, "vLLM's: the weights' storage (layers/parallel/weight_format.py): "
+                                       "None (as loaded) or int8 (weight-only, per output channel of each rank's "
+                                       "shard; activations, the KV cache and collectives keep the model's dtype)")
     weight_layout: str = setting("auto", "how each rank stores its float matmul weights (layers/parallel/"
                                  "weight_format.py): auto (in_out on a CPU, out_in elsewhere), out_in (nn.Linear's "
                                  "row-major [out, in]) or in_out (the same [out, in] tensor stored column-major)")

@@ -99,8 +99,9 @@ def fused_kernel(kind: str, x: torch.Tensor, weight: torch.Tensor):
     failed here once), gradients are on (serving runs without), not a CPU or not float32/16, more rows than
     FUSED_ROWS, a weight small enough for cache, or a float weight not stored row-major."""
     rows = x.numel() // x.shape[-1]
-    if not _fused["on"] or torch.is_grad_enabled() or x.device.type != "cpu" or rows > FUSED_ROWS[kind] or weight.numel() < FUSED_MIN or \
-            x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or weight.stride(-1) != 1:
+    if not _fused["on"] or torch.is_grad_enabled() or x.device.type != "cpu" or rows > FUSED_ROWS[kind] or \
+            weight.numel() < FUSED_MIN or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or \
+            weight.stride(-1) != 1:
         return None
     if _fused[kind] is None:
         _fused[kind] = torch.compile(_fused_float if kind == "float" else _fused_int8, dynamic=True)
