@@ -135,74 +135,89 @@ def test_int8_shards_equal_the_dequantized_dense_model(cfg, p):
 @torch.no_grad()
 def test_the_fused_kernels_equal_the_eager_products():
     """Decode's compiled kernels (a few rows, float32 on a CPU, a weight past FUSED_MIN) against float64 products, up
-    to the row count where they hand over to the eager ones; each ran (it was compiled)."""
+    to the row count where they hand over to the eager ones: each ran compiled (no fallback), one graph a kind for
+    every row count."""
+    from torch._dynamo.utils import counters
+
+    kernels = weight_format._kernels
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(weight_format.FUSED_MIN // 64 + 8, 64, generator=gen)
     codes, scales = weight_format.quantize_rows(w)
-    weight_format._fused.update(on=True, float=None, int8=None)
-    try:
-        for kind, rows in [(k, r) for k in ("float", "int8") for r in (1, 3, weight_format.FUSED_ROWS[k] + 1)]:
+    for kind in ("float", "int8"):
+        kernels["ran"].discard(kind)
+        graphs = None
+        for rows in (1, 3, weight_format.FUSED_ROWS[kind], weight_format.FUSED_ROWS[kind] + 1):
             x = torch.randn(rows, 64, generator=gen)
             want = x.double() @ (w.double() if kind == "float" else codes.double() * scales.double()[:, None]).T
-            got = weight_format.linear(x, w, None) if kind == "float" else weight_format.linear(x, codes, scales)
+            got = weight_format.linear(x, *((w, None) if kind == "float" else (codes, scales)), fused=True)
             assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), (kind, rows)
-            assert weight_format._fused[kind] is not None  # compiled: the check covers the fused kernel
-        assert weight_format.fused_kernel("float", x[:1], w[:100]) is None  # a weight that fits in cache: eager
-    finally:
-        weight_format._fused.update(on=False, float=None, int8=None)
+            graphs = counters["stats"]["unique_graphs"] if graphs is None else graphs
+        assert kind in kernels["ran"] and not kernels["failed"]  # the fused kernel computed these, not the fallback
+        assert counters["stats"]["unique_graphs"] == graphs  # no row count compiled a kernel of its own
+    assert weight_format.fused_kernel("float", x[:1], w[:100], True) is None  # a weight that fits in cache: eager
+    assert weight_format.fused_kernel("float", x[:1], w, False) is None  # the module's switch off: eager
 
 
 def test_the_kernels_compile_at_load_for_the_weights_that_use_them():
-    """warm_up (called by prepare) compiles each kind's kernel for the first weight past FUSED_MIN, before any step;
-    a model of small weights compiles nothing."""
+    """warm_up (called by prepare) runs each kind's kernel for the first weight past FUSED_MIN, before any step; a
+    model of small weights runs none."""
     def module(out: int, width: int, int8: bool) -> torch.nn.Module:
         m = torch.nn.Module()
         codes, scales = weight_format.quantize_rows(torch.randn(out, width))
         m.weight = torch.nn.Parameter(codes if int8 else torch.randn(out, width), requires_grad=False)
         m.register_buffer("scales", scales if int8 else None)
+        m.fused = True
         return m
 
-    weight_format._fused.update(on=True, float=None, int8=None)
-    try:
-        weight_format.warm_up([module(64, 32, False), module(64, 32, True)], torch.float32)
-        assert weight_format._fused["float"] is None and weight_format._fused["int8"] is None
-        big = weight_format.FUSED_MIN // 64
-        weight_format.warm_up([module(8, 8, False), module(big, 64, False), module(big, 64, True)], torch.float32)
-        assert weight_format._fused["float"] is not None and weight_format._fused["int8"] is not None
-    finally:
-        weight_format._fused.update(on=False, float=None, int8=None)
+    ran = weight_format._kernels["ran"]
+    ran.clear()
+    weight_format.warm_up([module(64, 32, False), module(64, 32, True)], torch.float32)
+    assert not ran
+    big = weight_format.FUSED_MIN // 64
+    weight_format.warm_up([module(8, 8, False), module(big, 64, False), module(big, 64, True)], torch.float32)
+    assert ran == {"float", "int8"}
 
 
 def test_compiling_is_off_where_the_settings_say(monkeypatch):
-    """enforce_eager (compile=False), a device other than the CPU's and TPREF_COMPILE=0 each leave the kernels off."""
-    m = torch.nn.Module()
-    m.weight = torch.nn.Parameter(torch.randn(4, 4))
-    m.register_buffer("scales", None)
-    lm = torch.nn.Module()
-    lm.block = m
-    lm.output_embedding = None
-    for compile, env, on in ((True, "1", True), (False, "1", False), (True, "0", False)):
+    """enforce_eager (compile=False), TPREF_COMPILE=0 and a device other than the CPU's each leave a module's kernels
+    off; prepare sets the switch per module."""
+    def model(device) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.weight = torch.nn.Parameter(torch.randn(4, 4, device=device))
+        m.register_buffer("scales", None)
+        lm = torch.nn.Module()
+        lm.block = m
+        lm.output_embedding = None
+        return lm
+
+    for compile, env, device, on in ((True, "1", "cpu", True), (False, "1", "cpu", False), (True, "0", "cpu", False),
+                                     (True, "1", "meta", False)):
         monkeypatch.setenv("TPREF_COMPILE", env)
-        weight_format.prepare(lm, None, "auto", compile=compile)
-        assert weight_format._fused["on"] is on, (compile, env)
-    weight_format._fused.update(on=False, float=None, int8=None)
+        lm = weight_format.prepare(model(device), None, "auto", compile=compile)
+        assert lm.block.fused is on, (compile, env, device)
 
 
 @torch.no_grad()
-def test_a_kernel_that_does_not_compile_falls_back(capsys):
+def test_a_kernel_that_does_not_compile_falls_back_and_one_that_ran_raises(capsys):
     def broken(*args):
-        raise RuntimeError("no C++ compiler")
+        raise RuntimeError("")  # an empty message, as some compiler errors have
 
+    kernels = weight_format._kernels
     codes, scales = weight_format.quantize_rows(torch.randn(weight_format.FUSED_MIN // 16, 16))
     x = torch.randn(1, 16)
-    weight_format._fused.update(on=True, int8=broken)
+    saved = dict(kernels, ran=set(kernels["ran"]))
     try:
-        got = weight_format.int8_matmul(x, codes, scales)
-        assert not weight_format._fused["on"]  # eager from now on
+        kernels.update(int8=broken, failed=False, ran=set())
+        got = weight_format.int8_matmul(x, codes, scales, fused=True)
+        assert kernels["failed"]  # eager from now on, in this process
+        assert torch.allclose(got, x @ (codes.float() * scales[:, None]).T, atol=1e-4)
+        assert "did not compile (RuntimeError: )" in capsys.readouterr().err
+        kernels.update(failed=False, ran={"int8"})  # it ran before: a failure now is no compile failure
+        with pytest.raises(RuntimeError):
+            weight_format.int8_matmul(x, codes, scales, fused=True)
     finally:
-        weight_format._fused.update(on=False, float=None, int8=None)
-    assert torch.allclose(got, x @ (codes.float() * scales[:, None]).T, atol=1e-4)
-    assert "did not compile (RuntimeError: no C++ compiler)" in capsys.readouterr().err
+        kernels.clear()
+        kernels.update(saved)
 
 
 def test_quantize_rows_round_trips_within_half_a_step():

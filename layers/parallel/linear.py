@@ -31,6 +31,8 @@ from tp.comm import copy_to_region, reduce_from_region
 class _ShardedLinear(nn.Module):
     """A linear layer's slice: weight [out', in'] and bias [bias_features] (uninitialised; load a shard into it)."""
 
+    fused = False  # decode's compiled kernels may run its product (layers/parallel/weight_format.prepare sets it)
+
     def __init__(self, weight_shape: tuple[int, int], bias_features: int, group: dist.ProcessGroup,
                  bias: bool, site: str | None, dtype, device):
         super().__init__()
@@ -55,7 +57,7 @@ class ColumnParallelLinear(_ShardedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_region(x, self.group, self.site)
-        return linear(x, self.weight, self.scales, self.bias)  # [n, out/p]
+        return linear(x, self.weight, self.scales, self.bias, self.fused)  # [n, out/p]
 
 
 class RowParallelLinear(_ShardedLinear):
@@ -71,6 +73,6 @@ class RowParallelLinear(_ShardedLinear):
         super().__init__((out_features, local_in), out_features, group, bias, site, dtype, device)  # bias: whole
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [n, in/p]
-        partial = linear(x, self.weight, self.scales)  # [n, out], this rank's share of the sum (int8: its own scales)
+        partial = linear(x, self.weight, self.scales, fused=self.fused)  # [n, out], this rank's share (int8: own scales)
         y = reduce_from_region(partial, self.group, self.site)  # all-reduce: [n, out], identical on every rank
         return y if self.bias is None else y + self.bias

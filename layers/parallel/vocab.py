@@ -46,7 +46,7 @@ class VocabParallelEmbedding(nn.Module):
         self.n_real = max(0, min(self.per_rank, vocab_size - self.start))  # the rest of the slice is padding
         self.weight = nn.Parameter(torch.zeros(self.per_rank, d_model, dtype=dtype, device=device))
         self.register_buffer("scales", None)  # int8 codes' per-row scales (layers/parallel/weight_format.py)
-        self.dtype = self.weight.dtype  # the rows' dtype when `weight` holds int8 codes
+        self.fused = False  # the head's product may run decode's compiled kernels (weight_format.prepare sets it)
 
     def plan(self, source: str) -> list[Part]:
         """Rows [start, start + n_real) of the dense [V, d] tensor `source`, then zero rows up to V'/p."""
@@ -61,14 +61,14 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [T]
         local = ids - self.start
         outside = (local < 0) | (local >= self.n_real)
-        rows = embedding(local.masked_fill(outside, 0), self.weight, self.scales, self.dtype)
+        rows = embedding(local.masked_fill(outside, 0), self.weight, self.scales)
         rows = rows.masked_fill(outside[:, None], 0)  # [T, d]
         return reduce_from_region(rows, self.group, "embed/all-reduce")  # ★ all-reduce: [T, d], every rank
 
     def local_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The tied LM head on this rank's slice: x [S, d] final hidden rows -> logits [S, V'/p] (padding ids -inf,
         so they never win). The full [S, V] logits never exist: layers/sampling/sampler.py picks from the slices."""
-        logits = linear(x, self.weight, self.scales)  # [S, V'/p]
+        logits = linear(x, self.weight, self.scales, fused=self.fused)  # [S, V'/p]
         logits[:, self.n_real:] = float("-inf")
         return logits
 
@@ -81,7 +81,7 @@ class ReplicatedEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.zeros(vocab_size, d_model, dtype=dtype, device=device))
         self.register_buffer("scales", None)
-        self.dtype = self.weight.dtype
+        self.fused = False
 
     def plan(self, source: str) -> list[Part]:
         return [Part("weight", source)]
@@ -89,11 +89,11 @@ class ReplicatedEmbedding(nn.Module):
     load_dense = VocabParallelEmbedding.load_dense  # weight: the dense [V, d] embedding, whole here
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, d]
-        return embedding(ids, self.weight, self.scales, self.dtype)
+        return embedding(ids, self.weight, self.scales)
 
     start = 0  # the whole vocabulary is here
 
     def local_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.scales)  # [S, V]
+        return linear(x, self.weight, self.scales, fused=self.fused)  # [S, V]
 
     head_group = None  # nothing to gather: the pick is local

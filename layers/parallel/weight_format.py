@@ -68,9 +68,9 @@ def resolve_layout(layout: str, device: torch.device | str, fused: bool = False)
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [out, in] -> (codes int8 [out, in], scales [out] in w's dtype): symmetric, one scale per row (output channel).
-    A row of zeros gets scale 1 and zero codes."""
-    amax = w.abs().amax(dim=1)
-    scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    A row of zeros (or too small for the dtype's scale) gets scale 1 and zero codes."""
+    scales = (w.abs().amax(dim=1).to(torch.promote_types(w.dtype, torch.float32)) / INT8_MAX).to(w.dtype)
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # zero rows, or a scale float16 cannot hold
     codes = torch.round(w / scales[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return codes.contiguous(), scales
 
@@ -79,13 +79,14 @@ FUSED_ROWS = {"float": 8, "int8": 4}  # at most this many rows (decode's, a veri
 FUSED_MIN = 1 << 18  # weights (1 MiB in float32) from which a matmul streams them from memory; smaller ones are read
 #                      from cache, where PyTorch's matmul costs less per call than a compiled kernel
 CHUNK = 1 << 20  # int8 weights dequantized at a time (4 MiB of float32: they stay in cache while the matmul reads them)
-_fused = {"on": False, "float": None, "int8": None}  # this process's compiled kernels (prepare(compile=True): on)
+_kernels = {"float": None, "int8": None, "ran": set(), "failed": False}  # this process's compiled kernels; which ran;
+#                                                                         whether compiling failed here (no compiler)
 
 
 def _fused_float(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """y[n, o] = Σ_i x[n, i] · w[o, i] as one reduction, output channel outermost: each row of w is read from memory
     once and again from cache for each of the n rows (PyTorch's matmul at 2-8 rows reads the weights again)."""
-    return (x[None, :, :] * w[:, None, :]).sum(-1).t()
+    return (x[None, :, :] * w[:, None, :]).sum(-1).t().contiguous()
 
 
 def _fused_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -94,36 +95,42 @@ def _fused_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> t
     return (x[:, None, :] * codes[None].to(x.dtype)).sum(-1) * scales
 
 
-def fused_kernel(kind: str, x: torch.Tensor, weight: torch.Tensor):
-    """The compiled kernel of `kind` (float, int8) for this product, or None: compiling is off (enforce_eager, or it
-    failed here once), gradients are on (serving runs without), not a CPU or not float32/16, more rows than
-    FUSED_ROWS, a weight small enough for cache, or a float weight not stored row-major."""
+def fused_kernel(kind: str, x: torch.Tensor, weight: torch.Tensor, fused: bool):
+    """The compiled kernel of `kind` (float, int8) for this product, or None: the module's `fused` is off
+    (enforce_eager, another device, TPREF_COMPILE=0), compiling failed here before, gradients are on (serving runs
+    without), x is not float32/bfloat16/float16, more rows than FUSED_ROWS, a weight small enough for cache, or a
+    float weight not stored row-major."""
     rows = x.numel() // x.shape[-1]
-    if not _fused["on"] or torch.is_grad_enabled() or x.device.type != "cpu" or rows > FUSED_ROWS[kind] or \
-            weight.numel() < FUSED_MIN or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or \
-            weight.stride(-1) != 1:
+    if not fused or _kernels["failed"] or torch.is_grad_enabled() or x.device.type != "cpu" or \
+            rows > FUSED_ROWS[kind] or weight.numel() < FUSED_MIN or weight.stride(-1) != 1 or \
+            x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
-    if _fused[kind] is None:
-        _fused[kind] = torch.compile(_fused_float if kind == "float" else _fused_int8, dynamic=True)
-    return _fused[kind]
+    if _kernels[kind] is None:
+        _kernels[kind] = torch.compile(_fused_float if kind == "float" else _fused_int8, dynamic=True)
+    return _kernels[kind]
 
 
-def _run_fused(kernel, x: torch.Tensor, *weights) -> torch.Tensor | None:
-    """kernel over x's rows, or None where it does not compile here (no C++ compiler, say): then eager from now on,
-    said once on stderr."""
+def _run_fused(kernel, kind: str, x: torch.Tensor, *weights) -> torch.Tensor | None:
+    """kernel over x's rows. None where its first call fails (compiling: no C++ compiler, say): then eager from now
+    on, said once on stderr. A kernel that ran before raises what it raises."""
+    from torch._dynamo.decorators import mark_unbacked  # here: importing dynamo costs a second
+
+    flat = x.reshape(-1, x.shape[-1]).clone(memory_format=torch.contiguous_format)  # rows contiguous, never a view
+    mark_unbacked(flat, 0)  # any number of rows, 1 included, in one compiled kernel (else 1 gets its own)
     try:  # .data: a parameter's shape would be compiled in (dynamo keeps parameters static), one kernel per shape
-        flat = x.reshape(-1, x.shape[-1]).clone(memory_format=torch.contiguous_format)  # rows contiguous, never a view
-        from torch._dynamo.decorators import mark_unbacked  # here: importing dynamo costs a second
-
-        mark_unbacked(flat, 0)  # any number of rows, 1 included, in one compiled kernel (else 1 gets its own)
-        return kernel(flat, *(w.data for w in weights)).reshape(*x.shape[:-1], weights[0].shape[0])
-    except Exception as exc:  # noqa: BLE001 - any failure to compile falls back to the eager kernels
+        y = kernel(flat, *(w.data for w in weights))
+    except Exception as exc:  # noqa: BLE001 - a kernel that never ran failed to compile: the eager kernels run
+        if kind in _kernels["ran"]:
+            raise
         import sys
 
-        print(f"weight_format: the fused kernels did not compile ({type(exc).__name__}: "
-              f"{str(exc).splitlines()[0][:200]}); the eager kernels run instead", file=sys.stderr)
-        _fused["on"] = False
+        first = (str(exc).splitlines() or [""])[0][:200]
+        print(f"weight_format: the fused kernels did not compile ({type(exc).__name__}: {first}); the eager kernels "
+              f"run instead", file=sys.stderr)
+        _kernels["failed"] = True
         return None
+    _kernels["ran"].add(kind)
+    return y.reshape(*x.shape[:-1], weights[0].shape[0])
 
 
 def _chunked(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -132,7 +139,7 @@ def _chunked(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torc
     tests)."""
     out, width = codes.shape
     step = max(1, CHUNK // width)
-    if step >= out:
+    if step >= out or x.device.type != "cpu":  # a GPU converts the whole weight in one call
         return F.linear(x, codes.to(x.dtype)) * scales
     y = x.new_empty(*x.shape[:-1], out)
     for a in range(0, out, step):
@@ -140,31 +147,33 @@ def _chunked(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torc
     return y
 
 
-def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """x [..., in] · (codes [out, in] · scales [out, 1])ᵀ -> [..., out]: decode's rows through the fused kernel,
     else in chunks (benchmarks/bench_decode.py --parts layout measures both per row count)."""
-    kernel = fused_kernel("int8", x, codes)
-    y = None if kernel is None else _run_fused(kernel, x, codes, scales)
+    kernel = fused_kernel("int8", x, codes, fused)
+    y = None if kernel is None else _run_fused(kernel, "int8", x, codes, scales)
     return _chunked(x, codes, scales) if y is None else y
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x · weightᵀ + bias, weight as stored: a float tensor in either layout, or int8 codes with their scales."""
+           bias: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
+    """x · weightᵀ + bias, weight as stored: a float tensor in either layout, or int8 codes with their scales. fused:
+    the module's (prepare's) permission to run decode's compiled kernels."""
     if scales is not None:
-        y = int8_matmul(x, weight, scales)
+        y = int8_matmul(x, weight, scales, fused)
     else:
-        kernel = fused_kernel("float", x, weight)
-        y = None if kernel is None else _run_fused(kernel, x, weight)
+        kernel = fused_kernel("float", x, weight, fused)
+        y = None if kernel is None else _run_fused(kernel, "float", x, weight)
         if y is None:
             return F.linear(x, weight, bias)
     return y if bias is None else y + bias
 
 
-def embedding(ids: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """The rows of a token embedding, dequantized when it holds int8 codes (a head tied to it was quantized)."""
+def embedding(ids: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """The rows of a token embedding, dequantized when it holds int8 codes (a head tied to it was quantized; the
+    scales are in the model's dtype)."""
     rows = F.embedding(ids, weight)
-    return rows if scales is None else rows.to(dtype) * scales[ids][:, None]
+    return rows if scales is None else rows.to(scales.dtype) * scales[ids][..., None]
 
 
 def model_dtype(lm: nn.Module) -> torch.dtype:
@@ -196,6 +205,9 @@ def dequantized(dense: nn.Module, served: nn.Module) -> nn.Module:
         if part.param in widths and part.source is not None:
             w = dense.get_parameter(part.source)
             out, width = w.shape[0], widths[part.param]
+            if width != w.shape[1] and not (part.cut.dim == 1 and len(part.cut.ranges) == 1):
+                raise ValueError(f"{part.source}: int8's oracle groups whole rows or one contiguous slice of columns "
+                                 f"per rank, not the cut {part.cut}")
             codes, scales = quantize_rows(w.data.reshape(-1, width))
             w.data.copy_((codes.to(w.dtype) * scales[:, None]).reshape(out, -1))
     return dense
@@ -212,19 +224,28 @@ def prepare(lm: nn.Module, quantization: str | None, layout: str, compile: bool 
     if not modules:
         return lm
     device = modules[0][1].weight.device
-    _fused["on"] = compile and torch.device(device).type == "cpu" and os.environ.get("TPREF_COMPILE", "1") != "0"
+    fused = compile and torch.device(device).type == "cpu" and os.environ.get("TPREF_COMPILE", "1") != "0"
     for _, module in modules:
+        module.fused = fused
         w = module.weight
         if quantization == "int8":
             codes, scales = quantize_rows(w.data)
             module.weight = nn.Parameter(codes, requires_grad=False)
             module.scales = scales
-        elif resolve_layout(layout, device, _fused["on"] and w.numel() >= FUSED_MIN) == "in_out":
-            w.data = w.data.t().contiguous().t()  # [out, in] still; stored column-major
         else:
-            w.data = w.data.contiguous()
+            relayout(w, resolve_layout(layout, device, fused and w.numel() >= FUSED_MIN))
     warm_up([m for _, m in modules], model_dtype(lm))
+    if fused and _kernels["failed"]:  # no compiler here: eager, in the layout eager reads fastest
+        for _, module in modules:
+            module.fused = False
+            if module.scales is None:
+                relayout(module.weight, resolve_layout(layout, device))
     return lm
+
+
+def relayout(w: torch.Tensor, layout: str) -> None:
+    """w's storage in `layout`, its shape [out, in] kept."""
+    w.data = w.data.t().contiguous().t() if layout == "in_out" else w.data.contiguous()
 
 
 @torch.no_grad()
@@ -235,8 +256,8 @@ def warm_up(modules: list[nn.Module], dtype: torch.dtype) -> None:
     for m in modules:
         kind = "float" if m.scales is None else "int8"
         x = torch.zeros(1, m.weight.shape[1], dtype=dtype, device=m.weight.device)
-        if kind not in done and fused_kernel(kind, x, m.weight) is not None:
-            linear(x, m.weight, m.scales)
+        if kind not in done and fused_kernel(kind, x, m.weight, m.fused) is not None:
+            linear(x, m.weight, m.scales, fused=m.fused)
             done.add(kind)
 
 
