@@ -276,6 +276,7 @@ def part_peer(args, out) -> None:
         same = sum(a == b for a, b in zip(ours, theirs))
         result["ids equal, LLM float32 vs llama.cpp f32"] = f"{same} of {PROMPTS}"
         result["where they differ"] = arbiter(ids, ours, theirs)
+    if "llama.cpp q8_0" in answers:
         int8, q8 = answers["LLM int8"][:PROMPTS], answers["llama.cpp q8_0"][:PROMPTS]
         result["ids equal, LLM int8 vs llama.cpp q8_0"] = f"{sum(a == b for a, b in zip(int8, q8))} of {PROMPTS}"
     out["peer"] = result
@@ -475,9 +476,10 @@ def section(data: dict | None) -> list[str]:
                 text += (f" Request {d['request']} parts at token {d['position']}: LLM picks {d['LLM']}, llama.cpp "
                          f"{d['llama.cpp']}, the float64 model {d['float64 picks']}, its top two logits "
                          f"{d['margin / top logit']:.1e} apart (relative to the top one).")
-            lines += [text + f" LLM int8 = llama.cpp q8_0: {peer['ids equal, LLM int8 vs llama.cpp q8_0']} (two "
-                      f"quantizations: ours per output channel, weights only; q8_0 per block of 32 values, the "
-                      f"activations too).", ""]
+            q8 = peer.get("ids equal, LLM int8 vs llama.cpp q8_0")
+            lines += [text + ("" if q8 is None else f" LLM int8 = llama.cpp q8_0: {q8} (two quantizations: ours per "
+                                                    f"output channel, weights only; q8_0 per block of 32 values, the "
+                                                    f"activations too)."), ""]
     if "steps" in data:
         lines += ["One engine in-process, a decode step at 1 row and at 5 (5 requests: the rows of a speculative "
                   "verify with k = 4), medians:", ""]

@@ -41,11 +41,11 @@ def rotate_half_to_pairs(w: np.ndarray, heads: int) -> np.ndarray:
 
 def tensors(model_dir: Path, cfg: dict):
     """(GGUF name, float32 array) for every tensor of the checkpoint, renamed and q, k permuted."""
-    from safetensors.numpy import load_file
+    from safetensors.torch import load_file
 
     state = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        state.update(load_file(path))
+    for path in sorted(model_dir.glob("*.safetensors")):  # torch's reader: bfloat16 files too (numpy has no bfloat16)
+        state.update({k: v.float().numpy() for k, v in load_file(path).items()})
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     yield "token_embd.weight", state["model.embed_tokens.weight"]
     for i in range(cfg["num_hidden_layers"]):
@@ -81,7 +81,11 @@ def write(model_dir, out, type_: str = "f32") -> Path:
     writer.add_head_count_kv(cfg.get("num_key_value_heads", cfg["num_attention_heads"]))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
-    writer.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != cfg["hidden_size"] // cfg["num_attention_heads"]:  # llama.cpp assumes hidden / heads otherwise
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_tokenizer_model("no_vocab")
     q8 = type_ == "q8_0"

@@ -54,7 +54,7 @@ class LoadMeter:
         self.peak = max(self.peak or 0, peak * 1024)
 
     def mine(self, module) -> dict:
-        weights = sum(p.numel() * p.element_size() for p in module.parameters())
+        weights = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))  # int8 scales
         read = None if self.checkpoint is None else self.checkpoint.bytes_read - self.read_from
         return {"peak_rss_bytes": self.peak, "base_rss_bytes": self.base, "time_s": self.time_s,
                 "weights_bytes": weights, "read_bytes": read}

@@ -114,7 +114,8 @@ def weights_report(lm, s, p: int) -> dict:
     out = {"quantization": s.engine.quantization, "matmul_bytes_per_rank": stored_bytes(lm),
            "in_out": sum(m.weight.dim() == 2 and m.weight.stride(0) == 1 and m.weight.shape[1] > 1
                          for _, m in matmul_modules(lm))}
-    if s.pp == 1 and of(s.model).quantization:  # the model counts plain linears (no experts, no latent projections)
+    if s.pp == 1 and s.variant == "v2" and of(s.model).quantization:  # the model: v2's plain linears (no experts,
+        #                                                                  no latent projections, no v1 cut)
         elem = torch.empty((), dtype=s.dtype).element_size()
         out["matmul_bytes_model"] = decode_weight_bytes(s.model, p, elem, s.engine.quantization, s.vocab_parallel)
     return out

@@ -38,13 +38,14 @@ def dense_model(model, checkpoint: Checkpoint | str | None, dtype: torch.dtype, 
     """The whole dense model (the oracle's): `dense` when rank_weights made it, else the checkpoint read whole. served:
     this rank's served model; where its weights are int8 the oracle's are what they stand for (a copy of `dense`,
     dequantized as the ranks quantized theirs: weight_format.dequantized)."""
-    if dense is None:
+    loaded = dense is None
+    if loaded:
         checkpoint = Checkpoint(checkpoint) if isinstance(checkpoint, str) else checkpoint
         dense = load_lm(dense_lm(model, dtype, device), checkpoint)
     if served is not None and weight_format.quantized(served):
         import copy
 
-        dense = weight_format.dequantized(copy.deepcopy(dense), served)
+        dense = weight_format.dequantized(dense if loaded else copy.deepcopy(dense), served)  # a given model: a copy
     return dense
 
 

@@ -85,14 +85,15 @@ class EngineConfig:
         None, "KV cache eviction (serve/eviction.py): '{\"policy\": \"streaming\", \"sink_tokens\": 4, "
               "\"window_tokens\": 256}' keeps the first sink_tokens and the last window_tokens positions for each "
               "query and frees the blocks between (default: off)")
-    quantization: str | None = setting(None, "vLLM's: the weights' storage (layers/parallel/weight_format.py): "
-                                       "None (as loaded) or int8 (weight-only, per output channel of each rank's "
+    quantization: str | None = setting(None, "vLLM's setting: the weights' storage (layers/parallel/weight_format.py):"
+                                       " None (as loaded) or int8 (weight-only, per output channel of each rank's "
                                        "shard; activations, the KV cache and collectives keep the model's dtype)")
     weight_layout: str = setting("auto", "how each rank stores its float matmul weights (layers/parallel/"
-                                 "weight_format.py): auto (in_out on a CPU, out_in elsewhere), out_in (nn.Linear's "
-                                 "row-major [out, in]) or in_out (the same [out, in] tensor stored column-major)")
-    enforce_eager: bool = setting(False, "vLLM's: never compile (off: the int8 matmul of a few rows, decode's, runs a "
-                                  "torch.compile'd kernel on a CPU)")
+                                 "weight_format.py): auto (per weight: row-major where decode's fused kernel reads it, "
+                                 "else column-major on a CPU; row-major elsewhere), out_in (nn.Linear's row-major "
+                                 "[out, in]) or in_out (the same [out, in] tensor stored column-major)")
+    enforce_eager: bool = setting(False, "vLLM's: never compile (off: on a CPU, decode's matmuls of large weights, "
+                                  "float and int8, run compiled fused kernels)")
     scheduling_policy: str = setting("fcfs", "who is admitted first and preempted last (serve/scheduler.py): fcfs "
                                      "(first come, first served) or priority (each request's priority, lower first, "
                                      "ties by arrival; vLLM's)")
@@ -114,7 +115,8 @@ class EngineConfig:
             raise ValueError(f"attention={self.attention!r}: choose {', '.join(ATTENTION_MODES[:-1])} or "
                              f"{ATTENTION_MODES[-1]}")
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization={self.quantization!r}: choose None (the weights as loaded) or "
+            raise ValueError(f"quantization={self.quantization!r}: choose None (null in the launcher: the weights as "
+                             f"loaded) or "
                              f"{', '.join(repr(q) for q in QUANTIZATIONS if q)}")
         if self.weight_layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"weight_layout={self.weight_layout!r}: choose {', '.join(WEIGHT_LAYOUTS)}")

@@ -9,6 +9,7 @@ checks can fail). The [in, out] layout changes strides, not values. The bytes st
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -29,20 +30,22 @@ from tp.cost_model import decode_weight_bytes
 GPT2 = ModelConfig(d_model=64, n_heads=4, d_head=16, d_ffn=128, n_layers=2, max_seq_len=64, vocab_size=257)
 LLAMA = LlamaConfig(d_model=64, n_heads=8, n_kv_heads=2, d_head=8, d_ffn=96, n_layers=2, max_seq_len=64,
                     vocab_size=257)
+LLAMA_TIED = dataclasses.replace(LLAMA, tie_word_embeddings=True)
 ROW_PARALLEL = ("attn_out.weight", "mlp_down.weight", "o.weight", "down.weight")  # the dense names cut along `in`
 PROMPTS = [[5, 17, 250, 3, 99, 42, 7], [200, 1, 1, 64, 128, 31, 8, 9, 250, 11, 2]]
 
 
-def fake_int8(dense, p: int):
+def fake_int8(dense, p: int, variant: str = "v2"):
     """The oracle: a copy of dense with every matmul weight quantized and dequantized (groups of in/p along `in` for
-    the row-parallel weights, whole rows otherwise); norms, biases and GPT-2's position table untouched."""
+    v2's row-parallel weights, whole rows otherwise: v1 cuts every weight by its rows); norms, biases and GPT-2's
+    position table untouched."""
     ref = copy.deepcopy(dense)
     with torch.no_grad():
         for name, w in ref.named_parameters():
             if w.dim() != 2 or name == "wpe.weight" or (name == "embed.weight" and not ref.cfg.tie_word_embeddings
                                                           and hasattr(ref, "lm_head")):
                 continue  # a Llama's own token embedding is only looked up: stored as loaded
-            groups = p if name.endswith(ROW_PARALLEL) else 1
+            groups = p if name.endswith(ROW_PARALLEL) and variant == "v2" else 1
             g = w.reshape(w.shape[0], groups, -1)
             scale = g.abs().amax(-1, keepdim=True) / 127
             scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -63,23 +66,23 @@ def full_logits(lm, ids: torch.Tensor, group) -> torch.Tensor:
 
 
 @torch.no_grad()
-def check_rank(ctx, cfg):
+def check_rank(ctx, cfg, variant, vocab_parallel):
     """On every rank: the int8 and in_out models' logits, the library's dequantized oracle, the bytes stored, and the
     served greedy tokens with their logprobs. Rank 0 returns what the test compares."""
     p = ctx.world_size
     dense = init_weights(dense_lm(cfg, torch.float64), seed=0, std=0.1)
     ids = torch.tensor(PROMPTS[1])
-    int8 = weight_format.prepare(shard_lm(dense, "v2", ctx.group), "int8", "auto")
-    in_out = weight_format.prepare(shard_lm(dense, "v2", ctx.group), None, "in_out")
-    plain = shard_lm(dense, "v2", ctx.group)
+    int8 = weight_format.prepare(shard_lm(dense, variant, ctx.group, vocab_parallel), "int8", "auto")
+    in_out = weight_format.prepare(shard_lm(dense, variant, ctx.group, vocab_parallel), None, "in_out")
+    plain = shard_lm(dense, variant, ctx.group, vocab_parallel)
     out = {"int8": full_logits(int8, ids, ctx.group), "in_out": full_logits(in_out, ids, ctx.group),
            "plain": full_logits(plain, ids, ctx.group)}
     q = in_out.stack.blocks[0].qkv.weight
     out["in_out_strides"] = (tuple(q.shape) == tuple(plain.stack.blocks[0].qkv.weight.shape), q.stride())
     library = weight_format.dequantized(copy.deepcopy(dense), int8)
     out["library_oracle"] = {n: w.clone() for n, w in library.named_parameters()}
-    out["bytes"] = [(weight_format.stored_bytes(lm), decode_weight_bytes(cfg, p, 8, quant))
-                    for lm, quant in ((plain, None), (int8, "int8"))]
+    out["bytes"] = [(weight_format.stored_bytes(lm), decode_weight_bytes(cfg, p, 8, quant, vocab_parallel))
+                    for lm, quant in ((plain, None), (int8, "int8"))] if variant == "v2" else []
     engine = LLMEngine(int8, ctx, EngineConfig(block_size=4, max_num_seqs=2, long_prefill_token_threshold=5,
                                                num_gpu_blocks_override=16))
     done = {}
@@ -100,18 +103,20 @@ def check_rank(ctx, cfg):
     return out | {"served": done} if ctx.is_main else None
 
 
-@pytest.mark.parametrize("cfg,p", [(GPT2, 1), (GPT2, 2), (LLAMA, 2)], ids=["gpt2-p1", "gpt2-p2", "llama-p2"])
-def test_int8_shards_equal_the_dequantized_dense_model(cfg, p):
-    got = run_ranks(p, check_rank, cfg)[0]
+@pytest.mark.parametrize("cfg,p,variant,vocab_parallel", [
+    (GPT2, 1, "v2", True), (GPT2, 2, "v2", True), (LLAMA, 2, "v2", True), (LLAMA_TIED, 2, "v2", True),
+    (GPT2, 2, "v1", False)], ids=["gpt2-p1", "gpt2-p2", "llama-p2", "llama-tied-p2", "gpt2-v1-replicated-p2"])
+def test_int8_shards_equal_the_dequantized_dense_model(cfg, p, variant, vocab_parallel):
+    got = run_ranks(p, check_rank, cfg, variant, vocab_parallel)[0]
     dense = init_weights(dense_lm(cfg, torch.float64), seed=0, std=0.1)
-    ref = fake_int8(dense, p)
+    ref = fake_int8(dense, p, variant)
     ids = torch.tensor(PROMPTS[1])
     with torch.no_grad():
         want, unquantized = ref.logits(ids), dense.logits(ids)
     scale = unquantized.abs().max()
     assert (got["int8"] - want).abs().max() <= 1e-12 * scale
     assert (got["int8"] - unquantized).abs().max() > 1e-4 * scale  # int8 changes the model: the check can fail
-    if p > 1:  # the row-parallel slices' own scales matter: whole-row groups are another model
+    if p > 1 and variant == "v2":  # the row-parallel slices' own scales matter: whole-row groups are another model
         with torch.no_grad():
             wrong = fake_int8(dense, 1).logits(ids)
         assert (got["int8"] - wrong).abs().max() > 1e-6 * scale

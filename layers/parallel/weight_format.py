@@ -17,7 +17,7 @@ compiling on (EngineConfig.enforce_eager off) and gradients off, a matmul of at 
 that streams from memory (FUSED_MIN values or more) runs as one reduction compiled by torch.compile instead: each
 weight row is read from memory once, and int8 codes are converted in registers.
 
-Weight-only int8 (vLLM's quantization="int8"; gpt-fast's int8 mode). Each rank quantizes its own shard, per output
+Weight-only int8 (the setting is vLLM's `quantization`, the value "int8" ours; gpt-fast's int8 mode). Each rank quantizes its own shard, per output
 channel: scale[o] = max_i |W[o, i]| / 127 (in the model's dtype), code[o, i] = round(W[o, i] / scale[o]) in
 [-127, 127], and y = (x · codeᵀ) · scale. Under tensor parallelism:
 
@@ -48,7 +48,7 @@ INT8_MAX = 127  # symmetric: -127 .. 127 (the code -128 is never used)
 
 def check_quantization(quantization) -> None:
     if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization={quantization!r}: choose None (the weights as loaded) or "
+        raise ValueError(f"quantization={quantization!r}: choose None (null in the launcher: the weights as loaded) or "
                          f"{', '.join(map(repr, QUANTIZATIONS))}")
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from layers.models.lm import shard_lm
 from layers.models.pipeline import check_layout, new_pp_groups, shard_pp_lm
+from layers.parallel.weight_format import model_dtype
 from serve.build import prepare_weights
 from serve.config import EngineConfig
 from serve.control import agree, digest, request_rows, settings_row
@@ -125,7 +126,7 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
     elapsed = time.perf_counter() - start
     predicted = predict_transfers(cfg, layout.prefill_ranks, layout.decode_ranks,
                                   [(rid, len(by_id[rid].prompt)) for rids in handed for rid in rids],
-                                  next(lm.parameters()).dtype, streaming, world.rank, layout.prefill_pp)
+                                  model_dtype(lm), streaming, world.rank, layout.prefill_pp)
     seen = [t.transfer() for t in ledger.transfers]
     local = {"rank": world.rank, "prefill": is_prefill, "started_at": res.started_at, "requests": res.requests,
              "iterations": res.iterations, "times": times, "transfers": [asdict(t) for t in ledger.transfers],
