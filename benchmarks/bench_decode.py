@@ -109,13 +109,13 @@ def part_layout(args, out) -> None:
         xs = {width: torch.randn(rows, width, generator=gen) for width in (d, f)}
         times = {}
         for name, ws in formats.items():
-            wf._fused["on"] = name in ("fused", "int8")
+            fused = name in ("fused", "int8")
             engine_path = name in ("fused", "int8", "int8 eager")
 
             def one_pass():
                 with torch.no_grad():
                     for w, s in ws:
-                        wf.linear(xs[w.shape[1]], w, s) if engine_path else F.linear(xs[w.shape[1]], w)
+                        wf.linear(xs[w.shape[1]], w, s, fused=fused) if engine_path else F.linear(xs[w.shape[1]], w)
 
             one_pass()
             samples = []
@@ -129,7 +129,6 @@ def part_layout(args, out) -> None:
             {f"{n} GB/s": nbytes[n] / t / 1e9 for n, t in times.items()}
         rows_out.append(row)
         print(f"rows {rows}: " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in times.items()), file=sys.stderr)
-    wf._fused.update(on=False)
     out["layout"] = {"rows": rows_out, "bytes": nbytes, "pytorch kernels, 1 row": pytorch_kernels(args, weights)}
     print_table(["rows"] + [f"{n}: ms (x out_in, GB/s)" for n in formats],
                 [[r["rows"]] + [f"{r[f'{n} ms']:.2f} ({r[f'{n} x']:.2f}x, {r[f'{n} GB/s']:.1f})" for n in formats]
