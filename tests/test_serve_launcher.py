@@ -269,6 +269,8 @@ LLAMA_BAD = [
     (["kv_eviction={policy:streaming,window_tokens:8}"], "kv_eviction window_tokens=8 is smaller than a block"),
     (["kv_eviction={policy:streaming,window_tokens:32}", "pd.prefill_ranks=1", "pd.decode_ranks=1"],
      "kv_eviction with pd is not built"),
+    (["quantization=int8", "pd.prefill_ranks=1", "pd.decode_ranks=1"], "quantization=int8 with pd is not built"),
+    (["quantization=None"], "quantization='None': choose None (null in the launcher"),
 ]
 
 
