@@ -93,3 +93,17 @@ def step_engine(engine, before=None, last: int = 0, sink=None) -> int:
 
     drive(engine, feed, None if sink is None else lambda outputs: sink(outputs, steps - 1))
     return steps
+
+
+@torch.no_grad()
+def greedy_logprobs(dense, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """n greedy tokens and each one's logprob, the dense model recomputing the whole sequence every step (no cache);
+    the caller's context (a patched mask, pseudo-quantized K,V) applies."""
+    tokens, ids, lps = list(prompt), [], []
+    for _ in range(n):
+        logp = torch.log_softmax(dense.logits(torch.tensor(tokens))[-1], dim=-1)
+        t = int(logp.argmax())
+        ids.append(t)
+        lps.append(float(logp[t]))
+        tokens.append(t)
+    return ids, lps

@@ -27,7 +27,7 @@ from layers.models.lm import dense_lm, shard_lm
 from serve.config import EngineConfig
 from serve.engine import LLMEngine
 from serve.sampling_params import SamplingParams
-from tests.common import step_engine
+from tests.common import greedy_logprobs, step_engine
 from tests.harness import run_ranks
 
 GPT2 = ModelConfig(d_model=64, n_heads=4, d_head=16, d_ffn=128, n_layers=2, max_seq_len=96, vocab_size=257)
@@ -93,17 +93,11 @@ def streaming_mask(n: int, device=None) -> torch.Tensor:
 
 def reference(dense, prompt: list[int], n: int, masked: bool = True):
     """Greedy tokens, their logprobs and the prompt's, recomputed with no cache under the streaming mask."""
-    tokens, ids, lps = list(prompt), [], []
     with torch.no_grad(), patch.object(attention_module, "reference_mask", streaming_mask if masked else
                                        attention_module.reference_mask):
         whole = torch.log_softmax(dense.logits(torch.tensor(prompt)), dim=-1)
         scored = [float(whole[i - 1, prompt[i]]) for i in range(1, len(prompt))]
-        for _ in range(n):
-            logp = torch.log_softmax(dense.logits(torch.tensor(tokens))[-1], dim=-1)
-            t = int(logp.argmax())
-            ids.append(t)
-            lps.append(float(logp[t]))
-            tokens.append(t)
+        ids, lps = greedy_logprobs(dense, prompt, n)
     return ids, lps, scored
 
 

@@ -23,7 +23,7 @@ from serve.engine import LLMEngine
 from serve.kv_cache import KVPool, cache_layout_of
 from serve.request import validate_prompt
 from serve.sampling_params import SamplingParams
-from tests.common import step_engine
+from tests.common import greedy_logprobs, step_engine
 from tests.harness import run_ranks
 from tp.partition import kv_bytes_per_token, kv_head_range
 
@@ -153,15 +153,8 @@ def first_prefill_scales(dense, prompt: list[int], name: str) -> torch.Tensor:
 
 def reference(dense, prompt: list[int], n: int, scales, name: str) -> tuple[list[int], list[float]]:
     """Greedy tokens and their logprobs, recomputed with no cache, K,V round-tripped through the scales."""
-    tokens, ids, lps = list(prompt), [], []
-    with torch.no_grad(), pseudo_quantized(scales, name):
-        for _ in range(n):
-            logp = torch.log_softmax(dense.logits(torch.tensor(tokens))[-1], dim=-1)
-            t = int(logp.argmax())
-            ids.append(t)
-            lps.append(float(logp[t]))
-            tokens.append(t)
-    return ids, lps
+    with pseudo_quantized(scales, name):
+        return greedy_logprobs(dense, prompt, n)
 
 
 @pytest.mark.parametrize("cfg,p,attention,name", [(GPT2, 1, "reference", "int8"), (LLAMA, 2, "cpu", "fp8_e4m3"),

@@ -17,13 +17,13 @@ import torch.distributed as dist
 
 from layers.models.config import ModelConfig
 from layers.models.dense import init_weights
-from layers.models.lm import dense_lm, greedy_reference, shard_lm
+from layers.models.lm import dense_lm, shard_lm
 from layers.models.llama import LlamaConfig
 from layers.parallel import weight_format
 from serve.config import EngineConfig
 from serve.engine import LLMEngine
 from serve.sampling_params import SamplingParams
-from tests.common import step_engine
+from tests.common import greedy_logprobs, step_engine
 from tests.harness import run_ranks
 from tp.cost_model import decode_weight_bytes
 
@@ -129,12 +129,9 @@ def test_int8_shards_equal_the_dequantized_dense_model(cfg, p, variant, vocab_pa
         assert stored == modelled
     for i, prompt in enumerate(PROMPTS):
         tokens, logprobs = got["served"][f"r{i}"]
-        oracle = greedy_reference(ref, prompt, 6)
-        assert tokens == oracle.ids
-        with torch.no_grad():
-            seq = torch.tensor(prompt + tokens[:-1])
-            lp = torch.log_softmax(ref.logits(seq), -1)[len(prompt) - 1:].gather(1, torch.tensor(tokens)[:, None])
-        assert max(abs(a - float(b)) for a, b in zip(logprobs, lp[:, 0])) <= 1e-10
+        ids, lps = greedy_logprobs(ref, prompt, 6)
+        assert tokens == ids
+        assert max(abs(a - b) for a, b in zip(logprobs, lps)) <= 1e-10
 
 
 @torch.no_grad()
