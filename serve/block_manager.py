@@ -64,6 +64,9 @@ class KVCacheManager:
     hashed: dict[int, int] = field(init=False)  # request -> how many of its leading blocks carry a hash
     chain: dict[int, int] = field(init=False)  # request -> the hash of its last named block (ROOT: none yet)
     evicted: int = field(init=False, default=0)  # blocks given back by KV eviction, all requests
+    # told of each named block taken for new tokens while its K,V are still in the pool (a KV connector's
+    # block_leaving: serve/kv_connector/); only when no other block carries its name
+    on_leave: object = field(init=False, default=None, repr=False)
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -110,10 +113,14 @@ class KVCacheManager:
         not `cached`) plus its next chunk of at most `most_rows` rows. Reviving a freed cached block takes it off the
         free queue too."""
         hit = self.match_prefix(tokens) if cached else []
-        start = len(hit) * self.block_size
+        return hit, self.admit_need(tokens, most_rows, hit)
+
+    def admit_need(self, tokens: list[int], most_rows: int, hit: list[int], external: int = 0) -> int:
+        """Free blocks needed to admit with prefix hit `hit` and `external` more tokens a KV connector supplies
+        (fresh blocks, filled by the connector), plus the next chunk of at most `most_rows` rows."""
+        start = len(hit) * self.block_size + external
         rows = min(most_rows, len(tokens) - start)
-        need = self.blocks_for(start + rows) - len(hit) + sum(self.blocks[b].ref_count == 0 for b in hit)
-        return hit, need
+        return self.blocks_for(start + rows) - len(hit) + sum(self.blocks[b].ref_count == 0 for b in hit)
 
     def admit(self, request: int, hit: list[int]) -> None:
         """Start a block table for `request` with the shared prefix blocks `hit` (from admit_cost)."""
@@ -141,6 +148,8 @@ class KVCacheManager:
                 del copies[b]
                 if not copies:
                     del self.cached[old.hash]
+                    if self.on_leave is not None:
+                        self.on_leave(old.hash, old.parent, old.token_ids, b)
             old.hash, old.parent, old.token_ids = None, ROOT, ()
             self._take(b)
             table.append(b)

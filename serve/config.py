@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from serve.eviction import KVEvictionConfig
+from serve.kv_connector.config import KVTransferConfig
 from serve.spec_decode import SpeculativeConfig
 from tp.partition import ceil_div
 
@@ -94,6 +95,11 @@ class EngineConfig:
                                  "[out, in]) or in_out (the same [out, in] tensor stored column-major)")
     enforce_eager: bool = setting(False, "vLLM's: never compile (off: on a CPU, decode's matmuls of large weights, "
                                   "float and int8, run compiled fused kernels)")
+    kv_transfer_config: KVTransferConfig | None = setting(
+        None, "vLLM's KV connector (serve/kv_connector/): '{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": "
+              "\"kv_both\", \"kv_connector_extra_config\": {\"cpu_bytes\": N, \"disk_path\": DIR, \"disk_bytes\": M}}' "
+              "spills blocks leaving the pool to a CPU tier, then a disk tier, and loads a prefix hit back from them "
+              "(default: off)", launcher=False)
     scheduling_policy: str = setting("fcfs", "who is admitted first and preempted last (serve/scheduler.py): fcfs "
                                      "(first come, first served) or priority (each request's priority, lower first, "
                                      "ties by arrival; vLLM's)")
@@ -101,6 +107,7 @@ class EngineConfig:
     def __post_init__(self):
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
         object.__setattr__(self, "kv_eviction", KVEvictionConfig.of(self.kv_eviction))
+        object.__setattr__(self, "kv_transfer_config", KVTransferConfig.of(self.kv_transfer_config))
         optional = ("num_gpu_blocks_override", "max_model_len", "kv_cache_memory_bytes")
         for name in COUNTS + optional:
             v = getattr(self, name)
@@ -141,6 +148,8 @@ class EngineConfig:
             if self.reserve_capacity:
                 raise ValueError("kv_eviction with reserve_capacity (the pre-paging rule) frees nothing the rule "
                                  "reserved: use one or the other")
+        if self.kv_transfer_config is not None:
+            self.check_connector()
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than a full decode "
                              f"batch of max_num_seqs={self.max_num_seqs} requests (one row each per iteration); raise "
@@ -168,6 +177,24 @@ class EngineConfig:
         return self.kv_eviction.peak_blocks(self.block_size, min(self.long_prefill_token_threshold,
                                                                  self.max_num_batched_tokens))
 
+    def check_connector(self) -> None:
+        """The rules between kv_transfer_config and the other settings: the tiers are keyed by the prefix cache's
+        names, and hold whole blocks of the model's dtype."""
+        name = f"kv_transfer_config kv_connector={self.kv_transfer_config.kv_connector!r}"
+        if not self.enable_prefix_caching:
+            raise ValueError(f"{name} keys its tiers by the prefix cache's block hashes: set "
+                             f"enable_prefix_caching=True")
+        if self.kv_eviction is not None:
+            raise ValueError(f"{name} with kv_eviction is not built (an evicted block has no whole copy to spill): "
+                             f"use one or the other")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"{name} with kv_cache_dtype={self.kv_cache_dtype!r} is not built: the tiers hold the "
+                             f"model's dtype; use kv_cache_dtype='auto'")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError(f"{name} with a draft model is not built (the draft's own cache is not spilled): use "
+                             f"method 'ngram' or no speculative_config")
+
     def check_pipeline(self, pp: int) -> None:
         """The rule between these settings and the pipeline's size."""
         if pp == 1 and self.chunk_pipelining:
@@ -179,6 +206,8 @@ class EngineConfig:
             raise ValueError("speculative_config with pipeline stages (pp > 1) is not built yet: use pp = 1")
         if pp > 1 and self.kv_eviction is not None:
             raise ValueError("kv_eviction with pipeline stages (pp > 1) is not built: use pp = 1")
+        if pp > 1 and self.kv_transfer_config is not None:
+            raise ValueError("kv_transfer_config with pipeline stages (pp > 1) is not built: use pp = 1")
 
     def check_context_parallel(self, cp: int, pp: int = 1, name: str = "context_parallel_size") -> None:
         """The rules between these settings and context parallelism's size
@@ -192,6 +221,9 @@ class EngineConfig:
         if self.speculative_config is not None:
             raise ValueError(f"{name}={cp} with speculative decoding is not built: drop speculative_config or use "
                              f"{name}=1")
+        if self.kv_transfer_config is not None:
+            raise ValueError(f"{name}={cp} with kv_transfer_config is not built (each cp rank holds part of every "
+                             f"block): drop kv_transfer_config or use {name}=1")
         if self.kv_eviction is not None:
             raise ValueError(f"{name}={cp} with kv_eviction is not built (each cp rank holds part of every block): "
                              f"drop kv_eviction or use {name}=1")
@@ -291,7 +323,7 @@ def llm_settings(args, config: "EngineConfig") -> dict:
     return {name: getattr(args, name) for _, name, _ in LLM_FLAGS} | dataclasses.asdict(config)
 
 
-JSON_SETTINGS = ("speculative_config", "kv_eviction")  # flags that take a JSON object
+JSON_SETTINGS = ("speculative_config", "kv_eviction", "kv_transfer_config")  # flags that take a JSON object
 CHOICES = {"attention": ATTENTION_MODES, "kv_cache_dtype": KV_CACHE_DTYPES + tuple(KV_CACHE_DTYPE_ALIASES),
            "scheduling_policy": SCHEDULING_POLICIES, "quantization": tuple(q for q in QUANTIZATIONS if q),
            "weight_layout": WEIGHT_LAYOUTS}

@@ -20,24 +20,24 @@ from typing import NamedTuple
 import torch
 
 from layers.models.lm import TPLM, TPLlamaLM
-from layers.sampling.prompt_logprobs import host_prompt_logprobs
-from layers.sampling.sampler import SampleResult, request_seed, row_logprobs
+from layers.sampling.sampler import SampleResult, request_seed
 from serve.block_manager import KVCacheManager
 from serve.config import EngineConfig
 from serve.control import CONTROL_HEADER, IDLE, RUN, STOP, agree, broadcast_control
 from serve.hooks import LedgerCheck, StepHook, StepRecord, overriding
 from serve.model_runner import ModelRunner
-from serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from serve.outputs import CompletionOutput, RequestMetrics, RequestOutput, record_logprobs
 from serve.plan import FINGERPRINT_SIZE, SchedulerOutput
 from serve.request import Request, RequestStatus
 from serve.sampling_params import SamplingParams
 from serve.scheduler import Scheduler, check_request, next_plan
 from serve.draft import DraftRunner, lm_vocab_slice
+from serve.kv_connector.factory import make_connector
 from serve.spec_decode import NgramProposer, SpecDecodeStats, Tuner
 from tp.dist import TPContext
 from tp.ledger import TrafficLedger
 from tp.traffic_model import (predict_control, predict_eviction_scores, predict_iteration, predict_prompt_logprobs,
-                              predict_verify)
+                              predict_tier_checks, predict_verify)
 
 
 class Ran(NamedTuple):
@@ -88,6 +88,9 @@ class LLMEngine:
         self.cp = 1 if cp_group is None else cp_group.size()  # context parallelism: ctx is cp × tp ranks
         c.check_context_parallel(self.cp)
         self.runner = ModelRunner(lm, ctx, self.num_blocks, c, cp_group)
+        # a KV connector (serve/kv_connector/): its scheduler side in the scheduler, its worker side in the runner
+        self.connector = self.runner.connector = make_connector(c, ctx, self.runner.cache, lm.stack.blocks)
+        self.scheduler.set_connector(self.connector)
         spec = c.speculative_config
         if (spec is not None and spec.method == "draft_model") != (draft_lm is not None):
             raise ValueError("speculative_config method='draft_model' and draft_lm go together: give both or neither")
@@ -195,7 +198,7 @@ class LLMEngine:
                 "oracle": next((dict(h.verdicts) for h in self.hooks if hasattr(h, "verdicts")), None),
                 **(self.spec_stats.as_dict() if self.config.speculative_config is not None else {}),
                 **(self.tuner.as_dict() if self.tuner else {}),
-                "last_iteration": self.last_iteration}
+                **(self.connector.stats() if self.connector else {}), "last_iteration": self.last_iteration}
 
     # -- every rank: one step ----------------------------------------------------------------------------------------
 
@@ -203,8 +206,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration on every rank; rank 0 returns the outputs of the requests it moved (the others: [])."""
         start = time.perf_counter()
-        self.ledger.clear()
-        self.ledger.transfers.clear()  # a pipeline's boundary messages
+        self._begin()
         with self.ledger.recording():
             flag, new, aborts, payload, k = self._control(RUN, self._proposals())  # ★ broadcast: arrivals, aborts
             if flag != RUN:
@@ -233,7 +235,7 @@ class LLMEngine:
         self.prefix_hit_tokens += plan.prefix_hits
         self.prefix_queried_tokens += sum(len(sched.by_id[rid].prompt) for rid in plan.admitted if rid in sched.by_id)
         self.collective_bytes_per_rank += sum(r.traffic().bytes_per_rank for r in self.ledger.records)
-        self._logprobs(sampled, rows, ran.result, scored)
+        record_logprobs(self._outputs, sched.by_id, sampled, rows, ran.result, scored)
         self._after(StepRecord(plan, payload, ran.sampler, sampled, rows, aborts + finished, **ran.extra))
         self._timed(plan, k, time.perf_counter() - start)
         self.iterations += 1
@@ -256,6 +258,13 @@ class LLMEngine:
         self.index = plan.index + 1
         return Ran(plan, result, result.traffic(sampling), extra)
 
+    def _begin(self) -> None:
+        """A step's records start empty: the ledger's collectives, a pipeline's boundary messages, the connector's."""
+        self.ledger.clear()
+        self.ledger.transfers.clear()
+        if self.connector is not None:
+            self.connector.begin_step()
+
     def _flush(self) -> None:
         """A control message without a step (IDLE, STOP): what is in flight is waited for (a pipeline's sends)."""
 
@@ -266,6 +275,8 @@ class LLMEngine:
         seen = [r.traffic() for r in self.ledger.records]
         p, plan = self.ctx.world_size, step.plan
         predicted = predict_control(p, step.payload, CONTROL_HEADER)
+        if self.connector is not None:
+            predicted += predict_tier_checks(p // self.cp, self.connector.step_checks())
         if plan is not None:
             verified = 0 if step.verify is None else step.verify[0]
             predicted += predict_iteration(self.lm.cfg, p // self.cp, plan.rows, len(plan.sample_rows) - verified,
@@ -354,25 +365,6 @@ class LLMEngine:
         if flag == RUN and self.ctx.is_main:
             self._new, self._aborts = [], []
         return out
-
-    def _logprobs(self, sampled: list[int], rows: list[list[float]], result: SampleResult,
-                  scored: list[list[float]]) -> None:
-        """Rank 0: each row's chosen logprob and its top-N into the request's output (SampleResult.table's rows), and
-        each scored prompt row's entry into its prompt_logprobs (recomputed, it writes again: its last admission's)."""
-        for (rid, pos), row in zip(result.prompt_where or [], scored):
-            if (o := self._outputs.get(rid)) is not None:
-                r = self.scheduler.by_id[rid]
-                o.prompt_logprobs[pos] = host_prompt_logprobs(row, r.prompt[pos], r.params.prompt_logprobs)
-        if result.logprob is None:
-            return
-        for rid, row in zip(sampled, rows):
-            o = self._outputs.get(rid)
-            if o is None or (n := self.scheduler.by_id[rid].params.logprobs) is None:
-                continue
-            chosen, step = row_logprobs(row, n)
-            c = o.outputs[0]
-            c.logprobs = (c.logprobs or []) + [step]
-            c.cumulative_logprob = (c.cumulative_logprob or 0.0) + chosen
 
     def _outputs_of(self, sampled: list[int], ended: list[int]) -> list[RequestOutput]:
         """Rank 0: a RequestOutput per request that got a token or ended (finished, aborted) this step."""

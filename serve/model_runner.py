@@ -64,6 +64,7 @@ class ModelRunner:
                                       config.calculate_kv_scales)
         # what sized the pool, where kv_cache_memory_bytes did (a request too large for it is told so)
         self.block_bytes = None if config.kv_cache_memory_bytes is None else self.cache.bytes_per_block
+        self.connector = None  # a KV connector's worker side (serve/kv_connector/), set by the engine
 
     @staticmethod
     def pool_blocks(lm, config: EngineConfig, cp_group=None) -> int:
@@ -78,6 +79,8 @@ class ModelRunner:
         requests: id -> Request (its tokens so far, its sampling parameters)."""
         step = prepare_step(plan, {c.request: requests[c.request].tokens + list(c.spec) for c in plan.scheduled},
                             self.block_size, self.ctx.device, self.backend, self.cache)
+        if self.connector is not None:  # before the forward: spills read the pool, loads start (each layer waits)
+            self.connector.start_load_kv(plan.kv_connector_metadata)
         return Prepared(step, sampling_batch(plan.scheduled, requests, self.ctx.device) if sampled else None)
 
     @torch.no_grad()
@@ -94,6 +97,8 @@ class ModelRunner:
             rows, targets, out.prompt_where, n = scored  # prompt logprobs: the rows' next prompt tokens, scored
             at, targets = torch.tensor([rows, targets], device=self.ctx.device)  # one host-to-device copy for both
             out.prompt = score_rows(*self.lm.head_logits(x, at), targets, n, self.lm.cfg.vocab_size)
+        if self.connector is not None:
+            self.connector.wait_for_save()
         if step.batch.scores is not None:  # kv_eviction h2o: every rank's heads' attention per block, summed
             out.scores = all_reduce_values(step.batch.scores[:-1], self.ctx.group, "sum",
                                            "engine/eviction scores")  # ★ all-reduce [blocks]

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from layers.sampling.prompt_logprobs import host_prompt_logprobs
+from layers.sampling.sampler import row_logprobs
+
 
 @dataclass
 class CompletionOutput:
@@ -47,3 +50,24 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then {id: logprob} for each prompt token (the
     # token itself and the top N after the tokens before it), vLLM's layout
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+def record_logprobs(outputs: dict, by_id: dict, sampled: list[int], rows: list[list[float]], result,
+                    scored: list[list[float]]) -> None:
+    """Rank 0 (LLMEngine): each sampled row's chosen logprob and its top-N into its request's output (the rows of
+    SampleResult.table), and each scored prompt row's entry into its prompt_logprobs (a recomputed row writes again:
+    its last admission's). outputs: request id -> RequestOutput; by_id: the scheduler's requests."""
+    for (rid, pos), row in zip(result.prompt_where or [], scored):
+        if (o := outputs.get(rid)) is not None:
+            r = by_id[rid]
+            o.prompt_logprobs[pos] = host_prompt_logprobs(row, r.prompt[pos], r.params.prompt_logprobs)
+    if result.logprob is None:
+        return
+    for rid, row in zip(sampled, rows):
+        o = outputs.get(rid)
+        if o is None or (n := by_id[rid].params.logprobs) is None:
+            continue
+        chosen, step = row_logprobs(row, n)
+        c = o.outputs[0]
+        c.logprobs = (c.logprobs or []) + [step]
+        c.cumulative_logprob = (c.cumulative_logprob or 0.0) + chosen

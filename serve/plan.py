@@ -50,7 +50,9 @@ class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]  # decodes first, then prompt chunks, in row order
     admitted: tuple[int, ...] = ()  # requests that joined the running set at this iteration
     preempted: tuple[int, ...] = ()  # requests that gave their blocks back at this iteration, to recompute later
-    prefix_hits: int = 0  # prompt tokens whose K,V the requests admitted now found in the prefix cache
+    prefix_hits: int = 0  # prompt tokens whose K,V the requests admitted now found in the prefix cache (or a tier)
+    # what a KV connector's worker side does this step (serve/kv_connector/ build_connector_meta)
+    kv_connector_metadata: object = field(default=None, compare=False)
     # derived once, when the plan is made:
     spans: list[tuple[int, int]] = field(init=False, compare=False)  # each chunk's rows in the flat tensor
     rows: int = field(init=False, compare=False)  # rows through the model

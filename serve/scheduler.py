@@ -155,6 +155,13 @@ class Scheduler:
         # in how many; they get no rows (but a prompt's next chunk, with chunk_pipelining) and are never preempted
         self.in_flight: Counter[int] = Counter()
         self.stages = 1  # the PipelineEngine sets its pp
+        self.connector = None  # a KV connector's scheduler side (set_connector)
+
+    def set_connector(self, connector) -> None:
+        """A KV connector (serve/kv_connector/): asked for tokens past each admission's prefix hit, told of each named
+        block leaving the pool, and its step's metadata rides in each plan."""
+        self.connector = connector
+        self.blocks.on_leave = None if connector is None else connector.block_leaving
 
     @classmethod
     def for_workload(cls, requests: list[Request], config: EngineConfig) -> "Scheduler":
@@ -264,6 +271,7 @@ class Scheduler:
         while (self.waiting and self._left > 0 and len(self.running) < c.max_num_seqs
                and len(self._rows) < cap):
             r = self.waiting[0]
+            external = 0  # tokens past the prefix hit that the KV connector supplies
             if r.id in self.preempted_waiting or any(self.policy.holds_back(v, r) for v in preempted):
                 break  # preempted in this iteration: not admitted again at once, nor overtaken where the policy says
             if r.id in self.blocks.tables:  # its cached positions already hold blocks (a decode side placed them)
@@ -279,6 +287,11 @@ class Scheduler:
                 if hit and c.kv_eviction is not None and need > c.peak_blocks():  # a prefix hit would take more
                     hit, need = self.blocks.admit_cost(r.tokens, min(c.long_prefill_token_threshold, self._left),
                                                        cached=False)  # blocks than eviction ever lets it hold
+                if self.connector is not None and not scoring:
+                    external = self.connector.get_num_new_matched_tokens(r, len(hit) * self.blocks.block_size)
+                    if external:
+                        need = self.blocks.admit_need(r.tokens, min(c.long_prefill_token_threshold, self._left), hit,
+                                                      external)
                 if c.reserve_capacity:
                     need = self.blocks.blocks_for(r.capacity)
                 fits = need <= self.blocks.num_free
@@ -296,6 +309,11 @@ class Scheduler:
                 if c.reserve_capacity:
                     self.blocks.grow(r.id, r.capacity)
                 r.num_computed_tokens = len(hit) * self.blocks.block_size
+                if external:  # fresh blocks, filled by the connector before the step's layers read them
+                    self.blocks.grow(r.id, r.num_computed_tokens + external)
+                    self.connector.update_state_after_alloc(r, self.blocks.tables[r.id][len(hit):], external)
+                    r.num_computed_tokens += external
+                    self.blocks.commit(r.id, r.tokens, r.num_computed_tokens)
                 if c.kv_eviction is not None:  # a new admission: its evictions, from the first position it computes
                     r.evictions.append((len(r.output), r.num_computed_tokens, []))
                 hits += min(r.num_computed_tokens, len(r.prompt))
@@ -323,7 +341,8 @@ class Scheduler:
         if not chunks:
             return None
         return SchedulerOutput(index, tuple(chunks), tuple(admitted),
-                             tuple(v.id for v in preempted) + tuple(self.preempted_waiting), hits)
+                               tuple(v.id for v in preempted) + tuple(self.preempted_waiting), hits,
+                               None if self.connector is None else self.connector.build_connector_meta())
 
     def positions_held(self) -> int:
         """Token positions whose K,V the running requests hold once this iteration's rows are written (a shared
@@ -435,6 +454,8 @@ class Scheduler:
             if self.config.kv_eviction is not None and not r.finished:
                 self._evict(r)
         for rid in finished:
+            if self.connector is not None:
+                self.connector.request_finished(self.by_id[rid], self.blocks.tables[rid])
             self.blocks.release(rid)
         if finished:
             self.running = [r for r in self.running if not r.finished]

@@ -213,6 +213,15 @@ def predict_eviction_scores(p: int, blocks: int, dtype: torch.dtype) -> list[Tra
                      p)]
 
 
+def predict_tier_checks(p: int, checks: int) -> list[Traffic]:
+    """The KV connector's disk tier (serve/kv_connector/offloading.py): each admission lookup that reaches a
+    disk-tier block agrees, over the TP group, how many of its blocks every rank can read: one all-reduce of one
+    int64."""
+    if p == 1:
+        return []
+    return [_outside("engine", "kv disk check", "all_reduce", (1,), torch.int64, p) for _ in range(checks)]
+
+
 def predict_control(p: int, payload: int, header: int) -> list[Traffic]:
     """The online engine's per-step control message (serve/engine.py's LLMEngine): rank 0 broadcasts a header of
     `header` float64 numbers (how many requests arrive, how many are aborted, the payload's length), then, when
