@@ -300,6 +300,13 @@ LLM_FLAGS = (
                                                                 help="pipeline stages (pp x tp ranks)")),
     ("--context-parallel-size", "context_parallel_size", dict(
         type=int, default=1, help="cp ranks per TP rank (cp x tp ranks), each keeping 1/cp of every request's K,V")),
+    ("--data-parallel-size", "data_parallel_size", dict(
+        type=int, default=1, help="replicas of the whole (each tp x pp x cp ranks and its own KV pool) behind one "
+                                  "engine, a router choosing each request's (serve/router.py)")),
+    ("--router-policy", "router_policy", dict(
+        default="cache_aware", choices=("cache_aware", "round_robin"),
+        help="with --data-parallel-size > 1: cache_aware (SGLang's: the longest prefix a replica was sent, balanced "
+             "by load) or round_robin")),
     ("--tokenizer", "tokenizer", dict(help="a directory with tokenizer files (default: the model's)")),
     ("--dtype", "dtype", dict(default="auto", help="auto (the checkpoint's torch_dtype, else float32) or a dtype")),
     ("--device", "device", dict(default="auto", help="auto | cpu | cuda")),
@@ -372,7 +379,7 @@ def engine_from_flags(args) -> "EngineConfig":
 def flag_names(message: str) -> str:
     """An engine setting's error as the command line says it: max_num_seqs=0 -> --max-num-seqs=0."""
     names = [*FLAGS.values(), "tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
-             "threads_per_rank"]  # LLM's own settings, flags of both command lines too
+             "data_parallel_size", "router_policy", "threads_per_rank"]  # LLM's own settings, flags of both command lines too
     for name in names:
         flag = "--" + name.replace("_", "-")
         message = message.replace(f"{name}=", f"{flag}=").replace(f"{name} ", f"{flag} ")

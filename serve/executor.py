@@ -34,9 +34,10 @@ START_TIMEOUT_S = 600.0  # building the ranks (imports, weights) may take long o
 
 
 class MultiprocExecutor:
-    def __init__(self, spec: RankSpec, world_size: int):
+    def __init__(self, spec: RankSpec, world_size: int, gpus: str | None = None):
         """Start world_size rank processes for spec and wait until rank 0 has built its engine (RuntimeError naming
-        the rank if one fails first). info: rank 0's start reply (backend, device)."""
+        the rank if one fails first). info: rank 0's start reply (backend, device). gpus: the GPUs these ranks may
+        see (CUDA_VISIBLE_DEVICES: a data-parallel replica's own; rank r takes the r-th), None: the process's."""
         self.procs: list[subprocess.Popen] = []
         self.closed = False
         self.dir = tempfile.mkdtemp(prefix="tpref-llm-")
@@ -47,6 +48,8 @@ class MultiprocExecutor:
         env = dict(os.environ, **{AUTHKEY_ENV: key.hex()})
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [v for v in [env.get("PYTHONPATH")] if v])
         env["OMP_NUM_THREADS"] = str(spec.threads)  # before torch loads: OpenMP sizes its pool once
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
         self.conn = None
         self._link: dict = {}  # what the finalizer needs (not self: that would keep this object alive)
         self._finalizer = weakref.finalize(self, MultiprocExecutor._stop, self.procs, self._link, self.dir)

@@ -107,7 +107,8 @@ def load_tokenizer(source: str | None):
 
 class LLM:
     def __init__(self, model: str, tensor_parallel_size: int = 1, dtype="auto", seed: int = 0, *,
-                 pipeline_parallel_size: int = 1, context_parallel_size: int = 1, tokenizer: str | None = None,
+                 pipeline_parallel_size: int = 1, context_parallel_size: int = 1, data_parallel_size: int = 1,
+                 router_policy: str = "cache_aware", tokenizer: str | None = None,
                  backend: str = "auto",
                  device: str = "auto", moe_parallel: str = "tp", timeout_s: float = DEFAULT_TIMEOUT_S,
                  check: bool = False, threads_per_rank: int | None = None, **engine_settings):
@@ -117,6 +118,9 @@ class LLM:
         context_parallel_size: cp ranks per TP rank (cp · tp ranks) holding the same heads and each 1/cp of every
         request's K,V (layers/attention/context_parallel.py's split cache: token t on cp rank t % cp, one log-sum-exp
         merge per layer); GPT-2 and Llama, pp = 1, block_size a multiple of cp.
+        data_parallel_size: replicas of the whole (each tp · pp · cp ranks, its own pool) behind this one LLM
+        (serve/replicas.py); router_policy: how a request's replica is chosen (serve/router.py): cache_aware
+        (SGLang's: the longest prefix a replica was sent, balanced by load) or round_robin.
         threads_per_rank: each rank's intra-op threads (None: tp/dist.py threads_per_rank's choice from the cores
         this process may use, or OMP_NUM_THREADS; `LLM.threads_per_rank` says which ran, and why).
         check: every finished request against the dense model recomputed without a cache (RequestOutput.oracle;
@@ -137,6 +141,13 @@ class LLM:
         cp = context_parallel_size
         if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
             raise ValueError(f"context_parallel_size={cp!r} must be a positive integer")
+        dp = data_parallel_size
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+            raise ValueError(f"data_parallel_size={dp!r} must be a positive integer")
+        from serve.router import POLICIES
+
+        if router_policy not in POLICIES:
+            raise ValueError(f"router_policy={router_policy!r}: choose {' or '.join(POLICIES)}")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
             raise ValueError(f"seed={seed!r} must be an integer in [0, 2**32)")
         if not isinstance(check, bool):
@@ -144,15 +155,17 @@ class LLM:
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
         self.config = EngineConfig.from_kwargs(**engine_settings)
+        if self.config.kv_transfer_config is not None:  # the disk tier's directory, before any rank starts
+            self.config.kv_transfer_config.check_disk()
         if check and self.config.kv_cache_dtype != "auto":
             raise ValueError(f"check=True compares with the dense model's unquantized K,V: with kv_cache_dtype="
                              f"{self.config.kv_cache_dtype}, check with launch/serve.py (its oracle round-trips K,V with "
                              f"the engine's scales)")
         spec_config = self.config.speculative_config
         try:
-            backend = resolve_backend(backend, p * pp * cp)
+            backend = resolve_backend(backend, p * pp * cp * dp)  # every replica's ranks on this machine
             device = resolve_device(device, backend)
-            self.threads_per_rank, self.threads_why = resolve_threads(p * pp * cp, device, threads_per_rank)
+            self.threads_per_rank, self.threads_why = resolve_threads(p * pp * cp * dp, device, threads_per_rank)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
         self.model_config, checkpoint = resolve_model(model, p, moe_parallel)
@@ -201,7 +214,15 @@ class LLM:
         self._count = 0
         self.last_stats: dict | None = None  # rank 0's stats() after the last step()
         self._prefix = f"generate-{secrets.token_hex(4)}-"  # generate()'s request ids: no clash with the caller's
-        self.executor = MultiprocExecutor(spec, p * pp * cp)
+        self.data_parallel_size, self.router_policy = dp, router_policy
+        if dp == 1:
+            self.executor = MultiprocExecutor(spec, p * pp * cp)
+        else:
+            from serve.replicas import Replicas
+            from serve.router import Router
+
+            self.executor = Replicas(spec, p * pp * cp, dp, Router(dp, router_policy, self.config.block_size),
+                                     restarted=self._restarted)
         self.backend, self.device = self.executor.info["backend"], self.executor.info["device"]
         self.num_blocks = self.executor.info["num_blocks"]  # each rank's pool, as rank 0 sized it
 
@@ -210,7 +231,9 @@ class LLM:
         that differs from its default (read off EngineConfig's fields, so a new setting is never left out)."""
         parts = [f"tensor_parallel_size={self.tensor_parallel_size}",
                  f"pipeline_parallel_size={self.pipeline_parallel_size}",
-                 f"context_parallel_size={self.context_parallel_size}", f"dtype {self.dtype}",
+                 f"context_parallel_size={self.context_parallel_size}",
+                 *([f"data_parallel_size={self.data_parallel_size} ({self.router_policy})"]
+                   if self.data_parallel_size > 1 else []), f"dtype {self.dtype}",
                  f"{self.backend}, {self.device}",
                  f"{self.threads_per_rank} thread{'s' if self.threads_per_rank > 1 else ''} per rank "
                  f"({self.threads_why})"]
@@ -294,6 +317,13 @@ class LLM:
             return None
         outputs, self.last_stats = self.executor.wait("serve")[1]
         return outputs
+
+    def _restarted(self, args: tuple) -> None:
+        """A request moved off a dead replica runs again from its prompt: its text starts again too."""
+        request_id, ids, params = args[:3]
+        self._stopped.discard(request_id)
+        if request_id in self._detok:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
 
     def detokenize(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Text (and stop strings) for outputs taken from serve_outputs(), in the order they came."""

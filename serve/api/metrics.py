@@ -99,6 +99,21 @@ class _EngineCollector:
         yield counter("tpref:prefix_cache_queries", "Prompt tokens admitted", queried)
         yield counter("tpref:num_preemptions", "Requests preempted", s["preemptions"])
         yield counter("tpref:kv_evicted_blocks", "KV blocks given back by kv_eviction", s.get("kv_evicted_blocks", 0))
+        if "kv_offloaded_blocks" in s:  # kv_transfer_config's OffloadingConnector (docs/kv_tiers.md)
+            yield counter("tpref:kv_offloaded_blocks", "KV blocks spilled from the pool to the CPU tier",
+                          s["kv_offloaded_blocks"])
+            yield counter("tpref:kv_demoted_blocks", "KV blocks moved from the CPU tier to the disk tier",
+                          s["kv_demoted_blocks"])
+            hits = CounterMetricFamily("tpref:kv_tier_hit_blocks", "KV blocks loaded back from a tier, by tier",
+                                       labels=["tier"])
+            held = GaugeMetricFamily("tpref:kv_tier_blocks", "KV blocks each tier holds", labels=["tier"])
+            for tier in ("cpu", "disk"):
+                hits.add_metric([tier], s["kv_tier_hit_blocks"][tier])
+                held.add_metric([tier], s["kv_tier_blocks"][tier])
+            yield hits
+            yield held
+            yield counter("tpref:kv_disk_unreadable_blocks", "Disk-tier blocks some rank could not read (recomputed)",
+                          s["kv_disk_unreadable_blocks"])
         yield counter("tpref:collective_bytes_per_rank", "Bytes each rank sent in collectives",
                       s["collective_bytes_per_rank"])
         yield counter("tpref:engine_steps", "Engine steps run", engine.steps)

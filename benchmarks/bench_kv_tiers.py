@@ -1,0 +1,189 @@
+"""KV tiers and cache-aware routing on a real workload (docs/kv_tiers.md): Mooncake's FAST'25 conversation trace
+(benchmarks/data/, 12,031 requests over an hour, a hash id per 512-token block), replayed through the engine's own
+scheduler, block manager, OffloadingConnector index and router, without a model.
+
+    python benchmarks/bench_kv_tiers.py [--parts capacity,replicas] [--requests N]
+
+  The replay   one token stands for one 512-token block of the trace (its hash id; block_size 1), so the prefix
+               cache, the tiers and the router see the trace's own sharing. An iteration is --iteration-ms of the
+               trace's clock and computes up to --budget blocks of prompt (chunked prefill); a request arrives at
+               its timestamp and finishes at its first token (the outputs, 343 tokens on average, are under one
+               block: not modelled), max_num_seqs 64. Hit ratio: the blocks each request found (in the device
+               pool or a tier, at its admission) over its blocks; the token-weighted figure counts 512 tokens a
+               block, capped at the request's input length.
+  capacity     one replica: the device pool at 1,000 / 3,000 / 6,000 blocks (0.5M / 1.5M / 3M tokens), crossed with
+               a CPU tier of 0 / 6,000 / 20,000 blocks and a disk tier of 0 / 100,000; and the ceiling (every block
+               kept forever). Mooncake reports a 40 % cache ratio for this trace (its paper's Table 2).
+  replicas     N = 1, 2, 4 replicas of 3,000 blocks each, no tiers: cache_aware routing (serve/router.py, SGLang's
+               policy and defaults) against round_robin; the hit ratio and how evenly the requests spread.
+
+Writes outputs/bench_kv_tiers.json and outputs/kv_tiers_capacity.png (copied to docs/), and prints the tables.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import ROOT, parse_args, print_table, write_json
+
+TRACE = ROOT / "benchmarks" / "data" / "mooncake_conversation_trace.jsonl.gz"
+BLOCK_TOKENS = 512  # the trace's block
+
+
+def load_trace(path: Path = TRACE, limit: int | None = None) -> list[dict]:
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f]
+    return rows if limit is None else rows[:limit]
+
+
+def ceiling(trace: list[dict]) -> dict:
+    """The hit ratio with every block kept forever: a block hits when an earlier request had it (its last block
+    aside, as the replay computes it; the trace's last block is the partial one)."""
+    seen, hit, blocks, tokens, hit_tokens = set(), 0, 0, 0, 0
+    for r in trace:
+        ids = r["hash_ids"]
+        found = next((i for i, h in enumerate(ids[:-1]) if h not in seen), len(ids) - 1)  # a prefix: leading blocks
+        hit += found
+        blocks += len(ids)
+        tokens += r["input_length"]
+        hit_tokens += min(found * BLOCK_TOKENS, r["input_length"])
+        seen.update(ids)
+    return {"hit_ratio": hit / blocks, "token_hit_ratio": hit_tokens / tokens}
+
+
+def replay(trace: list[dict], device_blocks: int, cpu_blocks: int = 0, disk_blocks: int = 0, replicas: int = 1,
+           policy: str = "cache_aware", iteration_ms: float = 100.0, budget: int = 16, max_num_seqs: int = 16) -> dict:
+    """The trace through `replicas` schedulers, each with its pool, tiers (an OffloadingConnector's index) and the
+    router in front. Returns hit ratios, the tiers' counters and the requests per replica."""
+    from serve.block_manager import KVCacheManager
+    from serve.config import EngineConfig
+    from serve.kv_connector.config import KVTransferConfig
+    from serve.kv_connector.offloading import OffloadingConnector
+    from serve.request import Request
+    from serve.router import Router
+    from serve.scheduler import Scheduler
+
+    config = EngineConfig(block_size=1, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                          long_prefill_token_threshold=budget, num_gpu_blocks_override=device_blocks)
+    scheds, connectors = [], []
+    for _ in range(replicas):
+        sched = Scheduler(config, KVCacheManager(device_blocks, 1, True))
+        if cpu_blocks or disk_blocks:
+            extra = {"cpu_bytes": cpu_blocks} | ({"disk_path": "(index only)", "disk_bytes": disk_blocks}
+                                                 if disk_blocks else {})
+            kv = KVTransferConfig("OffloadingConnector", "kv_both", extra)
+            connector = OffloadingConnector(kv, block_size=1, block_bytes=1)  # capacities in blocks; no store
+            sched.set_connector(connector)
+            connectors.append(connector)
+        scheds.append(sched)
+    router = Router(replicas, policy, block_size=1)
+    requests = [Request(i, list(r["hash_ids"]), 1, int(r["timestamp"] // iteration_ms)) for i, r in enumerate(trace)]
+    placed = [0] * replicas
+    at, index = 0, 0
+    while at < len(requests) or any(s.has_work() for s in scheds):
+        while at < len(requests) and requests[at].arrival <= index:
+            r = requests[at]
+            loads = [len(s.running) + len(s.waiting) + len(s.pending) for s in scheds]
+            i = router.route(r.prompt, loads)
+            placed[i] += 1
+            scheds[i].add(r)
+            at += 1
+        for s in scheds:
+            plan = s.schedule(index)
+            if plan is not None:
+                s.update_from_output(plan, {c.request: 0 for c in plan.scheduled if c.sample})
+        index += 1
+        if at < len(requests) and not any(s.has_work() for s in scheds):
+            index = max(index, requests[at].arrival)  # an idle stretch: nothing to plan until the next arrival
+    hit = sum(r.num_cached_tokens or 0 for r in requests)
+    blocks = sum(len(r.prompt) for r in requests)
+    hit_tokens = sum(min((r.num_cached_tokens or 0) * BLOCK_TOKENS, t["input_length"]) for r, t in zip(requests, trace))
+    counts = {k: sum(c.index.counts[k] for c in connectors) for k in ("offloaded", "demoted", "cpu_hits", "disk_hits")}
+    return {"hit_ratio": hit / blocks, "token_hit_ratio": hit_tokens / sum(t["input_length"] for t in trace),
+            "iterations": index, "preemptions": sum(s.preemptions for s in scheds), "requests_per_replica": placed,
+            "router": dict(router.decisions), **counts}
+
+
+def part_capacity(trace, out) -> None:
+    best = ceiling(trace)
+    out["ceiling"] = best
+    rows = []
+    for device in (1000, 3000, 6000):
+        for cpu in (0, 6000, 20000):
+            for disk in (0, 100_000):
+                start = time.perf_counter()
+                got = replay(trace, device, cpu, disk)
+                row = {"device_blocks": device, "cpu_blocks": cpu, "disk_blocks": disk, **got,
+                       "of_ceiling": got["hit_ratio"] / best["hit_ratio"], "replay_s": time.perf_counter() - start}
+                out["capacity"].append(row)
+                rows.append([device, cpu, disk, f"{got['hit_ratio']:.1%}", f"{got['token_hit_ratio']:.1%}",
+                             f"{row['of_ceiling']:.0%}", got["cpu_hits"], got["disk_hits"]])
+                print(rows[-1], flush=True)
+    rows.append(["every block kept", "", "", f"{best['hit_ratio']:.1%}", f"{best['token_hit_ratio']:.1%}", "100%",
+                 "", ""])
+    print_table(["device blocks", "CPU tier", "disk tier", "hit ratio (blocks)", "hit ratio (tokens)",
+                 "of the ceiling", "CPU hits", "disk hits"], rows)
+
+
+def part_replicas(trace, out) -> None:
+    rows = []
+    for n in (1, 2, 4):
+        for policy in ("round_robin", "cache_aware"):
+            got = replay(trace, 3000, replicas=n, policy=policy)
+            spread = max(got["requests_per_replica"]) / (len(trace) / n)
+            out["replicas"].append({"replicas": n, "policy": policy, **got, "busiest_over_mean": spread})
+            rows.append([n, policy, f"{got['hit_ratio']:.1%}", f"{got['token_hit_ratio']:.1%}",
+                         " / ".join(map(str, got["requests_per_replica"])), f"{spread:.2f}"])
+            print(rows[-1], flush=True)
+    print_table(["replicas", "routing", "hit ratio (blocks)", "hit ratio (tokens)", "requests per replica",
+                 "busiest / mean"], rows)
+
+
+def plot_capacity(out) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for cpu, disk, style in ((0, 0, "o-"), (6000, 0, "s-"), (20000, 0, "^-"), (20000, 100_000, "d-")):
+        rows = [r for r in out["capacity"] if r["cpu_blocks"] == cpu and r["disk_blocks"] == disk]
+        label = "device pool only" if not cpu else f"+ CPU {cpu * BLOCK_TOKENS / 1e6:.0f}M tokens" + (
+            f" + disk {disk * BLOCK_TOKENS / 1e6:.0f}M" if disk else "")
+        ax.plot([r["device_blocks"] * BLOCK_TOKENS / 1e6 for r in rows], [100 * r["hit_ratio"] for r in rows], style,
+                label=label)
+    ax.axhline(100 * out["ceiling"]["hit_ratio"], color="gray", ls="--", label="every block kept")
+    ax.set_xlabel("device pool (million tokens)")
+    ax.set_ylabel("prefix hit ratio (% of blocks)")
+    ax.set_title("Mooncake conversation trace, replayed without a model")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path("outputs") / "kv_tiers_capacity.png"
+    path.parent.mkdir(exist_ok=True)
+    fig.savefig(path, dpi=110)
+    (ROOT / "docs" / "kv_tiers_capacity.png").write_bytes(path.read_bytes())
+
+
+def main(argv=None) -> None:
+    args = parse_args(__doc__, {"--parts": "capacity,replicas", "--requests": {"type": int, "default": None},
+                                "--iteration-ms": 100.0, "--budget": 16}, argv)
+    trace = load_trace(limit=args.requests)
+    out = {"trace": str(TRACE.relative_to(ROOT)), "requests": len(trace), "capacity": [], "replicas": []}
+    parts = args.parts.split(",")
+    if "capacity" in parts:
+        part_capacity(trace, out)
+        plot_capacity(out)
+    if "replicas" in parts:
+        part_replicas(trace, out)
+    write_json(ROOT / "outputs" / "bench_kv_tiers.json", out)
+
+
+if __name__ == "__main__":
+    main()
