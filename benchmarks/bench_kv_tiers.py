@@ -17,6 +17,13 @@ scheduler, block manager, OffloadingConnector index and router, without a model.
   replicas     N = 1, 2, 4 replicas of 3,000 blocks each, no tiers: cache_aware routing (serve/router.py, SGLang's
                policy and defaults) against round_robin; the hit ratio and how evenly the requests spread.
 
+  model        the trained model (models/stdlib: GPT-2, 4 layers, 256 positions; `make model`) through LLM, the
+               trace scaled down: the first --model-requests requests, each block of the trace 16 tokens (its hash
+               id seeds them; at most 15 blocks, so a prompt fits the context), 4 greedy tokens each, arrivals at the
+               trace's times divided by --speedup; a device pool of 48 blocks of 16, max_num_seqs 8; without and with
+               a CPU tier of 4,096 blocks (OffloadingConnector). Time to first token from each arrival, the hit
+               ratio, the tiers' counters, and whether the tokens are the same.
+
 Writes outputs/bench_kv_tiers.json and outputs/kv_tiers_capacity.png (copied to docs/), and prints the tables.
 """
 
@@ -146,6 +153,89 @@ def part_replicas(trace, out) -> None:
                  "busiest / mean"], rows)
 
 
+def scaled_requests(trace: list[dict], n: int, vocab: int, block: int = 16, most_blocks: int = 15):
+    """The first n requests with each trace block as `block` tokens, seeded by its hash id (equal ids, equal tokens):
+    (arrival s, prompt)."""
+    import torch
+
+    out = []
+    for r in trace[:n]:
+        ids = []
+        for h in r["hash_ids"][:most_blocks]:
+            ids += torch.randint(0, vocab, (block,), generator=torch.Generator().manual_seed(int(h))).tolist()
+        out.append((r["timestamp"] / 1000, ids))
+    return out
+
+
+def serve_timed(llm, requests, speedup: float, params) -> dict:
+    """Each request added at its arrival (trace time / speedup, wall clock), the engine stepped while any is
+    unfinished: time to first token per request, and the tokens."""
+    start = time.perf_counter()
+    arrived, first, tokens = {}, {}, {}
+    at = 0
+    while at < len(requests) or llm.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while at < len(requests) and requests[at][0] / speedup <= now:
+            llm.add_request(f"q{at}", requests[at][1], params)
+            arrived[f"q{at}"] = time.perf_counter()
+            at += 1
+        if not llm.has_unfinished_requests():
+            time.sleep(max(0.0, requests[at][0] / speedup - (time.perf_counter() - start)))
+            continue
+        for o in llm.step():
+            if o.outputs[0].token_ids and o.request_id not in first:
+                first[o.request_id] = time.perf_counter() - arrived[o.request_id]
+            if o.finished:
+                tokens[o.request_id] = list(o.outputs[0].token_ids)
+    return {"ttft": [first[f"q{i}"] for i in range(len(requests))], "tokens": [tokens[f"q{i}"] for i in
+                                                                               range(len(requests))],
+            "stats": llm.stats(), "wall_s": time.perf_counter() - start}
+
+
+def part_model(args, trace, out) -> None:
+    import statistics
+
+    import torch
+
+    from serve import LLM
+    from serve.kv_cache import cache_layout_of, layout_block_bytes
+    from serve.sampling_params import SamplingParams
+
+    model = str(ROOT / args.model)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    settings = dict(num_gpu_blocks_override=48, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+                    long_prefill_token_threshold=256)
+    rows, runs, extra = [], {}, {}
+    for name in ("device pool only", "+ CPU tier"):
+        with LLM(model, **settings, **extra) as llm:
+            requests = scaled_requests(trace, args.model_requests, llm.model_config.vocab_size)
+            got = serve_timed(llm, requests, args.speedup, params)
+            cfg, dtype = llm.model_config, getattr(torch, llm.dtype)
+        bb = layout_block_bytes(cfg.n_layers, cache_layout_of(cfg, 1), 16, dtype)  # one block's bytes
+        extra = {"kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                        "kv_connector_extra_config": {"cpu_bytes": 4096 * bb}}}
+        runs[name] = got
+        s, ttft = got["stats"], got["ttft"]
+        row = {"setting": name, "ttft_mean_ms": 1e3 * statistics.mean(ttft),
+               "ttft_p50_ms": 1e3 * statistics.median(ttft),
+               "ttft_p90_ms": 1e3 * statistics.quantiles(ttft, n=10)[-1],
+               "hit_ratio": s["prefix_hit_tokens"] / s["prefix_queried_tokens"],
+               "tier_hit_blocks": s.get("kv_tier_hit_blocks"), "offloaded_blocks": s.get("kv_offloaded_blocks", 0),
+               "wall_s": got["wall_s"]}
+        out["model"].append(row)
+        rows.append([name, f"{row['ttft_mean_ms']:.1f}", f"{row['ttft_p50_ms']:.1f}", f"{row['ttft_p90_ms']:.1f}",
+                     f"{row['hit_ratio']:.1%}", row["offloaded_blocks"],
+                     "" if row["tier_hit_blocks"] is None else row["tier_hit_blocks"]["cpu"]])
+    a, b = runs["device pool only"], runs["+ CPU tier"]
+    same = sum(x == y for x, y in zip(a["tokens"], b["tokens"]))
+    out["model_same_tokens"] = [same, len(a["tokens"])]
+    out["model_ttft_ratio"] = statistics.mean(b["ttft"]) / statistics.mean(a["ttft"])
+    print_table(["models/stdlib, scaled trace", "TTFT mean (ms)", "p50", "p90", "prompt tokens hit",
+                 "blocks offloaded", "CPU-tier hits"], rows)
+    print(f"same tokens: {same} of {len(a['tokens'])}; mean TTFT with the CPU tier / without: "
+          f"{out['model_ttft_ratio']:.2f}")
+
+
 def plot_capacity(out) -> None:
     import matplotlib
 
@@ -172,16 +262,20 @@ def plot_capacity(out) -> None:
 
 
 def main(argv=None) -> None:
-    args = parse_args(__doc__, {"--parts": "capacity,replicas", "--requests": {"type": int, "default": None},
-                                "--iteration-ms": 100.0, "--budget": 16}, argv)
+    args = parse_args(__doc__, {"--parts": "capacity,replicas,model", "--requests": {"type": int, "default": None},
+                                "--iteration-ms": 100.0, "--budget": 16, "--model": "models/stdlib",
+                                "--model-requests": 800, "--speedup": 8.0}, argv)
     trace = load_trace(limit=args.requests)
-    out = {"trace": str(TRACE.relative_to(ROOT)), "requests": len(trace), "capacity": [], "replicas": []}
+    out = {"trace": str(TRACE.relative_to(ROOT)), "requests": len(trace), "capacity": [], "replicas": [],
+           "model": []}
     parts = args.parts.split(",")
     if "capacity" in parts:
         part_capacity(trace, out)
         plot_capacity(out)
     if "replicas" in parts:
         part_replicas(trace, out)
+    if "model" in parts:
+        part_model(args, trace, out)
     write_json(ROOT / "outputs" / "bench_kv_tiers.json", out)
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tp.cost_model import DEEPSEEK_V3, FABRICS, H100, HARDWARE, LLAMA2_7B, Shape, crossover_context_x_batch, \
+from tp.cost_model import DEEPSEEK_V3, FABRICS, H100, HARDWARE, KV_LINKS, LLAMA2_7B, LLAMA3_70B, Shape, handover, \
+    reload_or_recompute, crossover_context_x_batch, \
     decode_intensity, ep_alltoall_elems_per_gpu, iteration, kv_transfer_time, mha_kv_elems_per_token_per_gpu, \
     LLAMA3_405B_ATTN, causal_attention_flops, mla_kv_bytes_per_token, mla_kv_elems_per_token_per_gpu, pass_kv_bytes, \
     pp_send_elems, prefill_intensity, \
@@ -28,6 +29,20 @@ def table(title: str, header: list[str], rows: list[tuple]) -> str:
     for row in rows:
         out.append("  ".join(f"{c:>14}" if isinstance(c, str) else f"{c:>14.3g}" for c in row))
     return "\n".join(out)
+
+
+def kv_tier_table(tokens: int = 4 * KI) -> str:
+    """Per link (tp/cost_model.py KV_LINKS) and model, a prompt of `tokens` on H100 (sustained): loading its K,V
+    against computing it again, and P/D's hand-over whole against layer by layer (docs/kv_tiers.md)."""
+    rows = []
+    for s in (LLAMA2_7B, LLAMA3_70B):
+        for link, (bw, _) in KV_LINKS.items():
+            r, h = reload_or_recompute(s, tokens, bw, H100), handover(s, tokens, bw, H100)
+            rows.append((s.name, link.split(" (")[0], r["load_s"] * 1e3, r["recompute_s"] * 1e3,
+                         "load" if r["load_wins"] else "recompute", h["whole_s"] * 1e3, h["layerwise_s"] * 1e3,
+                         "yes" if h["hidden"] else "no"))
+    return table(f"a {tokens}-token prefix on {H100.name} (sustained): load vs recompute; P/D hand-over (ms)",
+                 ["model", "link", "load", "recompute", "faster", "whole", "layer by layer", "hidden"], rows)
 
 
 def main() -> int:
@@ -155,6 +170,7 @@ def main() -> int:
           "  overlap holds where attn/xfer > 1 (Meta reports 93% parallel efficiency at 1M tokens on 16 nodes);\n"
           "  benchmarks/bench_cp.py measures the small model on this machine")
     plot_roofline()
+    print(kv_tier_table())
     return 0
 
 

@@ -182,3 +182,33 @@ def test_serving_iteration_by_hand():
     assert serving_iteration(ARTICLE03, 2, [(0, 100)], 0, 4).linear_flops == 2 * 100 * 8 * 3_145_728 / 2
     assert serving_iteration(ARTICLE03, 2, [(0, 100)], 1, 4, vocab_parallel=False).linear_flops == \
         2 * 100 * 8 * 3_145_728 / 2 + 2 * 50257 * 512
+
+
+def test_the_handover_formulas_equal_a_simulated_two_stage_pipeline():
+    """P/D's layer-by-layer hand-over as a two-stage pipeline simulated event by event (layer i's transfer starts
+    when its compute and the previous transfer are done), against handover's closed form; whole-request is the
+    sum; reload_or_recompute from K_tok and the roofline written out here."""
+    from tp.cost_model import H100, KV_LINKS, LLAMA2_7B, LLAMA3_70B, handover, reload_or_recompute
+
+    for s in (LLAMA2_7B, LLAMA3_70B):
+        for tokens in (512, 4096, 32768):
+            for bw, _ in KV_LINKS.values():
+                h = handover(s, tokens, bw, H100)
+                c, t = h["prefill_s"] / s.n_layers, h["transfer_s"] / s.n_layers
+                computed = sent = 0.0
+                for _ in range(s.n_layers):
+                    computed += c
+                    sent = max(sent, computed) + t
+                assert abs(sent - h["layerwise_s"]) < 1e-9 * sent
+                assert abs(h["whole_s"] - (h["prefill_s"] + h["transfer_s"])) < 1e-12
+                assert h["hidden"] == (sent - h["prefill_s"] <= t + 1e-12)  # at most one layer's transfer shows
+                r = reload_or_recompute(s, tokens, bw, H100)
+                kv = tokens * s.n_layers * 2 * s.n_kv_heads * s.d_head * s.bytes_per_elem
+                flops = 2 * s.n_params * tokens + 4 * s.d_head * s.query_heads * s.n_layers * tokens * tokens / 2
+                recompute = max(flops / H100.flops, (s.bytes_per_elem * s.n_params + kv) / H100.hbm)
+                assert abs(r["load_s"] - kv / bw) < 1e-12 and abs(r["recompute_s"] - recompute) < 1e-12
+                assert r["load_wins"] == (kv / bw < recompute)
+    # the table's message: a 4k prefix of Llama-2-7B is not worth reading back from an NVMe drive, Llama-3-70B's is
+    nvme = KV_LINKS["NVMe SSD, PCIe 4.0 x4"][0]
+    assert not reload_or_recompute(LLAMA2_7B, 4096, nvme, H100)["load_wins"]
+    assert reload_or_recompute(LLAMA3_70B, 4096, nvme, H100)["load_wins"]

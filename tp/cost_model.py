@@ -91,6 +91,45 @@ def shape_of(cfg, bytes_per_elem: int = 2) -> Shape:
 # Fabric bandwidths as seeds/06 §6 gives them, bytes/s.
 FABRICS = {"NVLink (in node)": 900e9, "NVSwitch fabric": 400e9, "InfiniBand HDR": 50e9, "PCIe Gen5": 64e9}
 
+# Where a KV block can come from, one direction, bytes/s, with where each figure comes from (docs/kv_tiers.md).
+KV_LINKS = {
+    "NVLink 4 (GPU to GPU)": (450e9, "NVIDIA H100/H200: NVLink 4 at 900 GB/s per GPU, both directions together"),
+    "PCIe 5.0 x16 (host to GPU)": (64e9, "PCI-SIG: 32 GT/s x 16 lanes, about 64 GB/s each way (128b/130b)"),
+    "InfiniBand NDR (node to node)": (50e9, "NVIDIA ConnectX-7: 400 Gb/s per port = 50 GB/s"),
+    "NVMe SSD, PCIe 5.0 x4": (14e9, "fast PCIe 5.0 drives' sequential reads: up to ~14 GB/s"),
+    "NVMe SSD, PCIe 4.0 x4": (7e9, "PCIe 4.0 drives' sequential reads: ~7 GB/s"),
+}
+
+# Llama-3-70B: Π ≈ 70·10⁹, 80 layers, 64 query heads and 8 K,V heads of 128 (grouped-query attention), bf16.
+LLAMA3_70B = Shape("llama3_70b", 70e9, 80, 8, 128, n_heads=64)
+
+
+def prefill_time(s: Shape, tokens: int, hw: Hardware) -> float:
+    """Seconds to prefill `tokens` tokens from nothing (the roofline of one forward: `iteration` with no decoders)."""
+    return iteration(s, [], tokens).time(hw)
+
+
+def handover(s: Shape, tokens: int, bandwidth: float, hw: Hardware) -> dict:
+    """P/D's hand-over of a prompt of `tokens` tokens over a link of `bandwidth` bytes/s (docs/kv_tiers.md): per
+    layer, compute c = prefill / L and transfer t = K_tok · tokens / L / bandwidth.
+
+        whole request     the transfer after the prefill:        L·c + L·t
+        layer by layer    layer i sent while i + 1 computes:     L·max(c, t) + min(c, t)   (a two-stage pipeline)
+
+    The overlap hides the transfer (all but one layer's) when t <= c. Seconds, and whether it hides."""
+    c = prefill_time(s, tokens, hw) / s.n_layers
+    t = kv_transfer_time(s, tokens, bandwidth) / s.n_layers
+    L = s.n_layers
+    return {"prefill_s": L * c, "transfer_s": L * t, "whole_s": L * (c + t), "layerwise_s": L * max(c, t) + min(c, t),
+            "hidden": t <= c}
+
+
+def reload_or_recompute(s: Shape, tokens: int, bandwidth: float, hw: Hardware) -> dict:
+    """A prefix of `tokens` tokens held in a lower tier: loading its K,V (K_tok · tokens / bandwidth) against
+    computing it again (prefill_time). Seconds each, and whether the load wins."""
+    load, compute = kv_transfer_time(s, tokens, bandwidth), prefill_time(s, tokens, hw)
+    return {"load_s": load, "recompute_s": compute, "load_wins": load < compute}
+
 
 def intensity(s: Shape, tokens: float, context: float, requests: float) -> float:
     """FLOPs per byte of one iteration: T tokens through the weights, B requests reading L cached tokens each."""
