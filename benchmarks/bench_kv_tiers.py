@@ -66,7 +66,7 @@ def ceiling(trace: list[dict]) -> dict:
 
 
 def replay(trace: list[dict], device_blocks: int, cpu_blocks: int = 0, disk_blocks: int = 0, replicas: int = 1,
-           policy: str = "cache_aware", iteration_ms: float = 100.0, budget: int = 16, max_num_seqs: int = 16) -> dict:
+           policy: str = "cache_aware", iteration_ms: float = 100.0, budget: int = 16, running: int = 16) -> dict:
     """The trace through `replicas` schedulers, each with its pool, tiers (an OffloadingConnector's index) and the
     router in front. Returns hit ratios, the tiers' counters and the requests per replica."""
     from serve.block_manager import KVCacheManager
@@ -77,7 +77,7 @@ def replay(trace: list[dict], device_blocks: int, cpu_blocks: int = 0, disk_bloc
     from serve.router import Router
     from serve.scheduler import Scheduler
 
-    config = EngineConfig(block_size=1, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+    config = EngineConfig(block_size=1, max_num_seqs=running, max_num_batched_tokens=budget,
                           long_prefill_token_threshold=budget, num_gpu_blocks_override=device_blocks)
     scheds, connectors = [], []
     for _ in range(replicas):
@@ -90,7 +90,7 @@ def replay(trace: list[dict], device_blocks: int, cpu_blocks: int = 0, disk_bloc
             sched.set_connector(connector)
             connectors.append(connector)
         scheds.append(sched)
-    router = Router(replicas, policy, block_size=1)
+    router = Router(replicas, policy, 1)
     requests = [Request(i, list(r["hash_ids"]), 1, int(r["timestamp"] // iteration_ms)) for i, r in enumerate(trace)]
     placed = [0] * replicas
     at, index = 0, 0

@@ -93,10 +93,12 @@ def own_group(ctx: TPContext) -> dist.ProcessGroup:
 
 
 def new_engine(lm, ctx: TPContext, config: EngineConfig | None = None, eos_token_ids: tuple[int, ...] = (),
-               seed: int = 0, hooks: list[StepHook] | None = None, draft_lm=None, cp_group=None) -> LLMEngine:
+               seed: int = 0, hooks: list[StepHook] | None = None, draft_lm=None, cp_group=None,
+               connector=None) -> LLMEngine:
     """An LLMEngine for a TP model (with speculative decoding's draft model, whole on this rank, if given; with
     context parallelism's cp group, lm being this rank's TP shard over its tp group); for a pipeline stage's model
-    (layers/models/pipeline.py's PPLM, ctx the world's), the PipelineEngine."""
+    (layers/models/pipeline.py's PPLM, ctx the world's), the PipelineEngine. connector: a KV connector its driver
+    built (P/D's), else the one config.kv_transfer_config names."""
     if hasattr(lm, "forward_stage"):
-        return PipelineEngine(lm, ctx, config, eos_token_ids, seed, hooks)
-    return LLMEngine(lm, ctx, config, eos_token_ids, seed, hooks, draft_lm, cp_group)
+        return PipelineEngine(lm, ctx, config, eos_token_ids, seed, hooks, connector)
+    return LLMEngine(lm, ctx, config, eos_token_ids, seed, hooks, draft_lm, cp_group, connector)

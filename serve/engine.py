@@ -72,14 +72,13 @@ class LLMEngine:
 
     def __init__(self, lm: TPLM | TPLlamaLM, ctx: TPContext, config: EngineConfig | None = None,
                  eos_token_ids: tuple[int, ...] = (), seed: int = 0, hooks: list[StepHook] | None = None,
-                 draft_lm=None, cp_group=None):
+                 draft_lm=None, cp_group=None, connector=None):
         """hooks: run around every step; default LedgerCheck when config.check_ledger (an OracleCheck adds the dense
         oracle: LLM(check=True)). draft_lm: speculative decoding's draft model, whole on this rank (serve/draft.py),
         when config.speculative_config's method is draft_model."""
         self.lm, self.ctx, self.config = lm, ctx, config or EngineConfig()
         self.hooks = list(hooks) if hooks is not None else [LedgerCheck()] if self.config.check_ledger else []
         self._hook = {name: overriding(self.hooks, name) for name in ("before_schedule", "before_forward", "after_step")}
-        self._on_schedule = self._before_schedule if self._hook["before_schedule"] else None  # skipped without hooks
         self.seed = seed  # a request without a seed samples with one drawn from this and its id
         c, self.eos_token_ids = self.config, tuple(eos_token_ids)
         c.check_model_len(lm.cfg.max_seq_len)
@@ -88,9 +87,13 @@ class LLMEngine:
         self.cp = 1 if cp_group is None else cp_group.size()  # context parallelism: ctx is cp × tp ranks
         c.check_context_parallel(self.cp)
         self.runner = ModelRunner(lm, ctx, self.num_blocks, c, cp_group)
-        # a KV connector (serve/kv_connector/): its scheduler side in the scheduler, its worker side in the runner
-        self.connector = self.runner.connector = make_connector(c, ctx, self.runner.cache, lm.stack.blocks)
+        # a KV connector (serve/kv_connector/; `connector`: one built by its driver, P/D's): its scheduler side in the
+        # scheduler, its worker side in the runner and around each layer
+        self.connector = self.runner.connector = connector or make_connector(c, ctx, self.runner.cache)
         self.scheduler.set_connector(self.connector)
+        if self.connector is not None:
+            self.connector.attach(self)
+        self._on_schedule = self._before_schedule if self._hook["before_schedule"] or self.connector else None
         spec = c.speculative_config
         if (spec is not None and spec.method == "draft_model") != (draft_lm is not None):
             raise ValueError("speculative_config method='draft_model' and draft_lm go together: give both or neither")
@@ -324,6 +327,8 @@ class LLMEngine:
         self.index = index  # an idle stretch skipped: hooks see the iteration about to be planned
         for call in self._hook["before_schedule"]:
             call(self)
+        if self.connector is not None:
+            self.connector.update_connector_output(self)
 
     def _after(self, step: StepRecord) -> None:
         for call in self._hook["after_step"]:

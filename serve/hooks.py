@@ -60,25 +60,19 @@ def eviction_reference(eviction, r: Request, block_size: int):
 
 
 class StepHook:
-    """A check, a record or a hand-over run inside every LLMEngine step, on every rank; each does nothing here.
-    serve/pd/'s prefill and decode sides are hooks too: they hand requests and their K,V from one group of
-    ranks to another."""
+    """A check or a record run inside every LLMEngine step, on every rank; each does nothing here. (What moves K,V
+    in or out of the engine is a KV connector, serve/kv_connector/: P/D's hand-over is one.)"""
 
     def before_schedule(self, engine: "LLMEngine") -> None:
-        """Before iteration engine.index is planned, after the step's new requests were added (a decode side takes
-        in the requests whose K,V have landed). Called again for each idle iteration skipped."""
+        """Before iteration engine.index is planned, after the step's new requests were added. Called again for each
+        idle iteration skipped."""
 
     def before_forward(self, engine: "LLMEngine", plan: SchedulerOutput) -> None:
-        """The plan about to run, its blocks reserved (a prefill side streaming K,V layer by layer needs to know it)."""
+        """The plan about to run, its blocks reserved."""
 
     def after_step(self, engine: "LLMEngine", step: StepRecord) -> None:
         """After the tokens are applied. Finished requests' blocks are free already, their contents intact until the
         next forward (step.plan.scheduled still carries their block tables)."""
-
-    def has_pending(self) -> bool:
-        """Requests this hook will still add to the engine (a decode side's hand-overs still to come): a driver
-        keeps stepping while any hook has some. The same on every rank at a step's boundary."""
-        return False
 
 
 def overriding(hooks: list[StepHook], name: str) -> list:

@@ -156,6 +156,9 @@ class LLM:
             raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
         self.config = EngineConfig.from_kwargs(**engine_settings)
         if self.config.kv_transfer_config is not None:  # the disk tier's directory, before any rank starts
+            if self.config.kv_transfer_config.kv_connector == "PDConnector":
+                raise ValueError("kv_transfer_config PDConnector (P/D's hand-over) runs two groups of ranks in one "
+                                 "world: launch/serve.py pd.prefill_ranks=... pd.decode_ranks=..., not LLM")
             self.config.kv_transfer_config.check_disk()
         if check and self.config.kv_cache_dtype != "auto":
             raise ValueError(f"check=True compares with the dense model's unquantized K,V: with kv_cache_dtype="

@@ -72,13 +72,14 @@ class OfflineEngine:
     (SPMD: every rank calls run with the same requests). config: the engine's settings, whole; its
     num_gpu_blocks_override None sizes the pool for the workload (every request at its largest at once: such a run
     never preempts), and its check_ledger is replaced by the Recorder, which compares every step and keeps the
-    verdict. eos_token_ids join every request's stop ids; hooks: more StepHooks (a P/D side, a capture in a test),
-    run after the Recorder; on_iteration(record, scheduler): called with each record (launch/serve.py's progress)."""
+    verdict. eos_token_ids join every request's stop ids; hooks: more StepHooks (a capture in a test), run after the
+    Recorder; connector: a KV connector its driver built (a P/D side: serve/pd/); on_iteration(record, scheduler):
+    called with each record (launch/serve.py's progress)."""
 
     def __init__(self, lm, ctx: TPContext, config: EngineConfig | None = None, *,
                  eos_token_ids: tuple[int, ...] = (), hooks: StepHook | list[StepHook] | None = None, seed: int = 0,
-                 on_iteration=None, cp_group=None):
-        self.lm, self.ctx, self.cp_group = lm, ctx, cp_group
+                 on_iteration=None, cp_group=None, connector=None):
+        self.lm, self.ctx, self.cp_group, self.connector = lm, ctx, cp_group, connector
         self.config = dataclasses.replace(config or EngineConfig(), check_ledger=False)
         self.eos_token_ids = tuple(eos_token_ids)
         self.on_iteration = on_iteration
@@ -105,7 +106,7 @@ class OfflineEngine:
         result = ServeResult(num_blocks=config.num_gpu_blocks_override, block_size=config.block_size)
         recorder = Recorder(result, self.on_iteration)
         engine = self.engine = new_engine(self.lm, self.ctx, config, self.eos_token_ids, self.seed,
-                                          [recorder, *self.hooks], cp_group=self.cp_group)
+                                          [recorder, *self.hooks], cp_group=self.cp_group, connector=self.connector)
         self.cache = engine.runner.cache
         result.kv_pool_bytes_per_rank = self.cache.bytes
         agree(self.ctx, digest([settings_row(config, self.eos_token_ids)] + request_rows(requests)),
@@ -116,12 +117,13 @@ class OfflineEngine:
 
         def feed(engine: LLMEngine) -> bool:
             # add what has arrived; with nothing running, the next arrivals now (the step skips ahead to them); a
-            # step is due while anything is unfinished or a hook's hand-overs are still to come
+            # step is due while anything is unfinished or the connector's hand-overs are still to come
             horizon = engine.index if engine.has_unfinished_requests() or not arriving else \
                 max(engine.index, arriving[-1].arrival)
             while arriving and arriving[-1].arrival <= horizon:
                 engine.add(arriving.pop())
-            return engine.has_unfinished_requests() or any(h.has_pending() for h in self.hooks)
+            connector = engine.connector
+            return engine.has_unfinished_requests() or (connector is not None and connector.has_pending())
 
         drive(engine, feed)
         wait_for_stream(self.ctx.device)

@@ -43,8 +43,8 @@ class InFlight:
 class PipelineEngine(LLMEngine):
     """LLMEngine's add_request / step / abort_request over a PPLM (this rank's stage); ctx is the world's context."""
 
-    def __init__(self, lm, ctx, config=None, eos_token_ids=(), seed: int = 0, hooks=None):
-        super().__init__(lm, ctx, config, eos_token_ids, seed, hooks)
+    def __init__(self, lm, ctx, config=None, eos_token_ids=(), seed: int = 0, hooks=None, connector=None):
+        super().__init__(lm, ctx, config, eos_token_ids, seed, hooks, connector=connector)
         self.pp, self.stage = lm.layout.pp, lm.index
         self.scheduler.stages = self.pp
         self.queue: deque[InFlight] = deque()

@@ -34,7 +34,7 @@ def prefix_keys(tokens: list[int], block_size: int) -> list[int]:
 
 
 class Router:
-    def __init__(self, replicas: int, policy: str = "cache_aware", block_size: int = 16, cache_threshold: float = 0.5,
+    def __init__(self, replicas: int, policy: str, block_size: int, cache_threshold: float = 0.5,
                  balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.0001,
                  max_tree_blocks: int = 1 << 20):
         if policy not in POLICIES:

@@ -340,9 +340,11 @@ class Scheduler:
         chunks.sort(key=lambda c: not c.decode)  # decodes first in the flat rows; stable: admission order inside
         if not chunks:
             return None
-        return SchedulerOutput(index, tuple(chunks), tuple(admitted),
-                               tuple(v.id for v in preempted) + tuple(self.preempted_waiting), hits,
-                               None if self.connector is None else self.connector.build_connector_meta())
+        plan = SchedulerOutput(index, tuple(chunks), tuple(admitted),
+                               tuple(v.id for v in preempted) + tuple(self.preempted_waiting), hits)
+        if self.connector is not None:  # what the connector's worker side does in this plan rides in it
+            object.__setattr__(plan, "kv_connector_metadata", self.connector.build_connector_meta(plan))
+        return plan
 
     def positions_held(self) -> int:
         """Token positions whose K,V the running requests hold once this iteration's rows are written (a shared

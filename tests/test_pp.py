@@ -292,9 +292,6 @@ class InFlightCheck:
     def after_step(self, engine, step):
         pass
 
-    def has_pending(self):
-        return False
-
 
 def pp_engine(ctx, pp, family, n_layers, boundary, attention="auto", workload=None, **settings):
     from layers.models.lm import greedy_reference

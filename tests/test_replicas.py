@@ -33,13 +33,13 @@ def test_the_router_follows_the_longest_prefix_and_balances_load():
 
 
 def test_round_robin_and_the_record_bound():
-    r = Router(2, "round_robin")
+    r = Router(2, "round_robin", 16)
     assert [r.route([1], [5, 0]) for _ in range(4)] == [0, 1, 0, 1]
-    small = Router(1, block_size=1, max_tree_blocks=3)
+    small = Router(1, "cache_aware", block_size=1, max_tree_blocks=3)
     small.route([1, 2, 3, 4, 5], [0])
     assert len(small.trees[0]) == 3 and small.match(0, prefix_keys([1, 2, 3, 4, 5], 1)) == 0  # oldest forgotten
     with pytest.raises(ValueError, match="round_robin"):
-        Router(2, "random")
+        Router(2, "random", 16)
 
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3][:10 + i] + [i] for i in range(6)]

@@ -12,7 +12,9 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-CONNECTORS = ("OffloadingConnector",)  # serve/kv_connector/__init__.py CONNECTORS builds each
+# serve/kv_connector/factory.py builds OffloadingConnector from these settings; PDConnector (P/D's hand-over,
+# serve/pd/handover.py: its prefill side kv_producer, its decode side kv_consumer) is built by serve/pd/run.py
+CONNECTORS = ("OffloadingConnector", "PDConnector")
 ROLES = ("kv_both", "kv_producer", "kv_consumer")  # vLLM's: saves and loads, saves only, loads only
 OFFLOADING_KEYS = {"cpu_bytes": "bytes of each rank's CPU tier (default 0: none)",
                    "disk_path": "a directory for each rank's disk tier (default: none)",
@@ -28,16 +30,24 @@ class KVTransferConfig:
     def __post_init__(self):
         if self.kv_connector not in CONNECTORS:
             raise ValueError(f"kv_transfer_config kv_connector={self.kv_connector!r}: choose "
-                             f"{' or '.join(CONNECTORS)} (P/D's hand-over runs through python -m serve.pd's launcher)")
+                             f"{' or '.join(CONNECTORS)}")
         if self.kv_role not in ROLES:
             raise ValueError(f"kv_transfer_config kv_role={self.kv_role!r}: choose {', '.join(ROLES)}")
-        if self.kv_role != "kv_both":
-            raise ValueError(f"kv_transfer_config kv_role={self.kv_role!r}: {self.kv_connector} both saves and loads "
-                             f"on one engine; use kv_role='kv_both'")
         extra = self.kv_connector_extra_config
         if not isinstance(extra, dict):
             raise ValueError(f"kv_transfer_config kv_connector_extra_config must be a dict, not "
                              f"{type(extra).__name__}")
+        if self.kv_connector == "PDConnector":
+            if self.kv_role == "kv_both":
+                raise ValueError("kv_transfer_config PDConnector: kv_role='kv_producer' (the prefill side) or "
+                                 "'kv_consumer' (the decode side)")
+            if extra:
+                raise ValueError(f"kv_transfer_config PDConnector takes no kv_connector_extra_config (its layout is "
+                                 f"pd.*): {sorted(extra)[0]!r}")
+            return
+        if self.kv_role != "kv_both":
+            raise ValueError(f"kv_transfer_config kv_role={self.kv_role!r}: {self.kv_connector} both saves and loads "
+                             f"on one engine; use kv_role='kv_both'")
         unknown = sorted(set(extra) - set(OFFLOADING_KEYS))
         if unknown:
             raise ValueError(f"kv_transfer_config kv_connector_extra_config: unknown key {unknown[0]!r}; known: "

@@ -41,17 +41,15 @@ LOAD_TIMEOUT_S = 300.0
 
 class OffloadingConnector(KVConnectorBase):
     def __init__(self, config: KVTransferConfig, block_size: int, block_bytes: int, group=None, cache=None,
-                 blocks=None, rank: int = 0):
+                 rank: int = 0):
         """block_bytes: one block's bytes on this rank (the tiers' capacities are counted in blocks: bytes // it).
         group: the TP group the disk checks agree over (None: one rank). cache: this rank's KVPool (None: the index
-        alone, as a trace replay runs it). blocks: the model's layers (nn.Modules), each waiting for its load."""
+        alone, as a trace replay runs it)."""
         self.config, self.block_size, self.group = config, block_size, group
         self.index = TierIndex(config.cpu_bytes // block_bytes, config.disk_bytes // block_bytes)
         self.store = None if cache is None else TierStore(cache, config.disk_path, rank)
         self._pending: dict[int, list[tuple[int, str]]] = {}
         self.checks = 0
-        self.hooks = [] if self.store is None or blocks is None else [
-            b.register_forward_pre_hook(lambda m, a, i=i: self.wait_for_layer_load(i)) for i, b in enumerate(blocks)]
 
     # -- scheduler side ----------------------------------------------------------------------------------------------
 
@@ -90,7 +88,7 @@ class OffloadingConnector(KVConnectorBase):
     def block_leaving(self, key: int, parent: int, token_ids: tuple, block: int) -> None:
         self.index.leaving(key, parent, token_ids, block)
 
-    def build_connector_meta(self) -> list[Op]:
+    def build_connector_meta(self, plan) -> list[Op]:
         self._pending.clear()  # lookups of requests that were not admitted: asked again next time
         self.index.unpin()
         return self.index.take_ops()
@@ -126,8 +124,7 @@ class OffloadingConnector(KVConnectorBase):
         self.checks = 0
 
     def close(self) -> None:
-        for h in self.hooks:
-            h.remove()
+        super().close()
         if self.store is not None:
             self.store.close()
 

@@ -1,6 +1,14 @@
 """The hand-over: each completed prompt's K,V (and token 1) from the prefill ranks that hold its heads to the decode
-ranks that need them, by point-to-point messages, as two StepHooks on the groups' engines (PrefillSide sends,
-DecodeSide receives and adds the request to its engine). Every message goes into the traffic ledger."""
+ranks that need them, by point-to-point messages: P/D's KV connector (serve/kv_connector/base.py's seam), its two
+sides on the groups' engines (PrefillSide, kv_role kv_producer, sends; DecodeSide, kv_consumer, receives and adds
+the request to its engine). Every message goes into the traffic ledger.
+
+    PrefillSide   build_connector_meta(plan)   the prompts the plan completes, and their slots
+                  save_kv_layer(layer)         streaming: that layer's K,V of each, as soon as the layer has run
+                  request_finished(request)    token 1 (and, not streaming, every layer's K,V) once it is sampled
+    DecodeSide    update_connector_output      before each iteration is planned: post receives ahead, agree (★) on
+                                               the groups landed everywhere, add their requests with their K,V
+                  has_pending                  hand-overs still to come"""
 
 from __future__ import annotations
 
@@ -15,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from serve.hooks import StepHook
 from serve.block_manager import slots_of
+from serve.kv_connector.base import KVConnectorBase
 from serve.kv_cache import KVPool
 from serve.plan import SchedulerOutput
 from serve.pd.plan import Layout
@@ -118,7 +126,7 @@ def warm_up_pairs(cfg, layout: Layout, rank: int, ledger: TrafficLedger, device:
 _WARM_UP_TAG = 2**30  # above every request's tags for any workload that fits in memory
 
 
-class PrefillSide(StepHook):
+class PrefillSide(KVConnectorBase):
     """Sends each completed prompt's K,V (its own heads' share to each overlapping decode rank) and token 1."""
 
     def __init__(self, lm, layout: Layout, rank: int, streaming: bool, ledger: TrafficLedger, handed: set[int],
@@ -138,49 +146,59 @@ class PrefillSide(StepHook):
         self.cache: KVPool | None = None
         self.sched: Scheduler | None = None
         self.engine = None
-        self.finishing: dict[int, torch.Tensor] = {}  # request -> the slots of its prompt's K,V [0, N)
-        self.by_plan: dict[int, dict[int, torch.Tensor]] = {}  # a pipeline: each micro-batch in flight's finishing
+        self.slots: dict[int, torch.Tensor] = {}  # request -> the slots of its prompt's K,V [0, N), until sent
+        self.finishing: dict[int, torch.Tensor] = {}  # the plan running now (one group): its prompts' slots
+        self.by_plan: dict[int, dict[int, torch.Tensor]] = {}  # each plan in flight: its requests' slots
         self.waiter = _Waiter(next(lm.parameters()).device, timeout_s)  # records each send once it completes
         self.error: Exception | None = None
         self.done_at: dict[int, float] = {}
-        self.hooks = [block.register_forward_hook(lambda m, a, o, i=i: self._layer_done(i))
-                      for i, block in enumerate(lm.stack.blocks)] if streaming else []
 
-    def before_schedule(self, engine) -> None:
-        self.sched, self.cache, self.engine = engine.scheduler, engine.runner.cache, engine
+    def attach(self, engine) -> None:
+        super().attach(engine)
+        self.sched, self.cache = engine.scheduler, engine.runner.cache
 
-    def before_forward(self, engine, plan: SchedulerOutput) -> None:
-        """The prompts this iteration completes, and where their K,V lie (their block tables, read off the plan: the
+    def build_connector_meta(self, plan: SchedulerOutput) -> dict[int, torch.Tensor]:
+        """The prompts this plan completes, and where their K,V lie (their block tables, read off the plan: the
         blocks are given back when the request finishes at token 1, their contents stay until the next forward;
         in a pipeline, until the micro-batch has come back from the last stage)."""
         bs = self.cache.block_size
-        self.finishing = {c.request: torch.tensor(slots_of(c, 0, c.q_end, bs), device=self.cache.device)
-                          for c in plan.scheduled if c.sample and c.request in self.handed}
-        self.by_plan[plan.index] = self.finishing
+        finishing = {c.request: torch.tensor(slots_of(c, 0, c.q_end, bs), device=self.cache.device)
+                     for c in plan.scheduled if c.sample and c.request in self.handed}
+        self.by_plan[plan.index] = finishing
+        self.slots.update(finishing)
+        return finishing
 
-    def _layer_done(self, layer: int) -> None:
+    def save_kv_layer(self, layer: int) -> None:
         """Streaming: the prompt's last chunk has passed `layer` (this rank's block `layer`: in a pipeline, of the
         micro-batch its stage runs now), so that layer's K,V of positions [0, N) are whole."""
-        running = getattr(self.engine, "stage_plan", None)
-        finishing = self.finishing if running is None else self.by_plan.get(running.index, {})
+        if not self.streaming:
+            return
+        if hasattr(self.engine, "stage_plan"):  # a pipeline stage: the micro-batch it runs now
+            running = self.engine.stage_plan
+            finishing = {} if running is None else self.by_plan.get(running.index, {})
+        else:
+            finishing = self.finishing
         for rid, slots in finishing.items():
             self._send_kv(rid, slots, layer)
 
-    def after_step(self, engine, step) -> None:
-        plan, sched, cache = step.plan, engine.scheduler, self.cache
-        if plan is None:
-            return
-        now = time.perf_counter()
-        for rid in [c.request for c in plan.scheduled if c.sample]:
-            self.done_at[rid] = now
-        self.finishing = self.by_plan.pop(plan.index, {})
-        for rid, slots in self.finishing.items():
-            if not self.streaming:
-                self._send_kv(rid, slots, None)
-            token = torch.tensor([sched.by_id[rid].output[0]], dtype=torch.int64, device=cache.device)
-            for peer in self.token_peers:
-                self._send(token, peer, rid, None, (0, 0), "pd/first token")
-        self.finishing = {}
+    def start_load_kv(self, metadata: dict[int, torch.Tensor] | None) -> None:
+        """The plan about to run: its prompts' slots (build_connector_meta's), which the layers' sends read."""
+        self.finishing = metadata or {}
+
+    def request_finished(self, request, block_ids: list[int]) -> bool:
+        """Token 1 is sampled (every request ends there on this side): it goes to the decode group, after every
+        layer's K,V when not streaming."""
+        self.done_at[request.id] = time.perf_counter()
+        slots = self.slots.pop(request.id, None)
+        if slots is None:  # not handed over (it wanted one token)
+            return False
+        if not self.streaming:
+            self._send_kv(request.id, slots, None)
+        token = torch.tensor([request.output[0]], dtype=torch.int64, device=self.cache.device)
+        for peer in self.token_peers:
+            self._send(token, peer, request.id, None, (0, 0), "pd/first token")
+        self.by_plan = {i: f for i, f in self.by_plan.items() if any(rid in self.slots for rid in f)}
+        return False
 
     def _send_kv(self, rid: int, slots: torch.Tensor, layer: int | None) -> None:
         """Each overlapping decode rank its heads' share of the prompt's K,V: of this rank's block `layer`, or of
@@ -208,8 +226,7 @@ class PrefillSide(StepHook):
     def finish(self, join: bool = True) -> None:
         """Wait for every send (join=False after a failure: return at once, the error that stopped us stands)."""
         self.waiter.close(join)
-        for h in self.hooks:
-            h.remove()
+        self.close()
         if join and self.error is not None:
             raise RuntimeError(f"sending K,V to the decode group failed: {self.error}") from self.error
 
@@ -229,7 +246,7 @@ class _Posted:
         self.landed.set()
 
 
-class DecodeSide(StepHook):
+class DecodeSide(KVConnectorBase):
     """Takes each handed-over request in at an iteration boundary: blocks filled with its K,V, and token 1.
 
     Receives are posted ahead (the next `window` groups of requests, a group being those whose prompts complete in
@@ -265,7 +282,7 @@ class DecodeSide(StepHook):
     def has_pending(self) -> bool:
         return bool(self.upcoming or self.posted or self.ready)
 
-    def before_schedule(self, engine) -> None:
+    def update_connector_output(self, engine) -> None:
         sched, cache = engine.scheduler, engine.runner.cache
         while True:
             self._post_ahead(cache)

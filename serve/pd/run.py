@@ -16,6 +16,7 @@ from layers.parallel.weight_format import model_dtype
 from serve.build import prepare_weights
 from serve.config import EngineConfig
 from serve.control import agree, digest, request_rows, settings_row
+from serve.kv_connector.config import KVTransferConfig
 from serve.offline import OfflineEngine
 from serve.pd.handover import DecodeSide, PrefillSide, warm_up_pairs
 from serve.pd.plan import Layout, check_pools, prefill_schedule, validate_layout
@@ -23,6 +24,11 @@ from serve.request import Request
 from tp.dist import DEFAULT_TIMEOUT_S, TPContext, context
 from tp.ledger import TrafficLedger
 from tp.traffic_model import predict_transfers
+
+
+# each side's connector, as its engine's settings record it (serve/pd/handover.py builds them)
+PRODUCER = KVTransferConfig("PDConnector", "kv_producer")
+CONSUMER = KVTransferConfig("PDConnector", "kv_consumer")
 
 
 @dataclass
@@ -57,7 +63,10 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
     config: both sides' engine settings; its num_gpu_blocks_override bounds each side's pool (None: enough for its
     workload at its largest); its block_size is the prefill side's blocks, decode_block_size the decode side's
     (None: the same; docs/pd.md, "Bounded pools")."""
-    if config.speculative_config is not None:  # every rank, before any collective
+    if config.kv_transfer_config is not None:  # every rank, before any collective
+        raise ValueError(f"kv_transfer_config {config.kv_transfer_config.kv_connector} with P/D disaggregation is "
+                         f"not built: the hand-over is P/D's own connector (PDConnector); serve the tiers colocated")
+    if config.speculative_config is not None:
         raise ValueError("speculative_config with P/D disaggregation is not built yet: serve without it")
     if any(r.params is not None and r.params.prompt_logprobs is not None for r in requests):
         raise ValueError("prompt_logprobs with P/D disaggregation is not built: serve the request colocated")
@@ -102,7 +111,7 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
         side = PrefillSide(lm, layout, world.rank, streaming, ledger, {rid for rids in handed for rid in rids},
                            timeout_s)
         mine = [Request(r.id, list(r.prompt), 1, r.arrival) for r in requests]
-        engine = OfflineEngine(lm, ctx, config, hooks=side)
+        engine = OfflineEngine(lm, ctx, replace(config, kv_transfer_config=PRODUCER), connector=side)
     else:  # the handed-over requests, arriving with their prompts cached
         stop = frozenset(eos_token_ids)
         coming = {rid: Request(rid, list(by_id[rid].prompt), by_id[rid].max_new_tokens,
@@ -113,8 +122,8 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
         mine = []  # the decode side adds each request as its K,V land (DecodeSide._place)
         decoding = replace(config, block_size=decode_block_size)
         pool = decoding.pool_blocks(0, [r.capacity for r in coming.values()])
-        engine = OfflineEngine(lm, ctx, replace(decoding, num_gpu_blocks_override=pool),
-                               eos_token_ids=eos_token_ids, hooks=side)
+        engine = OfflineEngine(lm, ctx, replace(decoding, num_gpu_blocks_override=pool, kv_transfer_config=CONSUMER),
+                               eos_token_ids=eos_token_ids, connector=side)
     try:
         res = engine.run(mine)
     except BaseException:
