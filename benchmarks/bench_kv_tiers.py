@@ -261,6 +261,57 @@ def plot_capacity(out) -> None:
     (ROOT / "docs" / "kv_tiers_capacity.png").write_bytes(path.read_bytes())
 
 
+def tables(data: dict) -> dict[str, list[str]]:
+    """The measured tables as markdown lines: capacity, replicas, model (those the run has)."""
+    from benchmarks.common import table
+
+    out = {}
+    if data.get("capacity"):
+        best = data["ceiling"]
+        def tokens(blocks):
+            return f"{blocks * BLOCK_TOKENS / 1e6:g}M" if blocks else "none"
+
+        rows = [[tokens(r["device_blocks"]), tokens(r["cpu_blocks"]), tokens(r["disk_blocks"]), f"{r['hit_ratio']:.1%}",
+                 f"{r['token_hit_ratio']:.1%}",
+                 f"{r['of_ceiling']:.0%}", f"{r['cpu_hits']:,}", f"{r['disk_hits']:,}"] for r in data["capacity"]]
+        rows.append(["every block kept", "", "", f"{best['hit_ratio']:.1%}", f"{best['token_hit_ratio']:.1%}", "100%",
+                     "", ""])
+        out["capacity"] = table(["device pool (tokens)", "CPU tier", "disk tier", "hit ratio (blocks)",
+                                 "hit ratio (tokens)", "of the ceiling", "CPU-tier hits", "disk-tier hits"], rows)
+    if data.get("replicas"):
+        rows = [[r["replicas"], r["policy"], f"{r['hit_ratio']:.1%}", f"{r['token_hit_ratio']:.1%}",
+                 " / ".join(f"{n:,}" for n in r["requests_per_replica"]), f"{r['busiest_over_mean']:.2f}"]
+                for r in data["replicas"]]
+        out["replicas"] = table(["replicas (1.5M tokens each)", "routing", "hit ratio (blocks)", "hit ratio (tokens)",
+                                 "requests per replica", "busiest / mean"], rows)
+    if data.get("model"):
+        rows = [[r["setting"], f"{r['ttft_mean_ms']:.1f}", f"{r['ttft_p50_ms']:.1f}", f"{r['ttft_p90_ms']:.1f}",
+                 f"{r['hit_ratio']:.1%}", f"{r['offloaded_blocks']:,}",
+                 "" if r["tier_hit_blocks"] is None else f"{r['tier_hit_blocks']['cpu']:,}"] for r in data["model"]]
+        out["model"] = table(["models/stdlib, the trace scaled down", "TTFT mean (ms)", "p50", "p90",
+                              "prompt tokens hit", "blocks offloaded", "CPU-tier hits"], rows)
+    return out
+
+
+def section(data: dict | None) -> list[str]:
+    """Its section of docs/benchmarks.md."""
+    if not data:
+        return []
+    found = tables(data)
+    lines = ["## KV tiers and routing: Mooncake's conversation trace", "",
+             "`.venv/bin/python benchmarks/bench_kv_tiers.py`: the trace replayed through the scheduler, block "
+             "manager, OffloadingConnector index and router without a model (one token per 512-token block); then "
+             "scaled down through the trained model. The write-up: [kv_tiers.md](kv_tiers.md).", ""]
+    for name in ("capacity", "replicas", "model"):
+        if name in found:
+            lines += found[name] + [""]
+    if "model_ttft_ratio" in data:
+        same, n = data["model_same_tokens"]
+        lines += [f"Mean time to first token with the CPU tier / without: {data['model_ttft_ratio']:.2f}; the same "
+                  f"tokens: {same} of {n}.", ""]
+    return lines
+
+
 def main(argv=None) -> None:
     args = parse_args(__doc__, {"--parts": "capacity,replicas,model", "--requests": {"type": int, "default": None},
                                 "--iteration-ms": 100.0, "--budget": 16, "--model": "models/stdlib",

@@ -20,6 +20,7 @@ if __package__ in (None, ""):
 from benchmarks.bench_decode import section as decode_section  # noqa: E402
 from benchmarks.bench_http import section as http_section  # noqa: E402
 from benchmarks.bench_kv import section as kv_section  # noqa: E402
+from benchmarks.bench_kv_tiers import section as kv_tiers_section  # noqa: E402
 from benchmarks.bench_load import section as load_section  # noqa: E402
 from benchmarks.bench_pp import section as pp_section  # noqa: E402
 from benchmarks.bench_pp_serve import plot as pp_serve_plot, section as pp_serve_section  # noqa: E402
@@ -67,7 +68,7 @@ def main() -> int:
     lines += pp_serve_section(pp_serve) + kv_section(load_json("bench_kv.json"))
     lines += http_section(load_json("bench_http.json")) + load_section(load_json("bench_load.json"))
     lines += threads_section(load_json("bench_threads.json")) + train_section(load_json("bench_train.json"))
-    lines += decode_section(load_json("bench_decode.json"))
+    lines += decode_section(load_json("bench_decode.json")) + kv_tiers_section(load_json("bench_kv_tiers.json"))
     page = Path("docs/benchmarks.md")
     if not lines and page.exists():  # the machine line belongs to the figures on the page: nothing to rewrite
         print("no data in outputs/: docs/benchmarks.md left as it stands")

@@ -86,14 +86,18 @@ def serve(ctx, cfg, reqs, config, spoil=None):
         engine.step = step_with_fault
     step_engine(engine, before, max(at for *_, at in reqs), sink)
     engine.scheduler.blocks.check()
+    files = None
     if engine.connector is not None:
         engine.connector.index.check()
+        store = engine.connector.store
+        files = sorted(os.listdir(store.dir)) if store.dir and os.path.isdir(store.dir) else None
         engine.connector.close()
+        assert store.dir is None or not os.path.exists(store.dir)  # the rank's folder goes with it
     if not ctx.is_main:
         return None
     stats = engine.stats()
     engine.shutdown()
-    return done, stats
+    return done, dict(stats, files=files)
 
 
 def offloading(cpu_blocks: int, disk_blocks: int, bb: int, path=None) -> dict:
@@ -128,7 +132,7 @@ def test_tiers_give_the_oracles_tokens_and_their_hits_happen(cfg, p, attention, 
     # the tiers' blocks are prompt tokens not recomputed: more than the pool alone found, and counted among the hits
     tier_tokens = SMALL["block_size"] * (hits["cpu"] + hits["disk"])
     assert plain["prefix_hit_tokens"] < stats["prefix_hit_tokens"] and tier_tokens <= stats["prefix_hit_tokens"]
-    files = sorted(os.listdir(tmp_path / "rank0"))
+    files = stats["files"]  # rank 0's folder, before the engine went
     assert len(files) == stats["kv_tier_blocks"]["disk"] and all(f.endswith(".kv") for f in files)
 
 
@@ -138,7 +142,7 @@ def test_a_full_disk_tier_forgets_its_oldest_and_a_cpu_tier_alone_works(tmp_path
     done, stats = run_ranks(1, serve, GPT2, reqs, EngineConfig(**SMALL, kv_transfer_config=offloading(
         2, 3, bb, tmp_path)))[0]
     check_against_oracle(GPT2, reqs, done)
-    assert stats["kv_tier_blocks"] == {"cpu": 2, "disk": 3} and len(os.listdir(tmp_path / "rank0")) == 3
+    assert stats["kv_tier_blocks"] == {"cpu": 2, "disk": 3} and len(stats["files"]) == 3
     done, stats = run_ranks(1, serve, GPT2, reqs, EngineConfig(**SMALL, kv_transfer_config=offloading(64, 0, bb)))[0]
     check_against_oracle(GPT2, reqs, done)
     assert stats["kv_tier_hit_blocks"]["cpu"] > 0 and stats["kv_demoted_blocks"] == 0

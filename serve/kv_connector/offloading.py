@@ -12,8 +12,10 @@ larger. The scheduler side keeps the index (serve/kv_connector/tiers.py, the sam
     save     before the forward: the leaving blocks' K,V gathered off the pool (they are overwritten in this step)
     load     a copy thread (a side stream on a GPU) writes the loaded blocks layer by layer while the forward runs;
              layer i waits for its own copy only (wait_for_layer_load)
-    disk     one IO thread writes, reads and deletes files (DIR/rank<r>/<hash>.kv, written whole then renamed), in the
-             order the index made them; a failed write is said once and the block is forgotten at its next lookup
+    disk     one IO thread writes, reads and deletes files (DIR/tpref-kv-<pid>/<hash>.kv: each rank process its own
+             folder, so replicas and other runs sharing DIR never collide; written whole then renamed; the folder
+             goes when the engine does), in the order the index made them; a failed write is said once and the
+             block is forgotten at its next lookup
 
 Faults, so that no rank diverges and nothing hangs: before a disk block is counted as a hit, each rank checks its file
 (present, its exact size) and the ranks agree (★ one all-reduce of the unreadable tail over the group, only for
@@ -23,6 +25,7 @@ lookups that reach the disk tier): from the first block some rank cannot read, t
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -138,7 +141,7 @@ class TierStore:
         self.shape = (kv.shape[0], kv.shape[1], cache.block_size, kv.shape[3], kv.shape[4])  # one block
         self.nbytes = kv.element_size() * kv.shape[0] * kv.shape[1] * cache.block_size * kv.shape[3] * kv.shape[4]
         self.cpu: dict[int, torch.Tensor] = {}
-        self.dir = None if disk_path is None else os.path.join(disk_path, f"rank{rank}")
+        self.dir = None if disk_path is None else os.path.join(disk_path, f"tpref-kv-{os.getpid()}")
         if self.dir is not None:
             os.makedirs(self.dir, exist_ok=True)
         self.io = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-io")  # files, in the order they were asked
@@ -153,7 +156,7 @@ class TierStore:
 
     def readable(self, key: int) -> bool:
         """This rank's file of a disk-tier block is there, whole (its write waited for if still in flight)."""
-        pending = self.writes.get(key)
+        pending = self.writes.pop(key, None)
         if pending is not None:
             pending.result()
         try:
@@ -246,8 +249,11 @@ class TierStore:
             self.job = None
 
     def close(self) -> None:
+        """Every copy waited for; this process's disk folder removed (its files mean nothing without the index)."""
         self.wait_layer(None)
         self.io.shutdown(wait=True)
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class _LoadJob:
