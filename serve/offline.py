@@ -56,15 +56,19 @@ def drive(engine: LLMEngine, feed: Callable[[LLMEngine], bool] | None = None,
     OfflineEngine.run; launch/sync_check.py): what differs between them is the feed and the sink. Rank 0:
     feed(engine) adds what has arrived (and may wait for it) and says whether a step is due; False ends the loop and
     stops the other ranks. Each step's outputs go to sink. The other ranks step until rank 0 stops them."""
-    if not engine.ctx.is_main:
-        while not engine.stopped:
-            engine.step()
-        return
-    while feed(engine):
-        outputs = engine.step()
-        if sink is not None:
-            sink(outputs)
-    engine.shutdown()
+    try:
+        if not engine.ctx.is_main:
+            while not engine.stopped:
+                engine.step()
+            return
+        while feed(engine):
+            outputs = engine.step()
+            if sink is not None:
+                sink(outputs)
+        engine.shutdown()
+    finally:
+        if engine.connector is not None:  # its threads, hooks and files go with the loop
+            engine.connector.close()
 
 
 class OfflineEngine:
