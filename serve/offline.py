@@ -8,6 +8,8 @@ launch/serve.py, the benchmarks and the oracle tests run), and `drive`, the one 
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -60,15 +62,19 @@ def drive(engine: LLMEngine, feed: Callable[[LLMEngine], bool] | None = None,
         if not engine.ctx.is_main:
             while not engine.stopped:
                 engine.step()
-            return
-        while feed(engine):
-            outputs = engine.step()
-            if sink is not None:
-                sink(outputs)
-        engine.shutdown()
-    finally:
-        if engine.connector is not None:  # its threads, hooks and files go with the loop
-            engine.connector.close()
+        else:
+            while feed(engine):
+                outputs = engine.step()
+                if sink is not None:
+                    sink(outputs)
+            engine.shutdown()
+    except BaseException:
+        if engine.connector is not None:  # closed quietly: the error that ended the loop is the one to see
+            with contextlib.suppress(Exception):
+                engine.connector.close()
+        raise
+    if engine.connector is not None:  # its threads, hooks and files go with the loop
+        engine.connector.close()
 
 
 class OfflineEngine:

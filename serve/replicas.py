@@ -59,6 +59,9 @@ class Replicas:
         self.running: set[int] = set()  # "run": replicas still stepping
         self.aborted: list = []  # serve: outputs of requests whose replica died, to hand out
         self.lost_requests = 0
+        self._moved: list[str] = []  # requests off a dead replica, to add to the others
+        self._tokens: dict[str, list[int]] = {}  # each unfinished request's tokens so far (an abort carries them)
+        self._turn = 0  # where the next scan for a message starts (every replica gets its turn)
 
     # -- the executor's interface ------------------------------------------------------------------------------------
 
@@ -81,7 +84,10 @@ class Replicas:
             i = self.owner.get(args[0])
             return False if i is None else self._guard(i, lambda e: e.call(op, *args))
         if op == "has_unfinished_requests":
-            return bool(self.owner) or any(self._guard(i, lambda e: e.call(op)) for i in self._live())
+            if self._moved and self.mode is None:  # a death seen between steps: they run again from now
+                moved, self._moved = self._moved, []
+                self._readd(moved)
+            return bool(self.owner or self._moved) or any(self._guard(i, lambda e: e.call(op)) for i in self._live())
         if op == "stats":
             for i in self._live():
                 self._guard(i, lambda e, i=i: self.stats_of.__setitem__(i, e.call("stats")))
@@ -93,7 +99,7 @@ class Replicas:
             for i in self._live():
                 self._guard(i, lambda e, i=i: outputs.extend(self._took(i, e.wait("step")[1])))
             self._need_one(op)
-            moved, self._moved = getattr(self, "_moved", []), []
+            moved, self._moved = self._moved, []
             self._readd(moved)
             return outputs, self.merged()
         return self._guard(0, lambda e: e.call(op, *args))
@@ -143,6 +149,7 @@ class Replicas:
                 kind, value = self._guard(i, lambda e: e.wait(what, deadline), (None, None))
                 if kind is None:
                     break
+                self._turn = i + 1
                 if kind == "ok":  # a replica's generate() run is over
                     self.running.discard(i)
                     break
@@ -167,7 +174,9 @@ class Replicas:
         return [i for i, up in enumerate(self.alive) if up]
 
     def _waiting(self) -> list[int]:
-        return [i for i in self._live() if self.mode != "run" or i in self.running]
+        """The replicas a message may come from, starting one past the last that sent (none starves)."""
+        live = [i for i in self._live() if self.mode != "run" or i in self.running]
+        return sorted(live, key=lambda i: (i - self._turn) % len(self.alive))
 
     def _need_one(self, what: str) -> None:
         if not any(self.alive):
@@ -209,16 +218,16 @@ class Replicas:
             from serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
             for rid in moved:
-                ids, _, text = self.args.pop(rid)[:3]
-                self.aborted.append(RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], "abort")], True,
-                                                  RequestMetrics(time.time())))
+                _, ids, _, text = self.args.pop(rid)[:4]
+                done = CompletionOutput(0, "", self._tokens.pop(rid, []), "abort")  # the tokens it had streamed
+                self.aborted.append(RequestOutput(rid, text, ids, [done], True, RequestMetrics(time.time())))
         else:
-            self._moved = getattr(self, "_moved", []) + moved
+            self._moved += moved
 
     def _pending_moved(self) -> bool:
         """generate(): requests taken off a dead replica are added to the others and a new run starts; False if
         there were none."""
-        moved, self._moved = getattr(self, "_moved", []), []
+        moved, self._moved = self._moved, []
         if not moved:
             return False
         self._readd(moved)
@@ -236,9 +245,8 @@ class Replicas:
         while True:
             live = self._live()
             self._need_one("add_request")
-            loads = [sum(1 for o in self.owner.values() if o == i) for i in live]
-            i = live[self.router.route(ids, loads)] if len(live) == len(self.alive) else \
-                live[min(range(len(live)), key=lambda j: (loads[j], j))]  # after a death: the least loaded
+            loads = [sum(1 for o in self.owner.values() if o == i) for i in range(len(self.alive))]
+            i = self.router.route(ids, loads, self.alive)
             sent = self._guard(i, (lambda e: e.call("add_request", *args)) if wait else
                                (lambda e: e.send("add_nowait", *args)), lost=None)
             if self.alive[i]:
@@ -255,20 +263,22 @@ class Replicas:
             if o.finished:
                 self.owner.pop(o.request_id, None)
                 self.args.pop(o.request_id, None)
+                self._tokens.pop(o.request_id, None)
+            elif self.mode == "serve":
+                self._tokens[o.request_id] = list(o.outputs[0].token_ids)
         return outputs
 
     def merged(self) -> dict:
-        """The replicas' stats summed (numbers, and dicts of numbers, key by key); each replica's under "replicas",
-        the router's decisions under "router"."""
-        seen = [s for s in self.stats_of if s is not None]
+        """The live replicas' stats: counts summed (numbers, and dicts of numbers, key by key), anything else (a
+        rate, a list, the last iteration's record) the first live replica's; each replica's own under "replicas"
+        (a dead one's last), the router's decisions under "router"."""
+        seen = [s for s, up in zip(self.stats_of, self.alive) if s is not None and up]
         out: dict = {}
         for s in seen:
             for k, v in s.items():
-                if isinstance(v, bool) or k == "last_iteration":
-                    out.setdefault(k, v)
-                elif isinstance(v, (int, float)):
+                if _count(k, v) and (k not in out or _count(k, out[k])):
                     out[k] = out.get(k, 0) + v
-                elif isinstance(v, dict) and all(isinstance(x, (int, float)) for x in v.values()):
+                elif isinstance(v, dict) and v and all(_count(k, x) for x in v.values()):
                     acc = out.setdefault(k, {})
                     for kk, x in v.items():
                         acc[kk] = acc.get(kk, 0) + x
@@ -279,3 +289,9 @@ class Replicas:
         out["replicas_alive"] = sum(self.alive)
         out["requests_moved"] = self.lost_requests
         return out
+
+
+def _count(key: str, value) -> bool:
+    """A stat that adds up over replicas: a number that is not a rate, a mean or a share."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and not any(word in key for word in ("rate", "mean", "share", "ratio")))

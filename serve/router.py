@@ -49,19 +49,22 @@ class Router:
         self.next = 0
         self.decisions = {"imbalanced": 0, "cache": 0, "smallest": 0, "round_robin": 0}
 
-    def route(self, tokens: list[int], loads: list[int]) -> int:
-        """The replica for a prompt; its prefix is recorded there."""
+    def route(self, tokens: list[int], loads: list[int], alive: list[bool] | None = None) -> int:
+        """The replica for a prompt (among those `alive`, default all); its prefix is recorded there."""
+        live = [i for i in range(self.replicas) if alive is None or alive[i]]
         if self.policy == "round_robin":
+            while self.next not in live:
+                self.next = (self.next + 1) % self.replicas
             pick, self.next = self.next, (self.next + 1) % self.replicas
             self.decisions["round_robin"] += 1
             return pick
         keys = prefix_keys(tokens, self.block_size)
-        lo, hi = min(loads), max(loads)
-        order = sorted(range(self.replicas), key=lambda i: (loads[i], i))
+        lo, hi = min(loads[i] for i in live), max(loads[i] for i in live)
+        order = sorted(live, key=lambda i: (loads[i], i))
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
             pick, why = order[0], "imbalanced"
         else:
-            matches = [self.match(i, keys) for i in range(self.replicas)]
+            matches = {i: self.match(i, keys) for i in live}
             best = max(order, key=lambda i: matches[i])  # max keeps the first of equals: the lower load
             if keys and matches[best] / len(keys) > self.cache_threshold:
                 pick, why = best, "cache"

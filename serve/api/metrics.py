@@ -114,6 +114,8 @@ class _EngineCollector:
             yield held
             yield counter("tpref:kv_disk_unreadable_blocks", "Disk-tier blocks some rank could not read (recomputed)",
                           s["kv_disk_unreadable_blocks"])
+            yield counter("tpref:kv_disk_write_errors", "Disk-tier writes that failed on rank 0 (recomputed)",
+                          s["kv_disk_write_errors"])
         yield counter("tpref:collective_bytes_per_rank", "Bytes each rank sent in collectives",
                       s["collective_bytes_per_rank"])
         yield counter("tpref:engine_steps", "Engine steps run", engine.steps)

@@ -37,12 +37,17 @@ class KVConnectorBase:
         """Bind to `engine` (an LLMEngine): its layers call wait_for_layer_load / save_kv_layer where overridden."""
         self.engine = engine
         blocks, hooks = engine.lm.stack.blocks, []  # layer i: this rank's i-th block, its pool's layer i
-        if overrides(self, "wait_for_layer_load"):
+        loads, saves = self.per_layer()
+        if loads:
             hooks += [b.register_forward_pre_hook(lambda m, a, i=i: self.wait_for_layer_load(i))
                       for i, b in enumerate(blocks)]
-        if overrides(self, "save_kv_layer"):
+        if saves:
             hooks += [b.register_forward_hook(lambda m, a, o, i=i: self.save_kv_layer(i)) for i, b in enumerate(blocks)]
         self._layer_hooks = hooks
+
+    def per_layer(self) -> tuple[bool, bool]:
+        """Whether the layers call wait_for_layer_load and save_kv_layer: where this connector overrides them."""
+        return overrides(self, "wait_for_layer_load"), overrides(self, "save_kv_layer")
 
     # -- scheduler side ----------------------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ lookups that reach the disk tier): from the first block some rank cannot read, t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -37,6 +38,7 @@ from serve.kv_connector.base import KVConnectorBase
 from serve.kv_connector.config import KVTransferConfig
 from serve.kv_connector.tiers import Op, TierIndex
 from tp.comm import all_reduce_values
+from tp.dist import control_device, host_control
 
 CHECK_SITE = "engine/kv disk check"  # tp/traffic_model.py predict_tier_checks
 LOAD_TIMEOUT_S = 300.0
@@ -49,6 +51,11 @@ class OffloadingConnector(KVConnectorBase):
         group: the TP group the disk checks agree over (None: one rank). cache: this rank's KVPool (None: the index
         alone, as a trace replay runs it)."""
         self.config, self.block_size, self.group = config, block_size, group
+        for name, size in (("cpu_bytes", config.cpu_bytes), ("disk_bytes", config.disk_bytes)):
+            if 0 < size < block_bytes:
+                raise ValueError(f"kv_transfer_config kv_connector_extra_config {name}={size} holds no KV block of "
+                                 f"{block_bytes} bytes (block_size={block_size} positions on this rank); raise it to "
+                                 f"at least {block_bytes}, or leave it at 0")
         self.index = TierIndex(config.cpu_bytes // block_bytes, config.disk_bytes // block_bytes)
         self.store = None if cache is None else TierStore(cache, config.disk_path, rank)
         self._pending: dict[int, list[tuple[int, str]]] = {}
@@ -73,12 +80,14 @@ class OffloadingConnector(KVConnectorBase):
         """The hits up to the first disk block some rank cannot read (agreed); that block is forgotten."""
         if not any(tier == "disk" for _, tier in hits):
             return hits
-        usable = next((i for i, (key, tier) in enumerate(hits)
-                       if tier == "disk" and self.store is not None and not self.store.readable(key)), len(hits))
+        queued = {op.key for op in self.index.ops if op.kind == "demote"}  # this step's loads read them from memory
+        usable = next((i for i, (key, tier) in enumerate(hits) if tier == "disk" and key not in queued
+                       and self.store is not None and not self.store.readable(key)), len(hits))
         if self.group is not None and self.group.size() > 1:
             self.checks += 1
-            tail = torch.tensor([len(hits) - usable], dtype=torch.int64)
-            usable = len(hits) - int(all_reduce_values(tail, self.group, "max", CHECK_SITE))  # ★ every rank the same
+            with host_control():  # a host tensor over the group's gloo backend: no device wait
+                tail = torch.tensor([len(hits) - usable], dtype=torch.int64, device=control_device(self.group))
+                usable = len(hits) - int(all_reduce_values(tail, self.group, "max", CHECK_SITE))  # ★ every rank alike
         if usable < len(hits):
             self.index.drop(hits[usable][1], hits[usable][0])
             self.index.counts["disk_unreadable"] += 1
@@ -133,7 +142,8 @@ class OffloadingConnector(KVConnectorBase):
 
 
 class TierStore:
-    """This rank's share of the tiers: CPU tensors by hash, files under DIR/rank<r>/, and the threads that move them."""
+    """This rank's share of the tiers: CPU tensors by hash, files under DIR/tpref-kv-<pid>/, and the threads that move
+    them (an IO thread for files, in the order the index made its operations; a copy thread for the loads)."""
 
     def __init__(self, cache, disk_path: str | None, rank: int):
         self.cache, self.rank = cache, rank
@@ -145,7 +155,8 @@ class TierStore:
         if self.dir is not None:
             os.makedirs(self.dir, exist_ok=True)
         self.io = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-io")  # files, in the order they were asked
-        self.writes: dict[int, Future] = {}
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-copy")  # loads into the pool
+        self.writes: dict[int, Future] = {}  # the latest write of each key, until a lookup has waited for it
         self.write_errors = 0
         self.cuda = kv.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(kv.device) if self.cuda else None
@@ -165,47 +176,58 @@ class TierStore:
             return False
 
     def apply(self, ops: list[Op]) -> None:
-        """One step's operations, in order: the saves read the pool first (loads write it later, in the thread)."""
+        """One step's operations, in the order the index made them. The saves read the pool first (the loads write it
+        later, on the copy thread); files are written, read and deleted on the IO thread in order, except that a
+        file this step loads is deleted after its read."""
         self.wait_layer(None)
         saves = [op for op in ops if op.kind == "save"]
         saved = dict(zip((op.key for op in saves), self._gather([op.block for op in saves]))) if saves else {}
-        loads, deletes = [], []
+        read_here = {op.key for op in ops if op.kind == "load" and op.tier == "disk"}
+        loads, deferred, demoted = [], [], {}
         for op in ops:
             if op.kind == "save":
                 self.cpu[op.key] = saved[op.key]
             elif op.kind == "demote":
-                data = self.cpu.pop(op.key)
-                self.writes[op.key] = self.io.submit(self._write, op.key, data)
+                demoted[op.key] = self.cpu.pop(op.key)  # a load of it in this step reads this, not the file
+                self.writes[op.key] = self.io.submit(self._write, op.key, demoted[op.key])
             elif op.kind == "drop" and op.tier == "cpu":
                 self.cpu.pop(op.key, None)
             elif op.kind == "drop":
-                deletes.append(op.key)  # after this step's loads, which may read the file first
-            else:
-                loads.append((op.block, self.cpu[op.key] if op.tier == "cpu" else op.key))
+                self.writes.pop(op.key, None)
+                if op.key in read_here:
+                    deferred.append(op.key)
+                else:
+                    self.io.submit(self._delete, op.key)
+            else:  # a load: the CPU tier's tensor (or one demoted in this step), or the file's read
+                src = self.cpu[op.key] if op.tier == "cpu" else demoted.get(op.key)
+                loads.append((op.block, src if src is not None else self.io.submit(self._read, op.key)))
+        for key in deferred:
+            self.io.submit(self._delete, key)
         if loads:
             self.job = _LoadJob(self.cache.n_layers)
-            self.io.submit(self.job.run, self, loads)
-        for key in deletes:
-            self.io.submit(self._delete, key)
+            self.copier.submit(self.job.run, self, loads)
 
     def _gather(self, blocks: list[int]) -> list[torch.Tensor]:
         """The blocks' K,V off the pool, each [L, planes, block_size, heads, width], on the host. On a GPU: copied on
         a side stream into pinned memory, the compute stream waiting for the copy before it overwrites the blocks."""
-        bs = self.cache.block_size
-        slots = torch.tensor([b * bs + i for b in blocks for i in range(bs)], device=self.cache.kv.device)
+        bs, kv = self.cache.block_size, self.cache.kv
+        slots = torch.tensor([b * bs + i for b in blocks for i in range(bs)], device=kv.device)
         if not self.cuda:
-            data = self.cache.kv[:, :, slots]
+            data = kv[:, :, slots]
         else:
-            compute = torch.cuda.current_stream(self.cache.kv.device)
+            compute = torch.cuda.current_stream(kv.device)
             self.copy_stream.wait_stream(compute)
             with torch.cuda.stream(self.copy_stream):
-                data = torch.empty(self.cache.kv[:, :, slots].shape, dtype=self.cache.kv.dtype, pin_memory=True)
-                data.copy_(self.cache.kv[:, :, slots], non_blocking=True)
+                part = kv[:, :, slots]
+                data = torch.empty(part.shape, dtype=kv.dtype, pin_memory=True)
+                data.copy_(part, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)
+            slots.record_stream(self.copy_stream)
             compute.wait_stream(self.copy_stream)
             done.synchronize()  # the host copy is read by the IO thread (at most one wait per step with spills)
-        return [data[:, :, i * bs:(i + 1) * bs].clone() for i in range(len(blocks))]
+        return [data[:, :, i * bs:(i + 1) * bs].clone().pin_memory() if self.cuda else
+                data[:, :, i * bs:(i + 1) * bs].clone() for i in range(len(blocks))]
 
     def _write(self, key: int, data: torch.Tensor) -> None:
         path = self.path(key)
@@ -230,10 +252,10 @@ class TierStore:
             raw = f.read()
         if len(raw) != self.nbytes:
             raise OSError(f"{self.path(key)}: {len(raw)} bytes, a block has {self.nbytes}")
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(self.cache.kv.dtype).view(self.shape)
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(self.cache.kv.dtype).view(self.shape)
+        return data.pin_memory() if self.cuda else data
 
     def _delete(self, key: int) -> None:
-        self.writes.pop(key, None)
         try:
             os.remove(self.path(key))
         except OSError:
@@ -244,20 +266,24 @@ class TierStore:
         job = self.job
         if job is None:
             return
-        job.wait(layer)
         if layer is None:
             self.job = None
+        job.wait(layer)
 
     def close(self) -> None:
         """Every copy waited for; this process's disk folder removed (its files mean nothing without the index)."""
-        self.wait_layer(None)
-        self.io.shutdown(wait=True)
-        if self.dir is not None:
-            shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            self.wait_layer(None)
+        finally:
+            self.copier.shutdown(wait=True)
+            self.io.shutdown(wait=True)
+            if self.dir is not None:
+                shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class _LoadJob:
-    """One step's loads, layer by layer, on the IO thread: each layer's copy marked done as it lands."""
+    """One step's loads, layer by layer, on the copy thread: each layer's copy marked done as it lands, so layer i's
+    attention waits for layer i's copies only. A block from disk is read whole first (one file per block)."""
 
     def __init__(self, n_layers: int):
         self.ready = [threading.Event() for _ in range(n_layers)]
@@ -266,26 +292,23 @@ class _LoadJob:
 
     def run(self, store: TierStore, loads: list[tuple[int, object]]) -> None:
         try:
-            cache = store.cache
-            kv, bs = cache.kv, cache.block_size
-            data = torch.stack([src if isinstance(src, torch.Tensor) else store._read(src) for _, src in loads])
-            slots = torch.tensor([b * bs + i for b, _ in loads for i in range(bs)], device=kv.device)
+            kv, bs = store.cache.kv, store.cache.block_size
+            data = torch.stack([src if isinstance(src, torch.Tensor) else src.result() for _, src in loads])
             stream = None
             if store.cuda:
                 torch.cuda.set_device(kv.device)
                 stream = torch.cuda.Stream(kv.device)
-            n, planes = len(loads), kv.shape[1]
-            for layer in range(kv.shape[0]):
-                # [n, planes, bs, heads, width] -> [planes, n·bs, heads, width]
-                part = data[:, layer].transpose(0, 1).reshape(planes, n * bs, kv.shape[3], kv.shape[4])
-                if stream is None:
-                    kv[layer][:, slots] = part
-                else:
-                    with torch.cuda.stream(stream):
-                        kv[layer][:, slots] = part.to(kv.device, non_blocking=True)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                slots = torch.tensor([b * bs + i for b, _ in loads for i in range(bs)], device=kv.device)
+                n, planes = len(loads), kv.shape[1]
+                for layer in range(kv.shape[0]):
+                    # [n, planes, bs, heads, width] -> [planes, n·bs, heads, width]
+                    part = data[:, layer].transpose(0, 1).reshape(planes, n * bs, kv.shape[3], kv.shape[4])
+                    kv[layer][:, slots] = part.to(kv.device, non_blocking=True)
+                    if stream is not None:
                         self.events[layer] = torch.cuda.Event()
                         self.events[layer].record(stream)
-                self.ready[layer].set()
+                    self.ready[layer].set()
         except BaseException as exc:
             self.error = exc
             for e in self.ready:

@@ -157,6 +157,9 @@ class PrefillSide(KVConnectorBase):
         super().attach(engine)
         self.sched, self.cache = engine.scheduler, engine.runner.cache
 
+    def per_layer(self) -> tuple[bool, bool]:
+        return False, self.streaming  # sent after the prefill: nothing to do per layer
+
     def build_connector_meta(self, plan: SchedulerOutput) -> dict[int, torch.Tensor]:
         """The prompts this plan completes, and where their K,V lie (their block tables, read off the plan: the
         blocks are given back when the request finishes at token 1, their contents stay until the next forward;
@@ -171,8 +174,6 @@ class PrefillSide(KVConnectorBase):
     def save_kv_layer(self, layer: int) -> None:
         """Streaming: the prompt's last chunk has passed `layer` (this rank's block `layer`: in a pipeline, of the
         micro-batch its stage runs now), so that layer's K,V of positions [0, N) are whole."""
-        if not self.streaming:
-            return
         if hasattr(self.engine, "stage_plan"):  # a pipeline stage: the micro-batch it runs now
             running = self.engine.stage_plan
             finishing = {} if running is None else self.by_plan.get(running.index, {})
