@@ -24,6 +24,12 @@ scheduler, block manager, OffloadingConnector index and router, without a model.
                a CPU tier of 4,096 blocks (OffloadingConnector). Time to first token from each arrival, the hit
                ratio, the tiers' counters, and whether the tokens are the same.
 
+  cost         the CPU tier when nothing hits (vLLM's roadmap asks for it on by default at no cost then): the trained
+               model, 48 random prompts of 192 tokens (new ones each round), 16 greedy tokens each, max_num_seqs 4, a
+               pool of 64 blocks of 16 (no preemption, but every finished request's named blocks are overwritten
+               later: spilled); generate()'s time without and with a CPU tier of 4,096 blocks, in turn, medians of
+               --repeats; the tokens compared.
+
 Writes outputs/bench_kv_tiers.json and outputs/kv_tiers_capacity.png (copied to docs/), and prints the tables.
 """
 
@@ -236,6 +242,48 @@ def part_model(args, trace, out) -> None:
           f"{out['model_ttft_ratio']:.2f}")
 
 
+def part_cost(args, out) -> None:
+    import statistics
+
+    import torch
+
+    from benchmarks.common import in_turn, random_prompts, timed_generate
+    from serve import LLM
+    from serve.kv_cache import cache_layout_of, layout_block_bytes
+    from serve.sampling_params import SamplingParams
+
+    model = str(ROOT / args.model)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    settings = dict(num_gpu_blocks_override=64, block_size=16, max_num_seqs=4)
+    plain = LLM(model, **settings)
+    cfg, dtype = plain.model_config, getattr(torch, plain.dtype)
+    bb = layout_block_bytes(cfg.n_layers, cache_layout_of(cfg, 1), 16, dtype)
+    tiered = LLM(model, **settings, kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                                         "kv_connector_extra_config": {"cpu_bytes": 4096 * bb}})
+    rounds = {"device pool only": 0, "+ CPU tier": 0}
+
+    def run(name, llm):
+        def go():
+            rounds[name] += 1  # each round its own prompts, the same for both settings: nothing can hit
+            return timed_generate(llm, random_prompts([192] * 48, seed=rounds[name], vocab=cfg.vocab_size), params)
+        return go
+
+    try:
+        got = in_turn({"device pool only": run("device pool only", plain), "+ CPU tier": run("+ CPU tier", tiered)},
+                      args.repeats)
+        stats = tiered.stats()
+    finally:
+        plain.shutdown()
+        tiered.shutdown()
+    times = {name: statistics.median(t for _, t in runs) for name, runs in got.items()}
+    same = all(a[0] == b[0] for a, b in zip(got["device pool only"], got["+ CPU tier"]))
+    out["cost"] = {"generate_s": times, "ratio": times["+ CPU tier"] / times["device pool only"], "same_tokens": same,
+                   "offloaded_blocks": stats["kv_offloaded_blocks"], "tier_hit_blocks": stats["kv_tier_hit_blocks"],
+                   "rounds": args.repeats}
+    print(f"the CPU tier with nothing to hit: generate() {out['cost']['ratio']:.3f}x the pool alone's time "
+          f"({stats['kv_offloaded_blocks']} blocks spilled, hits {stats['kv_tier_hit_blocks']}); same tokens: {same}")
+
+
 def plot_capacity(out) -> None:
     import matplotlib
 
@@ -305,6 +353,12 @@ def section(data: dict | None) -> list[str]:
     for name in ("capacity", "replicas", "model"):
         if name in found:
             lines += found[name] + [""]
+    if "cost" in data:
+        c = data["cost"]
+        lines += [f"The CPU tier with nothing to hit (48 random prompts of 192 tokens, 16 tokens each, a pool of 64 "
+                  f"blocks: every finished request's blocks spilled later): generate() took {c['ratio']:.3f}x the "
+                  f"pool alone's time (medians of {c['rounds']}, in turn; {c['offloaded_blocks']:,} blocks spilled; "
+                  f"the same tokens: {'yes' if c['same_tokens'] else 'no'}).", ""]
     if "model_ttft_ratio" in data:
         same, n = data["model_same_tokens"]
         lines += [f"Mean time to first token with the CPU tier / without: {data['model_ttft_ratio']:.2f}; the same "
@@ -313,9 +367,9 @@ def section(data: dict | None) -> list[str]:
 
 
 def main(argv=None) -> None:
-    args = parse_args(__doc__, {"--parts": "capacity,replicas,model", "--requests": {"type": int, "default": None},
+    args = parse_args(__doc__, {"--parts": "capacity,replicas,model,cost", "--requests": {"type": int, "default": None},
                                 "--iteration-ms": 100.0, "--budget": 16, "--model": "models/stdlib",
-                                "--model-requests": 800, "--speedup": 8.0}, argv)
+                                "--model-requests": 800, "--speedup": 8.0, "--repeats": 5}, argv)
     trace = load_trace(limit=args.requests)
     out = {"trace": str(TRACE.relative_to(ROOT)), "requests": len(trace), "capacity": [], "replicas": [],
            "model": []}
@@ -327,6 +381,8 @@ def main(argv=None) -> None:
         part_replicas(trace, out)
     if "model" in parts:
         part_model(args, trace, out)
+    if "cost" in parts:
+        part_cost(args, out)
     write_json(ROOT / "outputs" / "bench_kv_tiers.json", out)
 
 

@@ -208,26 +208,22 @@ class TierStore:
             self.copier.submit(self.job.run, self, loads)
 
     def _gather(self, blocks: list[int]) -> list[torch.Tensor]:
-        """The blocks' K,V off the pool, each [L, planes, block_size, heads, width], on the host. On a GPU: copied on
-        a side stream into pinned memory, the compute stream waiting for the copy before it overwrites the blocks."""
+        """The blocks' K,V off the pool, each [L, planes, block_size, heads, width], on the host: a block is a run of
+        slots, so one copy each. On a GPU: into pinned memory on a side stream, the compute stream waiting for the
+        copies before it overwrites the blocks."""
         bs, kv = self.cache.block_size, self.cache.kv
-        slots = torch.tensor([b * bs + i for b in blocks for i in range(bs)], device=kv.device)
         if not self.cuda:
-            data = kv[:, :, slots]
-        else:
-            compute = torch.cuda.current_stream(kv.device)
-            self.copy_stream.wait_stream(compute)
-            with torch.cuda.stream(self.copy_stream):
-                part = kv[:, :, slots]
-                data = torch.empty(part.shape, dtype=kv.dtype, pin_memory=True)
-                data.copy_(part, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self.copy_stream)
-            slots.record_stream(self.copy_stream)
-            compute.wait_stream(self.copy_stream)
-            done.synchronize()  # the host copy is read by the IO thread (at most one wait per step with spills)
-        return [data[:, :, i * bs:(i + 1) * bs].clone().pin_memory() if self.cuda else
-                data[:, :, i * bs:(i + 1) * bs].clone() for i in range(len(blocks))]
+            return [kv[:, :, b * bs:(b + 1) * bs].clone() for b in blocks]
+        compute = torch.cuda.current_stream(kv.device)
+        self.copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self.copy_stream):
+            out = [torch.empty(self.shape, dtype=kv.dtype, pin_memory=True).copy_(kv[:, :, b * bs:(b + 1) * bs],
+                                                                                  non_blocking=True) for b in blocks]
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        compute.wait_stream(self.copy_stream)
+        done.synchronize()  # the host copies are read by the IO thread (at most one wait per step with spills)
+        return out
 
     def _write(self, key: int, data: torch.Tensor) -> None:
         path = self.path(key)
