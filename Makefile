@@ -69,6 +69,7 @@ bench: setup model
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=1 benchmarks/bench_paged.py
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=1 benchmarks/profile_serve.py
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=4 benchmarks/bench_pd.py
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=4 benchmarks/bench_pd.py --trace 32 --out outputs/bench_pd_trace.json
 	for p in 2 4; do $(VENV)/bin/torchrun --standalone --nproc_per_node=$$p benchmarks/bench_pp.py --pp $$p; done
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=4 benchmarks/bench_pp_serve.py
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=8 benchmarks/bench_kv.py

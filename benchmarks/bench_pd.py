@@ -7,6 +7,10 @@ prompts arrive one after another with few new tokens each, so the decode group i
 hand-over. Each mode runs --repeats times, alternating; tokens are checked equal across modes. Writes
 outputs/bench_pd.json and prints its section of docs/benchmarks.md (benchmarks/report_serve.pd_section, which says
 what prefill, transfer and first decode count).
+
+--trace N: instead, the first N requests of Mooncake's conversation trace scaled down (benchmarks/bench_kv_tiers.py:
+each 512-token block as 32 tokens seeded by its hash id, at most 24 blocks a prompt), one arriving each iteration;
+written to --out (give another file, e.g. outputs/bench_pd_trace.json) and printed as one line.
 """
 
 from __future__ import annotations
@@ -33,13 +37,18 @@ from tp.dist import init_from_env, shutdown
 PROMPTS, PROMPT_LEN, NEW, SPACING = 6, 512, 4, 1
 
 
-def requests() -> list[Request]:
+def requests(trace: int = 0) -> list[Request]:
+    if trace:
+        from benchmarks.bench_kv_tiers import load_trace, scaled_requests
+
+        prompts = [ids for _, ids in scaled_requests(load_trace(limit=trace), trace, ARTICLE03.vocab_size, 32, 24)]
+        return [Request(i, p, NEW, i * SPACING) for i, p in enumerate(prompts)]
     return [Request(i, p, NEW, i * SPACING) for i, p in enumerate(random_prompts([PROMPT_LEN] * PROMPTS, seed=4))]
 
 
 def main() -> int:
     args = parse_args(__doc__, {"--prefill-ranks": dict(type=int, default=None, help="default: half the world"),
-                                "--repeats": 3, "--out": "outputs/bench_pd.json"})
+                                "--repeats": 3, "--out": "outputs/bench_pd.json", "--trace": 0})
     torch.set_num_threads(1)
     ctx = init_from_env("auto", timeout_s=600.0)
     p_prefill = args.prefill_ranks or ctx.world_size // 2
@@ -50,7 +59,7 @@ def main() -> int:
                           max_num_seqs=PROMPT_LEN)
 
     def run(streaming: bool):
-        res = serve_pd(dense, ctx, layout, requests(), config, streaming=streaming, groups=groups)
+        res = serve_pd(dense, ctx, layout, requests(args.trace), config, streaming=streaming, groups=groups)
         assert res.ledger_matches_model
         return res
 
@@ -63,6 +72,18 @@ def main() -> int:
         rows[mode]["to_token2_s"] = statistics.median(r["prefill_s"] + r["transfer_s"] + r["first_decode_s"]
                                                       for r in reqs)
     ids = {mode: [r["output_ids"] for r in runs[-1].requests] for mode, runs in results.items()}
+    if args.trace:
+        out = {"trace_requests": args.trace, "repeats": args.repeats, "modes": rows,
+               "prompt_lengths": [len(r.prompt) for r in requests(args.trace)],
+               "same_tokens": ids["streaming"] == ids["after prefill"]}
+        shutdown()
+        if ctx.is_main:
+            s_, a = rows["streaming"], rows["after prefill"]
+            print(f"trace, {args.trace} requests: streaming / send-after-prefill, time to token 2 "
+                  f"{s_['to_token2_s'] / a['to_token2_s']:.2f} (transfer part {s_['transfer_s'] / a['transfer_s']:.2f});"
+                  f" same tokens: {out['same_tokens']}")
+            write_json(args.out, out)
+        return 0
     out = {"layout": [layout.prefill_ranks, layout.decode_ranks], "prompt_length": PROMPT_LEN, "requests": PROMPTS,
            "max_new_tokens": NEW, "repeats": args.repeats,
            "kv_bytes_per_request": results["streaming"][-1].requests[0]["kv_bytes"],
