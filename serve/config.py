@@ -28,7 +28,7 @@ from tp.partition import ceil_div
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")  # layers/attention/kv_quant.py: model dtype, or one byte
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name: fp8 is e4m3 (as on CUDA)
-ATTENTION_MODES = ("auto", "cpu", "batched", "reference")  # layers/attention/backends.py: auto picks by device
+ATTENTION_MODES = ("auto", "cpu", "batched", "reference", "flash")  # layers/attention/backends.py: auto by device
 SCHEDULING_POLICIES = ("fcfs", "priority")  # serve/scheduler.py POLICIES
 QUANTIZATIONS = (None, "int8")  # layers/parallel/weight_format.py: the weights as loaded, or weight-only int8
 WEIGHT_LAYOUTS = ("auto", "out_in", "in_out")  # layers/parallel/weight_format.py: auto picks by device
@@ -56,7 +56,9 @@ class EngineConfig:
     enable_prefix_caching: bool = setting(True, "share full blocks of identical prompt prefixes")
     attention: str = setting("auto", "the attention backend (layers/attention/backends.py): auto (cpu on a CPU, "
                              "batched on CUDA), cpu (one call per request, nothing padded), batched (one cache write "
-                             "and a few calls per layer, as a GPU runs it), reference (the readable loop)")
+                             "and a few calls per layer, as a GPU runs it), reference (the readable loop), flash "
+                             "(FlashAttention-2's tiles and FlashDecoding's key chunks in plain PyTorch, "
+                             "layers/attention/flash.py)")
     comm_timing: bool = setting(False, "per-collective wall times in the ledger (two waits each)", flag=False)
     check_ledger: bool = setting(True, "compare every iteration's collectives with the model (raise on a difference)",
                                  flag=False, launcher=False)  # the launcher records every step's comparison

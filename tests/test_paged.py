@@ -274,8 +274,8 @@ def test_auto_picks_the_attention_backend_by_device():
     assert set(ATTENTION_MODES) == {"auto", *BACKENDS}  # the settings' list is the backends'
     assert choose("auto", "cpu") == "cpu" and choose("auto", torch.device("cuda", 1)) == "batched"
     assert [choose(name, "cpu") for name in BACKENDS] == list(BACKENDS)  # a named backend is taken as named
-    with pytest.raises(ValueError, match="attention='flash': choose auto, reference, batched, cpu"):
-        choose("flash", "cpu")
+    with pytest.raises(ValueError, match="attention='tiled': choose auto, reference, batched, cpu, flash"):
+        choose("tiled", "cpu")
 
 
 # ---- the launcher's settings ------------------------------------------------------------------------------------
@@ -299,7 +299,7 @@ PAGING_BAD = [
      "request 0 cannot be held even alone: prompt 9 + max_new_tokens 8 - 1 = 16 positions need 4 KV blocks of "
      "block_size=4, more than the pool's num_gpu_blocks_override=3; raise num_gpu_blocks_override to at least 4"),
     (["enable_prefix_caching=maybe"], "enable_prefix_caching='maybe' must be true or false"),
-    (["attention=fast"], "attention='fast': choose auto, cpu, batched or reference"),
+    (["attention=fast"], "attention='fast': choose auto, cpu, batched, reference or flash"),
     (["shared_prefix=-1"], "shared_prefix=-1 must be 0 or more"),
     # prompt + max_new_tokens <= max_seq_len (vLLM's rule): 1024 - 16 = 1008 positions for a prompt
     (["shared_prefix=1008"], "shared_prefix=1008 is too long: with max_new_tokens=16 a prompt has at most 1008 "

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from layers.attention.eviction import visible
+from layers.attention.flash import BLOCK_K, BLOCK_Q, DECODE_SPLIT, flash_attention, flash_decoding
 from layers.attention.kv_quant import QuantizedLayer
 
 RAGGED_BELOW = 4  # batched: decodes attend in one ragged pass when padding them to the longest would score > 4x
@@ -584,7 +585,58 @@ class CPUBackend(AttentionBackend):
         return rearrange(torch.cat(outs, dim=1), "h n d -> n (h d)")
 
 
-BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (ReferenceBackend(), BatchedBackend(), CPUBackend())}
+# ---- flash --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlashMeta:
+    reference: ReferenceMeta
+    windows: tuple  # per request: its kv_eviction window, or None
+
+
+class FlashBackend(ReferenceBackend):
+    """The reference's writes and reads (one request at a time, its keys through its block table), attended the way
+    FlashAttention-2 and FlashDecoding do it (layers/attention/flash.py): a prompt chunk by tiles of queries and keys
+    with the online softmax, a decode's one row by key chunks of a fixed size merged by their log-sum-exps."""
+
+    name = "flash"
+
+    def __init__(self, block_q: int = BLOCK_Q, block_k: int = BLOCK_K, split: int = DECODE_SPLIT):
+        self.block_q, self.block_k, self.split = block_q, block_k, split  # the tiles, FlashDecoding's key chunks
+
+    def build(self, chunks, spans, block_size, slots, put):
+        finish = super().build(chunks, spans, block_size, slots, put)
+        return lambda parts: FlashMeta(finish(parts), tuple(c.window for c in chunks))
+
+    def forward(self, q, kv, pool, batch, *, scale=None, v_dim=None, skip_fresh=False):
+        meta: FlashMeta = batch.meta
+        ref = meta.reference
+        outs = []
+        for i, ((s, e), q_start, new, slots, (mask, causal), window) in enumerate(zip(
+                ref.spans, ref.q_starts, ref.new, ref.slots, ref.masks, meta.windows)):
+            store(pool, new, kv[:, :, s:e].transpose(1, 2))
+            if skip_fresh and q_start == 0:
+                outs.append(q.new_zeros(q.shape[0], e - s, value_dim(pool, v_dim)))
+                continue
+            keys, values = split_kv(load(pool, slots).transpose(1, 2), v_dim)  # each [h_kv, keys, d]
+            qi = q[:, s:e]
+            if window is not None:  # kv_eviction: the keys read are a subset; the mask says who sees which
+                o, _ = flash_attention(qi, keys, values, mask=mask, block_q=self.block_q, block_k=self.block_k,
+                                       scale=scale)
+            elif e - s == 1:  # a decode: FlashDecoding over its whole cache
+                o, _ = flash_decoding(qi, keys, values, split=self.split, scale=scale)
+            else:  # a prompt chunk after q_start cached positions: causal by position
+                positions = torch.arange(keys.shape[1], device=q.device)
+                o, _ = flash_attention(qi, keys, values, positions[q_start:q_start + e - s], positions,
+                                       block_q=self.block_q, block_k=self.block_k, scale=scale)
+            outs.append(o)
+            if ref.blocks is not None:  # kv_eviction h2o: what each key got, by its block
+                add_scores(batch.scores, ref.blocks[i], qi[None], keys[None], mask, causal, scale)
+        return rearrange(torch.cat(outs, dim=1), "h n d -> n (h d)")
+
+
+BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (ReferenceBackend(), BatchedBackend(), CPUBackend(),
+                                                              FlashBackend())}
 
 
 def choose(name: str, device) -> str:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from layers.attention.backends import load, store
+from layers.attention.merge import merge  # noqa: F401  (the one merge: tiled attention's too)
 from tp.comm import gather_rows_from_region
 from tp.dist import grid_groups
 from tp.ledger import TransferRecord, active
@@ -48,23 +49,6 @@ def rank_groups(world: int, cp: int, rank: int) -> tuple[dist.ProcessGroup, dist
     """This rank's (tp group, cp group)."""
     tp_groups, cp_groups = new_cp_groups(world, cp)
     return tp_groups[rank // (world // cp)], cp_groups[rank % (world // cp)]
-
-
-# ---- the one merge ------------------------------------------------------------------------------------------------
-
-
-def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial attention outputs o_a [..., d] with their log-sum-exps lse_a [...] (−∞: an empty part) -> (o, lse),
-    exactly the attention over the union of the parts. Rows whose every part is empty come out 0 with lse −∞."""
-    lse_all = torch.stack(lses)  # [parts, ...]
-    top = lse_all.amax(0)
-    safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # all parts empty: nothing to weigh
-    weights = torch.exp(lse_all - safe)  # e^{lse_a − max}: 0 for an empty part
-    total = weights.sum(0)
-    lse = torch.where(total > 0, safe + torch.log(total), torch.full_like(top, -math.inf))
-    w = torch.where(total > 0, weights / total.clamp_min(torch.finfo(total.dtype).tiny), torch.zeros_like(weights))
-    o = sum(wi[..., None].to(oi.dtype) * oi for wi, oi in zip(w, outs))
-    return o, lse
 
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,

@@ -1,0 +1,139 @@
+"""FlashAttention-2's forward and FlashDecoding, as readable PyTorch (docs/flash.md; docs/background.md, seeds/00
+articles 12 and 13), and the memory traffic each would have between a GPU's HBM and its on-chip memory.
+
+    flash_attention   for each block of B_r queries (FlashAttention-2's outer loop), read Q_i once; for each block of
+                      B_c keys some query of the block may see (causal: blocks wholly after its last query are
+                      skipped), read K_j, V_j, and
+                          S = Q_i·K_jᵀ·scale (masked)      m' = max(m, rowmax S)      P = exp(S − m')
+                          c = exp(m − m')                   ℓ = c·ℓ + rowsum P         O = c·O + P·V_j     m = m'
+                      then write O_i / ℓ and lse_i = m + log ℓ. The [N × N] scores never exist: one [B_r × B_c] tile
+                      at a time, m, ℓ and O kept per row (float32 at least).
+    flash_decoding    one query row: the keys split into chunks of a fixed size, each chunk's (o, lse) from one tile,
+                      combined by the one log-sum-exp merge (layers/attention/merge.py, which context parallelism
+                      uses too). A fixed chunk size, not a fixed number of chunks: a row's reduction order does not
+                      depend on how many keys other requests have.
+
+Traffic (counted as the loops run, in elements, per query head; `Traffic`): Q read once, O and lse written once, each
+visited key block's K and V read once per query block. `flash_traffic` writes the same count in closed form for this
+tiling, `standard_traffic` the materializing algorithm's (Dao et al. 2022, Algorithm 0: S and P written to and read
+back from HBM), and `sram_blocks` the paper's block sizes for an on-chip memory of M elements: B_c = ⌈M/4d⌉,
+B_r = min(B_c, d). With those, the K,V reads are 2·N·d·⌈N/B_r⌉ ≈ 8·N²·d²/M when B_r = M/4d: Θ(N²d²/M) against the
+standard Θ(N·d + N²).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from layers.attention.merge import merge
+
+BLOCK_Q = 64  # the backend's tiles: queries per block (B_r)
+BLOCK_K = 64  # keys per block (B_c)
+DECODE_SPLIT = 256  # FlashDecoding: keys per chunk, fixed
+
+
+@dataclass
+class Traffic:
+    """Elements moved between HBM and on-chip memory, per query head (reads, writes)."""
+
+    reads: int = 0
+    writes: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.reads + self.writes
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor | None = None,
+                    k_pos: torch.Tensor | None = None, mask: torch.Tensor | None = None, block_q: int = BLOCK_Q,
+                    block_k: int = BLOCK_K, scale: float | None = None, traffic: Traffic | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [h, Tq, d]; k, v [h_kv, Tk, d] (query head j reads K,V head j // (h/h_kv)). Which keys a query sees: key
+    position <= query position where q_pos [Tq] and k_pos [Tk] are given (causal), and `mask` [Tq, Tk] where given;
+    neither: every key. Returns (o [h, Tq, d_v] in q's dtype, lse [h, Tq] in float32 at least; −∞ and a zero row for
+    a query that sees no key). traffic: counted per query head as the tiles are read and written."""
+    h, n_q, d = q.shape
+    n_k, d_v = k.shape[1], v.shape[2]
+    acc_t = torch.promote_types(q.dtype, torch.float32)
+    scale = d ** -0.5 if scale is None else scale
+    group = h // k.shape[0]
+    if group > 1:  # each query head reads its K,V head's tiles
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    outs, lses = [], []
+    for a in range(0, n_q, block_q):
+        b = min(a + block_q, n_q)
+        qi = q[:, a:b].to(acc_t)  # read Q_i
+        m = torch.full((h, b - a), -math.inf, dtype=acc_t, device=q.device)
+        ell = torch.zeros((h, b - a), dtype=acc_t, device=q.device)
+        o = torch.zeros((h, b - a, d_v), dtype=acc_t, device=q.device)
+        if traffic is not None:
+            traffic.reads += (b - a) * d
+        last = n_k if q_pos is None else int((k_pos <= q_pos[b - 1]).sum())  # keys sorted: the block's last query's
+        for c in range(0, last, block_k):
+            e = min(c + block_k, n_k)
+            kj, vj = k[:, c:e].to(acc_t), v[:, c:e].to(acc_t)  # read K_j, V_j
+            if traffic is not None:
+                traffic.reads += (e - c) * (d + d_v)
+            s = torch.einsum("hqd,hkd->hqk", qi, kj) * scale
+            seen = None if q_pos is None else k_pos[c:e][None, :] <= q_pos[a:b][:, None]
+            if mask is not None:
+                seen = mask[a:b, c:e] if seen is None else seen & mask[a:b, c:e]
+            if seen is not None:
+                s = s.masked_fill(~seen, -math.inf)
+            m_new = torch.maximum(m, s.amax(-1))
+            base = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))  # a row with nothing seen yet
+            p = torch.exp(s - base[..., None])
+            rescale = torch.exp(m - base)  # the one rescale per tile
+            ell = rescale * ell + p.sum(-1)
+            o = rescale[..., None] * o + torch.einsum("hqk,hkd->hqd", p, vj)
+            m = m_new
+        seen_any = ell > 0
+        outs.append((o / torch.where(seen_any, ell, torch.ones_like(ell))[..., None]).to(q.dtype))
+        lses.append(torch.where(seen_any, m + torch.log(ell), torch.full_like(m, -math.inf)))
+        if traffic is not None:
+            traffic.writes += (b - a) * (d_v + 1)  # write O_i and lse_i
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+
+
+def flash_decoding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int = DECODE_SPLIT,
+                   scale: float | None = None, traffic: Traffic | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [h, 1, d] against every key of k, v [h_kv, Tk, d]: the keys in chunks of `split` (on a GPU, in parallel),
+    each chunk's (o, lse) as one tile, then the log-sum-exp merge. Returns (o [h, 1, d_v], lse [h, 1])."""
+    parts = [flash_attention(q, k[:, c:c + split], v[:, c:c + split], block_q=1, block_k=split, scale=scale,
+                             traffic=traffic) for c in range(0, k.shape[1], split)]
+    if traffic is not None:  # the partial results go through HBM once more: written above, read by the merge
+        traffic.reads += len(parts) * (v.shape[2] + 1)
+    o, lse = merge([o for o, _ in parts], [lse for _, lse in parts])
+    return o.to(q.dtype), lse
+
+
+# ---- the traffic in closed form -----------------------------------------------------------------------------------
+
+
+def flash_traffic(n_q: int, n_k: int, d: int, block_q: int, block_k: int, causal: bool = False, q_start: int = 0,
+                  d_v: int | None = None) -> int:
+    """Elements flash_attention moves per query head, written out for its tiling: Q read and O, lse written once
+    (n_q·(d + d_v + 1)); per query block [a, b), the keys it visits read as K and V: all n_k, or, causal (query
+    positions q_start + i, keys 0..n_k − 1), the key blocks up to the one holding position q_start + b − 1."""
+    d_v = d if d_v is None else d_v
+    keys = 0
+    for a in range(0, n_q, block_q):
+        b = min(a + block_q, n_q)
+        seen = n_k if not causal else min(n_k, q_start + b)
+        keys += min(n_k, -(-seen // block_k) * block_k)
+    return n_q * (d + d_v + 1) + keys * (d + d_v)
+
+
+def standard_traffic(n_q: int, n_k: int, d: int) -> int:
+    """Algorithm 0 of Dao et al. (2022) per head: read Q, K (n_q·d + n_k·d), write S (n_q·n_k); read S, write P
+    (2·n_q·n_k); read P, V (n_q·n_k + n_k·d), write O (n_q·d). For n_q = n_k = N: 4·N·d + 4·N²."""
+    return 2 * n_q * d + 2 * n_k * d + 4 * n_q * n_k
+
+
+def sram_blocks(m: int, d: int) -> tuple[int, int]:
+    """The paper's blocks for an on-chip memory of m elements: (B_r, B_c) = (min(⌈m/4d⌉, d), ⌈m/4d⌉)."""
+    b_c = -(-m // (4 * d))
+    return min(b_c, d), b_c
