@@ -84,6 +84,7 @@ bench: setup model
 	$(PY) benchmarks/bench_train.py
 	$(PY) benchmarks/bench_decode.py
 	$(PY) benchmarks/bench_kv_tiers.py
+	$(PY) benchmarks/bench_flash.py
 	$(PY) benchmarks/report.py
 
 gpu-check: setup

@@ -30,6 +30,10 @@ of positions [start, end) of its request (serve/block_manager.py's slot mapping)
                 that head's query rows, one matmul per K,V head (MLA's 16 heads on one 576-wide latent, 4096 keys:
                 149 ms through enable_gqa, 3.5 ms folded, on this CPU; the batched backend folds its decodes too).
 
+    flash       the reference's reads and writes, attended as FlashAttention-2 and FlashDecoding do it
+                (layers/attention/flash.py): tiles with the online softmax, a decode's keys in fixed-size chunks
+                merged by their log-sum-exps. A readable form of GPU kernels, exact; slower than `cpu` on a CPU.
+
 `auto` (the default setting) is `cpu` on a CPU device and `batched` on CUDA. The choice on a CPU was measured
 (benchmarks/bench_paged.py's `backends` part, docs/benchmarks.md): a decode iteration with the batched backend
 takes up to 2× the cpu one's (64 requests), 1.47× at 32 requests of 512 positions, and about the same for 1 to 8
