@@ -29,7 +29,6 @@ of positions [start, end) of its request (serve/block_manager.py's slot mapping)
                 the kernel (enable_gqa), not copied. A decode goes further: the query heads of one K,V head become
                 that head's query rows, one matmul per K,V head (MLA's 16 heads on one 576-wide latent, 4096 keys:
                 149 ms through enable_gqa, 3.5 ms folded, on this CPU; the batched backend folds its decodes too).
-
     flash       the reference's reads and writes, attended as FlashAttention-2 and FlashDecoding do it
                 (layers/attention/flash.py): tiles with the online softmax, a decode's keys in fixed-size chunks
                 merged by their log-sum-exps. A readable form of GPU kernels, exact; slower than `cpu` on a CPU.
