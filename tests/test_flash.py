@@ -140,3 +140,42 @@ def test_the_flash_backend_serves_the_oracles_tokens(cfg, p):
         assert done[f"r{i}"][0] == ids, i
         assert max(abs(a - b) for a, b in zip(done[f"r{i}"][1], lps)) < 1e-12
     assert stats["prefix_hit_tokens"] > 0 and stats["preemptions"] > 0  # chunks after a prefix, and recomputes
+
+
+def test_the_backward_recomputes_the_tiles_and_equals_autograd():
+    from layers.attention.flash import flash_causal
+
+    g = torch.Generator().manual_seed(5)
+    for h, h_kv, n, d, b_q, b_k in [(4, 4, 37, 16, 8, 16), (8, 2, 50, 8, 16, 8), (2, 1, 64, 32, 64, 64)]:
+        q = torch.randn(h, n, d, dtype=torch.float64, generator=g, requires_grad=True)
+        k, v = (torch.randn(h_kv, n, d, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
+        do = torch.randn(h, n, d, dtype=torch.float64, generator=g)
+        got = torch.autograd.grad(flash_causal(q, k, v, b_q, b_k), (q, k, v), do)
+        pos = torch.arange(n)
+        want = torch.autograd.grad(materialized_attention(q, k, v, pos[None, :] <= pos[:, None])[0], (q, k, v), do)
+        for a, b in zip(got, want):
+            assert (a - b).abs().max() < 1e-12
+
+
+def train_both_ways(ctx, cfg):
+    """One Trainer step from the same weights and batch with attention sdpa and flash (float64): the loss, the
+    gradient norm, and every gradient (as clipped; the step leaves them on the parameters)."""
+    from train.step import Trainer, TrainConfig, train_lm
+
+    ids = torch.randint(0, cfg.vocab_size, (3, 33), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for attention in ("sdpa", "flash"):
+        dense = init_weights(dense_lm(cfg, torch.float64), seed=0, std=0.1)
+        trainer = Trainer(train_lm(dense, ctx.group), TrainConfig(attention=attention), ctx.group)
+        got = trainer.step([ids])
+        out[attention] = (got["loss"], got["grad_norm"],
+                          {n: p.grad.clone() for n, p in trainer.lm.named_parameters()})
+    return out
+
+
+@pytest.mark.parametrize("cfg,p", [(GPT2, 1), (LLAMA, 2)], ids=["gpt2-p1", "llama-p2"])
+def test_the_train_step_with_flash_attention_equals_sdpa(cfg, p):
+    for out in run_ranks(p, train_both_ways, cfg):
+        (loss, norm, grads), (f_loss, f_norm, f_grads) = out["sdpa"], out["flash"]
+        assert abs(loss - f_loss) < 1e-12 and abs(norm - f_norm) < 1e-11 * norm
+        assert max((grads[n] - f_grads[n]).abs().max().item() for n in grads) < 1e-12

@@ -102,7 +102,7 @@ def run_rank(s: TrainSettings, ctx) -> dict:
     del dense
     c = TrainConfig(lr=s.lr, min_lr=s.min_lr, warmup_steps=s.warmup_steps, max_steps=s.max_steps,
                     weight_decay=s.weight_decay, grad_clip=s.grad_clip, accumulation=s.accumulation,
-                    distributed_optimizer=s.distributed_optimizer)
+                    distributed_optimizer=s.distributed_optimizer, attention=s.attention)
     trainer = Trainer(lm, c, group, dp_group if dp > 1 else None,
                       autocast=torch.bfloat16 if s.dtype == "bfloat16" else None)
     if s.resume:

@@ -51,6 +51,8 @@ class TrainSettings:
     sequence_parallel: bool = setting(False, "the v2sp blocks: 1/tp of the rows between blocks, all-gathers and "
                                       "reduce-scatters in place of the all-reduces (Megatron's)")
     dtype: str = setting("float32", "float32 | bfloat16 (autocast, float32 master weights) | float64")
+    attention: str = setting("sdpa", "sdpa (PyTorch's fused kernel) | flash (FlashAttention-2's forward and backward "
+                                     "in plain PyTorch, layers/attention/flash.py: exact, slower on a CPU)")
     eval_interval: int = setting(100, "steps between held-out evaluations (and at the last step)")
     eval_rows: int = setting(32, "held-out sequences per evaluation (the same ones every time)")
     log_interval: int = setting(10, "steps between train_log.jsonl rows")
@@ -96,6 +98,8 @@ class TrainSettings:
             raise ValueError(f"size={self.size!r}: one of {', '.join(SIZES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: one of {', '.join(DTYPES)}")
+        if self.attention not in ("sdpa", "flash"):
+            raise ValueError(f"attention={self.attention!r}: sdpa or flash")
         for name in ("max_seq_len", "vocab_size", "tensor_parallel_size", "data_parallel_size", "max_steps",
                      "batch_size", "eval_interval", "eval_rows", "log_interval", "micro_batch_size",
                      "threads_per_rank"):

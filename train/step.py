@@ -52,6 +52,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # the global gradient norm's bound (0: no clipping)
     accumulation: int = 1  # micro-batches per step
     distributed_optimizer: bool = False  # AdamW's state split over dp (train/optimizer.py); False: on every replica
+    attention: str = "sdpa"  # sdpa (PyTorch's fused kernel) | flash (FlashAttention-2 forward and backward, flash.py)
 
 
 def learning_rate(step: int, c: TrainConfig) -> float:
@@ -83,13 +84,14 @@ def replicated_names(lm) -> set[str]:
     return {name for name, is_cut in cut.items() if not is_cut}
 
 
-def tp_loss(lm, ids: torch.Tensor) -> torch.Tensor:
+def tp_loss(lm, ids: torch.Tensor, flash: bool = False) -> torch.Tensor:
     """The mean cross-entropy of a micro-batch ids [B, T + 1] (inputs ids[:, :-1], targets ids[:, 1:]) through this
-    rank's TPLM or TPLlamaLM, the logits never gathered."""
+    rank's TPLM or TPLlamaLM, the logits never gathered. flash: attention through FlashAttention-2's forward and
+    backward (layers/attention/flash.py) instead of SDPA."""
     B, T = ids.shape[0], ids.shape[1] - 1
     inputs, targets = ids[:, :-1].reshape(-1), ids[:, 1:].reshape(-1)
     x = lm.embed_rows(inputs, torch.arange(T, device=ids.device).repeat(B))  # ★ all-reduce [B·T, d]
-    requests = Requests.from_lengths([T] * B)  # each sequence attends to itself alone, from position 0
+    requests = Requests.from_lengths([T] * B, flash=flash)  # each sequence attends to itself alone, from position 0
     n, stack = x.shape[0], lm.stack
     x = stack.enter(x)  # v2sp: this rank's rows (backward: ★ all-gather of dx)
     for block in stack.blocks:
@@ -151,6 +153,10 @@ class Trainer:
         self.lm, self.c, self.group, self.dp_group, self.autocast = lm, c, group, dp_group, autocast
         self.dp = 1 if dp_group is None else dist.get_world_size(dp_group)
         self.replicated = replicated_names(lm) if group is not None else set()
+        if c.attention not in ("sdpa", "flash"):
+            raise ValueError(f"attention={c.attention!r}: sdpa or flash")
+        if c.attention == "flash" and group is None:
+            raise ValueError("attention='flash' trains the TP model (give a group; one rank is a group of one)")
         if of(lm.cfg).moe:
             raise ValueError(f"{lm.cfg.family} models are served, not trained yet: train a GPT-2 or Llama model")
         if group is not None and dist.get_world_size(group) > lm.cfg.n_kv_heads:
@@ -177,7 +183,8 @@ class Trainer:
         total = 0.0
         for ids in micro_batches:
             with torch.autocast(ids.device.type, self.autocast or torch.float32, enabled=self.autocast is not None):
-                loss = (tp_loss if self.group is not None else dense_loss)(self.lm, ids) / len(micro_batches)
+                loss = (tp_loss(self.lm, ids, self.c.attention == "flash") if self.group is not None else
+                        dense_loss(self.lm, ids)) / len(micro_batches)
             loss.backward()
             total += loss.item()
         if self.dp > 1:  # the step's loss over every replica, for the log (★ all-reduce [1])

@@ -37,6 +37,7 @@ from torch.nn.utils.rnn import pad_sequence
 from layers.attention.backends import PagedBatch
 from layers.attention.context_parallel import RingPrefill, SplitKVDecode
 from layers.attention.eviction import reference_mask
+from layers.attention.flash import flash_causal
 from layers.attention.kv_quant import QuantizedLayer, reference_round_trip
 from layers.attention.varlen import Requests
 
@@ -79,6 +80,9 @@ def attention(q: torch.Tensor, kv: torch.Tensor, requests: Requests | PagedLayer
     if isinstance(requests, (RingPrefill, SplitKVDecode)):  # context parallelism: layers/attention/context_parallel.py
         return requests.attend(q, kv)
     kv = reference_round_trip(kv)  # inside kv_quant.pseudo_quantized: K,V as a quantized cache would give them
+    if requests is not None and requests.flash:  # training: FlashAttention-2's tiles, forward and backward
+        out = torch.cat([flash_causal(q[:, s:e], kv[0][:, s:e], kv[1][:, s:e]) for s, e in requests.spans], dim=1)
+        return rearrange(out, "h n d -> n (h d)")
     group = q.shape[0] // kv.shape[1]
     k, v = (t.repeat_interleave(group, dim=0) if group > 1 else t for t in kv)
     # Each [1, h, T, d_head]: a batch dim of 1, because on CPU PyTorch's SDPA takes its fused kernel

@@ -137,3 +137,64 @@ def sram_blocks(m: int, d: int) -> tuple[int, int]:
     """The paper's blocks for an on-chip memory of m elements: (B_r, B_c) = (min(⌈m/4d⌉, d), ⌈m/4d⌉)."""
     b_c = -(-m // (4 * d))
     return min(b_c, d), b_c
+
+
+# ---- FlashAttention-2's backward ----------------------------------------------------------------------------------
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """Causal attention of one sequence, q [h, T, d], k, v [h_kv, T, d], with FlashAttention-2's backward: nothing of
+    the forward's [T × T] is kept, only O and lse; the backward recomputes each tile's probabilities from them.
+
+        D = rowsum(dO ∘ O)                                             per query row
+        for each block of keys (outer), each block of queries (inner):
+            P = exp(Q_i·K_jᵀ·scale − lse_i) (0 where masked)
+            dV_j += Pᵀ·dO_i      dP = dO_i·V_jᵀ      dS = P ∘ (dP − D_i)
+            dQ_i += dS·K_j·scale      dK_j += dSᵀ·Q_i·scale
+
+    Grouped-query heads: each K,V head's gradient sums its query heads'."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, block_q: int, block_k: int):
+        positions = torch.arange(q.shape[1], device=q.device)
+        o, lse = flash_attention(q, k, v, positions, positions, block_q=block_q, block_k=block_k)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.blocks = (block_q, block_k)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        block_q, block_k = ctx.blocks
+        h, n, d = q.shape
+        group = h // k.shape[0]
+        acc = torch.promote_types(q.dtype, torch.float32)
+        scale = d ** -0.5
+        kk = (k.repeat_interleave(group, dim=0) if group > 1 else k).to(acc)
+        vv = (v.repeat_interleave(group, dim=0) if group > 1 else v).to(acc)
+        qq, do_, lse = q.to(acc), do.to(acc), lse.to(acc)
+        dq, dk, dv = torch.zeros_like(qq), torch.zeros_like(kk), torch.zeros_like(vv)
+        big_d = (do_ * o.to(acc)).sum(-1)  # [h, T]
+        pos = torch.arange(n, device=q.device)
+        for c in range(0, n, block_k):
+            e = min(c + block_k, n)
+            kj, vj = kk[:, c:e], vv[:, c:e]
+            for a in range(c - c % block_q, n, block_q):  # query blocks that can see these keys (causal)
+                b = min(a + block_q, n)
+                s = torch.einsum("hqd,hkd->hqk", qq[:, a:b], kj) * scale
+                seen = pos[c:e][None, :] <= pos[a:b][:, None]
+                p = torch.exp(s - lse[:, a:b, None]).masked_fill(~seen, 0.0)
+                dv[:, c:e] += torch.einsum("hqk,hqd->hkd", p, do_[:, a:b])
+                dp = torch.einsum("hqd,hkd->hqk", do_[:, a:b], vj)
+                ds = p * (dp - big_d[:, a:b, None])
+                dq[:, a:b] += torch.einsum("hqk,hkd->hqd", ds, kj) * scale
+                dk[:, c:e] += torch.einsum("hqk,hqd->hkd", ds, qq[:, a:b]) * scale
+        if group > 1:
+            dk, dv = (t.view(k.shape[0], group, n, -1).sum(1) for t in (dk, dv))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def flash_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int = BLOCK_Q,
+                 block_k: int = BLOCK_K) -> torch.Tensor:
+    """Causal attention of one sequence through FlashAttentionFunction (differentiable): [h, T, d_v]."""
+    return FlashAttentionFunction.apply(q, k, v, block_q, block_k)

@@ -26,6 +26,7 @@ class Requests:
 
     cu_seqlens: tuple[int, ...]
     padded: bool = False
+    flash: bool = False  # each request's causal attention through FlashAttention-2's forward and backward (training)
 
     @property
     def spans(self) -> list[tuple[int, int]]:
@@ -40,8 +41,8 @@ class Requests:
         return self.cu_seqlens[-1]
 
     @classmethod
-    def from_lengths(cls, lengths, padded: bool = False) -> "Requests":
-        return cls(tuple(itertools.accumulate((int(n) for n in lengths), initial=0)), padded)
+    def from_lengths(cls, lengths, padded: bool = False, flash: bool = False) -> "Requests":
+        return cls(tuple(itertools.accumulate((int(n) for n in lengths), initial=0)), padded, flash)
 
 
 def check_cu_seqlens(cu_seqlens, n_tokens: int, max_seq_len: int) -> tuple[int, ...]:
