@@ -52,7 +52,8 @@ def dense_model(model, checkpoint: Checkpoint | str | None, dtype: torch.dtype, 
 def prepare_weights(lm, config: EngineConfig):
     """lm's matmul weights stored as the settings ask (layers/parallel/weight_format.py: quantization, weight_layout;
     enforce_eager: nothing compiled). In place; returns lm."""
-    return weight_format.prepare(lm, config.quantization, config.weight_layout, compile=not config.enforce_eager)
+    return weight_format.prepare(lm, config.quantization, config.weight_layout, compile=not config.enforce_eager,
+                                 batch_invariant=config.batch_invariant)
 
 
 @torch.no_grad()

@@ -34,7 +34,7 @@ QUANTIZATIONS = (None, "int8")  # layers/parallel/weight_format.py: the weights 
 WEIGHT_LAYOUTS = ("auto", "out_in", "in_out")  # layers/parallel/weight_format.py: auto picks by device
 COUNTS = ("long_prefill_token_threshold", "max_num_batched_tokens", "max_num_seqs", "block_size")
 SWITCHES = ("enable_prefix_caching", "comm_timing", "check_ledger", "reserve_capacity", "chunk_pipelining",
-            "calculate_kv_scales", "enforce_eager")
+            "calculate_kv_scales", "enforce_eager", "batch_invariant")
 
 
 def setting(default, help: str, flag: bool = True, launcher: bool = True):
@@ -97,6 +97,10 @@ class EngineConfig:
                                  "[out, in]) or in_out (the same [out, in] tensor stored column-major)")
     enforce_eager: bool = setting(False, "vLLM's: never compile (off: on a CPU, decode's matmuls of large weights, "
                                   "float and int8, run compiled fused kernels)")
+    batch_invariant: bool = setting(False, "every request's logits bitwise the same whatever shares its steps, its "
+                                    "chunking and its place in the batch (docs/flash.md): matmuls in fixed tiles of "
+                                    "rows, attention by the flash backend's fixed padded tiles, nothing compiled; "
+                                    "tensor_parallel_size 1 or 2")
     kv_transfer_config: KVTransferConfig | None = setting(
         None, "vLLM's KV connector (serve/kv_connector/): '{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": "
               "\"kv_both\", \"kv_connector_extra_config\": {\"cpu_bytes\": N, \"disk_path\": DIR, \"disk_bytes\": M}}' "
@@ -152,6 +156,8 @@ class EngineConfig:
                                  "reserved: use one or the other")
         if self.kv_transfer_config is not None:
             self.check_connector()
+        if self.batch_invariant:
+            self.check_batch_invariant()
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than a full decode "
                              f"batch of max_num_seqs={self.max_num_seqs} requests (one row each per iteration); raise "
@@ -178,6 +184,27 @@ class EngineConfig:
             return None
         return self.kv_eviction.peak_blocks(self.block_size, min(self.long_prefill_token_threshold,
                                                                  self.max_num_batched_tokens))
+
+    def check_batch_invariant(self, tp: int = 1) -> None:
+        """The rules of batch_invariant: what it fixes (attention, matmuls) must not be replaced by a path it does not
+        fix; tp: the tensor-parallel size (a ring all-reduce over more than two ranks sums each element in an order
+        set by its place in the buffer, so by the batch)."""
+        name = "batch_invariant=True"
+        if self.attention not in ("auto", "flash"):
+            raise ValueError(f"{name} attends with the flash backend's fixed tiles: leave attention at auto or flash, "
+                             f"not {self.attention!r}")
+        for setting, value, why in (("quantization", self.quantization, "int8's kernels"),
+                                    ("speculative_config", self.speculative_config, "verified rows"),
+                                    ("kv_eviction", self.kv_eviction, "eviction's masks"),
+                                    ("kv_cache_dtype", None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype,
+                                     "a quantized cache")):
+            if value is not None:
+                raise ValueError(f"{name} with {setting} is not built ({why} are not made invariant): use one or the "
+                                 f"other")
+        if tp > 2:
+            raise ValueError(f"{name} at tensor_parallel_size={tp} is not built: a ring all-reduce over more than two "
+                             f"ranks sums each element in an order set by its place in the buffer (so by the batch); "
+                             f"use 1 or 2")
 
     def check_connector(self) -> None:
         """The rules between kv_transfer_config and the other settings: the tiers are keyed by the prefix cache's
@@ -210,6 +237,8 @@ class EngineConfig:
             raise ValueError("speculative_config with pipeline stages (pp > 1) is not built yet: use pp = 1")
         if pp > 1 and self.kv_eviction is not None:
             raise ValueError("kv_eviction with pipeline stages (pp > 1) is not built: use pp = 1")
+        if pp > 1 and self.batch_invariant:
+            raise ValueError("batch_invariant with pipeline stages (pp > 1) is not built: use pp = 1")
         if pp > 1 and self.kv_transfer_config is not None:
             raise ValueError("kv_transfer_config with pipeline stages (pp > 1) is not built: use pp = 1")
 
@@ -225,6 +254,8 @@ class EngineConfig:
         if self.speculative_config is not None:
             raise ValueError(f"{name}={cp} with speculative decoding is not built: drop speculative_config or use "
                              f"{name}=1")
+        if self.batch_invariant:
+            raise ValueError(f"{name}={cp} with batch_invariant is not built: use {name}=1")
         if self.kv_transfer_config is not None:
             raise ValueError(f"{name}={cp} with kv_transfer_config is not built (each cp rank holds part of every "
                              f"block): drop kv_transfer_config or use {name}=1")

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from layers.attention.attention import PagedLayer
-from layers.attention.backends import PagedBatch, backend, choose, score_slots
+from layers.attention.backends import FlashBackend, PagedBatch, backend, choose, score_slots
 from layers.attention.context_parallel import SplitCacheBackend
 from layers.models.lm import TPLM, TPLlamaLM
 from layers.parallel.weight_format import model_dtype
@@ -55,8 +55,11 @@ class ModelRunner:
         self.split = None if cp_group is None else SplitCacheBackend(cp_group)
         if self.split is not None:
             self.attention = self.split.name
-        # what prepare_step attends with, resolved once: the backend itself (the split cache's holds its group)
+        # what prepare_step attends with, resolved once: the backend itself (the split cache's holds its group;
+        # batch_invariant: the flash backend's fixed padded tiles)
         self.backend = backend(self.attention, ctx.device) if self.split is None else self.split
+        if config.batch_invariant:
+            self.attention, self.backend = "flash", FlashBackend(invariant=True)
         slots = config.block_size // (1 if self.split is None else self.split.cp)
         # K,V heads this rank caches: h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention); the layers of a
         # pipeline stage's model are its own (cfg.n_layers is the stage's)

@@ -60,6 +60,8 @@ class RankSpec:
 
         self.engine.check_pipeline(self.pp)
         self.engine.check_context_parallel(self.cp, self.pp, cp_name)
+        if self.engine.batch_invariant:
+            self.engine.check_batch_invariant(world_size // (self.cp * self.pp))
         if self.engine.quantization is not None and not of(self.model).quantization:
             raise ValueError(f"quantization={self.engine.quantization!r} with {self.model.family} models is not built "
                              f"(their experts' or latent projections' weights are not column- and row-parallel "

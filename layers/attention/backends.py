@@ -604,8 +604,12 @@ class FlashBackend(ReferenceBackend):
 
     name = "flash"
 
-    def __init__(self, block_q: int = BLOCK_Q, block_k: int = BLOCK_K, split: int = DECODE_SPLIT):
+    def __init__(self, block_q: int = BLOCK_Q, block_k: int = BLOCK_K, split: int = DECODE_SPLIT,
+                 invariant: bool = False):
+        """invariant (batch_invariant): every tile padded to block_q × block_k, and a decode row through the same
+        tiles as a prompt's (no key chunks): a row's result is the same bits whatever its chunk and batch."""
         self.block_q, self.block_k, self.split = block_q, block_k, split  # the tiles, FlashDecoding's key chunks
+        self.invariant = invariant
 
     def build(self, chunks, spans, block_size, slots, put):
         finish = super().build(chunks, spans, block_size, slots, put)
@@ -626,12 +630,12 @@ class FlashBackend(ReferenceBackend):
             if window is not None:  # kv_eviction: the keys read are a subset; the mask says who sees which
                 o, _ = flash_attention(qi, keys, values, mask=mask, block_q=self.block_q, block_k=self.block_k,
                                        scale=scale)
-            elif e - s == 1:  # a decode: FlashDecoding over its whole cache
+            elif e - s == 1 and not self.invariant:  # a decode: FlashDecoding over its whole cache
                 o, _ = flash_decoding(qi, keys, values, split=self.split, scale=scale)
-            else:  # a prompt chunk after q_start cached positions: causal by position
+            else:  # a prompt chunk after q_start cached positions (or a decode, invariant): causal by position
                 positions = torch.arange(keys.shape[1], device=q.device)
                 o, _ = flash_attention(qi, keys, values, positions[q_start:q_start + e - s], positions,
-                                       block_q=self.block_q, block_k=self.block_k, scale=scale)
+                                       block_q=self.block_q, block_k=self.block_k, scale=scale, pad=self.invariant)
             outs.append(o)
             if ref.blocks is not None:  # kv_eviction h2o: what each key got, by its block
                 add_scores(batch.scores, ref.blocks[i], qi[None], keys[None], mask, causal, scale)

@@ -49,12 +49,15 @@ class Traffic:
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor | None = None,
                     k_pos: torch.Tensor | None = None, mask: torch.Tensor | None = None, block_q: int = BLOCK_Q,
-                    block_k: int = BLOCK_K, scale: float | None = None, traffic: Traffic | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    block_k: int = BLOCK_K, scale: float | None = None, traffic: Traffic | None = None,
+                    pad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q [h, Tq, d]; k, v [h_kv, Tk, d] (query head j reads K,V head j // (h/h_kv)). Which keys a query sees: key
     position <= query position where q_pos [Tq] and k_pos [Tk] are given (causal), and `mask` [Tq, Tk] where given;
     neither: every key. Returns (o [h, Tq, d_v] in q's dtype, lse [h, Tq] in float32 at least; −∞ and a zero row for
-    a query that sees no key). traffic: counted per query head as the tiles are read and written."""
+    a query that sees no key). traffic: counted per query head as the tiles are read and written. pad (the
+    batch-invariant mode): every tile exactly block_q × block_k, the short ones padded (padding keys masked, padding
+    queries dropped), so a row's products never change shape with the rows and keys around it: its result is the
+    same bits whatever the chunk and the batch (key tiles past a row's last key add exact zeros)."""
     h, n_q, d = q.shape
     n_k, d_v = k.shape[1], v.shape[2]
     acc_t = torch.promote_types(q.dtype, torch.float32)
@@ -65,22 +68,28 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
     outs, lses = [], []
     for a in range(0, n_q, block_q):
         b = min(a + block_q, n_q)
-        qi = q[:, a:b].to(acc_t)  # read Q_i
-        m = torch.full((h, b - a), -math.inf, dtype=acc_t, device=q.device)
-        ell = torch.zeros((h, b - a), dtype=acc_t, device=q.device)
-        o = torch.zeros((h, b - a, d_v), dtype=acc_t, device=q.device)
+        rows = block_q if pad else b - a
+        qi = _rows(q[:, a:b].to(acc_t), rows)  # read Q_i
+        m = torch.full((h, rows), -math.inf, dtype=acc_t, device=q.device)
+        ell = torch.zeros((h, rows), dtype=acc_t, device=q.device)
+        o = torch.zeros((h, rows, d_v), dtype=acc_t, device=q.device)
         if traffic is not None:
             traffic.reads += (b - a) * d
         last = n_k if q_pos is None else int((k_pos <= q_pos[b - 1]).sum())  # keys sorted: the block's last query's
         for c in range(0, last, block_k):
             e = min(c + block_k, n_k)
-            kj, vj = k[:, c:e].to(acc_t), v[:, c:e].to(acc_t)  # read K_j, V_j
+            cols = block_k if pad else e - c
+            kj, vj = _rows(k[:, c:e].to(acc_t), cols), _rows(v[:, c:e].to(acc_t), cols)  # read K_j, V_j
             if traffic is not None:
                 traffic.reads += (e - c) * (d + d_v)
             s = torch.einsum("hqd,hkd->hqk", qi, kj) * scale
             seen = None if q_pos is None else k_pos[c:e][None, :] <= q_pos[a:b][:, None]
             if mask is not None:
                 seen = mask[a:b, c:e] if seen is None else seen & mask[a:b, c:e]
+            if pad:  # padding queries see what the block's last query sees; padding keys nobody sees
+                seen = torch.ones(b - a, e - c, dtype=torch.bool, device=q.device) if seen is None else seen
+                seen = torch.cat([seen, seen[-1:].expand(rows - (b - a), -1)])
+                seen = torch.cat([seen, seen.new_zeros(rows, cols - (e - c))], dim=1)
             if seen is not None:
                 s = s.masked_fill(~seen, -math.inf)
             m_new = torch.maximum(m, s.amax(-1))
@@ -90,12 +99,18 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
             ell = rescale * ell + p.sum(-1)
             o = rescale[..., None] * o + torch.einsum("hqk,hkd->hqd", p, vj)
             m = m_new
+        o, m, ell = o[:, :b - a], m[:, :b - a], ell[:, :b - a]
         seen_any = ell > 0
         outs.append((o / torch.where(seen_any, ell, torch.ones_like(ell))[..., None]).to(q.dtype))
         lses.append(torch.where(seen_any, m + torch.log(ell), torch.full_like(m, -math.inf)))
         if traffic is not None:
             traffic.writes += (b - a) * (d_v + 1)  # write O_i and lse_i
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t [h, r, d] with zero rows appended up to n."""
+    return t if t.shape[1] == n else torch.cat([t, t.new_zeros(t.shape[0], n - t.shape[1], t.shape[2])], dim=1)
 
 
 def flash_decoding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int = DECODE_SPLIT,

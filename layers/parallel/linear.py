@@ -32,6 +32,7 @@ class _ShardedLinear(nn.Module):
     """A linear layer's slice: weight [out', in'] and bias [bias_features] (uninitialised; load a shard into it)."""
 
     fused = False  # decode's compiled kernels may run its product (layers/parallel/weight_format.prepare sets it)
+    tile_rows = None  # batch_invariant: its product in tiles of this many rows (weight_format.prepare sets it)
 
     def __init__(self, weight_shape: tuple[int, int], bias_features: int, group: dist.ProcessGroup,
                  bias: bool, site: str | None, dtype, device):
@@ -57,7 +58,7 @@ class ColumnParallelLinear(_ShardedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_region(x, self.group, self.site)
-        return linear(x, self.weight, self.scales, self.bias, self.fused)  # [n, out/p]
+        return linear(x, self.weight, self.scales, self.bias, self.fused, self.tile_rows)  # [n, out/p]
 
 
 class RowParallelLinear(_ShardedLinear):
@@ -73,6 +74,6 @@ class RowParallelLinear(_ShardedLinear):
         super().__init__((out_features, local_in), out_features, group, bias, site, dtype, device)  # bias: whole
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [n, in/p]
-        partial = linear(x, self.weight, self.scales, fused=self.fused)  # [n, out], this rank's share (int8: own scales)
+        partial = linear(x, self.weight, self.scales, fused=self.fused, tile=self.tile_rows)  # [n, out] (int8: own scales)
         y = reduce_from_region(partial, self.group, self.site)  # all-reduce: [n, out], identical on every rank
         return y if self.bias is None else y + self.bias

@@ -47,6 +47,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.per_rank, d_model, dtype=dtype, device=device))
         self.register_buffer("scales", None)  # int8 codes' per-row scales (layers/parallel/weight_format.py)
         self.fused = False  # the head's product may run decode's compiled kernels (weight_format.prepare sets it)
+        self.tile_rows = None  # batch_invariant: the head's product in tiles of rows (weight_format.prepare)
 
     def plan(self, source: str) -> list[Part]:
         """Rows [start, start + n_real) of the dense [V, d] tensor `source`, then zero rows up to V'/p."""
@@ -68,7 +69,7 @@ class VocabParallelEmbedding(nn.Module):
     def local_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The tied LM head on this rank's slice: x [S, d] final hidden rows -> logits [S, V'/p] (padding ids -inf,
         so they never win). The full [S, V] logits never exist: layers/sampling/sampler.py picks from the slices."""
-        logits = linear(x, self.weight, self.scales, fused=self.fused)  # [S, V'/p]
+        logits = linear(x, self.weight, self.scales, fused=self.fused, tile=self.tile_rows)  # [S, V'/p]
         logits[:, self.n_real:] = float("-inf")
         return logits
 
@@ -82,6 +83,7 @@ class ReplicatedEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(vocab_size, d_model, dtype=dtype, device=device))
         self.register_buffer("scales", None)
         self.fused = False
+        self.tile_rows = None
 
     def plan(self, source: str) -> list[Part]:
         return [Part("weight", source)]
@@ -94,6 +96,6 @@ class ReplicatedEmbedding(nn.Module):
     start = 0  # the whole vocabulary is here
 
     def local_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.scales, fused=self.fused)  # [S, V]
+        return linear(x, self.weight, self.scales, fused=self.fused, tile=self.tile_rows)  # [S, V]
 
     head_group = None  # nothing to gather: the pick is local

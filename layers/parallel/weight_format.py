@@ -155,10 +155,20 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fuse
     return _chunked(x, codes, scales) if y is None else y
 
 
+TILE_ROWS = 8  # batch_invariant: every product in tiles of exactly this many rows
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
-           bias: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
+           bias: torch.Tensor | None = None, fused: bool = False, tile: int | None = None) -> torch.Tensor:
     """x · weightᵀ + bias, weight as stored: a float tensor in either layout, or int8 codes with their scales. fused:
-    the module's (prepare's) permission to run decode's compiled kernels."""
+    the module's (prepare's) permission to run decode's compiled kernels. tile (batch_invariant): the rows in tiles
+    of exactly `tile`, the last padded with zeros, so a row's result does not depend on how many rows share the call
+    (a BLAS picks its kernel, and so its order of summation, by the matrix's shape)."""
+    if tile is not None and scales is None:
+        pad = -x.shape[0] % tile
+        rows = torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
+        out = torch.cat([F.linear(rows[i:i + tile], weight, bias) for i in range(0, rows.shape[0], tile)])
+        return out[:x.shape[0]]
     if scales is not None:
         y = int8_matmul(x, weight, scales, fused)
     else:
@@ -214,19 +224,22 @@ def dequantized(dense: nn.Module, served: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def prepare(lm: nn.Module, quantization: str | None, layout: str, compile: bool = True) -> nn.Module:
+def prepare(lm: nn.Module, quantization: str | None, layout: str, compile: bool = True,
+            batch_invariant: bool = False) -> nn.Module:
     """Store lm's matmul weights for the device they run on: int8 codes and scales (quantization="int8"), or the
     float weights in `layout` (auto: resolved per weight for lm's device and whether the fused kernel reads it).
-    compile: decode's matmuls of large weights run compiled fused kernels on a CPU (enforce_eager turns it off). In
-    place; returns lm."""
+    compile: decode's matmuls of large weights run compiled fused kernels on a CPU (enforce_eager turns it off).
+    batch_invariant: every product in tiles of TILE_ROWS rows, nothing compiled. In place; returns lm."""
     check_quantization(quantization)
     modules = matmul_modules(lm)
     if not modules:
         return lm
     device = modules[0][1].weight.device
-    fused = compile and torch.device(device).type == "cpu" and os.environ.get("TPREF_COMPILE", "1") != "0"
+    fused = compile and not batch_invariant and torch.device(device).type == "cpu" and \
+        os.environ.get("TPREF_COMPILE", "1") != "0"
     for _, module in modules:
         module.fused = fused
+        module.tile_rows = TILE_ROWS if batch_invariant else None
         w = module.weight
         if quantization == "int8":
             codes, scales = quantize_rows(w.data)
