@@ -62,6 +62,9 @@ class RankSpec:
         self.engine.check_context_parallel(self.cp, self.pp, cp_name)
         if self.engine.batch_invariant:
             self.engine.check_batch_invariant(world_size // (self.cp * self.pp))
+            if not of(self.model).quantization:  # a matmul outside the linears (MoE's experts, MLA's absorbed decode)
+                raise ValueError(f"batch_invariant with {self.model.family} models is not built (not every matmul is "
+                                 f"a linear the mode tiles): serve a GPT-2, Llama or Qwen3 model")
         if self.engine.quantization is not None and not of(self.model).quantization:
             raise ValueError(f"quantization={self.engine.quantization!r} with {self.model.family} models is not built "
                              f"(their experts' or latent projections' weights are not column- and row-parallel "
