@@ -53,7 +53,7 @@ def prepare_weights(lm, config: EngineConfig):
     """lm's matmul weights stored as the settings ask (layers/parallel/weight_format.py: quantization, weight_layout;
     enforce_eager: nothing compiled). In place; returns lm."""
     return weight_format.prepare(lm, config.quantization, config.weight_layout, compile=not config.enforce_eager,
-                                 batch_invariant=config.batch_invariant)
+                                 tile_rows=weight_format.TILE_ROWS if config.batch_invariant else None)
 
 
 @torch.no_grad()

@@ -225,21 +225,22 @@ def dequantized(dense: nn.Module, served: nn.Module) -> nn.Module:
 
 @torch.no_grad()
 def prepare(lm: nn.Module, quantization: str | None, layout: str, compile: bool = True,
-            batch_invariant: bool = False) -> nn.Module:
+            tile_rows: int | None = None) -> nn.Module:
     """Store lm's matmul weights for the device they run on: int8 codes and scales (quantization="int8"), or the
     float weights in `layout` (auto: resolved per weight for lm's device and whether the fused kernel reads it).
     compile: decode's matmuls of large weights run compiled fused kernels on a CPU (enforce_eager turns it off).
-    batch_invariant: every product in tiles of TILE_ROWS rows, nothing compiled. In place; returns lm."""
+    tile_rows (batch_invariant: TILE_ROWS): every product in tiles of this many rows, nothing compiled. In place;
+    returns lm."""
     check_quantization(quantization)
     modules = matmul_modules(lm)
     if not modules:
         return lm
     device = modules[0][1].weight.device
-    fused = compile and not batch_invariant and torch.device(device).type == "cpu" and \
+    fused = compile and tile_rows is None and torch.device(device).type == "cpu" and \
         os.environ.get("TPREF_COMPILE", "1") != "0"
     for _, module in modules:
         module.fused = fused
-        module.tile_rows = TILE_ROWS if batch_invariant else None
+        module.tile_rows = tile_rows
         w = module.weight
         if quantization == "int8":
             codes, scales = quantize_rows(w.data)
