@@ -4,8 +4,9 @@
     python benchmarks/bench_flash.py [--parts traffic,speed] [--repeats 3]
 
   traffic   formulas only (layers/attention/flash.py): elements moved between HBM and on-chip memory per head for
-            a causal prompt of N tokens, d_head = 128, the paper's blocks for an on-chip memory M of 96K elements (an
-            H100 SM's 192 KiB of shared memory in 16-bit values) and of d² = 16K, against Algorithm 0's 4·N·d + 4·N²,
+            a causal prompt of N tokens, d_head = 128, the paper's blocks for an on-chip memory M of 96K elements (192
+            KiB of 16-bit values, within an H100 SM's 228 KB of shared memory) and of d² = 16K, against Algorithm 0's
+            4·N·d + 4·N²,
             N = 512 .. 128K; plotted.
   speed     the trained model (models/stdlib) through LLM, 16 requests of 192-token prompts, 32 greedy tokens: the
             flash backend against the cpu backend (PyTorch's fused SDPA per request), generate() in turn, medians;
@@ -33,7 +34,8 @@ if __package__ in (None, ""):
 from benchmarks.common import ROOT, in_turn, parse_args, print_table, random_prompts, timed_generate, write_json
 
 D = 128
-MEMORIES = {"M = 96K (an H100 SM's shared memory, 16-bit)": 96 * 1024, "M = d² = 16K": D * D}
+MEMORIES = {"M = 96K (192 KiB of 16-bit values; an H100 SM has up to 228 KB of shared memory)": 96 * 1024,
+            "M = d² = 16K": D * D}
 LENGTHS = [512 * 2 ** i for i in range(9)]  # 512 .. 128K
 
 

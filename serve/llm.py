@@ -168,6 +168,11 @@ class LLM:
         try:
             backend = resolve_backend(backend, p * pp * cp * dp)  # every replica's ranks on this machine
             device = resolve_device(device, backend)
+            if self.config.batch_invariant:  # one thread per rank (serve/model_runner.check_invariant says why)
+                if threads_per_rank not in (None, 1):
+                    raise ValueError(f"batch_invariant runs each rank on one thread: threads_per_rank="
+                                     f"{threads_per_rank} is refused; leave it unset or 1")
+                threads_per_rank = 1
             self.threads_per_rank, self.threads_why = resolve_threads(p * pp * cp * dp, device, threads_per_rank)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None

@@ -59,6 +59,7 @@ class ModelRunner:
         # batch_invariant: the flash backend's fixed padded tiles)
         self.backend = backend(self.attention, ctx.device) if self.split is None else self.split
         if config.batch_invariant:
+            check_invariant(lm, config, ctx, 1 if cp_group is None else cp_group.size())
             self.attention, self.backend = "flash", FlashBackend(invariant=True)
         slots = config.block_size // (1 if self.split is None else self.split.cp)
         # K,V heads this rank caches: h/p (GPT-2), max(h_kv/p, 1) (Llama's grouped-query attention); the layers of a
@@ -140,6 +141,30 @@ class ModelRunner:
         received: its input's receive, posted earlier (None on the first stage)."""
         step = prepared.step
         return self.lm.forward_stage(step.ids, step.positions, step.layers, microbatch, received)
+
+
+def check_invariant(lm, config: EngineConfig, ctx: TPContext, cp: int) -> None:
+    """batch_invariant's rules where the engine is built (every entry point, the library's included): the TP size;
+    a model whose every matmul is a linear the mode tiles, prepared with its tiles (serve/build.prepare_weights); a
+    CPU, one intra-op thread (PyTorch splits element-wise ops and some reductions across threads at points that
+    depend on the number of rows; a GPU's norms and sums reduce in an order set by the number of rows too)."""
+    from layers.models.families import of
+    from layers.parallel.weight_format import TILE_ROWS, matmul_modules
+
+    config.check_batch_invariant(ctx.world_size // cp)
+    if not of(lm.cfg).quantization:
+        raise ValueError(f"batch_invariant with {lm.cfg.family} models is not built (not every matmul is a linear the "
+                         f"mode tiles): serve a GPT-2, Llama or Qwen3 model")
+    if any(getattr(m, "tile_rows", None) != TILE_ROWS for _, m in matmul_modules(lm)):
+        raise ValueError("batch_invariant: the model's products are not tiled; prepare its weights with the settings "
+                         "(serve/build.prepare_weights)")
+    if torch.device(ctx.device).type != "cpu":
+        raise ValueError("batch_invariant on a GPU is not built (its norms and sums reduce in an order set by the "
+                         "number of rows): run it on a CPU")
+    if torch.get_num_threads() != 1:
+        raise ValueError(f"batch_invariant runs each rank on one intra-op thread (this rank has "
+                         f"{torch.get_num_threads()}: PyTorch splits element-wise ops and some reductions across "
+                         f"threads where the number of rows says): threads_per_rank=1, or torch.set_num_threads(1)")
 
 
 class Prepared(NamedTuple):

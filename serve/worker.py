@@ -60,6 +60,8 @@ class RankSpec:
 
         self.engine.check_pipeline(self.pp)
         self.engine.check_context_parallel(self.cp, self.pp, cp_name)
+        if self.engine.batch_invariant and getattr(self, "pd", None) is not None:
+            raise ValueError("batch_invariant with P/D disaggregation is not built: serve it colocated")
         if self.engine.batch_invariant:
             self.engine.check_batch_invariant(world_size // (self.cp * self.pp))
             if not of(self.model).quantization:  # a matmul outside the linears (MoE's experts, MLA's absorbed decode)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from layers.attention.backends import load, store
-from layers.attention.merge import merge  # noqa: F401  (the one merge: tiled attention's too)
+from layers.attention.merge import merge  # the one merge: tiled attention's too
 from tp.comm import gather_rows_from_region
 from tp.dist import grid_groups
 from tp.ledger import TransferRecord, active

@@ -50,7 +50,7 @@ class Traffic:
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor | None = None,
                     k_pos: torch.Tensor | None = None, mask: torch.Tensor | None = None, block_q: int = BLOCK_Q,
                     block_k: int = BLOCK_K, scale: float | None = None, traffic: Traffic | None = None,
-                    pad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    pad: bool = False, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [h, Tq, d]; k, v [h_kv, Tk, d] (query head j reads K,V head j // (h/h_kv)). Which keys a query sees: key
     position <= query position where q_pos [Tq] and k_pos [Tk] are given (causal), and `mask` [Tq, Tk] where given;
     neither: every key. Returns (o [h, Tq, d_v] in q's dtype, lse [h, Tq] in float32 at least; −∞ and a zero row for
@@ -101,7 +101,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
             m = m_new
         o, m, ell = o[:, :b - a], m[:, :b - a], ell[:, :b - a]
         seen_any = ell > 0
-        outs.append((o / torch.where(seen_any, ell, torch.ones_like(ell))[..., None]).to(q.dtype))
+        outs.append((o / torch.where(seen_any, ell, torch.ones_like(ell))[..., None]).to(out_dtype or q.dtype))
         lses.append(torch.where(seen_any, m + torch.log(ell), torch.full_like(m, -math.inf)))
         if traffic is not None:
             traffic.writes += (b - a) * (d_v + 1)  # write O_i and lse_i
@@ -117,8 +117,9 @@ def flash_decoding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int
                    scale: float | None = None, traffic: Traffic | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [h, 1, d] against every key of k, v [h_kv, Tk, d]: the keys in chunks of `split` (on a GPU, in parallel),
     each chunk's (o, lse) as one tile, then the log-sum-exp merge. Returns (o [h, 1, d_v], lse [h, 1])."""
+    acc = torch.promote_types(q.dtype, torch.float32)  # the partials and their merge in float32 at least
     parts = [flash_attention(q, k[:, c:c + split], v[:, c:c + split], block_q=1, block_k=split, scale=scale,
-                             traffic=traffic) for c in range(0, k.shape[1], split)]
+                             traffic=traffic, out_dtype=acc) for c in range(0, k.shape[1], split)]
     if traffic is not None:  # the partial results go through HBM once more: written above, read by the merge
         traffic.reads += len(parts) * (v.shape[2] + 1)
     o, lse = merge([o for o, _ in parts], [lse for _, lse in parts])
@@ -172,7 +173,8 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, block_q: int, block_k: int):
         positions = torch.arange(q.shape[1], device=q.device)
-        o, lse = flash_attention(q, k, v, positions, positions, block_q=block_q, block_k=block_k)
+        with torch.autocast(q.device.type, enabled=False):  # the tiles in float32 at least, as the backward recomputes
+            o, lse = flash_attention(q, k, v, positions, positions, block_q=block_q, block_k=block_k)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.blocks = (block_q, block_k)
         return o

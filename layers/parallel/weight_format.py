@@ -164,7 +164,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = 
     the module's (prepare's) permission to run decode's compiled kernels. tile (batch_invariant): the rows in tiles
     of exactly `tile`, the last padded with zeros, so a row's result does not depend on how many rows share the call
     (a BLAS picks its kernel, and so its order of summation, by the matrix's shape)."""
-    if tile is not None and scales is None:
+    if tile is not None and scales is None and x.shape[0]:
         pad = -x.shape[0] % tile
         rows = torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
         out = torch.cat([F.linear(rows[i:i + tile], weight, bias) for i in range(0, rows.shape[0], tile)])

@@ -66,6 +66,8 @@ def serve_pd(weights, world: TPContext, layout: Layout, requests: list[Request],
     if config.kv_transfer_config is not None:  # every rank, before any collective
         raise ValueError(f"kv_transfer_config {config.kv_transfer_config.kv_connector} with P/D disaggregation is "
                          f"not built: the hand-over is P/D's own connector (PDConnector); serve the tiers colocated")
+    if config.batch_invariant:
+        raise ValueError("batch_invariant with P/D disaggregation is not built: serve it colocated")
     if config.speculative_config is not None:
         raise ValueError("speculative_config with P/D disaggregation is not built yet: serve without it")
     if any(r.params is not None and r.params.prompt_logprobs is not None for r in requests):
