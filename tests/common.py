@@ -107,3 +107,31 @@ def greedy_logprobs(dense, prompt: list[int], n: int) -> tuple[list[int], list[f
         lps.append(float(logp[t]))
         tokens.append(t)
     return ids, lps
+
+
+def serve_greedy(engine, workload) -> dict:
+    """workload: [(request id, prompt, max_tokens, step it arrives)], each greedy with its chosen logprobs, through
+    step_engine on every rank; rank 0 returns {id: (tokens, chosen logprobs, finish reason)} (the others {})."""
+    from serve.sampling_params import SamplingParams
+
+    done = {}
+
+    def before(engine, step):
+        for name, prompt, new, at in workload:
+            if at == step:
+                engine.add_request(name, prompt, SamplingParams(temperature=0.0, max_tokens=new, logprobs=0))
+
+    def sink(outputs, step):
+        for o in outputs:
+            if o.finished:
+                c = o.outputs[0]
+                done[o.request_id] = (c.token_ids, [lp[t] for lp, t in zip(c.logprobs, c.token_ids)],
+                                      c.finish_reason)
+
+    step_engine(engine, before, max(at for *_, at in workload), sink)
+    return done
+
+
+def named(reqs) -> list:
+    """[(prompt, max_tokens, step)] as serve_greedy's workload, the i-th named r{i}."""
+    return [(f"r{i}", prompt, new, at) for i, (prompt, new, at) in enumerate(reqs)]

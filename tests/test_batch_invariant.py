@@ -18,8 +18,7 @@ from layers.parallel.weight_format import TILE_ROWS, linear
 from serve.build import prepare_weights
 from serve.config import EngineConfig
 from serve.engine import LLMEngine
-from serve.sampling_params import SamplingParams
-from tests.common import greedy_logprobs, step_engine
+from tests.common import greedy_logprobs, serve_greedy
 from tests.harness import run_ranks
 
 GPT2 = ModelConfig(d_model=128, n_heads=4, d_head=32, d_ffn=512, n_layers=2, max_seq_len=128, vocab_size=1000)
@@ -44,20 +43,7 @@ def serve(ctx, cfg, workload, config):
     """workload: [(name, prompt, max_tokens, step it arrives)]; rank 0's {name: (tokens, chosen logprobs)}."""
     dense = init_weights(dense_lm(cfg, torch.float32), seed=0, std=0.05)
     engine = LLMEngine(prepare_weights(shard_lm(dense, "v2", ctx.group), config), ctx, config)
-    done = {}
-
-    def before(engine, step):
-        for name, prompt, new, at in workload:
-            if at == step:
-                engine.add_request(name, prompt, SamplingParams(temperature=0.0, max_tokens=new, logprobs=0))
-
-    def sink(outputs, step):
-        for o in outputs:
-            if o.finished:
-                c = o.outputs[0]
-                done[o.request_id] = (c.token_ids, [lp[t] for lp, t in zip(c.logprobs, c.token_ids)])
-
-    step_engine(engine, before, max(at for *_, at in workload), sink)
+    done = serve_greedy(engine, workload)
     if not ctx.is_main:
         return None
     engine.shutdown()

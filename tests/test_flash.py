@@ -19,8 +19,7 @@ from layers.models.llama import LlamaConfig
 from layers.models.lm import dense_lm, shard_lm
 from serve.config import EngineConfig
 from serve.engine import LLMEngine
-from serve.sampling_params import SamplingParams
-from tests.common import greedy_logprobs, step_engine
+from tests.common import greedy_logprobs, named, serve_greedy
 from tests.harness import run_ranks
 
 CASES = [  # (h, h_kv, queries, keys, d, d_v, first query's position, B_r, B_c)
@@ -105,20 +104,7 @@ def serve_flash(ctx, cfg, reqs, config):
     try:
         dense = init_weights(dense_lm(cfg, torch.float64), seed=0, std=0.1)
         engine = LLMEngine(shard_lm(dense, "v2", ctx.group), ctx, config)
-        done = {}
-
-        def before(engine, step):
-            for i, (prompt, new, at) in enumerate(reqs):
-                if at == step:
-                    engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=new, logprobs=0))
-
-        def sink(outputs, step):
-            for o in outputs:
-                if o.finished:
-                    c = o.outputs[0]
-                    done[o.request_id] = (c.token_ids, [lp[t] for lp, t in zip(c.logprobs, c.token_ids)])
-
-        step_engine(engine, before, max(at for *_, at in reqs), sink)
+        done = serve_greedy(engine, named(reqs))
     finally:
         flash.block_q, flash.block_k, flash.split = saved
     if not ctx.is_main:

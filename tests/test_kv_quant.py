@@ -23,7 +23,7 @@ from serve.engine import LLMEngine
 from serve.kv_cache import KVPool, cache_layout_of
 from serve.request import validate_prompt
 from serve.sampling_params import SamplingParams
-from tests.common import greedy_logprobs, step_engine
+from tests.common import greedy_logprobs, named, serve_greedy, step_engine
 from tests.harness import run_ranks
 from tp.partition import kv_bytes_per_token, kv_head_range
 
@@ -109,21 +109,7 @@ def serve(ctx, cfg, reqs, config):
     engine = LLMEngine(shard_lm(dense, "v2", ctx.group), ctx, config)
     quant = engine.runner.cache.quant
     heads = kv_head_range(cfg.n_kv_heads, ctx.rank, ctx.world_size)
-    done = {}
-
-    def before(engine, step):
-        for i, (prompt, new, at) in enumerate(reqs):
-            if at == step:
-                engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=new, logprobs=0))
-
-    def sink(outputs, step):
-        for o in outputs:
-            if o.finished:
-                c = o.outputs[0]
-                done[o.request_id] = (c.token_ids, [step_lp[t] for step_lp, t in zip(c.logprobs, c.token_ids)],
-                                      c.finish_reason)
-
-    step_engine(engine, before, max(at for *_, at in reqs), sink)
+    done = serve_greedy(engine, named(reqs))
     if not ctx.is_main:
         return None, (quant.scales.clone(), heads, list(quant.scaled))
     stats = engine.stats()

@@ -21,8 +21,7 @@ from serve.engine import LLMEngine
 from serve.kv_cache import cache_layout_of, layout_block_bytes
 from serve.kv_connector.config import KVTransferConfig
 from serve.kv_connector.tiers import TierIndex
-from serve.sampling_params import SamplingParams
-from tests.common import greedy_logprobs, step_engine
+from tests.common import greedy_logprobs, named, serve_greedy
 from tests.harness import run_ranks
 
 GPT2 = ModelConfig(d_model=64, n_heads=4, d_head=16, d_ffn=128, n_layers=2, max_seq_len=96, vocab_size=257)
@@ -54,28 +53,11 @@ def block_bytes(cfg, p: int, block_size: int) -> int:
 
 def serve(ctx, cfg, reqs, config, spoil=None):
     """Every rank steps its LLMEngine; rank 0 adds each request at its step. spoil(engine, step): called on every rank
-    before each step (a fault). Returns rank 0's (outputs: id -> (tokens, chosen logprobs), stats)."""
+    before each step (a fault). Returns rank 0's (outputs: id -> (tokens, chosen logprobs, reason), stats)."""
     dense = init_weights(dense_lm(cfg, torch.float64), seed=0, std=0.1)
     engine = LLMEngine(shard_lm(dense, "v2", ctx.group), ctx, config)
-    done, steps = {}, [0]
-
-    def before(engine, step):
-        for i, (prompt, new, at) in enumerate(reqs):
-            if at == step:
-                engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=new, logprobs=0))
-
-    def sink(outputs, step):
-        for o in outputs:
-            if o.finished:
-                c = o.outputs[0]
-                done[o.request_id] = (c.token_ids, [lp[t] for lp, t in zip(c.logprobs, c.token_ids)])
-
-    if spoil is not None:
-        inner = before
-
-        def before(engine, step):  # noqa: F811
-            inner(engine, step)
-
+    steps = [0]
+    if spoil is not None:  # the fault, on every rank, before each step
         original = engine.step
 
         def step_with_fault():
@@ -95,7 +77,7 @@ def serve(ctx, cfg, reqs, config, spoil=None):
             seen["folder_gone"] = folder is None or not os.path.exists(folder)
 
         store.close = listed_close
-    step_engine(engine, before, max(at for *_, at in reqs), sink)  # drive closes the connector as its loop ends
+    done = serve_greedy(engine, named(reqs))  # drive closes the connector as its loop ends
     engine.scheduler.blocks.check()
     if engine.connector is not None:
         engine.connector.index.check()
@@ -118,7 +100,7 @@ def check_against_oracle(cfg, reqs, done):
     dense = init_weights(dense_lm(cfg, torch.float64), seed=0, std=0.1)
     for i, (prompt, new, _) in enumerate(reqs):
         ids, lps = greedy_logprobs(dense, prompt, new)
-        got_ids, got_lps = done[f"r{i}"]
+        got_ids, got_lps, _ = done[f"r{i}"]
         assert got_ids == ids, (i, got_ids, ids)
         assert max(abs(a - b) for a, b in zip(got_lps, lps)) < 1e-12
 
@@ -132,7 +114,7 @@ def test_tiers_give_the_oracles_tokens_and_their_hits_happen(cfg, p, attention, 
     config = EngineConfig(**SMALL, attention=attention, kv_transfer_config=offloading(3, 64, bb, tmp_path))
     done, stats = run_ranks(p, serve, cfg, reqs, config)[0]
     check_against_oracle(cfg, reqs, done)
-    assert {k: ids for k, (ids, _) in done.items()} == {k: ids for k, (ids, _) in plain_done.items()}
+    assert {k: ids for k, (ids, *_) in done.items()} == {k: ids for k, (ids, *_) in plain_done.items()}
     hits = stats["kv_tier_hit_blocks"]
     assert stats["kv_offloaded_blocks"] > 0 and stats["kv_demoted_blocks"] > 0, stats
     assert hits["cpu"] > 0 and hits["disk"] > 0, stats
