@@ -109,9 +109,10 @@ def greedy_logprobs(dense, prompt: list[int], n: int) -> tuple[list[int], list[f
     return ids, lps
 
 
-def serve_greedy(engine, workload) -> dict:
-    """workload: [(request id, prompt, max_tokens, step it arrives)], each greedy with its chosen logprobs, through
-    step_engine on every rank; rank 0 returns {id: (tokens, chosen logprobs, finish reason)} (the others {})."""
+def serve_greedy(engine, workload, temperature: float = 0.0) -> dict:
+    """workload: [(request id, prompt, max_tokens, step it arrives)], each greedy (or sampled at `temperature`, each
+    request's seed drawn from the engine's) with its chosen logprobs, through step_engine on every rank; rank 0
+    returns {id: (tokens, chosen logprobs, finish reason)} (the others {})."""
     from serve.sampling_params import SamplingParams
 
     done = {}
@@ -119,7 +120,7 @@ def serve_greedy(engine, workload) -> dict:
     def before(engine, step):
         for name, prompt, new, at in workload:
             if at == step:
-                engine.add_request(name, prompt, SamplingParams(temperature=0.0, max_tokens=new, logprobs=0))
+                engine.add_request(name, prompt, SamplingParams(temperature=temperature, max_tokens=new, logprobs=0))
 
     def sink(outputs, step):
         for o in outputs:

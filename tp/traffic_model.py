@@ -426,6 +426,41 @@ def pass_kv_bytes_per_rank_per_layer(cfg: ModelShape, cp: int, tp: int, n: int, 
     return (cp - 1) * 2 * (n / cp) * kv_heads_per_rank(cfg.n_kv_heads, tp) * cfg.d_head * elem_bytes
 
 
+def predict_train_logprobs(cfg: ModelShape, tp: int, rows: int, dtype: torch.dtype,
+                           backward: bool = False) -> list[Traffic]:
+    """Every collective of train/step.py tp_logprobs over `rows` rows (the sequences' lengths less one, summed) on a
+    rank of a tp group, in issue order: the embedding's all-reduce [rows, d], the v2 blocks forward, the sampler's
+    statistics in float64 (three all-reduces [rows]: train/loss.py token_logprobs); backward: the head's f and the
+    blocks from the last layer."""
+    return _train_rows(cfg, tp, rows, dtype, "v2", "logprobs", torch.float64, backward)
+
+
+def _train_rows(cfg: ModelShape, tp: int, n: int, dtype: torch.dtype, variant: str, statistics: str,
+                statistics_dtype: torch.dtype, backward: bool) -> list[Traffic]:
+    """The collectives of the train step's forward over n rows (train/step.py tp_logits), the three all-reduces [n]
+    of `statistics` (the loss's, or the logprobs'), and with backward its backward."""
+    if tp == 1:
+        return []
+    sp = variant == "v2sp"
+
+    def outside(sublayer, site, shape, dt, phase="forward"):
+        return Traffic.of(layer=None, sublayer=sublayer, site=site, phase=phase, kind="all_reduce", shape=shape,
+                          dtype=dt, p=tp)
+
+    out = [outside("embed", "all-reduce", (n, cfg.d_model), dtype)]
+    out += predict(cfg, tp, n, dtype, variant, "forward")
+    if sp:
+        out += predict_sp_stack(cfg, tp, n, dtype, "forward")
+    out += [outside(statistics, site, (n,), statistics_dtype)
+            for site in ("all-reduce max", "all-reduce sum", "all-reduce target")]
+    if backward:
+        out.append(outside("head", "f", (n, cfg.d_model), dtype, "backward"))
+        out += _blocks(cfg, reversed(range(cfg.n_layers)), n, variant, "backward", dtype, tp)
+        if sp:
+            out += predict_sp_stack(cfg, tp, n, dtype, "backward")
+    return out
+
+
 def predict_train_step(cfg: ModelShape, tp: int, dp: int, micro_rows: list[int], flat: int, dtype: torch.dtype,
                        distributed_optimizer: bool = False, sequence_parallel: bool = False) -> list[Traffic]:
     """Every collective of one training step (train/step.py) on a rank of a dp × tp world, in issue order: per
@@ -445,17 +480,7 @@ def predict_train_step(cfg: ModelShape, tp: int, dp: int, micro_rows: list[int],
                                   dtype=dt, p=p))
 
     for n in micro_rows:
-        outside("embed", "all-reduce", "all_reduce", (n, cfg.d_model), dtype, tp)
-        out += predict(cfg, tp, n, dtype, variant, "forward")
-        if sequence_parallel:
-            out += predict_sp_stack(cfg, tp, n, dtype, "forward")
-        for site in ("all-reduce max", "all-reduce sum", "all-reduce target"):
-            outside("loss", site, "all_reduce", (n,), dtype, tp)
-        outside("head", "f", "all_reduce", (n, cfg.d_model), dtype, tp, "backward")
-        if tp > 1:
-            out += _blocks(cfg, reversed(range(cfg.n_layers)), n, variant, "backward", dtype, tp)
-        if sequence_parallel:
-            out += predict_sp_stack(cfg, tp, n, dtype, "backward")
+        out += _train_rows(cfg, tp, n, dtype, variant, "loss", dtype, backward=True)
     outside("dp", "loss", "all_reduce", (1,), f64, dp)
     if not distributed_optimizer:
         outside("dp", "all-reduce", "all_reduce", (flat,), dtype, dp)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from layers.sampling.sampler import log_normaliser
 from tp.comm import all_reduce_values
 
 
@@ -49,3 +50,41 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, st
     """Each row's cross-entropy [n] from this rank's logits [n, V/p] (its ids start at `start`) and the target ids
     [n], equal to torch.nn.functional.cross_entropy(z, targets, reduction="none") on the whole rows z."""
     return _VocabParallelCrossEntropy.apply(logits, targets, start, group)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log softmax(z)[target] per row in float64, in the serving sampler's arithmetic (layers/sampling/sampler.py:
+    the same m, the same sum exp(z − m), log_normaliser), so where the logits are the engine's bits the logprobs are
+    too. The same three all-reduces [n] as the cross-entropy, in float64; the backward local."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int, group: dist.ProcessGroup):
+        z = logits.double()
+        n, width = z.shape
+        m = all_reduce_values(z.max(dim=-1).values, group, "max", "logprobs/all-reduce max")  # ★ [n]
+        exp = torch.exp(z - m[:, None])
+        z_sum = all_reduce_values(exp.sum(dim=-1), group, "sum", "logprobs/all-reduce sum")  # ★ [n]
+        local = targets - start
+        mine = (local >= 0) & (local < width)
+        rows = torch.arange(n, device=z.device)
+        target = torch.where(mine, z[rows, local.clamp(0, width - 1)], torch.zeros_like(m))
+        z_t = all_reduce_values(target, group, "sum", "logprobs/all-reduce target")  # ★ [n]: z + 0 elsewhere, exact
+        ctx.save_for_backward(exp / z_sum[:, None], local, mine)
+        ctx.dtype = logits.dtype
+        return z_t - log_normaliser(m, z_sum)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, local, mine = ctx.saved_tensors
+        g = -softmax  # onehot(target)[:, V_r] − softmax(z)[:, V_r]: local
+        rows = torch.arange(g.shape[0], device=g.device)[mine]
+        g[rows, local[mine]] += 1
+        return (g * grad[:, None]).to(ctx.dtype), None, None, None
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, start: int,
+                   group: dist.ProcessGroup) -> torch.Tensor:
+    """Each row's log-probability of its target [n] float64 from this rank's logits [n, V/p] (ids from `start`):
+    torch.log_softmax(z.double(), -1)[row, target] on the whole rows, differentiable (an RL step's policy logprobs),
+    with the sampler's arithmetic (the engine's logprobs to the bit where the logits are its bits)."""
+    return _TokenLogprobs.apply(logits, targets, start, group)

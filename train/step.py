@@ -90,19 +90,62 @@ def tp_loss(lm, ids: torch.Tensor, flash: bool = False) -> torch.Tensor:
     backward (layers/attention/flash.py) instead of SDPA."""
     B, T = ids.shape[0], ids.shape[1] - 1
     inputs, targets = ids[:, :-1].reshape(-1), ids[:, 1:].reshape(-1)
-    x = lm.embed_rows(inputs, torch.arange(T, device=ids.device).repeat(B))  # ★ all-reduce [B·T, d]
     requests = Requests.from_lengths([T] * B, flash=flash)  # each sequence attends to itself alone, from position 0
+    z = tp_logits(lm, inputs, torch.arange(T, device=ids.device).repeat(B), requests)
+    if z.dtype in (torch.bfloat16, torch.float16):  # autocast: the softmax's statistics in float32
+        z = z.float()
+    head = lm.output_embedding
+    return vocab_parallel_cross_entropy(z, targets, head.start, head.group).mean()  # ★ 3 all-reduces [B·T]
+
+
+def tp_logits(lm, inputs: torch.Tensor, positions: torch.Tensor, requests: Requests) -> torch.Tensor:
+    """This rank's slice of the logits [n, V'/p] of the flat rows `inputs` [n] (each request's rows attend to its
+    own, by `requests`): the train step's forward."""
+    x = lm.embed_rows(inputs, positions)  # ★ all-reduce [n, d]
     n, stack = x.shape[0], lm.stack
     x = stack.enter(x)  # v2sp: this rank's rows (backward: ★ all-gather of dx)
     for block in stack.blocks:
         x = stack.layer(block, x, requests, n)  # ★ v2: 2 all-reduces forward, 2 backward; v2sp: 2 all-gathers and
     x = stack.output((x,), n)  # 2 reduce-scatters each way; v2sp: ★ all-gather of the rows
     head = lm.output_embedding
-    # f after the final norm: the norm's weights get the whole gradient (★ all-reduce [B·T, d], backward)
-    z = head.local_logits(copy_to_region(lm.final_norm(x), head.group, "head/f"))  # [B·T, V'/p]
-    if z.dtype in (torch.bfloat16, torch.float16):  # autocast: the softmax's statistics in float32
-        z = z.float()
-    return vocab_parallel_cross_entropy(z, targets, head.start, head.group).mean()  # ★ 3 all-reduces [B·T]
+    # f after the final norm: the norm's weights get the whole gradient (★ all-reduce [n, d], backward)
+    return head.local_logits(copy_to_region(lm.final_norm(x), head.group, "head/f"))  # [n, V'/p]
+
+
+def tp_logprobs(lm, sequences, batch_invariant: bool = False) -> list[torch.Tensor]:
+    """Each token's log-probability given the tokens before it, through this rank's TP model: sequences (lists or
+    1-D tensors of ids, any lengths >= 2) -> per sequence [len - 1] float64, entry t = log p(seq[t + 1] | seq[:t + 1]),
+    the same on every rank and differentiable (what an RL step reads for the tokens an engine sampled).
+
+    batch_invariant: the serving engine's mode (EngineConfig.batch_invariant): every product in tiles of TILE_ROWS
+    rows (weight_format.tiled) and FlashAttention-2's tiles padded; with the engine's model made from the same
+    weights in that mode (out_in layout, float32 or any dtype both use), these are its logprobs to the bit
+    (tests/test_batch_invariant.py). Otherwise SDPA and whole products: equal to the dense model's up to rounding."""
+    from layers.parallel.weight_format import TILE_ROWS, tiled
+    from train.loss import token_logprobs
+
+    seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]  # checked before any collective:
+    if not seqs or min(len(s) for s in seqs) < 2:  # the same input gives every rank the same error
+        raise ValueError("tp_logprobs: every sequence needs 2 tokens or more (a token and the one it predicts)")
+    cfg = lm.cfg
+    if max(len(s) for s in seqs) - 1 > cfg.max_seq_len:
+        raise ValueError(f"tp_logprobs: a sequence of {max(len(s) for s in seqs)} tokens; the model reads at most "
+                         f"max_seq_len = {cfg.max_seq_len} and predicts one more")
+    if any(int(s.min()) < 0 or int(s.max()) >= cfg.vocab_size for s in seqs):
+        raise ValueError(f"tp_logprobs: token ids must lie in [0, {cfg.vocab_size})")
+    if batch_invariant and (torch.get_num_threads() != 1 or next(lm.parameters()).device.type != "cpu"):
+        raise ValueError("tp_logprobs(batch_invariant=True) runs on a CPU on one intra-op thread, as the engine's "
+                         "mode does (torch.set_num_threads(1)): more threads split element-wise ops and sums at "
+                         "points set by the number of rows")
+    lengths = [len(s) - 1 for s in seqs]
+    inputs, targets = torch.cat([s[:-1] for s in seqs]), torch.cat([s[1:] for s in seqs])
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    device = next(lm.parameters()).device
+    requests = Requests.from_lengths(lengths, invariant=batch_invariant)
+    with tiled(lm, TILE_ROWS if batch_invariant else None):
+        z = tp_logits(lm, inputs.to(device), positions.to(device), requests)
+    head = lm.output_embedding
+    return list(token_logprobs(z, targets.to(device), head.start, head.group).split(lengths))  # ★ 3 all-reduces [n]
 
 
 def train_lm(weights, group: dist.ProcessGroup, sequence_parallel: bool = False):

@@ -81,7 +81,8 @@ def attention(q: torch.Tensor, kv: torch.Tensor, requests: Requests | PagedLayer
         return requests.attend(q, kv)
     kv = reference_round_trip(kv)  # inside kv_quant.pseudo_quantized: K,V as a quantized cache would give them
     if requests is not None and requests.flash:  # training: FlashAttention-2's tiles, forward and backward
-        out = torch.cat([flash_causal(q[:, s:e], kv[0][:, s:e], kv[1][:, s:e]) for s, e in requests.spans], dim=1)
+        out = torch.cat([flash_causal(q[:, s:e], kv[0][:, s:e], kv[1][:, s:e], pad=requests.invariant)
+                         for s, e in requests.spans], dim=1)
         return rearrange(out, "h n d -> n (h d)")
     group = q.shape[0] // kv.shape[1]
     k, v = (t.repeat_interleave(group, dim=0) if group > 1 else t for t in kv)

@@ -171,10 +171,10 @@ class FlashAttentionFunction(torch.autograd.Function):
     Grouped-query heads: each K,V head's gradient sums its query heads'."""
 
     @staticmethod
-    def forward(ctx, q, k, v, block_q: int, block_k: int):
+    def forward(ctx, q, k, v, block_q: int, block_k: int, pad: bool):
         positions = torch.arange(q.shape[1], device=q.device)
         with torch.autocast(q.device.type, enabled=False):  # the tiles in float32 at least, as the backward recomputes
-            o, lse = flash_attention(q, k, v, positions, positions, block_q=block_q, block_k=block_k)
+            o, lse = flash_attention(q, k, v, positions, positions, block_q=block_q, block_k=block_k, pad=pad)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.blocks = (block_q, block_k)
         return o
@@ -208,10 +208,12 @@ class FlashAttentionFunction(torch.autograd.Function):
                 dk[:, c:e] += torch.einsum("hqk,hqd->hkd", ds, qq[:, a:b]) * scale
         if group > 1:
             dk, dv = (t.view(k.shape[0], group, n, -1).sum(1) for t in (dk, dv))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def flash_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int = BLOCK_Q,
-                 block_k: int = BLOCK_K) -> torch.Tensor:
-    """Causal attention of one sequence through FlashAttentionFunction (differentiable): [h, T, d_v]."""
-    return FlashAttentionFunction.apply(q, k, v, block_q, block_k)
+                 block_k: int = BLOCK_K, pad: bool = False) -> torch.Tensor:
+    """Causal attention of one sequence through FlashAttentionFunction (differentiable): [h, T, d_v]. pad: the
+    forward's tiles padded as the serving engine's batch-invariant mode pads them (flash_attention's `pad`), so a
+    row's output is the engine's bits (the backward is the same either way)."""
+    return FlashAttentionFunction.apply(q, k, v, block_q, block_k, pad)

@@ -27,6 +27,7 @@ class Requests:
     cu_seqlens: tuple[int, ...]
     padded: bool = False
     flash: bool = False  # each request's causal attention through FlashAttention-2's forward and backward (training)
+    invariant: bool = False  # with flash: the tiles padded as the engine's batch_invariant mode pads them
 
     @property
     def spans(self) -> list[tuple[int, int]]:
@@ -41,8 +42,9 @@ class Requests:
         return self.cu_seqlens[-1]
 
     @classmethod
-    def from_lengths(cls, lengths, padded: bool = False, flash: bool = False) -> "Requests":
-        return cls(tuple(itertools.accumulate((int(n) for n in lengths), initial=0)), padded, flash)
+    def from_lengths(cls, lengths, padded: bool = False, flash: bool = False, invariant: bool = False) -> "Requests":
+        return cls(tuple(itertools.accumulate((int(n) for n in lengths), initial=0)), padded, flash or invariant,
+                   invariant)
 
 
 def check_cu_seqlens(cu_seqlens, n_tokens: int, max_seq_len: int) -> tuple[int, ...]:

@@ -36,6 +36,7 @@ the dequantized reference's arithmetic.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -229,8 +230,9 @@ def prepare(lm: nn.Module, quantization: str | None, layout: str, compile: bool 
     """Store lm's matmul weights for the device they run on: int8 codes and scales (quantization="int8"), or the
     float weights in `layout` (auto: resolved per weight for lm's device and whether the fused kernel reads it).
     compile: decode's matmuls of large weights run compiled fused kernels on a CPU (enforce_eager turns it off).
-    tile_rows (batch_invariant: TILE_ROWS): every product in tiles of this many rows, nothing compiled. In place;
-    returns lm."""
+    tile_rows (batch_invariant: TILE_ROWS): every product in tiles of this many rows, nothing compiled, and `auto`
+    is out_in, nn.Linear's own layout, so a trainer's forward in tiles (`tiled`) multiplies the same operands. In
+    place; returns lm."""
     check_quantization(quantization)
     modules = matmul_modules(lm)
     if not modules:
@@ -246,6 +248,8 @@ def prepare(lm: nn.Module, quantization: str | None, layout: str, compile: bool 
             codes, scales = quantize_rows(w.data)
             module.weight = nn.Parameter(codes, requires_grad=False)
             module.scales = scales
+        elif tile_rows is not None and layout == "auto":  # the trainer's layout: its forward reads the same operand
+            relayout(w, "out_in")
         else:
             relayout(w, resolve_layout(layout, device, fused and w.numel() >= FUSED_MIN))
     warm_up([m for _, m in modules], model_dtype(lm))
@@ -255,6 +259,21 @@ def prepare(lm: nn.Module, quantization: str | None, layout: str, compile: bool 
             if module.scales is None:
                 relayout(module.weight, resolve_layout(layout, device))
     return lm
+
+
+@contextmanager
+def tiled(lm: nn.Module, rows: int | None = TILE_ROWS):
+    """lm's products in tiles of `rows` rows while the block runs (None: as they were), as `prepare` tiles a served
+    model's for batch_invariant: a trainer's forward then multiplies as the engine does (train/step.py tp_logprobs)."""
+    modules = [m for _, m in matmul_modules(lm)]
+    before = [getattr(m, "tile_rows", None) for m in modules]
+    for m in modules:
+        m.tile_rows = rows
+    try:
+        yield lm
+    finally:
+        for m, was in zip(modules, before):
+            m.tile_rows = was
 
 
 def relayout(w: torch.Tensor, layout: str) -> None:

@@ -346,6 +346,13 @@ def apply_filters(local: torch.Tensor, ids: torch.Tensor, group, batch: Sampling
     return Filtered(T, log_min_p, greedy, m, top_z, top_id, kept_c, closed, rounds, z_full)
 
 
+def log_normaliser(m: torch.Tensor, z_sum: torch.Tensor) -> torch.Tensor:
+    """log Z from each row's max m and sum exp(z - m) over the whole vocabulary, float64: a logprob is z - log Z. The
+    one expression of it: the sampler's logprobs and a trainer's (train/loss.py token_logprobs) read it, so the two
+    agree to the bit where their logits do (EngineConfig.batch_invariant)."""
+    return m + torch.log(z_sum)
+
+
 def sample(local: torch.Tensor, start: int, group: dist.ProcessGroup | None, batch: SamplingBatch | None,
            vocab_size: int) -> SampleResult:
     """local: this rank's logits [S, V'/p] (padding ids -inf); start: its first id; group: the vocab-parallel group
@@ -380,7 +387,7 @@ def sample(local: torch.Tensor, start: int, group: dist.ProcessGroup | None, bat
         result.race = True
         _race_slices(local, ids, start, group, batch, T, cut.log_min_p, cut.m, ~closed, result)
     if batch.logprobs >= 0:
-        log_z = cut.m[:, 0] + torch.log(cut.z_full)
+        log_z = log_normaliser(cut.m[:, 0], cut.z_full)
         result.logprob = result.logits - log_z
         result.top_ids = top_id[:, :batch.logprobs].long()
         result.top_logprobs = top_z[:, :batch.logprobs] - log_z[:, None]
