@@ -172,9 +172,10 @@ def test_the_trainers_forward_gives_the_engines_logprobs_to_the_bit(cfg, p, dtyp
     assert any(engine != plain for engine, _, plain, _ in rows)
 
 
-def logprobs_and_gradients(ctx, cfg):
-    """tp_logprobs in float64, in the mode and without: rank 0's (values, the gradient of a weighted sum of them
-    gathered into the dense model's layout, the ledger's records, the traffic model's)."""
+def logprobs_and_gradients(ctx, cfg, sp):
+    """tp_logprobs in float64, in the mode and without (sp: a sequence-parallel model, without only): rank 0's
+    (values, the gradient of a weighted sum of them gathered into the dense model's layout, the ledger's records, the
+    traffic model's)."""
     from dataclasses import fields
 
     from tp.ledger import Traffic, TrafficLedger
@@ -186,8 +187,8 @@ def logprobs_and_gradients(ctx, cfg):
     seqs = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (70, 9, 2)]
     weights = torch.randn(69 + 8 + 1, generator=g, dtype=torch.float64)
     out = []
-    for on in (True, False):
-        lm = train_lm(init_weights(dense_lm(cfg, torch.float64), seed=0, std=0.05), ctx.group)
+    for on in (False,) if sp else (True, False):
+        lm = train_lm(init_weights(dense_lm(cfg, torch.float64), seed=0, std=0.05), ctx.group, sp)
         ledger = TrafficLedger(ctx.world_size)
         with ledger.attach(lm.stack):
             lps = tp_logprobs(lm, seqs, batch_invariant=on)
@@ -196,46 +197,51 @@ def logprobs_and_gradients(ctx, cfg):
             param.data = param.grad
         got = [Traffic(*(getattr(r, f.name) for f in fields(Traffic))) for r in ledger.records]
         out.append(([t.tolist() for t in lps], gather_dense(lm, ctx.group).state_dict(), got,
-                    predict_train_logprobs(cfg, ctx.world_size, 69 + 8 + 1, torch.float64, backward=True)))
+                    predict_train_logprobs(cfg, ctx.world_size, 69 + 8 + 1, torch.float64, True, sp)))
     return out if ctx.is_main else None
 
 
-@pytest.mark.parametrize("cfg,p", [(GPT2, 1), (LLAMA, 2)], ids=["gpt2-p1", "llama-p2"])
-def test_the_trainers_logprobs_and_gradients_are_the_dense_models(cfg, p):
+@pytest.mark.parametrize("cfg,p,sp", [(GPT2, 1, False), (LLAMA, 2, False), (LLAMA, 2, True)],
+                         ids=["gpt2-p1", "llama-p2", "llama-p2-sp"])
+def test_the_trainers_logprobs_and_gradients_are_the_dense_models(cfg, p, sp):
     """tp_logprobs against one device (float64): log_softmax of the dense model's logits at each next token, and
-    torch's gradient of the same weighted sum, every parameter; its collectives are the traffic model's."""
+    torch's gradient of the same weighted sum, every parameter; its collectives are the traffic model's (v2, and
+    v2sp with sequence parallelism)."""
     dense = init_weights(dense_lm(cfg, torch.float64), seed=0, std=0.05)
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, 1000, (n,), generator=g) for n in (70, 9, 2)]
     weights = torch.randn(69 + 8 + 1, generator=g, dtype=torch.float64)
     want = [torch.log_softmax(dense.logits(s[:-1]), -1).gather(1, s[1:, None])[:, 0] for s in seqs]
     (torch.cat(want) * weights).sum().backward()
-    for values, grads, got, predicted in run_ranks(p, logprobs_and_gradients, cfg)[0]:
+    for values, grads, got, predicted in run_ranks(p, logprobs_and_gradients, cfg, sp)[0]:
         assert max(abs(a - b) for v, w in zip(values, want) for a, b in zip(v, w.tolist())) < 1e-12
         for name, param in dense.named_parameters():
             assert torch.allclose(grads[name], param.grad, rtol=1e-9, atol=1e-12), name
-        assert got == predicted and (p == 1 or len(got) == 5 + 4 * cfg.n_layers)
+        assert got == predicted and len(got) == (0 if p == 1 else 27 if sp else 5 + 4 * cfg.n_layers)
 
 
 def trainer_refusals(ctx):
-    """What tp_logprobs refuses before any collective, each message."""
+    """What tp_logprobs refuses before any collective, each message, on every rank."""
     from unittest import mock
 
     from train.step import tp_logprobs, train_lm
 
-    lm = train_lm(init_weights(dense_lm(GPT2, torch.float32), seed=0, std=0.05), ctx.group)
+    dense = init_weights(dense_lm(GPT2, torch.float32), seed=0, std=0.05)
+    lm = train_lm(dense, ctx.group)
     said = []
-    for seqs, on, threads in (([[5]], False, 1), ([list(range(130))], False, 1), ([[3, 1000]], False, 1),
-                              ([[1, 2, 3]], True, 2)):
+    for model, seqs, on, threads in ((lm, [], False, 1), (lm, [[5]], False, 1), (lm, [[1.0, 2.0]], False, 1),
+                                     (lm, [list(range(130))], False, 1), (lm, [[3, 1000]], False, 1),
+                                     (lm, [[1, 2, 3]], True, 2), (train_lm(dense, ctx.group, True), [[1, 2]], True, 1)):
         try:
             with mock.patch.object(torch, "get_num_threads", lambda: threads):
-                tp_logprobs(lm, seqs, batch_invariant=on)
+                tp_logprobs(model, seqs, batch_invariant=on)
         except ValueError as exc:
             said.append(str(exc))
     return said
 
 
 def test_the_trainers_forward_refuses_in_one_line():
-    said = run_ranks(1, trainer_refusals)[0]
-    assert len(said) == 4 and "2 tokens or more" in said[0] and "max_seq_len = 128" in said[1]
-    assert "[0, 1000)" in said[2] and "one intra-op thread" in said[3]
+    for said in run_ranks(2, trainer_refusals):
+        assert len(said) == 7 and "no sequences" in said[0] and "2 tokens or more" in said[1]
+        assert "integers" in said[2] and "max_seq_len = 128" in said[3] and "[0, 1000)" in said[4]
+        assert "one intra-op thread" in said[5] and "with sequence parallelism is not built" in said[6]

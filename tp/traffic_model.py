@@ -426,13 +426,14 @@ def pass_kv_bytes_per_rank_per_layer(cfg: ModelShape, cp: int, tp: int, n: int, 
     return (cp - 1) * 2 * (n / cp) * kv_heads_per_rank(cfg.n_kv_heads, tp) * cfg.d_head * elem_bytes
 
 
-def predict_train_logprobs(cfg: ModelShape, tp: int, rows: int, dtype: torch.dtype,
-                           backward: bool = False) -> list[Traffic]:
+def predict_train_logprobs(cfg: ModelShape, tp: int, rows: int, dtype: torch.dtype, backward: bool = False,
+                           sequence_parallel: bool = False) -> list[Traffic]:
     """Every collective of train/step.py tp_logprobs over `rows` rows (the sequences' lengths less one, summed) on a
-    rank of a tp group, in issue order: the embedding's all-reduce [rows, d], the v2 blocks forward, the sampler's
-    statistics in float64 (three all-reduces [rows]: train/loss.py token_logprobs); backward: the head's f and the
-    blocks from the last layer."""
-    return _train_rows(cfg, tp, rows, dtype, "v2", "logprobs", torch.float64, backward)
+    rank of a tp group, in issue order: the embedding's all-reduce [rows, d], the blocks forward (v2, or v2sp with
+    the rows' gathers), the sampler's statistics in float64 (three all-reduces [rows]: train/loss.py
+    token_logprobs); backward: the head's f and the blocks from the last layer."""
+    return _train_rows(cfg, tp, rows, dtype, "v2sp" if sequence_parallel else "v2", "logprobs", torch.float64,
+                       backward)
 
 
 def _train_rows(cfg: ModelShape, tp: int, n: int, dtype: torch.dtype, variant: str, statistics: str,

@@ -118,14 +118,24 @@ def tp_logprobs(lm, sequences, batch_invariant: bool = False) -> list[torch.Tens
     the same on every rank and differentiable (what an RL step reads for the tokens an engine sampled).
 
     batch_invariant: the serving engine's mode (EngineConfig.batch_invariant): every product in tiles of TILE_ROWS
-    rows (weight_format.tiled) and FlashAttention-2's tiles padded; with the engine's model made from the same
-    weights in that mode (out_in layout, float32 or any dtype both use), these are its logprobs to the bit
-    (tests/test_batch_invariant.py). Otherwise SDPA and whole products: equal to the dense model's up to rounding."""
+    rows (weight_format.tiled) and FlashAttention-2's tiles padded; these are the logprobs of an engine in that mode
+    to the bit where it holds the same weights in the same dtype, at the same tensor-parallel size (1 or 2: a row-
+    parallel sum's bits depend on it) with its vocab-parallel head (the default), in weight_layout auto or out_in
+    (tests/test_batch_invariant.py). Otherwise SDPA and whole products: equal to the dense model's up to rounding.
+
+    Every rank of the group calls it with the same sequences, as the train step's micro-batches; the checks below
+    read only them and this rank's settings, so they raise before any collective."""
+    from layers.models.tp_block import SPStack
     from layers.parallel.weight_format import TILE_ROWS, tiled
     from train.loss import token_logprobs
 
-    seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]  # checked before any collective:
-    if not seqs or min(len(s) for s in seqs) < 2:  # the same input gives every rank the same error
+    seqs = [torch.as_tensor(s).reshape(-1) for s in sequences]
+    if not seqs:
+        raise ValueError("tp_logprobs: no sequences")
+    if any(s.is_floating_point() or s.is_complex() or s.dtype == torch.bool for s in seqs):
+        raise ValueError("tp_logprobs: sequences of token ids (integers)")
+    seqs = [s.long() for s in seqs]
+    if min(len(s) for s in seqs) < 2:
         raise ValueError("tp_logprobs: every sequence needs 2 tokens or more (a token and the one it predicts)")
     cfg = lm.cfg
     if max(len(s) for s in seqs) - 1 > cfg.max_seq_len:
@@ -133,10 +143,16 @@ def tp_logprobs(lm, sequences, batch_invariant: bool = False) -> list[torch.Tens
                          f"max_seq_len = {cfg.max_seq_len} and predicts one more")
     if any(int(s.min()) < 0 or int(s.max()) >= cfg.vocab_size for s in seqs):
         raise ValueError(f"tp_logprobs: token ids must lie in [0, {cfg.vocab_size})")
-    if batch_invariant and (torch.get_num_threads() != 1 or next(lm.parameters()).device.type != "cpu"):
-        raise ValueError("tp_logprobs(batch_invariant=True) runs on a CPU on one intra-op thread, as the engine's "
-                         "mode does (torch.set_num_threads(1)): more threads split element-wise ops and sums at "
-                         "points set by the number of rows")
+    if batch_invariant:
+        p = dist.get_world_size(lm.output_embedding.group)
+        if p > 2 or isinstance(lm.stack, SPStack):
+            raise ValueError(f"tp_logprobs(batch_invariant=True) at tensor-parallel size {p}"
+                             f"{' with sequence parallelism' if isinstance(lm.stack, SPStack) else ''} is not built: "
+                             f"the engine's mode serves v2 blocks at tp 1 or 2")
+        if torch.get_num_threads() != 1 or next(lm.parameters()).device.type != "cpu":
+            raise ValueError("tp_logprobs(batch_invariant=True) runs on a CPU on one intra-op thread, as the engine's "
+                             "mode does (torch.set_num_threads(1)): more threads split element-wise ops and sums at "
+                             "points set by the number of rows")
     lengths = [len(s) - 1 for s in seqs]
     inputs, targets = torch.cat([s[:-1] for s in seqs]), torch.cat([s[1:] for s in seqs])
     positions = torch.cat([torch.arange(n) for n in lengths])

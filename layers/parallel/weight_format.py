@@ -263,8 +263,9 @@ def prepare(lm: nn.Module, quantization: str | None, layout: str, compile: bool 
 
 @contextmanager
 def tiled(lm: nn.Module, rows: int | None = TILE_ROWS):
-    """lm's products in tiles of `rows` rows while the block runs (None: as they were), as `prepare` tiles a served
-    model's for batch_invariant: a trainer's forward then multiplies as the engine does (train/step.py tp_logprobs)."""
+    """lm's products in tiles of `rows` rows while the block runs (None: untiled), each module's own setting back
+    after it; `prepare` tiles a served model's so for batch_invariant, and a trainer's forward in the block multiplies
+    as that engine does (train/step.py tp_logprobs)."""
     modules = [m for _, m in matmul_modules(lm)]
     before = [getattr(m, "tile_rows", None) for m in modules]
     for m in modules:
