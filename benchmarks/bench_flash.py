@@ -1,7 +1,7 @@
 """FlashAttention's memory traffic against the materializing algorithm's, and the flash backend's cost on this CPU
 (docs/flash.md).
 
-    python benchmarks/bench_flash.py [--parts traffic,speed] [--repeats 3]
+    python benchmarks/bench_flash.py [--parts traffic,speed,invariance,trainer] [--repeats 3]
 
   traffic   formulas only (layers/attention/flash.py): elements moved between HBM and on-chip memory per head for
             a causal prompt of N tokens, d_head = 128, the paper's blocks for an on-chip memory M of 96K elements (192
@@ -18,6 +18,12 @@
             places); float32 and bfloat16, without and with batch_invariant: distinct completions of the prompt,
             distinct sequences of their chosen logprobs (bit for bit), and tokens/s of the whole run, with the mode /
             without.
+  trainer   RL's check on the trained model: 100 requests (the prompt above and random prompts of 8..200 tokens)
+            sampled at temperature 1 (each its seed) for 32 tokens in two generate() calls at tp 1, then the trainer's
+            forward (train/step.py tp_logprobs on the checkpoint's weights, in this process, 4 sequences at a time)
+            over prompt + completion; float32 and bfloat16, the engine and the trainer both without and both with
+            batch_invariant: requests whose every chosen logprob equals the trainer's to the bit, and the largest
+            difference.
 
 Writes outputs/bench_flash.json and outputs/flash_traffic.png (copied to docs/).
 """
@@ -136,10 +142,66 @@ def part_invariance(args, out) -> None:
         print(f"{dtype}: tokens/s with the mode / without: {on['tokens_per_s'] / off['tokens_per_s']:.2f}")
 
 
+def part_trainer(args, out) -> None:
+    import os
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    from serve import LLM
+    from serve.build import dense_model
+    from serve.sampling_params import SamplingParams
+    from train.step import tp_logprobs, train_lm
+
+    torch.set_num_threads(1)  # the mode's one thread, here as on the engine's rank
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        for invariant in (False, True):
+            rng = random.Random(1)
+            with LLM(str(ROOT / args.model), dtype=dtype, batch_invariant=invariant, max_num_seqs=16,
+                     max_num_batched_tokens=256) as llm:
+                cfg, vocab = llm.model_config, llm.model_config.vocab_size
+                outs = []
+                for call in range(2):
+                    batch = [PROMPT] * 10 + [[rng.randrange(vocab) for _ in range(rng.randint(8, 200))]
+                                             for _ in range(40)]
+                    rng.shuffle(batch)
+                    params = [SamplingParams(temperature=1.0, seed=100 * call + i, max_tokens=32, ignore_eos=True,
+                                             logprobs=0) for i in range(len(batch))]
+                    outs += llm.generate(batch, params)
+            weights = dense_model(cfg, str(ROOT / args.model), getattr(torch, dtype), "cpu")
+            trainer = train_lm(weights, dist.group.WORLD)
+            equal, worst, tokens = 0, 0.0, 0
+            with torch.no_grad():
+                for i in range(0, len(outs), 4):
+                    part = outs[i:i + 4]
+                    seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in part]
+                    for o, lps in zip(part, tp_logprobs(trainer, seqs, batch_invariant=invariant)):
+                        c = o.outputs[0]
+                        engine = [lp[t] for lp, t in zip(c.logprobs, c.token_ids)]
+                        mine = lps[len(o.prompt_token_ids) - 1:].tolist()
+                        equal += engine == mine
+                        worst = max(worst, max(abs(a - b) for a, b in zip(engine, mine)))
+                        tokens += len(engine)
+            row = {"dtype": dtype, "batch_invariant": invariant, "requests": len(outs), "tokens": tokens,
+                   "equal_to_the_bit": equal, "max_abs_diff": worst}
+            out["trainer"].append(row)
+            rows.append([dtype, "on" if invariant else "off", len(outs), tokens, f"{equal} / {len(outs)}",
+                         f"{worst:.1e}"])
+            print(rows[-1], flush=True)
+    print_table(["dtype", "batch_invariant (engine and trainer)", "requests", "sampled tokens",
+                 "requests whose logprobs equal the trainer's (bits)", "largest |difference|"], rows)
+
+
 def main(argv=None) -> None:
     args = parse_args(__doc__, {"--parts": "traffic,speed,invariance", "--repeats": 3, "--model": "models/stdlib",
                                 "--calls": 40, "--copies": 25}, argv)
-    out = {"d_head": D, "memories": MEMORIES, "traffic": [], "invariance": []}
+    out = {"d_head": D, "memories": MEMORIES, "traffic": [], "invariance": [], "trainer": []}
     parts = args.parts.split(",")
     if "traffic" in parts:
         part_traffic(out)
@@ -147,6 +209,8 @@ def main(argv=None) -> None:
         part_speed(args, out)
     if "invariance" in parts:
         part_invariance(args, out)
+    if "trainer" in parts:
+        part_trainer(args, out)
     write_json(ROOT / "outputs" / "bench_flash.json", out)
 
 
