@@ -174,6 +174,10 @@ def init_from_env(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, i
     if init_method is None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
+    # Before the group exists: torch.distributed.nn's functions take group=group.WORLD as a default, evaluated when
+    # it is imported; imported later (torch.compile and torch.optim import it) they would hold the world group
+    # forever, its threads would outlive shutdown() and it would wait its 5 s for them at every exit.
+    import torch.distributed.nn  # noqa: F401
     # Under NCCL every group also gets a gloo backend for CPU tensors (the engine's per-iteration plan agreement,
     # object exchanges): control messages go host to host and never wait for a GPU stream.
     dist.init_process_group(backend="cpu:gloo,cuda:nccl" if backend == "nccl" else backend, init_method=init_method,

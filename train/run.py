@@ -224,7 +224,10 @@ def rank_main(s: TrainSettings) -> int:
         return 2
     finally:
         del ctx
-        shutdown()
+        left = shutdown()
+        if left:
+            print(f"[rank {os.environ['RANK']}] warning: the process group's threads outlived shutdown "
+                  f"({', '.join(left)}): something still refers to the group", file=sys.stderr, flush=True)
 
 
 def prepare_output(s: TrainSettings) -> dict:
