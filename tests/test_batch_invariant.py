@@ -229,7 +229,8 @@ def trainer_refusals(ctx):
     dense = init_weights(dense_lm(GPT2, torch.float32), seed=0, std=0.05)
     lm = train_lm(dense, ctx.group)
     said = []
-    for model, seqs, on, threads in ((lm, [], False, 1), (lm, [[5]], False, 1), (lm, [[1.0, 2.0]], False, 1),
+    for model, seqs, on, threads in ((lm, [], False, 1), (lm, [5, 6, 7], False, 1), (lm, ["ab"], False, 1),
+                                     (lm, [[5]], False, 1), (lm, [[1.0, 2.0]], False, 1),
                                      (lm, [list(range(130))], False, 1), (lm, [[3, 1000]], False, 1),
                                      (lm, [[1, 2, 3]], True, 2), (train_lm(dense, ctx.group, True), [[1, 2]], True, 1)):
         try:
@@ -242,6 +243,7 @@ def trainer_refusals(ctx):
 
 def test_the_trainers_forward_refuses_in_one_line():
     for said in run_ranks(2, trainer_refusals):
-        assert len(said) == 7 and "no sequences" in said[0] and "2 tokens or more" in said[1]
-        assert "integers" in said[2] and "max_seq_len = 128" in said[3] and "[0, 1000)" in said[4]
-        assert "one intra-op thread" in said[5] and "with sequence parallelism is not built" in said[6]
+        assert len(said) == 9 and "no sequences" in said[0] and "one sequence: [ids]" in said[1]
+        assert "lists or 1-D tensors of integers" in said[2] and "2 tokens or more" in said[3]
+        assert "integers" in said[4] and "max_seq_len = 128" in said[5] and "[0, 1000)" in said[6]
+        assert "one intra-op thread" in said[7] and "with sequence parallelism is not built" in said[8]

@@ -113,9 +113,10 @@ def tp_logits(lm, inputs: torch.Tensor, positions: torch.Tensor, requests: Reque
 
 
 def tp_logprobs(lm, sequences, batch_invariant: bool = False) -> list[torch.Tensor]:
-    """Each token's log-probability given the tokens before it, through this rank's TP model: sequences (lists or
-    1-D tensors of ids, any lengths >= 2) -> per sequence [len - 1] float64, entry t = log p(seq[t + 1] | seq[:t + 1]),
-    the same on every rank and differentiable (what an RL step reads for the tokens an engine sampled).
+    """Each token's log-probability given the tokens before it, through this rank's TP model: sequences (a list of
+    lists or 1-D tensors of ids, any lengths >= 2; or a 2-D tensor, a sequence per row) -> per sequence [len - 1]
+    float64, entry t = log p(seq[t + 1] | seq[:t + 1]), the same on every rank and differentiable (what an RL step
+    reads for the tokens an engine sampled: for prompt + completion, entries len(prompt) - 1 onwards).
 
     batch_invariant: the serving engine's mode (EngineConfig.batch_invariant): every product in tiles of TILE_ROWS
     rows (weight_format.tiled) and FlashAttention-2's tiles padded; these are the logprobs of an engine in that mode
@@ -129,7 +130,13 @@ def tp_logprobs(lm, sequences, batch_invariant: bool = False) -> list[torch.Tens
     from layers.parallel.weight_format import TILE_ROWS, tiled
     from train.loss import token_logprobs
 
-    seqs = [torch.as_tensor(s).reshape(-1) for s in sequences]
+    if isinstance(sequences, torch.Tensor) and sequences.dim() == 1 or \
+            isinstance(sequences, (list, tuple)) and sequences and all(isinstance(t, int) for t in sequences):
+        raise ValueError("tp_logprobs: a list of sequences, each a list of token ids (one sequence: [ids])")
+    try:
+        seqs = [torch.as_tensor(s).reshape(-1) for s in sequences]
+    except (TypeError, RuntimeError, ValueError) as exc:
+        raise ValueError(f"tp_logprobs: sequences of token ids (lists or 1-D tensors of integers): {exc}") from None
     if not seqs:
         raise ValueError("tp_logprobs: no sequences")
     if any(s.is_floating_point() or s.is_complex() or s.dtype == torch.bool for s in seqs):
