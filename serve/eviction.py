@@ -19,9 +19,9 @@ Host only, no torch: the scheduler asks `evictable` after each iteration and the
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
+from serve.nested_config import nested_config
 from tp.partition import ceil_div
 
 POLICIES = ("streaming", "h2o")
@@ -64,18 +64,8 @@ class KVEvictionConfig:
     @classmethod
     def of(cls, value) -> "KVEvictionConfig | None":
         """None, a KVEvictionConfig, or its dict ({"policy": "streaming", "sink_tokens": 4, "window_tokens": 256})."""
-        if value is None or isinstance(value, cls):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_eviction must be a dict like {{'policy': 'streaming', 'sink_tokens': 4, "
-                             f"'window_tokens': 256}}, not {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_eviction: unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}")
-        if "policy" not in value:
-            raise ValueError(f"kv_eviction needs a policy: {' or '.join(POLICIES)}")
-        return cls(**value)
+        return nested_config(cls, value, "kv_eviction",
+                             "{'policy': 'streaming', 'sink_tokens': 4, 'window_tokens': 256}", "policy", POLICIES)
 
     def check(self, block_size: int) -> None:
         """The rules against the block size: whole blocks are what is freed."""

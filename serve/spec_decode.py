@@ -14,11 +14,11 @@ decoding without speculation (docs/spec_decode.md, "Why the tokens do not change
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
 
+from serve.nested_config import nested_config
 from serve.sampling_params import FieldError
 
 METHODS = ("ngram", "draft_model")
@@ -90,16 +90,7 @@ class SpeculativeConfig:
     @classmethod
     def of(cls, value) -> "SpeculativeConfig | None":
         """None, a SpeculativeConfig, or vLLM's dict ({"method": ..., "num_speculative_tokens": ..., ...})."""
-        if value is None or isinstance(value, cls):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict like {{'method': 'ngram', "
-                             f"'num_speculative_tokens': 3}}, not {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}")
-        return cls(**value)
+        return nested_config(cls, value, "speculative_config", "{'method': 'ngram', 'num_speculative_tokens': 3}")
 
 
 def check_request(config: "SpeculativeConfig | None", logprobs: int | None, prompt_logprobs: int | None = None

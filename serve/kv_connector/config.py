@@ -8,9 +8,10 @@ no torch: checked where the EngineConfig is made, before any process starts or a
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
+
+from serve.nested_config import nested_config
 
 # serve/kv_connector/factory.py builds OffloadingConnector from these settings; PDConnector (P/D's hand-over,
 # serve/pd/handover.py: its prefill side kv_producer, its decode side kv_consumer) is built by serve/pd/run.py
@@ -85,19 +86,9 @@ class KVTransferConfig:
     def of(cls, value) -> "KVTransferConfig | None":
         """None, a KVTransferConfig, or its dict (vLLM's JSON: {"kv_connector": ..., "kv_role": ...,
         "kv_connector_extra_config": {...}})."""
-        if value is None or isinstance(value, cls):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a dict like {{'kv_connector': 'OffloadingConnector', "
-                             f"'kv_role': 'kv_both', 'kv_connector_extra_config': {{'cpu_bytes': 1073741824}}}}, not "
-                             f"{type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}")
-        if "kv_connector" not in value:
-            raise ValueError(f"kv_transfer_config needs a kv_connector: {' or '.join(CONNECTORS)}")
-        return cls(**value)
+        return nested_config(cls, value, "kv_transfer_config", "{'kv_connector': 'OffloadingConnector', 'kv_role': "
+                             "'kv_both', 'kv_connector_extra_config': {'cpu_bytes': 1073741824}}", "kv_connector",
+                             CONNECTORS)
 
     def check_disk(self) -> None:
         """The disk tier's directory can be made and written (a ValueError naming it, else nothing): checked by the
