@@ -39,7 +39,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import ROOT, parse_args, print_table, refuse, write_json
+from benchmarks.common import ROOT, parse_args, print_table, refuse, save_figure, write_json
 
 CONTEXT = 256
 CHUNK = 16  # prompt rows per request and step: h2o decides once a step, so its queries read at most budget + 15 keys
@@ -187,9 +187,7 @@ def plot_sinks(mass, uniform):
     ax.set_ylabel(f"attention on positions 0..{SINKS - 1}")
     ax.set_title("models/stdlib: attention to the first 4 tokens (queries at >= 64)")
     ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    for path in (ROOT / "outputs" / "eviction_sinks.png", ROOT / "docs" / "eviction_sinks.png"):
-        fig.savefig(path, dpi=110)
+    save_figure(fig, "eviction_sinks.png")
 
 
 def part_pareto(args, seqs, out):
@@ -252,9 +250,7 @@ def plot_pareto(points, front):
     ax.set_ylabel("held-out perplexity")
     ax.set_title("models/stdlib: eviction x quantization")
     ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    for path in (ROOT / "outputs" / "eviction_pareto.png", ROOT / "docs" / "eviction_pareto.png"):
-        fig.savefig(path, dpi=110)
+    save_figure(fig, "eviction_pareto.png")
 
 
 def part_memory(args, out):

@@ -44,7 +44,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import ROOT, parse_args, print_table, write_json
+from benchmarks.common import ROOT, parse_args, print_table, save_figure, write_json
 
 TRACE = ROOT / "benchmarks" / "data" / "mooncake_conversation_trace.jsonl.gz"
 BLOCK_TOKENS = 512  # the trace's block
@@ -302,11 +302,7 @@ def plot_capacity(out) -> None:
     ax.set_ylabel("prefix hit ratio (% of blocks)")
     ax.set_title("Mooncake conversation trace, replayed without a model")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path("outputs") / "kv_tiers_capacity.png"
-    path.parent.mkdir(exist_ok=True)
-    fig.savefig(path, dpi=110)
-    (ROOT / "docs" / "kv_tiers_capacity.png").write_bytes(path.read_bytes())
+    save_figure(fig, "kv_tiers_capacity.png")
 
 
 def tables(data: dict) -> dict[str, list[str]]:

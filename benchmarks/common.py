@@ -49,6 +49,16 @@ def write_json(path, data) -> Path:
     return path
 
 
+def save_figure(fig, name: str) -> Path:
+    """fig laid out and written to outputs/<name>, and the same bytes to docs/<name> (the page shows the last run's)."""
+    path = ROOT / "outputs" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    (ROOT / "docs" / name).write_bytes(path.read_bytes())
+    return path
+
+
 def load_json(name: str, out: Path = OUT):
     """outputs/<name>'s data, or None where the benchmark left none."""
     path = out / name
