@@ -124,11 +124,26 @@ def tp_logprobs(lm, sequences, batch_invariant: bool = False) -> list[torch.Tens
     parallel sum's bits depend on it) with its vocab-parallel head (the default), in weight_layout auto or out_in
     (tests/test_batch_invariant.py). Otherwise SDPA and whole products: equal to the dense model's up to rounding.
 
-    Every rank of the group calls it with the same sequences, as the train step's micro-batches; the checks below
-    read only them and this rank's settings, so they raise before any collective."""
-    from layers.models.tp_block import SPStack
+    Every rank of the group calls it with the same sequences, as the train step's micro-batches (checked_sequences
+    refuses bad ones before any collective)."""
     from layers.parallel.weight_format import TILE_ROWS, tiled
     from train.loss import token_logprobs
+
+    seqs, device = checked_sequences(lm, sequences, batch_invariant), next(lm.parameters()).device
+    lengths = [len(s) - 1 for s in seqs]
+    inputs, targets = torch.cat([s[:-1] for s in seqs]), torch.cat([s[1:] for s in seqs])
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    requests = Requests.from_lengths(lengths, invariant=batch_invariant)
+    with tiled(lm, TILE_ROWS if batch_invariant else None):
+        z = tp_logits(lm, inputs.to(device), positions.to(device), requests)
+    head = lm.output_embedding
+    return list(token_logprobs(z, targets.to(device), head.start, head.group).split(lengths))  # ★ 3 all-reduces [n]
+
+
+def checked_sequences(lm, sequences, batch_invariant: bool) -> list[torch.Tensor]:
+    """tp_logprobs' input as 1-D int64 tensors, or a ValueError in one line: read from the sequences and this rank's
+    settings alone, so every rank given the same sequences raises before any collective."""
+    from layers.models.tp_block import SPStack
 
     if isinstance(sequences, torch.Tensor) and sequences.dim() == 1 or \
             isinstance(sequences, (list, tuple)) and sequences and all(isinstance(t, int) for t in sequences):
@@ -160,15 +175,7 @@ def tp_logprobs(lm, sequences, batch_invariant: bool = False) -> list[torch.Tens
             raise ValueError("tp_logprobs(batch_invariant=True) runs on a CPU on one intra-op thread, as the engine's "
                              "mode does (torch.set_num_threads(1)): more threads split element-wise ops and sums at "
                              "points set by the number of rows")
-    lengths = [len(s) - 1 for s in seqs]
-    inputs, targets = torch.cat([s[:-1] for s in seqs]), torch.cat([s[1:] for s in seqs])
-    positions = torch.cat([torch.arange(n) for n in lengths])
-    device = next(lm.parameters()).device
-    requests = Requests.from_lengths(lengths, invariant=batch_invariant)
-    with tiled(lm, TILE_ROWS if batch_invariant else None):
-        z = tp_logits(lm, inputs.to(device), positions.to(device), requests)
-    head = lm.output_embedding
-    return list(token_logprobs(z, targets.to(device), head.start, head.group).split(lengths))  # ★ 3 all-reduces [n]
+    return seqs
 
 
 def train_lm(weights, group: dist.ProcessGroup, sequence_parallel: bool = False):
